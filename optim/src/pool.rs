@@ -1,0 +1,652 @@
+//! [`ExpertOptimizer`]: a fixed pool of threads that runs each expert's AdamW
+//! update as soon as its gradient is submitted.
+//!
+//! `submit(key, target)` hands over the expert's buffers and returns at once
+//! (it blocks only while the bounded task queue is full). `wait(key)` blocks on
+//! that expert alone and hands the buffers back. An expert larger than
+//! `split_params_min` is cut into chunks that every thread can take; smaller
+//! ones run whole on one thread.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
+
+use crate::adamw::{AdamWHyper, CopyOut, GradRef, Kernel, RawStep, StepScalars};
+use crate::slot::{Phase, Slot};
+use crate::{ExpertKey, OptimError};
+
+/// The buffers of one expert's update, lent to the pool for its duration.
+pub struct UpdateViews<'a> {
+    /// f32 master params, updated in place.
+    pub params: &'a mut [f32],
+    /// First moment, updated in place.
+    pub m: &'a mut [f32],
+    /// Second moment, updated in place.
+    pub v: &'a mut [f32],
+    pub grad: GradRef<'a>,
+    /// Where the new compute copy goes, if anywhere.
+    pub copy: CopyOut<'a>,
+    /// This expert's own step counter: incremented by the update, and used
+    /// for bias correction. Left alone when the step is skipped.
+    pub step: &'a mut u64,
+}
+
+/// Something that owns (or pins) an expert's buffers: a host-tier slot
+/// guard, or plain vectors. It is moved into the pool on `submit` and
+/// returned by `wait`; the pool never moves it in between.
+pub trait UpdateTarget: Send + 'static {
+    fn views(&mut self) -> UpdateViews<'_>;
+}
+
+/// When updates may run.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum GradientPolicy {
+    /// Each expert is stepped as soon as it is submitted (the default).
+    #[default]
+    PerExpert,
+    /// Options that need every gradient before any update. Updates are
+    /// **delayed** until `finish_gradients()`, which computes the global L2
+    /// norm over every submitted gradient (in f64, in key order, so the
+    /// result does not depend on thread timing) and then releases them all:
+    /// - `clip_max_norm`: scale every gradient by
+    ///   `min(1, max_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`;
+    /// - `skip_nonfinite`: if any gradient holds an inf or NaN, skip the whole
+    ///   step (no param, moment or step-counter changes), as a loss scaler does.
+    GlobalNorm {
+        clip_max_norm: Option<f32>,
+        skip_nonfinite: bool,
+    },
+}
+
+/// Pool configuration; every bound is fixed at construction.
+#[derive(Clone, Debug)]
+pub struct OptimizerConfig {
+    /// Optimizer threads (≥ 1).
+    pub threads: usize,
+    /// Capacity of the task queue; `submit` blocks while it is full.
+    pub queue_len_max: usize,
+    /// Experts submitted and not yet waited for, at most.
+    pub in_flight_max: usize,
+    /// Experts with at least twice this many params are split into chunks
+    /// of at least this many, up to `4 × threads` chunks.
+    pub split_params_min: usize,
+    pub kernel: Kernel,
+    pub hyper: AdamWHyper,
+    pub policy: GradientPolicy,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            threads,
+            queue_len_max: 1024,
+            in_flight_max: 4096,
+            split_params_min: 1 << 18,
+            kernel: Kernel::detect(),
+            hyper: AdamWHyper::default(),
+            policy: GradientPolicy::PerExpert,
+        }
+    }
+}
+
+/// What one update cost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UpdateReport {
+    pub key: ExpertKey,
+    /// The expert's step counter after this update (unchanged if skipped).
+    pub step: u64,
+    /// From `submit` (or, under a global-norm policy, from the release) to
+    /// the first chunk starting.
+    pub queue_ns: u64,
+    /// From the first chunk starting to the last one ending.
+    pub run_ns: u64,
+    pub chunks: usize,
+    /// True when a global-norm policy skipped the step.
+    pub skipped: bool,
+}
+
+/// The outcome of `finish_gradients`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GradientSummary {
+    pub experts: usize,
+    pub global_norm: f64,
+    /// The factor every gradient was multiplied by (1 when not clipped).
+    pub grad_scale: f32,
+    pub skipped: bool,
+}
+
+enum Task {
+    Norm { slot: usize },
+    Start { slot: usize },
+    Chunk { slot: usize, start: usize, len: usize },
+    Stop,
+}
+
+struct Index {
+    by_key: HashMap<ExpertKey, usize>,
+    free: Vec<usize>,
+}
+
+struct Shared<T> {
+    slots: Box<[Slot<T>]>,
+    index: Mutex<Index>,
+    /// Global-norm policy: the slots submitted since the last release.
+    deferred: Mutex<Vec<(ExpertKey, usize)>>,
+    hyper: Mutex<AdamWHyper>,
+    config: OptimizerConfig,
+    tasks: Sender<Task>,
+    worker_died: AtomicBool,
+}
+
+/// A fixed pool of AdamW threads fed by a bounded queue. See the module docs.
+pub struct ExpertOptimizer<T: UpdateTarget> {
+    shared: Arc<Shared<T>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl<T: UpdateTarget> ExpertOptimizer<T> {
+    pub fn new(config: OptimizerConfig) -> Result<Self, OptimError> {
+        let invalid = |s: &str| Err(OptimError::InvalidConfig(s.to_string()));
+        if config.threads == 0 {
+            return invalid("threads must be at least 1");
+        }
+        if config.queue_len_max == 0 {
+            return invalid("queue_len_max must be at least 1");
+        }
+        if config.in_flight_max == 0 {
+            return invalid("in_flight_max must be at least 1");
+        }
+        if config.split_params_min == 0 {
+            return invalid("split_params_min must be at least 1");
+        }
+        if !config.kernel.is_supported() {
+            return Err(OptimError::KernelUnsupported {
+                kernel: config.kernel.name(),
+            });
+        }
+        if let GradientPolicy::GlobalNorm {
+            clip_max_norm: Some(max),
+            ..
+        } = config.policy
+        {
+            if !(max.is_finite() && max > 0.0) {
+                return invalid("clip_max_norm must be finite and positive");
+            }
+        }
+        config.hyper.validate()?;
+        let (sender, receiver) = bounded(config.queue_len_max);
+        let slots = (0..config.in_flight_max).map(|_| Slot::new()).collect();
+        let shared = Arc::new(Shared {
+            slots,
+            index: Mutex::new(Index {
+                by_key: HashMap::with_capacity(config.in_flight_max),
+                free: (0..config.in_flight_max).rev().collect(),
+            }),
+            deferred: Mutex::new(Vec::with_capacity(config.in_flight_max)),
+            hyper: Mutex::new(config.hyper),
+            config: config.clone(),
+            tasks: sender,
+            worker_died: AtomicBool::new(false),
+        });
+        let mut workers = Vec::with_capacity(config.threads);
+        for n in 0..config.threads {
+            let shared = Arc::clone(&shared);
+            let receiver: Receiver<Task> = receiver.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("strata-adamw-{n}"))
+                .spawn(move || worker_loop(&shared, &receiver))
+                .map_err(|e| OptimError::InvalidConfig(format!("spawning a worker: {e}")))?;
+            workers.push(handle);
+        }
+        Ok(Self { shared, workers })
+    }
+
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.shared.config
+    }
+
+    /// Hyper-parameters for updates submitted from now on (e.g. a new lr).
+    pub fn set_hyper(&self, hyper: AdamWHyper) -> Result<(), OptimError> {
+        hyper.validate()?;
+        *lock(&self.shared.hyper) = hyper;
+        Ok(())
+    }
+
+    /// Hands over one expert's buffers for its update and returns at once;
+    /// blocks only while the bounded task queue is full.
+    pub fn submit(&self, key: ExpertKey, target: T) -> Result<(), OptimError> {
+        let shared = &*self.shared;
+        let slot_index = {
+            let mut index = lock(&shared.index);
+            if index.by_key.contains_key(&key) {
+                return Err(OptimError::AlreadySubmitted { key });
+            }
+            let Some(slot_index) = index.free.pop() else {
+                return Err(OptimError::InFlightFull {
+                    in_flight_max: shared.config.in_flight_max,
+                });
+            };
+            index.by_key.insert(key, slot_index);
+            slot_index
+        };
+        let deferred = matches!(shared.config.policy, GradientPolicy::GlobalNorm { .. });
+        let slot = &shared.slots[slot_index];
+        {
+            let mut state = slot.lock();
+            let phase = if deferred {
+                Phase::NormQueued
+            } else {
+                Phase::Queued
+            };
+            state.claim(key, phase, *lock(&shared.hyper));
+            // SAFETY: (1) of target_mut: this thread claimed the Free slot
+            // under its lock, and no task naming it has been sent yet.
+            unsafe { *slot.target_mut() = Some(target) };
+        }
+        let task = if deferred {
+            lock(&shared.deferred).push((key, slot_index));
+            Task::Norm { slot: slot_index }
+        } else {
+            Task::Start { slot: slot_index }
+        };
+        shared.tasks.send(task).map_err(|_| OptimError::ShutDown)
+    }
+
+    /// Blocks until `key`'s update is done and returns its buffers. An error
+    /// or panic in the update is returned here (the buffers are dropped).
+    pub fn wait(&self, key: ExpertKey) -> Result<(T, UpdateReport), OptimError> {
+        let shared = &*self.shared;
+        let slot_index = *lock(&shared.index)
+            .by_key
+            .get(&key)
+            .ok_or(OptimError::NotSubmitted { key })?;
+        let slot = &shared.slots[slot_index];
+        let mut state = slot.lock();
+        assert_eq!(state.key, key);
+        loop {
+            match state.phase {
+                Phase::Done => break,
+                Phase::NormQueued | Phase::NormRunning | Phase::NormReady if !state.released => {
+                    return Err(OptimError::AwaitingGradientNorm { key });
+                }
+                Phase::Free => unreachable!("an indexed slot is never free"),
+                _ => {}
+            }
+            if shared.worker_died.load(Ordering::Acquire) {
+                return Err(OptimError::WorkerPanicked {
+                    message: format!("while expert {key} was in flight"),
+                });
+            }
+            // A bounded wait, so a worker that died outside catch_unwind is
+            // noticed (above) instead of hanging this thread.
+            state = slot
+                .done
+                .wait_timeout(state, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let report = UpdateReport {
+            key,
+            step: state.step,
+            queue_ns: nanos_between(state.submitted_at, state.started_at),
+            run_ns: state
+                .started_at
+                .map_or(0, |s| nanos_between(s, state.finished_at)),
+            chunks: state.chunk_count,
+            skipped: state.skipped,
+        };
+        let error = state.error.take();
+        // SAFETY: (3) of target_mut: the phase is Done and this thread holds
+        // the lock; it sets Free below before anyone else can claim it.
+        let target = unsafe { slot.target_mut().take() };
+        state.phase = Phase::Free;
+        drop(state);
+        {
+            let mut index = lock(&shared.index);
+            index.by_key.remove(&key);
+            index.free.push(slot_index);
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok((target.expect("a done slot holds its target"), report)),
+        }
+    }
+
+    /// Global-norm policy only: waits for the norm of every gradient
+    /// submitted since the last call, then clips or skips and releases all of
+    /// those updates. Errors under the per-expert policy.
+    pub fn finish_gradients(&self) -> Result<GradientSummary, OptimError> {
+        let shared = &*self.shared;
+        let GradientPolicy::GlobalNorm {
+            clip_max_norm,
+            skip_nonfinite,
+        } = shared.config.policy
+        else {
+            return Err(OptimError::InvalidConfig(
+                "finish_gradients() needs GradientPolicy::GlobalNorm".to_string(),
+            ));
+        };
+        let mut pending = std::mem::take(&mut *lock(&shared.deferred));
+        // Key order fixes the summation order, whatever the submit order.
+        pending.sort_unstable();
+        for &(_, slot_index) in &pending {
+            shared.slots[slot_index].lock().released = true;
+        }
+        let mut norm_sq = 0.0f64;
+        let mut failure: Option<OptimError> = None;
+        for &(_, slot_index) in &pending {
+            let slot = &shared.slots[slot_index];
+            let mut state = slot.lock();
+            while matches!(state.phase, Phase::NormQueued | Phase::NormRunning) {
+                if shared.worker_died.load(Ordering::Acquire) {
+                    return Err(OptimError::WorkerPanicked {
+                        message: "while gradient norms were computed".to_string(),
+                    });
+                }
+                state = slot
+                    .done
+                    .wait_timeout(state, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            if state.phase == Phase::Done {
+                let cause = state.error.clone().expect("a norm only ends early on error");
+                failure.get_or_insert(cause);
+            } else {
+                norm_sq += state.norm_sq;
+            }
+        }
+        let global_norm = norm_sq.sqrt();
+        let skip = failure.is_some() || (skip_nonfinite && !global_norm.is_finite());
+        let grad_scale = match clip_max_norm {
+            Some(max) => {
+                let coef = max as f64 / (global_norm + 1e-6);
+                if coef < 1.0 {
+                    coef as f32
+                } else {
+                    1.0
+                }
+            }
+            None => 1.0,
+        };
+        for &(key, slot_index) in &pending {
+            let slot = &shared.slots[slot_index];
+            let mut state = slot.lock();
+            if state.phase != Phase::NormReady {
+                continue; // failed during its norm; its error is in place
+            }
+            if skip {
+                if let Some(cause) = &failure {
+                    state.error = Some(OptimError::Expert {
+                        key,
+                        source: Box::new(cause.clone()),
+                    });
+                }
+                state.skipped = true;
+                state.finish();
+                slot.done.notify_all();
+                continue;
+            }
+            state.grad_scale = grad_scale;
+            state.phase = Phase::Queued;
+            state.submitted_at = Instant::now();
+            drop(state);
+            shared
+                .tasks
+                .send(Task::Start { slot: slot_index })
+                .map_err(|_| OptimError::ShutDown)?;
+        }
+        if let Some(cause) = failure {
+            return Err(cause);
+        }
+        Ok(GradientSummary {
+            experts: pending.len(),
+            global_norm,
+            grad_scale,
+            skipped: skip,
+        })
+    }
+
+    /// Stops the threads after the queued work and reports a worker panic.
+    pub fn shutdown(mut self) -> Result<(), OptimError> {
+        self.stop_workers()
+    }
+
+    fn stop_workers(&mut self) -> Result<(), OptimError> {
+        for _ in 0..self.workers.len() {
+            // The receivers live as long as the workers; a send can only
+            // fail once every worker is gone, and then there is no one to stop.
+            let _ = self.shared.tasks.send(Task::Stop);
+        }
+        let mut result = Ok(());
+        for worker in self.workers.drain(..) {
+            if let Err(panic) = worker.join() {
+                result = Err(OptimError::WorkerPanicked {
+                    message: panic_message(&panic),
+                });
+            }
+        }
+        result
+    }
+}
+
+impl<T: UpdateTarget> Drop for ExpertOptimizer<T> {
+    fn drop(&mut self) {
+        let _ = self.stop_workers();
+    }
+}
+
+/// Marks the pool broken if a worker unwinds past its own catch_unwind.
+struct DeathNotice<'a>(&'a AtomicBool);
+
+impl Drop for DeathNotice<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+}
+
+fn worker_loop<T: UpdateTarget>(shared: &Shared<T>, tasks: &Receiver<Task>) {
+    let _notice = DeathNotice(&shared.worker_died);
+    while let Ok(task) = tasks.recv() {
+        match task {
+            Task::Stop => break,
+            Task::Norm { slot } => run_norm(shared, slot),
+            Task::Start { slot } => run_start(shared, slot),
+            Task::Chunk { slot, start, len } => run_chunk(shared, slot, start, len),
+        }
+    }
+}
+
+fn run_norm<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize) {
+    let slot = &shared.slots[slot_index];
+    let key = {
+        let mut state = slot.lock();
+        assert_eq!(state.phase, Phase::NormQueued);
+        state.phase = Phase::NormRunning;
+        state.key
+    };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: (2) of target_mut: this thread moved the phase to
+        // NormRunning and is the only one touching the target until it
+        // publishes NormReady or Done below.
+        let target = unsafe { slot.target_mut() }.as_mut().expect("claimed slot");
+        let views = target.views();
+        if views.grad.len() != views.params.len() {
+            return Err(OptimError::LengthMismatch {
+                what: "grad",
+                expected: views.params.len(),
+                got: views.grad.len(),
+            });
+        }
+        Ok(grad_norm_sq(views.grad))
+    }));
+    let mut state = slot.lock();
+    match outcome {
+        Ok(Ok(norm_sq)) => {
+            state.norm_sq = norm_sq;
+            state.phase = Phase::NormReady;
+        }
+        Ok(Err(e)) => {
+            state.error = Some(OptimError::Expert {
+                key,
+                source: Box::new(e),
+            });
+            state.finish();
+        }
+        Err(panic) => {
+            state.error = Some(OptimError::UpdatePanicked {
+                key,
+                message: panic_message(&panic),
+            });
+            state.finish();
+        }
+    }
+    slot.done.notify_all();
+}
+
+fn run_start<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize) {
+    let slot = &shared.slots[slot_index];
+    let (key, hyper, grad_scale) = {
+        let mut state = slot.lock();
+        assert_eq!(state.phase, Phase::Queued);
+        state.phase = Phase::Running;
+        state.started_at = Some(Instant::now());
+        (state.key, state.hyper, state.grad_scale)
+    };
+    let prepared = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: (2) of target_mut: this thread moved the phase to Running;
+        // it alone touches the target until Done, and chunk workers use the
+        // RawStep pointers taken here.
+        let target = unsafe { slot.target_mut() }.as_mut().expect("claimed slot");
+        let mut views = target.views();
+        let raw = RawStep::from_slices(
+            views.params,
+            views.m,
+            views.v,
+            views.grad,
+            &mut views.copy,
+        )?;
+        *views.step += 1;
+        Ok::<_, OptimError>((raw, *views.step))
+    }));
+    let (raw, step) = match prepared {
+        Ok(Ok(prepared)) => prepared,
+        Ok(Err(e)) => {
+            let error = OptimError::Expert {
+                key,
+                source: Box::new(e),
+            };
+            return fail(slot, error);
+        }
+        Err(panic) => {
+            let message = panic_message(&panic);
+            return fail(slot, OptimError::UpdatePanicked { key, message });
+        }
+    };
+    let scalars = StepScalars::new(&hyper, step, grad_scale);
+    let config = &shared.config;
+    let chunk_count = if raw.len >= 2 * config.split_params_min {
+        (raw.len / config.split_params_min).clamp(1, 4 * config.threads)
+    } else {
+        1
+    };
+    let chunk_len = raw.len.div_ceil(chunk_count);
+    {
+        let mut state = slot.lock();
+        state.raw = Some(raw);
+        state.scalars = Some(scalars);
+        state.step = step;
+        state.chunk_count = chunk_count;
+        state.chunks_left = chunk_count;
+    }
+    for c in 1..chunk_count {
+        let start = c * chunk_len;
+        let len = chunk_len.min(raw.len - start);
+        let task = Task::Chunk {
+            slot: slot_index,
+            start,
+            len,
+        };
+        // Never block on our own queue: a full queue means run it here.
+        match shared.tasks.try_send(task) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                run_chunk(shared, slot_index, start, len)
+            }
+        }
+    }
+    run_chunk(shared, slot_index, 0, chunk_len.min(raw.len));
+}
+
+fn run_chunk<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize, start: usize, len: usize) {
+    let slot = &shared.slots[slot_index];
+    let (key, raw, scalars) = {
+        let state = slot.lock();
+        assert_eq!(state.phase, Phase::Running);
+        let raw = state.raw.expect("a running slot has its buffers");
+        (state.key, raw.range(start, len), state.scalars.expect("set"))
+    };
+    let kernel = shared.config.kernel;
+    // SAFETY: the RawStep invariant holds: `raw` came from exclusive borrows
+    // of the target (run_start), the chunks are disjoint ranges of it, and
+    // the target is not touched until the last chunk publishes Done;
+    // the kernel was checked as supported in ExpertOptimizer::new.
+    let outcome = catch_unwind(AssertUnwindSafe(|| unsafe { kernel.run(&scalars, &raw) }));
+    let mut state = slot.lock();
+    if let Err(panic) = outcome {
+        let message = panic_message(&panic);
+        state
+            .error
+            .get_or_insert(OptimError::UpdatePanicked { key, message });
+    }
+    state.chunks_left -= 1;
+    if state.chunks_left == 0 {
+        state.finish();
+        slot.done.notify_all();
+    }
+}
+
+fn fail<T>(slot: &Slot<T>, error: OptimError) {
+    let mut state = slot.lock();
+    state.error = Some(error);
+    state.finish();
+    slot.done.notify_all();
+}
+
+/// Σ g² in f64, sequentially: the same value for the same gradient, always.
+fn grad_norm_sq(grad: GradRef<'_>) -> f64 {
+    fn sum(values: impl Iterator<Item = f32>) -> f64 {
+        values.map(|g| (g as f64) * (g as f64)).sum()
+    }
+    match grad {
+        GradRef::F32(g) => sum(g.iter().copied()),
+        GradRef::Bf16(g) => sum(g.iter().map(|x| x.to_f32())),
+        GradRef::F16(g) => sum(g.iter().map(|x| x.to_f32())),
+    }
+}
+
+fn nanos_between(from: Instant, to: Option<Instant>) -> u64 {
+    to.map_or(0, |t| t.saturating_duration_since(from).as_nanos() as u64)
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_string()
+    }
+}
+
+fn lock<V>(m: &Mutex<V>) -> std::sync::MutexGuard<'_, V> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,1 @@
+//! `strata-tiers`: the three-tier expert store (placeholder until its issue lands).
