@@ -2,3 +2,4 @@
 //! Mixture-of-Experts models larger than GPU memory.
 
 pub mod bench;
+pub mod cli;

@@ -26,8 +26,8 @@ mod slot;
 pub use adamw::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 pub use error::OptimError;
 pub use pool::{
-    ExpertOptimizer, GradientPolicy, GradientSummary, OptimizerConfig, UpdateReport,
-    UpdateTarget, UpdateViews,
+    ExpertOptimizer, GradientPolicy, GradientSummary, OptimizerConfig, UpdateReport, UpdateTarget,
+    UpdateViews,
 };
 
 /// An opaque expert identity. The engine packs (layer, index) into it.

@@ -122,9 +122,17 @@ pub struct GradientSummary {
 }
 
 enum Task {
-    Norm { slot: usize },
-    Start { slot: usize },
-    Chunk { slot: usize, start: usize, len: usize },
+    Norm {
+        slot: usize,
+    },
+    Start {
+        slot: usize,
+    },
+    Chunk {
+        slot: usize,
+        start: usize,
+        len: usize,
+    },
     Stop,
 }
 
@@ -356,7 +364,10 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
                     .0;
             }
             if state.phase == Phase::Done {
-                let cause = state.error.clone().expect("a norm only ends early on error");
+                let cause = state
+                    .error
+                    .clone()
+                    .expect("a norm only ends early on error");
                 failure.get_or_insert(cause);
             } else {
                 norm_sq += state.norm_sq;
@@ -527,13 +538,8 @@ fn run_start<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize) {
         // RawStep pointers taken here.
         let target = unsafe { slot.target_mut() }.as_mut().expect("claimed slot");
         let mut views = target.views();
-        let raw = RawStep::from_slices(
-            views.params,
-            views.m,
-            views.v,
-            views.grad,
-            &mut views.copy,
-        )?;
+        let raw =
+            RawStep::from_slices(views.params, views.m, views.v, views.grad, &mut views.copy)?;
         *views.step += 1;
         Ok::<_, OptimError>((raw, *views.step))
     }));
@@ -592,7 +598,11 @@ fn run_chunk<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize, start: usiz
         let state = slot.lock();
         assert_eq!(state.phase, Phase::Running);
         let raw = state.raw.expect("a running slot has its buffers");
-        (state.key, raw.range(start, len), state.scalars.expect("set"))
+        (
+            state.key,
+            raw.range(start, len),
+            state.scalars.expect("set"),
+        )
     };
     let kernel = shared.config.kernel;
     // SAFETY: the RawStep invariant holds: `raw` came from exclusive borrows

@@ -157,9 +157,22 @@ fn simd_variants_round_special_values_like_the_oracle() {
     for kernel in Kernel::supported() {
         for copy_kind in COPY_KINDS {
             for grad_kind in GRAD_KINDS {
-                let oracle = run(Kernel::Scalar, &hyper, &init, &grads, grad_kind, copy_kind, 1.0);
+                let oracle = run(
+                    Kernel::Scalar,
+                    &hyper,
+                    &init,
+                    &grads,
+                    grad_kind,
+                    copy_kind,
+                    1.0,
+                );
                 let simd = run(kernel, &hyper, &init, &grads, grad_kind, copy_kind, 1.0);
-                assert_eq!(oracle, simd, "{} {grad_kind:?} {copy_kind:?}", kernel.name());
+                assert_eq!(
+                    oracle,
+                    simd,
+                    "{} {grad_kind:?} {copy_kind:?}",
+                    kernel.name()
+                );
             }
         }
     }
@@ -171,7 +184,15 @@ fn bf16_copy_of_nan_is_a_quiet_nan_in_every_variant() {
     let grads = vec![vec![0.1f32; 40]];
     let hyper = AdamWHyper::default();
     for kernel in Kernel::supported() {
-        let out = run(kernel, &hyper, &init, &grads, GradKind::F32, CopyKind::Bf16, 1.0);
+        let out = run(
+            kernel,
+            &hyper,
+            &init,
+            &grads,
+            GradKind::F32,
+            CopyKind::Bf16,
+            1.0,
+        );
         for bits in out.copy {
             assert!(bf16::from_bits(bits as u16).is_nan(), "{}", kernel.name());
         }
@@ -216,7 +237,15 @@ fn scalar_oracle_matches_f64_formula_after_100_steps() {
         .collect();
     let hyper = AdamWHyper::default();
     let reference = reference_f64(&hyper, &init, &grads);
-    let ours = run(Kernel::Scalar, &hyper, &init, &grads, GradKind::F32, CopyKind::None, 1.0);
+    let ours = run(
+        Kernel::Scalar,
+        &hyper,
+        &init,
+        &grads,
+        GradKind::F32,
+        CopyKind::None,
+        1.0,
+    );
     // Every step rounds p to f32 once (at the final add; the decay and Adam
     // terms are summed first and their rounding is far below p's ulp). Over
     // 100 steps those half-ulp roundings random-walk to ~10 × ulp/√12 ≈
@@ -233,9 +262,14 @@ fn scalar_oracle_matches_f64_formula_after_100_steps() {
         worst = worst.max(rel);
     }
     let norm_rel = (diff_sq / ref_sq).sqrt();
-    eprintln!("f32 oracle vs f64 after 100 steps: norm-wise rel {norm_rel:e}, worst element {worst:e}");
+    eprintln!(
+        "f32 oracle vs f64 after 100 steps: norm-wise rel {norm_rel:e}, worst element {worst:e}"
+    );
     assert!(norm_rel <= 1e-6, "norm-wise relative error {norm_rel:e}");
-    assert!(norm_rel > 0.0, "f32 and f64 cannot agree exactly on every element");
+    assert!(
+        norm_rel > 0.0,
+        "f32 and f64 cannot agree exactly on every element"
+    );
 }
 
 #[test]
@@ -245,8 +279,16 @@ fn length_mismatches_are_errors_naming_the_buffer() {
     let mut v = vec![0.0f32; 7];
     let g = vec![0.0f32; 8];
     let s = StepScalars::new(&AdamWHyper::default(), 1, 1.0);
-    let err = adamw_step(Kernel::Scalar, &s, &mut p, &mut m, &mut v, GradRef::F32(&g), CopyOut::None)
-        .unwrap_err();
+    let err = adamw_step(
+        Kernel::Scalar,
+        &s,
+        &mut p,
+        &mut m,
+        &mut v,
+        GradRef::F32(&g),
+        CopyOut::None,
+    )
+    .unwrap_err();
     assert_eq!(err.to_string(), "v has 7 elements but params have 8");
 }
 

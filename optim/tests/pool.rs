@@ -24,7 +24,10 @@ struct VecExpert {
 impl VecExpert {
     fn new(n: usize, seed: u64) -> Self {
         let value = |i: usize, salt: u64| {
-            let x = (i as u64).wrapping_mul(2654435761).wrapping_add(seed * 97 + salt) % 10007;
+            let x = (i as u64)
+                .wrapping_mul(2654435761)
+                .wrapping_add(seed * 97 + salt)
+                % 10007;
             x as f32 / 10007.0 - 0.5
         };
         Self {
@@ -217,7 +220,9 @@ fn global_norm_pool(clip: Option<f32>, skip_nonfinite: bool) -> ExpertOptimizer<
 fn global_norm_clipping_scales_every_gradient_exactly() {
     let pool = global_norm_pool(Some(1.0), false);
     let hyper = pool.config().hyper;
-    let experts: Vec<VecExpert> = (0..6).map(|i| VecExpert::new(50 + i * 10, i as u64)).collect();
+    let experts: Vec<VecExpert> = (0..6)
+        .map(|i| VecExpert::new(50 + i * 10, i as u64))
+        .collect();
     // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), ≤ 1.
     let norm = experts
         .iter()
@@ -252,7 +257,10 @@ fn global_norm_below_the_clip_leaves_updates_bit_identical() {
     let e = VecExpert::new(300, 9);
     pool.submit(ExpertKey(0), e.clone()).unwrap();
     assert_eq!(pool.finish_gradients().unwrap().grad_scale, 1.0);
-    assert_eq!(pool.wait(ExpertKey(0)).unwrap().0, e.stepped_inline(&hyper, 1.0));
+    assert_eq!(
+        pool.wait(ExpertKey(0)).unwrap().0,
+        e.stepped_inline(&hyper, 1.0)
+    );
 }
 
 #[test]

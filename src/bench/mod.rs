@@ -1,1 +1,73 @@
-//! benches
+//! `strata bench …`: performance measurements printed as one JSON object a
+//! line (`--json`) or as a table. Figures are medians over timed repetitions
+//! interleaved with their reference measurement, so ratios hold on a noisy,
+//! shared machine.
+
+pub mod optim;
+
+use std::time::Duration;
+
+/// Median and minimum of a set of timings, in seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timing {
+    pub median_s: f64,
+    pub min_s: f64,
+}
+
+impl Timing {
+    /// Panics on an empty set: every bench times at least one repetition.
+    pub fn of(samples: &[Duration]) -> Timing {
+        assert!(!samples.is_empty(), "no samples to summarize");
+        let mut s: Vec<f64> = samples.iter().map(Duration::as_secs_f64).collect();
+        s.sort_by(f64::total_cmp);
+        let mid = s.len() / 2;
+        let median_s = if s.len() % 2 == 1 {
+            s[mid]
+        } else {
+            (s[mid - 1] + s[mid]) / 2.0
+        };
+        Timing {
+            median_s,
+            min_s: s[0],
+        }
+    }
+}
+
+/// Parses a count with an optional binary suffix: `1000`, `64K`, `64M`, `1G`.
+pub fn parse_count(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let (digits, shift) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 10),
+        Some('m' | 'M') => (&t[..t.len() - 1], 20),
+        Some('g' | 'G') => (&t[..t.len() - 1], 30),
+        _ => (t, 0),
+    };
+    let n: usize = digits
+        .parse()
+        .map_err(|_| format!("`{text}` is not a count (examples: 1000, 64K, 64M, 1G)"))?;
+    n.checked_mul(1usize << shift)
+        .ok_or_else(|| format!("`{text}` is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_take_binary_suffixes() {
+        assert_eq!(parse_count("64M"), Ok(67_108_864));
+        assert_eq!(parse_count("3k"), Ok(3072));
+        assert_eq!(parse_count("1000"), Ok(1000));
+        assert!(parse_count("12Q").is_err());
+        assert!(parse_count("").is_err());
+    }
+
+    #[test]
+    fn timing_takes_the_median_and_min() {
+        let ms = |v: u64| Duration::from_millis(v);
+        let t = Timing::of(&[ms(5), ms(1), ms(3)]);
+        assert_eq!(t.median_s, 0.003);
+        assert_eq!(t.min_s, 0.001);
+        assert_eq!(Timing::of(&[ms(2), ms(4)]).median_s, 0.003);
+    }
+}

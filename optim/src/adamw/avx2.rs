@@ -58,7 +58,11 @@ unsafe fn kernel<const G: u8, const C: u8>(s: &StepScalars, step: &RawStep) {
             let m = _mm256_loadu_ps(step.m.add(i));
             let v = _mm256_loadu_ps(step.v.add(i));
             let m = _mm256_fmadd_ps(beta1, m, _mm256_mul_ps(one_minus_beta1, g));
-            let v = _mm256_fmadd_ps(beta2, v, _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+            let v = _mm256_fmadd_ps(
+                beta2,
+                v,
+                _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g),
+            );
             let denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), inv_sqrt_bias2, eps);
             let decay = _mm256_mul_ps(neg_lr_wd, p);
             let delta = _mm256_fmadd_ps(neg_step_size, _mm256_div_ps(m, denom), decay);
@@ -134,5 +138,8 @@ fn f32_to_bf16(p: __m256) -> __m128i {
     let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(0x0040));
     let out = _mm256_blendv_epi8(rounded, quiet, is_nan);
     // Every lane is ≤ 0xffff, so the unsigned-saturating pack is exact.
-    _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256::<1>(out))
+    _mm_packus_epi32(
+        _mm256_castsi256_si128(out),
+        _mm256_extracti128_si256::<1>(out),
+    )
 }

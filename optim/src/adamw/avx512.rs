@@ -58,7 +58,11 @@ unsafe fn kernel<const G: u8, const C: u8>(s: &StepScalars, step: &RawStep) {
             let m = _mm512_loadu_ps(step.m.add(i));
             let v = _mm512_loadu_ps(step.v.add(i));
             let m = _mm512_fmadd_ps(beta1, m, _mm512_mul_ps(one_minus_beta1, g));
-            let v = _mm512_fmadd_ps(beta2, v, _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
+            let v = _mm512_fmadd_ps(
+                beta2,
+                v,
+                _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g),
+            );
             let denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), inv_sqrt_bias2, eps);
             let decay = _mm512_mul_ps(neg_lr_wd, p);
             let delta = _mm512_fmadd_ps(neg_step_size, _mm512_div_ps(m, denom), decay);

@@ -151,7 +151,8 @@ pub enum CopyOut<'a> {
 }
 
 impl CopyOut<'_> {
-    pub fn len(&self) -> Option<usize> {
+    /// The copy's length, or `None` when there is no copy.
+    pub fn copy_len(&self) -> Option<usize> {
         match self {
             CopyOut::None => None,
             CopyOut::F32(c) => Some(c.len()),
@@ -218,7 +219,7 @@ impl RawStep {
         check("m", m.len())?;
         check("v", v.len())?;
         check("grad", grad.len())?;
-        if let Some(copy_len) = copy.len() {
+        if let Some(copy_len) = copy.copy_len() {
             check("copy", copy_len)?;
         }
         let (grad_ptr, grad_kind) = match grad {
@@ -290,7 +291,12 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [Kernel::Scalar, Kernel::Avx2Fma, Kernel::Avx512, Kernel::Neon];
+    pub const ALL: [Kernel; 4] = [
+        Kernel::Scalar,
+        Kernel::Avx2Fma,
+        Kernel::Avx512,
+        Kernel::Neon,
+    ];
 
     /// The fastest variant this CPU supports.
     pub fn detect() -> Kernel {
