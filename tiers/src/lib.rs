@@ -1,1 +1,47 @@
-//! `strata-tiers`: the three-tier expert store (placeholder until its issue lands).
+//! `strata-tiers`: the three-tier expert store.
+//!
+//! - SSD: [`ExpertStore`], one crash-safe file with a fixed-size, 4096-aligned
+//!   record per expert (format in `tiers/FORMAT.md`), read and written through
+//!   io_uring with O_DIRECT, or pread/pwrite where io_uring is refused.
+//! - Host: [`HostCache`], fixed-size slots carved from one allocation sized
+//!   by `host_budget_bytes`, with pin counts, dirty tracking, LRU or
+//!   schedule-distance eviction, and a prefetcher that walks the access
+//!   schedule ahead of compute.
+//! - Device: the [`DeviceArena`] trait (byte-budgeted slots, async copies
+//!   with completion events) and its CPU implementation.
+//!
+//! The crate knows nothing of MoE math: an expert is an [`ExpertId`] and a
+//! number of params.
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("the store format is little-endian; big-endian hosts are not supported");
+
+mod error;
+pub mod format;
+pub mod io;
+mod record;
+mod store;
+
+pub use error::{Part, TierError};
+pub use format::{Dtype, Layout};
+pub use record::{compute_bytes, record_mut, Parts, RecordMut};
+pub use store::ExpertStore;
+
+/// An expert's address: its MoE layer and its index within the layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExpertId {
+    pub layer: u32,
+    pub index: u32,
+}
+
+impl ExpertId {
+    pub fn new(layer: u32, index: u32) -> Self {
+        Self { layer, index }
+    }
+}
+
+impl std::fmt::Display for ExpertId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.layer, self.index)
+    }
+}

@@ -1,0 +1,135 @@
+//! Record I/O behind one small trait, [`RecordDevice`], with four engines:
+//! io_uring + O_DIRECT (`uring.rs`), pread/pwrite (`pread.rs`), memory
+//! (`mem.rs`) and a fault injector for crash tests (`faulty.rs`).
+
+mod aligned;
+mod faulty;
+mod mem;
+mod pread;
+mod uring;
+
+use std::path::Path;
+
+pub use aligned::{AlignedBuf, HostAllocator, HostRegion, PageAllocator};
+pub use faulty::{FaultPlan, FaultyFile};
+pub use mem::MemFile;
+pub use pread::PreadFile;
+pub use uring::UringFile;
+
+use crate::TierError;
+
+/// One read: fill `buf` from `offset`.
+pub struct ReadOp<'a> {
+    pub offset: u64,
+    pub buf: &'a mut [u8],
+}
+
+/// One write: `buf` to `offset`.
+pub struct WriteOp<'a> {
+    pub offset: u64,
+    pub buf: &'a [u8],
+}
+
+/// Positioned, whole-buffer reads and writes and a durability barrier.
+/// A batch may run its ops concurrently (up to the engine's queue depth);
+/// it returns once all are complete, or with the first error.
+pub trait RecordDevice: Send + Sync {
+    /// `io_uring`, `pread`, `memory` or `faulty`.
+    fn engine(&self) -> &'static str;
+    fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Result<(), TierError>;
+    fn write_batch(&self, ops: &[WriteOp<'_>]) -> Result<(), TierError>;
+    /// Makes every completed write durable (fdatasync).
+    fn sync(&self) -> Result<(), TierError>;
+    fn len_bytes(&self) -> Result<u64, TierError>;
+    fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError>;
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), TierError> {
+        self.read_batch(&mut [ReadOp { offset, buf }])
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<(), TierError> {
+        self.write_batch(&[WriteOp { offset, buf }])
+    }
+}
+
+/// Which engine `open_file` should use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EnginePreference {
+    /// io_uring with O_DIRECT when the kernel and file system allow, else
+    /// pread/pwrite (with O_DIRECT if allowed).
+    #[default]
+    Auto,
+    Uring,
+    Pread,
+}
+
+/// How to open a store file.
+#[derive(Clone, Debug)]
+pub struct FileOptions {
+    pub engine: EnginePreference,
+    /// io_uring submission queue depth (ops in flight at most).
+    pub queue_depth: u32,
+    /// Bypass the page cache (O_DIRECT); dropped, with a note, where the
+    /// file system refuses it (tmpfs).
+    pub direct: bool,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        Self {
+            engine: EnginePreference::Auto,
+            queue_depth: 32,
+            direct: true,
+        }
+    }
+}
+
+/// An opened file and what was chosen for it.
+pub struct OpenedFile {
+    pub device: Box<dyn RecordDevice>,
+    /// Why a preferred engine or O_DIRECT was not used, if so.
+    pub notes: Vec<String>,
+}
+
+/// Opens (or creates) a store file with the preferred engine, falling back
+/// to pread/pwrite when io_uring is refused, and to buffered I/O when
+/// O_DIRECT is refused. The reasons end up in `notes`.
+pub fn open_file(
+    path: &Path,
+    create: bool,
+    options: &FileOptions,
+) -> Result<OpenedFile, TierError> {
+    let mut notes = Vec::new();
+    let (file, direct) = pread::open_std(path, create, options.direct, &mut notes)?;
+    if options.engine != EnginePreference::Pread {
+        match UringFile::new(
+            file.try_clone().map_err(|e| file_error(path, e))?,
+            options.queue_depth,
+        ) {
+            Ok(uring) => {
+                return Ok(OpenedFile {
+                    device: Box::new(uring.with_direct(direct)),
+                    notes,
+                })
+            }
+            Err(e) if options.engine == EnginePreference::Uring => {
+                return Err(TierError::File {
+                    path: path.to_path_buf(),
+                    source: std::io::Error::new(e.kind(), format!("io_uring refused: {e}")),
+                })
+            }
+            Err(e) => notes.push(uring::refusal_note(&e)),
+        }
+    }
+    Ok(OpenedFile {
+        device: Box::new(PreadFile::new(file, direct)),
+        notes,
+    })
+}
+
+pub(crate) fn file_error(path: &Path, source: std::io::Error) -> TierError {
+    TierError::File {
+        path: path.to_path_buf(),
+        source,
+    }
+}

@@ -1,0 +1,267 @@
+//! io_uring with a bounded queue depth, and registered (fixed) buffers for
+//! the host tier's region.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::Mutex;
+
+use io_uring::{opcode, types, IoUring};
+
+use super::{ReadOp, RecordDevice, WriteOp};
+use crate::TierError;
+
+/// Resubmissions of one op after EINTR / EAGAIN / a short transfer. Each
+/// resubmission either moves bytes or follows a transient error; a disk
+/// that makes no progress in this many tries is reported, not retried forever.
+const RETRIES_MAX: u32 = 64;
+/// Largest buffer io_uring registers as one fixed buffer.
+const FIXED_BUFFER_BYTES_MAX: usize = 1 << 30;
+
+struct Ring {
+    ring: IoUring,
+    /// Bytes done and retries so far, per op of the current batch.
+    progress: Vec<(usize, u32)>,
+}
+
+pub struct UringFile {
+    file: File,
+    ring: Mutex<Ring>,
+    depth: u32,
+    direct: bool,
+    /// Registered fixed buffers: (start address, length).
+    fixed: Mutex<Vec<(usize, usize)>>,
+}
+
+/// A line saying why io_uring was not used, naming the likely cause.
+pub(crate) fn refusal_note(e: &std::io::Error) -> String {
+    let cause = match e.raw_os_error() {
+        Some(libc::EPERM) => {
+            "not permitted: a seccomp filter (containers often block io_uring) or \
+             sysctl kernel.io_uring_disabled"
+        }
+        Some(libc::ENOSYS) => "this kernel has no io_uring (Linux 5.1+ needed)",
+        Some(libc::ENOMEM) => "not enough locked memory for the ring (ulimit -l)",
+        _ => "refused by the kernel",
+    };
+    format!("io_uring unavailable ({e}: {cause}); using pread/pwrite")
+}
+
+impl UringFile {
+    pub fn new(file: File, queue_depth: u32) -> std::io::Result<Self> {
+        let depth = queue_depth.clamp(1, 4096);
+        let ring = IoUring::new(depth.next_power_of_two())?;
+        Ok(Self {
+            file,
+            ring: Mutex::new(Ring {
+                ring,
+                progress: Vec::with_capacity(depth as usize * 4),
+            }),
+            depth,
+            direct: false,
+            fixed: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub(crate) fn with_direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
+        self
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    pub fn queue_depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Registers `[ptr, ptr + len)` as fixed buffers, so reads and writes
+    /// into it skip the kernel's per-op page pinning.
+    ///
+    /// # Safety
+    /// The memory stays allocated, and is not unmapped, for as long as this
+    /// `UringFile` lives.
+    pub unsafe fn register_region(&self, ptr: *mut u8, len: usize) -> std::io::Result<()> {
+        let mut iovecs = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(FIXED_BUFFER_BYTES_MAX);
+            iovecs.push(libc::iovec {
+                // SAFETY: at < len, so the pointer stays inside the region.
+                iov_base: unsafe { ptr.add(at) }.cast(),
+                iov_len: n,
+            });
+            at += n;
+        }
+        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the caller keeps the region alive while the ring lives.
+        unsafe { ring.ring.submitter().register_buffers(&iovecs)? };
+        *self.fixed.lock().unwrap_or_else(|e| e.into_inner()) = iovecs
+            .iter()
+            .map(|v| (v.iov_base as usize, v.iov_len))
+            .collect();
+        Ok(())
+    }
+
+    fn fixed_index(fixed: &[(usize, usize)], addr: usize, len: usize) -> Option<u16> {
+        fixed
+            .iter()
+            .position(|&(start, n)| addr >= start && addr + len <= start + n)
+            .map(|i| i as u16)
+    }
+
+    /// Runs one batch: each op is (offset, address, length); `write` picks
+    /// the direction. Returns after every submitted op has completed.
+    fn run(&self, write: bool, ops: &[(u64, *mut u8, usize)]) -> Result<(), TierError> {
+        let op_name = if write { "write" } else { "read" };
+        let fixed = self.fixed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut guard = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let Ring { ring, progress } = &mut *guard;
+        progress.clear();
+        progress.resize(ops.len(), (0, 0));
+        let fd = types::Fd(self.file.as_raw_fd());
+        let mut next = 0usize;
+        let mut in_flight = 0u32;
+        let mut done = 0usize;
+        let mut first_error: Option<TierError> = None;
+        let mut queue: Vec<usize> = Vec::new();
+
+        let push = |ring: &mut IoUring, i: usize, progress: &[(usize, u32)]| {
+            let (offset, ptr, len) = ops[i];
+            let at = progress[i].0;
+            // SAFETY: at < len, so the pointer stays inside op i's buffer.
+            let ptr = unsafe { ptr.add(at) };
+            let n = (len - at) as u32;
+            let off = offset + at as u64;
+            let entry = match (write, Self::fixed_index(&fixed, ptr as usize, n as usize)) {
+                (false, Some(b)) => opcode::ReadFixed::new(fd, ptr, n, b).offset(off).build(),
+                (false, None) => opcode::Read::new(fd, ptr, n).offset(off).build(),
+                (true, Some(b)) => opcode::WriteFixed::new(fd, ptr, n, b).offset(off).build(),
+                (true, None) => opcode::Write::new(fd, ptr, n).offset(off).build(),
+            };
+            // SAFETY: (1) op i's buffer is borrowed by the caller for this
+            // whole call, and `run` returns only after every submitted op's
+            // completion is reaped (the error path drains too), so the
+            // buffer outlives the operation; (2) at most `depth` ops are in
+            // flight and the ring has ≥ depth entries, so the push fits.
+            unsafe { ring.submission().push(&entry.user_data(i as u64)) }
+                .expect("ring has room for depth entries");
+        };
+
+        while done < ops.len() {
+            while first_error.is_none() && in_flight < self.depth {
+                let i = if let Some(i) = queue.pop() {
+                    i
+                } else if next < ops.len() {
+                    next += 1;
+                    next - 1
+                } else {
+                    break;
+                };
+                push(ring, i, progress);
+                in_flight += 1;
+            }
+            if in_flight == 0 {
+                break; // only after an error: nothing left in flight
+            }
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => {
+                    // Nothing new was submitted; reap what is in flight.
+                    first_error.get_or_insert(TierError::io(op_name, ops[0].0, e));
+                }
+            }
+            let completions: Vec<(usize, i32)> = ring
+                .completion()
+                .map(|c| (c.user_data() as usize, c.result()))
+                .collect();
+            for (i, result) in completions {
+                in_flight -= 1;
+                let (offset, _, len) = ops[i];
+                if result < 0 {
+                    let errno = -result;
+                    let transient = errno == libc::EINTR || errno == libc::EAGAIN;
+                    if transient && progress[i].1 < RETRIES_MAX && first_error.is_none() {
+                        progress[i].1 += 1;
+                        queue.push(i);
+                    } else {
+                        let e = std::io::Error::from_raw_os_error(errno);
+                        first_error.get_or_insert(TierError::io(op_name, offset, e));
+                        done += 1;
+                    }
+                    continue;
+                }
+                if result == 0 && !write {
+                    let e = std::io::ErrorKind::UnexpectedEof.into();
+                    first_error.get_or_insert(TierError::io(op_name, offset, e));
+                    done += 1;
+                    continue;
+                }
+                progress[i].0 += result as usize;
+                if progress[i].0 >= len {
+                    done += 1;
+                } else if progress[i].1 < RETRIES_MAX && first_error.is_none() {
+                    progress[i].1 += 1;
+                    queue.push(i);
+                } else {
+                    let e = std::io::Error::new(std::io::ErrorKind::WriteZero, "no progress");
+                    first_error.get_or_insert(TierError::io(op_name, offset, e));
+                    done += 1;
+                }
+            }
+        }
+        assert_eq!(
+            in_flight, 0,
+            "every submitted op is reaped before returning"
+        );
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl RecordDevice for UringFile {
+    fn engine(&self) -> &'static str {
+        "io_uring"
+    }
+
+    fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Result<(), TierError> {
+        let raw: Vec<(u64, *mut u8, usize)> = ops
+            .iter_mut()
+            .map(|op| (op.offset, op.buf.as_mut_ptr(), op.buf.len()))
+            .collect();
+        self.run(false, &raw)
+    }
+
+    fn write_batch(&self, ops: &[WriteOp<'_>]) -> Result<(), TierError> {
+        // The kernel only reads a write's buffer; the cast does not make it writable.
+        let raw: Vec<(u64, *mut u8, usize)> = ops
+            .iter()
+            .map(|op| (op.offset, op.buf.as_ptr().cast_mut(), op.buf.len()))
+            .collect();
+        self.run(true, &raw)
+    }
+
+    fn sync(&self) -> Result<(), TierError> {
+        self.file
+            .sync_data()
+            .map_err(|e| TierError::io("fsync", 0, e))
+    }
+
+    fn len_bytes(&self) -> Result<u64, TierError> {
+        Ok(self
+            .file
+            .metadata()
+            .map_err(|e| TierError::io("stat", 0, e))?
+            .len())
+    }
+
+    fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError> {
+        self.file
+            .set_len(bytes)
+            .map_err(|e| TierError::io("truncate", bytes, e))
+    }
+}

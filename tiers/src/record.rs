@@ -1,0 +1,114 @@
+//! Typed views of one record held in a 4096-aligned host buffer, laid out
+//! exactly as on disk (see `format.rs`).
+
+use crate::format::{Layout, PART_HEADER_BYTES};
+use crate::TierError;
+
+/// Which parts of a record a reader needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Parts {
+    /// The compute params only (forward and backward).
+    Compute,
+    /// Compute params and optimizer state.
+    Full,
+}
+
+impl Parts {
+    /// Bytes a buffer needs to hold these parts.
+    pub fn bytes(self, layout: &Layout) -> u64 {
+        match self {
+            Parts::Compute => layout.compute_part_bytes(),
+            Parts::Full => layout.record_bytes(),
+        }
+    }
+
+    pub fn includes_state(self) -> bool {
+        self == Parts::Full
+    }
+}
+
+/// The state part, split into its three f32 arrays, and the compute bytes.
+pub struct RecordMut<'a> {
+    /// Compute params in the store's dtype, as raw little-endian bytes.
+    pub compute: &'a mut [u8],
+    pub master: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+}
+
+fn check_len(what: &'static str, buf: &[u8], expected: u64) -> Result<(), TierError> {
+    if (buf.len() as u64) < expected {
+        return Err(TierError::BufferSize {
+            what,
+            expected: expected as usize,
+            got: buf.len(),
+        });
+    }
+    Ok(())
+}
+
+/// The compute params of a record buffer (compute part at its start).
+pub fn compute_bytes<'a>(layout: &Layout, buf: &'a [u8]) -> Result<&'a [u8], TierError> {
+    check_len("compute params", buf, layout.compute_part_bytes())?;
+    let start = PART_HEADER_BYTES;
+    Ok(&buf[start..start + layout.compute_payload_bytes() as usize])
+}
+
+/// Every typed view of a full record buffer.
+pub fn record_mut<'a>(layout: &Layout, buf: &'a mut [u8]) -> Result<RecordMut<'a>, TierError> {
+    check_len("a full record", buf, layout.record_bytes())?;
+    let cpb = layout.compute_part_bytes() as usize;
+    let (compute_part, state_part) = buf.split_at_mut(cpb);
+    let compute = &mut compute_part
+        [PART_HEADER_BYTES..PART_HEADER_BYTES + layout.compute_payload_bytes() as usize];
+    let n = layout.params_per_expert as usize;
+    let misalignment = state_part.as_ptr() as usize % 4;
+    let state = &mut state_part[PART_HEADER_BYTES..PART_HEADER_BYTES + 12 * n];
+    // The buffer is 4096-aligned and every offset here is a multiple of 4,
+    // so the casts cannot fail on alignment (bytemuck checks anyway).
+    let floats: &mut [f32] =
+        bytemuck::try_cast_slice_mut(state).map_err(|_| TierError::BufferSize {
+            what: "a 4-byte-aligned record buffer",
+            expected: 4,
+            got: misalignment,
+        })?;
+    let (master, rest) = floats.split_at_mut(n);
+    let (m, v) = rest.split_at_mut(n);
+    Ok(RecordMut {
+        compute,
+        master,
+        m,
+        v,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Dtype;
+    use crate::io::AlignedBuf;
+
+    #[test]
+    fn views_cover_disjoint_parts_of_the_record() {
+        let layout = Layout {
+            layers: 1,
+            experts_per_layer: 1,
+            params_per_expert: 10,
+            compute_dtype: Dtype::Bf16,
+        };
+        let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
+        {
+            let r = record_mut(&layout, buf.as_mut_slice()).unwrap();
+            assert_eq!(r.compute.len(), 20);
+            assert_eq!((r.master.len(), r.m.len(), r.v.len()), (10, 10, 10));
+            r.compute[0] = 1;
+            r.master[0] = 2.0;
+            r.v[9] = 3.0;
+        }
+        let b = buf.as_slice();
+        assert_eq!(b[64], 1);
+        assert_eq!(&b[4096 + 64..4096 + 68], &2.0f32.to_le_bytes());
+        assert_eq!(&b[4096 + 64 + 116..4096 + 120 + 64], &3.0f32.to_le_bytes());
+        assert!(record_mut(&layout, &mut [0u8; 100]).is_err());
+    }
+}

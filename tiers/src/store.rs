@@ -1,0 +1,469 @@
+//! [`ExpertStore`]: every expert's record in one file, crash-safe.
+//!
+//! Each expert has two record copies. Between checkpoints, writes go to the
+//! *working* copy, never to the one the committed checkpoint names; a
+//! checkpoint syncs those writes, writes a new copy map (which copy of each
+//! expert is current, and its step) into the map region the older
+//! superblock owns, syncs, then writes that superblock with the next
+//! generation and syncs. A crash at any instant therefore leaves one intact
+//! superblock whose map names intact records: the last committed checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::error::Part;
+use crate::format::{
+    crc, decode_map, encode_map, Dtype, Layout, MapEntry, PartHeader, Superblock, BLOCK_BYTES,
+    NEVER_WRITTEN, PART_HEADER_BYTES,
+};
+use crate::io::{open_file, AlignedBuf, FileOptions, ReadOp, RecordDevice, WriteOp};
+use crate::record::Parts;
+use crate::{ExpertId, TierError};
+
+struct Meta {
+    superblock: Superblock,
+    /// Per expert (dense index): the committed copy and its step.
+    committed: Vec<MapEntry>,
+    /// Per expert: the step written to its working copy since the last
+    /// checkpoint, if any.
+    pending: Vec<Option<u64>>,
+}
+
+/// The SSD tier. Thread-safe: reads and writes of different experts may run
+/// from several threads; `checkpoint` orders itself after writes that
+/// returned before it was called.
+pub struct ExpertStore {
+    device: Box<dyn RecordDevice>,
+    layout: Layout,
+    meta: Mutex<Meta>,
+    /// The first I/O failure: (operation, message). Once set, every call
+    /// fails with `PreviousIo`.
+    latch: Mutex<Option<(&'static str, String)>>,
+    notes: Vec<String>,
+    path: Option<PathBuf>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ExpertStore {
+    /// Creates a new store file (it must not exist yet) for `layout`.
+    pub fn create(path: &Path, layout: Layout, options: &FileOptions) -> Result<Self, TierError> {
+        layout.validate()?;
+        let opened = open_file(path, true, options)?;
+        let mut store = Self::create_on(opened.device, layout)?;
+        store.notes = opened.notes;
+        store.path = Some(path.to_path_buf());
+        Ok(store)
+    }
+
+    /// Opens an existing store file; with `expected`, its layout must match.
+    pub fn open(
+        path: &Path,
+        expected: Option<Layout>,
+        options: &FileOptions,
+    ) -> Result<Self, TierError> {
+        if !path.exists() {
+            return Err(TierError::File {
+                path: path.to_path_buf(),
+                source: std::io::ErrorKind::NotFound.into(),
+            });
+        }
+        let opened = open_file(path, false, options)?;
+        let mut store = Self::open_on(opened.device, expected)?;
+        store.notes = opened.notes;
+        store.path = Some(path.to_path_buf());
+        Ok(store)
+    }
+
+    /// Creates a store on any device (memory, fault injector).
+    pub fn create_on(device: Box<dyn RecordDevice>, layout: Layout) -> Result<Self, TierError> {
+        layout.validate()?;
+        let count = layout.expert_count() as usize;
+        let committed = vec![
+            MapEntry {
+                step: NEVER_WRITTEN,
+                copy: 0,
+            };
+            count
+        ];
+        let store = Self {
+            device,
+            layout,
+            meta: Mutex::new(Meta {
+                superblock: Superblock {
+                    generation: 0,
+                    committed_step: 0,
+                    layout,
+                    map_crc: 0,
+                },
+                committed,
+                pending: vec![None; count],
+            }),
+            latch: Mutex::new(None),
+            notes: Vec::new(),
+            path: None,
+        };
+        store.guard("truncate", || {
+            store.device.set_len_bytes(layout.file_bytes())
+        })?;
+        // Generation 0 commits step 0 with every expert unwritten.
+        let mut meta = lock(&store.meta);
+        store.commit(&mut meta, 0, 0)?;
+        drop(meta);
+        Ok(store)
+    }
+
+    /// Opens a store on any device.
+    pub fn open_on(
+        device: Box<dyn RecordDevice>,
+        expected: Option<Layout>,
+    ) -> Result<Self, TierError> {
+        let len = device.len_bytes()?;
+        if len < 2 * BLOCK_BYTES as u64 {
+            return Err(TierError::NotAStore(format!(
+                "the file is {len} bytes, smaller than a superblock pair"
+            )));
+        }
+        let mut blocks = AlignedBuf::zeroed(2 * BLOCK_BYTES);
+        device.read_at(blocks.as_mut_slice(), 0)?;
+        let b = blocks.as_slice();
+        let magic_ok = |x: &[u8]| x[..8] == crate::format::SUPERBLOCK_MAGIC;
+        if !magic_ok(&b[..BLOCK_BYTES]) && !magic_ok(&b[BLOCK_BYTES..]) {
+            return Err(TierError::NotAStore(
+                "no strata superblock (wrong magic); is this a store file?".to_string(),
+            ));
+        }
+        let mut candidates: Vec<Superblock> = [&b[..BLOCK_BYTES], &b[BLOCK_BYTES..]]
+            .into_iter()
+            .map(Superblock::decode)
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .flatten()
+            .collect();
+        candidates.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
+        for sb in candidates {
+            let layout = sb.layout;
+            if len < layout.file_bytes() {
+                return Err(TierError::Truncated {
+                    expected: layout.file_bytes(),
+                    actual: len,
+                });
+            }
+            let mut map = AlignedBuf::zeroed(layout.map_bytes() as usize);
+            device.read_at(
+                map.as_mut_slice(),
+                layout.map_offset((sb.generation % 2) as usize),
+            )?;
+            if crc(map.as_slice()) != sb.map_crc {
+                continue; // a map overwritten by a later, uncommitted checkpoint
+            }
+            if let Some(expected) = expected {
+                if expected != layout {
+                    return Err(TierError::LayoutMismatch {
+                        found: describe(&layout),
+                        expected: describe(&expected),
+                    });
+                }
+            }
+            let count = layout.expert_count() as usize;
+            let committed = decode_map(map.as_slice(), count)?;
+            return Ok(Self {
+                device,
+                layout,
+                meta: Mutex::new(Meta {
+                    superblock: sb,
+                    committed,
+                    pending: vec![None; count],
+                }),
+                latch: Mutex::new(None),
+                notes: Vec::new(),
+                path: None,
+            });
+        }
+        Err(TierError::CorruptSuperblock(
+            "neither superblock is intact with an intact copy map",
+        ))
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The step the last committed checkpoint names.
+    pub fn committed_step(&self) -> u64 {
+        lock(&self.meta).superblock.committed_step
+    }
+
+    /// `io_uring`, `pread`, `memory` or `faulty`.
+    pub fn engine(&self) -> &'static str {
+        self.device.engine()
+    }
+
+    /// Why a preferred engine or O_DIRECT was not used, if so.
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// The step the current version of `expert` was written at, or `None`
+    /// if it was never written.
+    pub fn expert_step(&self, expert: ExpertId) -> Result<Option<u64>, TierError> {
+        let slot = self.layout.slot_of(expert)? as usize;
+        let meta = lock(&self.meta);
+        Ok(match meta.pending[slot] {
+            Some(step) => Some(step),
+            None => Some(meta.committed[slot].step).filter(|&s| s != NEVER_WRITTEN),
+        })
+    }
+
+    /// Runs one device call through the I/O latch.
+    fn guard<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce() -> Result<T, TierError>,
+    ) -> Result<T, TierError> {
+        if let Some((op, message)) = lock(&self.latch).clone() {
+            return Err(TierError::PreviousIo { op, message });
+        }
+        f().inspect_err(|e| {
+            lock(&self.latch).get_or_insert((op, e.to_string()));
+        })
+    }
+
+    /// Reads the given parts of several experts in one batch (queue depth
+    /// permitting, concurrently) into their buffers, verifying every
+    /// checksum. Returns each expert's record step.
+    pub fn read_many(
+        &self,
+        requests: &mut [(ExpertId, Parts, &mut [u8])],
+    ) -> Result<Vec<u64>, TierError> {
+        let mut steps = Vec::with_capacity(requests.len());
+        let mut offsets = Vec::with_capacity(requests.len());
+        {
+            let meta = lock(&self.meta);
+            for (expert, parts, buf) in requests.iter() {
+                let slot = self.layout.slot_of(*expert)? as usize;
+                let need = parts.bytes(&self.layout) as usize;
+                if buf.len() < need {
+                    return Err(TierError::BufferSize {
+                        what: "a record read",
+                        expected: need,
+                        got: buf.len(),
+                    });
+                }
+                let (copy, step) = match meta.pending[slot] {
+                    Some(step) => (1 - meta.committed[slot].copy, step),
+                    None => {
+                        let e = meta.committed[slot];
+                        if e.step == NEVER_WRITTEN {
+                            return Err(TierError::NeverWritten { expert: *expert });
+                        }
+                        (e.copy, e.step)
+                    }
+                };
+                steps.push(step);
+                offsets.push(self.layout.record_offset(slot as u64, copy));
+            }
+        }
+        let mut ops: Vec<ReadOp<'_>> = requests
+            .iter_mut()
+            .zip(&offsets)
+            .map(|((_, parts, buf), &offset)| ReadOp {
+                offset,
+                buf: &mut buf[..parts.bytes(&self.layout) as usize],
+            })
+            .collect();
+        self.guard("read", || self.device.read_batch(&mut ops))?;
+        drop(ops);
+        for ((expert, parts, buf), &step) in requests.iter().zip(&steps) {
+            self.verify(*expert, *parts, buf, step)?;
+        }
+        Ok(steps)
+    }
+
+    /// Reads one expert's parts into `buf`; returns its record step.
+    pub fn read(&self, expert: ExpertId, parts: Parts, buf: &mut [u8]) -> Result<u64, TierError> {
+        Ok(self.read_many(&mut [(expert, parts, buf)])?[0])
+    }
+
+    fn verify(
+        &self,
+        expert: ExpertId,
+        parts: Parts,
+        buf: &[u8],
+        step: u64,
+    ) -> Result<(), TierError> {
+        let layout = &self.layout;
+        let check = |part: Part, at: usize, payload: u64, dtype: Dtype| {
+            let h = PartHeader::decode(&buf[at..], expert, part)?;
+            let corrupt = |what| TierError::CorruptRecord { expert, part, what };
+            if h.step != step {
+                return Err(corrupt("record step differs from the committed map"));
+            }
+            if h.payload_bytes != payload || h.dtype != dtype {
+                return Err(corrupt("record size or dtype differs from the layout"));
+            }
+            let body = &buf[at + PART_HEADER_BYTES..at + PART_HEADER_BYTES + payload as usize];
+            if crc(body) != h.payload_crc {
+                return Err(TierError::Checksum {
+                    expert,
+                    part,
+                    what: "payload",
+                });
+            }
+            Ok(())
+        };
+        check(
+            Part::Compute,
+            0,
+            layout.compute_payload_bytes(),
+            layout.compute_dtype,
+        )?;
+        if parts.includes_state() {
+            let at = layout.compute_part_bytes() as usize;
+            check(Part::State, at, layout.state_payload_bytes(), Dtype::F32)?;
+        }
+        Ok(())
+    }
+
+    /// Stamps headers and checksums into full-record buffers and writes
+    /// them, in one batch, to each expert's working copy. Durable only after
+    /// the next `checkpoint`.
+    pub fn write_many(&self, records: &mut [(ExpertId, u64, &mut [u8])]) -> Result<(), TierError> {
+        let layout = self.layout;
+        let record_bytes = layout.record_bytes() as usize;
+        let mut slots = Vec::with_capacity(records.len());
+        for (expert, step, buf) in records.iter_mut() {
+            let slot = layout.slot_of(*expert)?;
+            if buf.len() < record_bytes {
+                return Err(TierError::BufferSize {
+                    what: "a record write",
+                    expected: record_bytes,
+                    got: buf.len(),
+                });
+            }
+            stamp(&layout, *expert, *step, buf);
+            slots.push(slot);
+        }
+        let offsets: Vec<u64> = {
+            let meta = lock(&self.meta);
+            slots
+                .iter()
+                .map(|&s| layout.record_offset(s, 1 - meta.committed[s as usize].copy))
+                .collect()
+        };
+        let ops: Vec<WriteOp<'_>> = records
+            .iter()
+            .zip(&offsets)
+            .map(|((_, _, buf), &offset)| WriteOp {
+                offset,
+                buf: &buf[..record_bytes],
+            })
+            .collect();
+        self.guard("write", || self.device.write_batch(&ops))?;
+        let mut meta = lock(&self.meta);
+        for ((_, step, _), &slot) in records.iter().zip(&slots) {
+            meta.pending[slot as usize] = Some(*step);
+        }
+        Ok(())
+    }
+
+    /// Writes one expert's full record (see `write_many`).
+    pub fn write(&self, expert: ExpertId, step: u64, buf: &mut [u8]) -> Result<(), TierError> {
+        self.write_many(&mut [(expert, step, buf)])
+    }
+
+    /// Commits every record written so far as checkpoint `step`: fsync the
+    /// records, write and fsync the copy map, then write and fsync the
+    /// superblock. When this returns, a crash recovers exactly this state.
+    pub fn checkpoint(&self, step: u64) -> Result<(), TierError> {
+        let mut meta = lock(&self.meta);
+        self.guard("fsync", || self.device.sync())?;
+        let generation = meta.superblock.generation + 1;
+        self.commit(&mut meta, generation, step)
+    }
+
+    fn commit(&self, meta: &mut Meta, generation: u64, step: u64) -> Result<(), TierError> {
+        let layout = self.layout;
+        let next: Vec<MapEntry> = meta
+            .committed
+            .iter()
+            .zip(&meta.pending)
+            .map(|(c, p)| match p {
+                Some(s) => MapEntry {
+                    step: *s,
+                    copy: 1 - c.copy,
+                },
+                None => *c,
+            })
+            .collect();
+        let mut map = AlignedBuf::zeroed(layout.map_bytes() as usize);
+        encode_map(&next, map.as_mut_slice());
+        let which = (generation % 2) as usize;
+        self.guard("write", || {
+            self.device
+                .write_at(map.as_slice(), layout.map_offset(which))
+        })?;
+        self.guard("fsync", || self.device.sync())?;
+        let superblock = Superblock {
+            generation,
+            committed_step: step,
+            layout,
+            map_crc: crc(map.as_slice()),
+        };
+        let mut block = AlignedBuf::zeroed(BLOCK_BYTES);
+        block.as_mut_slice().copy_from_slice(&superblock.encode());
+        self.guard("write", || {
+            self.device
+                .write_at(block.as_slice(), (which * BLOCK_BYTES) as u64)
+        })?;
+        self.guard("fsync", || self.device.sync())?;
+        meta.committed = next;
+        meta.pending.iter_mut().for_each(|p| *p = None);
+        meta.superblock = superblock;
+        Ok(())
+    }
+}
+
+/// Writes both part headers (with payload checksums) into a record buffer.
+fn stamp(layout: &Layout, expert: ExpertId, step: u64, buf: &mut [u8]) {
+    let compute_payload = layout.compute_payload_bytes();
+    let compute_crc = crc(&buf[PART_HEADER_BYTES..PART_HEADER_BYTES + compute_payload as usize]);
+    PartHeader {
+        part: Part::Compute,
+        dtype: layout.compute_dtype,
+        expert,
+        step,
+        payload_bytes: compute_payload,
+        payload_crc: compute_crc,
+    }
+    .encode(&mut buf[..PART_HEADER_BYTES]);
+    let at = layout.compute_part_bytes() as usize;
+    let state_payload = layout.state_payload_bytes();
+    let state_crc =
+        crc(&buf[at + PART_HEADER_BYTES..at + PART_HEADER_BYTES + state_payload as usize]);
+    PartHeader {
+        part: Part::State,
+        dtype: Dtype::F32,
+        expert,
+        step,
+        payload_bytes: state_payload,
+        payload_crc: state_crc,
+    }
+    .encode(&mut buf[at..at + PART_HEADER_BYTES]);
+}
+
+fn describe(l: &Layout) -> String {
+    format!(
+        "{} layers × {} experts × {} params ({})",
+        l.layers,
+        l.experts_per_layer,
+        l.params_per_expert,
+        l.compute_dtype.name()
+    )
+}
