@@ -106,7 +106,7 @@ fn case() -> impl Strategy<Value = (Vec<f32>, Vec<Vec<f32>>, AdamWHyper)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn simd_variants_equal_the_scalar_oracle_bit_for_bit(

@@ -96,6 +96,8 @@ pub enum TierError {
     },
     #[error("all {slots} host slots are pinned; release a guard or raise the host budget")]
     AllSlotsPinned { slots: usize },
+    #[error("expert {expert} is dirty and still held by a write guard; drop the guard before a flush or checkpoint")]
+    DirtyExpertHeld { expert: ExpertId },
     #[error("import: {0}")]
     Import(String),
     #[error("the background I/O thread stopped: {0}")]

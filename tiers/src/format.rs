@@ -24,8 +24,8 @@ pub const MAP_ENTRY_BYTES: usize = 16;
 /// A map entry's step for an expert that has never been written.
 pub const NEVER_WRITTEN: u64 = u64::MAX;
 
-const _: () = assert!(PART_HEADER_BYTES % 16 == 0);
-const _: () = assert!(BLOCK_BYTES % PART_HEADER_BYTES == 0);
+const _: () = assert!(PART_HEADER_BYTES.is_multiple_of(16));
+const _: () = assert!(BLOCK_BYTES.is_multiple_of(PART_HEADER_BYTES));
 
 /// Rounds up to a whole number of 4096-byte blocks.
 pub const fn align_up(bytes: u64) -> u64 {

@@ -16,12 +16,16 @@
 #[cfg(not(target_endian = "little"))]
 compile_error!("the store format is little-endian; big-endian hosts are not supported");
 
+mod cache;
 mod error;
 pub mod format;
 pub mod io;
+mod prefetch;
 mod record;
+mod schedule;
 mod store;
 
+pub use cache::{CacheStats, EvictionPolicy, HostCache, HostCacheConfig, ReadGuard, WriteGuard};
 pub use error::{Part, TierError};
 pub use format::{Dtype, Layout};
 pub use record::{compute_bytes, record_mut, Parts, RecordMut};

@@ -11,6 +11,8 @@ pub enum Parts {
     Compute,
     /// Compute params and optimizer state.
     Full,
+    /// The optimizer state alone: the buffer holds just the state part.
+    State,
 }
 
 impl Parts {
@@ -19,11 +21,26 @@ impl Parts {
         match self {
             Parts::Compute => layout.compute_part_bytes(),
             Parts::Full => layout.record_bytes(),
+            Parts::State => layout.state_part_bytes(),
         }
     }
 
+    /// The byte range of a record these parts occupy.
+    pub fn range(self, layout: &Layout) -> std::ops::Range<usize> {
+        let cpb = layout.compute_part_bytes() as usize;
+        match self {
+            Parts::Compute => 0..cpb,
+            Parts::Full => 0..layout.record_bytes() as usize,
+            Parts::State => cpb..layout.record_bytes() as usize,
+        }
+    }
+
+    pub fn includes_compute(self) -> bool {
+        self != Parts::State
+    }
+
     pub fn includes_state(self) -> bool {
-        self == Parts::Full
+        self != Parts::Compute
     }
 }
 

@@ -274,7 +274,7 @@ impl ExpertStore {
             .iter_mut()
             .zip(&offsets)
             .map(|((_, parts, buf), &offset)| ReadOp {
-                offset,
+                offset: offset + parts.range(&self.layout).start as u64,
                 buf: &mut buf[..parts.bytes(&self.layout) as usize],
             })
             .collect();
@@ -318,14 +318,19 @@ impl ExpertStore {
             }
             Ok(())
         };
-        check(
-            Part::Compute,
-            0,
-            layout.compute_payload_bytes(),
-            layout.compute_dtype,
-        )?;
+        if parts.includes_compute() {
+            check(
+                Part::Compute,
+                0,
+                layout.compute_payload_bytes(),
+                layout.compute_dtype,
+            )?;
+        }
         if parts.includes_state() {
-            let at = layout.compute_part_bytes() as usize;
+            let at = match parts {
+                Parts::State => 0,
+                _ => layout.compute_part_bytes() as usize,
+            };
             check(Part::State, at, layout.state_payload_bytes(), Dtype::F32)?;
         }
         Ok(())
@@ -335,11 +340,9 @@ impl ExpertStore {
     /// them, in one batch, to each expert's working copy. Durable only after
     /// the next `checkpoint`.
     pub fn write_many(&self, records: &mut [(ExpertId, u64, &mut [u8])]) -> Result<(), TierError> {
-        let layout = self.layout;
-        let record_bytes = layout.record_bytes() as usize;
-        let mut slots = Vec::with_capacity(records.len());
+        let record_bytes = self.layout.record_bytes() as usize;
         for (expert, step, buf) in records.iter_mut() {
-            let slot = layout.slot_of(*expert)?;
+            self.layout.slot_of(*expert)?;
             if buf.len() < record_bytes {
                 return Err(TierError::BufferSize {
                     what: "a record write",
@@ -347,9 +350,24 @@ impl ExpertStore {
                     got: buf.len(),
                 });
             }
-            stamp(&layout, *expert, *step, buf);
-            slots.push(slot);
+            stamp(&self.layout, *expert, *step, buf);
         }
+        let stamped: Vec<(ExpertId, u64, &[u8])> =
+            records.iter().map(|(e, s, b)| (*e, *s, &b[..])).collect();
+        self.write_stamped(&stamped)
+    }
+
+    /// Writes records whose headers are already stamped (`stamp_headers`).
+    pub(crate) fn write_stamped(
+        &self,
+        records: &[(ExpertId, u64, &[u8])],
+    ) -> Result<(), TierError> {
+        let layout = self.layout;
+        let record_bytes = layout.record_bytes() as usize;
+        let slots = records
+            .iter()
+            .map(|(e, _, _)| layout.slot_of(*e))
+            .collect::<Result<Vec<u64>, _>>()?;
         let offsets: Vec<u64> = {
             let meta = lock(&self.meta);
             slots
@@ -432,30 +450,52 @@ impl ExpertStore {
 
 /// Writes both part headers (with payload checksums) into a record buffer.
 fn stamp(layout: &Layout, expert: ExpertId, step: u64, buf: &mut [u8]) {
-    let compute_payload = layout.compute_payload_bytes();
-    let compute_crc = crc(&buf[PART_HEADER_BYTES..PART_HEADER_BYTES + compute_payload as usize]);
+    let cpb = layout.compute_part_bytes() as usize;
+    let (compute_part, state_part) = buf.split_at_mut(cpb);
+    let (compute_header, compute_rest) = compute_part.split_at_mut(PART_HEADER_BYTES);
+    let (state_header, state_rest) = state_part.split_at_mut(PART_HEADER_BYTES);
+    stamp_headers(
+        layout,
+        expert,
+        step,
+        compute_header,
+        compute_rest,
+        state_header,
+        state_rest,
+    );
+}
+
+/// Writes the two 64-byte part headers of a record from its payloads. The
+/// payload slices may be longer than the payload (the padding is ignored).
+pub(crate) fn stamp_headers(
+    layout: &Layout,
+    expert: ExpertId,
+    step: u64,
+    compute_header: &mut [u8],
+    compute_payload: &[u8],
+    state_header: &mut [u8],
+    state_payload: &[u8],
+) {
+    let compute_bytes = layout.compute_payload_bytes();
     PartHeader {
         part: Part::Compute,
         dtype: layout.compute_dtype,
         expert,
         step,
-        payload_bytes: compute_payload,
-        payload_crc: compute_crc,
+        payload_bytes: compute_bytes,
+        payload_crc: crc(&compute_payload[..compute_bytes as usize]),
     }
-    .encode(&mut buf[..PART_HEADER_BYTES]);
-    let at = layout.compute_part_bytes() as usize;
-    let state_payload = layout.state_payload_bytes();
-    let state_crc =
-        crc(&buf[at + PART_HEADER_BYTES..at + PART_HEADER_BYTES + state_payload as usize]);
+    .encode(compute_header);
+    let state_bytes = layout.state_payload_bytes();
     PartHeader {
         part: Part::State,
         dtype: Dtype::F32,
         expert,
         step,
-        payload_bytes: state_payload,
-        payload_crc: state_crc,
+        payload_bytes: state_bytes,
+        payload_crc: crc(&state_payload[..state_bytes as usize]),
     }
-    .encode(&mut buf[at..at + PART_HEADER_BYTES]);
+    .encode(state_header);
 }
 
 fn describe(l: &Layout) -> String {

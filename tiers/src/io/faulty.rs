@@ -40,11 +40,7 @@ pub struct FaultyFile {
 }
 
 fn injected(op: &'static str, offset: u64) -> TierError {
-    TierError::io(
-        op,
-        offset,
-        std::io::Error::new(std::io::ErrorKind::Other, "injected fault"),
-    )
+    TierError::io(op, offset, std::io::Error::other("injected fault"))
 }
 
 impl FaultyFile {

@@ -1,0 +1,341 @@
+//! The host tier: a model-based randomized test against a plain map,
+//! prefetch hit rates, eviction policies, and budget errors.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use strata_tiers::io::{AlignedBuf, MemFile};
+use strata_tiers::{
+    record_mut, Dtype, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout,
+    Parts, ReadGuard, TierError,
+};
+
+fn layout(experts: u32) -> Layout {
+    Layout {
+        layers: 1,
+        experts_per_layer: experts,
+        params_per_expert: 700,
+        compute_dtype: Dtype::Bf16,
+    }
+}
+
+/// Content of an expert at a version: compute bytes and state floats.
+fn compute_of(e: ExpertId, version: u64, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| ((e.index as u64 * 37 + version * 11 + i as u64) % 251) as u8)
+        .collect()
+}
+
+fn master_of(e: ExpertId, version: u64) -> f32 {
+    e.index as f32 * 100.0 + version as f32
+}
+
+fn fill(layout: &Layout, e: ExpertId, version: u64, buf: &mut [u8]) {
+    let r = record_mut(layout, buf).unwrap();
+    let n = r.compute.len();
+    r.compute.copy_from_slice(&compute_of(e, version, n));
+    r.master.fill(master_of(e, version));
+    r.m.fill(version as f32);
+    r.v.fill(1.0);
+}
+
+/// A store with every expert written at version 0 and committed.
+fn populated(layout: Layout) -> Arc<ExpertStore> {
+    let store = ExpertStore::create_on(Box::new(MemFile::new()), layout).unwrap();
+    let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
+    for i in 0..layout.experts_per_layer {
+        let e = ExpertId::new(0, i);
+        fill(&layout, e, 0, buf.as_mut_slice());
+        store.write(e, 0, buf.as_mut_slice()).unwrap();
+    }
+    store.checkpoint(0).unwrap();
+    Arc::new(store)
+}
+
+fn check_read(layout: &Layout, g: &ReadGuard, version: u64) {
+    let e = g.expert();
+    let n = layout.compute_payload_bytes() as usize;
+    assert_eq!(
+        g.compute(),
+        &compute_of(e, version, n)[..],
+        "expert {e} v{version}"
+    );
+    if let Some((master, m, _)) = g.state() {
+        assert!(
+            master.iter().all(|&x| x == master_of(e, version)),
+            "expert {e}"
+        );
+        assert!(m.iter().all(|&x| x == version as f32));
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Read(u32, bool),
+    Hold(u32),
+    ReleaseOldest,
+    Update(u32),
+    Flush,
+    Checkpoint,
+}
+
+fn op(experts: u32) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..experts, any::<bool>()).prop_map(|(e, full)| Op::Read(e, full)),
+        1 => (0..experts).prop_map(Op::Hold),
+        1 => Just(Op::ReleaseOldest),
+        3 => (0..experts).prop_map(Op::Update),
+        1 => Just(Op::Flush),
+        1 => Just(Op::Checkpoint),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_cache_behaves_like_a_map(
+        ops in prop::collection::vec(op(7), 1..60),
+        slots in 2u64..5,
+        lru in any::<bool>(),
+        prefetch in any::<bool>(),
+    ) {
+        let layout = layout(7);
+        let store = populated(layout);
+        let cache = HostCache::new(store.clone(), HostCacheConfig {
+            host_budget_bytes: slots * layout.record_bytes(),
+            policy: if lru { EvictionPolicy::Lru } else { EvictionPolicy::ScheduleDistance },
+            prefetch_ahead_max: if prefetch { 4 } else { 0 },
+            ..HostCacheConfig::default()
+        }).unwrap();
+        if prefetch {
+            // A schedule the ops do not follow: prefetching must not change results.
+            cache.set_schedule((0..7).map(|i| (ExpertId::new(0, i), Parts::Compute)).collect());
+        }
+        // The model: each expert's current version.
+        let mut model: BTreeMap<u32, u64> = (0..7).map(|i| (i, 0)).collect();
+        let mut held: Vec<(ReadGuard, u64)> = Vec::new();
+        let mut step = 0u64;
+        for op in ops {
+            match op {
+                Op::Read(i, full) => {
+                    let parts = if full { Parts::Full } else { Parts::Compute };
+                    match cache.acquire(ExpertId::new(0, i), parts) {
+                        Ok(g) => check_read(&layout, &g, model[&i]),
+                        Err(TierError::AllSlotsPinned { .. }) => {
+                            prop_assert!(held.len() as u64 >= slots);
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                Op::Hold(i) => {
+                    // Keep at most slots - 1 pins, so progress stays possible.
+                    if (held.len() as u64) < slots - 1 {
+                        let g = cache.acquire(ExpertId::new(0, i), Parts::Compute).unwrap();
+                        held.push((g, model[&i]));
+                    }
+                }
+                Op::ReleaseOldest => {
+                    if !held.is_empty() {
+                        held.remove(0);
+                    }
+                }
+                Op::Update(i) => {
+                    if held.iter().any(|(g, _)| g.expert().index == i) {
+                        continue; // a writer would wait for our own pin
+                    }
+                    let e = ExpertId::new(0, i);
+                    let mut g = cache.acquire_mut(e).unwrap();
+                    let version = model[&i] + 1;
+                    let r = g.record_mut();
+                    let n = r.compute.len();
+                    r.compute.copy_from_slice(&compute_of(e, version, n));
+                    r.master.fill(master_of(e, version));
+                    r.m.fill(version as f32);
+                    g.mark_dirty(version);
+                    model.insert(i, version);
+                }
+                Op::Flush => cache.flush().unwrap(),
+                Op::Checkpoint => {
+                    step += 1;
+                    cache.checkpoint(step).unwrap();
+                }
+            }
+            // Pinned experts never move or change under their guards.
+            for (g, version) in &held {
+                check_read(&layout, g, *version);
+            }
+            prop_assert!(cache.resident().len() as u64 <= slots);
+        }
+        drop(held);
+        // Everything reads back as the model says, through the cache...
+        for (&i, &version) in &model {
+            let g = cache.acquire(ExpertId::new(0, i), Parts::Full).unwrap();
+            check_read(&layout, &g, version);
+        }
+        // ...and, after a final checkpoint, straight from the store.
+        cache.checkpoint(step + 1).unwrap();
+        let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
+        for (&i, &version) in &model {
+            let e = ExpertId::new(0, i);
+            let written = store.read(e, Parts::Full, buf.as_mut_slice()).unwrap();
+            // Never-updated experts keep their version-0 record.
+            prop_assert_eq!(written, version);
+            let r = record_mut(&layout, buf.as_mut_slice()).unwrap();
+            prop_assert_eq!(&r.compute[..], &compute_of(e, version, r.compute.len())[..]);
+            prop_assert!(r.master.iter().all(|&x| x == master_of(e, version)));
+        }
+    }
+}
+
+/// forward over every expert, then backward (full records for the optimizer).
+fn moe_schedule(experts: u32) -> Vec<(ExpertId, Parts)> {
+    let forward = (0..experts).map(|i| (ExpertId::new(0, i), Parts::Compute));
+    let backward = (0..experts)
+        .rev()
+        .map(|i| (ExpertId::new(0, i), Parts::Full));
+    forward.chain(backward).collect()
+}
+
+#[test]
+fn prefetch_hits_every_access_when_the_schedule_is_followed_and_the_window_fits() {
+    let experts = 12;
+    let layout = layout(experts);
+    let store = populated(layout);
+    let cache = HostCache::new(
+        store,
+        HostCacheConfig {
+            // A third of the experts fit; the prefetch window is 3 accesses.
+            host_budget_bytes: 4 * layout.record_bytes(),
+            prefetch_ahead_max: 3,
+            prefetch_batch_max: 3,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    let schedule = moe_schedule(experts);
+    cache.set_schedule(schedule.clone());
+    // Let the prefetcher fill its first window before compute starts.
+    for _ in 0..500 {
+        if cache.resident().len() >= 3 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for _step in 0..3 {
+        for &(e, parts) in &schedule {
+            let g = cache.acquire(e, parts).unwrap();
+            check_read(&layout, &g, 0);
+            // Compute on this expert takes far longer than loading the next
+            // from an in-memory store.
+            std::thread::sleep(Duration::from_millis(4));
+            drop(g);
+        }
+    }
+    let stats = cache.stats();
+    assert_eq!(stats.acquires(), 3 * schedule.len() as u64);
+    assert_eq!(stats.hits, stats.acquires(), "{stats:?}");
+    assert_eq!((stats.late, stats.misses, stats.stall_ns), (0, 0, 0));
+    assert_eq!(stats.hit_rate(), 1.0);
+}
+
+/// Demand-only hit rate of a policy over four repetitions of `schedule`.
+fn demand_hit_rate(policy: EvictionPolicy, schedule: &[(ExpertId, Parts)]) -> f64 {
+    let layout = layout(10);
+    let cache = HostCache::new(
+        populated(layout),
+        HostCacheConfig {
+            host_budget_bytes: 4 * layout.record_bytes(),
+            policy,
+            prefetch_ahead_max: 0,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    cache.set_schedule(schedule.to_vec());
+    for _ in 0..4 {
+        for &(e, parts) in schedule {
+            drop(cache.acquire(e, parts).unwrap());
+        }
+    }
+    cache.stats().hit_rate()
+}
+
+#[test]
+fn schedule_distance_eviction_is_never_worse_than_lru() {
+    // Training: forward reads compute params, backward needs the state too
+    // (every backward access loads the state part, a miss by either policy).
+    let training = moe_schedule(10);
+    // Evaluation: forward only, a cyclic scan larger than the cache, where
+    // LRU always evicts exactly the expert needed next.
+    let evaluation: Vec<_> = (0..10)
+        .map(|i| (ExpertId::new(0, i), Parts::Compute))
+        .collect();
+    for (name, schedule) in [("training", &training), ("evaluation", &evaluation)] {
+        let lru = demand_hit_rate(EvictionPolicy::Lru, schedule);
+        let distance = demand_hit_rate(EvictionPolicy::ScheduleDistance, schedule);
+        eprintln!("{name}: demand hit rate lru {lru:.3}, schedule distance {distance:.3}");
+        assert!(
+            distance >= lru,
+            "{name}: lru {lru} vs schedule distance {distance}"
+        );
+        if name == "evaluation" {
+            assert_eq!(lru, 0.0);
+            assert!(distance > 0.2, "{distance}");
+        }
+    }
+}
+
+#[test]
+fn budgets_and_pins_get_clear_errors() {
+    let layout = layout(4);
+    let store = populated(layout);
+    let err = HostCache::new(
+        store.clone(),
+        HostCacheConfig {
+            host_budget_bytes: layout.record_bytes() - 1,
+            ..HostCacheConfig::default()
+        },
+    )
+    .err()
+    .unwrap();
+    assert!(matches!(
+        err,
+        TierError::BudgetTooSmall { tier: "host", .. }
+    ));
+    assert!(err.to_string().contains("raise it to at least"), "{err}");
+
+    let cache = HostCache::new(
+        store,
+        HostCacheConfig {
+            host_budget_bytes: 2 * layout.record_bytes(),
+            prefetch_ahead_max: 0,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    let a = cache.acquire(ExpertId::new(0, 0), Parts::Compute).unwrap();
+    let b = cache.acquire(ExpertId::new(0, 1), Parts::Compute).unwrap();
+    let err = cache
+        .acquire(ExpertId::new(0, 2), Parts::Compute)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, TierError::AllSlotsPinned { slots: 2 }),
+        "{err}"
+    );
+    drop((a, b));
+    let mut w = cache.acquire_mut(ExpertId::new(0, 3)).unwrap();
+    w.mark_dirty(1);
+    let err = cache.flush().unwrap_err();
+    assert!(matches!(err, TierError::DirtyExpertHeld { .. }), "{err}");
+    drop(w);
+    cache.flush().unwrap();
+    let err = cache
+        .acquire(ExpertId::new(3, 0), Parts::Compute)
+        .err()
+        .unwrap();
+    assert!(matches!(err, TierError::NoSuchExpert { .. }), "{err}");
+}
