@@ -98,6 +98,8 @@ pub enum TierError {
     AllSlotsPinned { slots: usize },
     #[error("expert {expert} is dirty and still held by a write guard; drop the guard before a flush or checkpoint")]
     DirtyExpertHeld { expert: ExpertId },
+    #[error("device tier: {0}")]
+    DeviceCopy(String),
     #[error("import: {0}")]
     Import(String),
     #[error("the background I/O thread stopped: {0}")]

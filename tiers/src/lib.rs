@@ -17,6 +17,7 @@
 compile_error!("the store format is little-endian; big-endian hosts are not supported");
 
 mod cache;
+mod device;
 mod error;
 pub mod format;
 pub mod io;
@@ -26,6 +27,9 @@ mod schedule;
 mod store;
 
 pub use cache::{CacheStats, EvictionPolicy, HostCache, HostCacheConfig, ReadGuard, WriteGuard};
+pub use device::{
+    CopyEvent, CpuDeviceArena, DeviceArena, Download, HostBytes, HostBytesMut, SlotView,
+};
 pub use error::{Part, TierError};
 pub use format::{Dtype, Layout};
 pub use record::{compute_bytes, record_mut, Parts, RecordMut};
