@@ -23,6 +23,7 @@ pub mod format;
 pub mod io;
 mod prefetch;
 mod record;
+pub mod safetensors_io;
 mod schedule;
 mod store;
 

@@ -1,0 +1,501 @@
+//! Import experts from Hugging Face safetensors checkpoints into a store,
+//! and export them back, one expert at a time: files are memory-mapped and
+//! the store is written record by record, so the model is never held in RAM.
+//!
+//! An expert's params in a record are its three SwiGLU matrices, each
+//! row-major in its Hugging Face shape, concatenated:
+//! `w1` (gate, F×D) | `w3` (up, F×D) | `w2` (down, D×F).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+use crate::format::Dtype;
+use crate::io::AlignedBuf;
+use crate::record::record_mut;
+use crate::{ExpertId, ExpertStore, TierError};
+
+/// How a checkpoint names its experts' matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertNaming {
+    /// `model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`
+    Mixtral,
+    /// `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`
+    /// (Qwen2-MoE, OLMoE).
+    QwenOlmoe,
+}
+
+impl ExpertNaming {
+    /// The names of (gate, up, down) for one expert.
+    pub fn names(self, e: ExpertId) -> [String; 3] {
+        let (l, i) = (e.layer, e.index);
+        match self {
+            ExpertNaming::Mixtral => ["w1", "w3", "w2"]
+                .map(|w| format!("model.layers.{l}.block_sparse_moe.experts.{i}.{w}.weight")),
+            ExpertNaming::QwenOlmoe => ["gate_proj", "up_proj", "down_proj"]
+                .map(|w| format!("model.layers.{l}.mlp.experts.{i}.{w}.weight")),
+        }
+    }
+}
+
+/// The expert shape an import expects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShape {
+    pub d_model: usize,
+    pub d_ff: usize,
+}
+
+impl ExpertShape {
+    pub fn params(&self) -> u64 {
+        3 * self.d_model as u64 * self.d_ff as u64
+    }
+}
+
+/// Where one tensor's bytes are.
+struct TensorLocation {
+    file: usize,
+    dtype: StDtype,
+    shape: Vec<usize>,
+    /// Byte range within the mapped file.
+    start: usize,
+    end: usize,
+}
+
+/// The memory-mapped files of one checkpoint and where each tensor lives.
+pub struct Checkpoint {
+    maps: Vec<(PathBuf, Mmap)>,
+    where_is: HashMap<String, TensorLocation>,
+}
+
+fn import_err(message: String) -> TierError {
+    TierError::Import(message)
+}
+
+impl Checkpoint {
+    /// Opens `model.safetensors.index.json` (sharded) or every
+    /// `*.safetensors` file of `dir`.
+    pub fn open(dir: &Path) -> Result<Self, TierError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| TierError::File {
+                path: index_path.clone(),
+                source: e,
+            })?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                import_err(format!("{}: not valid JSON: {e}", index_path.display()))
+            })?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    import_err(format!(
+                        "{}: no \"weight_map\" object",
+                        index_path.display()
+                    ))
+                })?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect();
+            names.sort();
+            names.dedup();
+            names.into_iter().map(|n| dir.join(n)).collect()
+        } else {
+            let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| TierError::File {
+                    path: dir.to_path_buf(),
+                    source: e,
+                })?
+                .filter_map(|entry| entry.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            found.sort();
+            found
+        };
+        if files.is_empty() {
+            return Err(import_err(format!(
+                "{}: no *.safetensors files (and no model.safetensors.index.json)",
+                dir.display()
+            )));
+        }
+        let mut maps = Vec::with_capacity(files.len());
+        let mut where_is = HashMap::new();
+        for path in files {
+            let file = File::open(&path).map_err(|e| TierError::File {
+                path: path.clone(),
+                source: e,
+            })?;
+            // SAFETY: the file is mapped read-only; a concurrent truncation
+            // by another process would be a misuse we cannot prevent (as
+            // with every mmap-based safetensors loader).
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| TierError::File {
+                path: path.clone(),
+                source: e,
+            })?;
+            let (header_bytes, metadata) = SafeTensors::read_metadata(&map[..])
+                .map_err(|e| import_err(format!("{}: {e}", path.display())))?;
+            let data_start = 8 + header_bytes;
+            for (name, info) in metadata.tensors() {
+                let (start, end) = info.data_offsets;
+                if data_start + end > map.len() || start > end {
+                    return Err(import_err(format!(
+                        "{}: {name} lies past the end of the file (truncated download?)",
+                        path.display()
+                    )));
+                }
+                where_is.insert(
+                    name,
+                    TensorLocation {
+                        file: maps.len(),
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        start: data_start + start,
+                        end: data_start + end,
+                    },
+                );
+            }
+            maps.push((path, map));
+        }
+        Ok(Self { maps, where_is })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.where_is.contains_key(name)
+    }
+
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.where_is.keys().map(String::as_str)
+    }
+
+    /// Guesses the naming from the tensors present.
+    pub fn naming(&self) -> Result<ExpertNaming, TierError> {
+        let first = ExpertId::new(0, 0);
+        for naming in [ExpertNaming::Mixtral, ExpertNaming::QwenOlmoe] {
+            if self.contains(&naming.names(first)[0]) {
+                return Ok(naming);
+            }
+        }
+        Err(import_err(
+            "no expert weights under Mixtral (block_sparse_moe.experts.N.w1) or \
+             Qwen2-MoE/OLMoE (mlp.experts.N.gate_proj) names"
+                .to_string(),
+        ))
+    }
+
+    /// Reads a tensor of `shape` as f32 into `out` (bf16/f16 widen exactly).
+    pub fn read_f32(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), TierError> {
+        let at = self
+            .where_is
+            .get(name)
+            .ok_or_else(|| import_err(format!("tensor {name} is missing from the checkpoint")))?;
+        if at.shape != shape {
+            return Err(import_err(format!(
+                "{name} has shape {:?}, the config implies {:?}",
+                at.shape, shape
+            )));
+        }
+        let n: usize = shape.iter().product();
+        assert_eq!(out.len(), n, "output sized for the shape");
+        let data = &self.maps[at.file].1[at.start..at.end];
+        let element_bytes = match at.dtype {
+            StDtype::F32 => 4,
+            StDtype::BF16 | StDtype::F16 => 2,
+            _ => 0,
+        };
+        if element_bytes != 0 && data.len() != n * element_bytes {
+            return Err(import_err(format!(
+                "{name}: {} bytes of data for {n} {:?} elements",
+                data.len(),
+                at.dtype
+            )));
+        }
+        match at.dtype {
+            StDtype::F32 => {
+                for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            StDtype::BF16 => {
+                for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                    *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            StDtype::F16 => {
+                for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            other => {
+                return Err(import_err(format!(
+                    "{name} is {other:?}; only F32, BF16 and F16 tensors can be imported"
+                )))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes `values` in the store's compute dtype (little-endian) into `out`.
+pub fn encode_compute(dtype: Dtype, values: &[f32], out: &mut [u8]) {
+    match dtype {
+        Dtype::F32 => {
+            for (c, v) in out.chunks_exact_mut(4).zip(values) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Dtype::Bf16 => {
+            for (c, v) in out.chunks_exact_mut(2).zip(values) {
+                c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        Dtype::F16 => {
+            for (c, v) in out.chunks_exact_mut(2).zip(values) {
+                c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Imports every expert of the store's layout from `checkpoint`, with zero
+/// moments, writes each record at `step`, and commits checkpoint `step`.
+/// `progress(done, total)` is called after each expert.
+pub fn import_experts(
+    checkpoint: &Checkpoint,
+    naming: ExpertNaming,
+    shape: ExpertShape,
+    store: &ExpertStore,
+    step: u64,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<(), TierError> {
+    let layout = store.layout();
+    if layout.params_per_expert != shape.params() {
+        return Err(import_err(format!(
+            "the store holds {} params an expert, but 3 × d_model {} × d_ff {} = {}",
+            layout.params_per_expert,
+            shape.d_model,
+            shape.d_ff,
+            shape.params()
+        )));
+    }
+    // Report every missing tensor up front, before anything is written.
+    let missing: Vec<String> = (0..layout.expert_count())
+        .flat_map(|slot| naming.names(layout.expert_at(slot)))
+        .filter(|name| !checkpoint.contains(name))
+        .collect();
+    if !missing.is_empty() {
+        let shown: Vec<&str> = missing.iter().take(3).map(String::as_str).collect();
+        return Err(import_err(format!(
+            "{} expert tensors are missing from the checkpoint, e.g. {}",
+            missing.len(),
+            shown.join(", ")
+        )));
+    }
+    let (d, f) = (shape.d_model, shape.d_ff);
+    let mut record = AlignedBuf::zeroed(layout.record_bytes() as usize);
+    let total = layout.expert_count();
+    for slot in 0..total {
+        let expert = layout.expert_at(slot);
+        let [gate, up, down] = naming.names(expert);
+        {
+            let r = record_mut(&layout, record.as_mut_slice())?;
+            let (w1, rest) = r.master.split_at_mut(d * f);
+            let (w3, w2) = rest.split_at_mut(d * f);
+            checkpoint.read_f32(&gate, &[f, d], w1)?;
+            checkpoint.read_f32(&up, &[f, d], w3)?;
+            checkpoint.read_f32(&down, &[d, f], w2)?;
+            r.m.fill(0.0);
+            r.v.fill(0.0);
+            encode_compute(layout.compute_dtype, r.master, r.compute);
+        }
+        store.write(expert, step, record.as_mut_slice())?;
+        progress(slot + 1, total);
+    }
+    store.checkpoint(step)
+}
+
+/// One tensor of a safetensors file being written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    pub fn bytes(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64 * self.dtype.bytes()
+    }
+}
+
+fn st_dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::F32 => "F32",
+        Dtype::Bf16 => "BF16",
+        Dtype::F16 => "F16",
+    }
+}
+
+/// Writes tensors to safetensors files of at most `shard_bytes_max` each
+/// (one tensor never splits), streaming each tensor's bytes from
+/// `fill(index, out)`. With more than one shard, also writes
+/// `model.safetensors.index.json`. Files are written under temporary
+/// names and renamed into place at the end, so nothing is left half-way.
+pub fn write_safetensors(
+    dir: &Path,
+    specs: &[TensorSpec],
+    shard_bytes_max: u64,
+    mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), TierError>,
+) -> Result<Vec<PathBuf>, TierError> {
+    let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut shard_bytes = 0u64;
+    for (i, spec) in specs.iter().enumerate() {
+        if shard_bytes > 0 && shard_bytes + spec.bytes() > shard_bytes_max {
+            shards.push(Vec::new());
+            shard_bytes = 0;
+        }
+        shards.last_mut().expect("non-empty").push(i);
+        shard_bytes += spec.bytes();
+    }
+    let count = shards.len();
+    let name_of = |k: usize| {
+        if count == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", k + 1, count)
+        }
+    };
+    let file_err = |path: &Path, e: std::io::Error| TierError::File {
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let mut written = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    for (k, members) in shards.iter().enumerate() {
+        let mut header = serde_json::Map::new();
+        let mut offset = 0u64;
+        for &i in members {
+            let s = &specs[i];
+            header.insert(
+                s.name.clone(),
+                serde_json::json!({
+                    "dtype": st_dtype_name(s.dtype),
+                    "shape": s.shape,
+                    "data_offsets": [offset, offset + s.bytes()],
+                }),
+            );
+            offset += s.bytes();
+            weight_map.insert(s.name.clone(), name_of(k));
+        }
+        header.insert(
+            "__metadata__".to_string(),
+            serde_json::json!({ "format": "pt" }),
+        );
+        let mut text = serde_json::to_string(&header).expect("plain JSON");
+        while text.len() % 8 != 0 {
+            text.push(' ');
+        }
+        let final_path = dir.join(name_of(k));
+        let tmp_path = dir.join(format!(".{}.partial", name_of(k)));
+        let file = File::create(&tmp_path).map_err(|e| file_err(&tmp_path, e))?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(&(text.len() as u64).to_le_bytes())
+            .and_then(|_| out.write_all(text.as_bytes()))
+            .map_err(|e| file_err(&tmp_path, e))?;
+        let mut buf = Vec::new();
+        for &i in members {
+            buf.resize(specs[i].bytes() as usize, 0);
+            fill(i, &mut buf)?;
+            out.write_all(&buf).map_err(|e| file_err(&tmp_path, e))?;
+        }
+        let file = out
+            .into_inner()
+            .map_err(|e| file_err(&tmp_path, e.into_error()))?;
+        file.sync_all().map_err(|e| file_err(&tmp_path, e))?;
+        written.push((tmp_path, final_path));
+    }
+    if count > 1 {
+        let total: u64 = specs.iter().map(TensorSpec::bytes).sum();
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let final_path = dir.join("model.safetensors.index.json");
+        let tmp_path = dir.join(".model.safetensors.index.json.partial");
+        std::fs::write(
+            &tmp_path,
+            serde_json::to_string_pretty(&index).expect("JSON"),
+        )
+        .map_err(|e| file_err(&tmp_path, e))?;
+        written.push((tmp_path, final_path));
+    }
+    let mut finals = Vec::new();
+    for (tmp, fin) in written {
+        std::fs::rename(&tmp, &fin).map_err(|e| file_err(&fin, e))?;
+        finals.push(fin);
+    }
+    Ok(finals)
+}
+
+/// The expert tensors of a store, named for `naming`, in `dtype`.
+pub fn expert_tensor_specs(
+    store: &ExpertStore,
+    naming: ExpertNaming,
+    shape: ExpertShape,
+    dtype: Dtype,
+) -> Vec<TensorSpec> {
+    let layout = store.layout();
+    let (d, f) = (shape.d_model, shape.d_ff);
+    (0..layout.expert_count())
+        .flat_map(|slot| {
+            let [gate, up, down] = naming.names(layout.expert_at(slot));
+            [(gate, vec![f, d]), (up, vec![f, d]), (down, vec![d, f])]
+        })
+        .map(|(name, shape)| TensorSpec { name, dtype, shape })
+        .collect()
+}
+
+/// Exports every expert's f32 master params (rounded to `dtype`) into
+/// safetensors files under `dir`, one expert read at a time.
+pub fn export_experts(
+    store: &ExpertStore,
+    naming: ExpertNaming,
+    shape: ExpertShape,
+    dtype: Dtype,
+    dir: &Path,
+    shard_bytes_max: u64,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Vec<PathBuf>, TierError> {
+    let layout = store.layout();
+    if layout.params_per_expert != shape.params() {
+        return Err(import_err(format!(
+            "the store holds {} params an expert, not 3 × {} × {}",
+            layout.params_per_expert, shape.d_model, shape.d_ff
+        )));
+    }
+    let specs = expert_tensor_specs(store, naming, shape, dtype);
+    let (d, f) = (shape.d_model, shape.d_ff);
+    let mut record = AlignedBuf::zeroed(layout.record_bytes() as usize);
+    let mut loaded: Option<u64> = None;
+    let total = layout.expert_count();
+    write_safetensors(dir, &specs, shard_bytes_max, |i, out| {
+        let slot = (i / 3) as u64;
+        if loaded != Some(slot) {
+            store.read(
+                layout.expert_at(slot),
+                crate::Parts::Full,
+                record.as_mut_slice(),
+            )?;
+            loaded = Some(slot);
+            progress(slot + 1, total);
+        }
+        let r = record_mut(&layout, record.as_mut_slice())?;
+        let part = &r.master[(i % 3) * d * f..(i % 3 + 1) * d * f];
+        encode_compute(dtype, part, out);
+        Ok(())
+    })
+}
