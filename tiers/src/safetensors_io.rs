@@ -396,7 +396,7 @@ pub fn write_safetensors(
             serde_json::json!({ "format": "pt" }),
         );
         let mut text = serde_json::to_string(&header).expect("plain JSON");
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(' ');
         }
         let final_path = dir.join(name_of(k));
