@@ -30,6 +30,48 @@ pub enum Command {
 pub enum BenchCommand {
     /// The CPU AdamW step (fp32 and mixed bf16) against the memory-bandwidth ceiling.
     Optim(OptimArgs),
+    /// Expert record read/write bandwidth through the SSD tier (io_uring and pread).
+    Tiers(TiersArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct TiersArgs {
+    /// Directory on the file system to measure (a scratch file is made and removed there).
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+    /// Approximate bytes of one expert record, in MiB.
+    #[arg(long, default_value_t = 8)]
+    pub record_mib: u64,
+    /// Records in the scratch store.
+    #[arg(long, default_value_t = 128)]
+    pub experts: u32,
+    /// io_uring queue depths to measure, comma-separated.
+    #[arg(long, default_value = "1,4,16,32", value_delimiter = ',')]
+    pub queue_depths: Vec<u32>,
+    /// Read passes over every record.
+    #[arg(long, default_value_t = 2)]
+    pub passes: u32,
+    /// Engines: io_uring, pread (comma-separated).
+    #[arg(long, default_value = "io_uring,pread", value_delimiter = ',', value_parser = parse_engine)]
+    pub engines: Vec<strata_tiers::io::EnginePreference>,
+    /// Keep the last scratch store file (`DIR/strata-bench.store`), e.g. to read it with fio.
+    #[arg(long)]
+    pub keep_file: bool,
+    /// Only read: reuse `DIR/strata-bench.store` left by --keep-file (same --record-mib and --experts).
+    #[arg(long)]
+    pub reuse_file: bool,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_engine(name: &str) -> Result<strata_tiers::io::EnginePreference, String> {
+    use strata_tiers::io::EnginePreference;
+    match name {
+        "io_uring" | "uring" => Ok(EnginePreference::Uring),
+        "pread" => Ok(EnginePreference::Pread),
+        other => Err(format!("unknown engine `{other}`; one of: io_uring, pread")),
+    }
 }
 
 #[derive(Args, Debug)]
@@ -82,7 +124,56 @@ pub fn run(cli: Cli) -> ExitCode {
 fn execute(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Bench(BenchCommand::Optim(args)) => bench_optim(args),
+        Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
     }
+}
+
+fn bench_tiers(args: TiersArgs) -> Result<(), String> {
+    if !args.dir.is_dir() {
+        return Err(format!(
+            "--dir {}: not a directory; give a directory on the disk to measure",
+            args.dir.display()
+        ));
+    }
+    if args.queue_depths.contains(&0) || args.experts == 0 || args.record_mib == 0 {
+        return Err("--queue-depths, --experts and --record-mib must be at least 1".to_string());
+    }
+    let config = bench::tiers::TiersBenchConfig {
+        dir: args.dir,
+        record_mib: args.record_mib,
+        experts: args.experts,
+        queue_depths: args.queue_depths,
+        engines: args.engines,
+        passes: args.passes.max(1),
+        keep_file: args.keep_file,
+        reuse_file: args.reuse_file,
+    };
+    let records =
+        bench::tiers::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;
+    let mut out = std::io::stdout().lock();
+    let write_err = |e: std::io::Error| e.to_string();
+    if args.json {
+        for r in &records {
+            let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
+            writeln!(out, "{line}").map_err(write_err)?;
+        }
+    } else {
+        writeln!(
+            out,
+            "{:<9} {:<6} {:>6} {:>12} {:>8} {:>10}",
+            "engine", "op", "depth", "record_bytes", "GB/s", "CPU s/GB"
+        )
+        .map_err(write_err)?;
+        for r in &records {
+            writeln!(
+                out,
+                "{:<9} {:<6} {:>6} {:>12} {:>8.2} {:>10.3}",
+                r.engine, r.op, r.queue_depth, r.record_bytes, r.gb_per_s, r.cpu_s_per_gb
+            )
+            .map_err(write_err)?;
+        }
+    }
+    Ok(())
 }
 
 fn bench_optim(args: OptimArgs) -> Result<(), String> {

@@ -161,8 +161,19 @@ pub(crate) struct Shared {
     pub policy: EvictionPolicy,
     pub ahead_max: usize,
     pub batch_max: usize,
+    /// Whether `region` is registered with the store's I/O engine.
+    registered: bool,
     inner: Mutex<Inner>,
     pub changed: Condvar,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if self.registered {
+            // Before `region` is freed: no stale registration may outlive it.
+            self.store.unregister_host_region();
+        }
+    }
 }
 
 // SAFETY: slot memory is only reached through the protocol in the module
@@ -172,6 +183,10 @@ unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
 impl Shared {
+    pub fn registered(&self) -> bool {
+        self.registered
+    }
+
     pub fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -401,9 +416,13 @@ impl HostCache {
         let region = config
             .allocator
             .allocate(slot_count * slot_bytes as usize)?;
+        // SAFETY: the region lives in `Shared`, whose Drop unregisters it
+        // before the region itself is dropped.
+        let registered = unsafe { store.register_host_region(region.as_ptr(), region.len()) };
         let shared = Arc::new(Shared {
             store,
             region,
+            registered,
             slot_bytes: slot_bytes as usize,
             layout,
             policy: config.policy,
@@ -439,6 +458,11 @@ impl HostCache {
 
     pub fn store(&self) -> &Arc<ExpertStore> {
         &self.shared.store
+    }
+
+    /// Whether the host allocation is registered with io_uring (fixed buffers).
+    pub fn io_registered(&self) -> bool {
+        self.shared.registered()
     }
 
     /// Whether the host allocation is page-locked (pinned for DMA).

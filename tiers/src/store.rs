@@ -210,6 +210,23 @@ impl ExpertStore {
         &self.notes
     }
 
+    /// Registers a host region with the I/O engine (io_uring fixed buffers)
+    /// so reads into and writes from it skip per-operation page pinning.
+    /// Returns whether it was registered (only io_uring does; a refusal, e.g.
+    /// by the memlock limit, just leaves I/O unregistered).
+    ///
+    /// # Safety
+    /// The region stays allocated until `unregister_host_region` is called
+    /// or the store is dropped.
+    pub unsafe fn register_host_region(&self, ptr: *mut u8, len: usize) -> bool {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.device.register_buffers(ptr, len) }
+    }
+
+    pub fn unregister_host_region(&self) {
+        self.device.unregister_buffers();
+    }
+
     /// The step the current version of `expert` was written at, or `None`
     /// if it was never written.
     pub fn expert_step(&self, expert: ExpertId) -> Result<Option<u64>, TierError> {
@@ -221,15 +238,20 @@ impl ExpertStore {
         })
     }
 
+    fn check_latch(&self) -> Result<(), TierError> {
+        match lock(&self.latch).clone() {
+            Some((op, message)) => Err(TierError::PreviousIo { op, message }),
+            None => Ok(()),
+        }
+    }
+
     /// Runs one device call through the I/O latch.
     fn guard<T>(
         &self,
         op: &'static str,
         f: impl FnOnce() -> Result<T, TierError>,
     ) -> Result<T, TierError> {
-        if let Some((op, message)) = lock(&self.latch).clone() {
-            return Err(TierError::PreviousIo { op, message });
-        }
+        self.check_latch()?;
         f().inspect_err(|e| {
             lock(&self.latch).get_or_insert((op, e.to_string()));
         })
@@ -270,6 +292,11 @@ impl ExpertStore {
                 offsets.push(self.layout.record_offset(slot as u64, copy));
             }
         }
+        let checks: Vec<(ExpertId, Parts, u64)> = requests
+            .iter()
+            .zip(&steps)
+            .map(|((e, p, _), &s)| (*e, *p, s))
+            .collect();
         let mut ops: Vec<ReadOp<'_>> = requests
             .iter_mut()
             .zip(&offsets)
@@ -278,10 +305,56 @@ impl ExpertStore {
                 buf: &mut buf[..parts.bytes(&self.layout) as usize],
             })
             .collect();
-        self.guard("read", || self.device.read_batch(&mut ops))?;
-        drop(ops);
-        for ((expert, parts, buf), &step) in requests.iter().zip(&steps) {
-            self.verify(*expert, *parts, buf, step)?;
+        // Each record is verified as soon as it arrives, on a verifier
+        // thread, so checksumming overlaps the reads still in flight and
+        // never delays reaping and refilling the queue. A checksum error is
+        // not an I/O failure: it is returned as is and does not latch.
+        self.check_latch()?;
+        let verify_all = |completed: &crossbeam_channel::Receiver<(usize, usize, usize)>| {
+            let mut first = None;
+            for (i, addr, len) in completed.iter() {
+                if first.is_some() {
+                    continue; // drain: the batch is failing anyway
+                }
+                // SAFETY: op i has completed, so nothing writes its buffer
+                // any more; the buffer is lent to read_many for this whole
+                // call, and this thread is joined before read_many returns.
+                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                let (expert, parts, step) = checks[i];
+                first = self.verify(expert, parts, bytes, step).err();
+            }
+            first
+        };
+        let (result, verify_error) = if ops.len() < 2 {
+            let mut verify_error = None;
+            let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
+                let (expert, parts, step) = checks[i];
+                verify_error = self.verify(expert, parts, bytes, step).err();
+                Ok(())
+            });
+            (result, verify_error)
+        } else {
+            std::thread::scope(|scope| {
+                let (tx, rx) = crossbeam_channel::bounded(ops.len());
+                let verifier = scope.spawn(move || verify_all(&rx));
+                let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
+                    // The channel holds every op, so this never blocks.
+                    let _ = tx.send((i, bytes.as_ptr() as usize, bytes.len()));
+                    Ok(())
+                });
+                drop(tx);
+                let verify_error = verifier.join().unwrap_or_else(|panic| {
+                    std::panic::resume_unwind(panic);
+                });
+                (result, verify_error)
+            })
+        };
+        if let Err(e) = result {
+            lock(&self.latch).get_or_insert(("read", e.to_string()));
+            return Err(e);
+        }
+        if let Some(e) = verify_error {
+            return Err(e);
         }
         Ok(steps)
     }

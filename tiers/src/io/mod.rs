@@ -18,6 +18,9 @@ pub use uring::UringFile;
 
 use crate::TierError;
 
+/// Called with each completed read's index and bytes (see `read_batch_each`).
+pub type OnReadComplete<'a> = dyn FnMut(usize, &[u8]) -> Result<(), TierError> + 'a;
+
 /// One read: fill `buf` from `offset`.
 pub struct ReadOp<'a> {
     pub offset: u64,
@@ -42,6 +45,36 @@ pub trait RecordDevice: Send + Sync {
     fn sync(&self) -> Result<(), TierError>;
     fn len_bytes(&self) -> Result<u64, TierError>;
     fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError>;
+
+    /// Like `read_batch`, calling `on_complete(i, bytes)` as soon as op i's
+    /// bytes have all arrived (while later ops are still in flight, where the
+    /// engine overlaps them), so checking one record overlaps reading the
+    /// next. An error from `on_complete` ends the batch with that error.
+    fn read_batch_each(
+        &self,
+        ops: &mut [ReadOp<'_>],
+        on_complete: &mut OnReadComplete<'_>,
+    ) -> Result<(), TierError> {
+        self.read_batch(ops)?;
+        ops.iter()
+            .enumerate()
+            .try_for_each(|(i, op)| on_complete(i, op.buf))
+    }
+
+    /// Registers `[ptr, ptr + len)` with the engine (io_uring fixed
+    /// buffers), so I/O into it skips per-operation page pinning. Returns
+    /// whether the engine registered it; engines without the notion do not.
+    ///
+    /// # Safety
+    /// The memory stays allocated until `unregister_buffers` is called or
+    /// the device is dropped.
+    unsafe fn register_buffers(&self, ptr: *mut u8, len: usize) -> bool {
+        let _ = (ptr, len);
+        false
+    }
+
+    /// Forgets a registration (before its memory is freed).
+    fn unregister_buffers(&self) {}
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), TierError> {
         self.read_batch(&mut [ReadOp { offset, buf }])

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use io_uring::{opcode, types, IoUring};
 
-use super::{ReadOp, RecordDevice, WriteOp};
+use super::{OnReadComplete, ReadOp, RecordDevice, WriteOp};
 use crate::TierError;
 
 /// Resubmissions of one op after EINTR / EAGAIN / a short transfer. Each
@@ -112,7 +112,12 @@ impl UringFile {
 
     /// Runs one batch: each op is (offset, address, length); `write` picks
     /// the direction. Returns after every submitted op has completed.
-    fn run(&self, write: bool, ops: &[(u64, *mut u8, usize)]) -> Result<(), TierError> {
+    fn run(
+        &self,
+        write: bool,
+        ops: &[(u64, *mut u8, usize)],
+        on_complete: &mut OnReadComplete<'_>,
+    ) -> Result<(), TierError> {
         let op_name = if write { "write" } else { "read" };
         let fixed = self.fixed.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut guard = self.ring.lock().unwrap_or_else(|e| e.into_inner());
@@ -125,6 +130,7 @@ impl UringFile {
         let mut done = 0usize;
         let mut first_error: Option<TierError> = None;
         let mut queue: Vec<usize> = Vec::new();
+        let mut completed: Vec<usize> = Vec::new();
 
         let push = |ring: &mut IoUring, i: usize, progress: &[(usize, u32)]| {
             let (offset, ptr, len) = ops[i];
@@ -148,19 +154,29 @@ impl UringFile {
                 .expect("ring has room for depth entries");
         };
 
+        // Tops the ring up to `depth` ops in flight; true if it pushed any.
+        macro_rules! fill {
+            () => {{
+                let mut pushed = false;
+                while first_error.is_none() && in_flight < self.depth {
+                    let i = if let Some(i) = queue.pop() {
+                        i
+                    } else if next < ops.len() {
+                        next += 1;
+                        next - 1
+                    } else {
+                        break;
+                    };
+                    push(ring, i, progress);
+                    in_flight += 1;
+                    pushed = true;
+                }
+                pushed
+            }};
+        }
+
         while done < ops.len() {
-            while first_error.is_none() && in_flight < self.depth {
-                let i = if let Some(i) = queue.pop() {
-                    i
-                } else if next < ops.len() {
-                    next += 1;
-                    next - 1
-                } else {
-                    break;
-                };
-                push(ring, i, progress);
-                in_flight += 1;
-            }
+            fill!();
             if in_flight == 0 {
                 break; // only after an error: nothing left in flight
             }
@@ -202,6 +218,7 @@ impl UringFile {
                 progress[i].0 += result as usize;
                 if progress[i].0 >= len {
                     done += 1;
+                    completed.push(i);
                 } else if progress[i].1 < RETRIES_MAX && first_error.is_none() {
                     progress[i].1 += 1;
                     queue.push(i);
@@ -209,6 +226,24 @@ impl UringFile {
                     let e = std::io::Error::new(std::io::ErrorKind::WriteZero, "no progress");
                     first_error.get_or_insert(TierError::io(op_name, offset, e));
                     done += 1;
+                }
+            }
+            // Keep the disk busy while the completed ops are checked; a
+            // failed submit leaves the entries queued for the next one.
+            if fill!() {
+                let _ = ring.submit();
+            }
+            for i in completed.drain(..) {
+                if first_error.is_some() {
+                    break;
+                }
+                let (_, ptr, len) = ops[i];
+                // SAFETY: op i's completion has been reaped, so the kernel
+                // no longer writes its buffer, which the caller lends us for
+                // this whole call; nothing else aliases it meanwhile.
+                let bytes = unsafe { std::slice::from_raw_parts(ptr.cast_const(), len) };
+                if let Err(e) = on_complete(i, bytes) {
+                    first_error = Some(e);
                 }
             }
         }
@@ -233,7 +268,19 @@ impl RecordDevice for UringFile {
             .iter_mut()
             .map(|op| (op.offset, op.buf.as_mut_ptr(), op.buf.len()))
             .collect();
-        self.run(false, &raw)
+        self.run(false, &raw, &mut |_, _| Ok(()))
+    }
+
+    fn read_batch_each(
+        &self,
+        ops: &mut [ReadOp<'_>],
+        on_complete: &mut OnReadComplete<'_>,
+    ) -> Result<(), TierError> {
+        let raw: Vec<(u64, *mut u8, usize)> = ops
+            .iter_mut()
+            .map(|op| (op.offset, op.buf.as_mut_ptr(), op.buf.len()))
+            .collect();
+        self.run(false, &raw, on_complete)
     }
 
     fn write_batch(&self, ops: &[WriteOp<'_>]) -> Result<(), TierError> {
@@ -242,7 +289,23 @@ impl RecordDevice for UringFile {
             .iter()
             .map(|op| (op.offset, op.buf.as_ptr().cast_mut(), op.buf.len()))
             .collect();
-        self.run(true, &raw)
+        self.run(true, &raw, &mut |_, _| Ok(()))
+    }
+
+    unsafe fn register_buffers(&self, ptr: *mut u8, len: usize) -> bool {
+        self.unregister_buffers();
+        // SAFETY: forwarded: the caller keeps the region alive until
+        // unregister_buffers or drop.
+        unsafe { self.register_region(ptr, len) }.is_ok()
+    }
+
+    fn unregister_buffers(&self) {
+        let mut fixed = self.fixed.lock().unwrap_or_else(|e| e.into_inner());
+        if !fixed.is_empty() {
+            let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = ring.ring.submitter().unregister_buffers();
+            fixed.clear();
+        }
     }
 
     fn sync(&self) -> Result<(), TierError> {
