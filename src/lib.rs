@@ -3,3 +3,9 @@
 
 pub mod bench;
 pub mod cli;
+mod error;
+pub mod math;
+pub mod model;
+pub mod reference;
+
+pub use error::EngineError;

@@ -1,0 +1,19 @@
+//! The engine's error type.
+
+use strata_optim::OptimError;
+use strata_tiers::TierError;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("invalid batch: {0}")]
+    Batch(String),
+    #[error("the loss is {loss}: training diverged (lower the learning rate, or check the data)")]
+    NonFiniteLoss { loss: f32 },
+    #[error(transparent)]
+    Tier(#[from] TierError),
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+}

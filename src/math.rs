@@ -1,0 +1,651 @@
+//! The MoE stack's math, written plainly and generically over f32 and f64:
+//! mirrored `*_forward` / `*_backward` pairs, row-major, no tiers, no
+//! scheduling. The reference trainer runs these in f32; the gradient tests
+//! run them in f64 against finite differences; the engine's fast paths are
+//! held to them by the equivalence tests.
+//!
+//! Legend: T tokens, D d_model, F d_ff, E experts, K top-k, V classes.
+//! Weights are stored as Hugging Face does, (out, in): `y = x · Wᵀ`.
+
+use std::fmt::Debug;
+use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
+
+/// f32 or f64.
+pub trait Real:
+    Copy
+    + Default
+    + PartialOrd
+    + Debug
+    + Send
+    + Sync
+    + 'static
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + SubAssign
+    + MulAssign
+{
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn is_finite(self) -> bool;
+    fn zero() -> Self {
+        Self::from_f64(0.0)
+    }
+    fn one() -> Self {
+        Self::from_f64(1.0)
+    }
+}
+
+macro_rules! real_impl {
+    ($t:ty) => {
+        impl Real for $t {
+            fn from_f64(x: f64) -> Self {
+                x as $t
+            }
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            fn is_finite(self) -> bool {
+                <$t>::is_finite(self)
+            }
+        }
+    };
+}
+real_impl!(f32);
+real_impl!(f64);
+
+/// out (M, N) = x (M, K) · w (N, K)ᵀ
+pub fn linear_forward<R: Real>(out: &mut [R], x: &[R], w: &[R], m: usize, k: usize, n: usize) {
+    assert_eq!(x.len(), m * k);
+    assert_eq!(w.len(), n * k);
+    assert_eq!(out.len(), m * n);
+    for i in 0..m {
+        let xi = &x[i * k..(i + 1) * k];
+        for j in 0..n {
+            let wj = &w[j * k..(j + 1) * k];
+            let mut acc = R::zero();
+            for p in 0..k {
+                acc += xi[p] * wj[p];
+            }
+            out[i * n + j] = acc;
+        }
+    }
+}
+
+/// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward<R: Real>(
+    dx: &mut [R],
+    dw: &mut [R],
+    dout: &[R],
+    x: &[R],
+    w: &[R],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
+    assert_eq!(dout.len(), m * n);
+    for i in 0..m {
+        for j in 0..n {
+            let g = dout[i * n + j];
+            for p in 0..k {
+                dx[i * k + p] += g * w[j * k + p];
+                dw[j * k + p] += g * x[i * k + p];
+            }
+        }
+    }
+}
+
+pub fn sigmoid<R: Real>(x: R) -> R {
+    R::one() / (R::one() + (-x).exp())
+}
+
+pub fn silu<R: Real>(x: R) -> R {
+    x * sigmoid(x)
+}
+
+/// d silu / dx
+pub fn silu_grad<R: Real>(x: R) -> R {
+    let s = sigmoid(x);
+    s * (R::one() + x * (R::one() - s))
+}
+
+const GELU_K: f64 = 0.797_884_560_802_865_4; // √(2/π)
+const GELU_C: f64 = 0.044_715;
+
+/// GELU, tanh approximation (as GPT-2 and llm.c).
+pub fn gelu<R: Real>(x: R) -> R {
+    let k = R::from_f64(GELU_K);
+    let c = R::from_f64(GELU_C);
+    let half = R::from_f64(0.5);
+    half * x * (R::one() + (k * (x + c * x * x * x)).tanh())
+}
+
+pub fn gelu_grad<R: Real>(x: R) -> R {
+    let k = R::from_f64(GELU_K);
+    let c = R::from_f64(GELU_C);
+    let half = R::from_f64(0.5);
+    let u = k * (x + c * x * x * x);
+    let t = u.tanh();
+    let du = k * (R::one() + R::from_f64(3.0) * c * x * x);
+    half * (R::one() + t) + half * x * (R::one() - t * t) * du
+}
+
+/// Expert kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertKind {
+    /// Mixtral: `w2 · (silu(w1 x) ⊙ w3 x)`; params w1 (F,D) | w3 (F,D) | w2 (D,F).
+    SwiGlu,
+    /// `w2 · gelu(w1 x)`; params w1 (F,D) | w2 (D,F).
+    Gelu,
+}
+
+impl ExpertKind {
+    pub fn params(self, d: usize, f: usize) -> usize {
+        match self {
+            ExpertKind::SwiGlu => 3 * d * f,
+            ExpertKind::Gelu => 2 * d * f,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertKind::SwiGlu => "swiglu",
+            ExpertKind::Gelu => "gelu",
+        }
+    }
+}
+
+/// What an expert's forward keeps for its backward: the pre-activations.
+/// (n, F) each; `b` is empty for GELU.
+#[derive(Clone, Debug, Default)]
+pub struct ExpertSaved<R> {
+    pub a: Vec<R>,
+    pub b: Vec<R>,
+}
+
+/// out (n, D) = expert(x (n, D)), with `params` laid out as `ExpertKind` says.
+pub fn expert_ffn_forward<R: Real>(
+    kind: ExpertKind,
+    out: &mut [R],
+    saved: &mut ExpertSaved<R>,
+    x: &[R],
+    params: &[R],
+    n: usize,
+    d: usize,
+    f: usize,
+) {
+    assert_eq!(params.len(), kind.params(d, f));
+    let w1 = &params[..f * d];
+    saved.a.resize(n * f, R::zero());
+    linear_forward(&mut saved.a, x, w1, n, d, f);
+    let mut hidden = vec![R::zero(); n * f];
+    let w2 = match kind {
+        ExpertKind::SwiGlu => {
+            let w3 = &params[f * d..2 * f * d];
+            saved.b.resize(n * f, R::zero());
+            linear_forward(&mut saved.b, x, w3, n, d, f);
+            for i in 0..n * f {
+                hidden[i] = silu(saved.a[i]) * saved.b[i];
+            }
+            &params[2 * f * d..]
+        }
+        ExpertKind::Gelu => {
+            saved.b.clear();
+            for i in 0..n * f {
+                hidden[i] = gelu(saved.a[i]);
+            }
+            &params[f * d..]
+        }
+    };
+    linear_forward(out, &hidden, w2, n, f, d);
+}
+
+/// dx (n, D) += …, dparams += … for the expert whose forward saved `saved`.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_ffn_backward<R: Real>(
+    kind: ExpertKind,
+    dx: &mut [R],
+    dparams: &mut [R],
+    dout: &[R],
+    saved: &ExpertSaved<R>,
+    x: &[R],
+    params: &[R],
+    n: usize,
+    d: usize,
+    f: usize,
+) {
+    let (dw_in, dw2) = dparams.split_at_mut(match kind {
+        ExpertKind::SwiGlu => 2 * f * d,
+        ExpertKind::Gelu => f * d,
+    });
+    let w1 = &params[..f * d];
+    let mut hidden = vec![R::zero(); n * f];
+    match kind {
+        ExpertKind::SwiGlu => {
+            for i in 0..n * f {
+                hidden[i] = silu(saved.a[i]) * saved.b[i];
+            }
+        }
+        ExpertKind::Gelu => {
+            for i in 0..n * f {
+                hidden[i] = gelu(saved.a[i]);
+            }
+        }
+    }
+    let w2 = &params[params.len() - d * f..];
+    // dhidden (n, F) = dout · w2;  dw2 += doutᵀ · hidden
+    let mut dhidden = vec![R::zero(); n * f];
+    linear_backward(&mut dhidden, dw2, dout, &hidden, w2, n, f, d);
+    let mut da = vec![R::zero(); n * f];
+    match kind {
+        ExpertKind::SwiGlu => {
+            let w3 = &params[f * d..2 * f * d];
+            let mut db = vec![R::zero(); n * f];
+            for i in 0..n * f {
+                db[i] = dhidden[i] * silu(saved.a[i]);
+                da[i] = dhidden[i] * saved.b[i] * silu_grad(saved.a[i]);
+            }
+            let (dw1, dw3) = dw_in.split_at_mut(f * d);
+            linear_backward(dx, dw1, &da, x, w1, n, d, f);
+            linear_backward(dx, dw3, &db, x, w3, n, d, f);
+        }
+        ExpertKind::Gelu => {
+            for i in 0..n * f {
+                da[i] = dhidden[i] * gelu_grad(saved.a[i]);
+            }
+            linear_backward(dx, dw_in, &da, x, w1, n, d, f);
+        }
+    }
+}
+
+/// Router settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Divide the top-k weights by their sum (Mixtral) or not (Switch).
+    pub renormalize: bool,
+}
+
+/// What the router decided for a batch, and what its backward needs.
+#[derive(Clone, Debug, Default)]
+pub struct Routing<R> {
+    /// (T, E) softmax probabilities
+    pub probs: Vec<R>,
+    /// (T) log-sum-exp of each token's router logits
+    pub lse: Vec<R>,
+    /// (T, K) chosen experts, best first (ties: lower index first)
+    pub experts: Vec<u32>,
+    /// (T, K) combine weights
+    pub weights: Vec<R>,
+    /// (E) assignments per expert
+    pub counts: Vec<u32>,
+    /// Switch/GShard load-balancing loss: E · Σ_e (count_e / (T·K)) · mean_t p_te
+    pub aux_loss: R,
+    /// Router z-loss: mean_t lse_t²
+    pub z_loss: R,
+}
+
+/// logits (T, E) = x (T, D) · wr (E, D)ᵀ; softmax; top-k; losses.
+pub fn router_forward<R: Real>(
+    cfg: &RouterConfig,
+    routing: &mut Routing<R>,
+    x: &[R],
+    wr: &[R],
+    t: usize,
+    d: usize,
+) {
+    let (e, k) = (cfg.experts, cfg.top_k);
+    assert!(k >= 1 && k <= e, "top-k {k} of {e} experts");
+    let mut logits = vec![R::zero(); t * e];
+    linear_forward(&mut logits, x, wr, t, d, e);
+    routing.probs.resize(t * e, R::zero());
+    routing.lse.resize(t, R::zero());
+    routing.experts.resize(t * k, 0);
+    routing.weights.resize(t * k, R::zero());
+    routing.counts.clear();
+    routing.counts.resize(e, 0);
+    let mut z = R::zero();
+    for i in 0..t {
+        let row = &logits[i * e..(i + 1) * e];
+        let max = row
+            .iter()
+            .copied()
+            .fold(row[0], |a, b| if b > a { b } else { a });
+        let mut sum = R::zero();
+        for j in 0..e {
+            let p = (row[j] - max).exp();
+            routing.probs[i * e + j] = p;
+            sum += p;
+        }
+        for j in 0..e {
+            routing.probs[i * e + j] = routing.probs[i * e + j] / sum;
+        }
+        let lse = max + sum.ln();
+        routing.lse[i] = lse;
+        z += lse * lse;
+        top_k(
+            &routing.probs[i * e..(i + 1) * e],
+            &mut routing.experts[i * k..(i + 1) * k],
+        );
+        let mut total = R::zero();
+        for s in 0..k {
+            let ex = routing.experts[i * k + s] as usize;
+            routing.counts[ex] += 1;
+            let p = routing.probs[i * e + ex];
+            routing.weights[i * k + s] = p;
+            total += p;
+        }
+        if cfg.renormalize {
+            for s in 0..k {
+                routing.weights[i * k + s] = routing.weights[i * k + s] / total;
+            }
+        }
+    }
+    let tf = R::from_f64(t as f64);
+    routing.z_loss = z / tf;
+    let mut aux = R::zero();
+    for j in 0..e {
+        let mut mean_p = R::zero();
+        for i in 0..t {
+            mean_p += routing.probs[i * e + j];
+        }
+        let frac = R::from_f64(routing.counts[j] as f64 / (t * k) as f64);
+        aux += frac * (mean_p / tf);
+    }
+    routing.aux_loss = R::from_f64(e as f64) * aux;
+}
+
+/// The indices of the `out.len()` largest values, best first; ties go to
+/// the lower index.
+pub fn top_k<R: Real>(values: &[R], out: &mut [u32]) {
+    let k = out.len();
+    assert!(k <= values.len());
+    for s in 0..k {
+        let mut best: Option<usize> = None;
+        for (j, &v) in values.iter().enumerate() {
+            if out[..s].contains(&(j as u32)) {
+                continue;
+            }
+            match best {
+                Some(b) if !(v > values[b]) => {}
+                _ => best = Some(j),
+            }
+        }
+        out[s] = best.expect("k ≤ E") as u32;
+    }
+}
+
+/// dx (T, D) += …, dwr (E, D) += … from dweights (T, K) and the loss
+/// coefficients' upstream gradients.
+#[allow(clippy::too_many_arguments)]
+pub fn router_backward<R: Real>(
+    cfg: &RouterConfig,
+    dx: &mut [R],
+    dwr: &mut [R],
+    dweights: &[R],
+    daux: R,
+    dz: R,
+    routing: &Routing<R>,
+    x: &[R],
+    wr: &[R],
+    t: usize,
+    d: usize,
+) {
+    let (e, k) = (cfg.experts, cfg.top_k);
+    let tf = R::from_f64(t as f64);
+    let mut dprobs = vec![R::zero(); t * e];
+    for i in 0..t {
+        let w = &routing.weights[i * k..(i + 1) * k];
+        let dw = &dweights[i * k..(i + 1) * k];
+        if cfg.renormalize {
+            // w_s = p_s / S  ⇒  dp_s = (dw_s − Σ_j dw_j w_j) / S
+            let mut total = R::zero();
+            let mut dot = R::zero();
+            for s in 0..k {
+                let ex = routing.experts[i * k + s] as usize;
+                total += routing.probs[i * e + ex];
+                dot += dw[s] * w[s];
+            }
+            for s in 0..k {
+                let ex = routing.experts[i * k + s] as usize;
+                dprobs[i * e + ex] += (dw[s] - dot) / total;
+            }
+        } else {
+            for s in 0..k {
+                let ex = routing.experts[i * k + s] as usize;
+                dprobs[i * e + ex] += dw[s];
+            }
+        }
+        // aux = E Σ_e f_e (1/T) Σ_t p_te  ⇒  ∂/∂p_te = E f_e / T
+        for j in 0..e {
+            let frac = R::from_f64(routing.counts[j] as f64 / (t * k) as f64);
+            dprobs[i * e + j] += daux * R::from_f64(e as f64) * frac / tf;
+        }
+    }
+    let mut dlogits = vec![R::zero(); t * e];
+    for i in 0..t {
+        let p = &routing.probs[i * e..(i + 1) * e];
+        let dp = &dprobs[i * e..(i + 1) * e];
+        let mut dot = R::zero();
+        for j in 0..e {
+            dot += p[j] * dp[j];
+        }
+        // z = (1/T) Σ lse² ⇒ ∂z/∂logit_tj = (2/T) lse_t p_tj
+        let zscale = dz * R::from_f64(2.0) * routing.lse[i] / tf;
+        for j in 0..e {
+            dlogits[i * e + j] = p[j] * (dp[j] - dot) + zscale * p[j];
+        }
+    }
+    linear_backward(dx, dwr, &dlogits, x, wr, t, d, e);
+}
+
+/// RMSNorm forward: out = x / rms(x) · g, rms = √(mean(x²) + ε); saves 1/rms.
+pub fn rmsnorm_forward<R: Real>(
+    out: &mut [R],
+    inv_rms: &mut [R],
+    x: &[R],
+    g: &[R],
+    t: usize,
+    d: usize,
+    eps: f64,
+) {
+    for i in 0..t {
+        let row = &x[i * d..(i + 1) * d];
+        let mut ss = R::zero();
+        for &v in row {
+            ss += v * v;
+        }
+        let inv = R::one() / (ss / R::from_f64(d as f64) + R::from_f64(eps)).sqrt();
+        inv_rms[i] = inv;
+        for j in 0..d {
+            out[i * d + j] = row[j] * inv * g[j];
+        }
+    }
+}
+
+/// dx += …, dg += … for RMSNorm.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_backward<R: Real>(
+    dx: &mut [R],
+    dg: &mut [R],
+    dout: &[R],
+    x: &[R],
+    g: &[R],
+    inv_rms: &[R],
+    t: usize,
+    d: usize,
+) {
+    for i in 0..t {
+        let row = &x[i * d..(i + 1) * d];
+        let dy = &dout[i * d..(i + 1) * d];
+        let inv = inv_rms[i];
+        let mut dot = R::zero();
+        for j in 0..d {
+            dot += dy[j] * g[j] * row[j];
+            dg[j] += dy[j] * row[j] * inv;
+        }
+        // ∂/∂x_j of x_j·inv·g_j with inv = (mean x² + ε)^-½
+        let coef = dot * inv * inv * inv / R::from_f64(d as f64);
+        for j in 0..d {
+            dx[i * d + j] += dy[j] * g[j] * inv - row[j] * coef;
+        }
+    }
+}
+
+/// Cross-entropy summed over rows and divided by `denominator` (so
+/// micro-batches add up to the full batch's mean); writes d logits.
+pub fn cross_entropy_forward_backward<R: Real>(
+    dlogits: &mut [R],
+    logits: &[R],
+    targets: &[u32],
+    v: usize,
+    denominator: usize,
+) -> R {
+    let t = targets.len();
+    let scale = R::one() / R::from_f64(denominator as f64);
+    let mut loss = R::zero();
+    for i in 0..t {
+        let row = &logits[i * v..(i + 1) * v];
+        let max = row
+            .iter()
+            .copied()
+            .fold(row[0], |a, b| if b > a { b } else { a });
+        let mut sum = R::zero();
+        for &z in row {
+            sum += (z - max).exp();
+        }
+        let lse = max + sum.ln();
+        let target = targets[i] as usize;
+        loss += (lse - row[target]) * scale;
+        for j in 0..v {
+            let p = (row[j] - lse).exp();
+            let onehot = if j == target { R::one() } else { R::zero() };
+            dlogits[i * v + j] = (p - onehot) * scale;
+        }
+    }
+    loss
+}
+
+/// Assignments (t, k) grouped by expert in a stable order: `order` lists
+/// assignment indices (t·K + k) expert by expert, token order within each;
+/// expert e's are `order[offsets[e]..offsets[e + 1]]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Permutation {
+    pub order: Vec<u32>,
+    pub offsets: Vec<u32>,
+}
+
+impl Permutation {
+    /// A counting sort of the routing's (T, K) expert choices.
+    pub fn from_routing(experts_per_token: &[u32], experts: usize) -> Self {
+        let mut offsets = vec![0u32; experts + 1];
+        for &e in experts_per_token {
+            offsets[e as usize + 1] += 1;
+        }
+        for e in 0..experts {
+            offsets[e + 1] += offsets[e];
+        }
+        let mut cursor = offsets.clone();
+        let mut order = vec![0u32; experts_per_token.len()];
+        for (a, &e) in experts_per_token.iter().enumerate() {
+            order[cursor[e as usize] as usize] = a as u32;
+            cursor[e as usize] += 1;
+        }
+        Self { order, offsets }
+    }
+
+    pub fn rows(&self, expert: usize) -> &[u32] {
+        &self.order[self.offsets[expert] as usize..self.offsets[expert + 1] as usize]
+    }
+}
+
+/// rows (n, D) = x[token of each assignment]
+pub fn gather_forward<R: Real>(rows: &mut [R], x: &[R], assignments: &[u32], k: usize, d: usize) {
+    for (r, &a) in assignments.iter().enumerate() {
+        let t = a as usize / k;
+        rows[r * d..(r + 1) * d].copy_from_slice(&x[t * d..(t + 1) * d]);
+    }
+}
+
+/// y (T, D) = Σ_k w_tk · per_assignment[(t, k)], summed in k order.
+pub fn combine_forward<R: Real>(
+    y: &mut [R],
+    per_assignment: &[R],
+    weights: &[R],
+    t: usize,
+    k: usize,
+    d: usize,
+) {
+    for i in 0..t {
+        for j in 0..d {
+            let mut acc = R::zero();
+            for s in 0..k {
+                acc += weights[i * k + s] * per_assignment[(i * k + s) * d + j];
+            }
+            y[i * d + j] = acc;
+        }
+    }
+}
+
+/// d per_assignment = w · dy; dweights = dy · per_assignment.
+pub fn combine_backward<R: Real>(
+    dper_assignment: &mut [R],
+    dweights: &mut [R],
+    dy: &[R],
+    per_assignment: &[R],
+    weights: &[R],
+    t: usize,
+    k: usize,
+    d: usize,
+) {
+    for i in 0..t {
+        for s in 0..k {
+            let a = i * k + s;
+            let mut dot = R::zero();
+            for j in 0..d {
+                dper_assignment[a * d + j] = weights[a] * dy[i * d + j];
+                dot += dy[i * d + j] * per_assignment[a * d + j];
+            }
+            dweights[a] = dot;
+        }
+    }
+}
+
+/// dx (T, D) += Σ_k d per_assignment_input[(t, k)], in k order.
+pub fn gather_backward<R: Real>(
+    dx: &mut [R],
+    dper_assignment_input: &[R],
+    t: usize,
+    k: usize,
+    d: usize,
+) {
+    for i in 0..t {
+        for s in 0..k {
+            let a = i * k + s;
+            for j in 0..d {
+                dx[i * d + j] += dper_assignment_input[a * d + j];
+            }
+        }
+    }
+}

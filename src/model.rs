@@ -1,0 +1,380 @@
+//! The MoE stack used by the engine, its tests and benches: L layers of
+//! `h ← h + MoE(RMSNorm(h))`, then a linear head and cross-entropy.
+//!
+//! The dense part (norms, routers, head, losses) is written once, here, and
+//! shared by the plain reference trainer and the engine; experts run through
+//! an [`ExpertRunner`]: all in memory for the reference, through the three
+//! tiers and the expert-wise optimizer for the engine.
+//!
+//! Legend: T tokens, D d_model, F d_ff, E experts, K top-k, V classes.
+
+use crate::math::{
+    combine_backward, combine_forward, cross_entropy_forward_backward, gather_backward,
+    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, router_backward,
+    router_forward, ExpertKind, Permutation, RouterConfig, Routing,
+};
+use crate::EngineError;
+
+/// The shape and losses of a MoE stack.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub layers: usize,
+    pub d_model: usize,
+    pub d_ff: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    /// Renormalize the top-k weights (Mixtral) or not (Switch).
+    pub renormalize: bool,
+    pub expert_kind: ExpertKind,
+    /// Output classes of the head (the vocabulary, for a language model).
+    pub classes: usize,
+    /// Load-balancing loss coefficient (Switch/GShard form).
+    pub aux_loss_coef: f32,
+    /// Router z-loss coefficient (0 turns it off).
+    pub z_loss_coef: f32,
+    pub rms_eps: f64,
+    /// Seed of the deterministic initialization.
+    pub seed: u64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            layers: 2,
+            d_model: 64,
+            d_ff: 128,
+            experts: 8,
+            top_k: 2,
+            renormalize: true,
+            expert_kind: ExpertKind::SwiGlu,
+            classes: 64,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.0,
+            rms_eps: 1e-5,
+            seed: 0,
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Config(why));
+        if self.layers == 0 || self.d_model == 0 || self.d_ff == 0 || self.classes == 0 {
+            return bad("layers, d_model, d_ff and classes must be at least 1".into());
+        }
+        if self.experts == 0 {
+            return bad("a MoE layer needs at least one expert".into());
+        }
+        if self.top_k == 0 || self.top_k > self.experts {
+            return bad(format!(
+                "top_k = {} must be between 1 and the number of experts ({})",
+                self.top_k, self.experts
+            ));
+        }
+        if !(self.aux_loss_coef.is_finite() && self.z_loss_coef.is_finite()) {
+            return bad("loss coefficients must be finite".into());
+        }
+        Ok(())
+    }
+
+    pub fn router(&self) -> RouterConfig {
+        RouterConfig {
+            experts: self.experts,
+            top_k: self.top_k,
+            renormalize: self.renormalize,
+        }
+    }
+
+    pub fn expert_params(&self) -> usize {
+        self.expert_kind.params(self.d_model, self.d_ff)
+    }
+
+    /// Per layer: RMSNorm gain (D), router (E, D); then the head (V, D).
+    pub fn dense_params(&self) -> usize {
+        self.layers * (self.d_model + self.experts * self.d_model) + self.classes * self.d_model
+    }
+
+    fn layer_offset(&self, layer: usize) -> usize {
+        layer * (self.d_model + self.experts * self.d_model)
+    }
+
+    pub fn norm_range(&self, layer: usize) -> std::ops::Range<usize> {
+        let at = self.layer_offset(layer);
+        at..at + self.d_model
+    }
+
+    pub fn router_range(&self, layer: usize) -> std::ops::Range<usize> {
+        let at = self.layer_offset(layer) + self.d_model;
+        at..at + self.experts * self.d_model
+    }
+
+    pub fn head_range(&self) -> std::ops::Range<usize> {
+        let at = self.layer_offset(self.layers);
+        at..at + self.classes * self.d_model
+    }
+
+    /// The initial dense params: gains 1, routers and head uniform(±1/√D).
+    pub fn init_dense(&self) -> Vec<f32> {
+        let mut p = vec![0.0f32; self.dense_params()];
+        let scale = 1.0 / (self.d_model as f32).sqrt();
+        for l in 0..self.layers {
+            p[self.norm_range(l)].fill(1.0);
+            fill_uniform(&mut p[self.router_range(l)], self.seed, tag(1, l, 0), scale);
+        }
+        let head = self.head_range();
+        fill_uniform(&mut p[head], self.seed, tag(2, 0, 0), scale);
+        p
+    }
+
+    /// The initial params of one expert, independent of every other expert:
+    /// each matrix uniform(±1/√fan_in).
+    pub fn init_expert(&self, layer: usize, expert: usize, out: &mut [f32]) {
+        let (d, f) = (self.d_model, self.d_ff);
+        assert_eq!(out.len(), self.expert_params());
+        let in_d = 1.0 / (d as f32).sqrt();
+        let in_f = 1.0 / (f as f32).sqrt();
+        let (w_in, w2) = out.split_at_mut(out.len() - d * f);
+        fill_uniform(w_in, self.seed, tag(3, layer, expert), in_d);
+        fill_uniform(w2, self.seed, tag(4, layer, expert), in_f);
+    }
+}
+
+fn tag(kind: u64, layer: usize, expert: usize) -> u64 {
+    (kind << 56) ^ ((layer as u64) << 32) ^ expert as u64
+}
+
+/// SplitMix64 stream keyed by (seed, tag): uniform in (−scale, scale).
+pub fn fill_uniform(out: &mut [f32], seed: u64, tag: u64, scale: f32) {
+    let mut state = seed ^ tag.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
+    for x in out.iter_mut() {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let unit = (z >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+        *x = (unit * 2.0 - 1.0) * scale;
+    }
+}
+
+/// A batch: input rows (T, D) and a target class per row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub inputs: Vec<f32>,
+    pub targets: Vec<u32>,
+}
+
+impl Batch {
+    pub fn tokens(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// Checks the batch against the model.
+    pub fn validate(&self, model: &ModelConfig) -> Result<(), EngineError> {
+        let t = self.targets.len();
+        if t == 0 {
+            return Err(EngineError::Batch("the batch is empty".into()));
+        }
+        if self.inputs.len() != t * model.d_model {
+            return Err(EngineError::Batch(format!(
+                "inputs hold {} values; {t} tokens × d_model {} = {} expected",
+                self.inputs.len(),
+                model.d_model,
+                t * model.d_model
+            )));
+        }
+        if let Some(&bad) = self.targets.iter().find(|&&c| c as usize >= model.classes) {
+            return Err(EngineError::Batch(format!(
+                "target class {bad} is out of range (the head has {} classes)",
+                model.classes
+            )));
+        }
+        if self.inputs.iter().any(|x| !x.is_finite()) {
+            return Err(EngineError::Batch("inputs hold a NaN or infinity".into()));
+        }
+        Ok(())
+    }
+
+    /// Splits into `n` micro-batches of (nearly) equal token counts.
+    pub fn split(&self, n: usize, d: usize) -> Vec<Batch> {
+        let t = self.tokens();
+        let n = n.clamp(1, t);
+        (0..n)
+            .map(|i| {
+                let (a, b) = (i * t / n, (i + 1) * t / n);
+                Batch {
+                    inputs: self.inputs[a * d..b * d].to_vec(),
+                    targets: self.targets[a..b].to_vec(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// What a layer's forward keeps for its backward.
+#[derive(Clone, Debug, Default)]
+pub struct LayerSaved {
+    /// (T, D) the layer's input
+    pub h_in: Vec<f32>,
+    /// (T, D) RMSNorm output = the router's and experts' input
+    pub normed: Vec<f32>,
+    pub inv_rms: Vec<f32>,
+    pub routing: Routing<f32>,
+    pub perm: Permutation,
+    /// (T·K, D) each assignment's expert output
+    pub per_assignment: Vec<f32>,
+}
+
+/// Runs a layer's experts. Rows of assignment a = t·K + k are `x[t]`.
+pub trait ExpertRunner {
+    /// Writes `out[a]` (T·K, D) for every assignment of every expert.
+    fn forward_layer(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        x: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError>;
+
+    /// From `dout[a]` (T·K, D), writes `dx[a]` (T·K, D) and accumulates the
+    /// experts' parameter gradients; `last_micro_batch` says the step's
+    /// gradients are complete after this call.
+    fn backward_layer(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        x: &[f32],
+        dout: &[f32],
+        dx: &mut [f32],
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError>;
+}
+
+/// The losses of one micro-batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Losses {
+    /// Cross-entropy, as this micro-batch's share of the batch mean.
+    pub ce: f32,
+    pub aux: f32,
+    pub z: f32,
+    /// ce + aux_coef·aux + z_coef·z, each scaled to its micro-batch share.
+    pub total: f32,
+}
+
+/// Forward, loss and backward of one micro-batch through the whole stack.
+/// `dense_grad` accumulates; `tokens_total` and `micro_batches` scale the
+/// losses so micro-batches add up to the full batch.
+pub fn forward_backward(
+    model: &ModelConfig,
+    dense: &[f32],
+    dense_grad: &mut [f32],
+    batch: &Batch,
+    tokens_total: usize,
+    micro_batches: usize,
+    last_micro_batch: bool,
+    runner: &mut dyn ExpertRunner,
+) -> Result<Losses, EngineError> {
+    let (t, d, k, v) = (batch.tokens(), model.d_model, model.top_k, model.classes);
+    let router = model.router();
+    let mut saved: Vec<LayerSaved> = Vec::with_capacity(model.layers);
+    let mut h = batch.inputs.clone();
+    let (mut aux_sum, mut z_sum) = (0.0f32, 0.0f32);
+    for l in 0..model.layers {
+        let mut s = LayerSaved {
+            h_in: h.clone(),
+            normed: vec![0.0; t * d],
+            inv_rms: vec![0.0; t],
+            ..LayerSaved::default()
+        };
+        rmsnorm_forward(
+            &mut s.normed,
+            &mut s.inv_rms,
+            &h,
+            &dense[model.norm_range(l)],
+            t,
+            d,
+            model.rms_eps,
+        );
+        router_forward(
+            &router,
+            &mut s.routing,
+            &s.normed,
+            &dense[model.router_range(l)],
+            t,
+            d,
+        );
+        s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
+        s.per_assignment = vec![0.0; t * k * d];
+        runner.forward_layer(l, &s.perm, &s.normed, &mut s.per_assignment)?;
+        let mut y = vec![0.0f32; t * d];
+        combine_forward(&mut y, &s.per_assignment, &s.routing.weights, t, k, d);
+        for (hi, yi) in h.iter_mut().zip(&y) {
+            *hi += yi;
+        }
+        aux_sum += s.routing.aux_loss;
+        z_sum += s.routing.z_loss;
+        saved.push(s);
+    }
+    let head = &dense[model.head_range()];
+    let mut logits = vec![0.0f32; t * v];
+    linear_forward(&mut logits, &h, head, t, d, v);
+    let mut dlogits = vec![0.0f32; t * v];
+    let ce = cross_entropy_forward_backward(&mut dlogits, &logits, &batch.targets, v, tokens_total);
+    let share = 1.0 / micro_batches as f32;
+    let total = ce + share * (model.aux_loss_coef * aux_sum + model.z_loss_coef * z_sum);
+    if !total.is_finite() {
+        return Err(EngineError::NonFiniteLoss { loss: total });
+    }
+    let mut dh = vec![0.0f32; t * d];
+    let head_grad = &mut dense_grad[model.head_range()];
+    linear_backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v);
+    let daux = model.aux_loss_coef * share;
+    let dz = model.z_loss_coef * share;
+    for l in (0..model.layers).rev() {
+        let s = &saved[l];
+        let mut dper = vec![0.0f32; t * k * d];
+        let mut dweights = vec![0.0f32; t * k];
+        combine_backward(
+            &mut dper,
+            &mut dweights,
+            &dh,
+            &s.per_assignment,
+            &s.routing.weights,
+            t,
+            k,
+            d,
+        );
+        let mut dxa = vec![0.0f32; t * k * d];
+        runner.backward_layer(l, &s.perm, &s.normed, &dper, &mut dxa, last_micro_batch)?;
+        let mut dnormed = vec![0.0f32; t * d];
+        gather_backward(&mut dnormed, &dxa, t, k, d);
+        let wr = &dense[model.router_range(l)];
+        let router_grad = &mut dense_grad[model.router_range(l)];
+        router_backward(
+            &router,
+            &mut dnormed,
+            router_grad,
+            &dweights,
+            daux,
+            dz,
+            &s.routing,
+            &s.normed,
+            wr,
+            t,
+            d,
+        );
+        let g = &dense[model.norm_range(l)];
+        let mut dh_in = dh.clone(); // the residual path
+        let norm_grad = &mut dense_grad[model.norm_range(l)];
+        rmsnorm_backward(
+            &mut dh_in, norm_grad, &dnormed, &s.h_in, g, &s.inv_rms, t, d,
+        );
+        dh = dh_in;
+    }
+    Ok(Losses {
+        ce,
+        aux: aux_sum,
+        z: z_sum,
+        total,
+    })
+}

@@ -1,0 +1,199 @@
+//! Finite-difference checks (f64) of every backward in `math.rs`: router
+//! (softmax, top-k, renormalization, load-balancing and z losses), the
+//! permutation (gather / combine), both expert kinds, RMSNorm and the
+//! cross-entropy. Each test takes L = Σ c·out for random c, runs the
+//! backward with dout = c, and compares with central differences.
+
+use strata::math::*;
+
+fn values(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// Central differences of `loss` at `x` against `analytic`. The step 1e-6
+/// leaves a truncation error of ~1e-12·|f'''| and a rounding error of
+/// ~1e-16/1e-6 = 1e-10, so 1e-6 relative (floored at 1e-8) is a safe bound
+/// for smooth functions of O(1) inputs.
+fn check(name: &str, x: &[f64], analytic: &[f64], mut loss: impl FnMut(&[f64]) -> f64) {
+    assert_eq!(x.len(), analytic.len());
+    let h = 1e-6;
+    let mut worst = 0.0f64;
+    for i in 0..x.len() {
+        let mut xp = x.to_vec();
+        xp[i] += h;
+        let mut xm = x.to_vec();
+        xm[i] -= h;
+        let numeric = (loss(&xp) - loss(&xm)) / (2.0 * h);
+        let err = (numeric - analytic[i]).abs() / numeric.abs().max(analytic[i].abs()).max(1e-2);
+        worst = worst.max(err);
+        assert!(
+            err < 1e-6,
+            "{name}[{i}]: numeric {numeric} analytic {}",
+            analytic[i]
+        );
+    }
+    eprintln!(
+        "{name}: worst relative error {worst:.2e} over {} inputs",
+        x.len()
+    );
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn expert_case(kind: ExpertKind) {
+    let (n, d, f) = (3, 4, 5);
+    let x = values(n * d, 1, 1.0);
+    let params = values(kind.params(d, f), 2, 0.5);
+    let c = values(n * d, 3, 1.0);
+    let run = |x: &[f64], p: &[f64]| {
+        let mut out = vec![0.0; n * d];
+        let mut saved = ExpertSaved::default();
+        expert_ffn_forward(kind, &mut out, &mut saved, x, p, n, d, f);
+        (out, saved)
+    };
+    let (_, saved) = run(&x, &params);
+    let mut dx = vec![0.0; n * d];
+    let mut dp = vec![0.0; params.len()];
+    expert_ffn_backward(kind, &mut dx, &mut dp, &c, &saved, &x, &params, n, d, f);
+    check(&format!("{} dx", kind.name()), &x, &dx, |x| {
+        dot(&run(x, &params).0, &c)
+    });
+    check(&format!("{} dparams", kind.name()), &params, &dp, |p| {
+        dot(&run(&x, p).0, &c)
+    });
+}
+
+#[test]
+fn swiglu_expert_gradients_match_finite_differences() {
+    expert_case(ExpertKind::SwiGlu);
+}
+
+#[test]
+fn gelu_expert_gradients_match_finite_differences() {
+    expert_case(ExpertKind::Gelu);
+}
+
+fn router_case(top_k: usize, renormalize: bool) {
+    let (t, d, e) = (5, 4, 6);
+    let cfg = RouterConfig {
+        experts: e,
+        top_k,
+        renormalize,
+    };
+    let x = values(t * d, 11, 1.0);
+    let wr = values(e * d, 12, 1.0);
+    let c = values(t * top_k, 13, 1.0);
+    let (alpha, beta) = (0.3, 0.05);
+    let loss = |x: &[f64], wr: &[f64]| {
+        let mut r = Routing::default();
+        router_forward(&cfg, &mut r, x, wr, t, d);
+        dot(&r.weights, &c) + alpha * r.aux_loss + beta * r.z_loss
+    };
+    let mut r = Routing::default();
+    router_forward(&cfg, &mut r, &x, &wr, t, d);
+    let mut dx = vec![0.0; t * d];
+    let mut dwr = vec![0.0; e * d];
+    router_backward(&cfg, &mut dx, &mut dwr, &c, alpha, beta, &r, &x, &wr, t, d);
+    let name = format!("router k={top_k} renorm={renormalize}");
+    check(&format!("{name} dx"), &x, &dx, |x| loss(x, &wr));
+    check(&format!("{name} dwr"), &wr, &dwr, |w| loss(&x, w));
+}
+
+#[test]
+fn router_gradients_match_finite_differences() {
+    for (k, renorm) in [(1, false), (2, true), (2, false), (3, true)] {
+        router_case(k, renorm);
+    }
+}
+
+#[test]
+fn top_k_is_stable_and_dropless_routing_counts_every_assignment() {
+    let mut out = [0u32; 3];
+    top_k(&[0.1f64, 0.3, 0.3, 0.2], &mut out);
+    assert_eq!(out, [1, 2, 3], "ties go to the lower index");
+    let experts_per_token = [2u32, 0, 2, 1, 0, 2];
+    let p = Permutation::from_routing(&experts_per_token, 4);
+    assert_eq!(p.offsets, vec![0, 2, 3, 6, 6]);
+    assert_eq!(p.rows(0), &[1, 4]);
+    assert_eq!(p.rows(2), &[0, 2, 5], "token order within an expert");
+    assert!(p.rows(3).is_empty());
+}
+
+#[test]
+fn permutation_and_combine_gradients_match() {
+    let (t, k, d) = (4, 2, 3);
+    let per = values(t * k * d, 21, 1.0);
+    let w = values(t * k, 22, 1.0);
+    let c = values(t * d, 23, 1.0);
+    let y_of = |per: &[f64], w: &[f64]| {
+        let mut y = vec![0.0; t * d];
+        combine_forward(&mut y, per, w, t, k, d);
+        dot(&y, &c)
+    };
+    let mut dper = vec![0.0; t * k * d];
+    let mut dw = vec![0.0; t * k];
+    combine_backward(&mut dper, &mut dw, &c, &per, &w, t, k, d);
+    check("combine dper", &per, &dper, |p| y_of(p, &w));
+    check("combine dweights", &w, &dw, |w| y_of(&per, w));
+
+    // gather is linear: its backward must be its adjoint,
+    // <gather(x), u> = <x, gatherᵀ(u)>, over a real permutation.
+    let x = values(t * d, 24, 1.0);
+    let experts_per_token = [1u32, 0, 0, 2, 1, 1, 2, 0];
+    let perm = Permutation::from_routing(&experts_per_token, 3);
+    let mut rows = vec![0.0; t * k * d];
+    gather_forward(&mut rows, &x, &perm.order, k, d);
+    let u = values(t * k * d, 25, 1.0);
+    // u is given in permuted order; move it back to assignment order.
+    let mut u_by_assignment = vec![0.0; t * k * d];
+    for (r, &a) in perm.order.iter().enumerate() {
+        u_by_assignment[a as usize * d..(a as usize + 1) * d]
+            .copy_from_slice(&u[r * d..(r + 1) * d]);
+    }
+    let mut gx = vec![0.0; t * d];
+    gather_backward(&mut gx, &u_by_assignment, t, k, d);
+    assert!((dot(&rows, &u) - dot(&x, &gx)).abs() < 1e-12);
+}
+
+#[test]
+fn rmsnorm_gradients_match_finite_differences() {
+    let (t, d) = (3, 5);
+    let x = values(t * d, 31, 1.0);
+    let g = values(d, 32, 1.0);
+    let c = values(t * d, 33, 1.0);
+    let run = |x: &[f64], g: &[f64]| {
+        let mut out = vec![0.0; t * d];
+        let mut inv = vec![0.0; t];
+        rmsnorm_forward(&mut out, &mut inv, x, g, t, d, 1e-5);
+        (out, inv)
+    };
+    let (_, inv) = run(&x, &g);
+    let mut dx = vec![0.0; t * d];
+    let mut dg = vec![0.0; d];
+    rmsnorm_backward(&mut dx, &mut dg, &c, &x, &g, &inv, t, d);
+    check("rmsnorm dx", &x, &dx, |x| dot(&run(x, &g).0, &c));
+    check("rmsnorm dg", &g, &dg, |g| dot(&run(&x, g).0, &c));
+}
+
+#[test]
+fn cross_entropy_gradient_matches_finite_differences() {
+    let (t, v) = (3, 7);
+    let logits = values(t * v, 41, 2.0);
+    let targets = [0u32, 6, 3];
+    let mut dl = vec![0.0; t * v];
+    cross_entropy_forward_backward(&mut dl, &logits, &targets, v, 5);
+    check("cross-entropy dlogits", &logits, &dl, |z| {
+        let mut scratch = vec![0.0; t * v];
+        cross_entropy_forward_backward(&mut scratch, z, &targets, v, 5)
+    });
+}
