@@ -7,6 +7,11 @@
 //! Legend: T tokens, D d_model, F d_ff, E experts, K top-k, V classes.
 //! Weights are stored as Hugging Face does, (out, in): `y = x · Wᵀ`.
 
+// Numeric kernels index rows and columns explicitly and take their shapes
+// as arguments (T, D, F, …), as llm.c does; the iterator forms these lints
+// suggest would hide the shapes.
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
@@ -387,9 +392,13 @@ pub fn top_k<R: Real>(values: &[R], out: &mut [u32]) {
             if out[..s].contains(&(j as u32)) {
                 continue;
             }
-            match best {
-                Some(b) if !(v > values[b]) => {}
-                _ => best = Some(j),
+            // Strictly greater replaces, so ties keep the lower index.
+            let better = match best {
+                None => true,
+                Some(b) => v > values[b],
+            };
+            if better {
+                best = Some(j);
             }
         }
         out[s] = best.expect("k ≤ E") as u32;

@@ -8,6 +8,11 @@
 //!
 //! Legend: T tokens, D d_model, F d_ff, E experts, K top-k, V classes.
 
+// Numeric kernels index rows and columns explicitly and take their shapes
+// as arguments (T, D, F, …), as llm.c does; the iterator forms these lints
+// suggest would hide the shapes.
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
 use crate::math::{
     combine_backward, combine_forward, cross_entropy_forward_backward, gather_backward,
     linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, router_backward,

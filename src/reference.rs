@@ -7,6 +7,11 @@
 //! stepped (as `torch.optim.AdamW` skips parameters whose `.grad` is None),
 //! so each expert keeps its own AdamW step count.
 
+// Numeric kernels index rows and columns explicitly and take their shapes
+// as arguments (T, D, F, …), as llm.c does; the iterator forms these lints
+// suggest would hide the shapes.
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
 use crate::math::{expert_ffn_backward, expert_ffn_forward, ExpertSaved, Permutation};
