@@ -1,8 +1,10 @@
 //! strata: a storage-tiered expert offload engine for training
 //! Mixture-of-Experts models larger than GPU memory.
 
+pub mod backend;
 pub mod bench;
 pub mod cli;
+pub mod engine;
 mod error;
 pub mod math;
 pub mod model;

@@ -586,10 +586,12 @@ impl HostCache {
             }
             // Not resident: load it here.
             let Some(victim) = shared.choose_victim(&inner, None) else {
-                let transient = inner
-                    .slots
-                    .iter()
-                    .any(|m| matches!(m.state, SlotState::Loading | SlotState::Evicting));
+                // Loads, write-backs and upgrades finish on their own.
+                let transient = inner.slots.iter().any(|m| {
+                    matches!(m.state, SlotState::Loading | SlotState::Evicting)
+                        || m.upgrading
+                        || m.writing_back
+                });
                 if transient {
                     waited = true;
                     inner = shared.wait(inner);

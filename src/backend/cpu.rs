@@ -1,0 +1,216 @@
+//! The cpu backend: GEMMs through `matrixmultiply`'s sgemm (which blocks
+//! the output, never the reduction, so its results do not depend on how many
+//! threads run it), activations from `math.rs`.
+
+#![allow(clippy::too_many_arguments)]
+
+use super::Backend;
+use crate::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, ExpertSaved};
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+/// out (M, N) = x (M, K) · w (N, K)ᵀ
+fn linear_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+    assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
+    // SAFETY: the slices hold exactly the M×K, N×K and M×N elements the
+    // strides below address (asserted above); `out` does not alias inputs.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            x.as_ptr(),
+            k as isize,
+            1,
+            w.as_ptr(),
+            1,
+            k as isize,
+            0.0,
+            out.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
+fn linear_backward(
+    dx: &mut [f32],
+    dw: &mut [f32],
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
+    assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
+    assert!(x.len() == m * k && w.len() == n * k);
+    // SAFETY: every slice holds exactly the elements its strides address
+    // (asserted above); outputs do not alias inputs.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            n,
+            k,
+            1.0,
+            dout.as_ptr(),
+            n as isize,
+            1,
+            w.as_ptr(),
+            k as isize,
+            1,
+            1.0,
+            dx.as_mut_ptr(),
+            k as isize,
+            1,
+        );
+        matrixmultiply::sgemm(
+            n,
+            m,
+            k,
+            1.0,
+            dout.as_ptr(),
+            1,
+            n as isize,
+            x.as_ptr(),
+            k as isize,
+            1,
+            1.0,
+            dw.as_mut_ptr(),
+            k as isize,
+            1,
+        );
+    }
+}
+
+fn hidden(kind: ExpertKind, saved: &ExpertSaved<f32>) -> Vec<f32> {
+    match kind {
+        ExpertKind::SwiGlu => saved
+            .a
+            .iter()
+            .zip(&saved.b)
+            .map(|(&a, &b)| silu(a) * b)
+            .collect(),
+        ExpertKind::Gelu => saved.a.iter().map(|&a| gelu(a)).collect(),
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn expert_ffn_forward(
+        &self,
+        kind: ExpertKind,
+        out: &mut [f32],
+        saved: &mut ExpertSaved<f32>,
+        x: &[f32],
+        params: &[f32],
+        n: usize,
+        d: usize,
+        f: usize,
+    ) {
+        assert_eq!(params.len(), kind.params(d, f));
+        saved.a.resize(n * f, 0.0);
+        linear_forward(&mut saved.a, x, &params[..f * d], n, d, f);
+        if kind == ExpertKind::SwiGlu {
+            saved.b.resize(n * f, 0.0);
+            linear_forward(&mut saved.b, x, &params[f * d..2 * f * d], n, d, f);
+        } else {
+            saved.b.clear();
+        }
+        let h = hidden(kind, saved);
+        linear_forward(out, &h, &params[params.len() - d * f..], n, f, d);
+    }
+
+    fn expert_ffn_backward(
+        &self,
+        kind: ExpertKind,
+        dx: &mut [f32],
+        dparams: &mut [f32],
+        dout: &[f32],
+        saved: &ExpertSaved<f32>,
+        x: &[f32],
+        params: &[f32],
+        n: usize,
+        d: usize,
+        f: usize,
+    ) {
+        dx.fill(0.0);
+        let h = hidden(kind, saved);
+        let split = dparams.len() - d * f;
+        let (dw_in, dw2) = dparams.split_at_mut(split);
+        let mut dh = vec![0.0f32; n * f];
+        linear_backward(&mut dh, dw2, dout, &h, &params[split..], n, f, d);
+        let w1 = &params[..f * d];
+        match kind {
+            ExpertKind::SwiGlu => {
+                let mut da = vec![0.0f32; n * f];
+                let mut db = vec![0.0f32; n * f];
+                for i in 0..n * f {
+                    db[i] = dh[i] * silu(saved.a[i]);
+                    da[i] = dh[i] * saved.b[i] * silu_grad(saved.a[i]);
+                }
+                let (dw1, dw3) = dw_in.split_at_mut(f * d);
+                linear_backward(dx, dw1, &da, x, w1, n, d, f);
+                linear_backward(dx, dw3, &db, x, &params[f * d..2 * f * d], n, d, f);
+            }
+            ExpertKind::Gelu => {
+                let da: Vec<f32> = dh
+                    .iter()
+                    .zip(&saved.a)
+                    .map(|(&g, &a)| g * gelu_grad(a))
+                    .collect();
+                linear_backward(dx, dw_in, &da, x, w1, n, d, f);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::math::{expert_ffn_backward, expert_ffn_forward};
+
+    #[test]
+    fn gemm_experts_match_the_plain_loops() {
+        for kind in [ExpertKind::SwiGlu, ExpertKind::Gelu] {
+            let (n, d, f) = (7, 16, 24);
+            let x: Vec<f32> = (0..n * d)
+                .map(|i| ((i * 37 % 101) as f32 / 101.0) - 0.5)
+                .collect();
+            let p: Vec<f32> = (0..kind.params(d, f))
+                .map(|i| ((i * 53 % 97) as f32 / 97.0) - 0.5)
+                .collect();
+            let dout: Vec<f32> = (0..n * d)
+                .map(|i| ((i * 11 % 89) as f32 / 89.0) - 0.5)
+                .collect();
+            let (mut o1, mut o2) = (vec![0.0; n * d], vec![0.0; n * d]);
+            let (mut s1, mut s2) = (ExpertSaved::default(), ExpertSaved::default());
+            CpuBackend.expert_ffn_forward(kind, &mut o1, &mut s1, &x, &p, n, d, f);
+            expert_ffn_forward(kind, &mut o2, &mut s2, &x, &p, n, d, f);
+            let (mut dx1, mut dx2) = (vec![0.0; n * d], vec![0.0; n * d]);
+            let (mut dp1, mut dp2) = (vec![0.0; p.len()], vec![0.0; p.len()]);
+            CpuBackend.expert_ffn_backward(kind, &mut dx1, &mut dp1, &dout, &s1, &x, &p, n, d, f);
+            expert_ffn_backward(kind, &mut dx2, &mut dp2, &dout, &s2, &x, &p, n, d, f);
+            // Different summation orders: agreement to a few f32 ulps of
+            // sums of O(10) terms of size O(1).
+            for (a, b) in o1
+                .iter()
+                .zip(&o2)
+                .chain(dx1.iter().zip(&dx2))
+                .chain(dp1.iter().zip(&dp2))
+            {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{a} vs {b} ({})",
+                    kind.name()
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! An expert's optimizer update as the pool sees it: the exclusive host
+//! slot of its record (master params, moments, compute copy) plus its f32
+//! gradient and its own step count.
+
+use half::{bf16, f16};
+use strata_optim::{CopyOut, GradRef, UpdateTarget, UpdateViews};
+use strata_tiers::{Dtype, WriteGuard};
+
+pub(crate) struct ExpertUpdate {
+    pub guard: WriteGuard,
+    pub grad: Vec<f32>,
+    pub step: u64,
+    pub dtype: Dtype,
+}
+
+impl UpdateTarget for ExpertUpdate {
+    fn views(&mut self) -> UpdateViews<'_> {
+        let record = self.guard.record_mut();
+        // The compute part starts 64 bytes into a 4096-aligned slot, so the
+        // casts are aligned for f32, bf16 and f16 alike.
+        let copy = match self.dtype {
+            Dtype::F32 => CopyOut::F32(bytemuck::cast_slice_mut::<u8, f32>(record.compute)),
+            Dtype::Bf16 => CopyOut::Bf16(bytemuck::cast_slice_mut::<u8, bf16>(record.compute)),
+            Dtype::F16 => CopyOut::F16(bytemuck::cast_slice_mut::<u8, f16>(record.compute)),
+        };
+        UpdateViews {
+            params: record.master,
+            m: record.m,
+            v: record.v,
+            grad: GradRef::F32(&self.grad),
+            copy,
+            step: &mut self.step,
+        }
+    }
+}
