@@ -32,6 +32,41 @@ pub enum BenchCommand {
     Optim(OptimArgs),
     /// Expert record read/write bandwidth through the SSD tier (io_uring and pread).
     Tiers(TiersArgs),
+    /// Training steps with experts on SSD: expert-wise vs naive schedule, against
+    /// compute-only and I/O-only runs measured in the same invocation.
+    Step(StepArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct StepArgs {
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 8)]
+    pub experts: usize,
+    #[arg(long, default_value_t = 512)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub d_ff: usize,
+    #[arg(long, default_value_t = 2)]
+    pub top_k: usize,
+    /// Tokens per step.
+    #[arg(long, default_value_t = 1024)]
+    pub tokens: usize,
+    /// Experts that fit on the device at once.
+    #[arg(long, default_value_t = 2)]
+    pub device_experts: u64,
+    /// Share of all expert records that fit in host memory (the rest stream from SSD).
+    #[arg(long, default_value_t = 0.25)]
+    pub host_fraction: f64,
+    /// Timed steps per run (after one warm-up step).
+    #[arg(long, default_value_t = 4)]
+    pub steps: usize,
+    /// Directory for the SSD tier's store files.
+    #[arg(long, default_value = "/tmp")]
+    pub dir: std::path::PathBuf,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -125,7 +160,83 @@ fn execute(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Bench(BenchCommand::Optim(args)) => bench_optim(args),
         Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
+        Command::Bench(BenchCommand::Step(args)) => bench_step(args),
     }
+}
+
+fn bench_step(args: StepArgs) -> Result<(), String> {
+    if !args.dir.is_dir() {
+        return Err(format!("--dir {}: not a directory", args.dir.display()));
+    }
+    if !(args.host_fraction > 0.0 && args.host_fraction <= 1.0) {
+        return Err("--host-fraction must be in (0, 1]".to_string());
+    }
+    let defaults = bench::step::StepBenchConfig::default();
+    let config = bench::step::StepBenchConfig {
+        model: crate::model::ModelConfig {
+            layers: args.layers,
+            experts: args.experts,
+            d_model: args.d_model,
+            d_ff: args.d_ff,
+            top_k: args.top_k,
+            ..defaults.model.clone()
+        },
+        tokens: args.tokens,
+        device_experts: args.device_experts,
+        host_fraction: args.host_fraction,
+        steps: args.steps,
+        dir: args.dir,
+        ..defaults
+    };
+    let (records, summary) =
+        bench::step::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;
+    let mut out = std::io::stdout().lock();
+    let write_err = |e: std::io::Error| e.to_string();
+    if args.json {
+        for r in &records {
+            writeln!(
+                out,
+                "{}",
+                serde_json::to_string(r).map_err(|e| e.to_string())?
+            )
+            .map_err(write_err)?;
+        }
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string(&summary).map_err(|e| e.to_string())?
+        )
+        .map_err(write_err)?;
+    } else {
+        writeln!(
+            out,
+            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
+            "run", "step_s", "tokens/s", "compute", "upload", "ssd", "optim", "host_hit"
+        )
+        .map_err(write_err)?;
+        for r in &records {
+            writeln!(
+                out,
+                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3}",
+                r.run,
+                r.step_s,
+                r.tokens_per_s,
+                r.compute_s,
+                r.stall_upload_s,
+                r.stall_ssd_s,
+                r.stall_optimizer_s,
+                r.host_hit_rate
+            )
+            .map_err(write_err)?;
+        }
+        writeln!(
+            out,
+            "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
+            summary.expert_wise_over_naive, summary.expert_wise_over_bound
+        )
+        .map_err(write_err)?;
+    }
+    Ok(())
 }
 
 fn bench_tiers(args: TiersArgs) -> Result<(), String> {

@@ -269,6 +269,21 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
     /// Blocks until `key`'s update is done and returns its buffers. An error
     /// or panic in the update is returned here (the buffers are dropped).
     pub fn wait(&self, key: ExpertKey) -> Result<(T, UpdateReport), OptimError> {
+        self.wait_inner(key, true)
+            .map(|done| done.expect("a blocking wait returns an update"))
+    }
+
+    /// Like `wait`, but returns `Ok(None)` at once if the update is still
+    /// queued or running (or waits for the global norm).
+    pub fn try_wait(&self, key: ExpertKey) -> Result<Option<(T, UpdateReport)>, OptimError> {
+        self.wait_inner(key, false)
+    }
+
+    fn wait_inner(
+        &self,
+        key: ExpertKey,
+        block: bool,
+    ) -> Result<Option<(T, UpdateReport)>, OptimError> {
         let shared = &*self.shared;
         let slot_index = *lock(&shared.index)
             .by_key
@@ -277,6 +292,9 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
         let slot = &shared.slots[slot_index];
         let mut state = slot.lock();
         assert_eq!(state.key, key);
+        if !block && state.phase != Phase::Done {
+            return Ok(None);
+        }
         loop {
             match state.phase {
                 Phase::Done => break,
@@ -322,7 +340,10 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
         }
         match error {
             Some(e) => Err(e),
-            None => Ok((target.expect("a done slot holds its target"), report)),
+            None => Ok(Some((
+                target.expect("a done slot holds its target"),
+                report,
+            ))),
         }
     }
 

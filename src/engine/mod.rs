@@ -80,6 +80,10 @@ pub struct EngineConfig {
     pub prefetch_ahead_max: usize,
     /// Queue depth of the store's io_uring.
     pub io_queue_depth: u32,
+    /// Benches only: move experts through the tiers and the optimizer
+    /// exactly as training does, but skip the expert GEMMs (outputs and
+    /// gradients are zero). This is the I/O-only run of `strata bench step`.
+    pub skip_expert_compute: bool,
 }
 
 impl Default for EngineConfig {
@@ -96,6 +100,7 @@ impl Default for EngineConfig {
             recompute_hidden: false,
             prefetch_ahead_max: 16,
             io_queue_depth: 32,
+            skip_expert_compute: false,
         }
     }
 }
@@ -286,6 +291,11 @@ impl Engine {
             }
         }
         self.dense = dense;
+        if result.is_err() {
+            // A failed step leaves no partial gradient behind for the next.
+            self.grad_accum.iter_mut().for_each(|g| *g = None);
+            self.deferred.clear();
+        }
         result?;
         // Experts touched only by earlier micro-batches.
         for key in 0..self.grad_accum.len() {
@@ -351,6 +361,7 @@ impl Engine {
     }
 
     fn submit_now(&mut self, key: usize, grad: Vec<f32>) -> Result<(), EngineError> {
+        self.reap_finished()?;
         let expert = self.expert_id(key);
         let guard = match self.cache.acquire_mut(expert) {
             Err(strata_tiers::TierError::AllSlotsPinned { .. }) => {
@@ -376,6 +387,22 @@ impl Engine {
         self.pending[key] = false;
         self.expert_steps[key] = target.step;
         target.guard.mark_dirty(target.step);
+        Ok(())
+    }
+
+    /// Takes back every update that has already finished (without waiting),
+    /// so its host slot is free for the prefetcher again.
+    pub(crate) fn reap_finished(&mut self) -> Result<(), EngineError> {
+        for key in 0..self.pending.len() {
+            if !self.pending[key] {
+                continue;
+            }
+            if let Some((mut target, _)) = self.optimizer.try_wait(ExpertKey(key as u64))? {
+                self.pending[key] = false;
+                self.expert_steps[key] = target.step;
+                target.guard.mark_dirty(target.step);
+            }
+        }
         Ok(())
     }
 

@@ -41,6 +41,7 @@ impl EngineRunner<'_> {
     ) -> Result<Staged, EngineError> {
         let key = self.key(layer, expert);
         let e = &mut *self.engine;
+        e.reap_finished()?;
         if e.pending[key] {
             let t0 = Instant::now();
             e.finish_update(key)?;
@@ -187,7 +188,8 @@ impl ExpertRunner for EngineRunner<'_> {
             }
             let key = runner.key(layer, expert);
             let eng = &mut *runner.engine;
-            if eng.config.recompute_hidden {
+            let skip = eng.config.skip_expert_compute;
+            if eng.config.recompute_hidden && !skip {
                 let mut scratch = vec![0.0f32; rows.len() * d];
                 let saved = &mut eng.saved[layer][expert];
                 eng.backend.expert_ffn_forward(
@@ -204,18 +206,20 @@ impl ExpertRunner for EngineRunner<'_> {
             let mut grad = vec![0.0f32; params.len()];
             let mut dxe = vec![0.0f32; rows.len() * d];
             let saved = &eng.saved[layer][expert];
-            eng.backend.expert_ffn_backward(
-                model.expert_kind,
-                &mut dxe,
-                &mut grad,
-                &dye,
-                saved,
-                &xe,
-                params,
-                rows.len(),
-                d,
-                f,
-            );
+            if !skip {
+                eng.backend.expert_ffn_backward(
+                    model.expert_kind,
+                    &mut dxe,
+                    &mut grad,
+                    &dye,
+                    saved,
+                    &xe,
+                    params,
+                    rows.len(),
+                    d,
+                    f,
+                );
+            }
             eng.acc.bytes_device_to_host += 4 * grad.len() as u64;
             for (r, &a) in rows.iter().enumerate() {
                 dx[a as usize * d..(a as usize + 1) * d].copy_from_slice(&dxe[r * d..(r + 1) * d]);

@@ -32,6 +32,17 @@ pub(crate) fn run(shared: &Shared) {
                 }
                 continue;
             }
+            // If the window shows this expert's full record needed soon,
+            // read it whole now rather than its compute part and then its
+            // state in a second read.
+            let parts = if parts == Parts::Compute
+                && (distance + 1..ahead)
+                    .any(|later| inner.schedule.upcoming(later) == Some((expert, Parts::Full)))
+            {
+                Parts::Full
+            } else {
+                parts
+            };
             // Only slots whose experts are needed after this one.
             let Some(victim) = shared.choose_victim(&inner, Some(distance)) else {
                 break;

@@ -1,0 +1,274 @@
+//! `strata bench step`: training steps of a MoE stack whose experts live on
+//! SSD, with the expert-wise schedule and the naive one, against two
+//! bounds measured in the same run: compute only (every expert resident)
+//! and I/O only (the same tier traffic, no expert GEMMs).
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+use strata_tiers::Dtype;
+
+use super::Timing;
+use crate::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
+use crate::math::ExpertKind;
+use crate::model::{fill_uniform, Batch, ModelConfig};
+use crate::EngineError;
+
+#[derive(Clone, Debug)]
+pub struct StepBenchConfig {
+    pub model: ModelConfig,
+    pub tokens: usize,
+    /// Experts that fit on the device at once.
+    pub device_experts: u64,
+    /// Share of all experts' records that fit in host memory.
+    pub host_fraction: f64,
+    pub steps: usize,
+    pub warmup_steps: usize,
+    pub compute_dtype: Dtype,
+    pub dir: PathBuf,
+    pub optimizer_threads: usize,
+}
+
+impl Default for StepBenchConfig {
+    fn default() -> Self {
+        Self {
+            model: ModelConfig {
+                layers: 4,
+                d_model: 512,
+                d_ff: 1024,
+                experts: 8,
+                top_k: 2,
+                renormalize: true,
+                expert_kind: ExpertKind::SwiGlu,
+                classes: 256,
+                ..ModelConfig::default()
+            },
+            tokens: 1024,
+            device_experts: 2,
+            host_fraction: 0.25,
+            steps: 4,
+            warmup_steps: 1,
+            compute_dtype: Dtype::Bf16,
+            dir: std::env::temp_dir(),
+            optimizer_threads: 1,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepBenchRecord {
+    pub bench: &'static str,
+    pub run: &'static str,
+    pub layers: usize,
+    pub experts: usize,
+    pub d_model: usize,
+    pub d_ff: usize,
+    pub top_k: usize,
+    pub tokens: usize,
+    pub host_slots: usize,
+    pub device_slots: usize,
+    pub steps: usize,
+    pub step_s: f64,
+    pub min_step_s: f64,
+    pub tokens_per_s: f64,
+    pub compute_s: f64,
+    pub stall_upload_s: f64,
+    pub stall_ssd_s: f64,
+    pub stall_optimizer_s: f64,
+    pub bytes_ssd_to_host: u64,
+    pub bytes_host_to_ssd: u64,
+    pub host_hit_rate: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepBenchSummary {
+    pub bench: &'static str,
+    pub run: &'static str,
+    pub expert_wise_over_naive: f64,
+    /// expert-wise step time ÷ max(compute only, I/O only)
+    pub expert_wise_over_bound: f64,
+}
+
+fn batch(model: &ModelConfig, tokens: usize, step: usize) -> Batch {
+    let mut inputs = vec![0.0f32; tokens * model.d_model];
+    fill_uniform(&mut inputs, 77 + step as u64, 5, 1.0);
+    let targets = (0..tokens)
+        .map(|i| (i * 31 % model.classes) as u32)
+        .collect();
+    Batch { inputs, targets }
+}
+
+fn record_bytes(model: &ModelConfig, dtype: Dtype) -> u64 {
+    let n = model.expert_params() as u64;
+    (n * dtype.bytes() + 64).div_ceil(4096) * 4096 + (12 * n + 64).div_ceil(4096) * 4096
+}
+
+fn run_one(
+    config: &StepBenchConfig,
+    name: &'static str,
+    engine_config: EngineConfig,
+    progress: &mut dyn FnMut(&str),
+) -> Result<StepBenchRecord, EngineError> {
+    let model = &config.model;
+    let mut engine = Engine::new(model.clone(), engine_config)?;
+    let mut metrics: Vec<StepMetrics> = Vec::new();
+    for s in 0..config.warmup_steps + config.steps {
+        let m = engine.step(&batch(model, config.tokens, s))?;
+        progress(&format!(
+            "{name} step {}: {:.2} s, loss {:.4}",
+            s + 1,
+            m.wall_s,
+            m.loss
+        ));
+        if s >= config.warmup_steps {
+            metrics.push(m);
+        }
+    }
+    let timing = Timing::of(
+        &metrics
+            .iter()
+            .map(|m| std::time::Duration::from_secs_f64(m.wall_s))
+            .collect::<Vec<_>>(),
+    );
+    let mean =
+        |f: fn(&StepMetrics) -> f64| metrics.iter().map(f).sum::<f64>() / metrics.len() as f64;
+    let sum =
+        |f: fn(&StepMetrics) -> u64| metrics.iter().map(f).sum::<u64>() / metrics.len() as u64;
+    Ok(StepBenchRecord {
+        bench: "step",
+        run: name,
+        layers: model.layers,
+        experts: model.experts,
+        d_model: model.d_model,
+        d_ff: model.d_ff,
+        top_k: model.top_k,
+        tokens: config.tokens,
+        host_slots: engine.host_slots(),
+        device_slots: engine.device_slots(),
+        steps: metrics.len(),
+        step_s: timing.median_s,
+        min_step_s: timing.min_s,
+        tokens_per_s: config.tokens as f64 / timing.median_s,
+        compute_s: mean(|m| m.compute_s),
+        stall_upload_s: mean(|m| m.stall_upload_s),
+        stall_ssd_s: mean(|m| m.stall_ssd_s),
+        stall_optimizer_s: mean(|m| m.stall_optimizer_s),
+        bytes_ssd_to_host: sum(|m| m.bytes_ssd_to_host),
+        bytes_host_to_ssd: sum(|m| m.bytes_host_to_ssd),
+        host_hit_rate: mean(|m| m.host_hit_rate),
+    })
+}
+
+/// Runs the four configurations; returns their records and the summary.
+pub fn run(
+    config: &StepBenchConfig,
+    mut progress: impl FnMut(&str),
+) -> Result<(Vec<StepBenchRecord>, StepBenchSummary), EngineError> {
+    config.model.validate()?;
+    if config.steps == 0 || config.tokens == 0 {
+        return Err(EngineError::Config(
+            "--steps and --tokens must be at least 1".into(),
+        ));
+    }
+    let model = &config.model;
+    let all = (model.layers * model.experts) as u64;
+    let expert_bytes = model.expert_params() as u64 * config.compute_dtype.bytes();
+    let record = record_bytes(model, config.compute_dtype);
+    let host_slots = ((all as f64 * config.host_fraction).floor() as u64).max(2);
+    let base = EngineConfig {
+        device_budget_bytes: config.device_experts * expert_bytes,
+        host_budget_bytes: host_slots * record,
+        compute_dtype: config.compute_dtype,
+        optimizer_threads: config.optimizer_threads,
+        ..EngineConfig::default()
+    };
+    let store = |name: &str| {
+        Some(config.dir.join(format!(
+            "strata-bench-step-{}-{name}.store",
+            std::process::id()
+        )))
+    };
+    let runs: Vec<(&'static str, EngineConfig)> = vec![
+        (
+            "expert_wise",
+            EngineConfig {
+                store_path: store("ew"),
+                ..base.clone()
+            },
+        ),
+        (
+            "naive",
+            EngineConfig {
+                store_path: store("naive"),
+                schedule: ScheduleKind::Naive,
+                ..base.clone()
+            },
+        ),
+        (
+            "compute_only",
+            EngineConfig {
+                device_budget_bytes: all * expert_bytes,
+                host_budget_bytes: all * record,
+                ..base.clone()
+            },
+        ),
+        (
+            "io_only",
+            EngineConfig {
+                store_path: store("io"),
+                skip_expert_compute: true,
+                ..base
+            },
+        ),
+    ];
+    let mut records = Vec::new();
+    for (name, engine_config) in runs {
+        let path = engine_config.store_path.clone();
+        let result = run_one(config, name, engine_config, &mut progress);
+        if let Some(p) = path {
+            let _ = std::fs::remove_file(p);
+        }
+        records.push(result?);
+    }
+    let step = |run: &str| records.iter().find(|r| r.run == run).expect("ran").step_s;
+    let summary = StepBenchSummary {
+        bench: "step",
+        run: "summary",
+        expert_wise_over_naive: step("naive") / step("expert_wise"),
+        expert_wise_over_bound: step("expert_wise") / step("compute_only").max(step("io_only")),
+    };
+    Ok((records, summary))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tiny_stack_runs_every_configuration() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = StepBenchConfig {
+            model: ModelConfig {
+                layers: 2,
+                d_model: 16,
+                d_ff: 32,
+                experts: 8,
+                classes: 8,
+                ..ModelConfig::default()
+            },
+            tokens: 32,
+            steps: 2,
+            dir: dir.path().to_path_buf(),
+            ..StepBenchConfig::default()
+        };
+        let (records, summary) = run(&config, |_| {}).unwrap();
+        let runs: Vec<_> = records.iter().map(|r| r.run).collect();
+        assert_eq!(runs, ["expert_wise", "naive", "compute_only", "io_only"]);
+        assert!(records.iter().all(|r| r.tokens_per_s > 0.0));
+        // The SSD runs move records between host and SSD; compute-only does not.
+        assert!(records[0].bytes_ssd_to_host > 0);
+        assert_eq!(records[2].bytes_ssd_to_host, 0);
+        assert!(summary.expert_wise_over_naive > 0.0);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+}

@@ -1,0 +1,120 @@
+//! Bad input to the engine gets a clear error, never a panic.
+
+use strata::engine::{Engine, EngineConfig};
+use strata::model::{Batch, ModelConfig};
+use strata::EngineError;
+use strata_optim::AdamWHyper;
+
+fn model() -> ModelConfig {
+    ModelConfig {
+        layers: 1,
+        d_model: 8,
+        d_ff: 16,
+        experts: 4,
+        top_k: 2,
+        classes: 5,
+        ..ModelConfig::default()
+    }
+}
+
+fn batch(t: usize, d: usize) -> Batch {
+    Batch {
+        inputs: (0..t * d).map(|i| (i % 5) as f32 * 0.1).collect(),
+        targets: (0..t).map(|i| (i % 5) as u32).collect(),
+    }
+}
+
+#[test]
+fn top_k_above_the_expert_count_is_refused() {
+    let err = Engine::new(
+        ModelConfig {
+            top_k: 5,
+            ..model()
+        },
+        EngineConfig::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        err.to_string()
+            .contains("top_k = 5 must be between 1 and the number of experts (4)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn mismatched_shapes_and_empty_batches_are_refused() {
+    let mut engine = Engine::new(model(), EngineConfig::default()).unwrap();
+    let mut b = batch(6, 8);
+    b.inputs.pop();
+    let err = engine.step(&b).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("6 tokens × d_model 8 = 48 expected"),
+        "{err}"
+    );
+    let err = engine
+        .step(&Batch {
+            inputs: vec![],
+            targets: vec![],
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("the batch is empty"), "{err}");
+    let mut b = batch(6, 8);
+    b.targets[2] = 9;
+    let err = engine.step(&b).unwrap_err();
+    assert!(
+        err.to_string().contains("target class 9 is out of range"),
+        "{err}"
+    );
+    let mut b = batch(6, 8);
+    b.inputs[3] = f32::NAN;
+    assert!(matches!(engine.step(&b), Err(EngineError::Batch(_))));
+    // The engine is still usable after refusing bad batches.
+    engine.step(&batch(6, 8)).unwrap();
+}
+
+#[test]
+fn a_diverging_loss_is_reported() {
+    // A learning rate this large sends the params to infinity within steps.
+    let config = EngineConfig {
+        hyper: AdamWHyper {
+            lr: 1e30,
+            ..AdamWHyper::default()
+        },
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(model(), config).unwrap();
+    let mut err = None;
+    for _ in 0..10 {
+        if let Err(e) = engine.step(&batch(6, 8)) {
+            err = Some(e);
+            break;
+        }
+    }
+    let err = err.expect("training with lr 1e30 diverges");
+    assert!(matches!(err, EngineError::NonFiniteLoss { .. }), "{err}");
+    assert!(err.to_string().contains("diverged"), "{err}");
+}
+
+#[test]
+fn budgets_too_small_name_the_tier_and_the_need() {
+    let config = EngineConfig {
+        device_budget_bytes: 100,
+        ..EngineConfig::default()
+    };
+    let err = Engine::new(model(), config).err().unwrap();
+    assert!(
+        err.to_string().contains("device budget of 100 bytes"),
+        "{err}"
+    );
+    let config = EngineConfig {
+        host_budget_bytes: 100,
+        ..EngineConfig::default()
+    };
+    let err = Engine::new(model(), config).err().unwrap();
+    assert!(
+        err.to_string().contains("host budget of 100 bytes"),
+        "{err}"
+    );
+}
