@@ -17,7 +17,9 @@ fn batch(model: &ModelConfig, tokens: usize, seed: u64) -> Batch {
     fill_uniform(&mut inputs, seed, 9, 1.0);
     let targets = (0..tokens)
         .map(|t| {
-            let s: f32 = inputs[t * model.d_model..t * model.d_model + 8].iter().sum();
+            let s: f32 = inputs[t * model.d_model..t * model.d_model + 8]
+                .iter()
+                .sum();
             let bucket = ((s + 4.0) / 8.0 * model.classes as f32) as i64;
             bucket.clamp(0, model.classes as i64 - 1) as u32
         })
@@ -45,7 +47,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         device_budget_bytes: 2 * expert_bytes,
         host_budget_bytes: experts / 4 * record_bytes,
         compute_dtype: Dtype::Bf16,
-        hyper: AdamWHyper { lr: 3e-3, ..AdamWHyper::default() },
+        hyper: AdamWHyper {
+            lr: 3e-3,
+            ..AdamWHyper::default()
+        },
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(model.clone(), config)?;
