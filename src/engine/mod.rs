@@ -21,6 +21,7 @@
 //! println!("{}", last.to_json()); // wall time, stalls, bytes per tier pair, hit rates
 //! ```
 
+mod dense_state;
 mod metrics;
 mod runner;
 mod update;
@@ -154,8 +155,52 @@ pub struct Engine {
 
 impl Engine {
     /// Builds the tiers for `model` within the budgets and writes every
-    /// expert's initial record.
+    /// expert's initial record. With a `store_path`, the file must not exist.
     pub fn new(model: ModelConfig, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::check(&model, &config)?;
+        let layout = Self::layout(&model, &config);
+        let store = match &config.store_path {
+            Some(path) => ExpertStore::create(path, layout, &Self::file_options(&config))?,
+            None => ExpertStore::create_on(Box::new(MemFile::new()), layout)?,
+        };
+        write_initial_records(&model, &store)?;
+        let dense = model.init_dense();
+        let n = dense.len();
+        let state = dense_state::DenseState {
+            step: 0,
+            dense_step: 0,
+            params: dense,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        };
+        if let Some(path) = &config.store_path {
+            // Step 0 is committed by write_initial_records; give it its
+            // dense file so even an untrained store can be resumed.
+            dense_state::write(path, &state)?;
+        }
+        Self::build(model, config, Arc::new(store), state)
+    }
+
+    /// Reopens the store at `config.store_path` and its dense-state file and
+    /// continues from its last committed checkpoint (see `checkpoint`).
+    pub fn resume(model: ModelConfig, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::check(&model, &config)?;
+        let Some(path) = config.store_path.clone() else {
+            return Err(EngineError::Config("resume needs a store_path".into()));
+        };
+        let layout = Self::layout(&model, &config);
+        let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
+        let step = store.committed_step();
+        let state = dense_state::read(&path, step, model.dense_params())?;
+        let mut engine = Self::build(model, config, Arc::new(store), state)?;
+        for key in 0..engine.expert_steps.len() {
+            let id = engine.expert_id(key);
+            engine.expert_steps[key] = engine.cache.store().expert_step(id)?.unwrap_or(0);
+        }
+        Ok(engine)
+    }
+
+    fn check(model: &ModelConfig, config: &EngineConfig) -> Result<(), EngineError> {
         model.validate()?;
         config
             .hyper
@@ -166,25 +211,32 @@ impl Engine {
                 "micro_batches and optimizer_threads must be at least 1".into(),
             ));
         }
-        let layout = Layout {
+        Ok(())
+    }
+
+    fn layout(model: &ModelConfig, config: &EngineConfig) -> Layout {
+        Layout {
             layers: model.layers as u32,
             experts_per_layer: model.experts as u32,
             params_per_expert: model.expert_params() as u64,
             compute_dtype: config.compute_dtype,
-        };
-        let store = match &config.store_path {
-            Some(path) => ExpertStore::create(
-                path,
-                layout,
-                &FileOptions {
-                    queue_depth: config.io_queue_depth,
-                    ..FileOptions::default()
-                },
-            )?,
-            None => ExpertStore::create_on(Box::new(MemFile::new()), layout)?,
-        };
-        let store = Arc::new(store);
-        write_initial_records(&model, &store)?;
+        }
+    }
+
+    fn file_options(config: &EngineConfig) -> FileOptions {
+        FileOptions {
+            queue_depth: config.io_queue_depth,
+            ..FileOptions::default()
+        }
+    }
+
+    fn build(
+        model: ModelConfig,
+        config: EngineConfig,
+        store: Arc<ExpertStore>,
+        state: dense_state::DenseState,
+    ) -> Result<Self, EngineError> {
+        let layout = store.layout();
         let prefetch = match config.schedule {
             ScheduleKind::ExpertWise => config.prefetch_ahead_max,
             ScheduleKind::Naive => 0,
@@ -210,8 +262,6 @@ impl Engine {
             ..OptimizerConfig::default()
         })?;
         let experts = model.layers * model.experts;
-        let dense = model.init_dense();
-        let dn = dense.len();
         let device = DeviceSlots::new(arena_slots(&arena));
         Ok(Self {
             store_layout: layout,
@@ -219,10 +269,10 @@ impl Engine {
             cache,
             arena,
             optimizer,
-            dense,
-            dense_m: vec![0.0; dn],
-            dense_v: vec![0.0; dn],
-            dense_step: 0,
+            dense: state.params,
+            dense_m: state.m,
+            dense_v: state.v,
+            dense_step: state.dense_step,
             expert_steps: vec![0; experts],
             pending: vec![false; experts],
             grad_accum: vec![None; experts],
@@ -230,7 +280,7 @@ impl Engine {
             saved: vec![vec![ExpertSaved::default(); model.experts]; model.layers],
             device,
             acc: Accumulators::default(),
-            step: 0,
+            step: state.step,
             model,
             config,
         })
@@ -456,6 +506,31 @@ impl Engine {
     pub fn checkpoint_experts(&mut self) -> Result<(), EngineError> {
         self.drain()?;
         self.cache.checkpoint(self.step)?;
+        Ok(())
+    }
+
+    /// A full checkpoint at `self.steps()`: the dense state file first, then
+    /// every expert, committed by the store. A crash at any point leaves
+    /// the previous checkpoint resumable. Needs a `store_path`.
+    pub fn checkpoint(&mut self) -> Result<(), EngineError> {
+        let Some(path) = self.config.store_path.clone() else {
+            return Err(EngineError::Config(
+                "checkpoint needs a store_path (the SSD tier is in memory)".into(),
+            ));
+        };
+        self.drain()?;
+        dense_state::write(
+            &path,
+            &dense_state::DenseState {
+                step: self.step,
+                dense_step: self.dense_step,
+                params: self.dense.clone(),
+                m: self.dense_m.clone(),
+                v: self.dense_v.clone(),
+            },
+        )?;
+        self.cache.checkpoint(self.step)?;
+        dense_state::remove_others(&path, self.step);
         Ok(())
     }
 }

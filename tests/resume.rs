@@ -1,0 +1,118 @@
+//! A run checkpointed, dropped and resumed ends bit-identical to one that
+//! never stopped.
+
+use strata::engine::{Engine, EngineConfig};
+use strata::model::{fill_uniform, Batch, ModelConfig};
+use strata_tiers::Dtype;
+
+fn model() -> ModelConfig {
+    ModelConfig {
+        layers: 2,
+        d_model: 16,
+        d_ff: 24,
+        experts: 6,
+        top_k: 1,
+        renormalize: false,
+        classes: 8,
+        ..ModelConfig::default()
+    }
+}
+
+fn batch(step: u64) -> Batch {
+    let m = model();
+    let mut inputs = vec![0.0f32; 32 * m.d_model];
+    fill_uniform(&mut inputs, 50 + step, 3, 1.0);
+    Batch {
+        inputs,
+        targets: (0..32)
+            .map(|i| ((i as u64 * 7 + step) % 8) as u32)
+            .collect(),
+    }
+}
+
+fn config(path: std::path::PathBuf) -> EngineConfig {
+    let m = model();
+    let expert = (m.expert_params() * 2) as u64;
+    EngineConfig {
+        store_path: Some(path),
+        compute_dtype: Dtype::Bf16,
+        device_budget_bytes: 2 * expert,
+        host_budget_bytes: 4 * (expert + 12 * m.expert_params() as u64 + 8192),
+        ..EngineConfig::default()
+    }
+}
+
+fn params(engine: &mut Engine) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
+    let m = model();
+    let mut experts = Vec::new();
+    let mut steps = Vec::new();
+    for l in 0..m.layers {
+        for e in 0..m.experts {
+            experts.extend(engine.expert_params(l, e).unwrap());
+            steps.push(engine.expert_step(l, e).unwrap());
+        }
+    }
+    (engine.dense_params().to_vec(), experts, steps)
+}
+
+#[test]
+fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut straight = Engine::new(model(), config(dir.path().join("a.strata"))).unwrap();
+    for s in 0..8 {
+        straight.step(&batch(s)).unwrap();
+    }
+    let expected = params(&mut straight);
+
+    let path = dir.path().join("b.strata");
+    let mut first = Engine::new(model(), config(path.clone())).unwrap();
+    for s in 0..5 {
+        first.step(&batch(s)).unwrap();
+    }
+    first.checkpoint().unwrap();
+    // Steps after the checkpoint are lost with the process.
+    first.step(&batch(5)).unwrap();
+    drop(first);
+
+    let mut resumed = Engine::resume(model(), config(path.clone())).unwrap();
+    assert_eq!(resumed.steps(), 5);
+    for s in 5..8 {
+        resumed.step(&batch(s)).unwrap();
+    }
+    let got = params(&mut resumed);
+    assert!(got.0 == expected.0, "dense params differ after resume");
+    assert!(got.1 == expected.1, "expert params differ after resume");
+    assert_eq!(
+        got.2, expected.2,
+        "per-expert step counts differ after resume"
+    );
+    // Only the committed step's dense file is kept.
+    let dense_files = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("b.strata.dense-")
+        })
+        .count();
+    assert_eq!(dense_files, 1);
+}
+
+#[test]
+fn resuming_without_a_store_or_with_another_model_is_refused() {
+    let err = Engine::resume(model(), EngineConfig::default())
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("needs a store_path"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.strata");
+    drop(Engine::new(model(), config(path.clone())).unwrap());
+    let other = ModelConfig {
+        d_ff: 32,
+        ..model()
+    };
+    let err = Engine::resume(other, config(path)).err().unwrap();
+    assert!(err.to_string().contains("layout"), "{err}");
+}
