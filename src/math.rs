@@ -658,3 +658,19 @@ pub fn gather_backward<R: Real>(
         }
     }
 }
+
+/// dst[a] (T·K, D) = src[r] (n, D) for each r-th assignment a of `rows`.
+pub fn scatter_to_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d: usize) {
+    for (r, &a) in rows.iter().enumerate() {
+        let a = a as usize;
+        dst[a * d..(a + 1) * d].copy_from_slice(&src[r * d..(r + 1) * d]);
+    }
+}
+
+/// dst[r] (n, D) = src[a] (T·K, D) for each r-th assignment a of `rows`.
+pub fn gather_from_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d: usize) {
+    for (r, &a) in rows.iter().enumerate() {
+        let a = a as usize;
+        dst[r * d..(r + 1) * d].copy_from_slice(&src[a * d..(a + 1) * d]);
+    }
+}

@@ -82,9 +82,7 @@ impl ExpertRunner for Runner<'_> {
                 d,
                 f,
             );
-            for (r, &a) in rows.iter().enumerate() {
-                out[a as usize * d..(a as usize + 1) * d].copy_from_slice(&ye[r * d..(r + 1) * d]);
-            }
+            crate::math::scatter_to_assignments(out, &ye, rows, d);
         }
         Ok(())
     }
@@ -106,10 +104,7 @@ impl ExpertRunner for Runner<'_> {
             }
             let xe = gather(x, rows, k, d);
             let mut dye = vec![0.0f32; rows.len() * d];
-            for (r, &a) in rows.iter().enumerate() {
-                dye[r * d..(r + 1) * d]
-                    .copy_from_slice(&dout[a as usize * d..(a as usize + 1) * d]);
-            }
+            crate::math::gather_from_assignments(&mut dye, dout, rows, d);
             let mut dxe = vec![0.0f32; rows.len() * d];
             let expert = &mut self.experts[layer][e];
             expert.touched = true;
@@ -126,9 +121,7 @@ impl ExpertRunner for Runner<'_> {
                 d,
                 f,
             );
-            for (r, &a) in rows.iter().enumerate() {
-                dx[a as usize * d..(a as usize + 1) * d].copy_from_slice(&dxe[r * d..(r + 1) * d]);
-            }
+            crate::math::scatter_to_assignments(dx, &dxe, rows, d);
         }
         Ok(())
     }

@@ -155,9 +155,7 @@ impl ExpertRunner for EngineRunner<'_> {
                 saved.a = Vec::new();
                 saved.b = Vec::new();
             }
-            for (r, &a) in rows.iter().enumerate() {
-                out[a as usize * d..(a as usize + 1) * d].copy_from_slice(&ye[r * d..(r + 1) * d]);
-            }
+            crate::math::scatter_to_assignments(out, &ye, rows, d);
             Ok(())
         })
     }
@@ -182,10 +180,7 @@ impl ExpertRunner for EngineRunner<'_> {
             let mut xe = vec![0.0f32; rows.len() * d];
             gather_forward(&mut xe, x, rows, k, d);
             let mut dye = vec![0.0f32; rows.len() * d];
-            for (r, &a) in rows.iter().enumerate() {
-                dye[r * d..(r + 1) * d]
-                    .copy_from_slice(&dout[a as usize * d..(a as usize + 1) * d]);
-            }
+            crate::math::gather_from_assignments(&mut dye, dout, rows, d);
             let key = runner.key(layer, expert);
             let eng = &mut *runner.engine;
             let skip = eng.config.skip_expert_compute;
@@ -221,9 +216,7 @@ impl ExpertRunner for EngineRunner<'_> {
                 );
             }
             eng.acc.bytes_device_to_host += 4 * grad.len() as u64;
-            for (r, &a) in rows.iter().enumerate() {
-                dx[a as usize * d..(a as usize + 1) * d].copy_from_slice(&dxe[r * d..(r + 1) * d]);
-            }
+            crate::math::scatter_to_assignments(dx, &dxe, rows, d);
             // Gradients of earlier micro-batches are summed first, in order.
             let grad = match eng.grad_accum[key].take() {
                 Some(mut sum) => {
