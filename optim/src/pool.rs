@@ -626,10 +626,9 @@ fn run_chunk<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize, start: usiz
         )
     };
     let kernel = shared.config.kernel;
-    // SAFETY: the RawStep invariant holds: `raw` came from exclusive borrows
-    // of the target (run_start), the chunks are disjoint ranges of it, and
-    // the target is not touched until the last chunk publishes Done;
-    // the kernel was checked as supported in ExpertOptimizer::new.
+    // SAFETY: (1) RawStep invariant: `raw` is a disjoint chunk of exclusive
+    // borrows taken in run_start, untouched until the last chunk is Done;
+    // (2) the kernel was checked as supported in ExpertOptimizer::new.
     let outcome = catch_unwind(AssertUnwindSafe(|| unsafe { kernel.run(&scalars, &raw) }));
     let mut state = slot.lock();
     if let Err(panic) = outcome {

@@ -156,10 +156,9 @@ struct ArenaMemory {
     views: Box<[AtomicU32]>,
 }
 
-// SAFETY: slot bytes are touched by a copy thread only while the slot's
-// upload counter says a copy is in flight (and `view` refuses then), and by
-// views only while no upload is in flight (`upload_htod` refuses then);
-// downloads only read.
+// SAFETY: a copy thread writes a slot only while its upload counter is up
+// (`view` refuses then); views exist only while none is (`upload_htod`
+// refuses then); downloads only read.
 unsafe impl Sync for ArenaMemory {}
 
 impl ArenaMemory {

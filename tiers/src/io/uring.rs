@@ -145,11 +145,9 @@ impl UringFile {
                 (true, Some(b)) => opcode::WriteFixed::new(fd, ptr, n, b).offset(off).build(),
                 (true, None) => opcode::Write::new(fd, ptr, n).offset(off).build(),
             };
-            // SAFETY: (1) op i's buffer is borrowed by the caller for this
-            // whole call, and `run` returns only after every submitted op's
-            // completion is reaped (the error path drains too), so the
-            // buffer outlives the operation; (2) at most `depth` ops are in
-            // flight and the ring has ≥ depth entries, so the push fits.
+            // SAFETY: (1) op i's buffer is lent for this whole call and `run`
+            // reaps every submitted op before returning, errors included;
+            // (2) ≤ depth ops in flight in a ring of ≥ depth entries: it fits.
             unsafe { ring.submission().push(&entry.user_data(i as u64)) }
                 .expect("ring has room for depth entries");
         };
