@@ -182,12 +182,14 @@ pub fn run(
         optimizer_threads: config.optimizer_threads,
         ..EngineConfig::default()
     };
-    let store = |name: &str| {
-        Some(config.dir.join(format!(
-            "strata-bench-step-{}-{name}.store",
-            std::process::id()
-        )))
-    };
+    // One scratch directory for the store files (and their dense-state
+    // files), removed whole at the end.
+    let scratch = config
+        .dir
+        .join(format!("strata-bench-step-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)
+        .map_err(|e| EngineError::Config(format!("{}: {e}", scratch.display())))?;
+    let store = |name: &str| Some(scratch.join(format!("{name}.store")));
     let runs: Vec<(&'static str, EngineConfig)> = vec![
         (
             "expert_wise",
@@ -222,13 +224,19 @@ pub fn run(
         ),
     ];
     let mut records = Vec::new();
+    let mut failure = None;
     for (name, engine_config) in runs {
-        let path = engine_config.store_path.clone();
-        let result = run_one(config, name, engine_config, &mut progress);
-        if let Some(p) = path {
-            let _ = std::fs::remove_file(p);
+        match run_one(config, name, engine_config, &mut progress) {
+            Ok(record) => records.push(record),
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
         }
-        records.push(result?);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    if let Some(e) = failure {
+        return Err(e);
     }
     let step = |run: &str| records.iter().find(|r| r.run == run).expect("ran").step_s;
     let summary = StepBenchSummary {
