@@ -230,6 +230,48 @@ pub struct LayerSaved {
     pub per_assignment: Vec<f32>,
 }
 
+/// The dense linear layers' GEMM: plain loops for the reference, the
+/// backend's GEMM for the engine.
+pub trait DenseLinear {
+    /// out (M, N) = x (M, K) · w (N, K)ᵀ
+    fn forward(&self, out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize);
+    /// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
+    fn backward(
+        &self,
+        dx: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    );
+}
+
+/// `math::linear_forward` / `linear_backward`, as written.
+pub struct PlainLinear;
+
+impl DenseLinear for PlainLinear {
+    fn forward(&self, out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+        linear_forward(out, x, w, m, k, n);
+    }
+
+    fn backward(
+        &self,
+        dx: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) {
+        linear_backward(dx, dw, dout, x, w, m, k, n);
+    }
+}
+
 /// Runs a layer's experts. Rows of assignment a = t·K + k are `x[t]`.
 pub trait ExpertRunner {
     /// Writes `out[a]` (T·K, D) for every assignment of every expert.
@@ -278,6 +320,7 @@ pub fn forward_backward(
     micro_batches: usize,
     last_micro_batch: bool,
     runner: &mut dyn ExpertRunner,
+    linear: &dyn DenseLinear,
 ) -> Result<Losses, EngineError> {
     let (t, d, k, v) = (batch.tokens(), model.d_model, model.top_k, model.classes);
     let router = model.router();
@@ -322,7 +365,7 @@ pub fn forward_backward(
     }
     let head = &dense[model.head_range()];
     let mut logits = vec![0.0f32; t * v];
-    linear_forward(&mut logits, &h, head, t, d, v);
+    linear.forward(&mut logits, &h, head, t, d, v);
     let mut dlogits = vec![0.0f32; t * v];
     let ce = cross_entropy_forward_backward(&mut dlogits, &logits, &batch.targets, v, tokens_total);
     let share = 1.0 / micro_batches as f32;
@@ -332,7 +375,7 @@ pub fn forward_backward(
     }
     let mut dh = vec![0.0f32; t * d];
     let head_grad = &mut dense_grad[model.head_range()];
-    linear_backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v);
+    linear.backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v);
     let daux = model.aux_loss_coef * share;
     let dz = model.z_loss_coef * share;
     for l in (0..model.layers).rev() {

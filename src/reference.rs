@@ -15,7 +15,7 @@
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
 use crate::math::{expert_ffn_backward, expert_ffn_forward, ExpertSaved, Permutation};
-use crate::model::{forward_backward, Batch, ExpertRunner, Losses, ModelConfig};
+use crate::model::{forward_backward, Batch, ExpertRunner, Losses, ModelConfig, PlainLinear};
 use crate::EngineError;
 
 /// One expert's params, moments, gradient and step count.
@@ -187,6 +187,7 @@ impl ReferenceTrainer {
                 count,
                 i + 1 == count,
                 &mut runner,
+                &PlainLinear,
             )?;
             losses.ce += l.ce;
             losses.aux += l.aux / count as f32;

@@ -171,6 +171,26 @@ impl Backend for CpuBackend {
     }
 }
 
+impl crate::model::DenseLinear for CpuBackend {
+    fn forward(&self, out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+        linear_forward(out, x, w, m, k, n);
+    }
+
+    fn backward(
+        &self,
+        dx: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) {
+        linear_backward(dx, dw, dout, x, w, m, k, n);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

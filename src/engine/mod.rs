@@ -251,9 +251,10 @@ impl Engine {
                 ..HostCacheConfig::default()
             },
         )?;
-        cache.set_schedule(access_schedule(&model));
         let slot_bytes = layout.compute_payload_bytes() as usize;
         let arena = CpuDeviceArena::new(config.device_budget_bytes, slot_bytes, 64)?;
+        let overlapped = config.schedule == ScheduleKind::ExpertWise && arena_slots(&arena) >= 2;
+        cache.set_schedule(access_schedule(&model, overlapped));
         let optimizer = ExpertOptimizer::new(OptimizerConfig {
             threads: config.optimizer_threads,
             in_flight_max: model.layers * model.experts,
@@ -332,6 +333,7 @@ impl Engine {
                 count,
                 i + 1 == count,
                 &mut runner,
+                &CpuBackend,
             ) {
                 Ok(l) => loss += l.total,
                 Err(e) => {
@@ -540,20 +542,34 @@ fn arena_slots(arena: &CpuDeviceArena) -> usize {
     arena.slot_count()
 }
 
-/// Forward layers 0..L-1, then backward L-1..0 (compute params, then the
-/// full record for the update), experts in the runner's order.
-fn access_schedule(model: &ModelConfig) -> Vec<(ExpertId, Parts)> {
+/// The order the runner asks the host tier for experts: forward layers
+/// 0..L-1 (compute params, experts in index order), then backward L-1..0
+/// (experts in reverse order: compute params for the backward, then the
+/// full record for the update). When the pipeline overlaps, the next
+/// expert's compute params are asked for before this one's update, so the
+/// backward of a layer reads C(r0), C(r1), F(r0), C(r2), F(r1), …, F(rn).
+fn access_schedule(model: &ModelConfig, overlapped: bool) -> Vec<(ExpertId, Parts)> {
+    let id = |l: usize, e: usize| ExpertId::new(l as u32, e as u32);
     let mut order = Vec::new();
     for l in 0..model.layers {
         for e in 0..model.experts {
-            order.push((ExpertId::new(l as u32, e as u32), Parts::Compute));
+            order.push((id(l, e), Parts::Compute));
         }
     }
     for l in (0..model.layers).rev() {
-        for e in (0..model.experts).rev() {
-            let id = ExpertId::new(l as u32, e as u32);
-            order.push((id, Parts::Compute));
-            order.push((id, Parts::Full));
+        let experts: Vec<usize> = (0..model.experts).rev().collect();
+        if overlapped {
+            order.push((id(l, experts[0]), Parts::Compute));
+            for w in experts.windows(2) {
+                order.push((id(l, w[1]), Parts::Compute));
+                order.push((id(l, w[0]), Parts::Full));
+            }
+            order.push((id(l, *experts.last().expect("≥ 1 expert")), Parts::Full));
+        } else {
+            for &e in &experts {
+                order.push((id(l, e), Parts::Compute));
+                order.push((id(l, e), Parts::Full));
+            }
         }
     }
     order
