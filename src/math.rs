@@ -155,6 +155,19 @@ pub fn gelu_grad<R: Real>(x: R) -> R {
     half * (R::one() + t) + half * x * (R::one() - t * t) * du
 }
 
+/// log Σ exp(row), shifted by the row's max so it cannot overflow.
+pub fn log_sum_exp<R: Real>(row: &[R]) -> R {
+    let max = row
+        .iter()
+        .copied()
+        .fold(row[0], |a, b| if b > a { b } else { a });
+    let mut sum = R::zero();
+    for &z in row {
+        sum += (z - max).exp();
+    }
+    max + sum.ln()
+}
+
 /// Expert kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExpertKind {
@@ -333,20 +346,10 @@ pub fn router_forward<R: Real>(
     let mut z = R::zero();
     for i in 0..t {
         let row = &logits[i * e..(i + 1) * e];
-        let max = row
-            .iter()
-            .copied()
-            .fold(row[0], |a, b| if b > a { b } else { a });
-        let mut sum = R::zero();
+        let lse = log_sum_exp(row);
         for j in 0..e {
-            let p = (row[j] - max).exp();
-            routing.probs[i * e + j] = p;
-            sum += p;
+            routing.probs[i * e + j] = (row[j] - lse).exp();
         }
-        for j in 0..e {
-            routing.probs[i * e + j] = routing.probs[i * e + j] / sum;
-        }
-        let lse = max + sum.ln();
         routing.lse[i] = lse;
         z += lse * lse;
         top_k(
@@ -536,15 +539,7 @@ pub fn cross_entropy_forward_backward<R: Real>(
     let mut loss = R::zero();
     for i in 0..t {
         let row = &logits[i * v..(i + 1) * v];
-        let max = row
-            .iter()
-            .copied()
-            .fold(row[0], |a, b| if b > a { b } else { a });
-        let mut sum = R::zero();
-        for &z in row {
-            sum += (z - max).exp();
-        }
-        let lse = max + sum.ln();
+        let lse = log_sum_exp(row);
         let target = targets[i] as usize;
         loss += (lse - row[target]) * scale;
         for j in 0..v {

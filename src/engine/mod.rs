@@ -149,6 +149,8 @@ pub struct Engine {
     /// [layer][expert] what the forward kept for the backward.
     saved: Vec<Vec<ExpertSaved<f32>>>,
     device: DeviceSlots,
+    /// The f32 params of the expert being computed (reused every pass).
+    params_scratch: Vec<f32>,
     acc: Accumulators,
     step: u64,
 }
@@ -280,6 +282,7 @@ impl Engine {
             deferred: Vec::new(),
             saved: vec![vec![ExpertSaved::default(); model.experts]; model.layers],
             device,
+            params_scratch: Vec::with_capacity(model.expert_params()),
             acc: Accumulators::default(),
             step: state.step,
             model,

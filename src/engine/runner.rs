@@ -108,8 +108,15 @@ impl EngineRunner<'_> {
                 upload.wait()?;
                 self.engine.acc.stall_upload_s += t0.elapsed().as_secs_f64();
             }
-            let params = self.engine.device_params(current.slot)?;
-            compute(self, current.expert, &params)?;
+            // One params buffer for every expert pass, lent out of the
+            // engine while `compute` borrows the runner.
+            let mut params = std::mem::take(&mut self.engine.params_scratch);
+            let computed = self
+                .engine
+                .device_params(current.slot, &mut params)
+                .and_then(|()| compute(self, current.expert, &params));
+            self.engine.params_scratch = params;
+            computed?;
             if next.is_none() && i + 1 < order.len() {
                 next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
             }
@@ -279,21 +286,26 @@ impl DeviceSlots {
 }
 
 impl Engine {
-    /// The compute params in a device slot, as f32 (widened from bf16/f16).
-    pub(crate) fn device_params(&self, slot: usize) -> Result<Vec<f32>, EngineError> {
+    /// Writes the compute params in a device slot into `out` as f32
+    /// (widened from bf16/f16), reusing `out`'s allocation.
+    pub(crate) fn device_params(&self, slot: usize, out: &mut Vec<f32>) -> Result<(), EngineError> {
         let view = self.arena.view(slot)?;
         let n = self.model.expert_params();
         let bytes = &view.bytes()[..self.store_layout.compute_payload_bytes() as usize];
-        Ok(match self.store_layout.compute_dtype {
-            Dtype::F32 => bytemuck::cast_slice::<u8, f32>(bytes)[..n].to_vec(),
-            Dtype::Bf16 => bytemuck::cast_slice::<u8, half::bf16>(bytes)
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
-            Dtype::F16 => bytemuck::cast_slice::<u8, half::f16>(bytes)
-                .iter()
-                .map(|x| x.to_f32())
-                .collect(),
-        })
+        out.clear();
+        match self.store_layout.compute_dtype {
+            Dtype::F32 => out.extend_from_slice(&bytemuck::cast_slice::<u8, f32>(bytes)[..n]),
+            Dtype::Bf16 => out.extend(
+                bytemuck::cast_slice::<u8, half::bf16>(bytes)
+                    .iter()
+                    .map(|x| x.to_f32()),
+            ),
+            Dtype::F16 => out.extend(
+                bytemuck::cast_slice::<u8, half::f16>(bytes)
+                    .iter()
+                    .map(|x| x.to_f32()),
+            ),
+        }
+        Ok(())
     }
 }

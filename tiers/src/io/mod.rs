@@ -160,6 +160,23 @@ pub fn open_file(
     })
 }
 
+/// fdatasync, as every file engine does it.
+pub(crate) fn file_sync(file: &std::fs::File) -> Result<(), TierError> {
+    file.sync_data().map_err(|e| TierError::io("fsync", 0, e))
+}
+
+pub(crate) fn file_len(file: &std::fs::File) -> Result<u64, TierError> {
+    Ok(file
+        .metadata()
+        .map_err(|e| TierError::io("stat", 0, e))?
+        .len())
+}
+
+pub(crate) fn file_set_len(file: &std::fs::File, bytes: u64) -> Result<(), TierError> {
+    file.set_len(bytes)
+        .map_err(|e| TierError::io("truncate", bytes, e))
+}
+
 pub(crate) fn file_error(path: &Path, source: std::io::Error) -> TierError {
     TierError::File {
         path: path.to_path_buf(),

@@ -85,22 +85,14 @@ impl RecordDevice for PreadFile {
     }
 
     fn sync(&self) -> Result<(), TierError> {
-        self.file
-            .sync_data()
-            .map_err(|e| TierError::io("fsync", 0, e))
+        super::file_sync(&self.file)
     }
 
     fn len_bytes(&self) -> Result<u64, TierError> {
-        Ok(self
-            .file
-            .metadata()
-            .map_err(|e| TierError::io("stat", 0, e))?
-            .len())
+        super::file_len(&self.file)
     }
 
     fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError> {
-        self.file
-            .set_len(bytes)
-            .map_err(|e| TierError::io("truncate", bytes, e))
+        super::file_set_len(&self.file, bytes)
     }
 }

@@ -17,10 +17,22 @@ const RETRIES_MAX: u32 = 64;
 /// Largest buffer io_uring registers as one fixed buffer.
 const FIXED_BUFFER_BYTES_MAX: usize = 1 << 30;
 
+/// The ring and everything a batch needs, under one lock (so batches,
+/// registration and unregistration are ordered by it alone). The vectors
+/// keep their capacity from batch to batch: a batch allocates nothing once
+/// they have grown to its size.
 struct Ring {
     ring: IoUring,
+    /// Registered fixed buffers: (start address, length).
+    fixed: Vec<(usize, usize)>,
     /// Bytes done and retries so far, per op of the current batch.
     progress: Vec<(usize, u32)>,
+    /// Ops to resubmit (transient error or short transfer).
+    queue: Vec<usize>,
+    /// Ops completed since the last round of `on_complete` calls.
+    completed: Vec<usize>,
+    /// (op, result) of the completions reaped in one round.
+    reaped: Vec<(usize, i32)>,
 }
 
 pub struct UringFile {
@@ -28,8 +40,6 @@ pub struct UringFile {
     ring: Mutex<Ring>,
     depth: u32,
     direct: bool,
-    /// Registered fixed buffers: (start address, length).
-    fixed: Mutex<Vec<(usize, usize)>>,
 }
 
 /// A line saying why io_uring was not used, naming the likely cause.
@@ -54,11 +64,14 @@ impl UringFile {
             file,
             ring: Mutex::new(Ring {
                 ring,
+                fixed: Vec::new(),
                 progress: Vec::with_capacity(depth as usize * 4),
+                queue: Vec::with_capacity(depth as usize),
+                completed: Vec::with_capacity(depth as usize),
+                reaped: Vec::with_capacity(depth as usize),
             }),
             depth,
             direct: false,
-            fixed: Mutex::new(Vec::new()),
         })
     }
 
@@ -93,10 +106,10 @@ impl UringFile {
             });
             at += n;
         }
-        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the caller keeps the region alive while the ring lives.
         unsafe { ring.ring.submitter().register_buffers(&iovecs)? };
-        *self.fixed.lock().unwrap_or_else(|e| e.into_inner()) = iovecs
+        ring.fixed = iovecs
             .iter()
             .map(|v| (v.iov_base as usize, v.iov_len))
             .collect();
@@ -119,18 +132,25 @@ impl UringFile {
         on_complete: &mut OnReadComplete<'_>,
     ) -> Result<(), TierError> {
         let op_name = if write { "write" } else { "read" };
-        let fixed = self.fixed.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut guard = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        let Ring { ring, progress } = &mut *guard;
+        let Ring {
+            ring,
+            fixed,
+            progress,
+            queue,
+            completed,
+            reaped,
+        } = &mut *guard;
+        let fixed = &*fixed;
         progress.clear();
         progress.resize(ops.len(), (0, 0));
+        queue.clear();
+        completed.clear();
         let fd = types::Fd(self.file.as_raw_fd());
         let mut next = 0usize;
         let mut in_flight = 0u32;
         let mut done = 0usize;
         let mut first_error: Option<TierError> = None;
-        let mut queue: Vec<usize> = Vec::new();
-        let mut completed: Vec<usize> = Vec::new();
 
         let push = |ring: &mut IoUring, i: usize, progress: &[(usize, u32)]| {
             let (offset, ptr, len) = ops[i];
@@ -139,7 +159,7 @@ impl UringFile {
             let ptr = unsafe { ptr.add(at) };
             let n = (len - at) as u32;
             let off = offset + at as u64;
-            let entry = match (write, Self::fixed_index(&fixed, ptr as usize, n as usize)) {
+            let entry = match (write, Self::fixed_index(fixed, ptr as usize, n as usize)) {
                 (false, Some(b)) => opcode::ReadFixed::new(fd, ptr, n, b).offset(off).build(),
                 (false, None) => opcode::Read::new(fd, ptr, n).offset(off).build(),
                 (true, Some(b)) => opcode::WriteFixed::new(fd, ptr, n, b).offset(off).build(),
@@ -187,11 +207,12 @@ impl UringFile {
                     first_error.get_or_insert(TierError::io(op_name, ops[0].0, e));
                 }
             }
-            let completions: Vec<(usize, i32)> = ring
-                .completion()
-                .map(|c| (c.user_data() as usize, c.result()))
-                .collect();
-            for (i, result) in completions {
+            reaped.clear();
+            reaped.extend(
+                ring.completion()
+                    .map(|c| (c.user_data() as usize, c.result())),
+            );
+            for &(i, result) in reaped.iter() {
                 in_flight -= 1;
                 let (offset, _, len) = ops[i];
                 if result < 0 {
@@ -298,31 +319,22 @@ impl RecordDevice for UringFile {
     }
 
     fn unregister_buffers(&self) {
-        let mut fixed = self.fixed.lock().unwrap_or_else(|e| e.into_inner());
-        if !fixed.is_empty() {
-            let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        if !ring.fixed.is_empty() {
             let _ = ring.ring.submitter().unregister_buffers();
-            fixed.clear();
+            ring.fixed.clear();
         }
     }
 
     fn sync(&self) -> Result<(), TierError> {
-        self.file
-            .sync_data()
-            .map_err(|e| TierError::io("fsync", 0, e))
+        super::file_sync(&self.file)
     }
 
     fn len_bytes(&self) -> Result<u64, TierError> {
-        Ok(self
-            .file
-            .metadata()
-            .map_err(|e| TierError::io("stat", 0, e))?
-            .len())
+        super::file_len(&self.file)
     }
 
     fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError> {
-        self.file
-            .set_len(bytes)
-            .map_err(|e| TierError::io("truncate", bytes, e))
+        super::file_set_len(&self.file, bytes)
     }
 }
