@@ -6,6 +6,7 @@ pub mod bench;
 pub mod cli;
 pub mod engine;
 mod error;
+pub mod lm;
 pub mod math;
 pub mod model;
 pub mod reference;

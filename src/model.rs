@@ -216,20 +216,6 @@ impl Batch {
     }
 }
 
-/// What a layer's forward keeps for its backward.
-#[derive(Clone, Debug, Default)]
-pub struct LayerSaved {
-    /// (T, D) the layer's input
-    pub h_in: Vec<f32>,
-    /// (T, D) RMSNorm output = the router's and experts' input
-    pub normed: Vec<f32>,
-    pub inv_rms: Vec<f32>,
-    pub routing: Routing<f32>,
-    pub perm: Permutation,
-    /// (T·K, D) each assignment's expert output
-    pub per_assignment: Vec<f32>,
-}
-
 /// The dense linear layers' GEMM: plain loops for the reference, the
 /// backend's GEMM for the engine.
 pub trait DenseLinear {
@@ -308,7 +294,243 @@ pub struct Losses {
     pub total: f32,
 }
 
-/// Forward, loss and backward of one micro-batch through the whole stack.
+/// A network whose MoE layers the engine runs: the dense part (everything
+/// but the experts) is the network's own, one flat f32 vector; the experts
+/// of its `moe()` layers go through an [`ExpertRunner`].
+pub trait Network {
+    type Batch;
+    /// The MoE layers: count, experts, their shape, routing and losses.
+    fn moe(&self) -> &ModelConfig;
+    /// Length of the flat dense parameter vector.
+    fn dense_params(&self) -> usize;
+    /// The initial dense parameters.
+    fn init_dense(&self) -> Vec<f32>;
+    fn validate_batch(&self, batch: &Self::Batch) -> Result<(), EngineError>;
+    /// Tokens that carry a loss (the cross-entropy's denominator).
+    fn batch_tokens(&self, batch: &Self::Batch) -> usize;
+    /// Splits into (at most) `n` micro-batches.
+    fn split_batch(&self, batch: &Self::Batch, n: usize) -> Vec<Self::Batch>;
+    /// Forward, loss and backward of one micro-batch: `dense_grad`
+    /// accumulates; `tokens_total` and `micro_batches` scale the losses so
+    /// micro-batches add up to the full batch.
+    fn forward_backward(
+        &self,
+        dense: &[f32],
+        dense_grad: &mut [f32],
+        batch: &Self::Batch,
+        tokens_total: usize,
+        micro_batches: usize,
+        last_micro_batch: bool,
+        runner: &mut dyn ExpertRunner,
+        linear: &dyn DenseLinear,
+    ) -> Result<Losses, EngineError>;
+    /// The mean cross-entropy of `batch`, forward only (evaluation).
+    fn forward_loss(
+        &self,
+        dense: &[f32],
+        batch: &Self::Batch,
+        runner: &mut dyn ExpertRunner,
+        linear: &dyn DenseLinear,
+    ) -> Result<f32, EngineError>;
+}
+
+/// What a MoE layer's forward keeps for its backward.
+#[derive(Clone, Debug, Default)]
+pub struct MoeSaved {
+    pub routing: Routing<f32>,
+    pub perm: Permutation,
+    /// (T·K, D) each assignment's expert output
+    pub per_assignment: Vec<f32>,
+}
+
+/// One MoE layer, forward: router, dropless permutation, experts, and the
+/// weighted combine. `x` (T, D) is the (normed) input; returns y (T, D).
+pub fn moe_forward(
+    model: &ModelConfig,
+    layer: usize,
+    router_w: &[f32],
+    x: &[f32],
+    t: usize,
+    runner: &mut dyn ExpertRunner,
+) -> Result<(Vec<f32>, MoeSaved), EngineError> {
+    let (d, k) = (model.d_model, model.top_k);
+    let mut s = MoeSaved::default();
+    router_forward(&model.router(), &mut s.routing, x, router_w, t, d);
+    s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
+    s.per_assignment = vec![0.0; t * k * d];
+    runner.forward_layer(layer, &s.perm, x, &mut s.per_assignment)?;
+    let mut y = vec![0.0f32; t * d];
+    combine_forward(&mut y, &s.per_assignment, &s.routing.weights, t, k, d);
+    Ok((y, s))
+}
+
+/// One MoE layer, backward: from dy (T, D), accumulates dx (T, D) and the
+/// router's gradient; the experts' gradients go through the runner.
+/// `daux` and `dz` are the loss coefficients times the micro-batch share.
+pub fn moe_backward(
+    model: &ModelConfig,
+    layer: usize,
+    router_w: &[f32],
+    router_grad: &mut [f32],
+    dx: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    s: &MoeSaved,
+    t: usize,
+    daux: f32,
+    dz: f32,
+    runner: &mut dyn ExpertRunner,
+    last_micro_batch: bool,
+) -> Result<(), EngineError> {
+    let (d, k) = (model.d_model, model.top_k);
+    let mut dper = vec![0.0f32; t * k * d];
+    let mut dweights = vec![0.0f32; t * k];
+    combine_backward(
+        &mut dper,
+        &mut dweights,
+        dy,
+        &s.per_assignment,
+        &s.routing.weights,
+        t,
+        k,
+        d,
+    );
+    let mut dxa = vec![0.0f32; t * k * d];
+    runner.backward_layer(layer, &s.perm, x, &dper, &mut dxa, last_micro_batch)?;
+    gather_backward(dx, &dxa, t, k, d);
+    router_backward(
+        &model.router(),
+        dx,
+        router_grad,
+        &dweights,
+        daux,
+        dz,
+        &s.routing,
+        x,
+        router_w,
+        t,
+        d,
+    );
+    Ok(())
+}
+
+/// What a layer of the plain stack keeps for its backward.
+struct StackSaved {
+    h_in: Vec<f32>,
+    normed: Vec<f32>,
+    inv_rms: Vec<f32>,
+    moe: MoeSaved,
+}
+
+/// The plain stack's forward up to the head input, and each layer's saved
+/// state; (aux, z) summed over layers.
+fn stack_forward(
+    model: &ModelConfig,
+    dense: &[f32],
+    batch: &Batch,
+    runner: &mut dyn ExpertRunner,
+) -> Result<(Vec<f32>, Vec<StackSaved>, f32, f32), EngineError> {
+    let (t, d) = (batch.tokens(), model.d_model);
+    let mut saved = Vec::with_capacity(model.layers);
+    let mut h = batch.inputs.clone();
+    let (mut aux_sum, mut z_sum) = (0.0f32, 0.0f32);
+    for l in 0..model.layers {
+        let mut normed = vec![0.0; t * d];
+        let mut inv_rms = vec![0.0; t];
+        let g = &dense[model.norm_range(l)];
+        rmsnorm_forward(&mut normed, &mut inv_rms, &h, g, t, d, model.rms_eps);
+        let router_w = &dense[model.router_range(l)];
+        let (y, moe) = moe_forward(model, l, router_w, &normed, t, runner)?;
+        let h_in = h.clone();
+        h.iter_mut().zip(&y).for_each(|(hi, yi)| *hi += yi);
+        aux_sum += moe.routing.aux_loss;
+        z_sum += moe.routing.z_loss;
+        saved.push(StackSaved {
+            h_in,
+            normed,
+            inv_rms,
+            moe,
+        });
+    }
+    Ok((h, saved, aux_sum, z_sum))
+}
+
+/// The plain stack: L layers of `h ← h + MoE(RMSNorm(h))`, a linear head
+/// and cross-entropy over `classes`.
+impl Network for ModelConfig {
+    type Batch = Batch;
+
+    fn moe(&self) -> &ModelConfig {
+        self
+    }
+
+    fn dense_params(&self) -> usize {
+        ModelConfig::dense_params(self)
+    }
+
+    fn init_dense(&self) -> Vec<f32> {
+        ModelConfig::init_dense(self)
+    }
+
+    fn validate_batch(&self, batch: &Batch) -> Result<(), EngineError> {
+        batch.validate(self)
+    }
+
+    fn batch_tokens(&self, batch: &Batch) -> usize {
+        batch.tokens()
+    }
+
+    fn split_batch(&self, batch: &Batch, n: usize) -> Vec<Batch> {
+        batch.split(n, self.d_model)
+    }
+
+    fn forward_backward(
+        &self,
+        dense: &[f32],
+        dense_grad: &mut [f32],
+        batch: &Batch,
+        tokens_total: usize,
+        micro_batches: usize,
+        last_micro_batch: bool,
+        runner: &mut dyn ExpertRunner,
+        linear: &dyn DenseLinear,
+    ) -> Result<Losses, EngineError> {
+        forward_backward(
+            self,
+            dense,
+            dense_grad,
+            batch,
+            tokens_total,
+            micro_batches,
+            last_micro_batch,
+            runner,
+            linear,
+        )
+    }
+
+    fn forward_loss(
+        &self,
+        dense: &[f32],
+        batch: &Batch,
+        runner: &mut dyn ExpertRunner,
+        linear: &dyn DenseLinear,
+    ) -> Result<f32, EngineError> {
+        let (t, d, v) = (batch.tokens(), self.d_model, self.classes);
+        let (h, _, _, _) = stack_forward(self, dense, batch, runner)?;
+        let mut logits = vec![0.0f32; t * v];
+        linear.forward(&mut logits, &h, &dense[self.head_range()], t, d, v);
+        let mut scratch = vec![0.0f32; t * v];
+        Ok(cross_entropy_forward_backward(
+            &mut scratch,
+            &logits,
+            &batch.targets,
+            v,
+            t,
+        ))
+    }
+}
+
+/// Forward, loss and backward of one micro-batch through the plain stack.
 /// `dense_grad` accumulates; `tokens_total` and `micro_batches` scale the
 /// losses so micro-batches add up to the full batch.
 pub fn forward_backward(
@@ -322,47 +544,8 @@ pub fn forward_backward(
     runner: &mut dyn ExpertRunner,
     linear: &dyn DenseLinear,
 ) -> Result<Losses, EngineError> {
-    let (t, d, k, v) = (batch.tokens(), model.d_model, model.top_k, model.classes);
-    let router = model.router();
-    let mut saved: Vec<LayerSaved> = Vec::with_capacity(model.layers);
-    let mut h = batch.inputs.clone();
-    let (mut aux_sum, mut z_sum) = (0.0f32, 0.0f32);
-    for l in 0..model.layers {
-        let mut s = LayerSaved {
-            h_in: h.clone(),
-            normed: vec![0.0; t * d],
-            inv_rms: vec![0.0; t],
-            ..LayerSaved::default()
-        };
-        rmsnorm_forward(
-            &mut s.normed,
-            &mut s.inv_rms,
-            &h,
-            &dense[model.norm_range(l)],
-            t,
-            d,
-            model.rms_eps,
-        );
-        router_forward(
-            &router,
-            &mut s.routing,
-            &s.normed,
-            &dense[model.router_range(l)],
-            t,
-            d,
-        );
-        s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
-        s.per_assignment = vec![0.0; t * k * d];
-        runner.forward_layer(l, &s.perm, &s.normed, &mut s.per_assignment)?;
-        let mut y = vec![0.0f32; t * d];
-        combine_forward(&mut y, &s.per_assignment, &s.routing.weights, t, k, d);
-        for (hi, yi) in h.iter_mut().zip(&y) {
-            *hi += yi;
-        }
-        aux_sum += s.routing.aux_loss;
-        z_sum += s.routing.z_loss;
-        saved.push(s);
-    }
+    let (t, d, v) = (batch.tokens(), model.d_model, model.classes);
+    let (h, saved, aux_sum, z_sum) = stack_forward(model, dense, batch, runner)?;
     let head = &dense[model.head_range()];
     let mut logits = vec![0.0f32; t * v];
     linear.forward(&mut logits, &h, head, t, d, v);
@@ -380,37 +563,23 @@ pub fn forward_backward(
     let dz = model.z_loss_coef * share;
     for l in (0..model.layers).rev() {
         let s = &saved[l];
-        let mut dper = vec![0.0f32; t * k * d];
-        let mut dweights = vec![0.0f32; t * k];
-        combine_backward(
-            &mut dper,
-            &mut dweights,
-            &dh,
-            &s.per_assignment,
-            &s.routing.weights,
-            t,
-            k,
-            d,
-        );
-        let mut dxa = vec![0.0f32; t * k * d];
-        runner.backward_layer(l, &s.perm, &s.normed, &dper, &mut dxa, last_micro_batch)?;
         let mut dnormed = vec![0.0f32; t * d];
-        gather_backward(&mut dnormed, &dxa, t, k, d);
         let wr = &dense[model.router_range(l)];
-        let router_grad = &mut dense_grad[model.router_range(l)];
-        router_backward(
-            &router,
+        moe_backward(
+            model,
+            l,
+            wr,
+            &mut dense_grad[model.router_range(l)],
             &mut dnormed,
-            router_grad,
-            &dweights,
+            &dh,
+            &s.normed,
+            &s.moe,
+            t,
             daux,
             dz,
-            &s.routing,
-            &s.normed,
-            wr,
-            t,
-            d,
-        );
+            runner,
+            last_micro_batch,
+        )?;
         let g = &dense[model.norm_range(l)];
         let mut dh_in = dh.clone(); // the residual path
         let norm_grad = &mut dense_grad[model.norm_range(l)];

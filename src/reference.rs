@@ -15,7 +15,7 @@
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
 use crate::math::{expert_ffn_backward, expert_ffn_forward, ExpertSaved, Permutation};
-use crate::model::{forward_backward, Batch, ExpertRunner, Losses, ModelConfig, PlainLinear};
+use crate::model::{Batch, ExpertRunner, Losses, ModelConfig, Network, PlainLinear};
 use crate::EngineError;
 
 /// One expert's params, moments, gradient and step count.
@@ -41,11 +41,24 @@ pub struct ReferenceTrainer {
     pub experts: Vec<Vec<ExpertState>>,
 }
 
-struct Runner<'a> {
+/// Runs experts held in memory with the plain loops; the backward adds
+/// each expert's gradient to its `grad` and marks it touched.
+pub struct MemoryRunner<'a> {
     model: &'a ModelConfig,
     experts: &'a mut [Vec<ExpertState>],
     /// [layer][expert] what the forward saved, for the backward
     saved: Vec<Vec<ExpertSaved<f32>>>,
+}
+
+impl<'a> MemoryRunner<'a> {
+    /// `experts[layer][expert]`, as `ReferenceTrainer::experts`.
+    pub fn new(model: &'a ModelConfig, experts: &'a mut [Vec<ExpertState>]) -> Self {
+        Self {
+            saved: vec![vec![ExpertSaved::default(); model.experts]; model.layers],
+            model,
+            experts,
+        }
+    }
 }
 
 fn gather(x: &[f32], rows: &[u32], k: usize, d: usize) -> Vec<f32> {
@@ -54,7 +67,7 @@ fn gather(x: &[f32], rows: &[u32], k: usize, d: usize) -> Vec<f32> {
     out
 }
 
-impl ExpertRunner for Runner<'_> {
+impl ExpertRunner for MemoryRunner<'_> {
     fn forward_layer(
         &mut self,
         layer: usize,
@@ -129,6 +142,13 @@ impl ExpertRunner for Runner<'_> {
 
 impl ReferenceTrainer {
     pub fn new(model: ModelConfig, hyper: AdamWHyper) -> Result<Self, EngineError> {
+        Self::new_network(&model, hyper)
+    }
+
+    /// The reference for any [`Network`]: its dense params from
+    /// `init_dense`, its MoE layers' experts in memory.
+    pub fn new_network<N: Network>(net: &N, hyper: AdamWHyper) -> Result<Self, EngineError> {
+        let model = net.moe().clone();
         model.validate()?;
         hyper
             .validate()
@@ -152,7 +172,7 @@ impl ReferenceTrainer {
                     .collect()
             })
             .collect();
-        let dense = model.init_dense();
+        let dense = net.init_dense();
         let dn = dense.len();
         Ok(Self {
             model,
@@ -167,23 +187,30 @@ impl ReferenceTrainer {
 
     /// One optimizer step over `batch`, split into `micro_batches`.
     pub fn step(&mut self, batch: &Batch, micro_batches: usize) -> Result<Losses, EngineError> {
-        batch.validate(&self.model)?;
-        let parts = batch.split(micro_batches, self.model.d_model);
+        let model = self.model.clone();
+        self.step_network(&model, batch, micro_batches)
+    }
+
+    /// One optimizer step of `net` (built with `new_network`).
+    pub fn step_network<N: Network>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+        micro_batches: usize,
+    ) -> Result<Losses, EngineError> {
+        net.validate_batch(batch)?;
+        let parts = net.split_batch(batch, micro_batches);
+        let tokens_total = net.batch_tokens(batch);
         let count = parts.len();
         let mut dense_grad = vec![0.0f32; self.dense.len()];
         let mut losses = Losses::default();
         for (i, part) in parts.iter().enumerate() {
-            let mut runner = Runner {
-                model: &self.model,
-                experts: &mut self.experts,
-                saved: vec![vec![ExpertSaved::default(); self.model.experts]; self.model.layers],
-            };
-            let l = forward_backward(
-                &self.model,
+            let mut runner = MemoryRunner::new(&self.model, &mut self.experts);
+            let l = net.forward_backward(
                 &self.dense,
                 &mut dense_grad,
                 part,
-                batch.tokens(),
+                tokens_total,
                 count,
                 i + 1 == count,
                 &mut runner,

@@ -45,7 +45,7 @@ use update::ExpertUpdate;
 
 use crate::backend::CpuBackend;
 use crate::math::ExpertSaved;
-use crate::model::{forward_backward, Batch, ModelConfig};
+use crate::model::{Batch, ModelConfig, Network};
 use crate::EngineError;
 
 /// How experts move and when they are updated.
@@ -159,6 +159,13 @@ impl Engine {
     /// Builds the tiers for `model` within the budgets and writes every
     /// expert's initial record. With a `store_path`, the file must not exist.
     pub fn new(model: ModelConfig, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::new_network(&model, config)
+    }
+
+    /// [`Engine::new`] for any [`Network`]: its MoE layers' experts go to
+    /// the tiers, its dense params start at `net.init_dense()`.
+    pub fn new_network<N: Network>(net: &N, config: EngineConfig) -> Result<Self, EngineError> {
+        let model = net.moe().clone();
         Self::check(&model, &config)?;
         let layout = Self::layout(&model, &config);
         let store = match &config.store_path {
@@ -166,7 +173,7 @@ impl Engine {
             None => ExpertStore::create_on(Box::new(MemFile::new()), layout)?,
         };
         write_initial_records(&model, &store)?;
-        let dense = model.init_dense();
+        let dense = net.init_dense();
         let n = dense.len();
         let state = dense_state::DenseState {
             step: 0,
@@ -186,6 +193,12 @@ impl Engine {
     /// Reopens the store at `config.store_path` and its dense-state file and
     /// continues from its last committed checkpoint (see `checkpoint`).
     pub fn resume(model: ModelConfig, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::resume_network(&model, config)
+    }
+
+    /// [`Engine::resume`] for any [`Network`].
+    pub fn resume_network<N: Network>(net: &N, config: EngineConfig) -> Result<Self, EngineError> {
+        let model = net.moe().clone();
         Self::check(&model, &config)?;
         let Some(path) = config.store_path.clone() else {
             return Err(EngineError::Config("resume needs a store_path".into()));
@@ -193,13 +206,49 @@ impl Engine {
         let layout = Self::layout(&model, &config);
         let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
         let step = store.committed_step();
-        let state = dense_state::read(&path, step, model.dense_params())?;
+        let state = dense_state::read(&path, step, net.dense_params())?;
         let mut engine = Self::build(model, config, Arc::new(store), state)?;
         for key in 0..engine.expert_steps.len() {
             let id = engine.expert_id(key);
             engine.expert_steps[key] = engine.cache.store().expert_step(id)?.unwrap_or(0);
         }
         Ok(engine)
+    }
+
+    /// Opens a store whose experts were imported (step 0 committed, e.g.
+    /// by `strata_tiers::import_experts`) and starts from `dense`, the
+    /// network's imported dense params: fine-tuning.
+    pub fn open_imported<N: Network>(
+        net: &N,
+        config: EngineConfig,
+        dense: Vec<f32>,
+    ) -> Result<Self, EngineError> {
+        let model = net.moe().clone();
+        Self::check(&model, &config)?;
+        let Some(path) = config.store_path.clone() else {
+            return Err(EngineError::Config(
+                "open_imported needs a store_path".into(),
+            ));
+        };
+        if dense.len() != net.dense_params() {
+            return Err(EngineError::Config(format!(
+                "{} dense params given, the network has {}",
+                dense.len(),
+                net.dense_params()
+            )));
+        }
+        let layout = Self::layout(&model, &config);
+        let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
+        let n = dense.len();
+        let state = dense_state::DenseState {
+            step: store.committed_step(),
+            dense_step: 0,
+            params: dense,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        };
+        dense_state::write(&path, &state)?;
+        Self::build(model, config, Arc::new(store), state)
     }
 
     fn check(model: &ModelConfig, config: &EngineConfig) -> Result<(), EngineError> {
@@ -311,28 +360,79 @@ impl Engine {
 
     /// One training step on `batch` (split into the configured micro-batches).
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, EngineError> {
-        batch.validate(&self.model)?;
+        let model = self.model.clone();
+        self.step_network(&model, batch)
+    }
+
+    /// The learning rate of the updates from the next step on (schedules).
+    pub fn set_lr(&mut self, lr: f32) -> Result<(), EngineError> {
+        let hyper = AdamWHyper {
+            lr,
+            ..self.config.hyper
+        };
+        self.optimizer.set_hyper(hyper)?;
+        self.config.hyper = hyper;
+        Ok(())
+    }
+
+    fn check_network<N: Network>(&self, net: &N) -> Result<(), EngineError> {
+        if net.moe() != &self.model || net.dense_params() != self.dense.len() {
+            return Err(EngineError::Config(
+                "the network is not the one this engine was built for".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The mean loss of `batch`, forward only: nothing is updated. The
+    /// prefetch schedule restarts at the next step's forward.
+    pub fn evaluate<N: Network>(&mut self, net: &N, batch: &N::Batch) -> Result<f32, EngineError> {
+        self.check_network(net)?;
+        net.validate_batch(batch)?;
+        self.acc = Accumulators {
+            tokens_per_expert: vec![vec![0; self.model.experts]; self.model.layers],
+            ..Accumulators::default()
+        };
+        let dense = std::mem::take(&mut self.dense);
+        let mut runner = runner::EngineRunner { engine: self };
+        let loss = net.forward_loss(&dense, batch, &mut runner, &CpuBackend);
+        self.dense = dense;
+        let overlapped =
+            self.config.schedule == ScheduleKind::ExpertWise && self.device.slot_count() >= 2;
+        self.cache
+            .set_schedule(access_schedule(&self.model, overlapped));
+        loss
+    }
+
+    /// One training step of any [`Network`] built on this engine's MoE
+    /// layers (see [`Engine::new_network`]).
+    pub fn step_network<N: Network>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+    ) -> Result<StepMetrics, EngineError> {
+        self.check_network(net)?;
+        net.validate_batch(batch)?;
         let start = std::time::Instant::now();
         self.cache.take_stats(); // this step's counters start now
         self.acc = Accumulators {
             tokens_per_expert: vec![vec![0; self.model.experts]; self.model.layers],
             ..Accumulators::default()
         };
-        let parts = batch.split(self.config.micro_batches, self.model.d_model);
+        let parts = net.split_batch(batch, self.config.micro_batches);
+        let tokens_total = net.batch_tokens(batch);
         let count = parts.len();
         let mut dense_grad = vec![0.0f32; self.dense.len()];
         let mut loss = 0.0f32;
         let dense = std::mem::take(&mut self.dense);
-        let model = self.model.clone();
         let mut result = Ok(());
         for (i, part) in parts.iter().enumerate() {
             let mut runner = runner::EngineRunner { engine: self };
-            match forward_backward(
-                &model,
+            match net.forward_backward(
                 &dense,
                 &mut dense_grad,
                 part,
-                batch.tokens(),
+                tokens_total,
                 count,
                 i + 1 == count,
                 &mut runner,
@@ -384,7 +484,7 @@ impl Engine {
         let device_uses = acc.device_hits + acc.device_misses;
         Ok(StepMetrics {
             step: self.step,
-            tokens: batch.tokens(),
+            tokens: tokens_total,
             loss,
             wall_s,
             compute_s: (wall_s - acc.stall_upload_s - stall_ssd_s - acc.stall_optimizer_s).max(0.0),

@@ -1,0 +1,322 @@
+//! The language model's shape: presets, and Hugging Face `config.json`
+//! read and written with Mixtral's keys (OLMoE's and Qwen2-MoE's where
+//! they differ; what strata cannot compute is refused by name).
+
+use serde_json::{json, Map, Value};
+
+use crate::math::ExpertKind;
+use crate::model::ModelConfig;
+use crate::EngineError;
+
+/// A decoder-only MoE transformer with the Mixtral architecture.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LmConfig {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The experts' hidden width.
+    pub d_ff: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    /// Renormalize the top-k routing weights (Mixtral) or not.
+    pub renormalize: bool,
+    pub rope_theta: f64,
+    pub rms_eps: f64,
+    /// The LM head shares the token embedding's matrix.
+    pub tie_embeddings: bool,
+    /// Longest sequence the model is meant for (`max_position_embeddings`).
+    pub max_seq: usize,
+    pub aux_loss_coef: f32,
+    pub z_loss_coef: f32,
+    /// Seed of the deterministic initialization.
+    pub seed: u64,
+}
+
+impl Default for LmConfig {
+    fn default() -> Self {
+        Self::preset("tiny").expect("the tiny preset exists")
+    }
+}
+
+/// Names of the presets, smallest first.
+pub const PRESETS: &[&str] = &["tiny", "small", "moe-s", "moe-m", "moe-l"];
+
+impl LmConfig {
+    /// `tiny` and `small` train on a CPU in minutes; `moe-s`, `moe-m` and
+    /// `moe-l` are the ES-MoE paper's MoE-S/M/L (its Table 4, GPT-3
+    /// shapes, vocabulary 51 200, top-1, 8 experts by default).
+    pub fn preset(name: &str) -> Result<Self, EngineError> {
+        let base = LmConfig {
+            vocab: 256,
+            d_model: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            d_ff: 128,
+            experts: 8,
+            top_k: 2,
+            renormalize: true,
+            rope_theta: 10_000.0,
+            rms_eps: 1e-5,
+            tie_embeddings: false,
+            max_seq: 256,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.0,
+            seed: 0,
+        };
+        let paper = |layers, d_model: usize, d_ff, heads: usize| LmConfig {
+            vocab: 51_200,
+            d_model,
+            layers,
+            heads,
+            kv_heads: heads,
+            head_dim: d_model / heads,
+            d_ff,
+            experts: 8,
+            top_k: 1,
+            max_seq: 1024,
+            ..base.clone()
+        };
+        Ok(match name {
+            "tiny" => base,
+            "small" => LmConfig {
+                d_model: 128,
+                layers: 4,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 32,
+                d_ff: 256,
+                ..base
+            },
+            "moe-s" => paper(12, 768, 3072, 12),
+            "moe-m" => paper(24, 1024, 4096, 16),
+            "moe-l" => paper(24, 1536, 6144, 16),
+            other => {
+                return Err(EngineError::Config(format!(
+                    "unknown preset {other:?}; the presets are {}",
+                    PRESETS.join(", ")
+                )))
+            }
+        })
+    }
+
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Config(why));
+        if self.vocab == 0 || self.d_model == 0 || self.layers == 0 || self.max_seq == 0 {
+            return bad("vocab, d_model, layers and max_seq must be at least 1".into());
+        }
+        if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(format!(
+                "num_attention_heads {} must be a positive multiple of num_key_value_heads {}",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!(
+                "head_dim {} must be even (rotary embeddings rotate pairs)",
+                self.head_dim
+            ));
+        }
+        if !(self.rope_theta > 0.0 && self.rms_eps >= 0.0) {
+            return bad("rope_theta must be positive and rms_norm_eps non-negative".into());
+        }
+        self.moe().validate()
+    }
+
+    /// The MoE layers as the engine sees them.
+    pub fn moe(&self) -> ModelConfig {
+        ModelConfig {
+            layers: self.layers,
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            experts: self.experts,
+            top_k: self.top_k,
+            renormalize: self.renormalize,
+            expert_kind: ExpertKind::SwiGlu,
+            classes: self.vocab,
+            aux_loss_coef: self.aux_loss_coef,
+            z_loss_coef: self.z_loss_coef,
+            rms_eps: self.rms_eps,
+            seed: self.seed,
+        }
+    }
+
+    /// Parameters of one attention block.
+    pub fn attention_params(&self) -> usize {
+        let q = self.heads * self.head_dim;
+        let kv = self.kv_heads * self.head_dim;
+        self.d_model * (2 * q + 2 * kv)
+    }
+
+    /// Everything but the experts.
+    pub fn dense_params(&self) -> usize {
+        let per_layer = 2 * self.d_model + self.attention_params() + self.experts * self.d_model;
+        let head = if self.tie_embeddings {
+            0
+        } else {
+            self.vocab * self.d_model
+        };
+        self.vocab * self.d_model + self.layers * per_layer + self.d_model + head
+    }
+
+    pub fn expert_params(&self) -> usize {
+        3 * self.d_model * self.d_ff
+    }
+
+    pub fn total_params(&self) -> u64 {
+        self.dense_params() as u64
+            + (self.layers * self.experts) as u64 * self.expert_params() as u64
+    }
+
+    /// Reads a Hugging Face `config.json`'s text.
+    pub fn from_hf_json(text: &str) -> Result<Self, EngineError> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| EngineError::Config(format!("config.json is not valid JSON: {e}")))?;
+        let map = value
+            .as_object()
+            .ok_or_else(|| EngineError::Config("config.json is not a JSON object".into()))?;
+        let model_type = map.get("model_type").and_then(Value::as_str).unwrap_or("");
+        refuse_unsupported(map, model_type)?;
+        let int = |key: &str| -> Result<usize, EngineError> {
+            map.get(key)
+                .and_then(Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| {
+                    EngineError::Config(format!(
+                        "config.json: {key} is missing or not a non-negative integer"
+                    ))
+                })
+        };
+        let float = |key: &str, default: f64| -> f64 {
+            map.get(key).and_then(Value::as_f64).unwrap_or(default)
+        };
+        let d_model = int("hidden_size")?;
+        let heads = int("num_attention_heads")?;
+        let head_dim = match map.get("head_dim").and_then(Value::as_u64) {
+            Some(h) => h as usize,
+            None if heads > 0 => d_model / heads,
+            None => 0,
+        };
+        let config = LmConfig {
+            vocab: int("vocab_size")?,
+            d_model,
+            layers: int("num_hidden_layers")?,
+            heads,
+            kv_heads: map
+                .get("num_key_value_heads")
+                .and_then(Value::as_u64)
+                .map_or(heads, |v| v as usize),
+            head_dim,
+            d_ff: int("intermediate_size")?,
+            experts: int("num_local_experts")?,
+            top_k: int("num_experts_per_tok")?,
+            renormalize: map
+                .get("norm_topk_prob")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+            rope_theta: float("rope_theta", 10_000.0),
+            rms_eps: float("rms_norm_eps", 1e-5),
+            tie_embeddings: map
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            max_seq: map
+                .get("max_position_embeddings")
+                .and_then(Value::as_u64)
+                .map_or(4096, |v| v as usize),
+            aux_loss_coef: float("router_aux_loss_coef", 0.01) as f32,
+            z_loss_coef: float("router_z_loss_coef", 0.0) as f32,
+            seed: 0,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// A Mixtral `config.json` for this shape (what `export` writes).
+    pub fn to_hf_json(&self) -> String {
+        let value = json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "vocab_size": self.vocab,
+            "hidden_size": self.d_model,
+            "intermediate_size": self.d_ff,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "num_local_experts": self.experts,
+            "num_experts_per_tok": self.top_k,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_seq,
+            "router_aux_loss_coef": self.aux_loss_coef,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "sliding_window": null,
+            "attention_dropout": 0.0,
+        });
+        serde_json::to_string_pretty(&value).expect("plain JSON")
+    }
+}
+
+/// Architectures and keys whose values change the computation in ways
+/// strata does not model, refused by name.
+fn refuse_unsupported(map: &Map<String, Value>, model_type: &str) -> Result<(), EngineError> {
+    match model_type {
+        "mixtral" => {}
+        "olmoe" => {
+            return Err(EngineError::Config(
+                "config.json: model_type \"olmoe\" is not supported: its attention \
+                 normalizes q and k (q_norm, k_norm), which strata does not model; \
+                 its experts alone can be imported with strata_tiers::import_experts"
+                    .into(),
+            ))
+        }
+        "qwen2_moe" => {
+            return Err(EngineError::Config(
+                "config.json: model_type \"qwen2_moe\" is not supported: its attention \
+                 has q/k/v biases and its MoE layers a shared expert \
+                 (shared_expert_intermediate_size), which strata does not model; \
+                 its experts alone can be imported with strata_tiers::import_experts"
+                    .into(),
+            ))
+        }
+        other => {
+            return Err(EngineError::Config(format!(
+                "config.json: model_type {other:?} is not supported (strata trains \
+                 the Mixtral architecture, model_type \"mixtral\")"
+            )))
+        }
+    }
+    let refuse = |key: &str, why: &str| {
+        Err(EngineError::Config(format!(
+            "config.json: {key} = {} is not supported: {why}",
+            map[key]
+        )))
+    };
+    let truthy = |key: &str| match map.get(key) {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(_) => true,
+    };
+    if let Some(act) = map.get("hidden_act").and_then(Value::as_str) {
+        if act != "silu" {
+            return refuse("hidden_act", "the experts are SwiGLU (silu)");
+        }
+    }
+    if truthy("sliding_window") {
+        return refuse("sliding_window", "attention is full causal attention");
+    }
+    if truthy("rope_scaling") {
+        return refuse("rope_scaling", "rotary embeddings are unscaled");
+    }
+    if truthy("attention_bias") {
+        return refuse("attention_bias", "the attention projections have no bias");
+    }
+    Ok(())
+}

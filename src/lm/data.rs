@@ -1,0 +1,552 @@
+//! Training data: plain-text or JSONL (`text` field) files, streamed line
+//! by line, tokenized, packed into fixed-length sequences, split into a
+//! held-out eval set and a training stream shuffled through a bounded
+//! buffer — all deterministic from a seed, so a resumed run sees the same
+//! batches as an uninterrupted one. A built-in corpus (arithmetic) lets
+//! `strata train` run with no download.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+
+use super::network::TokenBatch;
+use crate::EngineError;
+
+/// Turns text into token ids.
+pub enum Tokenizer {
+    /// One token per UTF-8 byte, plus an end-of-document token (256).
+    Bytes,
+    /// A Hugging Face `tokenizer.json`.
+    Hf(Box<tokenizers::Tokenizer>, u32),
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` (its end-of-document token is the first of
+    /// `</s>`, `<|endoftext|>`, `<|end_of_text|>`, `<eos>` it knows).
+    pub fn from_file(path: &Path) -> Result<Self, EngineError> {
+        let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| {
+            EngineError::Config(format!(
+                "{}: not a usable tokenizer.json: {e}",
+                path.display()
+            ))
+        })?;
+        let eos = ["</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"]
+            .iter()
+            .find_map(|t| tok.token_to_id(t))
+            .ok_or_else(|| {
+                EngineError::Config(format!(
+                    "{}: no end-of-document token (</s>, <|endoftext|>, <eos>) in the vocabulary",
+                    path.display()
+                ))
+            })?;
+        Ok(Tokenizer::Hf(Box::new(tok), eos))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Bytes => 257,
+            Tokenizer::Hf(t, _) => t.get_vocab_size(true),
+        }
+    }
+
+    pub fn eos(&self) -> u32 {
+        match self {
+            Tokenizer::Bytes => 256,
+            Tokenizer::Hf(_, eos) => *eos,
+        }
+    }
+
+    pub fn encode(&self, text: &str, out: &mut Vec<u32>) -> Result<(), EngineError> {
+        match self {
+            Tokenizer::Bytes => out.extend(text.bytes().map(u32::from)),
+            Tokenizer::Hf(t, _) => {
+                let enc = t
+                    .encode(text, false)
+                    .map_err(|e| EngineError::Config(format!("tokenizing failed: {e}")))?;
+                out.extend_from_slice(enc.get_ids());
+            }
+        }
+        Ok(())
+    }
+
+    /// Text for display (the byte tokenizer shows its end token as ⏎).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tokenizer::Bytes => {
+                let bytes: Vec<u8> = ids
+                    .iter()
+                    .map(|&i| if i < 256 { i as u8 } else { b'|' })
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            Tokenizer::Hf(t, _) => t.decode(ids, false).unwrap_or_default(),
+        }
+    }
+}
+
+/// Where the text comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Corpus {
+    /// Generated arithmetic ("417+96=513"), one problem a document.
+    Builtin { documents: usize },
+    /// Files: `.jsonl` (one JSON object a line, its `text` field a
+    /// document) or anything else as plain text (one document a file).
+    Files(Vec<PathBuf>),
+}
+
+/// How the data is cut and ordered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DataConfig {
+    pub corpus: Corpus,
+    /// Tokens a sequence predicts (each sequence holds seq_len + 1).
+    pub seq_len: usize,
+    /// Sequences a batch.
+    pub batch_seqs: usize,
+    pub seed: u64,
+    /// One sequence in `eval_every` goes to the held-out set (0: none).
+    pub eval_every: u64,
+    /// Held-out sequences kept for eval, at most.
+    pub eval_seqs_max: usize,
+    /// Training sequences shuffled at once.
+    pub shuffle_buffer: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            corpus: Corpus::Builtin { documents: 200_000 },
+            seq_len: 64,
+            batch_seqs: 16,
+            seed: 0,
+            eval_every: 50,
+            eval_seqs_max: 64,
+            shuffle_buffer: 4096,
+        }
+    }
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The built-in corpus's document `i`: an addition, a subtraction or a
+/// multiplication of small numbers with its answer.
+pub fn builtin_document(seed: u64, i: u64) -> String {
+    let r = splitmix(seed ^ splitmix(i));
+    let a = (r % 1000) as i64;
+    let b = ((r >> 16) % 1000) as i64;
+    match (r >> 32) % 3 {
+        0 => format!("{a}+{b}={}", a + b),
+        1 => format!("{a}-{b}={}", a - b),
+        _ => {
+            let (a, b) = (a % 100, b % 100);
+            format!("{a}*{b}={}", a * b)
+        }
+    }
+}
+
+/// Documents, one at a time, from the corpus, in order.
+struct DocumentReader {
+    corpus: Corpus,
+    seed: u64,
+    next_builtin: u64,
+    file_index: usize,
+    lines: Option<(std::io::Lines<BufReader<File>>, bool, PathBuf)>,
+    line_no: u64,
+}
+
+impl DocumentReader {
+    fn new(corpus: Corpus, seed: u64) -> Result<Self, EngineError> {
+        if let Corpus::Files(paths) = &corpus {
+            if paths.is_empty() {
+                return Err(EngineError::Config("no data files were given".into()));
+            }
+            for p in paths {
+                if !p.is_file() {
+                    return Err(EngineError::Config(format!(
+                        "data file {} does not exist (give a .txt or .jsonl file)",
+                        p.display()
+                    )));
+                }
+            }
+        }
+        Ok(Self {
+            corpus,
+            seed,
+            next_builtin: 0,
+            file_index: 0,
+            lines: None,
+            line_no: 0,
+        })
+    }
+
+    /// The next document, or `None` at the end of the corpus. A plain-text
+    /// file is read line by line and handed out a line at a time with its
+    /// newline; the end of the file ends the document.
+    fn next(&mut self) -> Result<Option<(String, bool)>, EngineError> {
+        let paths = match &self.corpus {
+            Corpus::Builtin { documents } => {
+                if self.next_builtin >= *documents as u64 {
+                    return Ok(None);
+                }
+                self.next_builtin += 1;
+                let doc = builtin_document(self.seed, self.next_builtin - 1);
+                return Ok(Some((doc, true)));
+            }
+            Corpus::Files(paths) => paths.clone(),
+        };
+        loop {
+            if self.lines.is_none() {
+                let Some(path) = paths.get(self.file_index) else {
+                    return Ok(None);
+                };
+                let file = File::open(path).map_err(|e| {
+                    EngineError::Config(format!("cannot open {}: {e}", path.display()))
+                })?;
+                let jsonl = path.extension().is_some_and(|e| e == "jsonl");
+                self.lines = Some((BufReader::new(file).lines(), jsonl, path.clone()));
+                self.line_no = 0;
+            }
+            let (lines, jsonl, path) = self.lines.as_mut().expect("opened");
+            let (jsonl, path) = (*jsonl, path.clone());
+            match lines.next() {
+                None => {
+                    self.lines = None;
+                    self.file_index += 1;
+                    if !jsonl {
+                        return Ok(Some((String::new(), true)));
+                    }
+                }
+                Some(Err(e)) => {
+                    return Err(EngineError::Config(format!(
+                        "{}: read failed: {e}",
+                        path.display()
+                    )))
+                }
+                Some(Ok(line)) => {
+                    self.line_no += 1;
+                    if !jsonl {
+                        return Ok(Some((line + "\n", false)));
+                    }
+                    if line.trim().is_empty() {
+                        continue;
+                    }
+                    let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
+                        EngineError::Config(format!(
+                            "{}:{}: not a JSON object: {e}",
+                            path.display(),
+                            self.line_no
+                        ))
+                    })?;
+                    let Some(text) = v.get("text").and_then(|t| t.as_str()) else {
+                        return Err(EngineError::Config(format!(
+                            "{}:{}: no string \"text\" field",
+                            path.display(),
+                            self.line_no
+                        )));
+                    };
+                    return Ok(Some((text.to_string(), true)));
+                }
+            }
+        }
+    }
+}
+
+/// Packed sequences of seq_len + 1 tokens in corpus order, end-of-document
+/// tokens between documents; a partial last sequence is dropped.
+struct SequenceReader {
+    docs: DocumentReader,
+    pending: Vec<u32>,
+    at: usize,
+    seq_len: usize,
+}
+
+impl SequenceReader {
+    fn next(&mut self, tok: &Tokenizer) -> Result<Option<Vec<u32>>, EngineError> {
+        let need = self.seq_len + 1;
+        while self.pending.len() - self.at < need {
+            self.pending.drain(..self.at);
+            self.at = 0;
+            match self.docs.next()? {
+                None => return Ok(None),
+                Some((text, ends)) => {
+                    tok.encode(&text, &mut self.pending)?;
+                    if ends {
+                        self.pending.push(tok.eos());
+                    }
+                }
+            }
+        }
+        let seq = self.pending[self.at..self.at + need].to_vec();
+        self.at += need;
+        Ok(Some(seq))
+    }
+}
+
+/// The training stream and the held-out set.
+pub struct Dataset {
+    config: DataConfig,
+    tokenizer: Tokenizer,
+    reader: SequenceReader,
+    /// Sequence index in corpus order of the reader's next one.
+    index: u64,
+    epoch: u64,
+    buffer: Vec<Vec<u32>>,
+    rng: u64,
+    eval: Vec<Vec<u32>>,
+    batches: u64,
+}
+
+impl Dataset {
+    /// Opens the corpus and reads the held-out set. An empty corpus (not
+    /// one whole training sequence) is an error.
+    pub fn open(config: DataConfig, tokenizer: Tokenizer) -> Result<Self, EngineError> {
+        if config.seq_len == 0 || config.batch_seqs == 0 || config.shuffle_buffer == 0 {
+            return Err(EngineError::Config(
+                "seq_len, batch size and shuffle buffer must be at least 1".into(),
+            ));
+        }
+        let reader = Self::reader(&config)?;
+        let mut ds = Self {
+            rng: splitmix(config.seed ^ 0x5eed),
+            tokenizer,
+            reader,
+            index: 0,
+            epoch: 0,
+            buffer: Vec::new(),
+            eval: Vec::new(),
+            batches: 0,
+            config,
+        };
+        ds.fill()?;
+        if ds.buffer.is_empty() {
+            let what = match &ds.config.corpus {
+                Corpus::Builtin { .. } => "the built-in corpus".to_string(),
+                Corpus::Files(p) => p
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            };
+            return Err(EngineError::Config(format!(
+                "the dataset is empty: {what} holds no training sequence of seq_len + 1 = {} \
+                 tokens (give more text or a smaller --seq-len)",
+                ds.config.seq_len + 1
+            )));
+        }
+        Ok(ds)
+    }
+
+    fn reader(config: &DataConfig) -> Result<SequenceReader, EngineError> {
+        Ok(SequenceReader {
+            docs: DocumentReader::new(config.corpus.clone(), config.seed)?,
+            pending: Vec::new(),
+            at: 0,
+            seq_len: config.seq_len,
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Tops the shuffle buffer up from the stream; held-out sequences are
+    /// set aside as they pass.
+    fn fill(&mut self) -> Result<(), EngineError> {
+        while self.buffer.len() < self.config.shuffle_buffer {
+            let Some(seq) = self.reader.next(&self.tokenizer)? else {
+                return Ok(());
+            };
+            let i = self.index;
+            self.index += 1;
+            let every = self.config.eval_every;
+            if every > 0 && splitmix(self.config.seed ^ splitmix(i)).is_multiple_of(every) {
+                if self.epoch == 0 && self.eval.len() < self.config.eval_seqs_max {
+                    self.eval.push(seq);
+                }
+                continue;
+            }
+            self.buffer.push(seq);
+        }
+        Ok(())
+    }
+
+    fn next_sequence(&mut self) -> Result<Vec<u32>, EngineError> {
+        if self.buffer.is_empty() {
+            // A new epoch: the stream starts over.
+            self.epoch += 1;
+            self.reader = Self::reader(&self.config)?;
+            self.index = 0;
+            self.fill()?;
+        }
+        self.rng = splitmix(self.rng);
+        let pick = (self.rng % self.buffer.len() as u64) as usize;
+        let seq = self.buffer.swap_remove(pick);
+        self.fill()?;
+        Ok(seq)
+    }
+
+    /// The next training batch.
+    pub fn next_batch(&mut self) -> Result<TokenBatch, EngineError> {
+        let mut tokens = Vec::with_capacity(self.config.batch_seqs * (self.config.seq_len + 1));
+        for _ in 0..self.config.batch_seqs {
+            tokens.extend(self.next_sequence()?);
+        }
+        self.batches += 1;
+        Ok(TokenBatch {
+            seq_len: self.config.seq_len,
+            tokens,
+        })
+    }
+
+    /// Batches handed out so far.
+    pub fn batches(&self) -> u64 {
+        self.batches
+    }
+
+    /// Moves past `n` batches (a resumed run continues where it stopped).
+    pub fn skip_batches(&mut self, n: u64) -> Result<(), EngineError> {
+        for _ in 0..n {
+            self.next_batch()?;
+        }
+        Ok(())
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The held-out set as batches of at most `batch_seqs` sequences.
+    pub fn eval_batches(&self) -> Vec<TokenBatch> {
+        self.eval
+            .chunks(self.config.batch_seqs)
+            .map(|c| TokenBatch {
+                seq_len: self.config.seq_len,
+                tokens: c.concat(),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn builtin(seq_len: usize) -> DataConfig {
+        DataConfig {
+            corpus: Corpus::Builtin { documents: 2000 },
+            seq_len,
+            batch_seqs: 4,
+            shuffle_buffer: 64,
+            ..DataConfig::default()
+        }
+    }
+
+    #[test]
+    fn batches_are_deterministic_and_packed() {
+        let mut a = Dataset::open(builtin(32), Tokenizer::Bytes).unwrap();
+        let mut b = Dataset::open(builtin(32), Tokenizer::Bytes).unwrap();
+        for _ in 0..50 {
+            let (x, y) = (a.next_batch().unwrap(), b.next_batch().unwrap());
+            assert_eq!(x, y);
+            assert_eq!(x.tokens.len(), 4 * 33);
+            assert!(x.tokens.iter().all(|&t| t < 257));
+        }
+        assert!(!a.eval_batches().is_empty());
+        let batch = a.next_batch().unwrap();
+        let text = a.tokenizer().decode(&batch.tokens);
+        assert!(text.contains('='), "{text}");
+    }
+
+    #[test]
+    fn skipping_resumes_the_same_stream() {
+        let mut a = Dataset::open(builtin(16), Tokenizer::Bytes).unwrap();
+        for _ in 0..700 {
+            a.next_batch().unwrap(); // past the end of an epoch
+        }
+        assert!(a.epoch() >= 1);
+        let mut b = Dataset::open(builtin(16), Tokenizer::Bytes).unwrap();
+        b.skip_batches(700).unwrap();
+        assert_eq!(a.next_batch().unwrap(), b.next_batch().unwrap());
+    }
+
+    #[test]
+    fn held_out_and_training_partition_the_corpus() {
+        let config = DataConfig {
+            eval_every: 10,
+            eval_seqs_max: usize::MAX,
+            ..builtin(8)
+        };
+        let mut all = Dataset::reader(&config).unwrap();
+        let mut total = 0u64;
+        while all.next(&Tokenizer::Bytes).unwrap().is_some() {
+            total += 1;
+        }
+        let mut ds = Dataset::open(config, Tokenizer::Bytes).unwrap();
+        let mut trained = 0u64;
+        while ds.epoch() == 0 {
+            ds.next_sequence().unwrap();
+            trained += 1;
+        }
+        trained -= 1; // the draw that started epoch 1
+        let held = ds.eval.len() as u64;
+        assert_eq!(trained + held, total);
+        assert!(held > total / 20 && held < total / 5, "{held} of {total}");
+    }
+
+    #[test]
+    fn files_text_and_jsonl() {
+        let dir = tempfile::tempdir().unwrap();
+        let txt = dir.path().join("a.txt");
+        std::fs::write(&txt, "hello world\n".repeat(20)).unwrap();
+        let jsonl = dir.path().join("b.jsonl");
+        std::fs::write(
+            &jsonl,
+            "{\"text\": \"abc def\"}\n\n{\"text\": \"ghi\"}\n".repeat(10),
+        )
+        .unwrap();
+        let config = DataConfig {
+            corpus: Corpus::Files(vec![txt, jsonl.clone()]),
+            seq_len: 8,
+            batch_seqs: 2,
+            eval_every: 0,
+            ..DataConfig::default()
+        };
+        let mut ds = Dataset::open(config, Tokenizer::Bytes).unwrap();
+        let b = ds.next_batch().unwrap();
+        assert_eq!(b.tokens.len(), 18);
+        // bad JSONL names the line
+        std::fs::write(&jsonl, "{\"text\": \"ok\"}\n{\"body\": 1}\n").unwrap();
+        let config = DataConfig {
+            corpus: Corpus::Files(vec![jsonl]),
+            seq_len: 2,
+            batch_seqs: 1,
+            ..DataConfig::default()
+        };
+        let err = Dataset::open(config, Tokenizer::Bytes).err().unwrap();
+        assert!(err.to_string().contains("b.jsonl:2"), "{err}");
+    }
+
+    #[test]
+    fn empty_and_missing_data_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let txt = dir.path().join("short.txt");
+        std::fs::write(&txt, "hi").unwrap();
+        let config = DataConfig {
+            corpus: Corpus::Files(vec![txt]),
+            seq_len: 64,
+            ..DataConfig::default()
+        };
+        let err = Dataset::open(config, Tokenizer::Bytes).err().unwrap();
+        assert!(err.to_string().contains("dataset is empty"), "{err}");
+        let config = DataConfig {
+            corpus: Corpus::Files(vec![dir.path().join("nope.txt")]),
+            ..DataConfig::default()
+        };
+        let err = Dataset::open(config, Tokenizer::Bytes).err().unwrap();
+        assert!(err.to_string().contains("does not exist"), "{err}");
+    }
+}

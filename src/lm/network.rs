@@ -1,0 +1,500 @@
+//! The Mixtral-architecture language model as a [`Network`]: token
+//! embedding; per layer `h ← h + Attn(RMSNorm(h))`, `h ← h + MoE(RMSNorm(h))`
+//! with causal grouped-query attention and rotary embeddings; final
+//! RMSNorm; LM head (tied to the embedding or not); next-token
+//! cross-entropy. The dense params are one flat vector whose tensors
+//! carry their Hugging Face names (see [`MixtralLm::tensors`]).
+
+// Numeric code takes its shapes as arguments, as llm.c does.
+#![allow(clippy::too_many_arguments)]
+
+use std::ops::Range;
+
+use super::attention::{
+    attention_backward, attention_forward, embedding_backward, embedding_forward, rope_backward,
+    rope_forward, AttnShape, RopeTable,
+};
+use super::config::LmConfig;
+use crate::math::{cross_entropy_forward_backward, rmsnorm_backward, rmsnorm_forward};
+use crate::model::{
+    fill_uniform, moe_backward, moe_forward, DenseLinear, ExpertRunner, Losses, ModelConfig,
+    MoeSaved, Network,
+};
+use crate::EngineError;
+
+/// One dense tensor: its Hugging Face name, shape and place in the vector.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DenseTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub range: Range<usize>,
+}
+
+/// Where each tensor of one layer is.
+#[derive(Clone, Debug)]
+struct LayerRanges {
+    attn_norm: Range<usize>,
+    wq: Range<usize>,
+    wk: Range<usize>,
+    wv: Range<usize>,
+    wo: Range<usize>,
+    moe_norm: Range<usize>,
+    router: Range<usize>,
+}
+
+/// A batch of B sequences of S + 1 tokens: position i predicts i + 1.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenBatch {
+    pub seq_len: usize,
+    /// (B, S + 1) token ids.
+    pub tokens: Vec<u32>,
+}
+
+impl TokenBatch {
+    pub fn sequences(&self) -> usize {
+        self.tokens.len() / (self.seq_len + 1)
+    }
+
+    fn inputs_targets(&self) -> (Vec<u32>, Vec<u32>) {
+        let s = self.seq_len;
+        let mut inputs = Vec::with_capacity(self.sequences() * s);
+        let mut targets = Vec::with_capacity(self.sequences() * s);
+        for row in self.tokens.chunks_exact(s + 1) {
+            inputs.extend_from_slice(&row[..s]);
+            targets.extend_from_slice(&row[1..]);
+        }
+        (inputs, targets)
+    }
+}
+
+/// The Mixtral-architecture LM.
+#[derive(Clone, Debug)]
+pub struct MixtralLm {
+    config: LmConfig,
+    moe: ModelConfig,
+    tensors: Vec<DenseTensor>,
+    embed: Range<usize>,
+    layers: Vec<LayerRanges>,
+    final_norm: Range<usize>,
+    /// The embedding's range when tied.
+    head: Range<usize>,
+}
+
+/// What one layer's forward keeps for its backward.
+struct LayerSaved {
+    h_in: Vec<f32>,
+    n1: Vec<f32>,
+    inv1: Vec<f32>,
+    /// q, k after rotation; v
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    probs: Vec<f32>,
+    attn: Vec<f32>,
+    h_mid: Vec<f32>,
+    n2: Vec<f32>,
+    inv2: Vec<f32>,
+    moe: MoeSaved,
+}
+
+struct Forward {
+    inputs: Vec<u32>,
+    targets: Vec<u32>,
+    layers: Vec<LayerSaved>,
+    h: Vec<f32>,
+    nf: Vec<f32>,
+    invf: Vec<f32>,
+    logits: Vec<f32>,
+    aux: f32,
+    z: f32,
+}
+
+impl MixtralLm {
+    pub fn new(config: LmConfig) -> Result<Self, EngineError> {
+        config.validate()?;
+        let (d, v, e) = (config.d_model, config.vocab, config.experts);
+        let (q, kv) = (
+            config.heads * config.head_dim,
+            config.kv_heads * config.head_dim,
+        );
+        let mut tensors = Vec::new();
+        let mut at = 0usize;
+        let mut push = |name: String, shape: Vec<usize>| {
+            let n: usize = shape.iter().product();
+            let range = at..at + n;
+            at += n;
+            tensors.push(DenseTensor {
+                name,
+                shape,
+                range: range.clone(),
+            });
+            range
+        };
+        let embed = push("model.embed_tokens.weight".into(), vec![v, d]);
+        let mut layers = Vec::with_capacity(config.layers);
+        for l in 0..config.layers {
+            let p = format!("model.layers.{l}");
+            layers.push(LayerRanges {
+                attn_norm: push(format!("{p}.input_layernorm.weight"), vec![d]),
+                wq: push(format!("{p}.self_attn.q_proj.weight"), vec![q, d]),
+                wk: push(format!("{p}.self_attn.k_proj.weight"), vec![kv, d]),
+                wv: push(format!("{p}.self_attn.v_proj.weight"), vec![kv, d]),
+                wo: push(format!("{p}.self_attn.o_proj.weight"), vec![d, q]),
+                moe_norm: push(format!("{p}.post_attention_layernorm.weight"), vec![d]),
+                router: push(format!("{p}.block_sparse_moe.gate.weight"), vec![e, d]),
+            });
+        }
+        let final_norm = push("model.norm.weight".into(), vec![d]);
+        let head = if config.tie_embeddings {
+            embed.clone()
+        } else {
+            push("lm_head.weight".into(), vec![v, d])
+        };
+        debug_assert_eq!(at, config.dense_params());
+        Ok(Self {
+            moe: config.moe(),
+            config,
+            tensors,
+            embed,
+            layers,
+            final_norm,
+            head,
+        })
+    }
+
+    pub fn config(&self) -> &LmConfig {
+        &self.config
+    }
+
+    /// The dense tensors, in vector order, with their Hugging Face names.
+    pub fn tensors(&self) -> &[DenseTensor] {
+        &self.tensors
+    }
+
+    fn attn_shape(&self, seqs: usize, seq_len: usize) -> AttnShape {
+        AttnShape {
+            seqs,
+            seq_len,
+            heads: self.config.heads,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    fn forward(
+        &self,
+        dense: &[f32],
+        batch: &TokenBatch,
+        runner: &mut dyn ExpertRunner,
+        linear: &dyn DenseLinear,
+    ) -> Result<Forward, EngineError> {
+        let c = &self.config;
+        let (d, v) = (c.d_model, c.vocab);
+        let (inputs, targets) = batch.inputs_targets();
+        let t = inputs.len();
+        let shape = self.attn_shape(batch.sequences(), batch.seq_len);
+        let (qw, kw) = (shape.q_width(), shape.kv_width());
+        let rope = RopeTable::<f32>::new(batch.seq_len, c.head_dim, c.rope_theta);
+        let mut h = vec![0.0f32; t * d];
+        embedding_forward(&mut h, &dense[self.embed.clone()], &inputs, d);
+        let mut layers = Vec::with_capacity(c.layers);
+        let (mut aux, mut z) = (0.0f32, 0.0f32);
+        for (l, r) in self.layers.iter().enumerate() {
+            let mut n1 = vec![0.0f32; t * d];
+            let mut inv1 = vec![0.0f32; t];
+            let g1 = &dense[r.attn_norm.clone()];
+            rmsnorm_forward(&mut n1, &mut inv1, &h, g1, t, d, c.rms_eps);
+            let mut q = vec![0.0f32; t * qw];
+            let mut k = vec![0.0f32; t * kw];
+            let mut vv = vec![0.0f32; t * kw];
+            linear.forward(&mut q, &n1, &dense[r.wq.clone()], t, d, qw);
+            linear.forward(&mut k, &n1, &dense[r.wk.clone()], t, d, kw);
+            linear.forward(&mut vv, &n1, &dense[r.wv.clone()], t, d, kw);
+            rope_forward(&mut q, &rope, batch.seq_len, c.heads);
+            rope_forward(&mut k, &rope, batch.seq_len, c.kv_heads);
+            let mut attn = vec![0.0f32; t * qw];
+            let mut probs = vec![0.0f32; shape.probs_len()];
+            attention_forward(&mut attn, &mut probs, &q, &k, &vv, &shape);
+            let mut o = vec![0.0f32; t * d];
+            linear.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d);
+            let h_in = h.clone();
+            h.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let mut n2 = vec![0.0f32; t * d];
+            let mut inv2 = vec![0.0f32; t];
+            let g2 = &dense[r.moe_norm.clone()];
+            rmsnorm_forward(&mut n2, &mut inv2, &h, g2, t, d, c.rms_eps);
+            let (y, moe) = moe_forward(&self.moe, l, &dense[r.router.clone()], &n2, t, runner)?;
+            let h_mid = h.clone();
+            h.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+            aux += moe.routing.aux_loss;
+            z += moe.routing.z_loss;
+            layers.push(LayerSaved {
+                h_in,
+                n1,
+                inv1,
+                q,
+                k,
+                v: vv,
+                probs,
+                attn,
+                h_mid,
+                n2,
+                inv2,
+                moe,
+            });
+        }
+        let mut nf = vec![0.0f32; t * d];
+        let mut invf = vec![0.0f32; t];
+        let gf = &dense[self.final_norm.clone()];
+        rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps);
+        let mut logits = vec![0.0f32; t * v];
+        linear.forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v);
+        Ok(Forward {
+            inputs,
+            targets,
+            layers,
+            h,
+            nf,
+            invf,
+            logits,
+            aux,
+            z,
+        })
+    }
+
+    /// The initial dense params: norm gains 1; embedding, projections,
+    /// routers and head uniform(±1/√fan_in), each from its own stream.
+    pub fn init_params(&self) -> Vec<f32> {
+        let mut p = vec![0.0f32; self.config.dense_params()];
+        for (i, t) in self.tensors.iter().enumerate() {
+            if t.shape.len() == 1 {
+                p[t.range.clone()].fill(1.0);
+            } else {
+                let fan_in = t.shape[1] as f32;
+                let tag = (5u64 << 56) ^ i as u64;
+                fill_uniform(
+                    &mut p[t.range.clone()],
+                    self.config.seed,
+                    tag,
+                    fan_in.sqrt().recip(),
+                );
+            }
+        }
+        p
+    }
+}
+
+impl Network for MixtralLm {
+    type Batch = TokenBatch;
+
+    fn moe(&self) -> &ModelConfig {
+        &self.moe
+    }
+
+    fn dense_params(&self) -> usize {
+        self.config.dense_params()
+    }
+
+    fn init_dense(&self) -> Vec<f32> {
+        self.init_params()
+    }
+
+    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), EngineError> {
+        let s = batch.seq_len;
+        if s == 0 || batch.tokens.is_empty() {
+            return Err(EngineError::Batch("the batch is empty".into()));
+        }
+        if s > self.config.max_seq {
+            return Err(EngineError::Batch(format!(
+                "sequence length {s} exceeds the model's max_position_embeddings {}",
+                self.config.max_seq
+            )));
+        }
+        if !batch.tokens.len().is_multiple_of(s + 1) {
+            return Err(EngineError::Batch(format!(
+                "{} tokens do not make whole sequences of seq_len + 1 = {}",
+                batch.tokens.len(),
+                s + 1
+            )));
+        }
+        if let Some(&bad) = batch
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab)
+        {
+            return Err(EngineError::Batch(format!(
+                "token id {bad} is out of range (the vocabulary has {} tokens)",
+                self.config.vocab
+            )));
+        }
+        Ok(())
+    }
+
+    fn batch_tokens(&self, batch: &TokenBatch) -> usize {
+        batch.sequences() * batch.seq_len
+    }
+
+    fn split_batch(&self, batch: &TokenBatch, n: usize) -> Vec<TokenBatch> {
+        let (b, row) = (batch.sequences(), batch.seq_len + 1);
+        let n = n.clamp(1, b.max(1));
+        (0..n)
+            .map(|i| TokenBatch {
+                seq_len: batch.seq_len,
+                tokens: batch.tokens[i * b / n * row..(i + 1) * b / n * row].to_vec(),
+            })
+            .collect()
+    }
+
+    fn forward_backward(
+        &self,
+        dense: &[f32],
+        dense_grad: &mut [f32],
+        batch: &TokenBatch,
+        tokens_total: usize,
+        micro_batches: usize,
+        last_micro_batch: bool,
+        runner: &mut dyn ExpertRunner,
+        linear: &dyn DenseLinear,
+    ) -> Result<Losses, EngineError> {
+        let c = &self.config;
+        let (d, v) = (c.d_model, c.vocab);
+        let f = self.forward(dense, batch, runner, linear)?;
+        let t = f.inputs.len();
+        let mut dlogits = vec![0.0f32; t * v];
+        let ce =
+            cross_entropy_forward_backward(&mut dlogits, &f.logits, &f.targets, v, tokens_total);
+        let share = 1.0 / micro_batches as f32;
+        let total = ce + share * (c.aux_loss_coef * f.aux + c.z_loss_coef * f.z);
+        if !total.is_finite() {
+            return Err(EngineError::NonFiniteLoss { loss: total });
+        }
+        let shape = self.attn_shape(batch.sequences(), batch.seq_len);
+        let (qw, kw) = (shape.q_width(), shape.kv_width());
+        let rope = RopeTable::<f32>::new(batch.seq_len, c.head_dim, c.rope_theta);
+        // Head and final norm.
+        let mut dnf = vec![0.0f32; t * d];
+        linear.backward(
+            &mut dnf,
+            &mut dense_grad[self.head.clone()],
+            &dlogits,
+            &f.nf,
+            &dense[self.head.clone()],
+            t,
+            d,
+            v,
+        );
+        let mut dh = vec![0.0f32; t * d];
+        rmsnorm_backward(
+            &mut dh,
+            &mut dense_grad[self.final_norm.clone()],
+            &dnf,
+            &f.h,
+            &dense[self.final_norm.clone()],
+            &f.invf,
+            t,
+            d,
+        );
+        let daux = c.aux_loss_coef * share;
+        let dz = c.z_loss_coef * share;
+        for (l, r) in self.layers.iter().enumerate().rev() {
+            let s = &f.layers[l];
+            // MoE half: h = h_mid + MoE(RMSNorm(h_mid)).
+            let mut dn2 = vec![0.0f32; t * d];
+            moe_backward(
+                &self.moe,
+                l,
+                &dense[r.router.clone()],
+                &mut dense_grad[r.router.clone()],
+                &mut dn2,
+                &dh,
+                &s.n2,
+                &s.moe,
+                t,
+                daux,
+                dz,
+                runner,
+                last_micro_batch,
+            )?;
+            rmsnorm_backward(
+                &mut dh,
+                &mut dense_grad[r.moe_norm.clone()],
+                &dn2,
+                &s.h_mid,
+                &dense[r.moe_norm.clone()],
+                &s.inv2,
+                t,
+                d,
+            );
+            // Attention half: h_mid = h_in + Wo·Attn(RoPE(q), RoPE(k), v).
+            let mut dattn = vec![0.0f32; t * qw];
+            linear.backward(
+                &mut dattn,
+                &mut dense_grad[r.wo.clone()],
+                &dh,
+                &s.attn,
+                &dense[r.wo.clone()],
+                t,
+                qw,
+                d,
+            );
+            let mut dq = vec![0.0f32; t * qw];
+            let mut dk = vec![0.0f32; t * kw];
+            let mut dv = vec![0.0f32; t * kw];
+            attention_backward(
+                &mut dq, &mut dk, &mut dv, &dattn, &s.probs, &s.q, &s.k, &s.v, &shape,
+            );
+            rope_backward(&mut dq, &rope, batch.seq_len, c.heads);
+            rope_backward(&mut dk, &rope, batch.seq_len, c.kv_heads);
+            let mut dn1 = vec![0.0f32; t * d];
+            for (w, dw, width) in [(&r.wq, &dq, qw), (&r.wk, &dk, kw), (&r.wv, &dv, kw)] {
+                linear.backward(
+                    &mut dn1,
+                    &mut dense_grad[w.clone()],
+                    dw,
+                    &s.n1,
+                    &dense[w.clone()],
+                    t,
+                    d,
+                    width,
+                );
+            }
+            rmsnorm_backward(
+                &mut dh,
+                &mut dense_grad[r.attn_norm.clone()],
+                &dn1,
+                &s.h_in,
+                &dense[r.attn_norm.clone()],
+                &s.inv1,
+                t,
+                d,
+            );
+        }
+        embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
+        Ok(Losses {
+            ce,
+            aux: f.aux,
+            z: f.z,
+            total,
+        })
+    }
+
+    fn forward_loss(
+        &self,
+        dense: &[f32],
+        batch: &TokenBatch,
+        runner: &mut dyn ExpertRunner,
+        linear: &dyn DenseLinear,
+    ) -> Result<f32, EngineError> {
+        let f = self.forward(dense, batch, runner, linear)?;
+        let v = self.config.vocab;
+        let mut scratch = vec![0.0f32; f.logits.len()];
+        let t = f.targets.len();
+        Ok(cross_entropy_forward_backward(
+            &mut scratch,
+            &f.logits,
+            &f.targets,
+            v,
+            t,
+        ))
+    }
+}
