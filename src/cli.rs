@@ -6,7 +6,10 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use strata_optim::Kernel;
 
+use std::path::PathBuf;
+
 use crate::bench;
+use crate::trainer::{self, Source, TrainFlags};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -21,9 +24,48 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Train a Mixtral-architecture MoE language model from scratch (built-in data by default).
+    Train(TrainFlags),
+    /// Fine-tune a Hugging Face Mixtral-layout checkpoint (config.json + safetensors).
+    Finetune(FinetuneArgs),
+    /// Print the bytes each tier needs and the offloading mode, or why it cannot fit.
+    Plan(PlanArgs),
+    /// Write a run's model as safetensors in the Hugging Face layout.
+    Export(ExportArgs),
     /// Performance measurements (JSON lines with --json).
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Args, Debug)]
+pub struct FinetuneArgs {
+    /// The model directory: config.json, *.safetensors (sharded with an index or not).
+    #[arg(long)]
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub flags: TrainFlags,
+}
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// A model directory to plan for (default: the --preset).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub flags: TrainFlags,
+}
+
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// The run directory (a train or finetune --out).
+    #[arg(long)]
+    pub run: PathBuf,
+    /// Where to write config.json and the safetensors.
+    #[arg(long)]
+    pub to: PathBuf,
+    /// Tensor precision: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
 }
 
 #[derive(Subcommand, Debug)]
@@ -148,7 +190,7 @@ fn parse_kernel(name: &str) -> Result<Kernel, String> {
 /// Runs the parsed command; errors are printed as one line on stderr.
 pub fn run(cli: Cli) -> ExitCode {
     match execute(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(message) => {
             eprintln!("strata: error: {message}");
             ExitCode::FAILURE
@@ -156,11 +198,40 @@ pub fn run(cli: Cli) -> ExitCode {
     }
 }
 
-fn execute(cli: Cli) -> Result<(), String> {
+fn train(flags: TrainFlags, source: Source) -> Result<ExitCode, String> {
+    let interrupt = trainer::interrupt::install();
+    let summary = trainer::run(&flags, source, interrupt)?;
+    Ok(if summary.interrupted {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn execute(cli: Cli) -> Result<ExitCode, String> {
     match cli.command {
+        Command::Train(flags) => train(flags, Source::Scratch),
+        Command::Finetune(args) => train(args.flags, Source::Finetune(args.model)),
+        Command::Plan(args) => {
+            let plan = trainer::plan_command(&args.flags, args.model.as_deref())?;
+            println!("{}", plan.describe());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Export(args) => {
+            let files = trainer::export_run(&args.run, &args.to, &args.dtype)?;
+            println!("wrote {} files to {}", files.len(), args.to.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        other => execute_bench(other).map(|()| ExitCode::SUCCESS),
+    }
+}
+
+fn execute_bench(command: Command) -> Result<(), String> {
+    match command {
         Command::Bench(BenchCommand::Optim(args)) => bench_optim(args),
         Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
         Command::Bench(BenchCommand::Step(args)) => bench_step(args),
+        _ => unreachable!("not a bench command"),
     }
 }
 

@@ -10,5 +10,6 @@ pub mod lm;
 pub mod math;
 pub mod model;
 pub mod reference;
+pub mod trainer;
 
 pub use error::EngineError;

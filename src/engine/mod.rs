@@ -606,6 +606,12 @@ impl Engine {
         &self.dense
     }
 
+    /// The SSD tier. Its records are the experts' current state after
+    /// `checkpoint` (the host tier may hold newer ones until then).
+    pub fn store(&self) -> &ExpertStore {
+        self.cache.store()
+    }
+
     /// Makes every expert's current state durable in the store as
     /// checkpoint `self.steps()`.
     pub fn checkpoint_experts(&mut self) -> Result<(), EngineError> {

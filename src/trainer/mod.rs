@@ -1,0 +1,556 @@
+//! The trainer: `strata train` (from scratch) and `strata finetune`
+//! (from a Hugging Face checkpoint) of the Mixtral-architecture LM, with
+//! warmup + cosine learning rate, gradient accumulation, held-out loss,
+//! checkpoints (every N steps, at the end and on Ctrl-C), resume, export,
+//! a progress bar and JSON-lines metrics.
+//!
+//! A run lives in one directory (`--out`): `run.json` (the resolved
+//! options and model), `config.json` (the model, Hugging Face form), the
+//! expert store `experts.strata` with its dense checkpoint files, and
+//! `metrics.jsonl`.
+
+pub mod hf;
+pub mod interrupt;
+pub mod options;
+pub mod plan;
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use serde::{Deserialize, Serialize};
+use strata_optim::AdamWHyper;
+use strata_tiers::io::FileOptions;
+use strata_tiers::{Dtype, ExpertStore, Layout};
+
+use crate::engine::{Engine, EngineConfig, StepMetrics};
+use crate::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
+use crate::lm::{LmConfig, MixtralLm};
+pub use options::{TrainFlags, TrainOptions};
+use plan::{MemoryPlan, PlanInput};
+
+/// Where the model comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Source {
+    /// A preset, initialized from the seed.
+    Scratch,
+    /// A Hugging Face model directory.
+    Finetune(PathBuf),
+}
+
+/// What `run.json` holds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RunRecord {
+    options: TrainOptions,
+    source: Source,
+    /// The model's `config.json` text.
+    model: String,
+}
+
+/// How a run went.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSummary {
+    pub plan: MemoryPlan,
+    /// Step count at the start (0, or the checkpoint resumed from).
+    pub start_step: u64,
+    pub steps: u64,
+    pub first_loss: Option<f32>,
+    pub last_loss: Option<f32>,
+    pub last_eval_loss: Option<f32>,
+    /// Median over the steps run.
+    pub tokens_per_s: f64,
+    pub interrupted: bool,
+    pub exported: Vec<PathBuf>,
+}
+
+/// The learning rate of (1-based) step `step`: linear warmup to `lr`, then
+/// a cosine to `lr · min_lr_ratio` at the last step.
+pub fn lr_at(o: &TrainOptions, step: u64) -> f32 {
+    if o.warmup > 0 && step <= o.warmup {
+        return o.lr * step as f32 / o.warmup as f32;
+    }
+    let span = o.steps.saturating_sub(o.warmup).max(1) as f64;
+    let progress = ((step - o.warmup.min(step)) as f64 / span).min(1.0);
+    let floor = o.min_lr_ratio as f64;
+    let scale = floor + (1.0 - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+    (o.lr as f64 * scale) as f32
+}
+
+fn parse_dtype(name: &str) -> Result<Dtype, String> {
+    match name {
+        "bf16" => Ok(Dtype::Bf16),
+        "f16" => Ok(Dtype::F16),
+        "f32" => Ok(Dtype::F32),
+        other => Err(format!("--compute-dtype {other:?}: use bf16, f16 or f32")),
+    }
+}
+
+fn store_path(out: &Path) -> PathBuf {
+    out.join("experts.strata")
+}
+
+/// The tokenizer: `--tokenizer`, else the model directory's
+/// `tokenizer.json`, else bytes.
+fn tokenizer_for(o: &TrainOptions, source: &Source) -> Result<Tokenizer, String> {
+    let from_model = match source {
+        Source::Finetune(dir) => Some(dir.join("tokenizer.json")).filter(|p| p.is_file()),
+        Source::Scratch => None,
+    };
+    match o.tokenizer.clone().or(from_model) {
+        Some(path) => {
+            if !path.is_file() {
+                return Err(format!("tokenizer file {} does not exist", path.display()));
+            }
+            Tokenizer::from_file(&path).map_err(|e| e.to_string())
+        }
+        None => Ok(Tokenizer::Bytes),
+    }
+}
+
+fn model_config(o: &TrainOptions, source: &Source, tok: &Tokenizer) -> Result<LmConfig, String> {
+    let config = match source {
+        Source::Scratch => {
+            let mut c = LmConfig::preset(&o.preset).map_err(|e| e.to_string())?;
+            c.vocab = tok.vocab_size();
+            c.max_seq = c.max_seq.max(o.seq_len);
+            c.seed = o.seed;
+            if let Some(e) = o.experts {
+                c.experts = e;
+            }
+            c
+        }
+        Source::Finetune(dir) => {
+            let mut c = hf::read_config(dir)?;
+            if o.experts.is_some_and(|e| e != c.experts) {
+                return Err(format!(
+                    "--experts cannot change a checkpoint's {} experts",
+                    c.experts
+                ));
+            }
+            c.seed = o.seed;
+            c
+        }
+    };
+    config.validate().map_err(|e| e.to_string())?;
+    if tok.vocab_size() > config.vocab {
+        return Err(format!(
+            "the tokenizer has {} tokens but the model's vocabulary only {}",
+            tok.vocab_size(),
+            config.vocab
+        ));
+    }
+    if o.seq_len > config.max_seq {
+        return Err(format!(
+            "--seq-len {} exceeds the model's max_position_embeddings {}",
+            o.seq_len, config.max_seq
+        ));
+    }
+    Ok(config)
+}
+
+/// Plans `o` for `config` (no allocation, nothing written).
+pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, String> {
+    plan::plan(&PlanInput {
+        model: config,
+        compute_dtype: parse_dtype(&o.compute_dtype)?,
+        seq_len: o.seq_len,
+        batch: o.batch,
+        micro_batches: o.micro_batches,
+        device_mem: o.device_mem,
+        host_mem: o.host_mem,
+        store_dir: Some(&o.out),
+    })
+}
+
+/// The model a `strata plan` describes: a preset or a model directory.
+pub fn plan_command(flags: &TrainFlags, model: Option<&Path>) -> Result<MemoryPlan, String> {
+    let o = flags.resolve()?;
+    let source = model.map_or(Source::Scratch, |d| Source::Finetune(d.to_path_buf()));
+    let tok = tokenizer_for(&o, &source)?;
+    let config = model_config(&o, &source, &tok)?;
+    plan_for(&o, &config)
+}
+
+fn validate_options(o: &TrainOptions) -> Result<(), String> {
+    if o.steps == 0 || o.batch == 0 || o.seq_len == 0 || o.micro_batches == 0 || o.threads == 0 {
+        return Err(
+            "--steps, --batch, --seq-len, --micro-batches and --threads must be at least 1".into(),
+        );
+    }
+    if o.micro_batches > o.batch {
+        return Err(format!(
+            "--micro-batches {} exceeds --batch {} (a micro-batch holds whole sequences)",
+            o.micro_batches, o.batch
+        ));
+    }
+    if !(o.lr > 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
+        return Err("--lr must be positive and --min-lr-ratio in [0, 1]".into());
+    }
+    Ok(())
+}
+
+/// Trains (or fine-tunes, or resumes) as `flags` say. `interrupt` set
+/// means: checkpoint after the current step and stop.
+pub fn run(
+    flags: &TrainFlags,
+    source: Source,
+    interrupt: &AtomicBool,
+) -> Result<RunSummary, String> {
+    let (o, source) = if flags.resume {
+        resume_options(flags)?
+    } else {
+        (flags.resolve()?, source)
+    };
+    validate_options(&o)?;
+    let record_path = o.out.join("run.json");
+    if !o.resume && record_path.exists() {
+        return Err(format!(
+            "{} already holds a run; pass --resume to continue it, or choose another --out",
+            o.out.display()
+        ));
+    }
+    // Everything that can be refused is checked before anything is written.
+    let tok = tokenizer_for(&o, &source)?;
+    let config = model_config(&o, &source, &tok)?;
+    let plan = plan_for(&o, &config)?;
+    let lm = MixtralLm::new(config.clone()).map_err(|e| e.to_string())?;
+    let mut data = Dataset::open(
+        DataConfig {
+            corpus: if o.data.is_empty() {
+                Corpus::Builtin { documents: 200_000 }
+            } else {
+                Corpus::Files(o.data.clone())
+            },
+            seq_len: o.seq_len,
+            batch_seqs: o.batch,
+            seed: o.seed,
+            ..DataConfig::default()
+        },
+        tok,
+    )
+    .map_err(|e| e.to_string())?;
+    let imported = match (&source, o.resume) {
+        (Source::Finetune(dir), false) => Some(hf::read_dense(dir, &lm)?),
+        _ => None,
+    };
+    let engine_config = EngineConfig {
+        store_path: Some(store_path(&o.out)),
+        device_budget_bytes: plan.expert_device_bytes,
+        host_budget_bytes: plan.expert_host_bytes,
+        optimizer_threads: o.threads,
+        hyper: AdamWHyper {
+            lr: lr_at(&o, 1),
+            weight_decay: o.weight_decay,
+            ..AdamWHyper::default()
+        },
+        compute_dtype: parse_dtype(&o.compute_dtype)?,
+        micro_batches: o.micro_batches,
+        ..EngineConfig::default()
+    };
+    let say = |line: String| {
+        if !o.quiet || !line.starts_with("  ") {
+            println!("{line}");
+        }
+    };
+    say(format!(
+        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}",
+        if o.resume { "resume" } else { "train" },
+        match &source {
+            Source::Scratch => format!("preset {}", o.preset),
+            Source::Finetune(d) => d.display().to_string(),
+        },
+        config.total_params() as f64 / 1e6,
+        config.layers,
+        config.experts,
+        config.top_k,
+        plan.mode.describe()
+    ));
+    let mut engine = if o.resume {
+        let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
+        data.skip_batches(engine.steps())
+            .map_err(|e| e.to_string())?;
+        engine
+    } else {
+        create_run(&o, &source, &config, &lm, engine_config, imported)?
+    };
+    let start_step = engine.steps();
+    if start_step >= o.steps {
+        say(format!(
+            "the run is already at step {start_step} of {}",
+            o.steps
+        ));
+    }
+    let eval = data.eval_batches();
+    let metrics_path = o.out.join("metrics.jsonl");
+    let mut metrics_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .map_err(|e| format!("cannot open {}: {e}", metrics_path.display()))?;
+    let bar = progress_bar(&o, start_step);
+    let log_every = (o.steps / 20).max(1);
+    let mut summary = RunSummary {
+        plan,
+        start_step,
+        steps: start_step,
+        first_loss: None,
+        last_loss: None,
+        last_eval_loss: None,
+        tokens_per_s: 0.0,
+        interrupted: false,
+        exported: Vec::new(),
+    };
+    let mut rates = Vec::new();
+    let err = |e: crate::EngineError| e.to_string();
+    for step in start_step + 1..=o.steps {
+        let lr = lr_at(&o, step);
+        engine.set_lr(lr).map_err(err)?;
+        let batch = data.next_batch().map_err(err)?;
+        let m = engine.step_network(&lm, &batch).map_err(err)?;
+        rates.push(m.tokens as f64 / m.wall_s);
+        summary.first_loss.get_or_insert(m.loss);
+        summary.last_loss = Some(m.loss);
+        summary.steps = step;
+        write_metrics(&mut metrics_file, &m, lr)?;
+        bar.set_position(step);
+        bar.set_message(status(&m));
+        let mut line = None;
+        if o.eval_every > 0 && step % o.eval_every == 0 && !eval.is_empty() {
+            let mut sum = 0.0f64;
+            for b in &eval {
+                sum += engine.evaluate(&lm, b).map_err(err)? as f64;
+            }
+            let loss = (sum / eval.len() as f64) as f32;
+            summary.last_eval_loss = Some(loss);
+            writeln!(metrics_file, "{{\"step\":{step},\"eval_loss\":{loss}}}")
+                .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
+            line = Some(format!(
+                "  step {step:>6}  loss {:.4}  eval {loss:.4}  {}",
+                m.loss,
+                status(&m)
+            ));
+        } else if step % log_every == 0 || step == start_step + 1 {
+            line = Some(format!(
+                "  step {step:>6}  loss {:.4}  {}",
+                m.loss,
+                status(&m)
+            ));
+        }
+        if let Some(line) = line {
+            if bar.is_hidden() {
+                say(line);
+            } else {
+                bar.println(line);
+            }
+        }
+        let interrupted = interrupt.load(Ordering::SeqCst);
+        if interrupted || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) {
+            engine.checkpoint().map_err(err)?;
+            writeln!(metrics_file, "{{\"step\":{step},\"checkpoint\":true}}")
+                .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
+        }
+        if interrupted {
+            summary.interrupted = true;
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    if !summary.interrupted {
+        engine.checkpoint().map_err(err)?;
+    }
+    rates.sort_by(f64::total_cmp);
+    summary.tokens_per_s = rates.get(rates.len() / 2).copied().unwrap_or(0.0);
+    if summary.interrupted {
+        say(format!(
+            "interrupted: checkpoint written at step {}; continue with --resume --out {}",
+            summary.steps,
+            o.out.display()
+        ));
+        return Ok(summary);
+    }
+    if let Some(dir) = &o.export {
+        let source_dir = match &source {
+            Source::Finetune(d) => Some(d.as_path()),
+            Source::Scratch => None,
+        };
+        say(format!("exporting to {}", dir.display()));
+        summary.exported = hf::export(
+            dir,
+            &lm,
+            engine.dense_params(),
+            engine.store(),
+            Dtype::F32,
+            2 << 30,
+            source_dir,
+        )?;
+    }
+    say(format!(
+        "done: step {}  loss {} → {}  eval {}  {:.0} tokens/s (median)",
+        summary.steps,
+        summary.first_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        summary.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        summary
+            .last_eval_loss
+            .map_or("-".into(), |l| format!("{l:.4}")),
+        summary.tokens_per_s
+    ));
+    Ok(summary)
+}
+
+/// `--resume`: the saved options, with `--steps`, `--export` and
+/// `--quiet` taken from the command line when given.
+fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source), String> {
+    let out = flags.resolve()?.out;
+    let path = out.join("run.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "cannot resume: {} is not readable ({e}); is --out the run's directory?",
+            path.display()
+        )
+    })?;
+    let record: RunRecord =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut o = record.options;
+    if let Some(steps) = flags.steps {
+        o.steps = steps;
+    }
+    if flags.export.is_some() {
+        o.export = flags.export.clone();
+    }
+    o.quiet = flags.quiet;
+    o.resume = true;
+    Ok((o, record.source))
+}
+
+/// `strata export`: the run's last checkpoint as a Hugging Face model.
+pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>, String> {
+    let flags = TrainFlags {
+        out: Some(run_dir.to_path_buf()),
+        ..TrainFlags::default()
+    };
+    let (o, source) = resume_options(&flags)?;
+    let tok = tokenizer_for(&o, &source)?;
+    let config = model_config(&o, &source, &tok)?;
+    let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
+    let engine_config = EngineConfig {
+        store_path: Some(store_path(run_dir)),
+        device_budget_bytes: 2 * lm.config().expert_params() as u64 * 4,
+        host_budget_bytes: 2 * Layout {
+            layers: 1,
+            experts_per_layer: 1,
+            params_per_expert: lm.config().expert_params() as u64,
+            compute_dtype: parse_dtype(&o.compute_dtype)?,
+        }
+        .record_bytes(),
+        compute_dtype: parse_dtype(&o.compute_dtype)?,
+        optimizer_threads: 1,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
+    let source_dir = match &source {
+        Source::Finetune(d) => Some(d.as_path()),
+        Source::Scratch => None,
+    };
+    hf::export(
+        to,
+        &lm,
+        engine.dense_params(),
+        engine.store(),
+        parse_dtype(dtype)?,
+        2 << 30,
+        source_dir,
+    )
+}
+
+/// Makes the run directory, its record and its store (initialized or
+/// imported). On failure, what this call created is removed again.
+fn create_run(
+    o: &TrainOptions,
+    source: &Source,
+    config: &LmConfig,
+    lm: &MixtralLm,
+    engine_config: EngineConfig,
+    imported: Option<(strata_tiers::safetensors_io::Checkpoint, Vec<f32>)>,
+) -> Result<Engine, String> {
+    let created = !o.out.exists();
+    std::fs::create_dir_all(&o.out)
+        .map_err(|e| format!("cannot create {}: {e}", o.out.display()))?;
+    let result = (|| {
+        let record = RunRecord {
+            options: o.clone(),
+            source: source.clone(),
+            model: config.to_hf_json(),
+        };
+        let engine = match imported {
+            None => Engine::new_network(lm, engine_config).map_err(|e| e.to_string())?,
+            Some((ckpt, dense)) => {
+                let layout = Layout {
+                    layers: config.layers as u32,
+                    experts_per_layer: config.experts as u32,
+                    params_per_expert: config.expert_params() as u64,
+                    compute_dtype: engine_config.compute_dtype,
+                };
+                let path = store_path(&o.out);
+                {
+                    let store = ExpertStore::create(&path, layout, &FileOptions::default())
+                        .map_err(|e| e.to_string())?;
+                    println!("importing {} experts …", layout.expert_count());
+                    let bar = indicatif::ProgressBar::new(layout.expert_count());
+                    hf::import_store(&ckpt, config, &store, |done, _| bar.set_position(done))?;
+                    bar.finish_and_clear();
+                }
+                Engine::open_imported(lm, engine_config, dense).map_err(|e| e.to_string())?
+            }
+        };
+        std::fs::write(o.out.join("config.json"), config.to_hf_json())
+            .and_then(|()| {
+                let text = serde_json::to_string_pretty(&record).expect("plain JSON");
+                let tmp = o.out.join(".run.json.partial");
+                std::fs::write(&tmp, text)?;
+                std::fs::rename(&tmp, o.out.join("run.json"))
+            })
+            .map_err(|e| format!("cannot write the run record in {}: {e}", o.out.display()))?;
+        Ok(engine)
+    })();
+    if result.is_err() {
+        if created {
+            let _ = std::fs::remove_dir_all(&o.out);
+        } else {
+            let _ = std::fs::remove_file(store_path(&o.out));
+        }
+    }
+    result
+}
+
+fn write_metrics(file: &mut std::fs::File, m: &StepMetrics, lr: f32) -> Result<(), String> {
+    let mut value = serde_json::to_value(m).expect("metrics serialize");
+    value["lr"] = serde_json::json!(lr);
+    writeln!(file, "{value}").map_err(|e| format!("cannot write metrics: {e}"))
+}
+
+/// loss, tokens/s and the share of the step stalled on each tier.
+fn status(m: &StepMetrics) -> String {
+    let share = |s: f64| 100.0 * s / m.wall_s.max(1e-9);
+    format!(
+        "{:.0} tok/s  stall: ssd {:.0}% upload {:.0}% optimizer {:.0}%",
+        m.tokens as f64 / m.wall_s.max(1e-9),
+        share(m.stall_ssd_s),
+        share(m.stall_upload_s),
+        share(m.stall_optimizer_s)
+    )
+}
+
+fn progress_bar(o: &TrainOptions, start: u64) -> indicatif::ProgressBar {
+    if o.quiet {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(o.steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .expect("a valid template"),
+    );
+    bar.set_position(start);
+    bar
+}

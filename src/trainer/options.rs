@@ -1,0 +1,244 @@
+//! The trainer's options: command-line flags, mirrored one to one by the
+//! keys of a TOML file (`--config run.toml`; a flag given on the command
+//! line wins over the file, the file over the default).
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+
+/// Flags of `strata train`, `strata finetune` and `strata plan`. Every
+/// field is optional here so a TOML file can fill what the command line
+/// leaves out; [`TrainOptions::resolve`] applies the defaults.
+#[derive(Args, Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainFlags {
+    /// TOML file whose keys mirror these flags (underscores for dashes).
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Model shape when training from scratch: tiny, small, moe-s, moe-m, moe-l.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Number of experts a MoE layer (overrides the preset).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Training text: .txt or .jsonl files (`text` field). None: the built-in corpus.
+    #[arg(long, num_args = 1..)]
+    pub data: Option<Vec<PathBuf>>,
+    /// A Hugging Face tokenizer.json (default: the model directory's, else bytes).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Run directory: store, checkpoints, metrics.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Optimizer steps in all.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Tokens a sequence.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Sequences a step.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Micro-batches a step (gradient accumulation).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// Linear warmup steps before the cosine decay.
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    /// The cosine decays to lr × this at the last step.
+    #[arg(long)]
+    pub min_lr_ratio: Option<f32>,
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Held-out loss every N steps (0: never).
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Checkpoint every N steps (0: only at the end and on Ctrl-C).
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Device memory for the model, e.g. 2GiB.
+    #[arg(long)]
+    pub device_mem: Option<String>,
+    /// Host memory for expert records, e.g. 8GiB.
+    #[arg(long)]
+    pub host_mem: Option<String>,
+    /// Precision of the experts' compute copy: bf16, f16 or f32.
+    #[arg(long)]
+    pub compute_dtype: Option<String>,
+    /// Threads of the CPU optimizer.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Seed of the initialization and of the data order.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Write the trained model here at the end (safetensors, Hugging Face layout).
+    #[arg(long)]
+    pub export: Option<PathBuf>,
+    /// Continue the run in --out from its last checkpoint.
+    #[arg(long)]
+    #[serde(skip)]
+    pub resume: bool,
+    /// No progress bar (log lines only).
+    #[arg(long)]
+    #[serde(skip)]
+    pub quiet: bool,
+}
+
+/// The resolved options.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainOptions {
+    pub preset: String,
+    pub experts: Option<usize>,
+    pub data: Vec<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub out: PathBuf,
+    pub steps: u64,
+    pub seq_len: usize,
+    pub batch: usize,
+    pub micro_batches: usize,
+    pub lr: f32,
+    pub warmup: u64,
+    pub min_lr_ratio: f32,
+    pub weight_decay: f32,
+    pub eval_every: u64,
+    pub checkpoint_every: u64,
+    pub device_mem: u64,
+    pub host_mem: u64,
+    pub compute_dtype: String,
+    pub threads: usize,
+    pub seed: u64,
+    pub export: Option<PathBuf>,
+    pub resume: bool,
+    pub quiet: bool,
+}
+
+macro_rules! pick {
+    ($cli:ident, $file:ident, $field:ident, $default:expr) => {
+        $cli.$field
+            .clone()
+            .or($file.$field.clone())
+            .unwrap_or($default)
+    };
+}
+
+impl TrainFlags {
+    /// Reads `--config` (if any) and applies the defaults.
+    pub fn resolve(&self) -> Result<TrainOptions, String> {
+        let file = match &self.config {
+            Some(path) => read_toml(path)?,
+            None => TrainFlags::default(),
+        };
+        let cli = self;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(TrainOptions {
+            preset: pick!(cli, file, preset, "tiny".into()),
+            experts: cli.experts.or(file.experts),
+            data: pick!(cli, file, data, Vec::new()),
+            tokenizer: cli.tokenizer.clone().or(file.tokenizer.clone()),
+            out: pick!(cli, file, out, PathBuf::from("runs/default")),
+            steps: pick!(cli, file, steps, 300),
+            seq_len: pick!(cli, file, seq_len, 64),
+            batch: pick!(cli, file, batch, 16),
+            micro_batches: pick!(cli, file, micro_batches, 1),
+            lr: pick!(cli, file, lr, 3e-3),
+            warmup: pick!(cli, file, warmup, 20),
+            min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),
+            weight_decay: pick!(cli, file, weight_decay, 0.0),
+            eval_every: pick!(cli, file, eval_every, 50),
+            checkpoint_every: pick!(cli, file, checkpoint_every, 100),
+            device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,
+            host_mem: parse_bytes(&pick!(cli, file, host_mem, "4GiB".into()))?,
+            compute_dtype: pick!(cli, file, compute_dtype, "bf16".into()),
+            threads: pick!(cli, file, threads, threads),
+            seed: pick!(cli, file, seed, 0),
+            export: cli.export.clone().or(file.export.clone()),
+            resume: cli.resume,
+            quiet: cli.quiet,
+        })
+    }
+}
+
+fn read_toml(path: &Path) -> Result<TrainFlags, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the config file {}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// "512MiB", "8GiB", "1.5G", "4096" (bytes) → bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (write e.g. 512MiB or 8GiB)"))?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => {
+            return Err(format!(
+                "{text:?}: unknown unit {other:?} (use KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    Ok((value * scale as f64) as u64)
+}
+
+/// Bytes for people: 1.50 GiB.
+pub fn show_bytes(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert_eq!(show_bytes(3 << 29), "1.50 GiB");
+    }
+
+    #[test]
+    fn flags_win_over_the_file_and_the_file_over_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, "steps = 7\nlr = 0.01\nhost_mem = \"1GiB\"\n").unwrap();
+        let flags = TrainFlags {
+            config: Some(path.clone()),
+            lr: Some(0.5),
+            ..TrainFlags::default()
+        };
+        let o = flags.resolve().unwrap();
+        assert_eq!((o.steps, o.lr, o.host_mem), (7, 0.5, 1 << 30));
+        assert_eq!(o.seq_len, 64);
+        std::fs::write(&path, "stepz = 7\n").unwrap();
+        let err = flags.resolve().unwrap_err();
+        assert!(err.contains("stepz"), "{err}");
+    }
+}

@@ -1,0 +1,311 @@
+//! The memory plan: bytes each tier needs for a model, batch and budgets,
+//! the offloading mode that follows (adaptive offloading, ES-MoE §4.3),
+//! and a refusal naming the shortfall when the run cannot fit — all
+//! computed before anything is allocated.
+//!
+//! What lives where:
+//! - device: dense params and their gradients (f32), the activations a
+//!   micro-batch keeps for its backward, and expert slots holding compute
+//!   copies (at least one; two let the next expert's upload overlap);
+//! - host: the dense Adam moments, and expert records (f32 master params,
+//!   both moments, the compute copy) that the CPU optimizer updates;
+//! - SSD: the store file (two copies of every record, so a checkpoint is
+//!   never overwritten in place) and the dense checkpoint files.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use strata_tiers::{Dtype, Layout};
+
+use super::options::show_bytes;
+use crate::lm::LmConfig;
+
+/// Where the experts end up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffloadMode {
+    /// Every expert's compute copy stays on the device; records in host
+    /// memory; the SSD holds checkpoints only.
+    AllOnDevice,
+    /// Experts stream host → device; every record fits in host memory.
+    HostOffload,
+    /// Records stream SSD → host → device.
+    HostAndSsd,
+}
+
+impl OffloadMode {
+    pub fn describe(self) -> &'static str {
+        match self {
+            OffloadMode::AllOnDevice => "all on device (a device slot for every expert)",
+            OffloadMode::HostOffload => "host offload (experts stream from host memory)",
+            OffloadMode::HostAndSsd => "host + SSD offload (expert records stream from the SSD)",
+        }
+    }
+}
+
+/// What a run needs, and what its budgets leave for the experts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryPlan {
+    pub mode: OffloadMode,
+    pub dense_params: u64,
+    pub expert_count: u64,
+    pub expert_params: u64,
+    pub dense_device_bytes: u64,
+    pub activation_bytes: u64,
+    /// Device bytes given to expert slots.
+    pub expert_device_bytes: u64,
+    pub device_slots: u64,
+    pub dense_host_bytes: u64,
+    /// Host bytes given to expert records.
+    pub expert_host_bytes: u64,
+    pub host_slots: u64,
+    pub ssd_bytes: u64,
+    pub ssd_free_bytes: Option<u64>,
+}
+
+/// The inputs of a plan.
+pub struct PlanInput<'a> {
+    pub model: &'a LmConfig,
+    pub compute_dtype: Dtype,
+    pub seq_len: usize,
+    pub batch: usize,
+    pub micro_batches: usize,
+    pub device_mem: u64,
+    pub host_mem: u64,
+    /// Where the store will be (for its file system's free space).
+    pub store_dir: Option<&'a Path>,
+}
+
+/// Bytes one micro-batch keeps for its backward (f32): per layer the
+/// residual stream and norms (5·D), q/k/v and the attention output,
+/// the attention probabilities (H·S² a sequence), the router's outputs,
+/// each assignment's expert output (K·D) and hidden activations (2·K·F);
+/// then the logits and their gradient (2·V).
+pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
+    let t = (seq_len * seqs) as u64;
+    let (d, k, f) = (m.d_model as u64, m.top_k as u64, m.d_ff as u64);
+    let q = (m.heads * m.head_dim) as u64;
+    let kv = (m.kv_heads * m.head_dim) as u64;
+    let per_token = 5 * d + 2 * q + 2 * kv + 2 * m.experts as u64 + k * d + 2 * k * f;
+    let probs = (seqs * m.heads * seq_len * seq_len) as u64;
+    4 * (m.layers as u64 * (t * per_token + probs) + 2 * t * m.vocab as u64)
+}
+
+/// Plans a run, or says what is short and by how much.
+pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
+    let m = input.model;
+    let layout = Layout {
+        layers: m.layers as u32,
+        experts_per_layer: m.experts as u32,
+        params_per_expert: m.expert_params() as u64,
+        compute_dtype: input.compute_dtype,
+    };
+    let experts = layout.expert_count();
+    let dense = m.dense_params() as u64;
+    let dense_device = 8 * dense;
+    let seqs = input.batch.div_ceil(input.micro_batches.max(1));
+    let activations = activation_bytes(m, input.seq_len, seqs);
+    let slot = layout.compute_payload_bytes();
+    let fixed_device = dense_device + activations;
+    let need_device = fixed_device + slot;
+    if input.device_mem < need_device {
+        return Err(format!(
+            "does not fit: the device needs at least {} (dense params and grads {}, \
+             activations {} for {seqs} sequences of {} tokens, one expert slot {}) but \
+             --device-mem is {}: {} short. Raise --device-mem, or lower --batch / \
+             raise --micro-batches / lower --seq-len",
+            show_bytes(need_device),
+            show_bytes(dense_device),
+            show_bytes(activations),
+            input.seq_len,
+            show_bytes(slot),
+            show_bytes(input.device_mem),
+            show_bytes(need_device - input.device_mem),
+        ));
+    }
+    let device_slots = ((input.device_mem - fixed_device) / slot).min(experts);
+    let record = layout.record_bytes();
+    let dense_host = 8 * dense;
+    let host_min_slots = 2u64.min(experts);
+    let need_host = dense_host + host_min_slots * record;
+    if input.host_mem < need_host {
+        return Err(format!(
+            "does not fit: host memory needs at least {} (dense Adam moments {}, \
+             {host_min_slots} expert records of {}) but --host-mem is {}: {} short. \
+             Raise --host-mem",
+            show_bytes(need_host),
+            show_bytes(dense_host),
+            show_bytes(record),
+            show_bytes(input.host_mem),
+            show_bytes(need_host - input.host_mem),
+        ));
+    }
+    let host_slots = ((input.host_mem - dense_host) / record).min(experts);
+    // Store file: superblocks and maps, then two copies of each record;
+    // plus two dense checkpoint files (params and moments) during a commit.
+    let ssd = layout.data_offset() + 2 * experts * record + 2 * 12 * dense;
+    let ssd_free = input.store_dir.and_then(free_bytes);
+    if let Some(free) = ssd_free {
+        if free < ssd {
+            return Err(format!(
+                "does not fit: the store needs {} on disk but {} has {} free: {} short. \
+                 Choose another --out",
+                show_bytes(ssd),
+                input
+                    .store_dir
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                show_bytes(free),
+                show_bytes(ssd - free),
+            ));
+        }
+    }
+    let mode = if device_slots == experts {
+        OffloadMode::AllOnDevice
+    } else if host_slots == experts {
+        OffloadMode::HostOffload
+    } else {
+        OffloadMode::HostAndSsd
+    };
+    Ok(MemoryPlan {
+        mode,
+        dense_params: dense,
+        expert_count: experts,
+        expert_params: m.expert_params() as u64,
+        dense_device_bytes: dense_device,
+        activation_bytes: activations,
+        expert_device_bytes: device_slots * slot,
+        device_slots,
+        dense_host_bytes: dense_host,
+        expert_host_bytes: host_slots * record,
+        host_slots,
+        ssd_bytes: ssd,
+        ssd_free_bytes: ssd_free,
+    })
+}
+
+/// Free bytes of the file system holding `dir` (or its nearest existing
+/// ancestor).
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut at = Some(dir);
+    while let Some(p) = at {
+        if p.exists() {
+            let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
+            let mut s = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+            // SAFETY: `c` is a NUL-terminated path and `s` points to
+            // writable storage of the struct statvfs fills.
+            let rc = unsafe { libc::statvfs(c.as_ptr(), s.as_mut_ptr()) };
+            if rc != 0 {
+                return None;
+            }
+            // SAFETY: statvfs returned 0, so it initialized `s`.
+            let s = unsafe { s.assume_init() };
+            #[allow(clippy::unnecessary_cast)] // u32 on some targets
+            return Some(s.f_bavail as u64 * s.f_frsize as u64);
+        }
+        at = p.parent().filter(|q| !q.as_os_str().is_empty());
+        if at.is_none() && p.is_relative() {
+            at = Some(Path::new("."));
+            if p == Path::new(".") {
+                return None;
+            }
+        }
+    }
+    None
+}
+
+impl MemoryPlan {
+    /// The plan as people read it.
+    pub fn describe(&self) -> String {
+        let mut s = String::new();
+        let total = self.dense_params + self.expert_count * self.expert_params;
+        let _ = writeln!(
+            s,
+            "model: {:.1}M params ({:.1}M dense, {} experts of {:.2}M)",
+            total as f64 / 1e6,
+            self.dense_params as f64 / 1e6,
+            self.expert_count,
+            self.expert_params as f64 / 1e6
+        );
+        let _ = writeln!(
+            s,
+            "device: {} dense + {} activations + {} for {} expert slots",
+            show_bytes(self.dense_device_bytes),
+            show_bytes(self.activation_bytes),
+            show_bytes(self.expert_device_bytes),
+            self.device_slots
+        );
+        let _ = writeln!(
+            s,
+            "host:   {} dense moments + {} for {} of {} expert records",
+            show_bytes(self.dense_host_bytes),
+            show_bytes(self.expert_host_bytes),
+            self.host_slots,
+            self.expert_count
+        );
+        let free = self
+            .ssd_free_bytes
+            .map(|f| format!(" ({} free)", show_bytes(f)))
+            .unwrap_or_default();
+        let _ = writeln!(s, "ssd:    {} store{free}", show_bytes(self.ssd_bytes));
+        let _ = write!(s, "mode:   {}", self.mode.describe());
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(m: &LmConfig, device_mem: u64, host_mem: u64) -> PlanInput<'_> {
+        PlanInput {
+            model: m,
+            compute_dtype: Dtype::Bf16,
+            seq_len: 64,
+            batch: 8,
+            micro_batches: 1,
+            device_mem,
+            host_mem,
+            store_dir: None,
+        }
+    }
+
+    #[test]
+    fn modes_follow_the_budgets() {
+        let m = LmConfig::preset("tiny").unwrap();
+        let p = plan(&input(&m, 1 << 30, 1 << 30)).unwrap();
+        assert_eq!(p.mode, OffloadMode::AllOnDevice);
+        let fixed = p.dense_device_bytes + p.activation_bytes;
+        let slot = 2 * m.expert_params() as u64;
+        let p = plan(&input(&m, fixed + 3 * slot, 1 << 30)).unwrap();
+        assert_eq!((p.mode, p.device_slots), (OffloadMode::HostOffload, 3));
+        let p = plan(&input(
+            &m,
+            fixed + 3 * slot,
+            p.dense_host_bytes + 5 * (1 << 20),
+        ))
+        .unwrap();
+        assert_eq!(p.mode, OffloadMode::HostAndSsd);
+        assert!(p.host_slots >= 2 && p.host_slots < p.expert_count);
+        assert!(p.describe().contains("host + SSD"));
+    }
+
+    #[test]
+    fn refusals_name_the_shortfall() {
+        let m = LmConfig::preset("moe-l").unwrap();
+        let err = plan(&input(&m, 1 << 30, 1 << 40)).unwrap_err();
+        assert!(
+            err.contains("--device-mem") && err.contains("short"),
+            "{err}"
+        );
+        let err = plan(&input(&m, 1 << 40, 1 << 30)).unwrap_err();
+        assert!(err.contains("--host-mem") && err.contains("short"), "{err}");
+    }
+
+    #[test]
+    fn the_free_space_of_a_real_directory_is_known() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(free_bytes(dir.path()).unwrap() > 0);
+        assert!(free_bytes(&dir.path().join("not/yet")).unwrap() > 0);
+    }
+}
