@@ -531,6 +531,28 @@ mod tests {
     }
 
     #[test]
+    fn a_tokenizer_json_is_used_with_its_end_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "unk_token": "[UNK]",
+                      "vocab": {"a": 0, "b": 1, "</s>": 2, "[UNK]": 3}}
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        let tok = Tokenizer::from_file(&path).unwrap();
+        assert_eq!((tok.vocab_size(), tok.eos()), (4, 2));
+        let mut ids = Vec::new();
+        tok.encode("a b zz a", &mut ids).unwrap();
+        assert_eq!(ids, [0, 1, 3, 0]);
+        std::fs::write(&path, "{}").unwrap();
+        let err = Tokenizer::from_file(&path).err().unwrap();
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    }
+
+    #[test]
     fn empty_and_missing_data_are_errors() {
         let dir = tempfile::tempdir().unwrap();
         let txt = dir.path().join("short.txt");

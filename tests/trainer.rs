@@ -1,0 +1,394 @@
+//! The trainer end to end: fine-tuning a Mixtral-layout checkpoint written
+//! here (config.json + sharded safetensors + index) through SSD offload,
+//! export and re-import; a run killed with SIGKILL and resumed against an
+//! uninterrupted one; bad input refused with one line and nothing written.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::{LmConfig, MixtralLm};
+use strata::model::Network;
+use strata::trainer::{self, hf, Source, TrainFlags};
+use strata_tiers::safetensors_io::{encode_compute, write_safetensors, TensorSpec};
+use strata_tiers::Dtype;
+
+fn tiny_config() -> LmConfig {
+    LmConfig {
+        vocab: 260,
+        d_model: 16,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        d_ff: 24,
+        experts: 4,
+        top_k: 2,
+        max_seq: 64,
+        seed: 11,
+        ..LmConfig::default()
+    }
+}
+
+/// Writes a Mixtral-layout checkpoint: config.json and safetensors shards
+/// of at most 64 KiB (so there is an index), f32.
+fn write_checkpoint(dir: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
+    std::fs::create_dir_all(dir).unwrap();
+    let lm = MixtralLm::new(config.clone()).unwrap();
+    let dense = lm.init_dense();
+    let moe = lm.moe().clone();
+    let (d, f) = (config.d_model, config.d_ff);
+    let mut experts = Vec::new();
+    let mut specs: Vec<TensorSpec> = lm
+        .tensors()
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.name.clone(),
+            dtype: Dtype::F32,
+            shape: t.shape.clone(),
+        })
+        .collect();
+    for l in 0..config.layers {
+        for e in 0..config.experts {
+            let mut p = vec![0.0f32; moe.expert_params()];
+            moe.init_expert(l, e, &mut p);
+            experts.push(p);
+            for (w, shape) in [("w1", [f, d]), ("w3", [f, d]), ("w2", [d, f])] {
+                specs.push(TensorSpec {
+                    name: format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight"),
+                    dtype: Dtype::F32,
+                    shape: shape.to_vec(),
+                });
+            }
+        }
+    }
+    let nd = lm.tensors().len();
+    let files = write_safetensors(dir, &specs, 64 << 10, |i, out| {
+        let values = if i < nd {
+            &dense[lm.tensors()[i].range.clone()]
+        } else {
+            let (x, w) = ((i - nd) / 3, (i - nd) % 3);
+            &experts[x][w * d * f..(w + 1) * d * f]
+        };
+        encode_compute(Dtype::F32, values, out);
+        Ok(())
+    })
+    .unwrap();
+    assert!(files.len() > 2, "the checkpoint is sharded with an index");
+    std::fs::write(dir.join("config.json"), config.to_hf_json()).unwrap();
+    (dense, experts)
+}
+
+fn small_flags(out: &Path) -> TrainFlags {
+    // Room on the device for the dense part, the activations and two
+    // expert slots, and on the host for three of the eight records:
+    // experts stream from the SSD.
+    let config = tiny_config();
+    let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
+        model: &config,
+        compute_dtype: Dtype::Bf16,
+        seq_len: 16,
+        batch: 4,
+        micro_batches: 2,
+        device_mem: 1 << 40,
+        host_mem: 1 << 40,
+        store_dir: None,
+    })
+    .unwrap();
+    let slot = 2 * config.expert_params() as u64;
+    let device = fixed.dense_device_bytes + fixed.activation_bytes + 2 * slot;
+    let record = fixed.expert_host_bytes / fixed.expert_count;
+    let host = fixed.dense_host_bytes + 3 * record;
+    TrainFlags {
+        out: Some(out.to_path_buf()),
+        steps: Some(6),
+        seq_len: Some(16),
+        batch: Some(4),
+        micro_batches: Some(2),
+        eval_every: Some(3),
+        checkpoint_every: Some(2),
+        device_mem: Some(device.to_string()),
+        host_mem: Some(host.to_string()),
+        threads: Some(2),
+        warmup: Some(2),
+        quiet: true,
+        ..TrainFlags::default()
+    }
+}
+
+/// The params of the run in `out`, read back through a resumed engine.
+fn run_params(out: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let lm = MixtralLm::new(config.clone()).unwrap();
+    let mut engine = Engine::resume_network(
+        &lm,
+        EngineConfig {
+            store_path: Some(out.join("experts.strata")),
+            compute_dtype: Dtype::Bf16,
+            device_budget_bytes: 1 << 20,
+            host_budget_bytes: 4 << 20,
+            optimizer_threads: 1,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let dense = engine.dense_params().to_vec();
+    let mut experts = Vec::new();
+    for l in 0..config.layers {
+        for e in 0..config.experts {
+            experts.push(engine.expert_params(l, e).unwrap());
+        }
+    }
+    (dense, experts)
+}
+
+#[test]
+fn finetune_through_ssd_offload_exports_and_reimports() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    let (dense0, experts0) = write_checkpoint(&model, &config);
+    let out = dir.path().join("run");
+    let export = dir.path().join("export");
+    let flags = TrainFlags {
+        export: Some(export.clone()),
+        ..small_flags(&out)
+    };
+    let summary = trainer::run(
+        &flags,
+        Source::Finetune(model.clone()),
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    assert_eq!(summary.plan.mode, trainer::plan::OffloadMode::HostAndSsd);
+    assert_eq!(summary.steps, 6);
+    assert!(summary.last_eval_loss.is_some());
+    // The run moved away from the checkpoint it started from …
+    let (dense, experts) = run_params(&out, &config);
+    assert_ne!(dense, dense0);
+    assert_ne!(experts, experts0);
+    // … and the export holds exactly its params, in the same layout.
+    let reread = hf::read_config(&export).unwrap();
+    assert_eq!(
+        reread,
+        LmConfig {
+            seed: 0,
+            ..config.clone()
+        }
+    );
+    let lm = MixtralLm::new(config.clone()).unwrap();
+    let (ckpt, exported_dense) = hf::read_dense(&export, &lm).unwrap();
+    assert_eq!(exported_dense, dense);
+    let (d, f) = (config.d_model, config.d_ff);
+    for l in 0..config.layers {
+        for e in 0..config.experts {
+            let mut w = vec![0.0f32; 3 * d * f];
+            for (i, name) in ["w1", "w3", "w2"].iter().enumerate() {
+                let shape = if i < 2 { [f, d] } else { [d, f] };
+                ckpt.read_f32(
+                    &format!("model.layers.{l}.block_sparse_moe.experts.{e}.{name}.weight"),
+                    &shape,
+                    &mut w[i * d * f..(i + 1) * d * f],
+                )
+                .unwrap();
+            }
+            assert_eq!(w, experts[l * config.experts + e], "expert {l}.{e}");
+        }
+    }
+    // Re-importing the export through the fine-tune path (store import,
+    // then an engine over it) gives back exactly the same params.
+    let path = dir.path().join("reimport.strata");
+    let layout = strata_tiers::Layout {
+        layers: config.layers as u32,
+        experts_per_layer: config.experts as u32,
+        params_per_expert: config.expert_params() as u64,
+        compute_dtype: Dtype::Bf16,
+    };
+    let store = strata_tiers::ExpertStore::create(&path, layout, &Default::default()).unwrap();
+    hf::import_store(&ckpt, &config, &store, |_, _| {}).unwrap();
+    drop(store);
+    let mut engine = Engine::open_imported(
+        &lm,
+        EngineConfig {
+            store_path: Some(path),
+            compute_dtype: Dtype::Bf16,
+            device_budget_bytes: 1 << 20,
+            host_budget_bytes: 1 << 20,
+            optimizer_threads: 1,
+            ..EngineConfig::default()
+        },
+        exported_dense,
+    )
+    .unwrap();
+    assert_eq!(engine.dense_params(), &dense[..]);
+    for l in 0..config.layers {
+        for e in 0..config.experts {
+            assert_eq!(
+                engine.expert_params(l, e).unwrap(),
+                experts[l * config.experts + e]
+            );
+        }
+    }
+}
+
+fn strata_bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn cli_args(out: &Path, steps: u64) -> Vec<String> {
+    [
+        "train",
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        &steps.to_string(),
+        "--seq-len",
+        "16",
+        "--batch",
+        "4",
+        "--checkpoint-every",
+        "5",
+        "--eval-every",
+        "10",
+        "--device-mem",
+        "2MiB",
+        "--host-mem",
+        "1536KiB",
+        "--threads",
+        "2",
+        "--quiet",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn committed_checkpoints(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .map(|t| t.matches("\"checkpoint\":true").count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_run_killed_after_a_checkpoint_resumes_bit_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 60;
+    let straight = dir.path().join("straight");
+    let status = strata_bin()
+        .args(cli_args(&straight, steps))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+
+    let killed = dir.path().join("killed");
+    let mut child = strata_bin()
+        .args(cli_args(&killed, steps))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while committed_checkpoints(&killed) < 1 {
+        assert!(Instant::now() < deadline, "no checkpoint within 120 s");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it was killed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let done = committed_checkpoints(&killed);
+    assert!(
+        done < steps as usize / 5,
+        "killed mid-run (after {done} checkpoints)"
+    );
+
+    let resumed = strata_bin()
+        .args([
+            "train",
+            "--resume",
+            "--out",
+            killed.to_str().unwrap(),
+            "--quiet",
+        ])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(resumed.success());
+    let config = {
+        let text = std::fs::read_to_string(straight.join("config.json")).unwrap();
+        LmConfig::from_hf_json(&text).unwrap()
+    };
+    let config = LmConfig { seed: 0, ..config };
+    assert_eq!(run_params(&straight, &config), run_params(&killed, &config));
+}
+
+/// Runs `strata ARGS` expecting failure: one line on stderr, non-zero exit.
+fn refused(args: &[&str], expect: &str) {
+    let out = strata_bin().args(args).output().unwrap();
+    assert!(!out.status.success(), "{args:?} succeeded");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+    assert!(err.contains(expect), "{args:?}: {err}");
+}
+
+#[test]
+fn bad_input_is_refused_with_one_line_and_nothing_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = out.to_str().unwrap();
+    refused(
+        &["train", "--out", o, "--data", "/no/such/file.txt"],
+        "does not exist",
+    );
+    refused(
+        &["finetune", "--out", o, "--model", "/no/such/model"],
+        "does not exist",
+    );
+    let model = dir.path().join("olmoe");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), "{\"model_type\": \"olmoe\"}").unwrap();
+    refused(
+        &["finetune", "--out", o, "--model", model.to_str().unwrap()],
+        "olmoe",
+    );
+    let mut config: serde_json::Value = serde_json::from_str(&tiny_config().to_hf_json()).unwrap();
+    config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    refused(
+        &["finetune", "--out", o, "--model", model.to_str().unwrap()],
+        "rope_scaling",
+    );
+    refused(&["train", "--out", o, "--device-mem", "64KiB"], "short");
+    refused(
+        &[
+            "plan",
+            "--preset",
+            "moe-l",
+            "--device-mem",
+            "1TiB",
+            "--host-mem",
+            "1GiB",
+        ],
+        "--host-mem",
+    );
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    refused(
+        &["train", "--out", o, "--data", empty.to_str().unwrap()],
+        "dataset is empty",
+    );
+    refused(&["train", "--out", o, "--resume"], "cannot resume");
+    assert!(!out.exists(), "nothing was written");
+    // A model directory whose tensors are missing: refused before the run
+    // directory is made.
+    let model = dir.path().join("hollow");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), tiny_config().to_hf_json()).unwrap();
+    refused(
+        &["finetune", "--out", o, "--model", model.to_str().unwrap()],
+        "safetensors",
+    );
+    assert!(!out.exists(), "nothing was written");
+}
