@@ -9,46 +9,8 @@ use strata::model::{Network, PlainLinear};
 use strata::reference::{MemoryRunner, ReferenceTrainer};
 use strata_optim::AdamWHyper;
 
-fn values(n: usize, seed: u64, scale: f64) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn dot(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-/// Central differences (step 1e-6: truncation ~1e-12, rounding ~1e-10)
-/// against `analytic`, 1e-6 relative (floored at 1e-2).
-fn check(name: &str, x: &[f64], analytic: &[f64], mut loss: impl FnMut(&[f64]) -> f64) {
-    let h = 1e-6;
-    let mut worst = 0.0f64;
-    for i in 0..x.len() {
-        let mut xp = x.to_vec();
-        xp[i] += h;
-        let mut xm = x.to_vec();
-        xm[i] -= h;
-        let numeric = (loss(&xp) - loss(&xm)) / (2.0 * h);
-        let err = (numeric - analytic[i]).abs() / numeric.abs().max(analytic[i].abs()).max(1e-2);
-        worst = worst.max(err);
-        assert!(
-            err < 1e-6,
-            "{name}[{i}]: numeric {numeric} analytic {}",
-            analytic[i]
-        );
-    }
-    eprintln!(
-        "{name}: worst relative error {worst:.2e} over {} inputs",
-        x.len()
-    );
-}
+mod common;
+use common::{check, dot, values};
 
 const SHAPE: AttnShape = AttnShape {
     seqs: 2,
