@@ -77,6 +77,22 @@ pub enum BenchCommand {
     /// Training steps with experts on SSD: expert-wise vs naive schedule, against
     /// compute-only and I/O-only runs measured in the same invocation.
     Step(StepArgs),
+    /// Per-layer expert placement: LPT latency, and load balance of LPT vs round-robin
+    /// under uniform and Zipf token counts.
+    Placement(PlacementArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PlacementArgs {
+    /// Timed placements per (experts, devices) pair.
+    #[arg(long, default_value_t = 20_000)]
+    pub reps: usize,
+    /// Token-count draws per distribution.
+    #[arg(long, default_value_t = 50)]
+    pub trials: usize,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -231,8 +247,45 @@ fn execute_bench(command: Command) -> Result<(), String> {
         Command::Bench(BenchCommand::Optim(args)) => bench_optim(args),
         Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
         Command::Bench(BenchCommand::Step(args)) => bench_step(args),
+        Command::Bench(BenchCommand::Placement(args)) => bench_placement(args),
         _ => unreachable!("not a bench command"),
     }
+}
+
+fn bench_placement(args: PlacementArgs) -> Result<(), String> {
+    if args.reps == 0 || args.trials == 0 {
+        return Err("--reps and --trials must be at least 1".into());
+    }
+    let (latency, balance) = bench::placement::run(args.reps, args.trials);
+    if args.json {
+        for row in &latency {
+            println!("{}", serde_json::to_string(row).expect("plain JSON"));
+        }
+        for row in &balance {
+            println!("{}", serde_json::to_string(row).expect("plain JSON"));
+        }
+        return Ok(());
+    }
+    println!("{:>8} {:>8} {:>12}", "experts", "devices", "latency ns");
+    for r in &latency {
+        println!("{:>8} {:>8} {:>12.0}", r.experts, r.devices, r.latency_ns);
+    }
+    println!(
+        "{:>8} {:>8} {:>9} {:>12} {:>9} {:>10}",
+        "experts", "devices", "tokens", "policy", "load gap", "span/bound"
+    );
+    for r in &balance {
+        println!(
+            "{:>8} {:>8} {:>9} {:>12} {:>8.1}% {:>10.3}",
+            r.experts,
+            r.devices,
+            r.distribution,
+            r.policy,
+            100.0 * r.load_gap,
+            r.makespan_over_bound
+        );
+    }
+    Ok(())
 }
 
 fn bench_step(args: StepArgs) -> Result<(), String> {

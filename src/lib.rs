@@ -9,6 +9,7 @@ mod error;
 pub mod lm;
 pub mod math;
 pub mod model;
+pub mod placement;
 pub mod reference;
 pub mod trainer;
 

@@ -4,6 +4,7 @@
 //! shared machine.
 
 pub mod optim;
+pub mod placement;
 pub mod step;
 pub mod tiers;
 
