@@ -392,3 +392,30 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
     );
     assert!(!out.exists(), "nothing was written");
 }
+
+#[test]
+fn ctrl_c_checkpoints_and_exits_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = cli_args(&out, 100_000);
+    let at = args.iter().position(|a| a == "--checkpoint-every").unwrap();
+    args[at + 1] = "0".into(); // only the interrupt checkpoints
+    let child = strata_bin()
+        .args(&args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    // Wait until steps are being written, then interrupt.
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < 3 {
+        assert!(Instant::now() < deadline, "no steps within 120 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: kill(2) on our own child's pid, which has not been reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let output = child.wait_with_output().unwrap();
+    assert_eq!(output.status.code(), Some(130));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("--resume"), "{stdout}");
+    assert_eq!(committed_checkpoints(&out), 1);
+}
