@@ -16,4 +16,8 @@ pub enum EngineError {
     Tier(#[from] TierError),
     #[error(transparent)]
     Optim(#[from] OptimError),
+    #[error(transparent)]
+    Comm(#[from] crate::comm::CommError),
+    #[error("device {device}: {why}")]
+    Device { device: usize, why: String },
 }

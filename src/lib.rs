@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod bench;
 pub mod cli;
+pub mod comm;
 pub mod engine;
 mod error;
 pub mod lm;

@@ -1,54 +1,16 @@
 //! The engine against the plain reference trainer, and against itself
 //! under every tier configuration (DESIGN.md, "Correctness principle").
 
+mod common;
+
+use common::{batch, hyper, max_rel, model, record_bytes};
 use strata::engine::{Engine, EngineConfig, ScheduleKind};
 use strata::math::ExpertKind;
-use strata::model::{fill_uniform, Batch, ModelConfig};
+use strata::model::ModelConfig;
 use strata::reference::ReferenceTrainer;
-use strata_optim::AdamWHyper;
 use strata_tiers::Dtype;
 
 const STEPS: usize = 20;
-
-fn model(top_k: usize, kind: ExpertKind) -> ModelConfig {
-    ModelConfig {
-        layers: 2,
-        d_model: 16,
-        d_ff: 24,
-        experts: 8,
-        top_k,
-        renormalize: top_k > 1,
-        expert_kind: kind,
-        classes: 10,
-        aux_loss_coef: 0.01,
-        z_loss_coef: 0.001,
-        rms_eps: 1e-5,
-        seed: 7,
-    }
-}
-
-/// A batch per step: inputs uniform(±1), targets a function of the inputs
-/// (so the loss can fall).
-fn batch(model: &ModelConfig, step: usize) -> Batch {
-    let t = 48;
-    let mut inputs = vec![0.0f32; t * model.d_model];
-    fill_uniform(&mut inputs, 1000 + step as u64, 1, 1.0);
-    let targets = (0..t)
-        .map(|i| {
-            let row = &inputs[i * model.d_model..(i + 1) * model.d_model];
-            let s: f32 = row.iter().take(4).sum();
-            ((s + 4.0) / 8.0 * model.classes as f32).clamp(0.0, model.classes as f32 - 1.0) as u32
-        })
-        .collect();
-    Batch { inputs, targets }
-}
-
-fn hyper() -> AdamWHyper {
-    AdamWHyper {
-        lr: 3e-3,
-        ..AdamWHyper::default()
-    }
-}
 
 /// Every parameter of the engine after training, flattened.
 fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
@@ -88,9 +50,7 @@ fn configs(
     dir: &std::path::Path,
 ) -> Vec<(&'static str, EngineConfig)> {
     let expert_bytes = (model.expert_params() * 4) as u64;
-    // A record: compute params (f32 here) + 12 bytes a param, in 4 KiB pages.
-    let record_bytes =
-        (expert_bytes + 64).div_ceil(4096) * 4096 + (3 * expert_bytes + 64).div_ceil(4096) * 4096;
+    let record_bytes = record_bytes(model);
     let all = (model.layers * model.experts) as u64;
     let base = EngineConfig {
         hyper: hyper(),
@@ -144,15 +104,6 @@ fn configs(
             },
         ),
     ]
-}
-
-/// Largest |a − b| / (1 + |b|) over two parameter vectors.
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
-        .fold(0.0, f32::max)
 }
 
 fn case(top_k: usize, micro_batches: usize, kind: ExpertKind) {

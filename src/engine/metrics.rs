@@ -2,6 +2,9 @@
 //! signal (DESIGN.md, "Every wait is measured").
 
 use serde::Serialize;
+use strata_tiers::CacheStats;
+
+use super::device::Accumulators;
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct StepMetrics {
@@ -9,9 +12,10 @@ pub struct StepMetrics {
     pub tokens: usize,
     pub loss: f32,
     pub wall_s: f64,
-    /// Time in expert and dense compute.
+    /// Time in expert and dense compute (wall time less the stalls).
     pub compute_s: f64,
-    /// Time waiting for host → device copies.
+    /// Time waiting for host → device copies (with several devices, the
+    /// mean over devices, as are the other stalls below).
     pub stall_upload_s: f64,
     /// Time waiting for expert records to arrive from the SSD tier.
     pub stall_ssd_s: f64,
@@ -25,12 +29,77 @@ pub struct StepMetrics {
     pub host_hit_rate: f64,
     /// Expert uses served by an expert already on the device.
     pub device_hit_rate: f64,
-    /// [layer][expert] assignments this step.
+    /// [layer][expert] assignments this step (all devices).
     pub tokens_per_expert: Vec<Vec<u32>>,
+    /// Per device: expert assignments it computed, forward and backward
+    /// (placement's balance; one entry with one device).
+    pub assignments_per_device: Vec<u64>,
+    /// Per device: seconds in expert GEMMs.
+    pub expert_compute_s_per_device: Vec<f64>,
 }
 
 impl StepMetrics {
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("metrics serialize")
+    }
+
+    /// max / min − 1 of the devices' computed assignments (0: balanced).
+    pub fn device_load_gap(&self) -> f64 {
+        crate::placement::load_gap(
+            &self
+                .assignments_per_device
+                .iter()
+                .map(|&a| a as f64)
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
+/// One step's metrics from the host tier's counters and each device's.
+pub(crate) fn gather<'a>(
+    step: u64,
+    tokens: usize,
+    loss: f32,
+    wall_s: f64,
+    stats: &CacheStats,
+    devices: impl Iterator<Item = &'a Accumulators>,
+) -> StepMetrics {
+    let devices: Vec<&Accumulators> = devices.collect();
+    let n = devices.len() as f64;
+    let mean = |f: fn(&Accumulators) -> f64| devices.iter().map(|a| f(a)).sum::<f64>() / n;
+    let sum = |f: fn(&Accumulators) -> u64| devices.iter().map(|a| f(a)).sum::<u64>();
+    let stall_upload_s = mean(|a| a.stall_upload_s);
+    let stall_optimizer_s = mean(|a| a.stall_optimizer_s);
+    // The host tier's stall is summed over every acquirer.
+    let stall_ssd_s = stats.stall_ns as f64 * 1e-9 / n;
+    let (hits, misses) = (sum(|a| a.device_hits), sum(|a| a.device_misses));
+    let mut tokens_per_expert = devices[0].tokens_per_expert.clone();
+    for a in &devices[1..] {
+        for (row, other) in tokens_per_expert.iter_mut().zip(&a.tokens_per_expert) {
+            row.iter_mut().zip(other).for_each(|(t, o)| *t += o);
+        }
+    }
+    StepMetrics {
+        step,
+        tokens,
+        loss,
+        wall_s,
+        compute_s: (wall_s - stall_upload_s - stall_ssd_s - stall_optimizer_s).max(0.0),
+        stall_upload_s,
+        stall_ssd_s,
+        stall_optimizer_s,
+        bytes_ssd_to_host: stats.bytes_read,
+        bytes_host_to_ssd: stats.bytes_written,
+        bytes_host_to_device: sum(|a| a.bytes_host_to_device),
+        bytes_device_to_host: sum(|a| a.bytes_device_to_host),
+        host_hit_rate: stats.hit_rate(),
+        device_hit_rate: if hits + misses == 0 {
+            1.0
+        } else {
+            hits as f64 / (hits + misses) as f64
+        },
+        tokens_per_expert,
+        assignments_per_device: devices.iter().map(|a| a.assignments_computed).collect(),
+        expert_compute_s_per_device: devices.iter().map(|a| a.expert_compute_s).collect(),
     }
 }

@@ -22,31 +22,36 @@
 //! ```
 
 mod dense_state;
+mod device;
+mod exchange;
 mod metrics;
+mod multi;
 mod runner;
+mod shared;
 mod update;
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use strata_optim::{
-    adamw_step, AdamWHyper, CopyOut, ExpertKey, ExpertOptimizer, GradRef, Kernel, OptimizerConfig,
-    StepScalars,
+    adamw_step, AdamWHyper, CopyOut, ExpertOptimizer, GradRef, Kernel, OptimizerConfig, StepScalars,
 };
 use strata_tiers::io::{AlignedBuf, FileOptions, MemFile};
 use strata_tiers::safetensors_io::encode_compute;
 use strata_tiers::{
-    record_mut, CpuDeviceArena, Dtype, EvictionPolicy, ExpertId, ExpertStore, HostCache,
-    HostCacheConfig, Layout, Parts,
+    record_mut, Dtype, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout,
+    Parts,
 };
 
 pub use metrics::StepMetrics;
-use update::ExpertUpdate;
 
 use crate::backend::CpuBackend;
-use crate::math::ExpertSaved;
 use crate::model::{Batch, ModelConfig, Network};
+use crate::placement::CostModel;
 use crate::EngineError;
+use device::{Accumulators, DeviceState};
+use runner::{DeviceRunner, PassOptions};
+use shared::SharedExperts;
 
 /// How experts move and when they are updated.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,6 +90,15 @@ pub struct EngineConfig {
     /// exactly as training does, but skip the expert GEMMs (outputs and
     /// gradients are zero). This is the I/O-only run of `strata bench step`.
     pub skip_expert_compute: bool,
+    /// Device workers (cpu devices), each with its own device tier of
+    /// `device_budget_bytes`. With more than one, each takes an equal share
+    /// of every batch, experts are placed per layer by greedy LPT and the
+    /// tokens exchanged (see `multi.rs`).
+    pub devices: usize,
+    /// Several devices: the share of each layer's experts kept resident
+    /// (pinned) on a device, chosen by the previous step's load; 0 turns
+    /// pinning off. Capped so two slots per device stay free to stream.
+    pub pin_fraction: f64,
 }
 
 impl Default for EngineConfig {
@@ -102,56 +116,28 @@ impl Default for EngineConfig {
             prefetch_ahead_max: 16,
             io_queue_depth: 32,
             skip_expert_compute: false,
+            devices: 1,
+            pin_fraction: 0.25,
         }
     }
-}
-
-/// Per-step accumulators.
-#[derive(Default)]
-struct Accumulators {
-    stall_upload_s: f64,
-    stall_optimizer_s: f64,
-    bytes_host_to_device: u64,
-    bytes_device_to_host: u64,
-    device_hits: u64,
-    device_misses: u64,
-    tokens_per_expert: Vec<Vec<u32>>,
-}
-
-/// Which expert owns which device slot.
-pub(crate) struct DeviceSlots {
-    owner: Vec<Option<usize>>,
-    last_use: Vec<u64>,
-    clock: u64,
 }
 
 /// A MoE stack whose experts live in the three tiers.
 pub struct Engine {
     model: ModelConfig,
     config: EngineConfig,
-    store_layout: Layout,
-    backend: CpuBackend,
-    cache: HostCache,
-    arena: CpuDeviceArena,
-    optimizer: ExpertOptimizer<ExpertUpdate>,
+    shared: SharedExperts,
+    /// One per device worker (`config.devices`).
+    devices: Vec<DeviceState>,
     dense: Vec<f32>,
     dense_m: Vec<f32>,
     dense_v: Vec<f32>,
     dense_step: u64,
-    /// Per expert (layer·E + e): its AdamW step count.
-    expert_steps: Vec<u64>,
-    /// Per expert: submitted to the optimizer and not yet waited for.
-    pending: Vec<bool>,
-    /// Per expert: gradient summed over earlier micro-batches.
-    grad_accum: Vec<Option<Vec<f32>>>,
-    /// Naive schedule: updates held until the backward pass is over.
-    deferred: Vec<(usize, Vec<f32>)>,
-    /// [layer][expert] what the forward kept for the backward.
-    saved: Vec<Vec<ExpertSaved<f32>>>,
-    device: DeviceSlots,
-    /// The f32 params of the expert being computed (reused every pass).
-    params_scratch: Vec<f32>,
-    acc: Accumulators,
+    /// Several devices: the placement's cost model, recalibrated from each
+    /// step's measured expert compute.
+    cost: CostModel,
+    /// [layer][expert] the previous step's global load (pinning's input).
+    prev_load: Option<Vec<Vec<u32>>>,
     step: u64,
 }
 
@@ -207,12 +193,7 @@ impl Engine {
         let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
         let step = store.committed_step();
         let state = dense_state::read(&path, step, net.dense_params())?;
-        let mut engine = Self::build(model, config, Arc::new(store), state)?;
-        for key in 0..engine.expert_steps.len() {
-            let id = engine.expert_id(key);
-            engine.expert_steps[key] = engine.cache.store().expert_step(id)?.unwrap_or(0);
-        }
-        Ok(engine)
+        Self::build(model, config, Arc::new(store), state)
     }
 
     /// Opens a store whose experts were imported (step 0 committed, e.g.
@@ -257,10 +238,23 @@ impl Engine {
             .hyper
             .validate()
             .map_err(|e| EngineError::Config(e.to_string()))?;
-        if config.micro_batches == 0 || config.optimizer_threads == 0 {
+        if config.micro_batches == 0 || config.optimizer_threads == 0 || config.devices == 0 {
             return Err(EngineError::Config(
-                "micro_batches and optimizer_threads must be at least 1".into(),
+                "micro_batches, optimizer_threads and devices must be at least 1".into(),
             ));
+        }
+        if config.devices > usize::from(u16::MAX) {
+            return Err(EngineError::Config(format!(
+                "{} devices asked for; at most {} are supported",
+                config.devices,
+                u16::MAX
+            )));
+        }
+        if !(0.0..=1.0).contains(&config.pin_fraction) {
+            return Err(EngineError::Config(format!(
+                "pin_fraction = {} must be between 0 and 1",
+                config.pin_fraction
+            )));
         }
         Ok(())
     }
@@ -302,9 +296,18 @@ impl Engine {
                 ..HostCacheConfig::default()
             },
         )?;
-        let slot_bytes = layout.compute_payload_bytes() as usize;
-        let arena = CpuDeviceArena::new(config.device_budget_bytes, slot_bytes, 64)?;
-        let overlapped = config.schedule == ScheduleKind::ExpertWise && arena_slots(&arena) >= 2;
+        let devices = (0..config.devices)
+            .map(|_| {
+                DeviceState::new(
+                    config.device_budget_bytes,
+                    &layout,
+                    model.layers,
+                    model.experts,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let slots = devices[0].slots.slot_count();
+        let overlapped = config.schedule == ScheduleKind::ExpertWise && slots >= 2;
         cache.set_schedule(access_schedule(&model, overlapped));
         let optimizer = ExpertOptimizer::new(OptimizerConfig {
             threads: config.optimizer_threads,
@@ -313,26 +316,31 @@ impl Engine {
             hyper: config.hyper,
             ..OptimizerConfig::default()
         })?;
-        let experts = model.layers * model.experts;
-        let device = DeviceSlots::new(arena_slots(&arena));
-        Ok(Self {
-            store_layout: layout,
-            backend: CpuBackend,
+        // Each expert's step count: its params' version (0 for a new store).
+        let steps = (0..model.layers * model.experts)
+            .map(|key| {
+                let id = ExpertId::new((key / model.experts) as u32, (key % model.experts) as u32);
+                Ok(store.expert_step(id)?.unwrap_or(0))
+            })
+            .collect::<Result<Vec<u64>, EngineError>>()?;
+        let shared = SharedExperts::new(
+            model.experts,
+            config.schedule,
+            layout,
             cache,
-            arena,
             optimizer,
+            steps,
+        );
+        let cost = multi::initial_cost(&model, &layout, config.devices);
+        Ok(Self {
+            shared,
+            devices,
             dense: state.params,
             dense_m: state.m,
             dense_v: state.v,
             dense_step: state.dense_step,
-            expert_steps: vec![0; experts],
-            pending: vec![false; experts],
-            grad_accum: vec![None; experts],
-            deferred: Vec::new(),
-            saved: vec![vec![ExpertSaved::default(); model.experts]; model.layers],
-            device,
-            params_scratch: Vec::with_capacity(model.expert_params()),
-            acc: Accumulators::default(),
+            cost,
+            prev_load: None,
             step: state.step,
             model,
             config,
@@ -348,14 +356,19 @@ impl Engine {
         self.step
     }
 
-    /// Device slots (experts that fit on the device at once).
+    /// Device slots (experts that fit on one device at once).
     pub fn device_slots(&self) -> usize {
-        self.device.slot_count()
+        self.devices[0].slots.slot_count()
+    }
+
+    /// Device workers.
+    pub fn devices(&self) -> usize {
+        self.devices.len()
     }
 
     /// Host slots (expert records that fit in host memory at once).
     pub fn host_slots(&self) -> usize {
-        self.cache.slot_count()
+        self.shared.cache.slot_count()
     }
 
     /// One training step on `batch` (split into the configured micro-batches).
@@ -370,7 +383,7 @@ impl Engine {
             lr,
             ..self.config.hyper
         };
-        self.optimizer.set_hyper(hyper)?;
+        self.shared.optimizer.set_hyper(hyper)?;
         self.config.hyper = hyper;
         Ok(())
     }
@@ -384,87 +397,70 @@ impl Engine {
         Ok(())
     }
 
-    /// The mean loss of `batch`, forward only: nothing is updated. The
-    /// prefetch schedule restarts at the next step's forward.
+    fn pass_options(&self) -> PassOptions {
+        PassOptions {
+            recompute_hidden: self.config.recompute_hidden,
+            skip_expert_compute: self.config.skip_expert_compute,
+        }
+    }
+
+    fn reset_counters(&mut self) {
+        let (layers, experts) = (self.model.layers, self.model.experts);
+        for dev in &mut self.devices {
+            dev.acc = Accumulators::new(layers, experts);
+        }
+    }
+
+    /// The mean loss of `batch`, forward only: nothing is updated. It runs
+    /// on the first device. The prefetch schedule restarts at the next
+    /// step's forward.
     pub fn evaluate<N: Network>(&mut self, net: &N, batch: &N::Batch) -> Result<f32, EngineError> {
         self.check_network(net)?;
         net.validate_batch(batch)?;
-        self.acc = Accumulators {
-            tokens_per_expert: vec![vec![0; self.model.experts]; self.model.layers],
-            ..Accumulators::default()
+        self.reset_counters();
+        let options = self.pass_options();
+        let mut runner = DeviceRunner {
+            model: &self.model,
+            shared: &self.shared,
+            dev: &mut self.devices[0],
+            options,
         };
-        let dense = std::mem::take(&mut self.dense);
-        let mut runner = runner::EngineRunner { engine: self };
-        let loss = net.forward_loss(&dense, batch, &mut runner, &CpuBackend);
-        self.dense = dense;
+        let loss = net.forward_loss(&self.dense, batch, &mut runner, &CpuBackend);
         let overlapped =
-            self.config.schedule == ScheduleKind::ExpertWise && self.device.slot_count() >= 2;
-        self.cache
+            self.config.schedule == ScheduleKind::ExpertWise && self.device_slots() >= 2;
+        self.shared
+            .cache
             .set_schedule(access_schedule(&self.model, overlapped));
         loss
     }
 
     /// One training step of any [`Network`] built on this engine's MoE
     /// layers (see [`Engine::new_network`]).
-    pub fn step_network<N: Network>(
-        &mut self,
-        net: &N,
-        batch: &N::Batch,
-    ) -> Result<StepMetrics, EngineError> {
+    pub fn step_network<N>(&mut self, net: &N, batch: &N::Batch) -> Result<StepMetrics, EngineError>
+    where
+        N: Network + Sync,
+        N::Batch: Sync,
+    {
         self.check_network(net)?;
         net.validate_batch(batch)?;
         let start = std::time::Instant::now();
-        self.cache.take_stats(); // this step's counters start now
-        self.acc = Accumulators {
-            tokens_per_expert: vec![vec![0; self.model.experts]; self.model.layers],
-            ..Accumulators::default()
-        };
-        let parts = net.split_batch(batch, self.config.micro_batches);
+        self.shared.cache.take_stats(); // this step's counters start now
+        self.reset_counters();
         let tokens_total = net.batch_tokens(batch);
-        let count = parts.len();
-        let mut dense_grad = vec![0.0f32; self.dense.len()];
-        let mut loss = 0.0f32;
-        let dense = std::mem::take(&mut self.dense);
-        let mut result = Ok(());
-        for (i, part) in parts.iter().enumerate() {
-            let mut runner = runner::EngineRunner { engine: self };
-            match net.forward_backward(
-                &dense,
-                &mut dense_grad,
-                part,
-                tokens_total,
-                count,
-                i + 1 == count,
-                &mut runner,
-                &CpuBackend,
-            ) {
-                Ok(l) => loss += l.total,
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
+        let result = if self.devices.len() == 1 {
+            self.passes_one_device(net, batch, tokens_total)
+        } else {
+            self.passes_devices(net, batch, tokens_total)
+        };
+        let (loss, dense_grad) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.shared.discard_partial();
+                return Err(e);
             }
-        }
-        self.dense = dense;
-        if result.is_err() {
-            // A failed step leaves no partial gradient behind for the next.
-            self.grad_accum.iter_mut().for_each(|g| *g = None);
-            self.deferred.clear();
-        }
-        result?;
-        // Experts touched only by earlier micro-batches.
-        for key in 0..self.grad_accum.len() {
-            if let Some(grad) = self.grad_accum[key].take() {
-                self.device.invalidate(key);
-                self.submit_update(key, grad)?;
-            }
-        }
-        if self.config.schedule == ScheduleKind::Naive {
-            for (key, grad) in std::mem::take(&mut self.deferred) {
-                self.submit_now(key, grad)?;
-            }
-            self.drain()?;
-        }
+        };
+        let finish_stall = self.shared.finish_step()?;
+        self.devices[0].acc.stall_optimizer_s += finish_stall;
         self.dense_step += 1;
         let s = StepScalars::new(&self.config.hyper, self.dense_step, 1.0);
         adamw_step(
@@ -477,120 +473,69 @@ impl Engine {
             CopyOut::None,
         )?;
         self.step += 1;
-        let stats = self.cache.take_stats();
-        let wall_s = start.elapsed().as_secs_f64();
-        let stall_ssd_s = stats.stall_ns as f64 * 1e-9;
-        let acc = &self.acc;
-        let device_uses = acc.device_hits + acc.device_misses;
-        Ok(StepMetrics {
-            step: self.step,
-            tokens: tokens_total,
+        let stats = self.shared.cache.take_stats();
+        let metrics = metrics::gather(
+            self.step,
+            tokens_total,
             loss,
-            wall_s,
-            compute_s: (wall_s - acc.stall_upload_s - stall_ssd_s - acc.stall_optimizer_s).max(0.0),
-            stall_upload_s: acc.stall_upload_s,
-            stall_ssd_s,
-            stall_optimizer_s: acc.stall_optimizer_s,
-            bytes_ssd_to_host: stats.bytes_read,
-            bytes_host_to_ssd: stats.bytes_written,
-            bytes_host_to_device: acc.bytes_host_to_device,
-            bytes_device_to_host: acc.bytes_device_to_host,
-            host_hit_rate: stats.hit_rate(),
-            device_hit_rate: if device_uses == 0 {
-                1.0
-            } else {
-                acc.device_hits as f64 / device_uses as f64
-            },
-            tokens_per_expert: acc.tokens_per_expert.clone(),
-        })
-    }
-
-    /// Hands an expert's complete gradient to the optimizer (or, on the
-    /// naive schedule, holds it until the backward pass is over).
-    fn submit_update(&mut self, key: usize, grad: Vec<f32>) -> Result<(), EngineError> {
-        if self.config.schedule == ScheduleKind::Naive {
-            self.deferred.push((key, grad));
-            return Ok(());
+            start.elapsed().as_secs_f64(),
+            &stats,
+            self.devices.iter().map(|d| &d.acc),
+        );
+        if self.devices.len() > 1 {
+            self.recalibrate(&metrics);
         }
-        self.submit_now(key, grad)
+        self.prev_load = Some(metrics.tokens_per_expert.clone());
+        Ok(metrics)
     }
 
-    fn submit_now(&mut self, key: usize, grad: Vec<f32>) -> Result<(), EngineError> {
-        self.reap_finished()?;
-        let expert = self.expert_id(key);
-        let guard = match self.cache.acquire_mut(expert) {
-            Err(strata_tiers::TierError::AllSlotsPinned { .. }) => {
-                self.drain_counted()?;
-                self.cache.acquire_mut(expert)?
-            }
-            other => other?,
+    /// Every micro-batch on the only device; returns the loss and the dense
+    /// gradient.
+    fn passes_one_device<N: Network>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+        tokens_total: usize,
+    ) -> Result<(f32, Vec<f32>), EngineError> {
+        let parts = net.split_batch(batch, self.config.micro_batches);
+        let count = parts.len();
+        let mut dense_grad = vec![0.0f32; self.dense.len()];
+        let mut loss = 0.0f32;
+        let options = self.pass_options();
+        let mut runner = DeviceRunner {
+            model: &self.model,
+            shared: &self.shared,
+            dev: &mut self.devices[0],
+            options,
         };
-        let target = ExpertUpdate {
-            guard,
-            grad,
-            step: self.expert_steps[key],
-            dtype: self.store_layout.compute_dtype,
-        };
-        self.optimizer.submit(ExpertKey(key as u64), target)?;
-        self.pending[key] = true;
-        Ok(())
-    }
-
-    /// Waits for one expert's update and marks its record dirty.
-    fn finish_update(&mut self, key: usize) -> Result<(), EngineError> {
-        let (mut target, _) = self.optimizer.wait(ExpertKey(key as u64))?;
-        self.pending[key] = false;
-        self.expert_steps[key] = target.step;
-        target.guard.mark_dirty(target.step);
-        Ok(())
-    }
-
-    /// Takes back every update that has already finished (without waiting),
-    /// so its host slot is free for the prefetcher again.
-    pub(crate) fn reap_finished(&mut self) -> Result<(), EngineError> {
-        for key in 0..self.pending.len() {
-            if !self.pending[key] {
-                continue;
-            }
-            if let Some((mut target, _)) = self.optimizer.try_wait(ExpertKey(key as u64))? {
-                self.pending[key] = false;
-                self.expert_steps[key] = target.step;
-                target.guard.mark_dirty(target.step);
-            }
+        for (i, part) in parts.iter().enumerate() {
+            loss += net
+                .forward_backward(
+                    &self.dense,
+                    &mut dense_grad,
+                    part,
+                    tokens_total,
+                    count,
+                    i + 1 == count,
+                    &mut runner,
+                    &CpuBackend,
+                )?
+                .total;
         }
-        Ok(())
-    }
-
-    /// `drain`, counted as optimizer stall: updates in flight hold their
-    /// host slots, and a small host budget can need them back.
-    pub(crate) fn drain_counted(&mut self) -> Result<(), EngineError> {
-        let t0 = std::time::Instant::now();
-        self.drain()?;
-        self.acc.stall_optimizer_s += t0.elapsed().as_secs_f64();
-        Ok(())
+        Ok((loss, dense_grad))
     }
 
     /// Waits for every update in flight.
     pub fn drain(&mut self) -> Result<(), EngineError> {
-        for key in 0..self.pending.len() {
-            if self.pending[key] {
-                self.finish_update(key)?;
-            }
-        }
+        self.shared.drain()?;
         Ok(())
-    }
-
-    fn expert_id(&self, key: usize) -> ExpertId {
-        ExpertId::new(
-            (key / self.model.experts) as u32,
-            (key % self.model.experts) as u32,
-        )
     }
 
     /// An expert's f32 master params (after every update in flight).
     pub fn expert_params(&mut self, layer: usize, expert: usize) -> Result<Vec<f32>, EngineError> {
         self.drain()?;
         let guard = self
+            .shared
             .cache
             .acquire(ExpertId::new(layer as u32, expert as u32), Parts::Full)?;
         Ok(guard.state().expect("a full guard has state").0.to_vec())
@@ -599,7 +544,7 @@ impl Engine {
     /// An expert's AdamW step count.
     pub fn expert_step(&mut self, layer: usize, expert: usize) -> Result<u64, EngineError> {
         self.drain()?;
-        Ok(self.expert_steps[layer * self.model.experts + expert])
+        Ok(self.shared.version(layer * self.model.experts + expert))
     }
 
     pub fn dense_params(&self) -> &[f32] {
@@ -609,14 +554,14 @@ impl Engine {
     /// The SSD tier. Its records are the experts' current state after
     /// `checkpoint` (the host tier may hold newer ones until then).
     pub fn store(&self) -> &ExpertStore {
-        self.cache.store()
+        self.shared.cache.store()
     }
 
     /// Makes every expert's current state durable in the store as
     /// checkpoint `self.steps()`.
     pub fn checkpoint_experts(&mut self) -> Result<(), EngineError> {
         self.drain()?;
-        self.cache.checkpoint(self.step)?;
+        self.shared.cache.checkpoint(self.step)?;
         Ok(())
     }
 
@@ -640,15 +585,10 @@ impl Engine {
                 v: self.dense_v.clone(),
             },
         )?;
-        self.cache.checkpoint(self.step)?;
+        self.shared.cache.checkpoint(self.step)?;
         dense_state::remove_others(&path, self.step);
         Ok(())
     }
-}
-
-fn arena_slots(arena: &CpuDeviceArena) -> usize {
-    use strata_tiers::DeviceArena;
-    arena.slot_count()
 }
 
 /// The order the runner asks the host tier for experts: forward layers

@@ -1,7 +1,12 @@
-//! Helpers shared by the finite-difference tests.
+//! Helpers shared by the tests: finite differences, and the small MoE
+//! stack, batches and comparisons of the equivalence tests.
 
 // Each test binary uses its own subset.
 #![allow(dead_code)]
+
+use strata::math::ExpertKind;
+use strata::model::{fill_uniform, Batch, ModelConfig};
+use strata_optim::AdamWHyper;
 
 pub fn values(n: usize, seed: u64, scale: f64) -> Vec<f64> {
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -45,4 +50,60 @@ pub fn check(name: &str, x: &[f64], analytic: &[f64], mut loss: impl FnMut(&[f64
 
 pub fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+pub fn model(top_k: usize, kind: ExpertKind) -> ModelConfig {
+    ModelConfig {
+        layers: 2,
+        d_model: 16,
+        d_ff: 24,
+        experts: 8,
+        top_k,
+        renormalize: top_k > 1,
+        expert_kind: kind,
+        classes: 10,
+        aux_loss_coef: 0.01,
+        z_loss_coef: 0.001,
+        rms_eps: 1e-5,
+        seed: 7,
+    }
+}
+
+/// A batch per step: inputs uniform(±1), targets a function of the inputs
+/// (so the loss can fall).
+pub fn batch(model: &ModelConfig, step: usize) -> Batch {
+    let t = 48;
+    let mut inputs = vec![0.0f32; t * model.d_model];
+    fill_uniform(&mut inputs, 1000 + step as u64, 1, 1.0);
+    let targets = (0..t)
+        .map(|i| {
+            let row = &inputs[i * model.d_model..(i + 1) * model.d_model];
+            let s: f32 = row.iter().take(4).sum();
+            ((s + 4.0) / 8.0 * model.classes as f32).clamp(0.0, model.classes as f32 - 1.0) as u32
+        })
+        .collect();
+    Batch { inputs, targets }
+}
+
+pub fn hyper() -> AdamWHyper {
+    AdamWHyper {
+        lr: 3e-3,
+        ..AdamWHyper::default()
+    }
+}
+
+/// Bytes of one expert record with f32 compute params: compute params +
+/// 12 bytes a param (master, m, v), each part in 4 KiB pages.
+pub fn record_bytes(model: &ModelConfig) -> u64 {
+    let expert_bytes = (model.expert_params() * 4) as u64;
+    (expert_bytes + 64).div_ceil(4096) * 4096 + (3 * expert_bytes + 64).div_ceil(4096) * 4096
+}
+
+/// Largest |a − b| / (1 + |b|) over two parameter vectors.
+pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f32::max)
 }

@@ -1,0 +1,291 @@
+//! One device's share of a layer when several devices run a step (ES-MoE
+//! §4.2, fig. 3): after the gate, the devices all-gather their per-expert
+//! token counts, each places every expert by the same greedy LPT over the
+//! global counts (so all agree without talking), sends each expert's rows
+//! to the device it was given, computes its own experts on the rows of all
+//! devices (concatenated in device order), and sends the outputs back.
+//!
+//! An expert's rows arrive in device order and, within a device, in token
+//! order, so its GEMMs see the same rows in the same order whichever device
+//! computes it: placement and pinning change where the work runs, never
+//! the numbers.
+
+use super::runner::DeviceRunner;
+use crate::comm::Comm;
+use crate::math::{gather_forward, Permutation};
+use crate::model::ExpertRunner;
+use crate::placement::{CostModel, LptPlacer};
+use crate::EngineError;
+
+/// This micro-batch's decisions for one layer, kept from its forward for
+/// its backward (the experts' saved activations live where they ran).
+#[derive(Clone, Default)]
+struct LayerPlan {
+    /// [device][expert] assignments routed from each device's tokens.
+    counts: Vec<Vec<u32>>,
+    /// [expert] the device that computes it.
+    owner: Vec<u16>,
+}
+
+pub(crate) struct ExchangeRunner<'a, C: Comm> {
+    pub inner: DeviceRunner<'a>,
+    pub comm: C,
+    placer: LptPlacer,
+    cost: CostModel,
+    /// [layer][expert] the device where the expert is pinned.
+    pinned: &'a [Vec<Option<u16>>],
+    plans: Vec<LayerPlan>,
+}
+
+impl<'a, C: Comm> ExchangeRunner<'a, C> {
+    pub fn new(
+        inner: DeviceRunner<'a>,
+        comm: C,
+        cost: CostModel,
+        pinned: &'a [Vec<Option<u16>>],
+    ) -> Self {
+        let (layers, experts) = (inner.model.layers, inner.model.experts);
+        let devices = comm.size();
+        Self {
+            inner,
+            comm,
+            placer: LptPlacer::new(experts, devices),
+            cost,
+            pinned,
+            plans: vec![LayerPlan::default(); layers],
+        }
+    }
+
+    fn me(&self) -> u16 {
+        self.comm.rank() as u16
+    }
+
+    /// Per source device, where each of this device's experts starts in
+    /// the rows that device sends here (experts in index order), in values.
+    fn offsets(&self, layer: usize) -> Vec<Vec<usize>> {
+        let plan = &self.plans[layer];
+        let d = self.inner.model.d_model;
+        plan.counts
+            .iter()
+            .map(|counts| {
+                let mut at = 0;
+                (0..counts.len())
+                    .map(|e| {
+                        let here = at;
+                        if plan.owner[e] == self.me() {
+                            at += counts[e] as usize * d;
+                        }
+                        here
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// This device's experts with tokens, in `order`.
+    fn mine(&self, layer: usize, reverse: bool) -> Vec<usize> {
+        let plan = &self.plans[layer];
+        let total = |e: usize| plan.counts.iter().map(|c| c[e] as u64).sum::<u64>();
+        let mut mine: Vec<usize> = (0..plan.owner.len())
+            .filter(|&e| plan.owner[e] == self.me() && total(e) > 0)
+            .collect();
+        if reverse {
+            mine.reverse();
+        }
+        mine
+    }
+
+    /// Each device's rows for `expert`, concatenated in device order.
+    fn concat(
+        &self,
+        layer: usize,
+        expert: usize,
+        received: &[Vec<f32>],
+        offsets: &[Vec<usize>],
+    ) -> Vec<f32> {
+        let plan = &self.plans[layer];
+        let d = self.inner.model.d_model;
+        let mut rows = Vec::new();
+        for (src, buf) in received.iter().enumerate() {
+            let at = offsets[src][expert];
+            rows.extend_from_slice(&buf[at..at + plan.counts[src][expert] as usize * d]);
+        }
+        rows
+    }
+
+    /// Splits an expert's output rows back into the replies to each device.
+    fn split_into(
+        &self,
+        layer: usize,
+        expert: usize,
+        rows: &[f32],
+        replies: &mut [Vec<f32>],
+        offsets: &[Vec<usize>],
+    ) {
+        let plan = &self.plans[layer];
+        let d = self.inner.model.d_model;
+        let mut from = 0;
+        for (src, reply) in replies.iter_mut().enumerate() {
+            let n = plan.counts[src][expert] as usize * d;
+            let at = offsets[src][expert];
+            reply[at..at + n].copy_from_slice(&rows[from..from + n]);
+            from += n;
+        }
+    }
+
+    /// Buffers for the replies: to each device, its rows of this device's
+    /// experts.
+    fn reply_buffers(&self, layer: usize) -> Vec<Vec<f32>> {
+        let plan = &self.plans[layer];
+        let d = self.inner.model.d_model;
+        plan.counts
+            .iter()
+            .map(|counts| {
+                let n: usize = (0..counts.len())
+                    .filter(|&e| plan.owner[e] == self.me())
+                    .map(|e| counts[e] as usize * d)
+                    .sum();
+                vec![0.0f32; n]
+            })
+            .collect()
+    }
+
+    /// This device's rows of every expert (from `fill`), grouped by the
+    /// device that computes the expert.
+    fn outgoing(
+        &self,
+        layer: usize,
+        perm: &Permutation,
+        mut fill: impl FnMut(&mut [f32], &[u32]),
+    ) -> Vec<Vec<f32>> {
+        let plan = &self.plans[layer];
+        let d = self.inner.model.d_model;
+        let mut sends = vec![Vec::new(); self.comm.size()];
+        for e in 0..plan.owner.len() {
+            let rows = perm.rows(e);
+            if rows.is_empty() {
+                continue;
+            }
+            let buf = &mut sends[plan.owner[e] as usize];
+            let at = buf.len();
+            buf.resize(at + rows.len() * d, 0.0);
+            fill(&mut buf[at..], rows);
+        }
+        sends
+    }
+
+    /// Writes what came back (rows of this device's tokens, from each
+    /// expert's device) to the assignments they belong to.
+    fn scatter_back(&self, layer: usize, perm: &Permutation, back: &[Vec<f32>], out: &mut [f32]) {
+        let plan = &self.plans[layer];
+        let d = self.inner.model.d_model;
+        let mut cursor = vec![0usize; back.len()];
+        for e in 0..plan.owner.len() {
+            let rows = perm.rows(e);
+            if rows.is_empty() {
+                continue;
+            }
+            let owner = plan.owner[e] as usize;
+            let n = rows.len() * d;
+            let src = &back[owner][cursor[owner]..cursor[owner] + n];
+            crate::math::scatter_to_assignments(out, src, rows, d);
+            cursor[owner] += n;
+        }
+    }
+}
+
+impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
+    fn forward_layer(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        x: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let (k, d, experts) = (
+            self.inner.model.top_k,
+            self.inner.model.d_model,
+            self.inner.model.experts,
+        );
+        let local: Vec<u32> = (0..experts).map(|e| perm.rows(e).len() as u32).collect();
+        for (e, &c) in local.iter().enumerate() {
+            self.inner.dev.acc.tokens_per_expert[layer][e] += c;
+        }
+        let counts = self.comm.all_gather_u32(local)?;
+        let global: Vec<u32> = (0..experts)
+            .map(|e| counts.iter().map(|c| c[e]).sum())
+            .collect();
+        let mut owner = vec![0u16; experts];
+        self.placer
+            .place(&global, &self.pinned[layer], &self.cost, &mut owner);
+        self.plans[layer] = LayerPlan { counts, owner };
+
+        let sends = self.outgoing(layer, perm, |buf, rows| gather_forward(buf, x, rows, k, d));
+        let received = self.comm.all_to_all(sends)?;
+        let offsets = self.offsets(layer);
+        let mut replies = self.reply_buffers(layer);
+        let mine = self.mine(layer, false);
+        let inputs: Vec<Vec<f32>> = mine
+            .iter()
+            .map(|&e| self.concat(layer, e, &received, &offsets))
+            .collect();
+        drop(received);
+        let mut outputs: Vec<(usize, Vec<f32>)> = Vec::with_capacity(mine.len());
+        let mut inputs = inputs.into_iter();
+        self.inner
+            .pipeline(layer, &mine, |runner, expert, params| {
+                let xe = inputs.next().expect("one input per expert");
+                let ye = runner.expert_forward(layer, expert, &xe, params);
+                runner.dev.saved_x[layer][expert] = xe;
+                outputs.push((expert, ye));
+                Ok(())
+            })?;
+        for (expert, ye) in outputs {
+            self.split_into(layer, expert, &ye, &mut replies, &offsets);
+        }
+        let back = self.comm.all_to_all(replies)?;
+        self.scatter_back(layer, perm, &back, out);
+        Ok(())
+    }
+
+    fn backward_layer(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        _x: &[f32],
+        dout: &[f32],
+        dx: &mut [f32],
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        let d = self.inner.model.d_model;
+        let sends = self.outgoing(layer, perm, |buf, rows| {
+            crate::math::gather_from_assignments(buf, dout, rows, d)
+        });
+        let received = self.comm.all_to_all(sends)?;
+        let offsets = self.offsets(layer);
+        let mut replies = self.reply_buffers(layer);
+        let mine = self.mine(layer, true);
+        let douts: Vec<Vec<f32>> = mine
+            .iter()
+            .map(|&e| self.concat(layer, e, &received, &offsets))
+            .collect();
+        drop(received);
+        let mut grads_in: Vec<(usize, Vec<f32>)> = Vec::with_capacity(mine.len());
+        let mut douts = douts.into_iter();
+        self.inner
+            .pipeline(layer, &mine, |runner, expert, params| {
+                let dye = douts.next().expect("one gradient per expert");
+                let xe = std::mem::take(&mut runner.dev.saved_x[layer][expert]);
+                let dxe =
+                    runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch)?;
+                grads_in.push((expert, dxe));
+                Ok(())
+            })?;
+        for (expert, dxe) in grads_in {
+            self.split_into(layer, expert, &dxe, &mut replies, &offsets);
+        }
+        let back = self.comm.all_to_all(replies)?;
+        self.scatter_back(layer, perm, &back, dx);
+        Ok(())
+    }
+}

@@ -1,0 +1,237 @@
+//! Several devices (ES-MoE §4.2–4.3): each device worker runs on its own
+//! thread with its own device tier and takes an equal, contiguous share of
+//! the batch's micro-batches; dense params are shared read-only and their
+//! gradients all-reduced in rank order before the one AdamW update; the
+//! experts of each layer are placed by greedy LPT over the global token
+//! counts and the tokens exchanged (`exchange.rs`); each device pins the
+//! hottest experts of the previous step.
+//!
+//! Losses: each device's micro-batch is one micro-batch of the step, so N
+//! devices × m micro-batches train exactly the model one device trains
+//! with N·m micro-batches (the load-balancing and z losses are per
+//! micro-batch, as in gradient accumulation). The two differ only in the
+//! order of float sums (see `tests/multi_device.rs`).
+
+use std::time::Instant;
+
+use strata_tiers::Layout;
+
+use super::exchange::ExchangeRunner;
+use super::runner::DeviceRunner;
+use super::{Engine, StepMetrics};
+use crate::backend::CpuBackend;
+use crate::comm::{Comm, InProcessComm};
+use crate::model::{ModelConfig, Network};
+use crate::placement::CostModel;
+use crate::EngineError;
+
+/// Expert GEMM throughput assumed until the first step is measured.
+const PRIOR_FLOPS_PER_S: f64 = 50e9;
+
+/// The placement cost model before any step: the upload time of one
+/// expert measured now (a copy of its compute params, twice per step:
+/// forward and backward), and a FLOP-count prior for compute that the
+/// first step replaces by its measurement.
+pub(crate) fn initial_cost(model: &ModelConfig, layout: &Layout, devices: usize) -> CostModel {
+    let per_token_s = 6.0 * model.expert_params() as f64 / PRIOR_FLOPS_PER_S;
+    if devices == 1 {
+        return CostModel {
+            upload_s: 0.0,
+            per_token_s,
+            fixed_s: 0.0,
+        };
+    }
+    let bytes = layout.compute_payload_bytes() as usize;
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t0 = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    CostModel {
+        upload_s: 2.0 * times[2],
+        per_token_s,
+        fixed_s: 0.0,
+    }
+}
+
+impl Engine {
+    /// Every device's micro-batches, on one thread per device; returns the
+    /// loss and the all-reduced dense gradient.
+    pub(super) fn passes_devices<N>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+        tokens_total: usize,
+    ) -> Result<(f32, Vec<f32>), EngineError>
+    where
+        N: Network + Sync,
+        N::Batch: Sync,
+    {
+        let n = self.devices.len();
+        let m = self.config.micro_batches;
+        let parts = net.split_batch(batch, n * m);
+        if parts.len() != n * m {
+            return Err(EngineError::Batch(format!(
+                "the batch splits into {} parts, but {n} devices × {m} micro-batches need {}: \
+                 give the step at least {} sequences (or rows), or use fewer devices",
+                parts.len(),
+                n * m,
+                n * m
+            )));
+        }
+        let pinned = self.pin_plan();
+        let options = self.pass_options();
+        let cost = self.cost;
+        let Engine {
+            model,
+            shared,
+            devices,
+            dense,
+            ..
+        } = self;
+        let (model, shared, dense) = (&*model, &*shared, &dense[..]);
+        let pinned = &pinned[..];
+        let parts = &parts[..];
+        let results: Vec<Result<(f32, Vec<f32>), EngineError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = devices
+                .iter_mut()
+                .zip(InProcessComm::endpoints(n))
+                .enumerate()
+                .map(|(rank, (dev, comm))| {
+                    std::thread::Builder::new()
+                        .name(format!("strata-device-{rank}"))
+                        .spawn_scoped(s, move || {
+                            let inner = DeviceRunner {
+                                model,
+                                shared,
+                                dev,
+                                options,
+                            };
+                            let mut runner = ExchangeRunner::new(inner, comm, cost, pinned);
+                            let mut grad = vec![0.0f32; dense.len()];
+                            let mut loss = 0.0f32;
+                            for (j, part) in parts[rank * m..(rank + 1) * m].iter().enumerate() {
+                                loss += net
+                                    .forward_backward(
+                                        dense,
+                                        &mut grad,
+                                        part,
+                                        tokens_total,
+                                        n * m,
+                                        j + 1 == m,
+                                        &mut runner,
+                                        &CpuBackend,
+                                    )?
+                                    .total;
+                            }
+                            runner.comm.all_reduce_sum(&mut grad)?;
+                            let mut total = [loss];
+                            runner.comm.all_reduce_sum(&mut total)?;
+                            Ok((total[0], grad))
+                        })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(device, h)| match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(EngineError::Device {
+                            device,
+                            why: "its thread panicked".into(),
+                        })
+                    }),
+                    Err(e) => Err(EngineError::Device {
+                        device,
+                        why: format!("its thread could not start: {e}"),
+                    }),
+                })
+                .collect()
+        });
+        first_cause(results)
+    }
+
+    /// Which experts each device pins this step: per layer, the
+    /// `pin_fraction` most loaded of the previous step, hottest first,
+    /// dealt to the devices in turn (the turn carries across layers); at
+    /// most `slots − 2` per device.
+    fn pin_plan(&mut self) -> Vec<Vec<Option<u16>>> {
+        let (layers, experts, n) = (self.model.layers, self.model.experts, self.devices.len());
+        let mut plan = vec![vec![None; experts]; layers];
+        let per_layer = (self.config.pin_fraction * experts as f64).ceil() as usize;
+        let cap = self.device_slots().saturating_sub(2);
+        if let (Some(load), true) = (&self.prev_load, per_layer > 0 && cap > 0) {
+            let mut count = vec![0usize; n];
+            let mut turn = 0usize;
+            for l in 0..layers {
+                let mut ranked: Vec<usize> = (0..experts).filter(|&e| load[l][e] > 0).collect();
+                ranked.sort_by_key(|&e| (std::cmp::Reverse(load[l][e]), e));
+                for &e in ranked.iter().take(per_layer) {
+                    let d = turn % n;
+                    turn += 1;
+                    if count[d] < cap {
+                        plan[l][e] = Some(d as u16);
+                        count[d] += 1;
+                    }
+                }
+            }
+        }
+        for (d, dev) in self.devices.iter_mut().enumerate() {
+            let plan = &plan;
+            dev.slots.set_pinned(
+                (0..layers * experts)
+                    .filter(move |&k| plan[k / experts][k % experts] == Some(d as u16)),
+            );
+        }
+        plan
+    }
+
+    /// The placement's compute cost per token from the step just measured.
+    pub(super) fn recalibrate(&mut self, m: &StepMetrics) {
+        let secs: f64 = m.expert_compute_s_per_device.iter().sum();
+        let passes: u64 = m.assignments_per_device.iter().sum();
+        if secs > 0.0 && passes > 0 {
+            // Each assignment is computed twice (forward, backward).
+            self.cost.per_token_s = 2.0 * secs / passes as f64;
+        }
+    }
+
+    /// Experts pinned on each device for the last step.
+    pub fn pinned_per_device(&self) -> Vec<usize> {
+        self.devices
+            .iter()
+            .map(|d| d.slots.pinned_count())
+            .collect()
+    }
+}
+
+/// The error to report from the devices' results: the first that is not
+/// a peer stopping because of another's failure, else the first.
+fn first_cause(
+    results: Vec<Result<(f32, Vec<f32>), EngineError>>,
+) -> Result<(f32, Vec<f32>), EngineError> {
+    let mut first_err = None;
+    let mut first_ok = None;
+    for r in results {
+        match r {
+            Ok(v) => {
+                first_ok.get_or_insert(v);
+            }
+            Err(EngineError::Comm(c)) => {
+                first_err.get_or_insert(EngineError::Comm(c));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    match (first_err, first_ok) {
+        (Some(e), _) => Err(e),
+        (None, Some(v)) => Ok(v),
+        (None, None) => Err(EngineError::Config("no device ran".into())),
+    }
+}

@@ -1,0 +1,213 @@
+//! What every device of an engine shares: the host and SSD tiers, the CPU
+//! optimizer, and each expert's update bookkeeping (its step count, whether
+//! its update is in flight, its gradient summed over earlier micro-batches).
+//!
+//! Each expert is computed by one device per layer and micro-batch, so the
+//! bookkeeping is per expert and a short lock keeps devices apart; nothing
+//! is held locked while waiting for an update or a record.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use strata_optim::{ExpertKey, ExpertOptimizer};
+use strata_tiers::{ExpertId, HostCache, Layout};
+
+use super::update::ExpertUpdate;
+use super::ScheduleKind;
+use crate::EngineError;
+
+/// Per expert (key = layer·E + e).
+pub(crate) struct UpdateBook {
+    /// Its AdamW step count: the version of its params.
+    pub steps: Vec<u64>,
+    /// Submitted to the optimizer and not yet taken back.
+    pub pending: Vec<bool>,
+    /// Gradient summed over the step's earlier micro-batches.
+    pub grad_accum: Vec<Option<Vec<f32>>>,
+    /// Naive schedule: updates held until the backward pass is over.
+    pub deferred: Vec<(usize, Vec<f32>)>,
+}
+
+pub(crate) struct SharedExperts {
+    pub experts_per_layer: usize,
+    pub schedule: ScheduleKind,
+    pub layout: Layout,
+    pub cache: HostCache,
+    pub optimizer: ExpertOptimizer<ExpertUpdate>,
+    book: Mutex<UpdateBook>,
+}
+
+impl SharedExperts {
+    pub fn new(
+        experts_per_layer: usize,
+        schedule: ScheduleKind,
+        layout: Layout,
+        cache: HostCache,
+        optimizer: ExpertOptimizer<ExpertUpdate>,
+        steps: Vec<u64>,
+    ) -> Self {
+        let n = steps.len();
+        Self {
+            experts_per_layer,
+            schedule,
+            layout,
+            cache,
+            optimizer,
+            book: Mutex::new(UpdateBook {
+                steps,
+                pending: vec![false; n],
+                grad_accum: vec![None; n],
+                deferred: Vec::new(),
+            }),
+        }
+    }
+
+    pub fn book(&self) -> MutexGuard<'_, UpdateBook> {
+        // A device thread that panicked mid-step poisons the lock; its
+        // bookkeeping is per expert and was complete before each release.
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn expert_id(&self, key: usize) -> ExpertId {
+        ExpertId::new(
+            (key / self.experts_per_layer) as u32,
+            (key % self.experts_per_layer) as u32,
+        )
+    }
+
+    pub fn expert_count(&self) -> usize {
+        self.book().steps.len()
+    }
+
+    /// An expert's version (step count) once no update of it is in flight.
+    pub fn version(&self, key: usize) -> u64 {
+        self.book().steps[key]
+    }
+
+    /// Waits for `key`'s update if one is in flight; returns the seconds
+    /// waited (0 when none was).
+    pub fn wait_update(&self, key: usize) -> Result<f64, EngineError> {
+        {
+            let mut book = self.book();
+            if !book.pending[key] {
+                return Ok(0.0);
+            }
+            // Claimed: no other device waits for it or reaps it.
+            book.pending[key] = false;
+        }
+        let t0 = Instant::now();
+        let (mut target, _) = self.optimizer.wait(ExpertKey(key as u64))?;
+        target.guard.mark_dirty(target.step);
+        self.book().steps[key] = target.step;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// Takes back every update that has already finished (without waiting),
+    /// so its host slot is free for the prefetcher again.
+    pub fn reap_finished(&self) -> Result<(), EngineError> {
+        let mut book = self.book();
+        for key in 0..book.pending.len() {
+            if !book.pending[key] {
+                continue;
+            }
+            if let Some((mut target, _)) = self.optimizer.try_wait(ExpertKey(key as u64))? {
+                book.pending[key] = false;
+                book.steps[key] = target.step;
+                target.guard.mark_dirty(target.step);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every update in flight; returns the seconds waited.
+    pub fn drain(&self) -> Result<f64, EngineError> {
+        let t0 = Instant::now();
+        for key in 0..self.expert_count() {
+            self.wait_update(key)?;
+        }
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// Adds this micro-batch's gradient of `key` to the earlier ones (in
+    /// micro-batch order); on the last micro-batch returns the sum.
+    pub fn accumulate(&self, key: usize, grad: Vec<f32>, last: bool) -> Option<Vec<f32>> {
+        let mut book = self.book();
+        let grad = match book.grad_accum[key].take() {
+            Some(mut sum) => {
+                sum.iter_mut().zip(&grad).for_each(|(s, g)| *s += g);
+                sum
+            }
+            None => grad,
+        };
+        if last {
+            Some(grad)
+        } else {
+            book.grad_accum[key] = Some(grad);
+            None
+        }
+    }
+
+    /// Hands an expert's complete gradient to the optimizer (or, on the
+    /// naive schedule, holds it until the backward pass is over); returns
+    /// the seconds spent waiting for host slots held by updates.
+    pub fn submit(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
+        if self.schedule == ScheduleKind::Naive {
+            self.book().deferred.push((key, grad));
+            return Ok(0.0);
+        }
+        self.submit_now(key, grad)
+    }
+
+    pub fn submit_now(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
+        self.reap_finished()?;
+        let expert = self.expert_id(key);
+        let mut stall = 0.0;
+        let guard = match self.cache.acquire_mut(expert) {
+            Err(strata_tiers::TierError::AllSlotsPinned { .. }) => {
+                stall += self.drain()?;
+                self.cache.acquire_mut(expert)?
+            }
+            other => other?,
+        };
+        let step = self.book().steps[key];
+        let target = ExpertUpdate {
+            guard,
+            grad,
+            step,
+            dtype: self.layout.compute_dtype,
+        };
+        self.optimizer.submit(ExpertKey(key as u64), target)?;
+        self.book().pending[key] = true;
+        Ok(stall)
+    }
+
+    /// The end of a step's backward: experts touched only by earlier
+    /// micro-batches, then (naive schedule) every held update.
+    pub fn finish_step(&self) -> Result<f64, EngineError> {
+        let mut stall = 0.0;
+        let leftovers: Vec<(usize, Vec<f32>)> = {
+            let mut book = self.book();
+            (0..book.grad_accum.len())
+                .filter_map(|key| book.grad_accum[key].take().map(|g| (key, g)))
+                .collect()
+        };
+        for (key, grad) in leftovers {
+            stall += self.submit(key, grad)?;
+        }
+        if self.schedule == ScheduleKind::Naive {
+            let deferred = std::mem::take(&mut self.book().deferred);
+            for (key, grad) in deferred {
+                stall += self.submit_now(key, grad)?;
+            }
+            self.drain()?;
+        }
+        Ok(stall)
+    }
+
+    /// A failed step leaves no partial gradient behind for the next.
+    pub fn discard_partial(&self) {
+        let mut book = self.book();
+        book.grad_accum.iter_mut().for_each(|g| *g = None);
+        book.deferred.clear();
+    }
+}
