@@ -92,6 +92,7 @@ fn small_flags(out: &Path) -> TrainFlags {
         seq_len: 16,
         batch: 4,
         micro_batches: 2,
+        devices: 1,
         device_mem: 1 << 40,
         host_mem: 1 << 40,
         store_dir: None,
@@ -230,6 +231,58 @@ fn finetune_through_ssd_offload_exports_and_reimports() {
             );
         }
     }
+}
+
+/// `--devices 2` (one micro-batch each) trains the model one device
+/// trains with two micro-batches, through the same SSD offload: the two
+/// differ only in the order of float sums (tests/multi_device.rs bounds
+/// that for the plain stack); here the experts' compute copies are bf16,
+/// so a master param a rounding apart can round its copy one bf16 ulp
+/// (2⁻⁸ relative) apart, and 6 steps keep the params within 1e-3.
+#[test]
+fn two_devices_train_the_model_one_device_trains_with_two_micro_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &config);
+    let run = |name: &str, devices: usize, micro_batches: usize| {
+        let out = dir.path().join(name);
+        let flags = TrainFlags {
+            devices: Some(devices),
+            micro_batches: Some(micro_batches),
+            ..small_flags(&out)
+        };
+        let summary = trainer::run(
+            &flags,
+            Source::Finetune(model.clone()),
+            &AtomicBool::new(false),
+        )
+        .unwrap();
+        assert_eq!(summary.plan.devices, devices as u64);
+        assert_eq!(summary.steps, 6);
+        run_params(&out, &config)
+    };
+    let (dense2, experts2) = run("two-devices", 2, 1);
+    let (dense1, experts1) = run("one-device", 1, 2);
+    let worst = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+            .fold(0.0f32, f32::max)
+    };
+    let dense = worst(&dense2, &dense1);
+    let experts = experts2
+        .iter()
+        .zip(&experts1)
+        .map(|(a, b)| worst(a, b))
+        .fold(0.0f32, f32::max);
+    eprintln!(
+        "two devices vs one with two micro-batches: dense {dense:.2e}, experts {experts:.2e}"
+    );
+    assert!(
+        dense < 1e-3 && experts < 1e-3,
+        "dense {dense}, experts {experts}"
+    );
 }
 
 fn strata_bin() -> Command {

@@ -325,6 +325,7 @@ impl Engine {
             .collect::<Result<Vec<u64>, EngineError>>()?;
         let shared = SharedExperts::new(
             model.experts,
+            config.devices,
             config.schedule,
             layout,
             cache,

@@ -77,13 +77,8 @@ impl DeviceRunner<'_> {
         }
         acc.device_misses += 1;
         let id = ExpertId::new(layer as u32, expert as u32);
-        let guard = match shared.cache.acquire(id, Parts::Compute) {
-            Err(strata_tiers::TierError::AllSlotsPinned { .. }) => {
-                acc.stall_optimizer_s += shared.drain()?;
-                shared.cache.acquire(id, Parts::Compute)?
-            }
-            other => other?,
-        };
+        let (guard, waited) = shared.acquire(|cache| cache.acquire(id, Parts::Compute))?;
+        acc.stall_optimizer_s += waited;
         let slot = self.dev.slots.claim(key, version, protect);
         let upload = self.dev.arena.upload_htod(slot, Box::new(guard))?;
         acc.bytes_host_to_device += shared.layout.compute_payload_bytes();

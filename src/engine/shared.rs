@@ -7,14 +7,18 @@
 //! is held locked while waiting for an update or a record.
 
 use std::sync::{Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use strata_optim::{ExpertKey, ExpertOptimizer};
-use strata_tiers::{ExpertId, HostCache, Layout};
+use strata_tiers::{ExpertId, HostCache, Layout, TierError};
 
 use super::update::ExpertUpdate;
 use super::ScheduleKind;
 use crate::EngineError;
+
+/// How long an acquire waits for other devices to release host slots
+/// before it reports the host budget as too small.
+const HOST_SLOT_WAIT: Duration = Duration::from_secs(30);
 
 /// Per expert (key = layer·E + e).
 pub(crate) struct UpdateBook {
@@ -30,6 +34,8 @@ pub(crate) struct UpdateBook {
 
 pub(crate) struct SharedExperts {
     pub experts_per_layer: usize,
+    /// Device workers sharing these tiers.
+    pub devices: usize,
     pub schedule: ScheduleKind,
     pub layout: Layout,
     pub cache: HostCache,
@@ -40,6 +46,7 @@ pub(crate) struct SharedExperts {
 impl SharedExperts {
     pub fn new(
         experts_per_layer: usize,
+        devices: usize,
         schedule: ScheduleKind,
         layout: Layout,
         cache: HostCache,
@@ -49,6 +56,7 @@ impl SharedExperts {
         let n = steps.len();
         Self {
             experts_per_layer,
+            devices,
             schedule,
             layout,
             cache,
@@ -158,17 +166,49 @@ impl SharedExperts {
         self.submit_now(key, grad)
     }
 
+    /// Acquires through the host tier. When every host slot is pinned it
+    /// waits for the updates in flight (which hold theirs); if that is not
+    /// enough and there are several devices, their uploads hold the rest,
+    /// and those end on their own: it retries with a growing pause for up
+    /// to `HOST_SLOT_WAIT`.
+    /// Returns the guard and the seconds waited.
+    pub fn acquire<G>(
+        &self,
+        mut acquire: impl FnMut(&HostCache) -> Result<G, TierError>,
+    ) -> Result<(G, f64), EngineError> {
+        let t0 = Instant::now();
+        let mut pause = Duration::from_micros(50);
+        let mut drained = false;
+        loop {
+            match acquire(&self.cache) {
+                Err(TierError::AllSlotsPinned { .. })
+                    if !drained || (self.devices > 1 && t0.elapsed() < HOST_SLOT_WAIT) =>
+                {
+                    if drained {
+                        std::thread::sleep(pause);
+                        pause = (pause * 2).min(Duration::from_millis(10));
+                    } else {
+                        self.drain()?;
+                        drained = true;
+                    }
+                }
+                Ok(guard) => {
+                    let waited = if drained {
+                        t0.elapsed().as_secs_f64()
+                    } else {
+                        0.0
+                    };
+                    return Ok((guard, waited));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     pub fn submit_now(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
         self.reap_finished()?;
         let expert = self.expert_id(key);
-        let mut stall = 0.0;
-        let guard = match self.cache.acquire_mut(expert) {
-            Err(strata_tiers::TierError::AllSlotsPinned { .. }) => {
-                stall += self.drain()?;
-                self.cache.acquire_mut(expert)?
-            }
-            other => other?,
-        };
+        let (guard, stall) = self.acquire(|cache| cache.acquire_mut(expert))?;
         let step = self.book().steps[key];
         let target = ExpertUpdate {
             guard,

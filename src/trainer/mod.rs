@@ -156,6 +156,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         seq_len: o.seq_len,
         batch: o.batch,
         micro_batches: o.micro_batches,
+        devices: o.devices,
         device_mem: o.device_mem,
         host_mem: o.host_mem,
         store_dir: Some(&o.out),
@@ -172,15 +173,23 @@ pub fn plan_command(flags: &TrainFlags, model: Option<&Path>) -> Result<MemoryPl
 }
 
 fn validate_options(o: &TrainOptions) -> Result<(), String> {
-    if o.steps == 0 || o.batch == 0 || o.seq_len == 0 || o.micro_batches == 0 || o.threads == 0 {
+    if o.steps == 0
+        || o.batch == 0
+        || o.seq_len == 0
+        || o.micro_batches == 0
+        || o.threads == 0
+        || o.devices == 0
+    {
         return Err(
-            "--steps, --batch, --seq-len, --micro-batches and --threads must be at least 1".into(),
+            "--steps, --batch, --seq-len, --micro-batches, --devices and --threads must be at least 1"
+                .into(),
         );
     }
-    if o.micro_batches > o.batch {
+    if o.devices * o.micro_batches > o.batch {
         return Err(format!(
-            "--micro-batches {} exceeds --batch {} (a micro-batch holds whole sequences)",
-            o.micro_batches, o.batch
+            "--devices {} × --micro-batches {} exceeds --batch {} (each device's micro-batch \
+             holds whole sequences): raise --batch or lower the others",
+            o.devices, o.micro_batches, o.batch
         ));
     }
     if !(o.lr > 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
@@ -245,6 +254,7 @@ pub fn run(
         },
         compute_dtype: parse_dtype(&o.compute_dtype)?,
         micro_batches: o.micro_batches,
+        devices: o.devices,
         ..EngineConfig::default()
     };
     let say = |line: String| {
@@ -253,7 +263,7 @@ pub fn run(
         }
     };
     say(format!(
-        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}",
+        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}",
         if o.resume { "resume" } else { "train" },
         match &source {
             Source::Scratch => format!("preset {}", o.preset),
@@ -263,6 +273,11 @@ pub fn run(
         config.layers,
         config.experts,
         config.top_k,
+        if o.devices > 1 {
+            format!("{} cpu devices, ", o.devices)
+        } else {
+            String::new()
+        },
         plan.mode.describe()
     ));
     let mut engine = if o.resume {

@@ -44,6 +44,10 @@ pub struct TrainFlags {
     /// Micro-batches a step (gradient accumulation).
     #[arg(long)]
     pub micro_batches: Option<usize>,
+    /// Device workers (cpu devices), each with --device-mem; every step's
+    /// sequences are shared out among them and experts placed per layer.
+    #[arg(long)]
+    pub devices: Option<usize>,
     /// Peak learning rate.
     #[arg(long)]
     pub lr: Option<f32>,
@@ -101,6 +105,8 @@ pub struct TrainOptions {
     pub seq_len: usize,
     pub batch: usize,
     pub micro_batches: usize,
+    #[serde(default = "one")]
+    pub devices: usize,
     pub lr: f32,
     pub warmup: u64,
     pub min_lr_ratio: f32,
@@ -115,6 +121,10 @@ pub struct TrainOptions {
     pub export: Option<PathBuf>,
     pub resume: bool,
     pub quiet: bool,
+}
+
+fn one() -> usize {
+    1
 }
 
 macro_rules! pick {
@@ -145,6 +155,7 @@ impl TrainFlags {
             seq_len: pick!(cli, file, seq_len, 64),
             batch: pick!(cli, file, batch, 16),
             micro_batches: pick!(cli, file, micro_batches, 1),
+            devices: pick!(cli, file, devices, 1),
             lr: pick!(cli, file, lr, 3e-3),
             warmup: pick!(cli, file, warmup, 20),
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),

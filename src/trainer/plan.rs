@@ -46,6 +46,8 @@ impl OffloadMode {
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryPlan {
     pub mode: OffloadMode,
+    /// Devices; the device figures below are each device's.
+    pub devices: u64,
     pub dense_params: u64,
     pub expert_count: u64,
     pub expert_params: u64,
@@ -69,6 +71,8 @@ pub struct PlanInput<'a> {
     pub seq_len: usize,
     pub batch: usize,
     pub micro_batches: usize,
+    /// Devices, each with `device_mem`; they share the host memory.
+    pub devices: usize,
     pub device_mem: u64,
     pub host_mem: u64,
     /// Where the store will be (for its file system's free space).
@@ -102,7 +106,8 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let experts = layout.expert_count();
     let dense = m.dense_params() as u64;
     let dense_device = 8 * dense;
-    let seqs = input.batch.div_ceil(input.micro_batches.max(1));
+    let devices = input.devices.max(1);
+    let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
     let activations = activation_bytes(m, input.seq_len, seqs);
     let slot = layout.compute_payload_bytes();
     let fixed_device = dense_device + activations;
@@ -111,8 +116,8 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         return Err(format!(
             "does not fit: the device needs at least {} (dense params and grads {}, \
              activations {} for {seqs} sequences of {} tokens, one expert slot {}) but \
-             --device-mem is {}: {} short. Raise --device-mem, or lower --batch / \
-             raise --micro-batches / lower --seq-len",
+             --device-mem (per device) is {}: {} short. Raise --device-mem, or lower \
+             --batch / raise --micro-batches or --devices / lower --seq-len",
             show_bytes(need_device),
             show_bytes(dense_device),
             show_bytes(activations),
@@ -168,6 +173,7 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     };
     Ok(MemoryPlan {
         mode,
+        devices: devices as u64,
         dense_params: dense,
         expert_count: experts,
         expert_params: m.expert_params() as u64,
@@ -227,9 +233,14 @@ impl MemoryPlan {
             self.expert_count,
             self.expert_params as f64 / 1e6
         );
+        let each = if self.devices > 1 {
+            format!(" (each of {} devices)", self.devices)
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            "device: {} dense + {} activations + {} for {} expert slots",
+            "device: {} dense + {} activations + {} for {} expert slots{each}",
             show_bytes(self.dense_device_bytes),
             show_bytes(self.activation_bytes),
             show_bytes(self.expert_device_bytes),
@@ -264,6 +275,7 @@ mod tests {
             seq_len: 64,
             batch: 8,
             micro_batches: 1,
+            devices: 1,
             device_mem,
             host_mem,
             store_dir: None,
@@ -288,6 +300,24 @@ mod tests {
         assert_eq!(p.mode, OffloadMode::HostAndSsd);
         assert!(p.host_slots >= 2 && p.host_slots < p.expert_count);
         assert!(p.describe().contains("host + SSD"));
+    }
+
+    #[test]
+    fn each_device_holds_its_share_of_the_activations() {
+        let m = LmConfig::preset("tiny").unwrap();
+        let one = plan(&input(&m, 1 << 30, 1 << 30)).unwrap();
+        let two = plan(&PlanInput {
+            devices: 2,
+            ..input(&m, 1 << 30, 1 << 30)
+        })
+        .unwrap();
+        assert_eq!(two.devices, 2);
+        assert_eq!(2 * two.activation_bytes, one.activation_bytes);
+        assert!(
+            two.describe().contains("each of 2 devices"),
+            "{}",
+            two.describe()
+        );
     }
 
     #[test]
