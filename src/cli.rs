@@ -119,6 +119,12 @@ pub struct StepArgs {
     /// Timed steps per run (after one warm-up step).
     #[arg(long, default_value_t = 4)]
     pub steps: usize,
+    /// Device workers (cpu devices), each with --device-experts slots.
+    #[arg(long, default_value_t = 1)]
+    pub devices: usize,
+    /// Several devices: share of each layer's experts pinned (0: off).
+    #[arg(long, default_value_t = 0.25)]
+    pub pin_fraction: f64,
     /// Directory for the SSD tier's store files.
     #[arg(long, default_value = "/tmp")]
     pub dir: std::path::PathBuf,
@@ -309,6 +315,8 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
         device_experts: args.device_experts,
         host_fraction: args.host_fraction,
         steps: args.steps,
+        devices: args.devices,
+        pin_fraction: args.pin_fraction,
         dir: args.dir,
         ..defaults
     };
@@ -334,14 +342,23 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
     } else {
         writeln!(
             out,
-            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8}",
-            "run", "step_s", "tokens/s", "compute", "upload", "ssd", "optim", "host_hit"
+            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}",
+            "run",
+            "step_s",
+            "tokens/s",
+            "compute",
+            "upload",
+            "ssd",
+            "optim",
+            "host_hit",
+            "dev_hit",
+            "dev_gap"
         )
         .map_err(write_err)?;
         for r in &records {
             writeln!(
                 out,
-                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3}",
+                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>8.3}",
                 r.run,
                 r.step_s,
                 r.tokens_per_s,
@@ -349,7 +366,9 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
                 r.stall_upload_s,
                 r.stall_ssd_s,
                 r.stall_optimizer_s,
-                r.host_hit_rate
+                r.host_hit_rate,
+                r.device_hit_rate,
+                r.device_load_gap
             )
             .map_err(write_err)?;
         }

@@ -27,6 +27,9 @@ pub struct StepBenchConfig {
     pub compute_dtype: Dtype,
     pub dir: PathBuf,
     pub optimizer_threads: usize,
+    /// Device workers, each with `device_experts` slots.
+    pub devices: usize,
+    pub pin_fraction: f64,
 }
 
 impl Default for StepBenchConfig {
@@ -51,6 +54,8 @@ impl Default for StepBenchConfig {
             compute_dtype: Dtype::Bf16,
             dir: std::env::temp_dir(),
             optimizer_threads: 1,
+            devices: 1,
+            pin_fraction: 0.25,
         }
     }
 }
@@ -65,6 +70,7 @@ pub struct StepBenchRecord {
     pub d_ff: usize,
     pub top_k: usize,
     pub tokens: usize,
+    pub devices: usize,
     pub host_slots: usize,
     pub device_slots: usize,
     pub steps: usize,
@@ -78,6 +84,11 @@ pub struct StepBenchRecord {
     pub bytes_ssd_to_host: u64,
     pub bytes_host_to_ssd: u64,
     pub host_hit_rate: f64,
+    /// Device hits over device uses (pinning raises it).
+    pub device_hit_rate: f64,
+    /// max/min − 1 of the expert assignments each device computed (mean
+    /// over steps; 0 with one device).
+    pub device_load_gap: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -143,6 +154,7 @@ fn run_one(
         d_ff: model.d_ff,
         top_k: model.top_k,
         tokens: config.tokens,
+        devices: engine.devices(),
         host_slots: engine.host_slots(),
         device_slots: engine.device_slots(),
         steps: metrics.len(),
@@ -156,6 +168,8 @@ fn run_one(
         bytes_ssd_to_host: sum(|m| m.bytes_ssd_to_host),
         bytes_host_to_ssd: sum(|m| m.bytes_host_to_ssd),
         host_hit_rate: mean(|m| m.host_hit_rate),
+        device_hit_rate: mean(|m| m.device_hit_rate),
+        device_load_gap: mean(|m| m.device_load_gap()),
     })
 }
 
@@ -180,6 +194,8 @@ pub fn run(
         host_budget_bytes: host_slots * record,
         compute_dtype: config.compute_dtype,
         optimizer_threads: config.optimizer_threads,
+        devices: config.devices,
+        pin_fraction: config.pin_fraction,
         ..EngineConfig::default()
     };
     // One scratch directory for the store files (and their dense-state
@@ -278,5 +294,33 @@ mod tests {
         assert_eq!(records[2].bytes_ssd_to_host, 0);
         assert!(summary.expert_wise_over_naive > 0.0);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        assert!(records
+            .iter()
+            .all(|r| r.devices == 1 && r.device_load_gap == 0.0));
+    }
+
+    #[test]
+    fn several_devices_run_every_configuration() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = StepBenchConfig {
+            model: ModelConfig {
+                layers: 2,
+                d_model: 16,
+                d_ff: 32,
+                experts: 8,
+                classes: 8,
+                ..ModelConfig::default()
+            },
+            tokens: 64,
+            steps: 2,
+            devices: 2,
+            device_experts: 4,
+            dir: dir.path().to_path_buf(),
+            ..StepBenchConfig::default()
+        };
+        let (records, _) = run(&config, |_| {}).unwrap();
+        assert!(records
+            .iter()
+            .all(|r| r.devices == 2 && r.device_load_gap.is_finite()));
     }
 }

@@ -10,6 +10,7 @@
 //! computes it: placement and pinning change where the work runs, never
 //! the numbers.
 
+use super::access::{placed_schedule, Phase, PlacedLayer};
 use super::runner::DeviceRunner;
 use crate::comm::Comm;
 use crate::math::{gather_forward, Permutation};
@@ -80,6 +81,44 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
                     .collect()
             })
             .collect()
+    }
+
+    /// Rank 0 tells the host tier the order the devices will now ask for
+    /// experts in (every device is past the layer's first collective, and
+    /// none stages an expert before rank 0 joins the next one).
+    fn reschedule(&self, from: Phase) {
+        if self.comm.rank() != 0 {
+            return;
+        }
+        let model = self.inner.model;
+        let placed_upto = match from {
+            Phase::Forward(l) => l,
+            Phase::Backward(_) => model.layers - 1,
+        };
+        let has_tokens: Vec<Box<dyn Fn(usize) -> bool + '_>> = self
+            .plans
+            .iter()
+            .map(|p| {
+                Box::new(move |e: usize| p.counts.iter().any(|c| c[e] > 0))
+                    as Box<dyn Fn(usize) -> bool>
+            })
+            .collect();
+        let placed: Vec<Option<PlacedLayer<'_>>> = (0..model.layers)
+            .map(|l| {
+                (l <= placed_upto).then(|| PlacedLayer {
+                    owner: &self.plans[l].owner,
+                    has_tokens: &*has_tokens[l],
+                })
+            })
+            .collect();
+        let order = placed_schedule(
+            model,
+            self.inner.overlapped(),
+            self.comm.size(),
+            &placed,
+            from,
+        );
+        self.inner.shared.cache.set_schedule(order);
     }
 
     /// This device's experts with tokens, in `order`.
@@ -219,6 +258,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         self.placer
             .place(&global, &self.pinned[layer], &self.cost, &mut owner);
         self.plans[layer] = LayerPlan { counts, owner };
+        self.reschedule(Phase::Forward(layer));
 
         let sends = self.outgoing(layer, perm, |buf, rows| gather_forward(buf, x, rows, k, d));
         let received = self.comm.all_to_all(sends)?;
@@ -258,6 +298,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
         let d = self.inner.model.d_model;
+        self.reschedule(Phase::Backward(layer));
         let sends = self.outgoing(layer, perm, |buf, rows| {
             crate::math::gather_from_assignments(buf, dout, rows, d)
         });

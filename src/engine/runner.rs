@@ -48,7 +48,7 @@ impl DeviceRunner<'_> {
         layer * self.model.experts + expert
     }
 
-    fn overlapped(&self) -> bool {
+    pub fn overlapped(&self) -> bool {
         self.shared.schedule == ScheduleKind::ExpertWise && self.dev.slots.slot_count() >= 2
     }
 

@@ -1,0 +1,201 @@
+//! The order in which compute asks the host tier for experts in a step:
+//! what the prefetcher walks and what schedule-distance eviction measures
+//! (`strata_tiers::HostCache::set_schedule`).
+//!
+//! One device: forward layers 0..L-1 (compute params, experts in index
+//! order), then backward L-1..0 (experts in reverse order: compute params
+//! for the backward, then the full record for the update). When the
+//! pipeline overlaps, the next expert's compute params are asked for before
+//! this one's update, so a layer's backward reads C(r0), C(r1), F(r0),
+//! C(r2), F(r1), …, F(rn).
+//!
+//! Several devices: each walks its own experts of a layer in that pattern,
+//! at the same time. Once a layer is placed, its accesses are the devices'
+//! sequences interleaved position by position, which is the order they
+//! arrive in when the devices keep pace; layers not yet placed keep the
+//! one-device order.
+
+use strata_tiers::{ExpertId, Parts};
+
+use crate::model::ModelConfig;
+
+type Access = (ExpertId, Parts);
+
+/// A placed layer: each expert's device, and whether it has tokens.
+pub(crate) struct PlacedLayer<'a> {
+    pub owner: &'a [u16],
+    pub has_tokens: &'a dyn Fn(usize) -> bool,
+}
+
+/// Where in the step the schedule starts.
+#[derive(Clone, Copy)]
+pub(crate) enum Phase {
+    Forward(usize),
+    Backward(usize),
+}
+
+fn id(l: usize, e: usize) -> ExpertId {
+    ExpertId::new(l as u32, e as u32)
+}
+
+fn forward_of(l: usize, experts: &[usize]) -> Vec<Access> {
+    experts
+        .iter()
+        .map(|&e| (id(l, e), Parts::Compute))
+        .collect()
+}
+
+/// One device's backward accesses over `experts` (already in reverse).
+fn backward_of(l: usize, experts: &[usize], overlapped: bool) -> Vec<Access> {
+    let mut order = Vec::new();
+    let Some(&first) = experts.first() else {
+        return order;
+    };
+    if overlapped {
+        order.push((id(l, first), Parts::Compute));
+        for w in experts.windows(2) {
+            order.push((id(l, w[1]), Parts::Compute));
+            order.push((id(l, w[0]), Parts::Full));
+        }
+        order.push((id(l, *experts.last().expect("not empty")), Parts::Full));
+    } else {
+        for &e in experts {
+            order.push((id(l, e), Parts::Compute));
+            order.push((id(l, e), Parts::Full));
+        }
+    }
+    order
+}
+
+/// The one-device schedule of a whole step.
+pub(crate) fn access_schedule(model: &ModelConfig, overlapped: bool) -> Vec<Access> {
+    let all: Vec<usize> = (0..model.experts).collect();
+    let reversed: Vec<usize> = all.iter().rev().copied().collect();
+    let mut order = Vec::new();
+    for l in 0..model.layers {
+        order.extend(forward_of(l, &all));
+    }
+    for l in (0..model.layers).rev() {
+        order.extend(backward_of(l, &reversed, overlapped));
+    }
+    order
+}
+
+/// Per-device sequences interleaved position by position.
+fn interleave(sequences: Vec<Vec<Access>>) -> Vec<Access> {
+    let longest = sequences.iter().map(Vec::len).max().unwrap_or(0);
+    let mut order = Vec::new();
+    for i in 0..longest {
+        for s in &sequences {
+            if let Some(&a) = s.get(i) {
+                order.push(a);
+            }
+        }
+    }
+    order
+}
+
+/// The step's schedule with the placed layers' accesses interleaved across
+/// `devices`, rotated to start at `from` (the schedule is cyclic).
+pub(crate) fn placed_schedule(
+    model: &ModelConfig,
+    overlapped: bool,
+    devices: usize,
+    placed: &[Option<PlacedLayer<'_>>],
+    from: Phase,
+) -> Vec<Access> {
+    let mine = |p: &PlacedLayer<'_>, d: usize| -> Vec<usize> {
+        (0..model.experts)
+            .filter(|&e| p.owner[e] as usize == d && (p.has_tokens)(e))
+            .collect()
+    };
+    let all: Vec<usize> = (0..model.experts).collect();
+    let reversed: Vec<usize> = all.iter().rev().copied().collect();
+    let mut order = Vec::new();
+    let mut start = 0;
+    for (l, layer) in placed.iter().enumerate() {
+        if matches!(from, Phase::Forward(f) if f == l) {
+            start = order.len();
+        }
+        match layer {
+            Some(p) => order.extend(interleave(
+                (0..devices).map(|d| forward_of(l, &mine(p, d))).collect(),
+            )),
+            None => order.extend(forward_of(l, &all)),
+        }
+    }
+    for l in (0..model.layers).rev() {
+        if matches!(from, Phase::Backward(b) if b == l) {
+            start = order.len();
+        }
+        match &placed[l] {
+            Some(p) => order.extend(interleave(
+                (0..devices)
+                    .map(|d| {
+                        let mut m = mine(p, d);
+                        m.reverse();
+                        backward_of(l, &m, overlapped)
+                    })
+                    .collect(),
+            )),
+            None => order.extend(backward_of(l, &reversed, overlapped)),
+        }
+    }
+    order.rotate_left(start);
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelConfig {
+        ModelConfig {
+            layers: 2,
+            experts: 4,
+            ..ModelConfig::default()
+        }
+    }
+
+    #[test]
+    fn unplaced_it_is_the_one_device_schedule_rotated() {
+        let m = model();
+        let one = access_schedule(&m, true);
+        let placed = [None, None];
+        assert_eq!(
+            placed_schedule(&m, true, 2, &placed, Phase::Forward(0)),
+            one
+        );
+        let mut rotated = one.clone();
+        rotated.rotate_left(8 + 8);
+        assert_eq!(
+            placed_schedule(&m, true, 2, &placed, Phase::Backward(0)),
+            rotated
+        );
+    }
+
+    #[test]
+    fn a_placed_layer_interleaves_the_devices_and_skips_idle_experts() {
+        let m = model();
+        let owner = [1u16, 0, 0, 1];
+        let has_tokens = |e: usize| e != 2;
+        let placed = [
+            Some(PlacedLayer {
+                owner: &owner,
+                has_tokens: &has_tokens,
+            }),
+            None,
+        ];
+        let order = placed_schedule(&m, false, 2, &placed, Phase::Forward(0));
+        let c = |l, e| (id(l, e), Parts::Compute);
+        let f = |l, e| (id(l, e), Parts::Full);
+        // Forward of layer 0: device 0 has [1], device 1 has [0, 3].
+        assert_eq!(&order[..3], &[c(0, 1), c(0, 0), c(0, 3)]);
+        // Backward of layer 0 ends the step: device 0 [1], device 1 [3, 0].
+        let tail = &order[order.len() - 6..];
+        assert_eq!(
+            tail,
+            &[c(0, 1), c(0, 3), f(0, 1), f(0, 3), c(0, 0), f(0, 0)]
+        );
+    }
+}
