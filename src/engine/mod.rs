@@ -285,9 +285,9 @@ impl Engine {
     ) -> Result<Self, EngineError> {
         let layout = store.layout();
         // Several devices walk a layer's experts at once, so their accesses
-        // stray from any one order; a lookahead past a quarter of the host
-        // slots a device then loads records the host tier must evict
-        // before their use (measured in `strata bench step --devices 2`:
+        // stray from any one order; a lookahead beyond half of a device's
+        // share of the host slots then loads records the host tier must
+        // evict before their use (measured in `strata bench step --devices 2`:
         // 3.4× the SSD reads at a lookahead of 16 with 8 host slots).
         let host_slots = (config.host_budget_bytes / layout.record_bytes()) as usize;
         let prefetch = match config.schedule {
