@@ -268,18 +268,22 @@ pub fn run(
 mod tests {
     use super::*;
 
+    fn tiny() -> ModelConfig {
+        ModelConfig {
+            layers: 2,
+            d_model: 16,
+            d_ff: 32,
+            experts: 8,
+            classes: 8,
+            ..ModelConfig::default()
+        }
+    }
+
     #[test]
     fn a_tiny_stack_runs_every_configuration() {
         let dir = tempfile::tempdir().unwrap();
         let config = StepBenchConfig {
-            model: ModelConfig {
-                layers: 2,
-                d_model: 16,
-                d_ff: 32,
-                experts: 8,
-                classes: 8,
-                ..ModelConfig::default()
-            },
+            model: tiny(),
             tokens: 32,
             steps: 2,
             dir: dir.path().to_path_buf(),
@@ -303,14 +307,7 @@ mod tests {
     fn several_devices_run_every_configuration() {
         let dir = tempfile::tempdir().unwrap();
         let config = StepBenchConfig {
-            model: ModelConfig {
-                layers: 2,
-                d_model: 16,
-                d_ff: 32,
-                experts: 8,
-                classes: 8,
-                ..ModelConfig::default()
-            },
+            model: tiny(),
             tokens: 64,
             steps: 2,
             devices: 2,
