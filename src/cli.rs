@@ -80,6 +80,19 @@ pub enum BenchCommand {
     /// Per-layer expert placement: LPT latency, and load balance of LPT vs round-robin
     /// under uniform and Zipf token counts.
     Placement(PlacementArgs),
+    /// Host → GPU expert uploads through the GPU device tier against a plain pinned
+    /// memcpy (needs --features cuda and a GPU).
+    Upload(UploadArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct UploadArgs {
+    /// Timed repetitions per expert size.
+    #[arg(long, default_value_t = 10)]
+    pub reps: usize,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -254,8 +267,44 @@ fn execute_bench(command: Command) -> Result<(), String> {
         Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
         Command::Bench(BenchCommand::Step(args)) => bench_step(args),
         Command::Bench(BenchCommand::Placement(args)) => bench_placement(args),
+        Command::Bench(BenchCommand::Upload(args)) => bench_upload(args),
         _ => unreachable!("not a bench command"),
     }
+}
+
+fn bench_upload(args: UploadArgs) -> Result<(), String> {
+    let records = bench::upload::run(args.reps, &bench::upload::DEFAULT_SIZES, |line| {
+        eprintln!("# {line}")
+    })?;
+    let mut out = std::io::stdout().lock();
+    let write_err = |e: std::io::Error| e.to_string();
+    if args.json {
+        for r in &records {
+            let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
+            writeln!(out, "{line}").map_err(write_err)?;
+        }
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{:>12} {:>8} {:>12} {:>12} {:>7} {:>7}",
+        "expert", "experts", "upload GB/s", "plain GB/s", "ratio", "locked"
+    )
+    .map_err(write_err)?;
+    for r in &records {
+        writeln!(
+            out,
+            "{:>12} {:>8} {:>12.2} {:>12.2} {:>7.3} {:>7}",
+            crate::trainer::options::show_bytes(r.expert_bytes as u64),
+            r.experts,
+            r.upload_gb_per_s,
+            r.plain_gb_per_s,
+            r.ratio,
+            r.page_locked
+        )
+        .map_err(write_err)?;
+    }
+    Ok(())
 }
 
 fn bench_placement(args: PlacementArgs) -> Result<(), String> {

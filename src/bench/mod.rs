@@ -7,6 +7,7 @@ pub mod optim;
 pub mod placement;
 pub mod step;
 pub mod tiers;
+pub mod upload;
 
 use std::time::Duration;
 

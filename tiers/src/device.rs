@@ -67,13 +67,13 @@ pub struct CopyEvent {
 }
 
 impl CopyEvent {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             state: Arc::new((Mutex::new(EventState::default()), Condvar::new())),
         }
     }
 
-    fn complete(&self, error: Option<String>) {
+    pub(crate) fn complete(&self, error: Option<String>) {
         let (m, c) = &*self.state;
         let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
         s.done = true;
@@ -102,8 +102,8 @@ impl CopyEvent {
 
 /// A download in flight; `wait` returns the filled host buffer.
 pub struct Download {
-    event: CopyEvent,
-    dst: Arc<Mutex<Option<Box<dyn HostBytesMut>>>>,
+    pub(crate) event: CopyEvent,
+    pub(crate) dst: Arc<Mutex<Option<Box<dyn HostBytesMut>>>>,
 }
 
 impl Download {

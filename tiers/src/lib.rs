@@ -18,6 +18,8 @@ compile_error!("the store format is little-endian; big-endian hosts are not supp
 
 mod cache;
 mod device;
+#[cfg(feature = "cuda")]
+pub mod device_cuda;
 mod error;
 pub mod format;
 pub mod io;

@@ -1,0 +1,135 @@
+//! `strata bench upload`: host → GPU bandwidth of expert uploads through
+//! the GPU device tier (page-locked host memory, the upload stream, one
+//! event per copy), per expert size, against one large plain pinned memcpy
+//! measured in the same run. Needs the `cuda` feature and a GPU.
+
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct UploadRecord {
+    pub bench: &'static str,
+    pub gpu: String,
+    pub expert_bytes: usize,
+    /// Experts uploaded per timed repetition (round-robin over 4 slots).
+    pub experts: usize,
+    /// Median over repetitions.
+    pub upload_gb_per_s: f64,
+    /// One `plain_bytes` pinned memcpy, median over the same repetitions.
+    pub plain_gb_per_s: f64,
+    pub plain_bytes: usize,
+    pub ratio: f64,
+    /// Whether the host source was page-locked (registered with the driver).
+    pub page_locked: bool,
+}
+
+/// Expert sizes measured by default: a small expert to MoE-L's bf16 one.
+pub const DEFAULT_SIZES: [usize; 4] = [2 << 20, 8 << 20, 32 << 20, 64 << 20];
+
+#[cfg(not(feature = "cuda"))]
+pub fn run(
+    _reps: usize,
+    _sizes: &[usize],
+    _progress: impl FnMut(&str),
+) -> Result<Vec<UploadRecord>, String> {
+    Err(
+        "this strata was built without the cuda feature: on a machine with an NVIDIA \
+         driver, build it with `cargo build --release --features cuda`"
+            .into(),
+    )
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(
+    reps: usize,
+    sizes: &[usize],
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<UploadRecord>, String> {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use cudarc::driver::result;
+    use strata_tiers::device_cuda::{open_gpu, register_host, CudaDeviceArena};
+    use strata_tiers::io::AlignedBuf;
+    use strata_tiers::{DeviceArena, HostBytes};
+
+    use super::Timing;
+
+    /// One host buffer lent to many uploads.
+    struct Lent(Arc<AlignedBuf>);
+    impl HostBytes for Lent {
+        fn bytes(&self) -> &[u8] {
+            self.0.as_slice()
+        }
+    }
+
+    if reps == 0 || sizes.is_empty() {
+        return Err("--reps and the sizes must be at least 1".into());
+    }
+    let (ctx, info) = open_gpu(0).map_err(|e| e.to_string())?;
+    progress(&format!("{} ({} bytes)", info.name, info.total_bytes));
+    let err = |what: &str, e: cudarc::driver::DriverError| format!("{what}: {e}");
+    let plain_bytes = 256usize << 20;
+    ctx.bind_to_thread().map_err(|e| err("binding", e))?;
+    let stream = ctx.new_stream().map_err(|e| err("a stream", e))?;
+    // SAFETY: pinned host and device allocations of `plain_bytes`, freed
+    // at the end of this function after the stream is idle.
+    let host =
+        unsafe { result::malloc_host(plain_bytes, 0) }.map_err(|e| err("pinned host memory", e))?;
+    // SAFETY: as above.
+    let dev = unsafe { result::malloc_sync(plain_bytes) }.map_err(|e| err("device memory", e))?;
+    // SAFETY: `host` holds `plain_bytes` bytes until freed below.
+    let host_slice = unsafe { std::slice::from_raw_parts(host as *const u8, plain_bytes) };
+    let mut records = Vec::new();
+    for &size in sizes {
+        let arena = CudaDeviceArena::new(Arc::clone(&ctx), 4 * size as u64, size)
+            .map_err(|e| e.to_string())?;
+        let experts = (plain_bytes / size).clamp(4, 64);
+        let src = Arc::new(AlignedBuf::zeroed(size));
+        // SAFETY: `src` is one allocation of `size` bytes, alive until
+        // after `registration` is dropped at the end of this iteration.
+        let registration = unsafe { register_host(&ctx, src.as_slice().as_ptr().cast_mut(), size) };
+        if let Err(e) = &registration {
+            progress(&e.to_string());
+        }
+        let mut upload = Vec::with_capacity(reps);
+        let mut plain = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t0 = Instant::now();
+            let events = (0..experts)
+                .map(|i| arena.upload_htod(i % 4, Box::new(Lent(Arc::clone(&src)))))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?;
+            for e in &events {
+                e.wait().map_err(|e| e.to_string())?;
+            }
+            upload.push(t0.elapsed());
+            let t0 = Instant::now();
+            // SAFETY: `dev` and `host_slice` hold `plain_bytes` bytes.
+            unsafe { result::memcpy_htod_async(dev, host_slice, stream.cu_stream()) }
+                .map_err(|e| err("the plain copy", e))?;
+            stream.synchronize().map_err(|e| err("the plain copy", e))?;
+            plain.push(t0.elapsed());
+        }
+        let up = (experts * size) as f64 / Timing::of(&upload).median_s / 1e9;
+        let pl = plain_bytes as f64 / Timing::of(&plain).median_s / 1e9;
+        records.push(UploadRecord {
+            bench: "upload",
+            gpu: info.name.clone(),
+            expert_bytes: size,
+            experts,
+            upload_gb_per_s: up,
+            plain_gb_per_s: pl,
+            plain_bytes,
+            ratio: up / pl,
+            page_locked: registration.is_ok(),
+        });
+        drop(arena);
+        drop(registration);
+    }
+    // SAFETY: allocated above; the stream is idle.
+    unsafe {
+        let _ = result::free_sync(dev);
+        let _ = result::free_host(host);
+    }
+    Ok(records)
+}

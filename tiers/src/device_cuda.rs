@@ -1,0 +1,357 @@
+//! The device tier on an NVIDIA GPU (feature `cuda`; CUDA is loaded at run
+//! time, so this builds without it). One device allocation is carved into
+//! equal expert slots from the budget at start; uploads run on their own
+//! stream, downloads on another, each copy followed by an event; a
+//! completion thread per stream waits for the events in order, then
+//! completes the [`CopyEvent`] and drops the host buffer (unpinning a host
+//! slot), so nothing on the hot path synchronizes the device.
+//!
+//! Host memory the copies read should be page-locked for the copies to be
+//! asynchronous: [`register_host`] registers an existing allocation (the
+//! host tier's slot region) with the driver rather than allocating
+//! write-combined memory, so the CPU optimizer still reads it at full speed
+//! and io_uring can still fill it. When the OS refuses to lock that much
+//! (the memlock limit), the error says so and the copies still work, staged
+//! by the driver through its own pinned buffers.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
+
+use crate::device::{CopyEvent, DeviceArena, Download, HostBytes, HostBytesMut};
+use crate::TierError;
+
+/// The GPU a context was opened on.
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub total_bytes: usize,
+}
+
+/// Opens GPU `ordinal`, or says why there is none. The driver library is
+/// looked for before any CUDA call (cudarc's loaders panic without it).
+pub fn open_gpu(ordinal: usize) -> Result<(Arc<CudaContext>, GpuInfo), TierError> {
+    // SAFETY: only tries to open the driver library by its known names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(TierError::NoGpu(
+            "no CUDA driver found (libcuda.so is not on the library path)".into(),
+        ));
+    }
+    let no_gpu = |what: &str, e: DriverError| TierError::NoGpu(format!("{what}: {e}"));
+    let ctx =
+        CudaContext::new(ordinal).map_err(|e| no_gpu(&format!("CUDA device {ordinal}"), e))?;
+    let info = GpuInfo {
+        ordinal,
+        name: ctx.name().map_err(|e| no_gpu("device name", e))?,
+        total_bytes: ctx.total_mem().map_err(|e| no_gpu("device memory", e))?,
+    };
+    Ok((ctx, info))
+}
+
+fn copy_error(what: &str, e: DriverError) -> TierError {
+    TierError::DeviceCopy(format!("{what}: {e}"))
+}
+
+/// A copy whose event the completion thread waits for.
+enum Pending {
+    Upload {
+        event: CudaEvent,
+        /// Kept alive until the copy has read it.
+        src: Box<dyn HostBytes>,
+        done: CopyEvent,
+    },
+    Download {
+        event: CudaEvent,
+        done: CopyEvent,
+    },
+}
+
+/// Copies in flight a stream's completion queue holds.
+const COMPLETIONS_MAX: usize = 64;
+
+/// The device tier of one GPU.
+pub struct CudaDeviceArena {
+    ctx: Arc<CudaContext>,
+    upload: Arc<CudaStream>,
+    download: Arc<CudaStream>,
+    base: sys::CUdeviceptr,
+    slot_bytes: usize,
+    slot_count: usize,
+    uploads: Option<Sender<Pending>>,
+    downloads: Option<Sender<Pending>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl CudaDeviceArena {
+    /// Carves `device_budget_bytes` of GPU memory into slots of `slot_bytes`.
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        device_budget_bytes: u64,
+        slot_bytes: usize,
+    ) -> Result<Self, TierError> {
+        assert!(slot_bytes > 0);
+        let slot_count = (device_budget_bytes / slot_bytes as u64) as usize;
+        if slot_count == 0 {
+            return Err(TierError::BudgetTooSmall {
+                tier: "device",
+                budget_bytes: device_budget_bytes,
+                needed_bytes: slot_bytes as u64,
+                why: "one expert's compute params",
+            });
+        }
+        ctx.bind_to_thread()
+            .map_err(|e| copy_error("binding the CUDA context", e))?;
+        let bytes = slot_count * slot_bytes;
+        // SAFETY: a plain allocation of `bytes`; freed once, in Drop, after
+        // both streams have finished every copy into or out of it.
+        let base = unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+            TierError::DeviceCopy(format!(
+                "allocating {bytes} bytes of GPU memory for {slot_count} expert slots: {e} \
+                 (lower the device budget)"
+            ))
+        })?;
+        let stream = |what| ctx.new_stream().map_err(|e| copy_error(what, e));
+        let upload = stream("creating the upload stream")?;
+        let download = stream("creating the download stream")?;
+        let mut threads = Vec::new();
+        let mut spawn = |name: &str| -> Result<Sender<Pending>, TierError> {
+            let (tx, rx) = bounded::<Pending>(COMPLETIONS_MAX);
+            let ctx = Arc::clone(&ctx);
+            let handle = std::thread::Builder::new()
+                .name(name.to_string())
+                .spawn(move || completion_loop(&ctx, &rx))
+                .map_err(|e| TierError::IoThread(e.to_string()))?;
+            threads.push(handle);
+            Ok(tx)
+        };
+        let uploads = spawn("strata-cuda-htod")?;
+        let downloads = spawn("strata-cuda-dtoh")?;
+        Ok(Self {
+            ctx,
+            upload,
+            download,
+            base,
+            slot_bytes,
+            slot_count,
+            uploads: Some(uploads),
+            downloads: Some(downloads),
+            threads,
+        })
+    }
+
+    /// The device address of a slot (for kernels reading the expert).
+    pub fn slot_ptr(&self, slot: usize) -> sys::CUdeviceptr {
+        assert!(slot < self.slot_count);
+        self.base + (slot * self.slot_bytes) as u64
+    }
+
+    /// The stream uploads run on (compute waits on its events).
+    pub fn upload_stream(&self) -> &Arc<CudaStream> {
+        &self.upload
+    }
+
+    fn check(&self, slot: usize, len: usize, what: &'static str) -> Result<(), TierError> {
+        if slot >= self.slot_count {
+            return Err(TierError::DeviceCopy(format!("no device slot {slot}")));
+        }
+        if len > self.slot_bytes {
+            return Err(TierError::BufferSize {
+                what,
+                expected: self.slot_bytes,
+                got: len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Waits for each copy's event in submission order and completes it.
+fn completion_loop(ctx: &Arc<CudaContext>, rx: &Receiver<Pending>) {
+    let bound = ctx.bind_to_thread();
+    for pending in rx.iter() {
+        let (event, done, src) = match pending {
+            Pending::Upload { event, src, done } => (event, done, Some(src)),
+            Pending::Download { event, done } => (event, done, None),
+        };
+        let result = match &bound {
+            Err(e) => Err(format!("binding the CUDA context: {e}")),
+            Ok(()) => event
+                .synchronize()
+                .map_err(|e| format!("a device copy failed: {e}")),
+        };
+        drop(src); // the copy has read it (or failed)
+        done.complete(result.err());
+    }
+}
+
+impl DeviceArena for CudaDeviceArena {
+    fn kind(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slot_count(&self) -> usize {
+        self.slot_count
+    }
+
+    fn upload_htod(&self, slot: usize, src: Box<dyn HostBytes>) -> Result<CopyEvent, TierError> {
+        self.check(slot, src.bytes().len(), "an upload into a device slot")?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| copy_error("binding the CUDA context", e))?;
+        // SAFETY: the destination range lies inside the allocation (checked
+        // above); `src`'s bytes live on the heap (or in the host tier's
+        // region) and `src` is dropped by the completion thread only after
+        // the event recorded behind this copy has completed.
+        unsafe {
+            result::memcpy_htod_async(self.slot_ptr(slot), src.bytes(), self.upload.cu_stream())
+        }
+        .map_err(|e| copy_error("an upload", e))?;
+        let event = self
+            .upload
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| copy_error("recording an upload's event", e))?;
+        let done = CopyEvent::new();
+        self.uploads
+            .as_ref()
+            .expect("live until drop")
+            .send(Pending::Upload {
+                event,
+                src,
+                done: done.clone(),
+            })
+            .map_err(|_| TierError::IoThread("the upload completion thread stopped".into()))?;
+        Ok(done)
+    }
+
+    fn download_dtoh(
+        &self,
+        slot: usize,
+        mut dst: Box<dyn HostBytesMut>,
+    ) -> Result<Download, TierError> {
+        let len = dst.bytes_mut().len().min(self.slot_bytes);
+        self.check(slot, len, "a download from a device slot")?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| copy_error("binding the CUDA context", e))?;
+        {
+            let out = &mut dst.bytes_mut()[..len];
+            // SAFETY: the source range lies inside the allocation; `out`
+            // lives on the heap inside `dst`, which nobody can reach until
+            // `Download::wait` returns, after the copy's event completed.
+            unsafe {
+                result::memcpy_dtoh_async(out, self.slot_ptr(slot), self.download.cu_stream())
+            }
+            .map_err(|e| copy_error("a download", e))?;
+        }
+        let event = self
+            .download
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| copy_error("recording a download's event", e))?;
+        let done = CopyEvent::new();
+        self.downloads
+            .as_ref()
+            .expect("live until drop")
+            .send(Pending::Download {
+                event,
+                done: done.clone(),
+            })
+            .map_err(|_| TierError::IoThread("the download completion thread stopped".into()))?;
+        Ok(Download {
+            event: done,
+            dst: Arc::new(Mutex::new(Some(dst))),
+        })
+    }
+}
+
+impl Drop for CudaDeviceArena {
+    fn drop(&mut self) {
+        // Closing the queues ends the completion threads after the copies.
+        self.uploads.take();
+        self.downloads.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let _ = self.upload.synchronize();
+        let _ = self.download.synchronize();
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated in `new`, freed once; both streams are idle.
+            let _ = unsafe { result::free_sync(self.base) };
+        }
+    }
+}
+
+// SAFETY: the raw device pointer is only an address; every use goes
+// through the context (bound on the calling thread first) and the streams,
+// which the driver makes safe to use from several threads.
+unsafe impl Send for CudaDeviceArena {}
+// SAFETY: as for Send; `&self` methods only enqueue work on the streams.
+unsafe impl Sync for CudaDeviceArena {}
+
+/// A host range registered with the driver as page-locked; unregistered on
+/// drop (which must come before the memory is freed).
+pub struct HostRegistration {
+    ctx: Arc<CudaContext>,
+    ptr: *mut c_void,
+}
+
+// SAFETY: the pointer is only handed back to the driver on drop.
+unsafe impl Send for HostRegistration {}
+
+/// Page-locks `len` bytes at `ptr` (e.g. the host tier's slot region,
+/// `HostCache::region_ptr_len`). When the OS refuses (the memlock limit),
+/// the error names the limit; copies from unregistered memory still work.
+///
+/// # Safety
+/// `ptr..ptr + len` must be one live allocation that outlives the returned
+/// registration.
+pub unsafe fn register_host(
+    ctx: &Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+) -> Result<HostRegistration, TierError> {
+    ctx.bind_to_thread()
+        .map_err(|e| copy_error("binding the CUDA context", e))?;
+    // SAFETY: the caller guarantees the range is one live allocation.
+    let rc =
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes the struct it is given.
+        let known = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0;
+        let limit = if !known {
+            "unknown".to_string()
+        } else if limit.rlim_cur == libc::RLIM_INFINITY {
+            "unlimited".to_string()
+        } else {
+            format!("{} bytes", limit.rlim_cur)
+        };
+        return Err(TierError::DeviceCopy(format!(
+            "the OS refused to page-lock {len} bytes of host memory ({rc:?}; memlock limit \
+             {limit}, see `ulimit -l`): uploads go through the driver's staging buffers"
+        )));
+    }
+    Ok(HostRegistration {
+        ctx: Arc::clone(ctx),
+        ptr: ptr.cast(),
+    })
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: registered in `register_host`, unregistered once.
+            let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
+        }
+    }
+}
