@@ -15,6 +15,7 @@
 
 use super::Backend;
 use crate::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, ExpertSaved};
+use crate::EngineError;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
@@ -122,7 +123,7 @@ impl Backend for CpuBackend {
         n: usize,
         d: usize,
         f: usize,
-    ) {
+    ) -> Result<(), EngineError> {
         assert_eq!(params.len(), kind.params(d, f));
         saved.a.resize(n * f, 0.0);
         linear_forward(&mut saved.a, x, &params[..f * d], n, d, f);
@@ -134,6 +135,7 @@ impl Backend for CpuBackend {
         }
         let h = hidden(kind, saved);
         linear_forward(out, &h, &params[params.len() - d * f..], n, f, d);
+        Ok(())
     }
 
     fn expert_ffn_backward(
@@ -148,7 +150,7 @@ impl Backend for CpuBackend {
         n: usize,
         d: usize,
         f: usize,
-    ) {
+    ) -> Result<(), EngineError> {
         dx.fill(0.0);
         let h = hidden(kind, saved);
         let split = dparams.len() - d * f;
@@ -177,6 +179,7 @@ impl Backend for CpuBackend {
                 linear_backward(dx, dw_in, &da, x, w1, n, d, f);
             }
         }
+        Ok(())
     }
 }
 
@@ -220,11 +223,15 @@ mod tests {
                 .collect();
             let (mut o1, mut o2) = (vec![0.0; n * d], vec![0.0; n * d]);
             let (mut s1, mut s2) = (ExpertSaved::default(), ExpertSaved::default());
-            CpuBackend.expert_ffn_forward(kind, &mut o1, &mut s1, &x, &p, n, d, f);
+            CpuBackend
+                .expert_ffn_forward(kind, &mut o1, &mut s1, &x, &p, n, d, f)
+                .unwrap();
             expert_ffn_forward(kind, &mut o2, &mut s2, &x, &p, n, d, f);
             let (mut dx1, mut dx2) = (vec![0.0; n * d], vec![0.0; n * d]);
             let (mut dp1, mut dp2) = (vec![0.0; p.len()], vec![0.0; p.len()]);
-            CpuBackend.expert_ffn_backward(kind, &mut dx1, &mut dp1, &dout, &s1, &x, &p, n, d, f);
+            CpuBackend
+                .expert_ffn_backward(kind, &mut dx1, &mut dp1, &dout, &s1, &x, &p, n, d, f)
+                .unwrap();
             expert_ffn_backward(kind, &mut dx2, &mut dp2, &dout, &s2, &x, &p, n, d, f);
             // Different summation orders: agreement to a few f32 ulps of
             // sums of O(10) terms of size O(1).

@@ -4,10 +4,13 @@
 //! backend runs everywhere and runs every test.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use cpu::CpuBackend;
 
 use crate::math::{ExpertKind, ExpertSaved};
+use crate::EngineError;
 
 /// The calls the engine makes on a device.
 pub trait Backend: Send {
@@ -25,7 +28,7 @@ pub trait Backend: Send {
         n: usize,
         d: usize,
         f: usize,
-    );
+    ) -> Result<(), EngineError>;
 
     /// dx (n, D) = …, dparams += … (dx is overwritten).
     #[allow(clippy::too_many_arguments)]
@@ -41,5 +44,5 @@ pub trait Backend: Send {
         n: usize,
         d: usize,
         f: usize,
-    );
+    ) -> Result<(), EngineError>;
 }

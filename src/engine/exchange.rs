@@ -275,7 +275,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         self.inner
             .pipeline(layer, &mine, |runner, expert, params| {
                 let xe = inputs.next().expect("one input per expert");
-                let ye = runner.expert_forward(layer, expert, &xe, params);
+                let ye = runner.expert_forward(layer, expert, &xe, params)?;
                 runner.dev.saved_x[layer][expert] = xe;
                 outputs.push((expert, ye));
                 Ok(())

@@ -145,23 +145,32 @@ impl DeviceRunner<'_> {
         expert: usize,
         xe: &[f32],
         params: &[f32],
-    ) -> Vec<f32> {
+    ) -> Result<Vec<f32>, EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let n = xe.len() / d;
         let mut ye = vec![0.0f32; n * d];
         self.dev.acc.assignments_computed += n as u64;
         if self.options.skip_expert_compute {
-            return ye;
+            return Ok(ye);
         }
         let t0 = Instant::now();
         let saved = &mut self.dev.saved[layer][expert];
-        CpuBackend.expert_ffn_forward(self.model.expert_kind, &mut ye, saved, xe, params, n, d, f);
+        CpuBackend.expert_ffn_forward(
+            self.model.expert_kind,
+            &mut ye,
+            saved,
+            xe,
+            params,
+            n,
+            d,
+            f,
+        )?;
         if self.options.recompute_hidden {
             saved.a = Vec::new();
             saved.b = Vec::new();
         }
         self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
-        ye
+        Ok(ye)
     }
 
     /// dxe (n, D) from dye (n, D); the expert's gradient is summed with the
@@ -188,10 +197,10 @@ impl DeviceRunner<'_> {
             let saved = &mut self.dev.saved[layer][expert];
             if self.options.recompute_hidden {
                 let mut scratch = vec![0.0f32; n * d];
-                CpuBackend.expert_ffn_forward(kind, &mut scratch, saved, xe, params, n, d, f);
+                CpuBackend.expert_ffn_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
             }
             CpuBackend
-                .expert_ffn_backward(kind, &mut dxe, &mut grad, dye, saved, xe, params, n, d, f);
+                .expert_ffn_backward(kind, &mut dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
         self.dev.acc.bytes_device_to_host += 4 * grad.len() as u64;
@@ -220,7 +229,7 @@ impl ExpertRunner for DeviceRunner<'_> {
             let rows = perm.rows(expert);
             let mut xe = vec![0.0f32; rows.len() * d];
             gather_forward(&mut xe, x, rows, k, d);
-            let ye = runner.expert_forward(layer, expert, &xe, params);
+            let ye = runner.expert_forward(layer, expert, &xe, params)?;
             crate::math::scatter_to_assignments(out, &ye, rows, d);
             Ok(())
         })

@@ -1,0 +1,242 @@
+//! The compute backends against the plain math they implement, written once
+//! and stamped per backend: `cpu` always; `cuda` when built with
+//! `--features cuda`, skipping with the reason printed when no GPU is
+//! present. The CUDA kernels' element-wise references and its AdamW are
+//! checked here too.
+
+mod common;
+
+use common::values;
+use strata::backend::Backend;
+use strata::math::{expert_ffn_backward, expert_ffn_forward, ExpertKind, ExpertSaved};
+
+fn f32s(n: usize, seed: u64, scale: f64) -> Vec<f32> {
+    values(n, seed, scale)
+        .into_iter()
+        .map(|v| v as f32)
+        .collect()
+}
+
+/// Largest |a − b| over the largest |b|: a norm-wise relative error.
+fn normwise(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-12);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+        / scale
+}
+
+/// Rounds to bf16 and back: what a bf16 backend sees of its inputs.
+fn bf16_round(x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect()
+}
+
+/// An expert's forward and backward through `backend` against the f32
+/// reference in `math` (fed the inputs the backend computes with), within
+/// `tolerance` norm-wise.
+fn expert_matches_reference(backend: &dyn Backend, bf16_inputs: bool, tolerance: f32) {
+    let (n, d, f) = (37, 48, 80);
+    for kind in [ExpertKind::SwiGlu, ExpertKind::Gelu] {
+        let x = f32s(n * d, 1, 1.0);
+        let params = f32s(kind.params(d, f), 2, 0.15);
+        let dout = f32s(n * d, 3, 1.0);
+        let (mut out, mut saved) = (vec![0.0; n * d], ExpertSaved::default());
+        backend
+            .expert_ffn_forward(kind, &mut out, &mut saved, &x, &params, n, d, f)
+            .unwrap();
+        let mut dx = vec![7.0; n * d]; // overwritten
+        let mut dparams = vec![0.5; params.len()]; // accumulated into
+        backend
+            .expert_ffn_backward(
+                kind,
+                &mut dx,
+                &mut dparams,
+                &dout,
+                &saved,
+                &x,
+                &params,
+                n,
+                d,
+                f,
+            )
+            .unwrap();
+        let (rx, rp, rd) = if bf16_inputs {
+            (bf16_round(&x), bf16_round(&params), bf16_round(&dout))
+        } else {
+            (x.clone(), params.clone(), dout.clone())
+        };
+        let (mut out_ref, mut saved_ref) = (vec![0.0; n * d], ExpertSaved::default());
+        expert_ffn_forward(kind, &mut out_ref, &mut saved_ref, &rx, &rp, n, d, f);
+        let mut dx_ref = vec![0.0; n * d];
+        let mut dparams_ref = vec![0.5; params.len()];
+        expert_ffn_backward(
+            kind,
+            &mut dx_ref,
+            &mut dparams_ref,
+            &rd,
+            &saved_ref,
+            &rx,
+            &rp,
+            n,
+            d,
+            f,
+        );
+        for (what, a, b) in [
+            ("out", &out, &out_ref),
+            ("saved.a", &saved.a, &saved_ref.a),
+            ("dx", &dx, &dx_ref),
+            ("dparams", &dparams, &dparams_ref),
+        ] {
+            let err = normwise(a, b);
+            eprintln!(
+                "{} {}: {what} norm-wise error {err:.2e}",
+                backend.name(),
+                kind.name()
+            );
+            assert!(err < tolerance, "{} {what}: {err}", kind.name());
+        }
+    }
+}
+
+/// Stamps `$body` (a `fn(&dyn Backend, is_cuda: bool)`) per backend.
+macro_rules! per_backend {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            use super::*;
+
+            #[test]
+            fn cpu() {
+                let body: fn(&dyn Backend, bool) = $body;
+                body(&strata::backend::CpuBackend, false);
+            }
+
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda() {
+                let body: fn(&dyn Backend, bool) = $body;
+                match strata::backend::cuda::CudaBackend::new(0) {
+                    Err(e) => eprintln!("cuda case skipped: {e}"),
+                    Ok(gpu) => {
+                        eprintln!("cuda case on {}", gpu.info.name);
+                        body(&gpu, true);
+                    }
+                }
+            }
+
+            #[cfg(not(feature = "cuda"))]
+            #[test]
+            fn cuda() {
+                eprintln!("cuda case skipped: built without --features cuda");
+            }
+        }
+    };
+}
+
+// The cpu backend computes in f32 like the reference, in another summation
+// order: a few ulps of each output, 1e-5 norm-wise with a wide margin. The
+// cuda backend rounds x, the params, dout and the hidden activations to
+// bf16 (2⁻⁹ relative each) and accumulates in f32; against a reference fed
+// the same bf16 inputs the hidden rounding dominates: ~2⁻⁹ of the largest
+// output, so 1e-2 norm-wise.
+per_backend!(expert_ffn_matches_the_math, |backend, is_cuda| {
+    let tolerance = if is_cuda { 1e-2 } else { 1e-5 };
+    expert_matches_reference(backend, is_cuda, tolerance);
+});
+
+#[cfg(feature = "cuda")]
+mod cuda_kernels {
+    use super::*;
+    use strata::backend::cuda::CudaBackend;
+    use strata::math::{gelu, gelu_grad, silu, silu_grad};
+    use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
+
+    fn gpu() -> Option<CudaBackend> {
+        match CudaBackend::new(0) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                eprintln!("cuda case skipped: {e}");
+                None
+            }
+        }
+    }
+
+    /// Each activation kernel against the CPU function it mirrors: expf and
+    /// tanhf are within 2 ulps on the GPU, so 1e-6 relative (floored at
+    /// 1e-6 absolute) holds.
+    #[test]
+    fn activation_kernels_match_their_cpu_references() {
+        let Some(gpu) = gpu() else { return };
+        let n = 4099;
+        let (a, b, dh) = (f32s(n, 4, 6.0), f32s(n, 5, 2.0), f32s(n, 6, 1.0));
+        let close = |what: &str, got: &[f32], want: &[f32]| {
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                    "{what}[{i}]: {g} vs {w}"
+                );
+            }
+        };
+        let out = gpu
+            .activation_host(ExpertKind::SwiGlu, true, &a, &b, &dh)
+            .unwrap();
+        let want: Vec<f32> = (0..n).map(|i| silu(a[i]) * b[i]).collect();
+        close("swiglu_forward", &out[0], &want);
+        let out = gpu
+            .activation_host(ExpertKind::SwiGlu, false, &a, &b, &dh)
+            .unwrap();
+        let da: Vec<f32> = (0..n).map(|i| dh[i] * b[i] * silu_grad(a[i])).collect();
+        let db: Vec<f32> = (0..n).map(|i| dh[i] * silu(a[i])).collect();
+        close("swiglu_backward da", &out[0], &da);
+        close("swiglu_backward db", &out[1], &db);
+        let out = gpu
+            .activation_host(ExpertKind::Gelu, true, &a, &b, &dh)
+            .unwrap();
+        close(
+            "gelu_forward",
+            &out[0],
+            &a.iter().map(|&x| gelu(x)).collect::<Vec<_>>(),
+        );
+        let out = gpu
+            .activation_host(ExpertKind::Gelu, false, &a, &b, &dh)
+            .unwrap();
+        let want: Vec<f32> = (0..n).map(|i| dh[i] * gelu_grad(a[i])).collect();
+        close("gelu_backward", &out[0], &want);
+    }
+
+    /// The GPU AdamW uses the scalar kernel's fused multiply-adds and IEEE
+    /// sqrt and division, so three steps agree bit for bit.
+    #[test]
+    fn the_gpu_adamw_equals_the_scalar_oracle_bit_for_bit() {
+        let Some(gpu) = gpu() else { return };
+        let n = 10_007;
+        let hyper = AdamWHyper {
+            lr: 1e-3,
+            weight_decay: 0.1,
+            ..AdamWHyper::default()
+        };
+        let (mut p1, mut m1, mut v1) = (f32s(n, 7, 1.0), vec![0.0; n], vec![0.0; n]);
+        let (mut p2, mut m2, mut v2) = (p1.clone(), m1.clone(), v1.clone());
+        for t in 1..=3 {
+            let g = f32s(n, 10 + t, 0.1);
+            let s = StepScalars::new(&hyper, t, 1.0);
+            gpu.adamw_host(&s, &mut p1, &mut m1, &mut v1, &g).unwrap();
+            adamw_step(
+                Kernel::Scalar,
+                &s,
+                &mut p2,
+                &mut m2,
+                &mut v2,
+                GradRef::F32(&g),
+                CopyOut::None,
+            )
+            .unwrap();
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&p1), bits(&p2));
+        assert_eq!(bits(&m1), bits(&m2));
+        assert_eq!(bits(&v1), bits(&v2));
+    }
+}
