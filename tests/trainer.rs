@@ -415,6 +415,25 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
     );
     refused(&["train", "--out", o, "--device-mem", "64KiB"], "short");
     refused(
+        &["train", "--out", o, "--backend", "tpu"],
+        "unknown backend",
+    );
+    // Without the cuda feature, or on a machine without a GPU, --backend
+    // cuda says why and how to run without it.
+    refused(
+        &["train", "--out", o, "--backend", "cuda"],
+        if cfg!(feature = "cuda") {
+            "no GPU to use"
+        } else {
+            "without the cuda feature"
+        },
+    );
+    refused(&["train", "--out", o, "--devices", "0"], "--devices");
+    refused(
+        &["train", "--out", o, "--devices", "4", "--batch", "2"],
+        "--devices 4",
+    );
+    refused(
         &[
             "plan",
             "--preset",

@@ -46,3 +46,57 @@ pub trait Backend: Send {
         f: usize,
     ) -> Result<(), EngineError>;
 }
+
+/// Which backend computes the experts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    #[default]
+    Cpu,
+    /// An NVIDIA GPU (needs the `cuda` feature and a driver).
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "cpu" => Ok(BackendKind::Cpu),
+            "cuda" => Ok(BackendKind::Cuda),
+            other => Err(format!("unknown backend {other:?} (cpu or cuda)")),
+        }
+    }
+
+    /// Checks, without building anything, that `devices` devices of this
+    /// kind can be opened (a GPU each for `Cuda`).
+    pub fn check(self, devices: usize) -> Result<(), EngineError> {
+        match self {
+            BackendKind::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => {
+                for ordinal in 0..devices {
+                    strata_tiers::device_cuda::open_gpu(ordinal)?;
+                }
+                Ok(())
+            }
+            #[cfg(not(feature = "cuda"))]
+            BackendKind::Cuda => self.open(devices).map(|_| ()),
+        }
+    }
+
+    /// The backend for device `ordinal`, or why it cannot be had.
+    pub fn open(self, ordinal: usize) -> Result<Box<dyn Backend>, EngineError> {
+        match self {
+            BackendKind::Cpu => Ok(Box::new(CpuBackend)),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::new(ordinal)?)),
+            #[cfg(not(feature = "cuda"))]
+            BackendKind::Cuda => {
+                let _ = ordinal;
+                Err(EngineError::Config(
+                    "this strata was built without the cuda feature: rebuild with \
+                     `cargo build --release --features cuda`, or use the cpu backend"
+                        .into(),
+                ))
+            }
+        }
+    }
+}

@@ -4,6 +4,7 @@
 
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
+use crate::backend::Backend;
 use crate::math::ExpertSaved;
 use crate::EngineError;
 
@@ -123,6 +124,8 @@ impl DeviceSlots {
 
 /// One device worker's state.
 pub(crate) struct DeviceState {
+    /// Computes the experts this device runs.
+    pub backend: Box<dyn Backend>,
     pub arena: CpuDeviceArena,
     pub slots: DeviceSlots,
     /// [layer][expert] what this device's forward kept for the backward.
@@ -137,6 +140,7 @@ pub(crate) struct DeviceState {
 
 impl DeviceState {
     pub fn new(
+        backend: Box<dyn Backend>,
         device_budget_bytes: u64,
         layout: &Layout,
         layers: usize,
@@ -146,6 +150,7 @@ impl DeviceState {
         let arena = CpuDeviceArena::new(device_budget_bytes, slot_bytes, 64)?;
         let slots = DeviceSlots::new(arena.slot_count(), layers * experts);
         Ok(Self {
+            backend,
             arena,
             slots,
             saved: vec![vec![ExpertSaved::default(); experts]; layers],

@@ -46,7 +46,7 @@ use strata_tiers::{
 
 pub use metrics::StepMetrics;
 
-use crate::backend::CpuBackend;
+use crate::backend::{BackendKind, CpuBackend};
 use crate::model::{Batch, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
@@ -101,6 +101,9 @@ pub struct EngineConfig {
     /// (pinned) on a device, chosen by the previous step's load; 0 turns
     /// pinning off. Capped so two slots per device stay free to stream.
     pub pin_fraction: f64,
+    /// Which backend computes the experts (device i uses GPU i with `Cuda`);
+    /// the dense layers run on the cpu.
+    pub backend: BackendKind,
 }
 
 impl Default for EngineConfig {
@@ -120,6 +123,7 @@ impl Default for EngineConfig {
             skip_expert_compute: false,
             devices: 1,
             pin_fraction: 0.25,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -308,8 +312,9 @@ impl Engine {
             },
         )?;
         let devices = (0..config.devices)
-            .map(|_| {
+            .map(|ordinal| {
                 DeviceState::new(
+                    config.backend.open(ordinal)?,
                     config.device_budget_bytes,
                     &layout,
                     model.layers,

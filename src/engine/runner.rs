@@ -17,7 +17,7 @@ use strata_tiers::{CopyEvent, DeviceArena, ExpertId, Parts};
 use super::device::DeviceState;
 use super::shared::SharedExperts;
 use super::ScheduleKind;
-use crate::backend::{Backend, CpuBackend};
+
 use crate::math::{gather_forward, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
@@ -155,7 +155,7 @@ impl DeviceRunner<'_> {
         }
         let t0 = Instant::now();
         let saved = &mut self.dev.saved[layer][expert];
-        CpuBackend.expert_ffn_forward(
+        self.dev.backend.expert_ffn_forward(
             self.model.expert_kind,
             &mut ye,
             saved,
@@ -197,9 +197,11 @@ impl DeviceRunner<'_> {
             let saved = &mut self.dev.saved[layer][expert];
             if self.options.recompute_hidden {
                 let mut scratch = vec![0.0f32; n * d];
-                CpuBackend.expert_ffn_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
+                let backend = &self.dev.backend;
+                backend.expert_ffn_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
             }
-            CpuBackend
+            self.dev
+                .backend
                 .expert_ffn_backward(kind, &mut dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }

@@ -29,6 +29,8 @@ use crate::lm::{LmConfig, MixtralLm};
 pub use options::{TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 
+use crate::backend::BackendKind;
+
 /// Where the model comes from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Source {
@@ -192,6 +194,10 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
             o.devices, o.micro_batches, o.batch
         ));
     }
+    BackendKind::parse(&o.backend)
+        .map_err(|e| format!("--backend: {e}"))?
+        .check(o.devices)
+        .map_err(|e| format!("--backend {}: {e}", o.backend))?;
     if !(o.lr > 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
         return Err("--lr must be positive and --min-lr-ratio in [0, 1]".into());
     }
@@ -255,6 +261,7 @@ pub fn run(
         compute_dtype: parse_dtype(&o.compute_dtype)?,
         micro_batches: o.micro_batches,
         devices: o.devices,
+        backend: BackendKind::parse(&o.backend)?,
         ..EngineConfig::default()
     };
     let say = |line: String| {

@@ -48,6 +48,10 @@ pub struct TrainFlags {
     /// sequences are shared out among them and experts placed per layer.
     #[arg(long)]
     pub devices: Option<usize>,
+    /// Expert compute: cpu, or cuda (a strata built with --features cuda and
+    /// an NVIDIA GPU per device).
+    #[arg(long)]
+    pub backend: Option<String>,
     /// Peak learning rate.
     #[arg(long)]
     pub lr: Option<f32>,
@@ -107,6 +111,8 @@ pub struct TrainOptions {
     pub micro_batches: usize,
     #[serde(default = "one")]
     pub devices: usize,
+    #[serde(default = "cpu")]
+    pub backend: String,
     pub lr: f32,
     pub warmup: u64,
     pub min_lr_ratio: f32,
@@ -125,6 +131,10 @@ pub struct TrainOptions {
 
 fn one() -> usize {
     1
+}
+
+fn cpu() -> String {
+    "cpu".into()
 }
 
 macro_rules! pick {
@@ -156,6 +166,7 @@ impl TrainFlags {
             batch: pick!(cli, file, batch, 16),
             micro_batches: pick!(cli, file, micro_batches, 1),
             devices: pick!(cli, file, devices, 1),
+            backend: pick!(cli, file, backend, cpu()),
             lr: pick!(cli, file, lr, 3e-3),
             warmup: pick!(cli, file, warmup, 20),
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),
