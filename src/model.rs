@@ -14,9 +14,9 @@
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
 use crate::math::{
-    combine_backward, combine_forward, cross_entropy_forward_backward, gather_backward,
-    linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward, router_backward,
-    router_forward, ExpertKind, Permutation, RouterConfig, Routing,
+    combine_backward, combine_forward, cross_entropy_forward_backward, cross_entropy_loss,
+    gather_backward, linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward,
+    router_backward, router_forward, ExpertKind, Permutation, RouterConfig, Routing,
 };
 use crate::EngineError;
 
@@ -519,14 +519,7 @@ impl Network for ModelConfig {
         let (h, _, _, _) = stack_forward(self, dense, batch, runner)?;
         let mut logits = vec![0.0f32; t * v];
         linear.forward(&mut logits, &h, &dense[self.head_range()], t, d, v);
-        let mut scratch = vec![0.0f32; t * v];
-        Ok(cross_entropy_forward_backward(
-            &mut scratch,
-            &logits,
-            &batch.targets,
-            v,
-            t,
-        ))
+        Ok(cross_entropy_loss(&logits, &batch.targets, v, t))
     }
 }
 

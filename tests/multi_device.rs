@@ -119,8 +119,18 @@ fn case(top_k: usize, devices: usize, micro_batches: usize) {
             100.0 * last.device_load_gap(),
             got.pinned_per_device
         );
-        // Placement gives every device work, and pinning pins.
-        assert!(last.assignments_per_device.iter().all(|&a| a > 0), "{name}");
+        // Placement gives every device work over the run (the cost model is
+        // calibrated from measured times, so one step's split may vary), and
+        // pinning pins.
+        let work: Vec<u64> = (0..devices)
+            .map(|d| {
+                got.metrics
+                    .iter()
+                    .map(|m| m.assignments_per_device[d])
+                    .sum()
+            })
+            .collect();
+        assert!(work.iter().all(|&a| a > 0), "{name}: {work:?}");
         assert_eq!(
             got.pinned_per_device.iter().any(|&p| p > 0),
             pin,

@@ -318,6 +318,6 @@ mod tests {
         let (records, _) = run(&config, |_| {}).unwrap();
         assert!(records
             .iter()
-            .all(|r| r.devices == 2 && r.device_load_gap.is_finite()));
+            .all(|r| r.devices == 2 && r.tokens_per_s > 0.0 && !r.device_load_gap.is_nan()));
     }
 }

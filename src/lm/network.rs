@@ -15,7 +15,9 @@ use super::attention::{
     rope_forward, AttnShape, RopeTable,
 };
 use super::config::LmConfig;
-use crate::math::{cross_entropy_forward_backward, rmsnorm_backward, rmsnorm_forward};
+use crate::math::{
+    cross_entropy_forward_backward, cross_entropy_loss, rmsnorm_backward, rmsnorm_forward,
+};
 use crate::model::{
     fill_uniform, moe_backward, moe_forward, DenseLinear, ExpertRunner, Losses, ModelConfig,
     MoeSaved, Network,
@@ -105,6 +107,8 @@ struct Forward {
     nf: Vec<f32>,
     invf: Vec<f32>,
     logits: Vec<f32>,
+    /// The rotary table the forward used (the backward's too).
+    rope: RopeTable<f32>,
     aux: f32,
     z: f32,
 }
@@ -257,6 +261,7 @@ impl MixtralLm {
             nf,
             invf,
             logits,
+            rope,
             aux,
             z,
         })
@@ -370,7 +375,7 @@ impl Network for MixtralLm {
         }
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
         let (qw, kw) = (shape.q_width(), shape.kv_width());
-        let rope = RopeTable::<f32>::new(batch.seq_len, c.head_dim, c.rope_theta);
+        let rope = &f.rope;
         // Head and final norm.
         let mut dnf = vec![0.0f32; t * d];
         linear.backward(
@@ -443,8 +448,8 @@ impl Network for MixtralLm {
             attention_backward(
                 &mut dq, &mut dk, &mut dv, &dattn, &s.probs, &s.q, &s.k, &s.v, &shape,
             );
-            rope_backward(&mut dq, &rope, batch.seq_len, c.heads);
-            rope_backward(&mut dk, &rope, batch.seq_len, c.kv_heads);
+            rope_backward(&mut dq, rope, batch.seq_len, c.heads);
+            rope_backward(&mut dk, rope, batch.seq_len, c.kv_heads);
             let mut dn1 = vec![0.0f32; t * d];
             for (w, dw, width) in [(&r.wq, &dq, qw), (&r.wk, &dk, kw), (&r.wv, &dv, kw)] {
                 linear.backward(
@@ -486,14 +491,11 @@ impl Network for MixtralLm {
         linear: &dyn DenseLinear,
     ) -> Result<f32, EngineError> {
         let f = self.forward(dense, batch, runner, linear)?;
-        let v = self.config.vocab;
-        let mut scratch = vec![0.0f32; f.logits.len()];
         let t = f.targets.len();
-        Ok(cross_entropy_forward_backward(
-            &mut scratch,
+        Ok(cross_entropy_loss(
             &f.logits,
             &f.targets,
-            v,
+            self.config.vocab,
             t,
         ))
     }

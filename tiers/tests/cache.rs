@@ -229,8 +229,9 @@ fn prefetch_hits_every_access_when_the_schedule_is_followed_and_the_window_fits(
             let g = cache.acquire(e, parts).unwrap();
             check_read(&layout, &g, 0);
             // Compute on this expert takes far longer than loading the next
-            // from an in-memory store.
-            std::thread::sleep(Duration::from_millis(4));
+            // from an in-memory store (microseconds), with room for the
+            // prefetch thread to be scheduled late on a busy machine.
+            std::thread::sleep(Duration::from_millis(12));
             drop(g);
         }
     }
