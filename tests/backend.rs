@@ -263,6 +263,117 @@ mod cuda_kernels {
         close("gelu_backward", &out[0], &want);
     }
 
+    /// Largest |a − b| / max(|b|, 1).
+    fn worst(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+            .fold(0.0f32, f32::max)
+    }
+
+    /// RMSNorm and RoPE sum and multiply in the cpu's order with IEEE sqrt
+    /// (fused multiply-adds off), so they agree to rounding of the last
+    /// ulp at most: 1e-6.
+    #[test]
+    fn rmsnorm_and_rope_kernels_match_the_cpu() {
+        use strata::lm::attention::{rope_backward, rope_forward, RopeTable};
+        use strata::math::{rmsnorm_backward, rmsnorm_forward};
+        let Some(gpu) = gpu() else { return };
+        let (t, d) = (33, 64);
+        let (x, g, dout) = (f32s(t * d, 20, 2.0), f32s(d, 21, 1.0), f32s(t * d, 22, 1.0));
+        let (mut out, mut inv) = (vec![0.0; t * d], vec![0.0; t]);
+        rmsnorm_forward(&mut out, &mut inv, &x, &g, t, d, 1e-5);
+        let (gout, ginv) = gpu.rmsnorm_forward_host(&x, &g, t, d, 1e-5).unwrap();
+        assert!(worst(&gout, &out) < 1e-6 && worst(&ginv, &inv) < 1e-6);
+        let (mut dx, mut dg) = (vec![0.25; t * d], vec![0.5; d]);
+        let (mut gdx, mut gdg) = (dx.clone(), dg.clone());
+        rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &g, &inv, t, d);
+        gpu.rmsnorm_backward_host(&mut gdx, &mut gdg, &dout, &x, &g, &inv, t, d)
+            .unwrap();
+        assert!(worst(&gdx, &dx) < 1e-6, "dx {}", worst(&gdx, &dx));
+        assert!(worst(&gdg, &dg) < 1e-6, "dg {}", worst(&gdg, &dg));
+        let (seq_len, heads, hd) = (11, 3, 16);
+        let table = RopeTable::<f32>::new(seq_len, hd, 10_000.0);
+        let q = f32s(2 * seq_len * heads * hd, 23, 1.0);
+        for transpose in [false, true] {
+            let mut want = q.clone();
+            if transpose {
+                rope_backward(&mut want, &table, seq_len, heads);
+            } else {
+                rope_forward(&mut want, &table, seq_len, heads);
+            }
+            let mut got = q.clone();
+            gpu.rope_host(
+                &mut got,
+                &table.cos,
+                &table.sin,
+                seq_len,
+                heads,
+                hd / 2,
+                transpose,
+            )
+            .unwrap();
+            assert!(worst(&got, &want) < 1e-6, "rope transpose={transpose}");
+        }
+    }
+
+    /// Cross-entropy and the router's softmax use expf/logf (within 2 ulps
+    /// of the cpu's libm): 1e-5 on values of order one; the router's top-k
+    /// choices and the permutation are exact.
+    #[test]
+    fn loss_router_and_permutation_kernels_match_the_cpu() {
+        use strata::math::{
+            cross_entropy_forward_backward, gather_forward, linear_forward, router_forward,
+            scatter_to_assignments, Permutation, RouterConfig, Routing,
+        };
+        let Some(gpu) = gpu() else { return };
+        let (t, v) = (29, 50);
+        let logits = f32s(t * v, 30, 4.0);
+        let targets: Vec<u32> = (0..t).map(|i| (i * 7 % v) as u32).collect();
+        let mut dl = vec![0.0; t * v];
+        let loss = cross_entropy_forward_backward(&mut dl, &logits, &targets, v, 40);
+        let mut gdl = vec![0.0; t * v];
+        let gloss = gpu
+            .cross_entropy_host(&mut gdl, &logits, &targets, v, 40)
+            .unwrap();
+        assert!(
+            (gloss - loss).abs() < 1e-5 * loss.abs().max(1.0),
+            "{gloss} vs {loss}"
+        );
+        assert!(worst(&gdl, &dl) < 1e-5);
+
+        let (d, e) = (24, 8);
+        for (k, renormalize) in [(1, false), (2, true), (3, false)] {
+            let cfg = RouterConfig {
+                experts: e,
+                top_k: k,
+                renormalize,
+            };
+            let (x, wr) = (f32s(t * d, 31, 1.0), f32s(e * d, 32, 0.5));
+            let mut routing = Routing::default();
+            router_forward(&cfg, &mut routing, &x, &wr, t, d);
+            let mut logits = vec![0.0f32; t * e];
+            linear_forward(&mut logits, &x, &wr, t, d, e);
+            let got = gpu
+                .router_top_k_host(&logits, t, e, k, renormalize)
+                .unwrap();
+            assert_eq!(got.experts, routing.experts, "top-{k}");
+            assert!(worst(&got.probs, &routing.probs) < 1e-5);
+            assert!(worst(&got.lse, &routing.lse) < 1e-5);
+            assert!(worst(&got.weights, &routing.weights) < 1e-5);
+
+            let perm = Permutation::from_routing(&routing.experts, e);
+            let (rows, scattered) = gpu.permute_host(&x, &perm.order, d, k, t).unwrap();
+            let mut want_rows = vec![0.0; perm.order.len() * d];
+            gather_forward(&mut want_rows, &x, &perm.order, k, d);
+            let mut want_scattered = vec![0.0; t * k * d];
+            scatter_to_assignments(&mut want_scattered, &want_rows, &perm.order, d);
+            assert_eq!(rows, want_rows);
+            assert_eq!(scattered, want_scattered);
+        }
+    }
+
     /// The GPU AdamW uses the scalar kernel's fused multiply-adds and IEEE
     /// sqrt and division, so three steps agree bit for bit.
     #[test]

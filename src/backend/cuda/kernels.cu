@@ -86,3 +86,135 @@ extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, u
         v[i] = vi;
     }
 }
+
+// math::rmsnorm_forward, one thread a row: out = x · inv_rms · g.
+extern "C" __global__ void rmsnorm_forward(const float* x, const float* g, float* out,
+                                           float* inv_rms, unsigned t, unsigned d, float eps) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* row = x + (size_t)i * d;
+    float ss = 0.0f;
+    for (unsigned j = 0; j < d; ++j) ss += row[j] * row[j];
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    inv_rms[i] = inv;
+    for (unsigned j = 0; j < d; ++j) out[(size_t)i * d + j] = row[j] * inv * g[j];
+}
+
+// math::rmsnorm_backward's dx (+=), one thread a row.
+extern "C" __global__ void rmsnorm_backward_dx(const float* dout, const float* x, const float* g,
+                                               const float* inv_rms, float* dx, unsigned t,
+                                               unsigned d) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* row = x + (size_t)i * d;
+    const float* dy = dout + (size_t)i * d;
+    float inv = inv_rms[i];
+    float dot = 0.0f;
+    for (unsigned j = 0; j < d; ++j) dot += dy[j] * g[j] * row[j];
+    float coef = dot * inv * inv * inv / (float)d;
+    for (unsigned j = 0; j < d; ++j) dx[(size_t)i * d + j] += dy[j] * g[j] * inv - row[j] * coef;
+}
+
+// math::rmsnorm_backward's dg (+=), one thread a column, rows in order (so
+// the sum is the cpu's, with no atomics).
+extern "C" __global__ void rmsnorm_backward_dg(const float* dout, const float* x,
+                                               const float* inv_rms, float* dg, unsigned t,
+                                               unsigned d) {
+    unsigned j = strata_index();
+    if (j >= d) return;
+    float acc = dg[j];
+    for (unsigned i = 0; i < t; ++i) acc += dout[(size_t)i * d + j] * x[(size_t)i * d + j] * inv_rms[i];
+    dg[j] = acc;
+}
+
+// lm::attention::rope_forward (sign 1) and rope_backward (sign -1), in
+// place, one thread a (row, head, pair).
+extern "C" __global__ void rope(float* x, const float* cos_table, const float* sin_table,
+                                unsigned rows, unsigned heads, unsigned half, unsigned seq_len,
+                                float sign) {
+    unsigned idx = strata_index();
+    if (idx >= rows * heads * half) return;
+    unsigned i = idx % half;
+    unsigned h = (idx / half) % heads;
+    unsigned t = idx / (half * heads);
+    unsigned p = t % seq_len;
+    float c = cos_table[p * half + i];
+    float s = sign * sin_table[p * half + i];
+    float* v = x + ((size_t)t * heads + h) * 2 * half;
+    float a = v[i], b = v[i + half];
+    v[i] = a * c - b * s;
+    v[i + half] = b * c + a * s;
+}
+
+// math::cross_entropy_forward_backward, one thread a row: each row's loss
+// share (summed on the host in row order) and d logits.
+extern "C" __global__ void cross_entropy(const float* logits, const unsigned* targets,
+                                         float* dlogits, float* row_loss, unsigned t, unsigned v,
+                                         float scale) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* row = logits + (size_t)i * v;
+    float max = row[0];
+    for (unsigned j = 1; j < v; ++j) if (row[j] > max) max = row[j];
+    float sum = 0.0f;
+    for (unsigned j = 0; j < v; ++j) sum += expf(row[j] - max);
+    float lse = max + logf(sum);
+    unsigned target = targets[i];
+    row_loss[i] = (lse - row[target]) * scale;
+    for (unsigned j = 0; j < v; ++j) {
+        float p = expf(row[j] - lse);
+        dlogits[(size_t)i * v + j] = (p - (j == target ? 1.0f : 0.0f)) * scale;
+    }
+}
+
+// math::router_forward after the logits, one thread a token: softmax,
+// top-k (ties to the lower index), combine weights (renormalized or not).
+extern "C" __global__ void router_top_k(const float* logits, float* probs, float* lse_out,
+                                        unsigned* experts, float* weights, unsigned t,
+                                        unsigned e, unsigned k, unsigned renormalize) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* row = logits + (size_t)i * e;
+    float max = row[0];
+    for (unsigned j = 1; j < e; ++j) if (row[j] > max) max = row[j];
+    float sum = 0.0f;
+    for (unsigned j = 0; j < e; ++j) sum += expf(row[j] - max);
+    float lse = max + logf(sum);
+    lse_out[i] = lse;
+    float* p = probs + (size_t)i * e;
+    for (unsigned j = 0; j < e; ++j) p[j] = expf(row[j] - lse);
+    float total = 0.0f;
+    for (unsigned s = 0; s < k; ++s) {
+        int best = -1;
+        for (unsigned j = 0; j < e; ++j) {
+            bool taken = false;
+            for (unsigned q = 0; q < s; ++q) taken |= experts[(size_t)i * k + q] == j;
+            if (taken) continue;
+            if (best < 0 || p[j] > p[best]) best = (int)j;
+        }
+        experts[(size_t)i * k + s] = (unsigned)best;
+        weights[(size_t)i * k + s] = p[best];
+        total += p[best];
+    }
+    if (renormalize) {
+        for (unsigned s = 0; s < k; ++s) weights[(size_t)i * k + s] = weights[(size_t)i * k + s] / total;
+    }
+}
+
+// math::gather_forward: rows (n, d) = x[assignment / k], one thread an element.
+extern "C" __global__ void gather_rows(const float* x, const unsigned* assignments, float* rows,
+                                       unsigned n, unsigned d, unsigned k) {
+    unsigned idx = strata_index();
+    if (idx >= n * d) return;
+    unsigned r = idx / d, c = idx % d;
+    rows[idx] = x[(size_t)(assignments[r] / k) * d + c];
+}
+
+// math::scatter_to_assignments: dst[assignment] = src row, one thread an element.
+extern "C" __global__ void scatter_rows(const float* src, const unsigned* assignments, float* dst,
+                                        unsigned n, unsigned d) {
+    unsigned idx = strata_index();
+    if (idx >= n * d) return;
+    unsigned r = idx / d, c = idx % d;
+    dst[(size_t)assignments[r] * d + c] = src[idx];
+}

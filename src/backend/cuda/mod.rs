@@ -2,11 +2,13 @@
 //! accumulation, NVRTC-compiled kernels for the rest (`kernels.cu`, each
 //! mirroring a CPU function), on one compute stream of the GPU.
 //!
-//! Status: the expert FFN (forward and backward, SwiGLU and GELU) and a
-//! dense AdamW run here; as a [`Backend`] the expert FFN takes and returns
+//! Status: the expert FFN (forward and backward, SwiGLU and GELU), a dense
+//! AdamW and the dense layers' kernels (`dense.rs`) run here; as a [`Backend`] the expert FFN takes and returns
 //! host slices (inputs uploaded, results downloaded each call). The engine
 //! still computes on the cpu backend; wiring this backend and the GPU
 //! device tier into the step is the next step.
+
+mod dense;
 
 use std::sync::Arc;
 
@@ -47,6 +49,7 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     f: Functions,
+    dense: dense::DenseFunctions,
     pub info: GpuInfo,
 }
 
@@ -93,11 +96,13 @@ impl CudaBackend {
             f32_to_bf16: load("f32_to_bf16")?,
             adamw: load("adamw")?,
         };
+        let dense = dense::DenseFunctions::load(&module)?;
         Ok(Self {
             ctx,
             stream,
             blas,
             f,
+            dense,
             info,
         })
     }

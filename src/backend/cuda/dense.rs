@@ -1,0 +1,298 @@
+//! The dense layers' kernels (`kernels.cu`): RMSNorm, rotary embeddings,
+//! cross-entropy, the router's softmax and top-k, and the token
+//! permutation's gather and scatter. Each wrapper here takes host slices
+//! (uploads, launches, downloads), which is what the tests compare with
+//! the CPU functions the kernels mirror.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{gpu_error, CudaBackend};
+use crate::EngineError;
+
+pub(super) struct DenseFunctions {
+    rmsnorm_forward: CudaFunction,
+    rmsnorm_backward_dx: CudaFunction,
+    rmsnorm_backward_dg: CudaFunction,
+    rope: CudaFunction,
+    cross_entropy: CudaFunction,
+    router_top_k: CudaFunction,
+    gather_rows: CudaFunction,
+    scatter_rows: CudaFunction,
+}
+
+impl DenseFunctions {
+    pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, EngineError> {
+        let load = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| gpu_error(&format!("kernel {name}"), e))
+        };
+        Ok(Self {
+            rmsnorm_forward: load("rmsnorm_forward")?,
+            rmsnorm_backward_dx: load("rmsnorm_backward_dx")?,
+            rmsnorm_backward_dg: load("rmsnorm_backward_dg")?,
+            rope: load("rope")?,
+            cross_entropy: load("cross_entropy")?,
+            router_top_k: load("router_top_k")?,
+            gather_rows: load("gather_rows")?,
+            scatter_rows: load("scatter_rows")?,
+        })
+    }
+}
+
+/// What the router kernel computes (the fields of `math::Routing` it fills).
+#[derive(Clone, Debug)]
+pub struct RouterOut {
+    pub probs: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+fn threads(n: usize) -> LaunchConfig {
+    LaunchConfig::for_num_elems(n as u32)
+}
+
+impl CudaBackend {
+    fn upload_u32(&self, host: &[u32]) -> Result<CudaSlice<u32>, EngineError> {
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| gpu_error("an upload", e))
+    }
+
+    fn download_u32(&self, dev: &CudaSlice<u32>, host: &mut [u32]) -> Result<(), EngineError> {
+        self.stream
+            .memcpy_dtoh(dev, host)
+            .map_err(|e| gpu_error("a download", e))
+    }
+
+    /// `math::rmsnorm_forward` on the GPU: (out, inv_rms).
+    pub fn rmsnorm_forward_host(
+        &self,
+        x: &[f32],
+        g: &[f32],
+        t: usize,
+        d: usize,
+        eps: f64,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let (dx, dg) = (self.upload(x)?, self.upload(g)?);
+        let (mut out, mut inv) = (self.zeros(t * d)?, self.zeros(t)?);
+        let (t32, d32, eps32) = (t as u32, d as u32, eps as f32);
+        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_forward);
+        launch
+            .arg(&dx)
+            .arg(&dg)
+            .arg(&mut out)
+            .arg(&mut inv)
+            .arg(&t32)
+            .arg(&d32)
+            .arg(&eps32);
+        // SAFETY: x and out hold t·d f32, g holds d, inv t; one thread a row.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_forward", e))?;
+        let (mut h_out, mut h_inv) = (vec![0.0; t * d], vec![0.0; t]);
+        self.download(&out, &mut h_out)?;
+        self.download(&inv, &mut h_inv)?;
+        Ok((h_out, h_inv))
+    }
+
+    /// `math::rmsnorm_backward` on the GPU: dx and dg accumulate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward_host(
+        &self,
+        dx: &mut [f32],
+        dg: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        g: &[f32],
+        inv_rms: &[f32],
+        t: usize,
+        d: usize,
+    ) -> Result<(), EngineError> {
+        let (ddout, dxin, dgain, dinv) = (
+            self.upload(dout)?,
+            self.upload(x)?,
+            self.upload(g)?,
+            self.upload(inv_rms)?,
+        );
+        let (mut ddx, mut ddg) = (self.upload(dx)?, self.upload(dg)?);
+        let (t32, d32) = (t as u32, d as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dx);
+        launch
+            .arg(&ddout)
+            .arg(&dxin)
+            .arg(&dgain)
+            .arg(&dinv)
+            .arg(&mut ddx)
+            .arg(&t32)
+            .arg(&d32);
+        // SAFETY: dout, x, dx hold t·d f32, g d, inv_rms t; one thread a row.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_backward_dx", e))?;
+        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dg);
+        launch
+            .arg(&ddout)
+            .arg(&dxin)
+            .arg(&dinv)
+            .arg(&mut ddg)
+            .arg(&t32)
+            .arg(&d32);
+        // SAFETY: as above; dg holds d f32; one thread a column.
+        unsafe { launch.launch(threads(d)) }.map_err(|e| gpu_error("rmsnorm_backward_dg", e))?;
+        self.download(&ddx, dx)?;
+        self.download(&ddg, dg)
+    }
+
+    /// `rope_forward` (`transpose` false) or `rope_backward` on the GPU, in
+    /// place on `x` (rows, heads·2·half).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_host(
+        &self,
+        x: &mut [f32],
+        cos: &[f32],
+        sin: &[f32],
+        seq_len: usize,
+        heads: usize,
+        half: usize,
+        transpose: bool,
+    ) -> Result<(), EngineError> {
+        let rows = x.len() / (heads * 2 * half);
+        let mut dx = self.upload(x)?;
+        let (dcos, dsin) = (self.upload(cos)?, self.upload(sin)?);
+        let (r32, h32, half32, s32) = (rows as u32, heads as u32, half as u32, seq_len as u32);
+        let sign = if transpose { -1.0f32 } else { 1.0 };
+        let mut launch = self.stream.launch_builder(&self.dense.rope);
+        launch
+            .arg(&mut dx)
+            .arg(&dcos)
+            .arg(&dsin)
+            .arg(&r32)
+            .arg(&h32)
+            .arg(&half32)
+            .arg(&s32)
+            .arg(&sign);
+        // SAFETY: x holds rows·heads·2·half f32, the tables seq_len·half;
+        // one thread a (row, head, pair).
+        unsafe { launch.launch(threads(rows * heads * half)) }.map_err(|e| gpu_error("rope", e))?;
+        self.download(&dx, x)
+    }
+
+    /// `math::cross_entropy_forward_backward` on the GPU: the loss (rows'
+    /// shares summed in row order) and d logits.
+    pub fn cross_entropy_host(
+        &self,
+        dlogits: &mut [f32],
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        denominator: usize,
+    ) -> Result<f32, EngineError> {
+        let t = targets.len();
+        let (dl, dt) = (self.upload(logits)?, self.upload_u32(targets)?);
+        let (mut dd, mut rows) = (self.zeros(t * v)?, self.zeros(t)?);
+        let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
+        let mut launch = self.stream.launch_builder(&self.dense.cross_entropy);
+        launch
+            .arg(&dl)
+            .arg(&dt)
+            .arg(&mut dd)
+            .arg(&mut rows)
+            .arg(&t32)
+            .arg(&v32)
+            .arg(&scale);
+        // SAFETY: logits and dlogits hold t·v f32, targets t u32 (each < v,
+        // as the batch's validation checks), row_loss t; one thread a row.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy", e))?;
+        self.download(&dd, dlogits)?;
+        let mut shares = vec![0.0f32; t];
+        self.download(&rows, &mut shares)?;
+        Ok(shares.iter().fold(0.0f32, |a, &s| a + s))
+    }
+
+    /// The router after its logits (T, E) on the GPU, as
+    /// `math::router_forward` computes it.
+    pub fn router_top_k_host(
+        &self,
+        logits: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        renormalize: bool,
+    ) -> Result<RouterOut, EngineError> {
+        let dl = self.upload(logits)?;
+        let (mut probs, mut lse, mut weights) =
+            (self.zeros(t * e)?, self.zeros(t)?, self.zeros(t * k)?);
+        let mut experts = self
+            .stream
+            .alloc_zeros::<u32>(t * k)
+            .map_err(|err| gpu_error("allocating GPU memory", err))?;
+        let (t32, e32, k32, r32) = (t as u32, e as u32, k as u32, renormalize as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.router_top_k);
+        launch
+            .arg(&dl)
+            .arg(&mut probs)
+            .arg(&mut lse)
+            .arg(&mut experts)
+            .arg(&mut weights)
+            .arg(&t32)
+            .arg(&e32)
+            .arg(&k32)
+            .arg(&r32);
+        // SAFETY: logits and probs hold t·e f32, lse t, experts and weights
+        // t·k (k ≤ e); one thread a token.
+        unsafe { launch.launch(threads(t)) }.map_err(|err| gpu_error("router_top_k", err))?;
+        let mut h = RouterOut {
+            probs: vec![0.0; t * e],
+            lse: vec![0.0; t],
+            experts: vec![0; t * k],
+            weights: vec![0.0; t * k],
+        };
+        self.download(&probs, &mut h.probs)?;
+        self.download(&lse, &mut h.lse)?;
+        self.download_u32(&experts, &mut h.experts)?;
+        self.download(&weights, &mut h.weights)?;
+        Ok(h)
+    }
+
+    /// `math::gather_forward` then `math::scatter_to_assignments` on the
+    /// GPU: the rows of `assignments` gathered from x (T, D), and those
+    /// rows scattered into a (T·K, D) buffer.
+    pub fn permute_host(
+        &self,
+        x: &[f32],
+        assignments: &[u32],
+        d: usize,
+        k: usize,
+        t: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let n = assignments.len();
+        let (dx, da) = (self.upload(x)?, self.upload_u32(assignments)?);
+        let (mut rows, mut scattered) = (self.zeros(n * d)?, self.zeros(t * k * d)?);
+        let (n32, d32, k32) = (n as u32, d as u32, k as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.gather_rows);
+        launch
+            .arg(&dx)
+            .arg(&da)
+            .arg(&mut rows)
+            .arg(&n32)
+            .arg(&d32)
+            .arg(&k32);
+        // SAFETY: x holds t·d f32 and every assignment / k < t; rows n·d;
+        // one thread an element.
+        unsafe { launch.launch(threads(n * d)) }.map_err(|e| gpu_error("gather_rows", e))?;
+        let mut launch = self.stream.launch_builder(&self.dense.scatter_rows);
+        launch
+            .arg(&rows)
+            .arg(&da)
+            .arg(&mut scattered)
+            .arg(&n32)
+            .arg(&d32);
+        // SAFETY: every assignment < t·k, so each row lands inside the
+        // t·k·d buffer; one thread an element.
+        unsafe { launch.launch(threads(n * d)) }.map_err(|e| gpu_error("scatter_rows", e))?;
+        let mut h = (vec![0.0; n * d], vec![0.0; t * k * d]);
+        self.download(&rows, &mut h.0)?;
+        self.download(&scattered, &mut h.1)?;
+        Ok(h)
+    }
+}
