@@ -374,6 +374,42 @@ mod cuda_kernels {
         }
     }
 
+    /// Causal attention with grouped kv heads: the same sums in the same
+    /// order as the cpu, with expf in the softmax: 1e-5.
+    #[test]
+    fn attention_kernels_match_the_cpu() {
+        use strata::lm::attention::{attention_backward, attention_forward, AttnShape};
+        let Some(gpu) = gpu() else { return };
+        let shape = AttnShape {
+            seqs: 2,
+            seq_len: 13,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
+        let t = shape.tokens();
+        let q = f32s(t * shape.q_width(), 40, 1.0);
+        let k = f32s(t * shape.kv_width(), 41, 1.0);
+        let v = f32s(t * shape.kv_width(), 42, 1.0);
+        let dout = f32s(t * shape.q_width(), 43, 1.0);
+        let mut out = vec![0.0; t * shape.q_width()];
+        let mut probs = vec![0.0; shape.probs_len()];
+        attention_forward(&mut out, &mut probs, &q, &k, &v, &shape);
+        let (gout, gprobs) = gpu.attention_forward_host(&q, &k, &v, &shape).unwrap();
+        assert!(worst(&gout, &out) < 1e-5, "out {}", worst(&gout, &out));
+        assert!(worst(&gprobs, &probs) < 1e-5);
+        let (mut dq, mut dk, mut dv) = (vec![0.1; q.len()], vec![0.2; k.len()], vec![0.3; v.len()]);
+        let (mut gdq, mut gdk, mut gdv) = (dq.clone(), dk.clone(), dv.clone());
+        attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
+        gpu.attention_backward_host(
+            &mut gdq, &mut gdk, &mut gdv, &dout, &probs, &q, &k, &v, &shape,
+        )
+        .unwrap();
+        for (what, a, b) in [("dq", &gdq, &dq), ("dk", &gdk, &dk), ("dv", &gdv, &dv)] {
+            assert!(worst(a, b) < 1e-5, "{what} {}", worst(a, b));
+        }
+    }
+
     /// The GPU AdamW uses the scalar kernel's fused multiply-adds and IEEE
     /// sqrt and division, so three steps agree bit for bit.
     #[test]

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{gpu_error, CudaBackend};
+use crate::lm::attention::AttnShape;
 use crate::EngineError;
 
 pub(super) struct DenseFunctions {
@@ -20,6 +21,9 @@ pub(super) struct DenseFunctions {
     router_top_k: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
+    attention_forward: CudaFunction,
+    attention_backward_dq: CudaFunction,
+    attention_backward_dkv: CudaFunction,
 }
 
 impl DenseFunctions {
@@ -38,6 +42,9 @@ impl DenseFunctions {
             router_top_k: load("router_top_k")?,
             gather_rows: load("gather_rows")?,
             scatter_rows: load("scatter_rows")?,
+            attention_forward: load("attention_forward")?,
+            attention_backward_dq: load("attention_backward_dq")?,
+            attention_backward_dkv: load("attention_backward_dkv")?,
         })
     }
 }
@@ -294,5 +301,111 @@ impl CudaBackend {
         self.download(&rows, &mut h.0)?;
         self.download(&scattered, &mut h.1)?;
         Ok(h)
+    }
+
+    /// `lm::attention::attention_forward` on the GPU: (out, probs).
+    pub fn attention_forward_host(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let (dq, dk, dv) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
+        let mut out = self.zeros(shape.tokens() * shape.q_width())?;
+        let mut probs = self.zeros(shape.probs_len())?;
+        let dims = [
+            shape.seqs,
+            shape.seq_len,
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+        ]
+        .map(|x| x as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.attention_forward);
+        launch
+            .arg(&dq)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&mut out)
+            .arg(&mut probs);
+        for x in &dims {
+            launch.arg(x);
+        }
+        // SAFETY: q and out hold T·H·hd f32, k and v T·KV·hd, probs
+        // B·H·S·S (zeroed); one thread a (sequence, head, query).
+        unsafe { launch.launch(threads(shape.seqs * shape.heads * shape.seq_len)) }
+            .map_err(|e| gpu_error("attention_forward", e))?;
+        let mut h = (vec![0.0; out.len()], vec![0.0; probs.len()]);
+        self.download(&out, &mut h.0)?;
+        self.download(&probs, &mut h.1)?;
+        Ok(h)
+    }
+
+    /// `lm::attention::attention_backward` on the GPU: dq, dk, dv accumulate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward_host(
+        &self,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        dout: &[f32],
+        probs: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        let (ddout, dprobs) = (self.upload(dout)?, self.upload(probs)?);
+        let (dqin, dkin, dvin) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
+        let (mut ddq, mut ddk, mut ddv) = (self.upload(dq)?, self.upload(dk)?, self.upload(dv)?);
+        let rows = shape.seqs * shape.heads * shape.seq_len;
+        let mut weighted = self.zeros(rows)?;
+        let dims = [
+            shape.seqs,
+            shape.seq_len,
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+        ]
+        .map(|x| x as u32);
+        let mut launch = self
+            .stream
+            .launch_builder(&self.dense.attention_backward_dq);
+        launch
+            .arg(&ddout)
+            .arg(&dprobs)
+            .arg(&dkin)
+            .arg(&dvin)
+            .arg(&mut ddq)
+            .arg(&mut weighted);
+        for x in &dims {
+            launch.arg(x);
+        }
+        // SAFETY: shapes as in the forward; weighted holds B·H·S f32; one
+        // thread a (sequence, head, query).
+        unsafe { launch.launch(threads(rows)) }
+            .map_err(|e| gpu_error("attention_backward_dq", e))?;
+        let mut launch = self
+            .stream
+            .launch_builder(&self.dense.attention_backward_dkv);
+        launch
+            .arg(&ddout)
+            .arg(&dprobs)
+            .arg(&dqin)
+            .arg(&dvin)
+            .arg(&weighted)
+            .arg(&mut ddk)
+            .arg(&mut ddv);
+        for x in &dims {
+            launch.arg(x);
+        }
+        // SAFETY: as above; one thread a (sequence, kv head, key), each
+        // writing only its own key's rows of dk and dv.
+        unsafe { launch.launch(threads(shape.seqs * shape.kv_heads * shape.seq_len)) }
+            .map_err(|e| gpu_error("attention_backward_dkv", e))?;
+        self.download(&ddq, dq)?;
+        self.download(&ddk, dk)?;
+        self.download(&ddv, dv)
     }
 }

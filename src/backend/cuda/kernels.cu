@@ -92,12 +92,12 @@ extern "C" __global__ void rmsnorm_forward(const float* x, const float* g, float
                                            float* inv_rms, unsigned t, unsigned d, float eps) {
     unsigned i = strata_index();
     if (i >= t) return;
-    const float* row = x + (size_t)i * d;
+    const float* row = x + (unsigned long long)i * d;
     float ss = 0.0f;
     for (unsigned j = 0; j < d; ++j) ss += row[j] * row[j];
     float inv = 1.0f / sqrtf(ss / (float)d + eps);
     inv_rms[i] = inv;
-    for (unsigned j = 0; j < d; ++j) out[(size_t)i * d + j] = row[j] * inv * g[j];
+    for (unsigned j = 0; j < d; ++j) out[(unsigned long long)i * d + j] = row[j] * inv * g[j];
 }
 
 // math::rmsnorm_backward's dx (+=), one thread a row.
@@ -106,13 +106,13 @@ extern "C" __global__ void rmsnorm_backward_dx(const float* dout, const float* x
                                                unsigned d) {
     unsigned i = strata_index();
     if (i >= t) return;
-    const float* row = x + (size_t)i * d;
-    const float* dy = dout + (size_t)i * d;
+    const float* row = x + (unsigned long long)i * d;
+    const float* dy = dout + (unsigned long long)i * d;
     float inv = inv_rms[i];
     float dot = 0.0f;
     for (unsigned j = 0; j < d; ++j) dot += dy[j] * g[j] * row[j];
     float coef = dot * inv * inv * inv / (float)d;
-    for (unsigned j = 0; j < d; ++j) dx[(size_t)i * d + j] += dy[j] * g[j] * inv - row[j] * coef;
+    for (unsigned j = 0; j < d; ++j) dx[(unsigned long long)i * d + j] += dy[j] * g[j] * inv - row[j] * coef;
 }
 
 // math::rmsnorm_backward's dg (+=), one thread a column, rows in order (so
@@ -123,7 +123,7 @@ extern "C" __global__ void rmsnorm_backward_dg(const float* dout, const float* x
     unsigned j = strata_index();
     if (j >= d) return;
     float acc = dg[j];
-    for (unsigned i = 0; i < t; ++i) acc += dout[(size_t)i * d + j] * x[(size_t)i * d + j] * inv_rms[i];
+    for (unsigned i = 0; i < t; ++i) acc += dout[(unsigned long long)i * d + j] * x[(unsigned long long)i * d + j] * inv_rms[i];
     dg[j] = acc;
 }
 
@@ -140,7 +140,7 @@ extern "C" __global__ void rope(float* x, const float* cos_table, const float* s
     unsigned p = t % seq_len;
     float c = cos_table[p * half + i];
     float s = sign * sin_table[p * half + i];
-    float* v = x + ((size_t)t * heads + h) * 2 * half;
+    float* v = x + ((unsigned long long)t * heads + h) * 2 * half;
     float a = v[i], b = v[i + half];
     v[i] = a * c - b * s;
     v[i + half] = b * c + a * s;
@@ -153,7 +153,7 @@ extern "C" __global__ void cross_entropy(const float* logits, const unsigned* ta
                                          float scale) {
     unsigned i = strata_index();
     if (i >= t) return;
-    const float* row = logits + (size_t)i * v;
+    const float* row = logits + (unsigned long long)i * v;
     float max = row[0];
     for (unsigned j = 1; j < v; ++j) if (row[j] > max) max = row[j];
     float sum = 0.0f;
@@ -163,7 +163,7 @@ extern "C" __global__ void cross_entropy(const float* logits, const unsigned* ta
     row_loss[i] = (lse - row[target]) * scale;
     for (unsigned j = 0; j < v; ++j) {
         float p = expf(row[j] - lse);
-        dlogits[(size_t)i * v + j] = (p - (j == target ? 1.0f : 0.0f)) * scale;
+        dlogits[(unsigned long long)i * v + j] = (p - (j == target ? 1.0f : 0.0f)) * scale;
     }
 }
 
@@ -174,30 +174,30 @@ extern "C" __global__ void router_top_k(const float* logits, float* probs, float
                                         unsigned e, unsigned k, unsigned renormalize) {
     unsigned i = strata_index();
     if (i >= t) return;
-    const float* row = logits + (size_t)i * e;
+    const float* row = logits + (unsigned long long)i * e;
     float max = row[0];
     for (unsigned j = 1; j < e; ++j) if (row[j] > max) max = row[j];
     float sum = 0.0f;
     for (unsigned j = 0; j < e; ++j) sum += expf(row[j] - max);
     float lse = max + logf(sum);
     lse_out[i] = lse;
-    float* p = probs + (size_t)i * e;
+    float* p = probs + (unsigned long long)i * e;
     for (unsigned j = 0; j < e; ++j) p[j] = expf(row[j] - lse);
     float total = 0.0f;
     for (unsigned s = 0; s < k; ++s) {
         int best = -1;
         for (unsigned j = 0; j < e; ++j) {
             bool taken = false;
-            for (unsigned q = 0; q < s; ++q) taken |= experts[(size_t)i * k + q] == j;
+            for (unsigned q = 0; q < s; ++q) taken |= experts[(unsigned long long)i * k + q] == j;
             if (taken) continue;
             if (best < 0 || p[j] > p[best]) best = (int)j;
         }
-        experts[(size_t)i * k + s] = (unsigned)best;
-        weights[(size_t)i * k + s] = p[best];
+        experts[(unsigned long long)i * k + s] = (unsigned)best;
+        weights[(unsigned long long)i * k + s] = p[best];
         total += p[best];
     }
     if (renormalize) {
-        for (unsigned s = 0; s < k; ++s) weights[(size_t)i * k + s] = weights[(size_t)i * k + s] / total;
+        for (unsigned s = 0; s < k; ++s) weights[(unsigned long long)i * k + s] = weights[(unsigned long long)i * k + s] / total;
     }
 }
 
@@ -207,7 +207,7 @@ extern "C" __global__ void gather_rows(const float* x, const unsigned* assignmen
     unsigned idx = strata_index();
     if (idx >= n * d) return;
     unsigned r = idx / d, c = idx % d;
-    rows[idx] = x[(size_t)(assignments[r] / k) * d + c];
+    rows[idx] = x[(unsigned long long)(assignments[r] / k) * d + c];
 }
 
 // math::scatter_to_assignments: dst[assignment] = src row, one thread an element.
@@ -216,5 +216,110 @@ extern "C" __global__ void scatter_rows(const float* src, const unsigned* assign
     unsigned idx = strata_index();
     if (idx >= n * d) return;
     unsigned r = idx / d, c = idx % d;
-    dst[(size_t)assignments[r] * d + c] = src[idx];
+    dst[(unsigned long long)assignments[r] * d + c] = src[idx];
+}
+
+// lm::attention::attention_forward, one thread a (sequence, head, query):
+// causal softmax(q kᵀ / √hd) v with grouped kv heads; saves the
+// probabilities (zero above the diagonal: the buffer starts zeroed).
+extern "C" __global__ void attention_forward(const float* q, const float* k, const float* v,
+                                             float* out, float* probs, unsigned seqs,
+                                             unsigned s, unsigned heads, unsigned kv_heads,
+                                             unsigned hd) {
+    unsigned idx = strata_index();
+    if (idx >= seqs * heads * s) return;
+    unsigned i = idx % s, h = (idx / s) % heads, b = idx / (s * heads);
+    unsigned g = h / (heads / kv_heads);
+    unsigned qw = heads * hd, kw = kv_heads * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    unsigned long long ti = (unsigned long long)b * s + i;
+    const float* qi = q + ti * qw + h * hd;
+    float* row = probs + (((unsigned long long)b * heads + h) * s + i) * s;
+    float max = __int_as_float(0xff800000);
+    for (unsigned j = 0; j <= i; ++j) {
+        const float* kj = k + ((unsigned long long)b * s + j) * kw + g * hd;
+        float dot = 0.0f;
+        for (unsigned c = 0; c < hd; ++c) dot += qi[c] * kj[c];
+        row[j] = dot * scale;
+        if (row[j] > max) max = row[j];
+    }
+    float sum = 0.0f;
+    for (unsigned j = 0; j <= i; ++j) {
+        row[j] = expf(row[j] - max);
+        sum += row[j];
+    }
+    for (unsigned j = 0; j <= i; ++j) row[j] = row[j] / sum;
+    float* oi = out + ti * qw + h * hd;
+    for (unsigned c = 0; c < hd; ++c) oi[c] = 0.0f;
+    for (unsigned j = 0; j <= i; ++j) {
+        const float* vj = v + ((unsigned long long)b * s + j) * kw + g * hd;
+        for (unsigned c = 0; c < hd; ++c) oi[c] += row[j] * vj[c];
+    }
+}
+
+// attention_backward's dq (+=), one thread a (sequence, head, query); also
+// writes Σ_j P_ij dP_ij (`weighted`) for the dk/dv kernel.
+extern "C" __global__ void attention_backward_dq(const float* dout, const float* probs,
+                                                 const float* k, const float* v, float* dq,
+                                                 float* weighted, unsigned seqs, unsigned s,
+                                                 unsigned heads, unsigned kv_heads,
+                                                 unsigned hd) {
+    unsigned idx = strata_index();
+    if (idx >= seqs * heads * s) return;
+    unsigned i = idx % s, h = (idx / s) % heads, b = idx / (s * heads);
+    unsigned g = h / (heads / kv_heads);
+    unsigned qw = heads * hd, kw = kv_heads * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    unsigned long long ti = (unsigned long long)b * s + i;
+    const float* row = probs + (((unsigned long long)b * heads + h) * s + i) * s;
+    const float* doi = dout + ti * qw + h * hd;
+    float w = 0.0f;
+    for (unsigned j = 0; j <= i; ++j) {
+        const float* vj = v + ((unsigned long long)b * s + j) * kw + g * hd;
+        float dot = 0.0f;
+        for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
+        w += row[j] * dot;
+    }
+    weighted[idx] = w;
+    float* dqi = dq + ti * qw + h * hd;
+    for (unsigned j = 0; j <= i; ++j) {
+        const float* vj = v + ((unsigned long long)b * s + j) * kw + g * hd;
+        float dot = 0.0f;
+        for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
+        float ds = row[j] * (dot - w) * scale;
+        const float* kj = k + ((unsigned long long)b * s + j) * kw + g * hd;
+        for (unsigned c = 0; c < hd; ++c) dqi[c] += ds * kj[c];
+    }
+}
+
+// attention_backward's dk and dv (+=), one thread a (sequence, kv head,
+// key): the heads of its group, then the queries i ≥ j, in the cpu's order.
+extern "C" __global__ void attention_backward_dkv(const float* dout, const float* probs,
+                                                  const float* q, const float* v,
+                                                  const float* weighted, float* dk, float* dv,
+                                                  unsigned seqs, unsigned s, unsigned heads,
+                                                  unsigned kv_heads, unsigned hd) {
+    unsigned idx = strata_index();
+    if (idx >= seqs * kv_heads * s) return;
+    unsigned j = idx % s, g = (idx / s) % kv_heads, b = idx / (s * kv_heads);
+    unsigned group = heads / kv_heads;
+    unsigned qw = heads * hd, kw = kv_heads * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    unsigned long long tj = (unsigned long long)b * s + j;
+    const float* vj = v + tj * kw + g * hd;
+    float* dkj = dk + tj * kw + g * hd;
+    float* dvj = dv + tj * kw + g * hd;
+    for (unsigned h = g * group; h < (g + 1) * group; ++h) {
+        for (unsigned i = j; i < s; ++i) {
+            unsigned long long ti = (unsigned long long)b * s + i;
+            float p = probs[(((unsigned long long)b * heads + h) * s + i) * s + j];
+            const float* doi = dout + ti * qw + h * hd;
+            float dot = 0.0f;
+            for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
+            for (unsigned c = 0; c < hd; ++c) dvj[c] += p * doi[c];
+            float ds = p * (dot - weighted[((unsigned long long)b * heads + h) * s + i]) * scale;
+            const float* qi = q + ti * qw + h * hd;
+            for (unsigned c = 0; c < hd; ++c) dkj[c] += ds * qi[c];
+        }
+    }
 }
