@@ -138,6 +138,9 @@ pub struct StepArgs {
     /// Several devices: share of each layer's experts pinned (0: off).
     #[arg(long, default_value_t = 0.25)]
     pub pin_fraction: f64,
+    /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
     /// Directory for the SSD tier's store files.
     #[arg(long, default_value = "/tmp")]
     pub dir: std::path::PathBuf,
@@ -366,6 +369,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
         steps: args.steps,
         devices: args.devices,
         pin_fraction: args.pin_fraction,
+        backend: crate::backend::BackendKind::parse(&args.backend)?,
         dir: args.dir,
         ..defaults
     };

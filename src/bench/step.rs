@@ -9,6 +9,7 @@ use serde::Serialize;
 use strata_tiers::Dtype;
 
 use super::Timing;
+use crate::backend::BackendKind;
 use crate::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
 use crate::math::ExpertKind;
 use crate::model::{fill_uniform, Batch, ModelConfig};
@@ -30,6 +31,7 @@ pub struct StepBenchConfig {
     /// Device workers, each with `device_experts` slots.
     pub devices: usize,
     pub pin_fraction: f64,
+    pub backend: BackendKind,
 }
 
 impl Default for StepBenchConfig {
@@ -56,6 +58,7 @@ impl Default for StepBenchConfig {
             optimizer_threads: 1,
             devices: 1,
             pin_fraction: 0.25,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -71,6 +74,7 @@ pub struct StepBenchRecord {
     pub top_k: usize,
     pub tokens: usize,
     pub devices: usize,
+    pub backend: &'static str,
     pub host_slots: usize,
     pub device_slots: usize,
     pub steps: usize,
@@ -155,6 +159,10 @@ fn run_one(
         top_k: model.top_k,
         tokens: config.tokens,
         devices: engine.devices(),
+        backend: match config.backend {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        },
         host_slots: engine.host_slots(),
         device_slots: engine.device_slots(),
         steps: metrics.len(),
@@ -196,6 +204,7 @@ pub fn run(
         optimizer_threads: config.optimizer_threads,
         devices: config.devices,
         pin_fraction: config.pin_fraction,
+        backend: config.backend,
         ..EngineConfig::default()
     };
     // One scratch directory for the store files (and their dense-state

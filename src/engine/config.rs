@@ -1,0 +1,81 @@
+//! The engine's configuration: budgets, store, schedule, devices, backend.
+
+use std::path::PathBuf;
+
+use strata_optim::AdamWHyper;
+use strata_tiers::Dtype;
+
+use crate::backend::BackendKind;
+
+/// How experts move and when they are updated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Prefetch along the schedule, upload the next expert while this one
+    /// computes, update each expert as soon as its backward ends.
+    #[default]
+    ExpertWise,
+    /// ZeRO-Offload at expert granularity: no prefetch, synchronous
+    /// uploads, every update after the whole backward pass.
+    Naive,
+}
+
+/// Budgets, store and schedule.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// The store file; `None` keeps the SSD tier in memory.
+    pub store_path: Option<PathBuf>,
+    pub device_budget_bytes: u64,
+    pub host_budget_bytes: u64,
+    pub optimizer_threads: usize,
+    pub schedule: ScheduleKind,
+    pub hyper: AdamWHyper,
+    /// Precision of the compute params that travel to the device.
+    pub compute_dtype: Dtype,
+    /// Micro-batches per step (gradient accumulation).
+    pub micro_batches: usize,
+    /// Recompute the experts' hidden activations in the backward instead
+    /// of keeping them.
+    pub recompute_hidden: bool,
+    /// Scheduled accesses the prefetcher looks ahead.
+    pub prefetch_ahead_max: usize,
+    /// Queue depth of the store's io_uring.
+    pub io_queue_depth: u32,
+    /// Benches only: move experts through the tiers and the optimizer
+    /// exactly as training does, but skip the expert GEMMs (outputs and
+    /// gradients are zero). This is the I/O-only run of `strata bench step`.
+    pub skip_expert_compute: bool,
+    /// Device workers (cpu devices), each with its own device tier of
+    /// `device_budget_bytes`. With more than one, each takes an equal share
+    /// of every batch, experts are placed per layer by greedy LPT and the
+    /// tokens exchanged (see `multi.rs`).
+    pub devices: usize,
+    /// Several devices: the share of each layer's experts kept resident
+    /// (pinned) on a device, chosen by the previous step's load; 0 turns
+    /// pinning off. Capped so two slots per device stay free to stream.
+    pub pin_fraction: f64,
+    /// Which backend computes the experts (device i uses GPU i with `Cuda`);
+    /// the dense layers run on the cpu.
+    pub backend: BackendKind,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            store_path: None,
+            device_budget_bytes: 1 << 30,
+            host_budget_bytes: 4 << 30,
+            optimizer_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            schedule: ScheduleKind::ExpertWise,
+            hyper: AdamWHyper::default(),
+            compute_dtype: Dtype::F32,
+            micro_batches: 1,
+            recompute_hidden: false,
+            prefetch_ahead_max: 16,
+            io_queue_depth: 32,
+            skip_expert_compute: false,
+            devices: 1,
+            pin_fraction: 0.25,
+            backend: BackendKind::Cpu,
+        }
+    }
+}
