@@ -7,7 +7,7 @@
 mod common;
 
 use common::{batch, hyper, max_rel, model, record_bytes};
-use strata::engine::{Engine, EngineConfig, StepMetrics};
+use strata::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
 use strata::math::ExpertKind;
 use strata::model::{Batch, ModelConfig};
 use strata::EngineError;
@@ -98,6 +98,16 @@ fn case(top_k: usize, devices: usize, micro_batches: usize) {
                 host_budget_bytes: all / 4 * record_bytes(&model),
                 store_path: Some(dir.path().join("unpinned.store")),
                 pin_fraction: 0.0,
+                ..base(&model, devices, micro_batches)
+            },
+        ),
+        (
+            "naive schedule, recomputed activations, host budget 25 %",
+            EngineConfig {
+                schedule: ScheduleKind::Naive,
+                recompute_hidden: true,
+                device_budget_bytes: 3 * expert_bytes,
+                host_budget_bytes: all / 4 * record_bytes(&model),
                 ..base(&model, devices, micro_batches)
             },
         ),
