@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds what a GPU machine without a Rust toolchain runs: the strata binary
+# and the CUDA test binaries (release, --features cuda, debug info stripped)
+# into gpu-bin/ (ignored by git), with scripts/gpu-check.sh to run there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo build --release --features cuda
+mkdir -p gpu-bin
+cp target/release/strata gpu-bin/strata
+for t in backend multi_device equivalence; do
+    exe=$(cargo test --release --features cuda --no-run --test "$t" --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("kind") == ["test"]:
+        print(m["executable"])' | tail -1)
+    cp "$exe" "gpu-bin/test-$t"
+done
+exe=$(cargo test --release --features cuda --no-run -p strata-tiers --test device_arena \
+    --message-format=json 2>/dev/null | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("kind") == ["test"]:
+        print(m["executable"])' | tail -1)
+cp "$exe" gpu-bin/test-device_arena
+strip --strip-debug gpu-bin/*
+cp scripts/gpu-check.sh gpu-bin/
+du -sh gpu-bin
