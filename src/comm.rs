@@ -230,10 +230,12 @@ impl Comm for InProcessComm {
         }
         let mine = buf.to_vec();
         for peer in 0..n {
-            let part = if peer == self.rank {
-                mine.clone()
+            let received;
+            let part: &[f32] = if peer == self.rank {
+                &mine
             } else {
-                self.recv_f32(peer, "all_reduce")?
+                received = self.recv_f32(peer, "all_reduce")?;
+                &received
             };
             if part.len() != buf.len() {
                 return Err(CommError::OutOfStep {
@@ -242,10 +244,11 @@ impl Comm for InProcessComm {
                     got: "a buffer of another length",
                 });
             }
+            // Rank 0's part first, then 1, …: the same additions everywhere.
             if peer == 0 {
-                buf.copy_from_slice(&part);
+                buf.copy_from_slice(part);
             } else {
-                buf.iter_mut().zip(&part).for_each(|(b, p)| *b += p);
+                buf.iter_mut().zip(part).for_each(|(b, p)| *b += p);
             }
         }
         Ok(())

@@ -3,11 +3,14 @@
 //! export and re-import; a run killed with SIGKILL and resumed against an
 //! uninterrupted one; bad input refused with one line and nothing written.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
+use common::max_rel;
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{LmConfig, MixtralLm};
 use strata::model::Network;
@@ -264,17 +267,11 @@ fn two_devices_train_the_model_one_device_trains_with_two_micro_batches() {
     };
     let (dense2, experts2) = run("two-devices", 2, 1);
     let (dense1, experts1) = run("one-device", 1, 2);
-    let worst = |a: &[f32], b: &[f32]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
-            .fold(0.0f32, f32::max)
-    };
-    let dense = worst(&dense2, &dense1);
+    let dense = max_rel(&dense2, &dense1);
     let experts = experts2
         .iter()
         .zip(&experts1)
-        .map(|(a, b)| worst(a, b))
+        .map(|(a, b)| max_rel(a, b))
         .fold(0.0f32, f32::max);
     eprintln!(
         "two devices vs one with two micro-batches: dense {dense:.2e}, experts {experts:.2e}"

@@ -21,10 +21,17 @@ use crate::model::ModelConfig;
 
 type Access = (ExpertId, Parts);
 
-/// A placed layer: each expert's device, and whether it has tokens.
+/// A placed layer: each expert's device, and each device's token counts
+/// per expert (an expert with none is not asked for).
 pub(crate) struct PlacedLayer<'a> {
     pub owner: &'a [u16],
-    pub has_tokens: &'a dyn Fn(usize) -> bool,
+    pub counts: &'a [Vec<u32>],
+}
+
+impl PlacedLayer<'_> {
+    fn has_tokens(&self, expert: usize) -> bool {
+        self.counts.iter().any(|c| c[expert] > 0)
+    }
 }
 
 /// Where in the step the schedule starts.
@@ -106,7 +113,7 @@ pub(crate) fn placed_schedule(
 ) -> Vec<Access> {
     let mine = |p: &PlacedLayer<'_>, d: usize| -> Vec<usize> {
         (0..model.experts)
-            .filter(|&e| p.owner[e] as usize == d && (p.has_tokens)(e))
+            .filter(|&e| p.owner[e] as usize == d && p.has_tokens(e))
             .collect()
     };
     let all: Vec<usize> = (0..model.experts).collect();
@@ -178,11 +185,12 @@ mod tests {
     fn a_placed_layer_interleaves_the_devices_and_skips_idle_experts() {
         let m = model();
         let owner = [1u16, 0, 0, 1];
-        let has_tokens = |e: usize| e != 2;
+        // Expert 2 got no token on either device.
+        let counts = [vec![1, 0, 0, 2], vec![3, 1, 0, 0]];
         let placed = [
             Some(PlacedLayer {
                 owner: &owner,
-                has_tokens: &has_tokens,
+                counts: &counts,
             }),
             None,
         ];

@@ -95,19 +95,11 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             Phase::Forward(l) => l,
             Phase::Backward(_) => model.layers - 1,
         };
-        let has_tokens: Vec<Box<dyn Fn(usize) -> bool + '_>> = self
-            .plans
-            .iter()
-            .map(|p| {
-                Box::new(move |e: usize| p.counts.iter().any(|c| c[e] > 0))
-                    as Box<dyn Fn(usize) -> bool>
-            })
-            .collect();
         let placed: Vec<Option<PlacedLayer<'_>>> = (0..model.layers)
             .map(|l| {
                 (l <= placed_upto).then(|| PlacedLayer {
                     owner: &self.plans[l].owner,
-                    has_tokens: &*has_tokens[l],
+                    counts: &self.plans[l].counts,
                 })
             })
             .collect();

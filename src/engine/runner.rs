@@ -77,7 +77,8 @@ impl DeviceRunner<'_> {
         }
         acc.device_misses += 1;
         let id = ExpertId::new(layer as u32, expert as u32);
-        let (guard, waited) = shared.acquire(|cache| cache.acquire(id, Parts::Compute))?;
+        let (guard, waited) =
+            shared.acquire(|cache, wait| cache.acquire_within(id, Parts::Compute, wait))?;
         acc.stall_optimizer_s += waited;
         let slot = self.dev.slots.claim(key, version, protect);
         let upload = self.dev.arena.upload_htod(slot, Box::new(guard))?;

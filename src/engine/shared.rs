@@ -167,48 +167,34 @@ impl SharedExperts {
     }
 
     /// Acquires through the host tier. When every host slot is pinned it
-    /// waits for the updates in flight (which hold theirs); if that is not
-    /// enough and there are several devices, their uploads hold the rest,
-    /// and those end on their own: it retries with a growing pause for up
-    /// to `HOST_SLOT_WAIT`.
-    /// Returns the guard and the seconds waited.
+    /// waits for the updates in flight (which hold theirs) and tries again;
+    /// with several devices, other devices' uploads may hold the rest, and
+    /// those end on their own, so the retry waits up to `HOST_SLOT_WAIT`
+    /// for one to be released. Returns the guard and the seconds waited.
     pub fn acquire<G>(
         &self,
-        mut acquire: impl FnMut(&HostCache) -> Result<G, TierError>,
+        mut acquire: impl FnMut(&HostCache, Duration) -> Result<G, TierError>,
     ) -> Result<(G, f64), EngineError> {
-        let t0 = Instant::now();
-        let mut pause = Duration::from_micros(50);
-        let mut drained = false;
-        loop {
-            match acquire(&self.cache) {
-                Err(TierError::AllSlotsPinned { .. })
-                    if !drained || (self.devices > 1 && t0.elapsed() < HOST_SLOT_WAIT) =>
-                {
-                    if drained {
-                        std::thread::sleep(pause);
-                        pause = (pause * 2).min(Duration::from_millis(10));
-                    } else {
-                        self.drain()?;
-                        drained = true;
-                    }
-                }
-                Ok(guard) => {
-                    let waited = if drained {
-                        t0.elapsed().as_secs_f64()
-                    } else {
-                        0.0
-                    };
-                    return Ok((guard, waited));
-                }
-                Err(e) => return Err(e.into()),
+        match acquire(&self.cache, Duration::ZERO) {
+            Err(TierError::AllSlotsPinned { .. }) => {
+                let t0 = Instant::now();
+                self.drain()?;
+                let pin_wait = if self.devices > 1 {
+                    HOST_SLOT_WAIT
+                } else {
+                    Duration::ZERO
+                };
+                let guard = acquire(&self.cache, pin_wait)?;
+                Ok((guard, t0.elapsed().as_secs_f64()))
             }
+            other => Ok((other?, 0.0)),
         }
     }
 
     pub fn submit_now(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
         self.reap_finished()?;
         let expert = self.expert_id(key);
-        let (guard, stall) = self.acquire(|cache| cache.acquire_mut(expert))?;
+        let (guard, stall) = self.acquire(|cache, wait| cache.acquire_mut_within(expert, wait))?;
         let step = self.book().steps[key];
         let target = ExpertUpdate {
             guard,

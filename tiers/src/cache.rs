@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use lru::LruCache;
 
@@ -193,6 +193,18 @@ impl Shared {
 
     pub fn wait<'a>(&self, guard: MutexGuard<'a, Inner>) -> MutexGuard<'a, Inner> {
         self.changed.wait(guard).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `wait`, for at most `timeout`.
+    pub fn wait_timeout<'a>(
+        &self,
+        guard: MutexGuard<'a, Inner>,
+        timeout: Duration,
+    ) -> MutexGuard<'a, Inner> {
+        match self.changed.wait_timeout(guard, timeout) {
+            Ok((g, _)) => g,
+            Err(e) => e.into_inner().0,
+        }
     }
 
     fn slot_ptr(&self, slot: usize) -> *mut u8 {
@@ -495,8 +507,20 @@ impl HostCache {
     /// Pins `expert` with `parts` ready (Compute or Full) and returns a
     /// shared guard; blocks only while a load is late or a writer holds it.
     pub fn acquire(&self, expert: ExpertId, parts: Parts) -> Result<ReadGuard, TierError> {
+        self.acquire_within(expert, parts, Duration::ZERO)
+    }
+
+    /// `acquire`, but when every slot is pinned it waits up to `pin_wait`
+    /// for a guard to be dropped (by another thread: an upload completing)
+    /// before it reports `AllSlotsPinned`.
+    pub fn acquire_within(
+        &self,
+        expert: ExpertId,
+        parts: Parts,
+        pin_wait: Duration,
+    ) -> Result<ReadGuard, TierError> {
         assert_ne!(parts, Parts::State, "acquire Compute or Full");
-        let slot = self.acquire_slot(expert, parts, false)?;
+        let slot = self.acquire_slot(expert, parts, false, pin_wait)?;
         Ok(ReadGuard {
             shared: Arc::clone(&self.shared),
             slot,
@@ -507,7 +531,16 @@ impl HostCache {
 
     /// Pins `expert` with its full record, exclusively, for the optimizer.
     pub fn acquire_mut(&self, expert: ExpertId) -> Result<WriteGuard, TierError> {
-        let slot = self.acquire_slot(expert, Parts::Full, true)?;
+        self.acquire_mut_within(expert, Duration::ZERO)
+    }
+
+    /// `acquire_mut`, waiting up to `pin_wait` as `acquire_within` does.
+    pub fn acquire_mut_within(
+        &self,
+        expert: ExpertId,
+        pin_wait: Duration,
+    ) -> Result<WriteGuard, TierError> {
+        let slot = self.acquire_slot(expert, Parts::Full, true, pin_wait)?;
         Ok(WriteGuard {
             shared: Arc::clone(&self.shared),
             slot,
@@ -520,6 +553,7 @@ impl HostCache {
         expert: ExpertId,
         parts: Parts,
         write: bool,
+        pin_wait: Duration,
     ) -> Result<usize, TierError> {
         let shared = &*self.shared;
         shared.layout.slot_of(expert)?;
@@ -595,6 +629,15 @@ impl HostCache {
                 if transient {
                     waited = true;
                     inner = shared.wait(inner);
+                    continue;
+                }
+                // Pins held elsewhere end when their holders drop them.
+                if let Some(left) = pin_wait
+                    .checked_sub(start.elapsed())
+                    .filter(|d| !d.is_zero())
+                {
+                    waited = true;
+                    inner = shared.wait_timeout(inner, left);
                     continue;
                 }
                 return Err(TierError::AllSlotsPinned {

@@ -175,6 +175,24 @@ impl ArenaMemory {
     }
 }
 
+/// Slots of `slot_bytes` that `device_budget_bytes` holds; at least one,
+/// else the budget is too small (every device tier carves its memory so).
+pub(crate) fn slots_for_budget(
+    device_budget_bytes: u64,
+    slot_bytes: usize,
+) -> Result<usize, TierError> {
+    let slot_count = (device_budget_bytes / slot_bytes as u64) as usize;
+    if slot_count == 0 {
+        return Err(TierError::BudgetTooSmall {
+            tier: "device",
+            budget_bytes: device_budget_bytes,
+            needed_bytes: slot_bytes as u64,
+            why: "one expert's compute params",
+        });
+    }
+    Ok(slot_count)
+}
+
 /// The cpu backend's device tier: an arena in host memory, copies on two
 /// threads (upload, download) fed by bounded queues.
 pub struct CpuDeviceArena {
@@ -192,15 +210,7 @@ impl CpuDeviceArena {
         queue_len_max: usize,
     ) -> Result<Self, TierError> {
         assert!(slot_bytes > 0 && queue_len_max > 0);
-        let slot_count = (device_budget_bytes / slot_bytes as u64) as usize;
-        if slot_count == 0 {
-            return Err(TierError::BudgetTooSmall {
-                tier: "device",
-                budget_bytes: device_budget_bytes,
-                needed_bytes: slot_bytes as u64,
-                why: "one expert's compute params",
-            });
-        }
+        let slot_count = slots_for_budget(device_budget_bytes, slot_bytes)?;
         let counters = |n: usize| (0..n).map(|_| AtomicU32::new(0)).collect::<Box<[_]>>();
         let memory = Arc::new(ArenaMemory {
             buf: AlignedBuf::zeroed(slot_count * slot_bytes),

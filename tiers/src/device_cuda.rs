@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
 
-use crate::device::{CopyEvent, DeviceArena, Download, HostBytes, HostBytesMut};
+use crate::device::{slots_for_budget, CopyEvent, DeviceArena, Download, HostBytes, HostBytesMut};
 use crate::TierError;
 
 /// The GPU a context was opened on.
@@ -94,15 +94,7 @@ impl CudaDeviceArena {
         slot_bytes: usize,
     ) -> Result<Self, TierError> {
         assert!(slot_bytes > 0);
-        let slot_count = (device_budget_bytes / slot_bytes as u64) as usize;
-        if slot_count == 0 {
-            return Err(TierError::BudgetTooSmall {
-                tier: "device",
-                budget_bytes: device_budget_bytes,
-                needed_bytes: slot_bytes as u64,
-                why: "one expert's compute params",
-            });
-        }
+        let slot_count = slots_for_budget(device_budget_bytes, slot_bytes)?;
         ctx.bind_to_thread()
             .map_err(|e| copy_error("binding the CUDA context", e))?;
         let bytes = slot_count * slot_bytes;

@@ -340,3 +340,39 @@ fn budgets_and_pins_get_clear_errors() {
         .unwrap();
     assert!(matches!(err, TierError::NoSuchExpert { .. }), "{err}");
 }
+
+/// With every slot pinned, `acquire_within` waits for another thread to
+/// drop a guard (as an upload completing does) instead of failing, and
+/// still fails once its wait is over.
+#[test]
+fn an_acquire_within_waits_for_a_pin_to_be_released() {
+    let layout = layout(4);
+    let cache = HostCache::new(
+        populated(layout),
+        HostCacheConfig {
+            host_budget_bytes: 2 * layout.record_bytes(),
+            prefetch_ahead_max: 0,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    let a = cache.acquire(ExpertId::new(0, 0), Parts::Compute).unwrap();
+    let b = cache.acquire(ExpertId::new(0, 1), Parts::Compute).unwrap();
+    let short = cache.acquire_within(
+        ExpertId::new(0, 2),
+        Parts::Compute,
+        Duration::from_millis(20),
+    );
+    assert!(matches!(short, Err(TierError::AllSlotsPinned { slots: 2 })));
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(a);
+        });
+        let g = cache
+            .acquire_mut_within(ExpertId::new(0, 2), Duration::from_secs(30))
+            .unwrap();
+        drop(g);
+    });
+    drop(b);
+}

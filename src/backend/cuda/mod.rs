@@ -381,8 +381,17 @@ impl CudaBackend {
         Ok(vec![h1, h2])
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn ffn_forward(
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn expert_ffn_forward(
         &self,
         kind: ExpertKind,
         out: &mut [f32],
@@ -425,8 +434,7 @@ impl CudaBackend {
         self.download(&y, out)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn ffn_backward(
+    fn expert_ffn_backward(
         &self,
         kind: ExpertKind,
         dx: &mut [f32],
@@ -509,45 +517,5 @@ impl CudaBackend {
         self.stream
             .synchronize()
             .map_err(|e: DriverError| gpu_error("the compute stream", e))
-    }
-
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-}
-
-impl Backend for CudaBackend {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn expert_ffn_forward(
-        &self,
-        kind: ExpertKind,
-        out: &mut [f32],
-        saved: &mut ExpertSaved<f32>,
-        x: &[f32],
-        params: &[f32],
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        self.ffn_forward(kind, out, saved, x, params, n, d, f)
-    }
-
-    fn expert_ffn_backward(
-        &self,
-        kind: ExpertKind,
-        dx: &mut [f32],
-        dparams: &mut [f32],
-        dout: &[f32],
-        saved: &ExpertSaved<f32>,
-        x: &[f32],
-        params: &[f32],
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        self.ffn_backward(kind, dx, dparams, dout, saved, x, params, n, d, f)
     }
 }
