@@ -146,6 +146,115 @@ per_backend!(expert_ffn_matches_the_math, |backend, is_cuda| {
     expert_matches_reference(backend, is_cuda, tolerance);
 });
 
+/// An engine device computes each expert from the bf16 params in its slot:
+/// two experts uploaded into two slots through the device's own tier, each
+/// computed from its slot and checked against the reference fed the same
+/// bf16 params (so a wrong slot address or layout fails), within the
+/// tolerances above.
+fn device_computes_from_its_slots(kind_of_backend: strata::backend::BackendKind) {
+    use strata::backend::SlotParams;
+    use strata_tiers::{Dtype, Layout};
+    let (n, d, f) = (29, 48, 80);
+    let is_cuda = kind_of_backend == strata::backend::BackendKind::Cuda;
+    let tolerance = if is_cuda { 1e-2 } else { 1e-5 };
+    for kind in [ExpertKind::SwiGlu, ExpertKind::Gelu] {
+        let count = kind.params(d, f);
+        let layout = Layout {
+            layers: 1,
+            experts_per_layer: 2,
+            params_per_expert: count as u64,
+            compute_dtype: Dtype::Bf16,
+        };
+        let budget = 2 * layout.compute_payload_bytes();
+        let mut device = match kind_of_backend.open_device(0, budget, &layout) {
+            Ok(device) => device,
+            Err(e) => {
+                eprintln!("cuda case skipped: {e}");
+                return;
+            }
+        };
+        assert_eq!(device.arena().slot_count(), 2);
+        let experts: Vec<Vec<f32>> = (0..2)
+            .map(|e| bf16_round(&f32s(count, 10 + e, 0.15)))
+            .collect();
+        for (slot, params) in experts.iter().enumerate() {
+            let bytes: Vec<u8> = params
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect();
+            device
+                .arena()
+                .upload_htod(slot, Box::new(bytes))
+                .unwrap()
+                .wait()
+                .unwrap();
+        }
+        let x = bf16_round(&f32s(n * d, 1, 1.0));
+        let dout = bf16_round(&f32s(n * d, 3, 1.0));
+        for slot in [1, 0] {
+            let p = SlotParams::new(&layout, slot);
+            let (mut out, mut saved) = (vec![0.0; n * d], ExpertSaved::default());
+            device
+                .expert_forward(kind, &mut out, &mut saved, &x, p, n, d, f)
+                .unwrap();
+            let (mut dx, mut dparams) = (vec![0.0; n * d], vec![0.0; count]);
+            device
+                .expert_backward(kind, &mut dx, &mut dparams, &dout, &saved, &x, p, n, d, f)
+                .unwrap();
+            let rp = &experts[slot];
+            let (mut out_ref, mut saved_ref) = (vec![0.0; n * d], ExpertSaved::default());
+            expert_ffn_forward(kind, &mut out_ref, &mut saved_ref, &x, rp, n, d, f);
+            let (mut dx_ref, mut dparams_ref) = (vec![0.0; n * d], vec![0.0; count]);
+            expert_ffn_backward(
+                kind,
+                &mut dx_ref,
+                &mut dparams_ref,
+                &dout,
+                &saved_ref,
+                &x,
+                rp,
+                n,
+                d,
+                f,
+            );
+            for (what, a, b) in [
+                ("out", &out, &out_ref),
+                ("dx", &dx, &dx_ref),
+                ("dparams", &dparams, &dparams_ref),
+            ] {
+                let err = normwise(a, b);
+                eprintln!(
+                    "{} device {} slot {slot}: {what} norm-wise error {err:.2e}",
+                    device.name(),
+                    kind.name()
+                );
+                assert!(err < tolerance, "{} slot {slot} {what}: {err}", kind.name());
+            }
+        }
+    }
+}
+
+mod device_computes_from_its_slots {
+    use strata::backend::BackendKind;
+
+    #[test]
+    fn cpu() {
+        super::device_computes_from_its_slots(BackendKind::Cpu);
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda() {
+        super::device_computes_from_its_slots(BackendKind::Cuda);
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda() {
+        eprintln!("cuda case skipped: built without --features cuda");
+    }
+}
+
 /// Five engine steps with the experts on the GPU against the same on the
 /// cpu (both with bf16 compute copies). The GPU also rounds the GEMMs'
 /// activations and gradients to bf16, so the experts' gradients differ by

@@ -1,13 +1,19 @@
-//! Compute backends. A backend owns the dense math of expert compute (the
-//! GEMMs and activations of an expert FFN) on its device; the device tier
-//! (`strata_tiers::DeviceArena`) owns its memory and copies. The `cpu`
-//! backend runs everywhere and runs every test.
+//! Compute backends. A [`Backend`] is the dense math of expert compute
+//! (the GEMMs and activations of an expert FFN) on host slices; an
+//! [`ExpertDevice`] is what the engine drives: a device tier
+//! (`strata_tiers::DeviceArena`) and the expert FFN computed from the
+//! params in one of its slots. The `cpu` backend runs everywhere and runs
+//! every test.
 
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device;
 
 pub use cpu::CpuBackend;
+pub use device::{CpuExpertDevice, ExpertDevice, SlotParams};
+
+use strata_tiers::Layout;
 
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::EngineError;
@@ -78,25 +84,43 @@ impl BackendKind {
                 Ok(())
             }
             #[cfg(not(feature = "cuda"))]
-            BackendKind::Cuda => self.open(devices).map(|_| ()),
+            BackendKind::Cuda => {
+                let _ = devices;
+                Err(Self::no_cuda_feature())
+            }
         }
     }
 
-    /// The backend for device `ordinal`, or why it cannot be had.
-    pub fn open(self, ordinal: usize) -> Result<Box<dyn Backend>, EngineError> {
+    /// Device `ordinal` of this kind with `device_budget_bytes` carved into
+    /// expert slots for `layout`'s compute params, or why it cannot be had.
+    pub fn open_device(
+        self,
+        ordinal: usize,
+        device_budget_bytes: u64,
+        layout: &Layout,
+    ) -> Result<Box<dyn ExpertDevice>, EngineError> {
         match self {
-            BackendKind::Cpu => Ok(Box::new(CpuBackend)),
-            #[cfg(feature = "cuda")]
-            BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::new(ordinal)?)),
-            #[cfg(not(feature = "cuda"))]
-            BackendKind::Cuda => {
+            BackendKind::Cpu => {
                 let _ = ordinal;
-                Err(EngineError::Config(
-                    "this strata was built without the cuda feature: rebuild with \
-                     `cargo build --release --features cuda`, or use the cpu backend"
-                        .into(),
-                ))
+                Ok(Box::new(CpuExpertDevice::new(device_budget_bytes, layout)?))
             }
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => Ok(Box::new(cuda::CudaExpertDevice::new(
+                ordinal,
+                device_budget_bytes,
+                layout,
+            )?)),
+            #[cfg(not(feature = "cuda"))]
+            BackendKind::Cuda => Err(Self::no_cuda_feature()),
         }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn no_cuda_feature() -> EngineError {
+        EngineError::Config(
+            "this strata was built without the cuda feature: rebuild with \
+             `cargo build --release --features cuda`, or use the cpu backend"
+                .into(),
+        )
     }
 }

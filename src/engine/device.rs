@@ -2,11 +2,8 @@
 //! [`DeviceSlots`] saying which expert version each holds and which are
 //! pinned), what its forward kept for the backward, and its counters.
 
-use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
-
-use crate::backend::Backend;
+use crate::backend::ExpertDevice;
 use crate::math::ExpertSaved;
-use crate::EngineError;
 
 /// Per-step counters of one device.
 #[derive(Default)]
@@ -124,68 +121,27 @@ impl DeviceSlots {
 
 /// One device worker's state.
 pub(crate) struct DeviceState {
-    /// Computes the experts this device runs.
-    pub backend: Box<dyn Backend>,
-    pub arena: CpuDeviceArena,
+    /// Its expert slots and the experts' compute on them.
+    pub device: Box<dyn ExpertDevice>,
     pub slots: DeviceSlots,
     /// [layer][expert] what this device's forward kept for the backward.
     pub saved: Vec<Vec<ExpertSaved<f32>>>,
     /// [layer][expert] the input rows of the experts this device computed
     /// for other devices' tokens too (exchange runs only).
     pub saved_x: Vec<Vec<Vec<f32>>>,
-    /// The f32 params of the expert being computed (reused every pass).
-    pub params_scratch: Vec<f32>,
     pub acc: Accumulators,
 }
 
 impl DeviceState {
-    pub fn new(
-        backend: Box<dyn Backend>,
-        device_budget_bytes: u64,
-        layout: &Layout,
-        layers: usize,
-        experts: usize,
-    ) -> Result<Self, EngineError> {
-        let slot_bytes = layout.compute_payload_bytes() as usize;
-        let arena = CpuDeviceArena::new(device_budget_bytes, slot_bytes, 64)?;
-        let slots = DeviceSlots::new(arena.slot_count(), layers * experts);
-        Ok(Self {
-            backend,
-            arena,
+    pub fn new(device: Box<dyn ExpertDevice>, layers: usize, experts: usize) -> Self {
+        let slots = DeviceSlots::new(device.arena().slot_count(), layers * experts);
+        Self {
+            device,
             slots,
             saved: vec![vec![ExpertSaved::default(); experts]; layers],
             saved_x: vec![vec![Vec::new(); experts]; layers],
-            params_scratch: Vec::with_capacity(layout.params_per_expert as usize),
             acc: Accumulators::new(layers, experts),
-        })
-    }
-
-    /// Writes the compute params in a device slot into `out` as f32
-    /// (widened from bf16/f16), reusing `out`'s allocation.
-    pub fn read_params(
-        &self,
-        layout: &Layout,
-        slot: usize,
-        out: &mut Vec<f32>,
-    ) -> Result<(), EngineError> {
-        let view = self.arena.view(slot)?;
-        let n = layout.params_per_expert as usize;
-        let bytes = &view.bytes()[..layout.compute_payload_bytes() as usize];
-        out.clear();
-        match layout.compute_dtype {
-            Dtype::F32 => out.extend_from_slice(&bytemuck::cast_slice::<u8, f32>(bytes)[..n]),
-            Dtype::Bf16 => out.extend(
-                bytemuck::cast_slice::<u8, half::bf16>(bytes)
-                    .iter()
-                    .map(|x| x.to_f32()),
-            ),
-            Dtype::F16 => out.extend(
-                bytemuck::cast_slice::<u8, half::f16>(bytes)
-                    .iter()
-                    .map(|x| x.to_f32()),
-            ),
         }
-        Ok(())
     }
 }
 

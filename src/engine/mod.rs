@@ -240,15 +240,13 @@ impl Engine {
         )?;
         let devices = (0..config.devices)
             .map(|ordinal| {
-                DeviceState::new(
-                    config.backend.open(ordinal)?,
-                    config.device_budget_bytes,
-                    &layout,
-                    model.layers,
-                    model.experts,
-                )
+                let device =
+                    config
+                        .backend
+                        .open_device(ordinal, config.device_budget_bytes, &layout)?;
+                Ok(DeviceState::new(device, model.layers, model.experts))
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, EngineError>>()?;
         let slots = devices[0].slots.slot_count();
         let overlapped = config.schedule == ScheduleKind::ExpertWise && slots >= 2;
         cache.set_schedule(access_schedule(&model, overlapped));

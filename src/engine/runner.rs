@@ -12,12 +12,13 @@
 
 use std::time::Instant;
 
-use strata_tiers::{CopyEvent, DeviceArena, ExpertId, Parts};
+use strata_tiers::{CopyEvent, ExpertId, Parts};
 
 use super::device::DeviceState;
 use super::shared::SharedExperts;
 use super::ScheduleKind;
 
+use crate::backend::SlotParams;
 use crate::math::{gather_forward, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
@@ -81,7 +82,7 @@ impl DeviceRunner<'_> {
             shared.acquire(|cache, wait| cache.acquire_within(id, Parts::Compute, wait))?;
         acc.stall_optimizer_s += waited;
         let slot = self.dev.slots.claim(key, version, protect);
-        let upload = self.dev.arena.upload_htod(slot, Box::new(guard))?;
+        let upload = self.dev.device.arena().upload_htod(slot, Box::new(guard))?;
         acc.bytes_host_to_device += shared.layout.compute_payload_bytes();
         if shared.schedule == ScheduleKind::Naive {
             let t0 = Instant::now();
@@ -106,7 +107,7 @@ impl DeviceRunner<'_> {
         &mut self,
         layer: usize,
         order: &[usize],
-        mut compute: impl FnMut(&mut Self, usize, &[f32]) -> Result<(), EngineError>,
+        mut compute: impl FnMut(&mut Self, usize, SlotParams) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
         let overlap = self.overlapped();
         let mut next = match order.first() {
@@ -123,15 +124,8 @@ impl DeviceRunner<'_> {
                 upload.wait()?;
                 self.dev.acc.stall_upload_s += t0.elapsed().as_secs_f64();
             }
-            // One params buffer for every expert pass, lent out of the
-            // device while `compute` borrows the runner.
-            let mut params = std::mem::take(&mut self.dev.params_scratch);
-            let computed = self
-                .dev
-                .read_params(&self.shared.layout, current.slot, &mut params)
-                .and_then(|()| compute(self, current.expert, &params));
-            self.dev.params_scratch = params;
-            computed?;
+            let params = SlotParams::new(&self.shared.layout, current.slot);
+            compute(self, current.expert, params)?;
             if next.is_none() && i + 1 < order.len() {
                 next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
             }
@@ -145,7 +139,7 @@ impl DeviceRunner<'_> {
         layer: usize,
         expert: usize,
         xe: &[f32],
-        params: &[f32],
+        params: SlotParams,
     ) -> Result<Vec<f32>, EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let n = xe.len() / d;
@@ -156,7 +150,7 @@ impl DeviceRunner<'_> {
         }
         let t0 = Instant::now();
         let saved = &mut self.dev.saved[layer][expert];
-        self.dev.backend.expert_ffn_forward(
+        self.dev.device.expert_forward(
             self.model.expert_kind,
             &mut ye,
             saved,
@@ -183,14 +177,14 @@ impl DeviceRunner<'_> {
         expert: usize,
         xe: &[f32],
         dye: &[f32],
-        params: &[f32],
+        params: SlotParams,
         last_micro_batch: bool,
     ) -> Result<Vec<f32>, EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let kind = self.model.expert_kind;
         let n = xe.len() / d;
         let key = self.key(layer, expert);
-        let mut grad = vec![0.0f32; params.len()];
+        let mut grad = vec![0.0f32; params.count];
         let mut dxe = vec![0.0f32; n * d];
         self.dev.acc.assignments_computed += n as u64;
         if !self.options.skip_expert_compute {
@@ -198,12 +192,12 @@ impl DeviceRunner<'_> {
             let saved = &mut self.dev.saved[layer][expert];
             if self.options.recompute_hidden {
                 let mut scratch = vec![0.0f32; n * d];
-                let backend = &self.dev.backend;
-                backend.expert_ffn_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
+                let device = &mut self.dev.device;
+                device.expert_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
             }
             self.dev
-                .backend
-                .expert_ffn_backward(kind, &mut dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
+                .device
+                .expert_backward(kind, &mut dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
         self.dev.acc.bytes_device_to_host += 4 * grad.len() as u64;

@@ -2,27 +2,30 @@
 //! accumulation, NVRTC-compiled kernels for the rest (`kernels.cu`, each
 //! mirroring a CPU function), on one compute stream of the GPU.
 //!
-//! Status: the expert FFN (forward and backward, SwiGLU and GELU), a dense
-//! AdamW and the dense layers' kernels (`dense.rs`) run here; as a [`Backend`] the expert FFN takes and returns
-//! host slices (inputs uploaded, results downloaded each call). The engine
-//! still computes on the cpu backend; wiring this backend and the GPU
-//! device tier into the step is the next step.
+//! The expert FFN (`expert.rs`) runs here two ways: as a [`Backend`] on
+//! host slices, and as the engine's [`super::ExpertDevice`]
+//! ([`CudaExpertDevice`]), reading each expert's bf16 params in place from
+//! its slot of the GPU device tier. The dense layers' kernels (`dense.rs`)
+//! and a dense AdamW are here and tested; the engine still runs the dense
+//! layers on the cpu.
 
 mod dense;
+mod expert;
+
+pub use expert::CudaExpertDevice;
 
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+    sys::CUdeviceptr, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use strata_optim::StepScalars;
 use strata_tiers::device_cuda::{open_gpu, GpuInfo};
 
-use super::Backend;
-use crate::math::{ExpertKind, ExpertSaved};
+use crate::math::ExpertKind;
 use crate::EngineError;
 
 const KERNELS: &str = include_str!("kernels.cu");
@@ -131,45 +134,57 @@ impl CudaBackend {
 
     /// bf16 copy of `x` (round to nearest even, as `half::bf16::from_f32`).
     fn to_bf16(&self, x: &CudaSlice<f32>) -> Result<CudaSlice<u16>, EngineError> {
-        let n = x.len();
+        let (ptr, _read) = x.device_ptr(&self.stream);
+        // SAFETY: `x` holds x.len() f32 and stays alive (and unwritten)
+        // while the conversion, queued on this stream, reads it.
+        unsafe { self.to_bf16_raw(ptr, x.len()) }
+    }
+
+    /// bf16 copy of the `n` f32 at device address `x`.
+    ///
+    /// # Safety
+    /// `x` addresses `n` f32 of this context's memory that nothing writes
+    /// until the compute stream has run the conversion.
+    unsafe fn to_bf16_raw(&self, x: CUdeviceptr, n: usize) -> Result<CudaSlice<u16>, EngineError> {
         let mut y = self
             .stream
             .alloc_zeros::<u16>(n)
             .map_err(|e| gpu_error("allocating GPU memory", e))?;
         let n32 = n as u32;
         let mut launch = self.stream.launch_builder(&self.f.f32_to_bf16);
-        launch.arg(x).arg(&mut y).arg(&n32);
-        // SAFETY: the kernel reads n f32 of `x` and writes n u16 of `y`,
-        // both allocated with n elements.
+        launch.arg(&x).arg(&mut y).arg(&n32);
+        // SAFETY: the kernel reads n f32 at `x` (the caller's contract) and
+        // writes n u16 of `y`, allocated with n elements.
         unsafe { launch.launch(Self::launch_config(n)) }
             .map_err(|e| gpu_error("f32_to_bf16", e))?;
         Ok(y)
     }
 
-    /// `c (M, N) = beta·c + a (M, K) · b (N, K)ᵀ` (row-major), bf16 inputs,
-    /// f32 accumulation and output. `trans` picks the other products the
-    /// backward needs; see `linear_*` below.
+    /// Column-major `c (m×n) = op(a)·op(b) + beta·c` (cublasGemmEx), bf16
+    /// `a` and `b`, f32 accumulation and `c`; `linear_*` below turn the
+    /// row-major products the FFN needs into this.
+    ///
+    /// # Safety
+    /// `a`, `b` and `c` address device memory of this context holding the
+    /// matrices `dims` and the leading dimensions describe, alive and not
+    /// written by another stream until this stream has run the product.
     #[allow(clippy::too_many_arguments)]
-    fn gemm(
+    unsafe fn gemm(
         &self,
         transa: blas_sys::cublasOperation_t,
         transb: blas_sys::cublasOperation_t,
         dims: (usize, usize, usize),
-        a: &CudaSlice<u16>,
+        a: CUdeviceptr,
         lda: usize,
-        b: &CudaSlice<u16>,
+        b: CUdeviceptr,
         ldb: usize,
         beta: f32,
-        c: &mut CudaSlice<f32>,
+        c: CUdeviceptr,
         ldc: usize,
     ) -> Result<(), EngineError> {
         let (m, n, k) = dims;
         let alpha = 1.0f32;
-        let (a_ptr, _ra) = a.device_ptr(&self.stream);
-        let (b_ptr, _rb) = b.device_ptr(&self.stream);
-        let (c_ptr, _rc) = c.device_ptr_mut(&self.stream);
-        // SAFETY: the pointers address live allocations whose sizes the
-        // callers derive from the same dims and leading dimensions;
+        // SAFETY: the pointers are valid per this function's contract;
         // alpha and beta point to host f32s alive for the call.
         unsafe {
             blas::gemm_ex(
@@ -180,14 +195,14 @@ impl CudaBackend {
                 n as i32,
                 k as i32,
                 (&alpha as *const f32).cast(),
-                a_ptr as *const _,
+                a as *const _,
                 blas_sys::cudaDataType::CUDA_R_16BF,
                 lda as i32,
-                b_ptr as *const _,
+                b as *const _,
                 blas_sys::cudaDataType::CUDA_R_16BF,
                 ldb as i32,
                 (&beta as *const f32).cast(),
-                c_ptr as *mut _,
+                c as *mut _,
                 blas_sys::cudaDataType::CUDA_R_32F,
                 ldc as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -197,67 +212,90 @@ impl CudaBackend {
         .map_err(|e| gpu_error("cublasGemmEx", e))
     }
 
-    /// out (M, N) = x (M, K) · w (N, K)ᵀ. Column-major, that is outᵀ =
-    /// w·xᵀ: op(A) = wᵀ-stored-as-(K×N) transposed, op(B) = x as (K×M).
-    fn linear_forward(
+    /// out (M, N) = x (M, K) · w (N, K)ᵀ, `w` the bf16 weights at a device
+    /// address. Column-major, that is outᵀ = w·xᵀ: op(A) = w-stored-as-
+    /// (K×N) transposed, op(B) = x as (K×M).
+    ///
+    /// # Safety
+    /// `w` addresses N·K bf16 that nothing writes until this stream has
+    /// run the product.
+    unsafe fn linear_forward(
         &self,
         out: &mut CudaSlice<f32>,
         x: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
+        w: CUdeviceptr,
         s: Shape,
     ) -> Result<(), EngineError> {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        self.gemm(
-            CUBLAS_OP_T,
-            CUBLAS_OP_N,
-            (s.n, s.m, s.k),
-            w,
-            s.k,
-            x,
-            s.k,
-            0.0,
-            out,
-            s.n,
-        )
+        assert!(out.len() == s.m * s.n && x.len() == s.m * s.k);
+        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (out_ptr, _wo) = out.device_ptr_mut(&self.stream);
+        // SAFETY: out and x hold the asserted sizes; `w` per the contract.
+        unsafe {
+            self.gemm(
+                CUBLAS_OP_T,
+                CUBLAS_OP_N,
+                (s.n, s.m, s.k),
+                w,
+                s.k,
+                x_ptr,
+                s.k,
+                0.0,
+                out_ptr,
+                s.n,
+            )
+        }
     }
 
     /// dx (M, K) += dout (M, N) · w (N, K); dw (N, K) += doutᵀ · x.
-    fn linear_backward(
+    ///
+    /// # Safety
+    /// As [`Self::linear_forward`] for `w`.
+    unsafe fn linear_backward(
         &self,
         dx: &mut CudaSlice<f32>,
         dw: &mut CudaSlice<f32>,
         dout: &CudaSlice<u16>,
         x: &CudaSlice<u16>,
-        w: &CudaSlice<u16>,
+        w: CUdeviceptr,
         s: Shape,
     ) -> Result<(), EngineError> {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        // dxᵀ (K×M) = w-as-(K×N) · doutᵀ-as-(N×M)
-        self.gemm(
-            CUBLAS_OP_N,
-            CUBLAS_OP_N,
-            (s.k, s.m, s.n),
-            w,
-            s.k,
-            dout,
-            s.n,
-            1.0,
-            dx,
-            s.k,
-        )?;
-        // dwᵀ (K×N) = x-as-(K×M) · (doutᵀ-as-(N×M))ᵀ
-        self.gemm(
-            CUBLAS_OP_N,
-            CUBLAS_OP_T,
-            (s.k, s.n, s.m),
-            x,
-            s.k,
-            dout,
-            s.n,
-            1.0,
-            dw,
-            s.k,
-        )
+        assert!(dx.len() == s.m * s.k && dw.len() == s.n * s.k);
+        assert!(dout.len() == s.m * s.n && x.len() == s.m * s.k);
+        let (dout_ptr, _rd) = dout.device_ptr(&self.stream);
+        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
+        let (dw_ptr, _wdw) = dw.device_ptr_mut(&self.stream);
+        // SAFETY: every buffer holds the asserted size; `w` per the
+        // contract. dxᵀ (K×M) = w-as-(K×N) · doutᵀ-as-(N×M), then
+        // dwᵀ (K×N) = x-as-(K×M) · (doutᵀ-as-(N×M))ᵀ.
+        unsafe {
+            self.gemm(
+                CUBLAS_OP_N,
+                CUBLAS_OP_N,
+                (s.k, s.m, s.n),
+                w,
+                s.k,
+                dout_ptr,
+                s.n,
+                1.0,
+                dx_ptr,
+                s.k,
+            )?;
+            self.gemm(
+                CUBLAS_OP_N,
+                CUBLAS_OP_T,
+                (s.k, s.n, s.m),
+                x_ptr,
+                s.k,
+                dout_ptr,
+                s.n,
+                1.0,
+                dw_ptr,
+                s.k,
+            )
+        }
     }
 
     fn elementwise(
@@ -383,139 +421,5 @@ impl CudaBackend {
 
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
-    }
-}
-
-impl Backend for CudaBackend {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn expert_ffn_forward(
-        &self,
-        kind: ExpertKind,
-        out: &mut [f32],
-        saved: &mut ExpertSaved<f32>,
-        x: &[f32],
-        params: &[f32],
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        let xb = self.to_bf16(&self.upload(x)?)?;
-        let w1 = self.to_bf16(&self.upload(&params[..f * d])?)?;
-        let w2 = self.to_bf16(&self.upload(&params[params.len() - d * f..])?)?;
-        let mut a = self.zeros(n * f)?;
-        self.linear_forward(&mut a, &xb, &w1, Shape { m: n, k: d, n: f })?;
-        let mut h = self.zeros(n * f)?;
-        match kind {
-            ExpertKind::SwiGlu => {
-                let w3 = self.to_bf16(&self.upload(&params[f * d..2 * f * d])?)?;
-                let mut b = self.zeros(n * f)?;
-                self.linear_forward(&mut b, &xb, &w3, Shape { m: n, k: d, n: f })?;
-                self.elementwise(
-                    &self.f.swiglu_forward,
-                    "swiglu_forward",
-                    &[&a, &b],
-                    &mut [&mut h],
-                )?;
-                saved.b.resize(n * f, 0.0);
-                self.download(&b, &mut saved.b)?;
-            }
-            ExpertKind::Gelu => {
-                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
-                saved.b.clear();
-            }
-        }
-        let mut y = self.zeros(n * d)?;
-        self.linear_forward(&mut y, &self.to_bf16(&h)?, &w2, Shape { m: n, k: f, n: d })?;
-        saved.a.resize(n * f, 0.0);
-        self.download(&a, &mut saved.a)?;
-        self.download(&y, out)
-    }
-
-    fn expert_ffn_backward(
-        &self,
-        kind: ExpertKind,
-        dx: &mut [f32],
-        dparams: &mut [f32],
-        dout: &[f32],
-        saved: &ExpertSaved<f32>,
-        x: &[f32],
-        params: &[f32],
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        let xb = self.to_bf16(&self.upload(x)?)?;
-        let doutb = self.to_bf16(&self.upload(dout)?)?;
-        let w1 = self.to_bf16(&self.upload(&params[..f * d])?)?;
-        let w2 = self.to_bf16(&self.upload(&params[params.len() - d * f..])?)?;
-        let a = self.upload(&saved.a)?;
-        let mut h = self.zeros(n * f)?;
-        let b = match kind {
-            ExpertKind::SwiGlu => {
-                let b = self.upload(&saved.b)?;
-                self.elementwise(
-                    &self.f.swiglu_forward,
-                    "swiglu_forward",
-                    &[&a, &b],
-                    &mut [&mut h],
-                )?;
-                Some(b)
-            }
-            ExpertKind::Gelu => {
-                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
-                None
-            }
-        };
-        let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
-        let in_len = dparams.len() - d * f;
-        let mut dhidden = self.zeros(n * f)?;
-        // Each weight's gradient accumulates in a buffer of its own.
-        let mut dw2 = self.upload(&dparams[in_len..])?;
-        self.linear_backward(
-            &mut dhidden,
-            &mut dw2,
-            &doutb,
-            &self.to_bf16(&h)?,
-            &w2,
-            Shape { m: n, k: f, n: d },
-        )?;
-        let mut da = self.zeros(n * f)?;
-        let mut dw1 = self.upload(&dparams[..f * d])?;
-        match (kind, b) {
-            (ExpertKind::SwiGlu, Some(b)) => {
-                let mut db = self.zeros(n * f)?;
-                self.elementwise(
-                    &self.f.swiglu_backward,
-                    "swiglu_backward",
-                    &[&a, &b, &dhidden],
-                    &mut [&mut da, &mut db],
-                )?;
-                let w3 = self.to_bf16(&self.upload(&params[f * d..2 * f * d])?)?;
-                let mut dw3 = self.upload(&dparams[f * d..2 * f * d])?;
-                let s = Shape { m: n, k: d, n: f };
-                self.linear_backward(&mut ddx, &mut dw1, &self.to_bf16(&da)?, &xb, &w1, s)?;
-                self.linear_backward(&mut ddx, &mut dw3, &self.to_bf16(&db)?, &xb, &w3, s)?;
-                self.download(&dw3, &mut dparams[f * d..2 * f * d])?;
-            }
-            _ => {
-                self.elementwise(
-                    &self.f.gelu_backward,
-                    "gelu_backward",
-                    &[&a, &dhidden],
-                    &mut [&mut da],
-                )?;
-                let s = Shape { m: n, k: d, n: f };
-                self.linear_backward(&mut ddx, &mut dw1, &self.to_bf16(&da)?, &xb, &w1, s)?;
-            }
-        }
-        self.download(&dw1, &mut dparams[..f * d])?;
-        self.download(&dw2, &mut dparams[in_len..])?;
-        self.download(&ddx, dx)?;
-        self.stream
-            .synchronize()
-            .map_err(|e: DriverError| gpu_error("the compute stream", e))
     }
 }

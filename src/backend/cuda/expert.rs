@@ -1,0 +1,356 @@
+//! The expert FFN on the GPU (SwiGLU and GELU, forward and backward):
+//! cuBLAS bf16 GEMMs with f32 accumulation and the activation kernels,
+//! reading the expert's bf16 weights at a device address. Two callers:
+//! the host-slice [`Backend`] (params uploaded per call, what the tests
+//! compare with the CPU math) and [`CudaExpertDevice`], the engine's device,
+//! whose weights are already in a slot of its GPU device tier.
+//!
+//! Ordering: the engine waits for a slot's upload event before it calls
+//! into the slot, so the upload stream has finished writing it; and every
+//! call here ends by copying its results to host memory, which waits for
+//! the compute stream, so the slot is no longer read when the call
+//! returns and the engine may start the next upload into it.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DriverError};
+use strata_tiers::device_cuda::CudaDeviceArena;
+use strata_tiers::{DeviceArena, Dtype, Layout};
+
+use super::{gpu_error, CudaBackend, Shape};
+use crate::backend::{Backend, ExpertDevice, SlotParams};
+use crate::math::{ExpertKind, ExpertSaved};
+use crate::EngineError;
+
+/// Device addresses of an expert's bf16 weights: w1 (F, D), w3 (F, D;
+/// SwiGLU only), w2 (D, F).
+#[derive(Clone, Copy)]
+struct Weights {
+    w1: CUdeviceptr,
+    w3: CUdeviceptr,
+    w2: CUdeviceptr,
+}
+
+impl Weights {
+    /// The weights of a `kind` expert whose `count` bf16 params start at
+    /// `base` (laid out as `math::ExpertKind` does).
+    fn at(base: CUdeviceptr, count: usize, d: usize, f: usize) -> Self {
+        let bf16 = |elements: usize| (2 * elements) as u64;
+        Self {
+            w1: base,
+            w3: base + bf16(f * d),
+            w2: base + bf16(count - d * f),
+        }
+    }
+}
+
+impl CudaBackend {
+    /// # Safety
+    /// `w` addresses the expert's weights (see [`Weights`]), alive and
+    /// unwritten until this call returns.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn ffn_forward(
+        &self,
+        kind: ExpertKind,
+        out: &mut [f32],
+        saved: &mut ExpertSaved<f32>,
+        x: &[f32],
+        w: Weights,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        let xb = self.to_bf16(&self.upload(x)?)?;
+        let mut a = self.zeros(n * f)?;
+        let mut h = self.zeros(n * f)?;
+        let up = Shape { m: n, k: d, n: f };
+        // SAFETY: the weights per this function's
+        // contract; every other operand is allocated here from n, d, f.
+        unsafe { self.linear_forward(&mut a, &xb, w.w1, up)? };
+        match kind {
+            ExpertKind::SwiGlu => {
+                let mut b = self.zeros(n * f)?;
+                // SAFETY: w3 per the contract; b and xb sized here.
+                unsafe { self.linear_forward(&mut b, &xb, w.w3, up)? };
+                self.elementwise(
+                    &self.f.swiglu_forward,
+                    "swiglu_forward",
+                    &[&a, &b],
+                    &mut [&mut h],
+                )?;
+                saved.b.resize(n * f, 0.0);
+                self.download(&b, &mut saved.b)?;
+            }
+            ExpertKind::Gelu => {
+                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
+                saved.b.clear();
+            }
+        }
+        let mut y = self.zeros(n * d)?;
+        let hb = self.to_bf16(&h)?;
+        // SAFETY: w2 per the contract; y and hb sized here.
+        unsafe { self.linear_forward(&mut y, &hb, w.w2, Shape { m: n, k: f, n: d })? };
+        saved.a.resize(n * f, 0.0);
+        self.download(&a, &mut saved.a)?;
+        self.download(&y, out)
+    }
+
+    /// # Safety
+    /// As [`Self::ffn_forward`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn ffn_backward(
+        &self,
+        kind: ExpertKind,
+        dx: &mut [f32],
+        dparams: &mut [f32],
+        dout: &[f32],
+        saved: &ExpertSaved<f32>,
+        x: &[f32],
+        w: Weights,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        let xb = self.to_bf16(&self.upload(x)?)?;
+        let doutb = self.to_bf16(&self.upload(dout)?)?;
+        let a = self.upload(&saved.a)?;
+        let mut h = self.zeros(n * f)?;
+        let b = match kind {
+            ExpertKind::SwiGlu => {
+                let b = self.upload(&saved.b)?;
+                self.elementwise(
+                    &self.f.swiglu_forward,
+                    "swiglu_forward",
+                    &[&a, &b],
+                    &mut [&mut h],
+                )?;
+                Some(b)
+            }
+            ExpertKind::Gelu => {
+                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
+                None
+            }
+        };
+        let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
+        let in_len = dparams.len() - d * f;
+        let mut dhidden = self.zeros(n * f)?;
+        // Each weight's gradient accumulates in a buffer of its own.
+        let mut dw2 = self.upload(&dparams[in_len..])?;
+        let hb = self.to_bf16(&h)?;
+        let down = Shape { m: n, k: f, n: d };
+        // SAFETY: the weights per this function's contract;
+        // every other operand is allocated here from n, d, f.
+        unsafe { self.linear_backward(&mut dhidden, &mut dw2, &doutb, &hb, w.w2, down)? };
+        let mut da = self.zeros(n * f)?;
+        let mut dw1 = self.upload(&dparams[..f * d])?;
+        let up = Shape { m: n, k: d, n: f };
+        match (kind, b) {
+            (ExpertKind::SwiGlu, Some(b)) => {
+                let mut db = self.zeros(n * f)?;
+                self.elementwise(
+                    &self.f.swiglu_backward,
+                    "swiglu_backward",
+                    &[&a, &b, &dhidden],
+                    &mut [&mut da, &mut db],
+                )?;
+                let mut dw3 = self.upload(&dparams[f * d..2 * f * d])?;
+                let (dab, dbb) = (self.to_bf16(&da)?, self.to_bf16(&db)?);
+                // SAFETY: w1 and w3 per the contract; the rest sized here.
+                unsafe {
+                    self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up)?;
+                    self.linear_backward(&mut ddx, &mut dw3, &dbb, &xb, w.w3, up)?;
+                }
+                self.download(&dw3, &mut dparams[f * d..2 * f * d])?;
+            }
+            _ => {
+                self.elementwise(
+                    &self.f.gelu_backward,
+                    "gelu_backward",
+                    &[&a, &dhidden],
+                    &mut [&mut da],
+                )?;
+                let dab = self.to_bf16(&da)?;
+                // SAFETY: w1 per the contract; the rest sized here.
+                unsafe { self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up)? };
+            }
+        }
+        self.download(&dw1, &mut dparams[..f * d])?;
+        self.download(&dw2, &mut dparams[in_len..])?;
+        self.download(&ddx, dx)?;
+        self.stream
+            .synchronize()
+            .map_err(|e: DriverError| gpu_error("the compute stream", e))
+    }
+
+    /// The params uploaded and rounded to bf16 (the host-slice path).
+    fn upload_params(&self, params: &[f32]) -> Result<CudaSlice<u16>, EngineError> {
+        self.to_bf16(&self.upload(params)?)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn expert_ffn_forward(
+        &self,
+        kind: ExpertKind,
+        out: &mut [f32],
+        saved: &mut ExpertSaved<f32>,
+        x: &[f32],
+        params: &[f32],
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(params.len(), kind.params(d, f));
+        let wb = self.upload_params(params)?;
+        let (base, _read) = wb.device_ptr(&self.stream);
+        let w = Weights::at(base, params.len(), d, f);
+        // SAFETY: `wb` holds the params and lives past the call, which
+        // waits for the compute stream before returning.
+        unsafe { self.ffn_forward(kind, out, saved, x, w, n, d, f) }
+    }
+
+    fn expert_ffn_backward(
+        &self,
+        kind: ExpertKind,
+        dx: &mut [f32],
+        dparams: &mut [f32],
+        dout: &[f32],
+        saved: &ExpertSaved<f32>,
+        x: &[f32],
+        params: &[f32],
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(params.len(), kind.params(d, f));
+        assert_eq!(dparams.len(), params.len());
+        let wb = self.upload_params(params)?;
+        let (base, _read) = wb.device_ptr(&self.stream);
+        let w = Weights::at(base, params.len(), d, f);
+        // SAFETY: as in the forward.
+        unsafe { self.ffn_backward(kind, dx, dparams, dout, saved, x, w, n, d, f) }
+    }
+}
+
+/// One GPU as the engine's device: its device tier ([`CudaDeviceArena`],
+/// uploads on their own stream) and the expert FFN reading each expert's
+/// params in place from its slot, on the compute stream.
+pub struct CudaExpertDevice {
+    backend: CudaBackend,
+    arena: CudaDeviceArena,
+}
+
+impl CudaExpertDevice {
+    /// Opens GPU `ordinal` with `device_budget_bytes` of it carved into
+    /// expert slots for `layout`'s compute params (bf16, or f32 rounded to
+    /// bf16 per call).
+    pub fn new(
+        ordinal: usize,
+        device_budget_bytes: u64,
+        layout: &Layout,
+    ) -> Result<Self, EngineError> {
+        if layout.compute_dtype == Dtype::F16 {
+            return Err(EngineError::Config(
+                "the cuda backend computes from bf16 (or f32) expert params; \
+                 use --compute-dtype bf16, or the cpu backend for f16"
+                    .into(),
+            ));
+        }
+        let backend = CudaBackend::new(ordinal)?;
+        let arena = CudaDeviceArena::new(
+            Arc::clone(backend.context()),
+            device_budget_bytes,
+            layout.compute_payload_bytes() as usize,
+        )?;
+        Ok(Self { backend, arena })
+    }
+
+    pub fn backend(&self) -> &CudaBackend {
+        &self.backend
+    }
+
+    /// Runs `body` on the weights of the expert in `p`'s slot: in place
+    /// when they are bf16, else through a bf16 copy made on the compute
+    /// stream.
+    fn with_weights(
+        &self,
+        p: SlotParams,
+        d: usize,
+        f: usize,
+        body: impl FnOnce(Weights) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        self.backend
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| gpu_error("binding the CUDA context", e))?;
+        let slot = self.arena.slot_ptr(p.slot);
+        match p.dtype {
+            Dtype::Bf16 => body(Weights::at(slot, p.count, d, f)),
+            Dtype::F32 => {
+                // SAFETY: the slot holds the expert's `count` f32 params
+                // (its upload has completed, see the module notes) and is
+                // not written while the engine computes from it.
+                let wb = unsafe { self.backend.to_bf16_raw(slot, p.count)? };
+                let (base, _read) = wb.device_ptr(&self.backend.stream);
+                body(Weights::at(base, p.count, d, f))
+            }
+            Dtype::F16 => unreachable!("refused when the device was opened"),
+        }
+    }
+}
+
+impl ExpertDevice for CudaExpertDevice {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn arena(&self) -> &dyn DeviceArena {
+        &self.arena
+    }
+
+    fn expert_forward(
+        &mut self,
+        kind: ExpertKind,
+        out: &mut [f32],
+        saved: &mut ExpertSaved<f32>,
+        x: &[f32],
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(params.count, kind.params(d, f));
+        let backend = &self.backend;
+        self.with_weights(params, d, f, |w| {
+            // SAFETY: `w` addresses the slot's expert (or its bf16 copy),
+            // which stays unwritten until this call returns.
+            unsafe { backend.ffn_forward(kind, out, saved, x, w, n, d, f) }
+        })
+    }
+
+    fn expert_backward(
+        &mut self,
+        kind: ExpertKind,
+        dx: &mut [f32],
+        dparams: &mut [f32],
+        dout: &[f32],
+        saved: &ExpertSaved<f32>,
+        x: &[f32],
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(params.count, kind.params(d, f));
+        assert_eq!(dparams.len(), params.count);
+        let backend = &self.backend;
+        self.with_weights(params, d, f, |w| {
+            // SAFETY: as in the forward.
+            unsafe { backend.ffn_backward(kind, dx, dparams, dout, saved, x, w, n, d, f) }
+        })
+    }
+}

@@ -1,0 +1,160 @@
+//! A compute device as the engine drives it: its device tier (an arena of
+//! expert slots, filled by asynchronous uploads) together with the expert
+//! FFN computed from the params in a slot, where they lie. The cpu device
+//! widens a slot's params into one reused f32 buffer and runs
+//! [`CpuBackend`]; the cuda device (`cuda/expert.rs`) points cuBLAS at the
+//! slot in GPU memory.
+
+use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
+
+use super::{Backend, CpuBackend};
+use crate::math::{ExpertKind, ExpertSaved};
+use crate::EngineError;
+
+/// An expert's compute params in a device slot: `count` values of `dtype`
+/// from the slot's start (w1, w3, w2 as `math::ExpertKind` lays them out).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotParams {
+    pub slot: usize,
+    pub dtype: Dtype,
+    pub count: usize,
+}
+
+impl SlotParams {
+    pub fn new(layout: &Layout, slot: usize) -> Self {
+        Self {
+            slot,
+            dtype: layout.compute_dtype,
+            count: layout.params_per_expert as usize,
+        }
+    }
+}
+
+/// One compute device: its expert slots and the expert FFN on them. The
+/// engine uploads an expert into a slot through [`ExpertDevice::arena`],
+/// waits for the copy's event, then computes from the slot; each call
+/// returns with its results in host memory and its reads of the slot
+/// done, so the slot may be refilled at once.
+pub trait ExpertDevice: Send {
+    fn name(&self) -> &'static str;
+
+    /// This device's tier of expert slots.
+    fn arena(&self) -> &dyn DeviceArena;
+
+    /// out (n, D) = expert(x (n, D)) with the params in `params`' slot.
+    #[allow(clippy::too_many_arguments)]
+    fn expert_forward(
+        &mut self,
+        kind: ExpertKind,
+        out: &mut [f32],
+        saved: &mut ExpertSaved<f32>,
+        x: &[f32],
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError>;
+
+    /// dx (n, D) = …, dparams (`params.count` f32) += … (dx is overwritten).
+    #[allow(clippy::too_many_arguments)]
+    fn expert_backward(
+        &mut self,
+        kind: ExpertKind,
+        dx: &mut [f32],
+        dparams: &mut [f32],
+        dout: &[f32],
+        saved: &ExpertSaved<f32>,
+        x: &[f32],
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError>;
+}
+
+/// The cpu device: slots in host memory ([`CpuDeviceArena`]), experts
+/// computed by [`CpuBackend`] on the slot's params widened to f32.
+pub struct CpuExpertDevice {
+    arena: CpuDeviceArena,
+    /// The widened params of the expert being computed (reused).
+    params: Vec<f32>,
+}
+
+/// Copies in flight the cpu device's copy queues hold.
+const CPU_COPIES_MAX: usize = 64;
+
+impl CpuExpertDevice {
+    /// Carves `device_budget_bytes` into slots of one expert's compute
+    /// params each.
+    pub fn new(device_budget_bytes: u64, layout: &Layout) -> Result<Self, EngineError> {
+        let slot_bytes = layout.compute_payload_bytes() as usize;
+        Ok(Self {
+            arena: CpuDeviceArena::new(device_budget_bytes, slot_bytes, CPU_COPIES_MAX)?,
+            params: Vec::with_capacity(layout.params_per_expert as usize),
+        })
+    }
+
+    /// Widens the slot's params into `self.params`.
+    fn widen(&mut self, p: SlotParams) -> Result<(), EngineError> {
+        let view = self.arena.view(p.slot)?;
+        let bytes = &view.bytes()[..p.count * p.dtype.bytes() as usize];
+        let out = &mut self.params;
+        out.clear();
+        match p.dtype {
+            Dtype::F32 => out.extend_from_slice(bytemuck::cast_slice::<u8, f32>(bytes)),
+            Dtype::Bf16 => out.extend(
+                bytemuck::cast_slice::<u8, half::bf16>(bytes)
+                    .iter()
+                    .map(|x| x.to_f32()),
+            ),
+            Dtype::F16 => out.extend(
+                bytemuck::cast_slice::<u8, half::f16>(bytes)
+                    .iter()
+                    .map(|x| x.to_f32()),
+            ),
+        }
+        Ok(())
+    }
+}
+
+impl ExpertDevice for CpuExpertDevice {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn arena(&self) -> &dyn DeviceArena {
+        &self.arena
+    }
+
+    fn expert_forward(
+        &mut self,
+        kind: ExpertKind,
+        out: &mut [f32],
+        saved: &mut ExpertSaved<f32>,
+        x: &[f32],
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        self.widen(params)?;
+        CpuBackend.expert_ffn_forward(kind, out, saved, x, &self.params, n, d, f)
+    }
+
+    fn expert_backward(
+        &mut self,
+        kind: ExpertKind,
+        dx: &mut [f32],
+        dparams: &mut [f32],
+        dout: &[f32],
+        saved: &ExpertSaved<f32>,
+        x: &[f32],
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        self.widen(params)?;
+        CpuBackend.expert_ffn_backward(kind, dx, dparams, dout, saved, x, &self.params, n, d, f)
+    }
+}
