@@ -41,6 +41,18 @@ pub trait ExpertDevice: Send {
     /// This device's tier of expert slots.
     fn arena(&self) -> &dyn DeviceArena;
 
+    /// Page-locks the host tier's region, which this device's uploads read
+    /// (a GPU registers it with its driver, for every GPU at once). Returns
+    /// why not when refused; uploads then still work, staged by the driver
+    /// through its own pinned buffers. The cpu device has nothing to do.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` is one live allocation that outlives this device.
+    unsafe fn page_lock_host_region(&mut self, ptr: *mut u8, len: usize) -> Option<String> {
+        let _ = (ptr, len);
+        None
+    }
+
     /// out (n, D) = expert(x (n, D)) with the params in `params`' slot.
     #[allow(clippy::too_many_arguments)]
     fn expert_forward(

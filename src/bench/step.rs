@@ -273,6 +273,12 @@ fn run_rounds(
             metrics: Vec::with_capacity(config.steps),
         });
     }
+    let mut notes: Vec<&String> = contenders.iter().flat_map(|c| c.engine.notes()).collect();
+    notes.sort();
+    notes.dedup();
+    for note in notes {
+        progress(&format!("note: {note}"));
+    }
     for s in 0..config.warmup_steps + config.steps {
         let batch = batch(model, config.tokens, s);
         let mut line = format!("round {}/{}:", s + 1, config.warmup_steps + config.steps);

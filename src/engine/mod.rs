@@ -59,9 +59,14 @@ use shared::SharedExperts;
 pub struct Engine {
     model: ModelConfig,
     config: EngineConfig,
-    shared: SharedExperts,
-    /// One per device worker (`config.devices`).
+    /// One per device worker (`config.devices`). Declared (so dropped)
+    /// before `shared`: a GPU device page-locks the host tier's region,
+    /// which must be unregistered before the host tier frees it.
     devices: Vec<DeviceState>,
+    shared: SharedExperts,
+    /// Why the tiers run below their best (no io_uring or O_DIRECT, host
+    /// memory not page-locked for a GPU).
+    notes: Vec<String>,
     dense: Vec<f32>,
     dense_m: Vec<f32>,
     dense_v: Vec<f32>,
@@ -238,7 +243,7 @@ impl Engine {
                 ..HostCacheConfig::default()
             },
         )?;
-        let devices = (0..config.devices)
+        let mut devices = (0..config.devices)
             .map(|ordinal| {
                 let device =
                     config
@@ -247,6 +252,16 @@ impl Engine {
                 Ok(DeviceState::new(device, model.layers, model.experts))
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
+        let mut notes = store.notes().to_vec();
+        let (region, region_len) = cache.region_ptr_len();
+        // SAFETY: the region lives as long as the cache, which `shared`
+        // holds; the engine drops `devices` first (field order).
+        if let Some(why) = unsafe { devices[0].device.page_lock_host_region(region, region_len) } {
+            notes.push(format!(
+                "host memory for {} uploads: {why}",
+                devices[0].device.name()
+            ));
+        }
         let slots = devices[0].slots.slot_count();
         let overlapped = config.schedule == ScheduleKind::ExpertWise && slots >= 2;
         cache.set_schedule(access_schedule(&model, overlapped));
@@ -275,8 +290,9 @@ impl Engine {
         );
         let cost = multi::initial_cost(&model, &layout, config.devices);
         Ok(Self {
-            shared,
             devices,
+            shared,
+            notes,
             dense: state.params,
             dense_m: state.m,
             dense_v: state.v,
@@ -306,6 +322,13 @@ impl Engine {
     /// Device workers.
     pub fn devices(&self) -> usize {
         self.devices.len()
+    }
+
+    /// Why the tiers run below their best, if they do: the store's I/O
+    /// fell back from io_uring or O_DIRECT, or a GPU could not page-lock
+    /// the host tier's memory (its uploads are then staged by the driver).
+    pub fn notes(&self) -> &[String] {
+        &self.notes
     }
 
     /// Host slots (expert records that fit in host memory at once).

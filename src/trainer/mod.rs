@@ -295,6 +295,9 @@ pub fn run(
     } else {
         create_run(&o, &source, &config, &lm, engine_config, imported)?
     };
+    for note in engine.notes() {
+        say(format!("note: {note}"));
+    }
     let start_step = engine.steps();
     if start_step >= o.steps {
         say(format!(

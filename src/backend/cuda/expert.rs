@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DriverError};
-use strata_tiers::device_cuda::CudaDeviceArena;
+use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration};
 use strata_tiers::{DeviceArena, Dtype, Layout};
 
 use super::{gpu_error, CudaBackend, Shape};
@@ -242,6 +242,8 @@ impl Backend for CudaBackend {
 pub struct CudaExpertDevice {
     backend: CudaBackend,
     arena: CudaDeviceArena,
+    /// The host tier's region, page-locked (see `page_lock_host_region`).
+    host_region: Option<HostRegistration>,
 }
 
 impl CudaExpertDevice {
@@ -266,7 +268,11 @@ impl CudaExpertDevice {
             device_budget_bytes,
             layout.compute_payload_bytes() as usize,
         )?;
-        Ok(Self { backend, arena })
+        Ok(Self {
+            backend,
+            arena,
+            host_region: None,
+        })
     }
 
     pub fn backend(&self) -> &CudaBackend {
@@ -310,6 +316,18 @@ impl ExpertDevice for CudaExpertDevice {
 
     fn arena(&self) -> &dyn DeviceArena {
         &self.arena
+    }
+
+    unsafe fn page_lock_host_region(&mut self, ptr: *mut u8, len: usize) -> Option<String> {
+        // SAFETY: the caller's contract: one live allocation outliving this
+        // device, which holds (and so drops) the registration.
+        match unsafe { register_host(self.backend.context(), ptr, len) } {
+            Ok(registration) => {
+                self.host_region = Some(registration);
+                None
+            }
+            Err(e) => Some(e.to_string()),
+        }
     }
 
     fn expert_forward(
