@@ -102,11 +102,6 @@ pub struct StepBenchSummary {
     pub expert_wise_over_naive: f64,
     /// expert-wise step time ÷ max(compute only, I/O only)
     pub expert_wise_over_bound: f64,
-    /// Median over rounds of that round's naive ÷ expert-wise step time.
-    pub expert_wise_over_naive_per_round: f64,
-    /// Median over rounds of that round's expert-wise ÷ max(compute only,
-    /// I/O only) step time.
-    pub expert_wise_over_bound_per_round: f64,
 }
 
 fn batch(model: &ModelConfig, tokens: usize, step: usize) -> Batch {
@@ -123,16 +118,30 @@ fn record_bytes(model: &ModelConfig, dtype: Dtype) -> u64 {
     (n * dtype.bytes() + 64).div_ceil(4096) * 4096 + (12 * n + 64).div_ceil(4096) * 4096
 }
 
-/// One configuration of the run: its engine and its measured steps.
-struct Contender {
+fn run_one(
+    config: &StepBenchConfig,
     name: &'static str,
-    engine: Engine,
-    metrics: Vec<StepMetrics>,
-}
-
-fn record(config: &StepBenchConfig, contender: &Contender) -> StepBenchRecord {
+    engine_config: EngineConfig,
+    progress: &mut dyn FnMut(&str),
+) -> Result<StepBenchRecord, EngineError> {
     let model = &config.model;
-    let (name, engine, metrics) = (contender.name, &contender.engine, &contender.metrics);
+    let mut engine = Engine::new(model.clone(), engine_config)?;
+    for note in engine.notes() {
+        progress(&format!("{name}: note: {note}"));
+    }
+    let mut metrics: Vec<StepMetrics> = Vec::new();
+    for s in 0..config.warmup_steps + config.steps {
+        let m = engine.step(&batch(model, config.tokens, s))?;
+        progress(&format!(
+            "{name} step {}: {:.2} s, loss {:.4}",
+            s + 1,
+            m.wall_s,
+            m.loss
+        ));
+        if s >= config.warmup_steps {
+            metrics.push(m);
+        }
+    }
     let timing = Timing::of(
         &metrics
             .iter()
@@ -143,7 +152,7 @@ fn record(config: &StepBenchConfig, contender: &Contender) -> StepBenchRecord {
         |f: fn(&StepMetrics) -> f64| metrics.iter().map(f).sum::<f64>() / metrics.len() as f64;
     let sum =
         |f: fn(&StepMetrics) -> u64| metrics.iter().map(f).sum::<u64>() / metrics.len() as u64;
-    StepBenchRecord {
+    Ok(StepBenchRecord {
         bench: "step",
         run: name,
         layers: model.layers,
@@ -172,22 +181,14 @@ fn record(config: &StepBenchConfig, contender: &Contender) -> StepBenchRecord {
         host_hit_rate: mean(|m| m.host_hit_rate),
         device_hit_rate: mean(|m| m.device_hit_rate),
         device_load_gap: mean(|m| m.device_load_gap()),
-    }
+    })
 }
 
-/// Median of the per-round ratios `num[i] / den[i]`.
-fn median_ratio(num: &[StepMetrics], den: &[StepMetrics]) -> f64 {
-    let ratios: Vec<std::time::Duration> = num
-        .iter()
-        .zip(den)
-        .map(|(n, d)| std::time::Duration::from_secs_f64(n.wall_s / d.wall_s))
-        .collect();
-    Timing::of(&ratios).median_s
-}
-
-/// Runs the four configurations, interleaved step by step (round r runs
-/// step r of each), so that a slow spell of a shared machine falls on all
-/// of them alike; returns their records and the summary.
+/// Runs the four configurations one after another; returns their records
+/// and the summary. They are not interleaved step by step: an engine's
+/// work spills past its step on purpose (its last updates overlap the next
+/// step's forward, its prefetcher loads the next step's first experts), so
+/// an interleaved neighbour would be charged for it.
 pub fn run(
     config: &StepBenchConfig,
     mut progress: impl FnMut(&str),
@@ -254,76 +255,27 @@ pub fn run(
             },
         ),
     ];
-    let result = run_rounds(config, runs, &mut progress);
-    let _ = std::fs::remove_dir_all(&scratch);
-    result
-}
-
-fn run_rounds(
-    config: &StepBenchConfig,
-    runs: Vec<(&'static str, EngineConfig)>,
-    progress: &mut dyn FnMut(&str),
-) -> Result<(Vec<StepBenchRecord>, StepBenchSummary), EngineError> {
-    let model = &config.model;
-    let mut contenders = Vec::with_capacity(runs.len());
+    let mut records = Vec::new();
+    let mut failure = None;
     for (name, engine_config) in runs {
-        contenders.push(Contender {
-            name,
-            engine: Engine::new(model.clone(), engine_config)?,
-            metrics: Vec::with_capacity(config.steps),
-        });
-    }
-    let mut notes: Vec<&String> = contenders.iter().flat_map(|c| c.engine.notes()).collect();
-    notes.sort();
-    notes.dedup();
-    for note in notes {
-        progress(&format!("note: {note}"));
-    }
-    for s in 0..config.warmup_steps + config.steps {
-        let batch = batch(model, config.tokens, s);
-        let mut line = format!("round {}/{}:", s + 1, config.warmup_steps + config.steps);
-        for c in contenders.iter_mut() {
-            let m = c.engine.step(&batch)?;
-            line.push_str(&format!(
-                " {} {:.2} s (loss {:.4})",
-                c.name, m.wall_s, m.loss
-            ));
-            if s >= config.warmup_steps {
-                c.metrics.push(m);
+        match run_one(config, name, engine_config, &mut progress) {
+            Ok(record) => records.push(record),
+            Err(e) => {
+                failure = Some(e);
+                break;
             }
         }
-        if s < config.warmup_steps {
-            line.push_str(" [warm-up]");
-        }
-        progress(&line);
     }
-    let records: Vec<StepBenchRecord> = contenders.iter().map(|c| record(config, c)).collect();
-    let metrics = |run: &str| {
-        &contenders
-            .iter()
-            .find(|c| c.name == run)
-            .expect("ran")
-            .metrics
-    };
-    let bound: Vec<StepMetrics> = metrics("compute_only")
-        .iter()
-        .zip(metrics("io_only"))
-        .map(|(c, io)| {
-            if c.wall_s >= io.wall_s {
-                c.clone()
-            } else {
-                io.clone()
-            }
-        })
-        .collect();
+    let _ = std::fs::remove_dir_all(&scratch);
+    if let Some(e) = failure {
+        return Err(e);
+    }
     let step = |run: &str| records.iter().find(|r| r.run == run).expect("ran").step_s;
     let summary = StepBenchSummary {
         bench: "step",
         run: "summary",
         expert_wise_over_naive: step("naive") / step("expert_wise"),
         expert_wise_over_bound: step("expert_wise") / step("compute_only").max(step("io_only")),
-        expert_wise_over_naive_per_round: median_ratio(metrics("naive"), metrics("expert_wise")),
-        expert_wise_over_bound_per_round: median_ratio(metrics("expert_wise"), &bound),
     };
     Ok((records, summary))
 }
