@@ -18,4 +18,9 @@ fi
 gpu-bin/strata bench upload --json | tee "$out/bench-upload.jsonl" || status=1
 gpu-bin/strata bench step --json --backend cuda --dir /tmp | tee "$out/bench-step-cuda.jsonl" || status=1
 gpu-bin/strata bench step --json --dir /tmp | tee "$out/bench-step-cpu.jsonl" || status=1
+# Every record in host memory, larger experts: uploads are the only tier
+# traffic, so stall_upload_s against step_s shows whether the next expert's
+# upload hides behind this one's compute.
+gpu-bin/strata bench step --json --backend cuda --host-fraction 1.0 --d-model 1024 \
+    --d-ff 4096 --tokens 4096 --dir /tmp | tee "$out/bench-step-cuda-resident.jsonl" || status=1
 exit $status

@@ -267,7 +267,7 @@ mod device_computes_from_its_slots {
 fn five_engine_steps_on_the_gpu_match_the_cpu() {
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
-    if let Err(e) = BackendKind::Cuda.check(1) {
+    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
         eprintln!("cuda case skipped: {e}");
         return;
     }

@@ -425,6 +425,19 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
             "without the cuda feature"
         },
     );
+    // The cuda backend reads bf16 (or f32) expert params, wherever it runs.
+    refused(
+        &[
+            "train",
+            "--out",
+            o,
+            "--backend",
+            "cuda",
+            "--compute-dtype",
+            "f16",
+        ],
+        "--compute-dtype bf16",
+    );
     refused(&["train", "--out", o, "--devices", "0"], "--devices");
     refused(
         &["train", "--out", o, "--devices", "4", "--batch", "2"],

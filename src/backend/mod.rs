@@ -13,7 +13,7 @@ mod device;
 pub use cpu::CpuBackend;
 pub use device::{CpuExpertDevice, ExpertDevice, SlotParams};
 
-use strata_tiers::Layout;
+use strata_tiers::{Dtype, Layout};
 
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::EngineError;
@@ -72,8 +72,16 @@ impl BackendKind {
     }
 
     /// Checks, without building anything, that `devices` devices of this
-    /// kind can be opened (a GPU each for `Cuda`).
-    pub fn check(self, devices: usize) -> Result<(), EngineError> {
+    /// kind can be opened (a GPU each for `Cuda`) and compute from expert
+    /// params stored as `compute_dtype`.
+    pub fn check(self, devices: usize, compute_dtype: Dtype) -> Result<(), EngineError> {
+        if self == BackendKind::Cuda && compute_dtype == Dtype::F16 {
+            return Err(EngineError::Config(
+                "the cuda backend computes from bf16 (or f32) expert params: use \
+                 --compute-dtype bf16, or the cpu backend for f16"
+                    .into(),
+            ));
+        }
         match self {
             BackendKind::Cpu => Ok(()),
             #[cfg(feature = "cuda")]

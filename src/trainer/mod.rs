@@ -196,7 +196,7 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
     }
     BackendKind::parse(&o.backend)
         .map_err(|e| format!("--backend: {e}"))?
-        .check(o.devices)
+        .check(o.devices, parse_dtype(&o.compute_dtype)?)
         .map_err(|e| format!("--backend {}: {e}", o.backend))?;
     if !(o.lr > 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
         return Err("--lr must be positive and --min-lr-ratio in [0, 1]".into());

@@ -255,13 +255,7 @@ impl CudaExpertDevice {
         device_budget_bytes: u64,
         layout: &Layout,
     ) -> Result<Self, EngineError> {
-        if layout.compute_dtype == Dtype::F16 {
-            return Err(EngineError::Config(
-                "the cuda backend computes from bf16 (or f32) expert params; \
-                 use --compute-dtype bf16, or the cpu backend for f16"
-                    .into(),
-            ));
-        }
+        crate::backend::BackendKind::Cuda.check(0, layout.compute_dtype)?;
         let backend = CudaBackend::new(ordinal)?;
         let arena = CudaDeviceArena::new(
             Arc::clone(backend.context()),
