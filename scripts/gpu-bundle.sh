@@ -24,6 +24,6 @@ for l in sys.stdin:
     if m.get("executable") and m.get("target", {}).get("kind") == ["test"]:
         print(m["executable"])' | tail -1)
 cp "$exe" gpu-bin/test-device_arena
-strip --strip-debug gpu-bin/*
+strip --strip-debug gpu-bin/strata gpu-bin/test-*
 cp scripts/gpu-check.sh gpu-bin/
 du -sh gpu-bin
