@@ -290,20 +290,21 @@ fn bench_upload(args: UploadArgs) -> Result<(), String> {
     }
     writeln!(
         out,
-        "{:>12} {:>8} {:>12} {:>12} {:>7} {:>7}",
-        "expert", "experts", "upload GB/s", "plain GB/s", "ratio", "locked"
+        "{:>12} {:>8} {:>12} {:>12} {:>7} {:>7} {:>12}",
+        "expert", "experts", "upload GB/s", "plain GB/s", "ratio", "locked", "staged GB/s"
     )
     .map_err(write_err)?;
     for r in &records {
         writeln!(
             out,
-            "{:>12} {:>8} {:>12.2} {:>12.2} {:>7.3} {:>7}",
+            "{:>12} {:>8} {:>12.2} {:>12.2} {:>7.3} {:>7} {:>12.2}",
             crate::trainer::options::show_bytes(r.expert_bytes as u64),
             r.experts,
             r.upload_gb_per_s,
             r.plain_gb_per_s,
             r.ratio,
-            r.page_locked
+            r.page_locked,
+            r.staged_gb_per_s
         )
         .map_err(write_err)?;
     }

@@ -43,14 +43,21 @@ pub trait ExpertDevice: Send {
 
     /// Page-locks the host tier's region, which this device's uploads read
     /// (a GPU registers it with its driver, for every GPU at once). Returns
-    /// why not when refused; uploads then still work, staged by the driver
-    /// through its own pinned buffers. The cpu device has nothing to do.
+    /// why not when refused; then every device is told to
+    /// [`ExpertDevice::stage_uploads`]. The cpu device has nothing to do.
     ///
     /// # Safety
     /// `ptr..ptr + len` is one live allocation that outlives this device.
     unsafe fn page_lock_host_region(&mut self, ptr: *mut u8, len: usize) -> Option<String> {
         let _ = (ptr, len);
         None
+    }
+
+    /// Uploads from host memory that is not page-locked: a GPU stages them
+    /// through page-locked buffers of its own so they stay asynchronous.
+    /// The cpu device has nothing to do.
+    fn stage_uploads(&mut self) -> Result<(), EngineError> {
+        Ok(())
     }
 
     /// out (n, D) = expert(x (n, D)) with the params in `params`' slot.

@@ -1,7 +1,9 @@
 //! `strata bench upload`: host → GPU bandwidth of expert uploads through
 //! the GPU device tier (page-locked host memory, the upload stream, one
 //! event per copy), per expert size, against one large plain pinned memcpy
-//! measured in the same run. Needs the `cuda` feature and a GPU.
+//! measured in the same run; and the same uploads from memory that is not
+//! page-locked, staged through two page-locked buffers (what runs when the
+//! memlock limit refuses page-locking). Needs the `cuda` feature and a GPU.
 
 use serde::Serialize;
 
@@ -20,6 +22,9 @@ pub struct UploadRecord {
     pub ratio: f64,
     /// Whether the host source was page-locked (registered with the driver).
     pub page_locked: bool,
+    /// The same uploads from memory that is not page-locked, through two
+    /// page-locked staging buffers (median over the same repetitions).
+    pub staged_gb_per_s: f64,
 }
 
 /// Expert sizes measured by default: a small expert to MoE-L's bf16 one.
@@ -83,6 +88,10 @@ pub fn run(
     for &size in sizes {
         let arena = CudaDeviceArena::new(Arc::clone(&ctx), 4 * size as u64, size)
             .map_err(|e| e.to_string())?;
+        let mut staged_arena = CudaDeviceArena::new(Arc::clone(&ctx), 4 * size as u64, size)
+            .map_err(|e| e.to_string())?;
+        staged_arena.stage_uploads(2).map_err(|e| e.to_string())?;
+        let pageable = Arc::new(AlignedBuf::zeroed(size));
         let experts = (plain_bytes / size).clamp(4, 64);
         let src = Arc::new(AlignedBuf::zeroed(size));
         // SAFETY: `src` is one allocation of `size` bytes, alive until
@@ -92,17 +101,22 @@ pub fn run(
             progress(&e.to_string());
         }
         let mut upload = Vec::with_capacity(reps);
+        let mut staged = Vec::with_capacity(reps);
         let mut plain = Vec::with_capacity(reps);
-        for _ in 0..reps {
+        let time_uploads = |arena: &CudaDeviceArena, src: &Arc<AlignedBuf>| {
             let t0 = Instant::now();
             let events = (0..experts)
-                .map(|i| arena.upload_htod(i % 4, Box::new(Lent(Arc::clone(&src)))))
+                .map(|i| arena.upload_htod(i % 4, Box::new(Lent(Arc::clone(src)))))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| e.to_string())?;
             for e in &events {
                 e.wait().map_err(|e| e.to_string())?;
             }
-            upload.push(t0.elapsed());
+            Ok::<_, String>(t0.elapsed())
+        };
+        for _ in 0..reps {
+            upload.push(time_uploads(&arena, &src)?);
+            staged.push(time_uploads(&staged_arena, &pageable)?);
             let t0 = Instant::now();
             // SAFETY: `dev` and `host_slice` hold `plain_bytes` bytes.
             unsafe { result::memcpy_htod_async(dev, host_slice, stream.cu_stream()) }
@@ -112,6 +126,7 @@ pub fn run(
         }
         let up = (experts * size) as f64 / Timing::of(&upload).median_s / 1e9;
         let pl = plain_bytes as f64 / Timing::of(&plain).median_s / 1e9;
+        let st = (experts * size) as f64 / Timing::of(&staged).median_s / 1e9;
         records.push(UploadRecord {
             bench: "upload",
             gpu: info.name.clone(),
@@ -122,8 +137,10 @@ pub fn run(
             plain_bytes,
             ratio: up / pl,
             page_locked: registration.is_ok(),
+            staged_gb_per_s: st,
         });
         drop(arena);
+        drop(staged_arena);
         drop(registration);
     }
     // SAFETY: allocated above; the stream is idle.

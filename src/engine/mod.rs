@@ -257,8 +257,12 @@ impl Engine {
         // SAFETY: the region lives as long as the cache, which `shared`
         // holds; the engine drops `devices` first (field order).
         if let Some(why) = unsafe { devices[0].device.page_lock_host_region(region, region_len) } {
+            for dev in devices.iter_mut() {
+                dev.device.stage_uploads()?;
+            }
             notes.push(format!(
-                "host memory for {} uploads: {why}",
+                "host memory for {} uploads: {why}; uploads are staged through page-locked \
+                 buffers instead (one more host copy each)",
                 devices[0].device.name()
             ));
         }

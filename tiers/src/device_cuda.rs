@@ -11,8 +11,11 @@
 //! host tier's slot region) with the driver rather than allocating
 //! write-combined memory, so the CPU optimizer still reads it at full speed
 //! and io_uring can still fill it. When the OS refuses to lock that much
-//! (the memlock limit), the error says so and the copies still work, staged
-//! by the driver through its own pinned buffers.
+//! (the memlock limit), the error says so, and
+//! [`CudaDeviceArena::stage_uploads`] routes uploads through a few
+//! page-locked staging buffers instead: a staging thread copies each source
+//! into a free buffer and queues the device copy from there, so uploads
+//! stay asynchronous to the caller.
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -73,6 +76,155 @@ enum Pending {
 /// Copies in flight a stream's completion queue holds.
 const COMPLETIONS_MAX: usize = 64;
 
+/// Page-locked host memory from the driver (cuMemHostAlloc), zeroed at
+/// allocation, freed on drop.
+struct PinnedBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value alone.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, TierError> {
+        ctx.bind_to_thread()
+            .map_err(|e| copy_error("binding the CUDA context", e))?;
+        // SAFETY: a plain allocation of `len` bytes, freed once, in Drop.
+        let ptr =
+            unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| {
+                copy_error(
+                    &format!("allocating a {len}-byte page-locked staging buffer"),
+                    e,
+                )
+            })?;
+        let ptr = ptr.cast::<u8>();
+        // SAFETY: `ptr` addresses `len` writable bytes just allocated.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(Self {
+            ctx: Arc::clone(ctx),
+            ptr,
+            len,
+        })
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` initialized bytes (zeroed in `new`), owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; &mut self makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated in `new`, freed once; no copy reads it any
+            // more (the completion thread drops it after the copy's event).
+            let _ = unsafe { result::free_host(self.ptr.cast()) };
+        }
+    }
+}
+
+/// A staging buffer holding an upload's bytes; handed back to its pool
+/// when dropped (by the completion thread, once the copy has read it).
+struct StagedBytes {
+    buffer: Option<PinnedBuffer>,
+    len: usize,
+    pool: Sender<PinnedBuffer>,
+}
+
+impl HostBytes for StagedBytes {
+    fn bytes(&self) -> &[u8] {
+        &self.buffer.as_ref().expect("held until drop").as_slice()[..self.len]
+    }
+}
+
+impl Drop for StagedBytes {
+    fn drop(&mut self) {
+        if let Some(buffer) = self.buffer.take() {
+            // The pool has room for every buffer; once it is gone (the
+            // arena is closing) the buffer is freed instead.
+            let _ = self.pool.try_send(buffer);
+        }
+    }
+}
+
+/// An upload for the staging thread.
+struct StageJob {
+    dst: sys::CUdeviceptr,
+    src: Box<dyn HostBytes>,
+    done: CopyEvent,
+}
+
+/// What the staging thread works with.
+struct Stager {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    free: Receiver<PinnedBuffer>,
+    pool: Sender<PinnedBuffer>,
+    completions: Sender<Pending>,
+}
+
+impl Stager {
+    fn run(self, jobs: &Receiver<StageJob>) {
+        let bound = self.ctx.bind_to_thread();
+        for job in jobs.iter() {
+            let done = job.done.clone();
+            let staged = match &bound {
+                Err(e) => Err(format!("binding the CUDA context: {e}")),
+                Ok(()) => self.stage(job),
+            };
+            match staged {
+                Ok(pending) => {
+                    if self.completions.send(pending).is_err() {
+                        done.complete(Some("the upload completion thread stopped".into()));
+                        break;
+                    }
+                }
+                Err(why) => done.complete(Some(why)),
+            }
+        }
+    }
+
+    /// Copies `job`'s bytes into a free staging buffer (waiting for one),
+    /// releases the source, and queues the device copy from the buffer.
+    fn stage(&self, job: StageJob) -> Result<Pending, String> {
+        let buffer = self
+            .free
+            .recv()
+            .map_err(|_| "the staging pool closed".to_string())?;
+        let len = job.src.bytes().len();
+        // Wrapped at once so that any early return hands the buffer back.
+        let mut staged = StagedBytes {
+            buffer: Some(buffer),
+            len,
+            pool: self.pool.clone(),
+        };
+        let buffer = staged.buffer.as_mut().expect("just set");
+        buffer.as_mut_slice()[..len].copy_from_slice(job.src.bytes());
+        drop(job.src); // its host slot is free again
+                       // SAFETY: `dst` lies inside the arena (checked by `upload_htod`);
+                       // the staging buffer is page-locked and is dropped only by the
+                       // completion thread after the event recorded behind this copy.
+        unsafe { result::memcpy_htod_async(job.dst, staged.bytes(), self.stream.cu_stream()) }
+            .map_err(|e| format!("a staged upload: {e}"))?;
+        let event = self
+            .stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| format!("recording a staged upload's event: {e}"))?;
+        Ok(Pending::Upload {
+            event,
+            src: Box::new(staged),
+            done: job.done,
+        })
+    }
+}
+
 /// The device tier of one GPU.
 pub struct CudaDeviceArena {
     ctx: Arc<CudaContext>,
@@ -83,6 +235,8 @@ pub struct CudaDeviceArena {
     slot_count: usize,
     uploads: Option<Sender<Pending>>,
     downloads: Option<Sender<Pending>>,
+    /// Uploads staged through page-locked buffers (`stage_uploads`).
+    staging: Option<Sender<StageJob>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -131,8 +285,48 @@ impl CudaDeviceArena {
             slot_count,
             uploads: Some(uploads),
             downloads: Some(downloads),
+            staging: None,
             threads,
         })
+    }
+
+    /// Routes every later upload through `buffers` page-locked staging
+    /// buffers of one slot each, for sources that are not page-locked
+    /// (where the OS refused to register the host tier's memory): a
+    /// staging thread copies each source into a free buffer, releases the
+    /// source, and queues the device copy from the buffer, so uploads stay
+    /// asynchronous to their caller. Call it before any upload.
+    pub fn stage_uploads(&mut self, buffers: usize) -> Result<(), TierError> {
+        if self.staging.is_some() {
+            return Ok(());
+        }
+        let buffers = buffers.max(1);
+        let (pool, free) = bounded::<PinnedBuffer>(buffers);
+        for _ in 0..buffers {
+            let buffer = PinnedBuffer::new(&self.ctx, self.slot_bytes)?;
+            pool.send(buffer)
+                .expect("the pool has room for every buffer");
+        }
+        let stager = Stager {
+            ctx: Arc::clone(&self.ctx),
+            stream: Arc::clone(&self.upload),
+            free,
+            pool,
+            completions: self.uploads.clone().expect("live until drop"),
+        };
+        let (tx, jobs) = bounded::<StageJob>(COMPLETIONS_MAX);
+        let handle = std::thread::Builder::new()
+            .name("strata-cuda-stage".into())
+            .spawn(move || stager.run(&jobs))
+            .map_err(|e| TierError::IoThread(e.to_string()))?;
+        self.threads.push(handle);
+        self.staging = Some(tx);
+        Ok(())
+    }
+
+    /// Whether uploads go through staging buffers.
+    pub fn is_staging(&self) -> bool {
+        self.staging.is_some()
     }
 
     /// The device address of a slot (for kernels reading the expert).
@@ -195,6 +389,17 @@ impl DeviceArena for CudaDeviceArena {
 
     fn upload_htod(&self, slot: usize, src: Box<dyn HostBytes>) -> Result<CopyEvent, TierError> {
         self.check(slot, src.bytes().len(), "an upload into a device slot")?;
+        if let Some(staging) = &self.staging {
+            let done = CopyEvent::new();
+            staging
+                .send(StageJob {
+                    dst: self.slot_ptr(slot),
+                    src,
+                    done: done.clone(),
+                })
+                .map_err(|_| TierError::IoThread("the upload staging thread stopped".into()))?;
+            return Ok(done);
+        }
         self.ctx
             .bind_to_thread()
             .map_err(|e| copy_error("binding the CUDA context", e))?;
@@ -265,7 +470,9 @@ impl DeviceArena for CudaDeviceArena {
 
 impl Drop for CudaDeviceArena {
     fn drop(&mut self) {
-        // Closing the queues ends the completion threads after the copies.
+        // Closing the queues ends the staging and completion threads after
+        // the copies (the staging thread's own completion sender last).
+        self.staging.take();
         self.uploads.take();
         self.downloads.take();
         for t in self.threads.drain(..) {
@@ -330,7 +537,7 @@ pub unsafe fn register_host(
         };
         return Err(TierError::DeviceCopy(format!(
             "the OS refused to page-lock {len} bytes of host memory ({rc:?}; memlock limit \
-             {limit}, see `ulimit -l`): uploads go through the driver's staging buffers"
+             {limit}, see `ulimit -l`)"
         )));
     }
     Ok(HostRegistration {

@@ -1,6 +1,7 @@
 //! The device tier's contract, written once and run per backend: `cpu`
-//! always; `cuda` when built with `--features cuda`, skipping with the
-//! reason printed when no GPU (or no driver) is present.
+//! always; `cuda` (direct uploads) and `cuda_staged` (uploads through
+//! page-locked staging buffers) when built with `--features cuda`,
+//! skipping with the reason printed when no GPU (or no driver) is present.
 
 use strata_tiers::{CpuDeviceArena, DeviceArena, TierError};
 
@@ -32,6 +33,24 @@ macro_rules! per_backend {
                             Ok(Box::new(CudaDeviceArena::new(ctx.clone(), budget, slot)?))
                         });
                     }
+                }
+            }
+
+            // Uploads through page-locked staging buffers (as when the
+            // host tier's memory could not be page-locked).
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn cuda_staged() {
+                use strata_tiers::device_cuda::{open_gpu, CudaDeviceArena};
+                let body: fn(MakeArena) = $body;
+                match open_gpu(0) {
+                    Err(e) => eprintln!("cuda case skipped: {e}"),
+                    Ok((ctx, _)) => body(&move |budget, slot| {
+                        let mut arena = CudaDeviceArena::new(ctx.clone(), budget, slot)?;
+                        arena.stage_uploads(2)?;
+                        assert!(arena.is_staging());
+                        Ok(Box::new(arena))
+                    }),
                 }
             }
 

@@ -236,6 +236,11 @@ impl Backend for CudaBackend {
     }
 }
 
+/// Page-locked staging buffers (one expert each) per GPU when the host
+/// tier's memory cannot be page-locked: one for the upload in flight, one
+/// being filled for the next.
+const STAGING_BUFFERS: usize = 2;
+
 /// One GPU as the engine's device: its device tier ([`CudaDeviceArena`],
 /// uploads on their own stream) and the expert FFN reading each expert's
 /// params in place from its slot, on the compute stream.
@@ -322,6 +327,10 @@ impl ExpertDevice for CudaExpertDevice {
             }
             Err(e) => Some(e.to_string()),
         }
+    }
+
+    fn stage_uploads(&mut self) -> Result<(), EngineError> {
+        Ok(self.arena.stage_uploads(STAGING_BUFFERS)?)
     }
 
     fn expert_forward(
