@@ -312,6 +312,73 @@ fn five_engine_steps_on_the_gpu_match_the_cpu() {
     assert!(worst < 3e-2, "{worst}");
 }
 
+/// `kernels.cu` compiles with NVRTC and its PTX assembles for Hopper
+/// (sm_90) with ptxas, neither of which needs a GPU: wherever the NVRTC
+/// library is on the library path and ptxas on the PATH (CI fetches CUDA
+/// 13.0's, see `.ci/cuda-tools`).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
+    let ptx = match strata::backend::cuda::compile_kernels() {
+        Err(strata::EngineError::Device { why, .. }) if why.starts_with("no NVRTC") => {
+            eprintln!("nvrtc case skipped: {why}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+        Ok(ptx) => ptx.to_src(),
+    };
+    let kernels = [
+        "swiglu_forward",
+        "swiglu_backward",
+        "gelu_forward",
+        "gelu_backward",
+        "f32_to_bf16",
+        "adamw",
+        "rmsnorm_forward",
+        "rmsnorm_backward_dx",
+        "rmsnorm_backward_dg",
+        "rope",
+        "cross_entropy",
+        "router_top_k",
+        "gather_rows",
+        "scatter_rows",
+        "attention_forward",
+        "attention_backward_dq",
+        "attention_backward_dkv",
+    ];
+    for kernel in kernels {
+        assert!(
+            ptx.contains(&format!(".entry {kernel}(")),
+            "{kernel} missing from the PTX"
+        );
+    }
+    eprintln!("nvrtc: kernels.cu compiled to {} bytes of PTX", ptx.len());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kernels.ptx");
+    std::fs::write(&path, &ptx).unwrap();
+    match std::process::Command::new("ptxas")
+        .args(["--gpu-name", "sm_90", "-O3", "--verbose", "-o"])
+        .arg(dir.path().join("kernels.cubin"))
+        .arg(&path)
+        .output()
+    {
+        Err(e) => eprintln!("ptxas case skipped: ptxas not on the PATH ({e})"),
+        Ok(out) => {
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "ptxas refused the PTX:\n{log}");
+            let spills = log
+                .lines()
+                .filter(|l| {
+                    l.contains("bytes spill")
+                        && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")
+                })
+                .count();
+            eprintln!("{log}");
+            eprintln!("ptxas: every kernel assembles for sm_90 ({spills} with register spills)");
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda_kernels {
     use super::*;

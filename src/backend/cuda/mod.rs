@@ -37,6 +37,29 @@ fn gpu_error(what: &str, e: impl std::fmt::Display) -> EngineError {
     }
 }
 
+/// Compiles `kernels.cu` to PTX with NVRTC (no GPU or driver needed, only
+/// the NVRTC library): no fused multiply-adds and IEEE square roots and
+/// divisions, so the kernels round as the CPU functions they mirror.
+pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx, EngineError> {
+    // SAFETY: only tries to open the NVRTC library by its known names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(EngineError::Device {
+            device: 0,
+            why: "no NVRTC library found (libnvrtc.so is not on the library path)".into(),
+        });
+    }
+    compile_ptx_with_opts(
+        KERNELS,
+        CompileOptions {
+            fmad: Some(false),
+            prec_sqrt: Some(true),
+            prec_div: Some(true),
+            ..CompileOptions::default()
+        },
+    )
+    .map_err(|e| gpu_error("compiling kernels.cu with NVRTC", e))
+}
+
 struct Functions {
     swiglu_forward: CudaFunction,
     swiglu_backward: CudaFunction,
@@ -73,16 +96,7 @@ impl CudaBackend {
             .new_stream()
             .map_err(|e| gpu_error("creating the compute stream", e))?;
         let blas = CudaBlas::new(Arc::clone(&stream)).map_err(|e| gpu_error("cuBLAS", e))?;
-        let ptx = compile_ptx_with_opts(
-            KERNELS,
-            CompileOptions {
-                fmad: Some(false),
-                prec_sqrt: Some(true),
-                prec_div: Some(true),
-                ..CompileOptions::default()
-            },
-        )
-        .map_err(|e| gpu_error("compiling kernels.cu with NVRTC", e))?;
+        let ptx = compile_kernels()?;
         let module = ctx
             .load_module(ptx)
             .map_err(|e| gpu_error("loading the kernels", e))?;
