@@ -5,6 +5,7 @@
 //! checked here too.
 
 mod common;
+mod kernel_checks;
 
 use common::values;
 use strata::backend::Backend;
@@ -379,12 +380,13 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
     }
 }
 
+/// The kernels against their CPU references on the GPU (the same checks
+/// run on the CPU in `tests/kernels_emulated.rs`).
 #[cfg(feature = "cuda")]
 mod cuda_kernels {
-    use super::*;
     use strata::backend::cuda::CudaBackend;
-    use strata::math::{gelu, gelu_grad, silu, silu_grad};
-    use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
+
+    use super::kernel_checks;
 
     fn gpu() -> Option<CudaBackend> {
         match CudaBackend::new(0) {
@@ -396,227 +398,38 @@ mod cuda_kernels {
         }
     }
 
-    /// Each activation kernel against the CPU function it mirrors: expf and
-    /// tanhf are within 2 ulps on the GPU, so 1e-6 relative (floored at
-    /// 1e-6 absolute) holds.
     #[test]
     fn activation_kernels_match_their_cpu_references() {
-        let Some(gpu) = gpu() else { return };
-        let n = 4099;
-        let (a, b, dh) = (f32s(n, 4, 6.0), f32s(n, 5, 2.0), f32s(n, 6, 1.0));
-        let close = |what: &str, got: &[f32], want: &[f32]| {
-            for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                assert!(
-                    (g - w).abs() <= 1e-6 * w.abs().max(1.0),
-                    "{what}[{i}]: {g} vs {w}"
-                );
-            }
-        };
-        let out = gpu
-            .activation_host(ExpertKind::SwiGlu, true, &a, &b, &dh)
-            .unwrap();
-        let want: Vec<f32> = (0..n).map(|i| silu(a[i]) * b[i]).collect();
-        close("swiglu_forward", &out[0], &want);
-        let out = gpu
-            .activation_host(ExpertKind::SwiGlu, false, &a, &b, &dh)
-            .unwrap();
-        let da: Vec<f32> = (0..n).map(|i| dh[i] * b[i] * silu_grad(a[i])).collect();
-        let db: Vec<f32> = (0..n).map(|i| dh[i] * silu(a[i])).collect();
-        close("swiglu_backward da", &out[0], &da);
-        close("swiglu_backward db", &out[1], &db);
-        let out = gpu
-            .activation_host(ExpertKind::Gelu, true, &a, &b, &dh)
-            .unwrap();
-        close(
-            "gelu_forward",
-            &out[0],
-            &a.iter().map(|&x| gelu(x)).collect::<Vec<_>>(),
-        );
-        let out = gpu
-            .activation_host(ExpertKind::Gelu, false, &a, &b, &dh)
-            .unwrap();
-        let want: Vec<f32> = (0..n).map(|i| dh[i] * gelu_grad(a[i])).collect();
-        close("gelu_backward", &out[0], &want);
+        if let Some(gpu) = gpu() {
+            kernel_checks::activations(&gpu);
+        }
     }
 
-    /// Largest |a − b| / max(|b|, 1).
-    fn worst(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
-            .fold(0.0f32, f32::max)
-    }
-
-    /// RMSNorm and RoPE sum and multiply in the cpu's order with IEEE sqrt
-    /// (fused multiply-adds off), so they agree to rounding of the last
-    /// ulp at most: 1e-6.
     #[test]
     fn rmsnorm_and_rope_kernels_match_the_cpu() {
-        use strata::lm::attention::{rope_backward, rope_forward, RopeTable};
-        use strata::math::{rmsnorm_backward, rmsnorm_forward};
-        let Some(gpu) = gpu() else { return };
-        let (t, d) = (33, 64);
-        let (x, g, dout) = (f32s(t * d, 20, 2.0), f32s(d, 21, 1.0), f32s(t * d, 22, 1.0));
-        let (mut out, mut inv) = (vec![0.0; t * d], vec![0.0; t]);
-        rmsnorm_forward(&mut out, &mut inv, &x, &g, t, d, 1e-5);
-        let (gout, ginv) = gpu.rmsnorm_forward_host(&x, &g, t, d, 1e-5).unwrap();
-        assert!(worst(&gout, &out) < 1e-6 && worst(&ginv, &inv) < 1e-6);
-        let (mut dx, mut dg) = (vec![0.25; t * d], vec![0.5; d]);
-        let (mut gdx, mut gdg) = (dx.clone(), dg.clone());
-        rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &g, &inv, t, d);
-        gpu.rmsnorm_backward_host(&mut gdx, &mut gdg, &dout, &x, &g, &inv, t, d)
-            .unwrap();
-        assert!(worst(&gdx, &dx) < 1e-6, "dx {}", worst(&gdx, &dx));
-        assert!(worst(&gdg, &dg) < 1e-6, "dg {}", worst(&gdg, &dg));
-        let (seq_len, heads, hd) = (11, 3, 16);
-        let table = RopeTable::<f32>::new(seq_len, hd, 10_000.0);
-        let q = f32s(2 * seq_len * heads * hd, 23, 1.0);
-        for transpose in [false, true] {
-            let mut want = q.clone();
-            if transpose {
-                rope_backward(&mut want, &table, seq_len, heads);
-            } else {
-                rope_forward(&mut want, &table, seq_len, heads);
-            }
-            let mut got = q.clone();
-            gpu.rope_host(
-                &mut got,
-                &table.cos,
-                &table.sin,
-                seq_len,
-                heads,
-                hd / 2,
-                transpose,
-            )
-            .unwrap();
-            assert!(worst(&got, &want) < 1e-6, "rope transpose={transpose}");
+        if let Some(gpu) = gpu() {
+            kernel_checks::rmsnorm_and_rope(&gpu);
         }
     }
 
-    /// Cross-entropy and the router's softmax use expf/logf (within 2 ulps
-    /// of the cpu's libm): 1e-5 on values of order one; the router's top-k
-    /// choices and the permutation are exact.
     #[test]
     fn loss_router_and_permutation_kernels_match_the_cpu() {
-        use strata::math::{
-            cross_entropy_forward_backward, gather_forward, linear_forward, router_forward,
-            scatter_to_assignments, Permutation, RouterConfig, Routing,
-        };
-        let Some(gpu) = gpu() else { return };
-        let (t, v) = (29, 50);
-        let logits = f32s(t * v, 30, 4.0);
-        let targets: Vec<u32> = (0..t).map(|i| (i * 7 % v) as u32).collect();
-        let mut dl = vec![0.0; t * v];
-        let loss = cross_entropy_forward_backward(&mut dl, &logits, &targets, v, 40);
-        let mut gdl = vec![0.0; t * v];
-        let gloss = gpu
-            .cross_entropy_host(&mut gdl, &logits, &targets, v, 40)
-            .unwrap();
-        assert!(
-            (gloss - loss).abs() < 1e-5 * loss.abs().max(1.0),
-            "{gloss} vs {loss}"
-        );
-        assert!(worst(&gdl, &dl) < 1e-5);
-
-        let (d, e) = (24, 8);
-        for (k, renormalize) in [(1, false), (2, true), (3, false)] {
-            let cfg = RouterConfig {
-                experts: e,
-                top_k: k,
-                renormalize,
-            };
-            let (x, wr) = (f32s(t * d, 31, 1.0), f32s(e * d, 32, 0.5));
-            let mut routing = Routing::default();
-            router_forward(&cfg, &mut routing, &x, &wr, t, d);
-            let mut logits = vec![0.0f32; t * e];
-            linear_forward(&mut logits, &x, &wr, t, d, e);
-            let got = gpu
-                .router_top_k_host(&logits, t, e, k, renormalize)
-                .unwrap();
-            assert_eq!(got.experts, routing.experts, "top-{k}");
-            assert!(worst(&got.probs, &routing.probs) < 1e-5);
-            assert!(worst(&got.lse, &routing.lse) < 1e-5);
-            assert!(worst(&got.weights, &routing.weights) < 1e-5);
-
-            let perm = Permutation::from_routing(&routing.experts, e);
-            let (rows, scattered) = gpu.permute_host(&x, &perm.order, d, k, t).unwrap();
-            let mut want_rows = vec![0.0; perm.order.len() * d];
-            gather_forward(&mut want_rows, &x, &perm.order, k, d);
-            let mut want_scattered = vec![0.0; t * k * d];
-            scatter_to_assignments(&mut want_scattered, &want_rows, &perm.order, d);
-            assert_eq!(rows, want_rows);
-            assert_eq!(scattered, want_scattered);
+        if let Some(gpu) = gpu() {
+            kernel_checks::loss_router_and_permutation(&gpu);
         }
     }
 
-    /// Causal attention with grouped kv heads: the same sums in the same
-    /// order as the cpu, with expf in the softmax: 1e-5.
     #[test]
     fn attention_kernels_match_the_cpu() {
-        use strata::lm::attention::{attention_backward, attention_forward, AttnShape};
-        let Some(gpu) = gpu() else { return };
-        let shape = AttnShape {
-            seqs: 2,
-            seq_len: 13,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 8,
-        };
-        let t = shape.tokens();
-        let q = f32s(t * shape.q_width(), 40, 1.0);
-        let k = f32s(t * shape.kv_width(), 41, 1.0);
-        let v = f32s(t * shape.kv_width(), 42, 1.0);
-        let dout = f32s(t * shape.q_width(), 43, 1.0);
-        let mut out = vec![0.0; t * shape.q_width()];
-        let mut probs = vec![0.0; shape.probs_len()];
-        attention_forward(&mut out, &mut probs, &q, &k, &v, &shape);
-        let (gout, gprobs) = gpu.attention_forward_host(&q, &k, &v, &shape).unwrap();
-        assert!(worst(&gout, &out) < 1e-5, "out {}", worst(&gout, &out));
-        assert!(worst(&gprobs, &probs) < 1e-5);
-        let (mut dq, mut dk, mut dv) = (vec![0.1; q.len()], vec![0.2; k.len()], vec![0.3; v.len()]);
-        let (mut gdq, mut gdk, mut gdv) = (dq.clone(), dk.clone(), dv.clone());
-        attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
-        gpu.attention_backward_host(
-            &mut gdq, &mut gdk, &mut gdv, &dout, &probs, &q, &k, &v, &shape,
-        )
-        .unwrap();
-        for (what, a, b) in [("dq", &gdq, &dq), ("dk", &gdk, &dk), ("dv", &gdv, &dv)] {
-            assert!(worst(a, b) < 1e-5, "{what} {}", worst(a, b));
+        if let Some(gpu) = gpu() {
+            kernel_checks::attention(&gpu);
         }
     }
 
-    /// The GPU AdamW uses the scalar kernel's fused multiply-adds and IEEE
-    /// sqrt and division, so three steps agree bit for bit.
     #[test]
     fn the_gpu_adamw_equals_the_scalar_oracle_bit_for_bit() {
-        let Some(gpu) = gpu() else { return };
-        let n = 10_007;
-        let hyper = AdamWHyper {
-            lr: 1e-3,
-            weight_decay: 0.1,
-            ..AdamWHyper::default()
-        };
-        let (mut p1, mut m1, mut v1) = (f32s(n, 7, 1.0), vec![0.0; n], vec![0.0; n]);
-        let (mut p2, mut m2, mut v2) = (p1.clone(), m1.clone(), v1.clone());
-        for t in 1..=3 {
-            let g = f32s(n, 10 + t, 0.1);
-            let s = StepScalars::new(&hyper, t, 1.0);
-            gpu.adamw_host(&s, &mut p1, &mut m1, &mut v1, &g).unwrap();
-            adamw_step(
-                Kernel::Scalar,
-                &s,
-                &mut p2,
-                &mut m2,
-                &mut v2,
-                GradRef::F32(&g),
-                CopyOut::None,
-            )
-            .unwrap();
+        if let Some(gpu) = gpu() {
+            kernel_checks::adamw_bit_for_bit(&gpu);
         }
-        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&p1), bits(&p2));
-        assert_eq!(bits(&m1), bits(&m2));
-        assert_eq!(bits(&v1), bits(&v2));
     }
 }

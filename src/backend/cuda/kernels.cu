@@ -1,6 +1,8 @@
 // strata's CUDA kernels, compiled at run time by NVRTC (no headers needed).
-// Each one mirrors a CPU function named beside it; tests/cuda_backend.rs
-// compares them. Launch: one thread an element, `n` elements.
+// Each one mirrors a CPU function named beside it; tests/kernel_checks
+// compares them, on a GPU and on the CPU (that emulator runs each thread in
+// turn, so kernels here use no shared memory, barriers, warp functions or
+// atomics). Launch: one thread an element, `n` elements.
 
 __device__ __forceinline__ unsigned strata_index() {
     return blockIdx.x * blockDim.x + threadIdx.x;

@@ -1,0 +1,77 @@
+// kernels.cu compiled as plain C++ for the CPU: each launch runs every
+// (block, thread) of its grid in turn. Sound for these kernels because none
+// uses shared memory, barriers, warp functions or atomics: each thread's
+// work is independent of the others'. Arguments arrive as cuLaunchKernel
+// takes them: an array of pointers to each argument's value.
+#include <math.h>
+#include <string.h>
+#include <cstddef>
+#include <utility>
+
+struct strata_dim3 {
+    unsigned x;
+};
+// Thread-local: test threads may launch concurrently.
+static thread_local strata_dim3 blockIdx, blockDim, threadIdx;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+
+static inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+static inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, sizeof f);
+    return f;
+}
+
+#include "kernels.cu"
+
+template <typename... A, std::size_t... I>
+static void call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<A*>(args[I])...);
+}
+
+template <typename... A>
+static void launch(void (*kernel)(A...), unsigned grid, unsigned block, void** args) {
+    blockDim.x = block;
+    for (unsigned b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        for (unsigned t = 0; t < block; ++t) {
+            threadIdx.x = t;
+            call(kernel, args, std::index_sequence_for<A...>{});
+        }
+    }
+}
+
+#define STRATA_LAUNCHER(name)                                                       \
+    extern "C" void strata_launch_##name(unsigned grid, unsigned block, void** args) { \
+        launch(name, grid, block, args);                                            \
+    }
+
+STRATA_LAUNCHER(swiglu_forward)
+STRATA_LAUNCHER(swiglu_backward)
+STRATA_LAUNCHER(gelu_forward)
+STRATA_LAUNCHER(gelu_backward)
+STRATA_LAUNCHER(f32_to_bf16)
+STRATA_LAUNCHER(adamw)
+STRATA_LAUNCHER(rmsnorm_forward)
+STRATA_LAUNCHER(rmsnorm_backward_dx)
+STRATA_LAUNCHER(rmsnorm_backward_dg)
+STRATA_LAUNCHER(rope)
+STRATA_LAUNCHER(cross_entropy)
+STRATA_LAUNCHER(router_top_k)
+STRATA_LAUNCHER(gather_rows)
+STRATA_LAUNCHER(scatter_rows)
+STRATA_LAUNCHER(attention_forward)
+STRATA_LAUNCHER(attention_backward_dq)
+STRATA_LAUNCHER(attention_backward_dkv)

@@ -1,0 +1,455 @@
+//! kernels.cu run on the CPU: `emulator.cpp` includes it as C++ (with
+//! CUDA's index variables and bit casts defined) and exports one launcher
+//! per kernel taking cuLaunchKernel's argument array; this module compiles
+//! it with the system C++ compiler, loads it, and launches each kernel with
+//! the arguments, grid (`LaunchConfig::for_num_elems`: blocks of 1024) and
+//! element count that `src/backend/cuda/{mod,dense}.rs` use — a change to a
+//! launch there is mirrored here.
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+
+use strata::lm::attention::AttnShape;
+use strata::math::ExpertKind;
+use strata_optim::StepScalars;
+
+use super::{KernelHost, RouterResult};
+
+/// kernels.cu built for the CPU and loaded.
+pub struct KernelEmulator {
+    lib: libloading::Library,
+    _dir: tempfile::TempDir,
+}
+
+type Launcher = unsafe extern "C" fn(u32, u32, *mut *mut c_void);
+
+/// cuLaunchKernel's form of one argument: a pointer to its value.
+fn arg<T>(value: &T) -> *mut c_void {
+    (value as *const T).cast_mut().cast()
+}
+
+impl KernelEmulator {
+    /// Compiles and loads the emulator; `Err` says why it cannot be built
+    /// here (no C++ compiler). A compile error is a failure: kernels.cu
+    /// must stay plain per-thread C++ that this shim can run.
+    pub fn build() -> Result<Self, String> {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let lib_path = dir.path().join("libstrata_kernels_emulated.so");
+        let output = std::process::Command::new(&cxx)
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-ffp-contract=off",
+                "-fPIC",
+                "-shared",
+                "-I",
+            ])
+            .arg(root.join("src/backend/cuda"))
+            .arg(root.join("tests/kernel_checks/emulator.cpp"))
+            .arg("-o")
+            .arg(&lib_path)
+            .output()
+            .map_err(|e| format!("no C++ compiler ({cxx}: {e})"))?;
+        assert!(
+            output.status.success(),
+            "kernels.cu does not build as C++ for the emulator:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        // SAFETY: the library was just built from emulator.cpp, whose only
+        // initialization is of plain static variables.
+        let lib = unsafe { libloading::Library::new(&lib_path) }.map_err(|e| e.to_string())?;
+        Ok(Self { lib, _dir: dir })
+    }
+
+    /// Runs `kernel` over `elems` threads (blocks of 1024, as
+    /// `LaunchConfig::for_num_elems`).
+    fn launch(&self, kernel: &str, elems: usize, args: &[*mut c_void]) {
+        let name = format!("strata_launch_{kernel}");
+        // SAFETY: every launcher in emulator.cpp has the `Launcher` type.
+        let launcher = unsafe { self.lib.get::<Launcher>(name.as_bytes()) }
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut args = args.to_vec();
+        // SAFETY: `args` holds one pointer per parameter of `kernel`, to a
+        // value of that parameter's type, alive for the call; the buffers
+        // they point to have the sizes the kernel indexes for `elems`
+        // threads (the callers below size them as the CUDA backend does).
+        unsafe { launcher(elems.div_ceil(1024) as u32, 1024, args.as_mut_ptr()) };
+    }
+}
+
+impl KernelHost for KernelEmulator {
+    fn name(&self) -> &'static str {
+        "emulated"
+    }
+
+    fn activation(
+        &self,
+        kind: ExpertKind,
+        forward: bool,
+        a: &[f32],
+        b: &[f32],
+        dh: &[f32],
+    ) -> Vec<Vec<f32>> {
+        let n = a.len();
+        let (mut o1, mut o2) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let (pa, pb, pdh) = (a.as_ptr(), b.as_ptr(), dh.as_ptr());
+        let (p1, p2) = (o1.as_mut_ptr(), o2.as_mut_ptr());
+        let n32 = n as u32;
+        match (kind, forward) {
+            (ExpertKind::SwiGlu, true) => self.launch(
+                "swiglu_forward",
+                n,
+                &[arg(&pa), arg(&pb), arg(&p1), arg(&n32)],
+            ),
+            (ExpertKind::SwiGlu, false) => self.launch(
+                "swiglu_backward",
+                n,
+                &[arg(&pa), arg(&pb), arg(&pdh), arg(&p1), arg(&p2), arg(&n32)],
+            ),
+            (ExpertKind::Gelu, true) => {
+                self.launch("gelu_forward", n, &[arg(&pa), arg(&p1), arg(&n32)])
+            }
+            (ExpertKind::Gelu, false) => self.launch(
+                "gelu_backward",
+                n,
+                &[arg(&pa), arg(&pdh), arg(&p1), arg(&n32)],
+            ),
+        }
+        vec![o1, o2]
+    }
+
+    fn adamw(&self, s: &StepScalars, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+        let n = p.len();
+        assert!(m.len() == n && v.len() == n && g.len() == n);
+        let (pp, pm, pv, pg) = (p.as_mut_ptr(), m.as_mut_ptr(), v.as_mut_ptr(), g.as_ptr());
+        let n32 = n as u32;
+        self.launch(
+            "adamw",
+            n,
+            &[
+                arg(&pp),
+                arg(&pm),
+                arg(&pv),
+                arg(&pg),
+                arg(&n32),
+                arg(&s.grad_scale),
+                arg(&s.neg_lr_wd),
+                arg(&s.beta1),
+                arg(&s.one_minus_beta1),
+                arg(&s.beta2),
+                arg(&s.one_minus_beta2),
+                arg(&s.inv_sqrt_bias2),
+                arg(&s.eps),
+                arg(&s.neg_step_size),
+            ],
+        );
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        x: &[f32],
+        g: &[f32],
+        t: usize,
+        d: usize,
+        eps: f64,
+    ) -> (Vec<f32>, Vec<f32>) {
+        assert!(x.len() == t * d && g.len() == d);
+        let (mut out, mut inv) = (vec![0.0f32; t * d], vec![0.0f32; t]);
+        let (px, pg, po, pi) = (x.as_ptr(), g.as_ptr(), out.as_mut_ptr(), inv.as_mut_ptr());
+        let (t32, d32, eps32) = (t as u32, d as u32, eps as f32);
+        self.launch(
+            "rmsnorm_forward",
+            t,
+            &[
+                arg(&px),
+                arg(&pg),
+                arg(&po),
+                arg(&pi),
+                arg(&t32),
+                arg(&d32),
+                arg(&eps32),
+            ],
+        );
+        (out, inv)
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut [f32],
+        dg: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        g: &[f32],
+        inv_rms: &[f32],
+        t: usize,
+        d: usize,
+    ) {
+        assert!(dx.len() == t * d && dout.len() == t * d && x.len() == t * d);
+        assert!(dg.len() == d && g.len() == d && inv_rms.len() == t);
+        let (pdo, px, pg, pi) = (dout.as_ptr(), x.as_ptr(), g.as_ptr(), inv_rms.as_ptr());
+        let (pdx, pdg) = (dx.as_mut_ptr(), dg.as_mut_ptr());
+        let (t32, d32) = (t as u32, d as u32);
+        self.launch(
+            "rmsnorm_backward_dx",
+            t,
+            &[
+                arg(&pdo),
+                arg(&px),
+                arg(&pg),
+                arg(&pi),
+                arg(&pdx),
+                arg(&t32),
+                arg(&d32),
+            ],
+        );
+        self.launch(
+            "rmsnorm_backward_dg",
+            d,
+            &[
+                arg(&pdo),
+                arg(&px),
+                arg(&pi),
+                arg(&pdg),
+                arg(&t32),
+                arg(&d32),
+            ],
+        );
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        cos: &[f32],
+        sin: &[f32],
+        seq_len: usize,
+        heads: usize,
+        half: usize,
+        transpose: bool,
+    ) {
+        let rows = x.len() / (heads * 2 * half);
+        assert!(cos.len() == seq_len * half && sin.len() == seq_len * half);
+        let (px, pc, ps) = (x.as_mut_ptr(), cos.as_ptr(), sin.as_ptr());
+        let (r32, h32, half32, s32) = (rows as u32, heads as u32, half as u32, seq_len as u32);
+        let sign = if transpose { -1.0f32 } else { 1.0 };
+        self.launch(
+            "rope",
+            rows * heads * half,
+            &[
+                arg(&px),
+                arg(&pc),
+                arg(&ps),
+                arg(&r32),
+                arg(&h32),
+                arg(&half32),
+                arg(&s32),
+                arg(&sign),
+            ],
+        );
+    }
+
+    fn cross_entropy(
+        &self,
+        dlogits: &mut [f32],
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        denominator: usize,
+    ) -> f32 {
+        let t = targets.len();
+        assert!(logits.len() == t * v && dlogits.len() == t * v);
+        let mut rows = vec![0.0f32; t];
+        let (pl, pt, pd, pr) = (
+            logits.as_ptr(),
+            targets.as_ptr(),
+            dlogits.as_mut_ptr(),
+            rows.as_mut_ptr(),
+        );
+        let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
+        self.launch(
+            "cross_entropy",
+            t,
+            &[
+                arg(&pl),
+                arg(&pt),
+                arg(&pd),
+                arg(&pr),
+                arg(&t32),
+                arg(&v32),
+                arg(&scale),
+            ],
+        );
+        rows.iter().fold(0.0f32, |a, &s| a + s)
+    }
+
+    fn router_top_k(
+        &self,
+        logits: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        renormalize: bool,
+    ) -> RouterResult {
+        assert!(logits.len() == t * e && k <= e);
+        let mut r = RouterResult {
+            probs: vec![0.0; t * e],
+            lse: vec![0.0; t],
+            experts: vec![0; t * k],
+            weights: vec![0.0; t * k],
+        };
+        let pl = logits.as_ptr();
+        let (pp, plse, pe, pw) = (
+            r.probs.as_mut_ptr(),
+            r.lse.as_mut_ptr(),
+            r.experts.as_mut_ptr(),
+            r.weights.as_mut_ptr(),
+        );
+        let (t32, e32, k32, r32) = (t as u32, e as u32, k as u32, renormalize as u32);
+        self.launch(
+            "router_top_k",
+            t,
+            &[
+                arg(&pl),
+                arg(&pp),
+                arg(&plse),
+                arg(&pe),
+                arg(&pw),
+                arg(&t32),
+                arg(&e32),
+                arg(&k32),
+                arg(&r32),
+            ],
+        );
+        r
+    }
+
+    fn permute(
+        &self,
+        x: &[f32],
+        assignments: &[u32],
+        d: usize,
+        k: usize,
+        t: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let n = assignments.len();
+        assert!(x.len() == t * d && assignments.iter().all(|&a| (a as usize) < t * k));
+        let (mut rows, mut scattered) = (vec![0.0f32; n * d], vec![0.0f32; t * k * d]);
+        let (px, pa, pr, ps) = (
+            x.as_ptr(),
+            assignments.as_ptr(),
+            rows.as_mut_ptr(),
+            scattered.as_mut_ptr(),
+        );
+        let (n32, d32, k32) = (n as u32, d as u32, k as u32);
+        self.launch(
+            "gather_rows",
+            n * d,
+            &[
+                arg(&px),
+                arg(&pa),
+                arg(&pr),
+                arg(&n32),
+                arg(&d32),
+                arg(&k32),
+            ],
+        );
+        let pr_in = rows.as_ptr();
+        self.launch(
+            "scatter_rows",
+            n * d,
+            &[arg(&pr_in), arg(&pa), arg(&ps), arg(&n32), arg(&d32)],
+        );
+        (rows, scattered)
+    }
+
+    fn attention_forward(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let t = shape.tokens();
+        assert!(q.len() == t * shape.q_width() && k.len() == t * shape.kv_width());
+        assert_eq!(v.len(), k.len());
+        let mut out = vec![0.0f32; t * shape.q_width()];
+        let mut probs = vec![0.0f32; shape.probs_len()];
+        let (pq, pk, pv) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
+        let (po, pp) = (out.as_mut_ptr(), probs.as_mut_ptr());
+        let dims = dims(shape);
+        let mut args = vec![arg(&pq), arg(&pk), arg(&pv), arg(&po), arg(&pp)];
+        args.extend(dims.iter().map(arg));
+        self.launch(
+            "attention_forward",
+            shape.seqs * shape.heads * shape.seq_len,
+            &args,
+        );
+        (out, probs)
+    }
+
+    fn attention_backward(
+        &self,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        dout: &[f32],
+        probs: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) {
+        let t = shape.tokens();
+        assert!(dq.len() == t * shape.q_width() && dout.len() == dq.len() && q.len() == dq.len());
+        assert!(dk.len() == t * shape.kv_width() && dv.len() == dk.len());
+        assert!(k.len() == dk.len() && v.len() == dk.len() && probs.len() == shape.probs_len());
+        let rows = shape.seqs * shape.heads * shape.seq_len;
+        let mut weighted = vec![0.0f32; rows];
+        let (pdo, pp, pq, pk, pv) = (
+            dout.as_ptr(),
+            probs.as_ptr(),
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+        );
+        let (pdq, pdk, pdv, pw) = (
+            dq.as_mut_ptr(),
+            dk.as_mut_ptr(),
+            dv.as_mut_ptr(),
+            weighted.as_mut_ptr(),
+        );
+        let dims = dims(shape);
+        let mut args = vec![arg(&pdo), arg(&pp), arg(&pk), arg(&pv), arg(&pdq), arg(&pw)];
+        args.extend(dims.iter().map(arg));
+        self.launch("attention_backward_dq", rows, &args);
+        let pw_in = weighted.as_ptr();
+        let mut args = vec![
+            arg(&pdo),
+            arg(&pp),
+            arg(&pq),
+            arg(&pv),
+            arg(&pw_in),
+            arg(&pdk),
+            arg(&pdv),
+        ];
+        args.extend(dims.iter().map(arg));
+        self.launch(
+            "attention_backward_dkv",
+            shape.seqs * shape.kv_heads * shape.seq_len,
+            &args,
+        );
+    }
+}
+
+/// The attention kernels' shape arguments, in their order.
+fn dims(shape: &AttnShape) -> [u32; 5] {
+    [
+        shape.seqs,
+        shape.seq_len,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+    ]
+    .map(|x| x as u32)
+}

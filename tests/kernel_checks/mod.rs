@@ -1,0 +1,447 @@
+//! The CUDA kernels (`src/backend/cuda/kernels.cu`) against the CPU
+//! functions they mirror, written once over [`KernelHost`]: run on a GPU
+//! through `CudaBackend`'s host-slice wrappers (`tests/backend.rs`, feature
+//! `cuda`), and on the CPU through `emulator.rs`, which compiles kernels.cu
+//! as C++ and launches it thread by thread (`tests/kernels_emulated.rs`,
+//! every build).
+
+// Each test binary uses its own subset.
+#![allow(dead_code)]
+
+pub mod emulator;
+
+use strata::lm::attention::AttnShape;
+use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind};
+use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
+
+/// What the router kernel fills (the fields of `math::Routing`).
+pub struct RouterResult {
+    pub probs: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// The kernels on host slices (inputs in, results out), launched as the
+/// CUDA backend launches them.
+#[allow(clippy::too_many_arguments)]
+pub trait KernelHost {
+    fn name(&self) -> &'static str;
+    /// swiglu/gelu forward (outputs\[0\] = h) or backward (da, db).
+    fn activation(
+        &self,
+        kind: ExpertKind,
+        forward: bool,
+        a: &[f32],
+        b: &[f32],
+        dh: &[f32],
+    ) -> Vec<Vec<f32>>;
+    fn adamw(&self, s: &StepScalars, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]);
+    fn rmsnorm_forward(
+        &self,
+        x: &[f32],
+        g: &[f32],
+        t: usize,
+        d: usize,
+        eps: f64,
+    ) -> (Vec<f32>, Vec<f32>);
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut [f32],
+        dg: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        g: &[f32],
+        inv_rms: &[f32],
+        t: usize,
+        d: usize,
+    );
+    fn rope(
+        &self,
+        x: &mut [f32],
+        cos: &[f32],
+        sin: &[f32],
+        seq_len: usize,
+        heads: usize,
+        half: usize,
+        transpose: bool,
+    );
+    fn cross_entropy(
+        &self,
+        dlogits: &mut [f32],
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        denominator: usize,
+    ) -> f32;
+    fn router_top_k(
+        &self,
+        logits: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        renormalize: bool,
+    ) -> RouterResult;
+    fn permute(
+        &self,
+        x: &[f32],
+        assignments: &[u32],
+        d: usize,
+        k: usize,
+        t: usize,
+    ) -> (Vec<f32>, Vec<f32>);
+    fn attention_forward(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> (Vec<f32>, Vec<f32>);
+    fn attention_backward(
+        &self,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        dout: &[f32],
+        probs: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    );
+}
+
+fn f32s(n: usize, seed: u64, scale: f64) -> Vec<f32> {
+    crate::common::values(n, seed, scale)
+        .into_iter()
+        .map(|v| v as f32)
+        .collect()
+}
+
+/// Largest |a − b| / max(|b|, 1).
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+        .fold(0.0f32, f32::max)
+}
+
+/// Each activation kernel against the CPU function it mirrors: expf and
+/// tanhf are within 2 ulps on the GPU, so 1e-6 relative (floored at 1e-6
+/// absolute) holds. 4099 elements: more than one block, a partial last.
+pub fn activations(h: &dyn KernelHost) {
+    let n = 4099;
+    let (a, b, dh) = (f32s(n, 4, 6.0), f32s(n, 5, 2.0), f32s(n, 6, 1.0));
+    let close = |what: &str, got: &[f32], want: &[f32]| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "{} {what}[{i}]: {g} vs {w}",
+                h.name()
+            );
+        }
+    };
+    let out = h.activation(ExpertKind::SwiGlu, true, &a, &b, &dh);
+    let want: Vec<f32> = (0..n).map(|i| silu(a[i]) * b[i]).collect();
+    close("swiglu_forward", &out[0], &want);
+    let out = h.activation(ExpertKind::SwiGlu, false, &a, &b, &dh);
+    let da: Vec<f32> = (0..n).map(|i| dh[i] * b[i] * silu_grad(a[i])).collect();
+    let db: Vec<f32> = (0..n).map(|i| dh[i] * silu(a[i])).collect();
+    close("swiglu_backward da", &out[0], &da);
+    close("swiglu_backward db", &out[1], &db);
+    let out = h.activation(ExpertKind::Gelu, true, &a, &b, &dh);
+    let want: Vec<f32> = a.iter().map(|&x| gelu(x)).collect();
+    close("gelu_forward", &out[0], &want);
+    let out = h.activation(ExpertKind::Gelu, false, &a, &b, &dh);
+    let want: Vec<f32> = (0..n).map(|i| dh[i] * gelu_grad(a[i])).collect();
+    close("gelu_backward", &out[0], &want);
+}
+
+/// RMSNorm and RoPE sum and multiply in the cpu's order with IEEE sqrt
+/// (fused multiply-adds off), so they agree to rounding of the last ulp at
+/// most: 1e-6.
+pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
+    use strata::lm::attention::{rope_backward, rope_forward, RopeTable};
+    use strata::math::{rmsnorm_backward, rmsnorm_forward};
+    let (t, d) = (33, 64);
+    let (x, g, dout) = (f32s(t * d, 20, 2.0), f32s(d, 21, 1.0), f32s(t * d, 22, 1.0));
+    let (mut out, mut inv) = (vec![0.0; t * d], vec![0.0; t]);
+    rmsnorm_forward(&mut out, &mut inv, &x, &g, t, d, 1e-5);
+    let (hout, hinv) = h.rmsnorm_forward(&x, &g, t, d, 1e-5);
+    assert!(worst(&hout, &out) < 1e-6 && worst(&hinv, &inv) < 1e-6);
+    let (mut dx, mut dg) = (vec![0.25; t * d], vec![0.5; d]);
+    let (mut hdx, mut hdg) = (dx.clone(), dg.clone());
+    rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &g, &inv, t, d);
+    h.rmsnorm_backward(&mut hdx, &mut hdg, &dout, &x, &g, &inv, t, d);
+    assert!(worst(&hdx, &dx) < 1e-6, "dx {}", worst(&hdx, &dx));
+    assert!(worst(&hdg, &dg) < 1e-6, "dg {}", worst(&hdg, &dg));
+    let (seq_len, heads, hd) = (11, 3, 16);
+    let table = RopeTable::<f32>::new(seq_len, hd, 10_000.0);
+    let q = f32s(2 * seq_len * heads * hd, 23, 1.0);
+    for transpose in [false, true] {
+        let mut want = q.clone();
+        if transpose {
+            rope_backward(&mut want, &table, seq_len, heads);
+        } else {
+            rope_forward(&mut want, &table, seq_len, heads);
+        }
+        let mut got = q.clone();
+        h.rope(
+            &mut got,
+            &table.cos,
+            &table.sin,
+            seq_len,
+            heads,
+            hd / 2,
+            transpose,
+        );
+        assert!(worst(&got, &want) < 1e-6, "rope transpose={transpose}");
+    }
+}
+
+/// Cross-entropy and the router's softmax use expf/logf (within 2 ulps of
+/// the cpu's libm): 1e-5 on values of order one; the router's top-k
+/// choices and the permutation are exact.
+pub fn loss_router_and_permutation(h: &dyn KernelHost) {
+    use strata::math::{
+        cross_entropy_forward_backward, gather_forward, linear_forward, router_forward,
+        scatter_to_assignments, Permutation, RouterConfig, Routing,
+    };
+    let (t, v) = (29, 50);
+    let logits = f32s(t * v, 30, 4.0);
+    let targets: Vec<u32> = (0..t).map(|i| (i * 7 % v) as u32).collect();
+    let mut dl = vec![0.0; t * v];
+    let loss = cross_entropy_forward_backward(&mut dl, &logits, &targets, v, 40);
+    let mut hdl = vec![0.0; t * v];
+    let hloss = h.cross_entropy(&mut hdl, &logits, &targets, v, 40);
+    assert!(
+        (hloss - loss).abs() < 1e-5 * loss.abs().max(1.0),
+        "{hloss} vs {loss}"
+    );
+    assert!(worst(&hdl, &dl) < 1e-5);
+
+    let (d, e) = (24, 8);
+    for (k, renormalize) in [(1, false), (2, true), (3, false)] {
+        let cfg = RouterConfig {
+            experts: e,
+            top_k: k,
+            renormalize,
+        };
+        let (x, wr) = (f32s(t * d, 31, 1.0), f32s(e * d, 32, 0.5));
+        let mut routing = Routing::default();
+        router_forward(&cfg, &mut routing, &x, &wr, t, d);
+        let mut logits = vec![0.0f32; t * e];
+        linear_forward(&mut logits, &x, &wr, t, d, e);
+        let got = h.router_top_k(&logits, t, e, k, renormalize);
+        assert_eq!(got.experts, routing.experts, "top-{k}");
+        assert!(worst(&got.probs, &routing.probs) < 1e-5);
+        assert!(worst(&got.lse, &routing.lse) < 1e-5);
+        assert!(worst(&got.weights, &routing.weights) < 1e-5);
+
+        let perm = Permutation::from_routing(&routing.experts, e);
+        let (rows, scattered) = h.permute(&x, &perm.order, d, k, t);
+        let mut want_rows = vec![0.0; perm.order.len() * d];
+        gather_forward(&mut want_rows, &x, &perm.order, k, d);
+        let mut want_scattered = vec![0.0; t * k * d];
+        scatter_to_assignments(&mut want_scattered, &want_rows, &perm.order, d);
+        assert_eq!(rows, want_rows);
+        assert_eq!(scattered, want_scattered);
+    }
+}
+
+/// Causal attention with grouped kv heads: the same sums in the same order
+/// as the cpu, with expf in the softmax: 1e-5.
+pub fn attention(h: &dyn KernelHost) {
+    use strata::lm::attention::{attention_backward, attention_forward};
+    let shape = AttnShape {
+        seqs: 2,
+        seq_len: 13,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+    };
+    let t = shape.tokens();
+    let q = f32s(t * shape.q_width(), 40, 1.0);
+    let k = f32s(t * shape.kv_width(), 41, 1.0);
+    let v = f32s(t * shape.kv_width(), 42, 1.0);
+    let dout = f32s(t * shape.q_width(), 43, 1.0);
+    let mut out = vec![0.0; t * shape.q_width()];
+    let mut probs = vec![0.0; shape.probs_len()];
+    attention_forward(&mut out, &mut probs, &q, &k, &v, &shape);
+    let (hout, hprobs) = h.attention_forward(&q, &k, &v, &shape);
+    assert!(worst(&hout, &out) < 1e-5, "out {}", worst(&hout, &out));
+    assert!(worst(&hprobs, &probs) < 1e-5);
+    let (mut dq, mut dk, mut dv) = (vec![0.1; q.len()], vec![0.2; k.len()], vec![0.3; v.len()]);
+    let (mut hdq, mut hdk, mut hdv) = (dq.clone(), dk.clone(), dv.clone());
+    attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
+    h.attention_backward(
+        &mut hdq, &mut hdk, &mut hdv, &dout, &probs, &q, &k, &v, &shape,
+    );
+    for (what, a, b) in [("dq", &hdq, &dq), ("dk", &hdk, &dk), ("dv", &hdv, &dv)] {
+        assert!(worst(a, b) < 1e-5, "{what} {}", worst(a, b));
+    }
+}
+
+/// The kernel AdamW uses the scalar kernel's fused multiply-adds and IEEE
+/// sqrt and division, so three steps agree bit for bit.
+pub fn adamw_bit_for_bit(h: &dyn KernelHost) {
+    let n = 10_007;
+    let hyper = AdamWHyper {
+        lr: 1e-3,
+        weight_decay: 0.1,
+        ..AdamWHyper::default()
+    };
+    let (mut p1, mut m1, mut v1) = (f32s(n, 7, 1.0), vec![0.0; n], vec![0.0; n]);
+    let (mut p2, mut m2, mut v2) = (p1.clone(), m1.clone(), v1.clone());
+    for t in 1..=3 {
+        let g = f32s(n, 10 + t, 0.1);
+        let s = StepScalars::new(&hyper, t, 1.0);
+        h.adamw(&s, &mut p1, &mut m1, &mut v1, &g);
+        adamw_step(
+            Kernel::Scalar,
+            &s,
+            &mut p2,
+            &mut m2,
+            &mut v2,
+            GradRef::F32(&g),
+            CopyOut::None,
+        )
+        .unwrap();
+    }
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&p1), bits(&p2));
+    assert_eq!(bits(&m1), bits(&m2));
+    assert_eq!(bits(&v1), bits(&v2));
+}
+
+#[cfg(feature = "cuda")]
+impl KernelHost for strata::backend::cuda::CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn activation(
+        &self,
+        kind: ExpertKind,
+        forward: bool,
+        a: &[f32],
+        b: &[f32],
+        dh: &[f32],
+    ) -> Vec<Vec<f32>> {
+        self.activation_host(kind, forward, a, b, dh).unwrap()
+    }
+
+    fn adamw(&self, s: &StepScalars, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
+        self.adamw_host(s, p, m, v, g).unwrap()
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        x: &[f32],
+        g: &[f32],
+        t: usize,
+        d: usize,
+        eps: f64,
+    ) -> (Vec<f32>, Vec<f32>) {
+        self.rmsnorm_forward_host(x, g, t, d, eps).unwrap()
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut [f32],
+        dg: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        g: &[f32],
+        inv_rms: &[f32],
+        t: usize,
+        d: usize,
+    ) {
+        self.rmsnorm_backward_host(dx, dg, dout, x, g, inv_rms, t, d)
+            .unwrap()
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        cos: &[f32],
+        sin: &[f32],
+        seq_len: usize,
+        heads: usize,
+        half: usize,
+        transpose: bool,
+    ) {
+        self.rope_host(x, cos, sin, seq_len, heads, half, transpose)
+            .unwrap()
+    }
+
+    fn cross_entropy(
+        &self,
+        dlogits: &mut [f32],
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        denominator: usize,
+    ) -> f32 {
+        self.cross_entropy_host(dlogits, logits, targets, v, denominator)
+            .unwrap()
+    }
+
+    fn router_top_k(
+        &self,
+        logits: &[f32],
+        t: usize,
+        e: usize,
+        k: usize,
+        renormalize: bool,
+    ) -> RouterResult {
+        let r = self
+            .router_top_k_host(logits, t, e, k, renormalize)
+            .unwrap();
+        RouterResult {
+            probs: r.probs,
+            lse: r.lse,
+            experts: r.experts,
+            weights: r.weights,
+        }
+    }
+
+    fn permute(
+        &self,
+        x: &[f32],
+        assignments: &[u32],
+        d: usize,
+        k: usize,
+        t: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        self.permute_host(x, assignments, d, k, t).unwrap()
+    }
+
+    fn attention_forward(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> (Vec<f32>, Vec<f32>) {
+        self.attention_forward_host(q, k, v, shape).unwrap()
+    }
+
+    fn attention_backward(
+        &self,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        dout: &[f32],
+        probs: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) {
+        self.attention_backward_host(dq, dk, dv, dout, probs, q, k, v, shape)
+            .unwrap()
+    }
+}
