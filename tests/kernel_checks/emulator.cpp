@@ -75,3 +75,26 @@ STRATA_LAUNCHER(scatter_rows)
 STRATA_LAUNCHER(attention_forward)
 STRATA_LAUNCHER(attention_backward_dq)
 STRATA_LAUNCHER(attention_backward_dkv)
+
+// The launcher of kernel `name` (what cuModuleGetFunction finds), or null.
+typedef void (*strata_launcher)(unsigned, unsigned, void**);
+extern "C" strata_launcher strata_emulated_kernel(const char* name) {
+    static const struct {
+        const char* name;
+        strata_launcher launch;
+    } table[] = {
+#define STRATA_ENTRY(n) {#n, strata_launch_##n},
+        STRATA_ENTRY(swiglu_forward) STRATA_ENTRY(swiglu_backward) STRATA_ENTRY(gelu_forward)
+        STRATA_ENTRY(gelu_backward) STRATA_ENTRY(f32_to_bf16) STRATA_ENTRY(adamw)
+        STRATA_ENTRY(rmsnorm_forward) STRATA_ENTRY(rmsnorm_backward_dx)
+        STRATA_ENTRY(rmsnorm_backward_dg) STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
+        STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
+        STRATA_ENTRY(attention_forward) STRATA_ENTRY(attention_backward_dq)
+        STRATA_ENTRY(attention_backward_dkv)
+#undef STRATA_ENTRY
+    };
+    for (const auto& entry : table) {
+        if (strcmp(entry.name, name) == 0) return entry.launch;
+    }
+    return nullptr;
+}
