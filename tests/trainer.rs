@@ -122,6 +122,58 @@ fn small_flags(out: &Path) -> TrainFlags {
     }
 }
 
+/// The trainer on two GPUs (`--backend cuda --devices 2`) against the cpu
+/// backend on one device with two micro-batches. The GPU rounds the GEMMs'
+/// activations and gradients to bf16 as well (2⁻⁹ relative); AdamW turns a
+/// gradient difference into at most ~2·lr of param difference a step
+/// (|m/√v| ≲ 1), so 6 steps at lr ≤ 3e-3 keep every param within 4e-2;
+/// the losses, which see the params only through those moves, agree to
+/// 1 %. Runs wherever a CUDA device answers (a GPU, or the CPU model of
+/// one in CI); skips, saying why, elsewhere.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_trainer_runs_on_two_gpus() {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(2, Dtype::Bf16) {
+        eprintln!("cuda case skipped: {e}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &config);
+    let run = |name: &str, backend: &str, devices: usize, micro_batches: usize| {
+        let out = dir.path().join(name);
+        let flags = TrainFlags {
+            backend: Some(backend.into()),
+            devices: Some(devices),
+            micro_batches: Some(micro_batches),
+            ..small_flags(&out)
+        };
+        let summary = trainer::run(
+            &flags,
+            Source::Finetune(model.clone()),
+            &AtomicBool::new(false),
+        )
+        .unwrap();
+        assert_eq!(summary.steps, 6);
+        (summary.last_loss.unwrap(), run_params(&out, &config))
+    };
+    let (gpu_loss, (gpu_dense, gpu_experts)) = run("gpus", "cuda", 2, 1);
+    let (cpu_loss, (cpu_dense, cpu_experts)) = run("cpu", "cpu", 1, 2);
+    let experts = gpu_experts
+        .iter()
+        .zip(&cpu_experts)
+        .map(|(a, b)| max_rel(a, b))
+        .fold(0.0f32, f32::max);
+    let dense = max_rel(&gpu_dense, &cpu_dense);
+    eprintln!(
+        "cuda case: two GPUs vs one cpu device: loss {gpu_loss} vs {cpu_loss}, \
+         params dense {dense:.2e}, experts {experts:.2e}"
+    );
+    assert!((gpu_loss - cpu_loss).abs() <= 0.01 * cpu_loss.abs());
+    assert!(dense < 4e-2 && experts < 4e-2, "{dense} {experts}");
+}
+
 /// The params of the run in `out`, read back through a resumed engine.
 fn run_params(out: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
     let lm = MixtralLm::new(config.clone()).unwrap();

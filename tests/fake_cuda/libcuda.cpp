@@ -30,7 +30,9 @@ enum : CUresult {
     CUDA_ERROR_NOT_FOUND = 500,
 };
 
-static int strata_fake_context;  // its address is the one context
+// Devices the model offers; each has its own (primary) context.
+enum { STRATA_FAKE_DEVICES = 4 };
+static int strata_fake_contexts[STRATA_FAKE_DEVICES];
 static thread_local CUcontext current_context = nullptr;
 
 #define API extern "C" __attribute__((visibility("default")))
@@ -41,12 +43,12 @@ API CUresult cuDriverGetVersion(int* v) {
     return CUDA_SUCCESS;
 }
 API CUresult cuDeviceGetCount(int* n) {
-    *n = 1;
+    *n = STRATA_FAKE_DEVICES;
     return CUDA_SUCCESS;
 }
 API CUresult cuDeviceGet(CUdevice* dev, int ordinal) {
-    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
-    *dev = 0;
+    if (ordinal < 0 || ordinal >= STRATA_FAKE_DEVICES) return CUDA_ERROR_INVALID_DEVICE;
+    *dev = ordinal;
     return CUDA_SUCCESS;
 }
 API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
@@ -63,8 +65,9 @@ API CUresult cuDeviceGetAttribute(int* value, int, CUdevice) {
     *value = 0;
     return CUDA_SUCCESS;
 }
-API CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice) {
-    *ctx = &strata_fake_context;
+API CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
+    if (dev < 0 || dev >= STRATA_FAKE_DEVICES) return CUDA_ERROR_INVALID_DEVICE;
+    *ctx = &strata_fake_contexts[dev];
     return CUDA_SUCCESS;
 }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return CUDA_SUCCESS; }
@@ -78,7 +81,8 @@ API CUresult cuCtxGetCurrent(CUcontext* ctx) {
 }
 API CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
 API CUresult cuCtxGetDevice(CUdevice* dev) {
-    *dev = 0;
+    if (current_context == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *dev = (int)((int*)current_context - strata_fake_contexts);
     return CUDA_SUCCESS;
 }
 
@@ -185,7 +189,7 @@ API CUresult cuMemHostUnregister(void*) { return CUDA_SUCCESS; }
 API CUresult cuModuleLoadData(CUmodule* module, const void* image) {
     if (image == nullptr || strstr((const char*)image, ".entry") == nullptr)
         return CUDA_ERROR_INVALID_VALUE;
-    *module = &strata_fake_context;
+    *module = (CUmodule)strata_emulated_kernel;
     return CUDA_SUCCESS;
 }
 API CUresult cuModuleUnload(CUmodule) { return CUDA_SUCCESS; }
