@@ -96,15 +96,98 @@ fn linear_backward(
     }
 }
 
-fn hidden(kind: ExpertKind, saved: &ExpertSaved<f32>) -> Vec<f32> {
+/// Buffers the expert FFN reuses from call to call: the hidden activation
+/// and its gradients, n × F each (what would otherwise be allocated and
+/// faulted in for every expert of every pass).
+#[derive(Debug, Default)]
+pub struct FfnScratch {
+    h: Vec<f32>,
+    dh: Vec<f32>,
+    da: Vec<f32>,
+    db: Vec<f32>,
+}
+
+/// `buf` resized to `len` zeros, keeping its allocation.
+fn zeroed(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.clear();
+    buf.resize(len, 0.0);
+    buf
+}
+
+/// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`.
+fn hidden_into(kind: ExpertKind, saved: &ExpertSaved<f32>, h: &mut Vec<f32>) {
+    h.clear();
     match kind {
-        ExpertKind::SwiGlu => saved
-            .a
-            .iter()
-            .zip(&saved.b)
-            .map(|(&a, &b)| silu(a) * b)
-            .collect(),
-        ExpertKind::Gelu => saved.a.iter().map(|&a| gelu(a)).collect(),
+        ExpertKind::SwiGlu => h.extend(saved.a.iter().zip(&saved.b).map(|(&a, &b)| silu(a) * b)),
+        ExpertKind::Gelu => h.extend(saved.a.iter().map(|&a| gelu(a))),
+    }
+}
+
+/// out (n, D) = expert(x (n, D)) with f32 params; `saved` keeps what the
+/// backward needs.
+pub(crate) fn ffn_forward(
+    kind: ExpertKind,
+    out: &mut [f32],
+    saved: &mut ExpertSaved<f32>,
+    x: &[f32],
+    params: &[f32],
+    n: usize,
+    d: usize,
+    f: usize,
+    scratch: &mut FfnScratch,
+) {
+    assert_eq!(params.len(), kind.params(d, f));
+    saved.a.resize(n * f, 0.0);
+    linear_forward(&mut saved.a, x, &params[..f * d], n, d, f);
+    if kind == ExpertKind::SwiGlu {
+        saved.b.resize(n * f, 0.0);
+        linear_forward(&mut saved.b, x, &params[f * d..2 * f * d], n, d, f);
+    } else {
+        saved.b.clear();
+    }
+    hidden_into(kind, saved, &mut scratch.h);
+    linear_forward(out, &scratch.h, &params[params.len() - d * f..], n, f, d);
+}
+
+/// dx (n, D) = …, dparams += … (dx is overwritten).
+pub(crate) fn ffn_backward(
+    kind: ExpertKind,
+    dx: &mut [f32],
+    dparams: &mut [f32],
+    dout: &[f32],
+    saved: &ExpertSaved<f32>,
+    x: &[f32],
+    params: &[f32],
+    n: usize,
+    d: usize,
+    f: usize,
+    scratch: &mut FfnScratch,
+) {
+    dx.fill(0.0);
+    hidden_into(kind, saved, &mut scratch.h);
+    let split = dparams.len() - d * f;
+    let (dw_in, dw2) = dparams.split_at_mut(split);
+    let dh = zeroed(&mut scratch.dh, n * f);
+    linear_backward(dh, dw2, dout, &scratch.h, &params[split..], n, f, d);
+    let w1 = &params[..f * d];
+    let da = zeroed(&mut scratch.da, n * f);
+    match kind {
+        ExpertKind::SwiGlu => {
+            let db = zeroed(&mut scratch.db, n * f);
+            for i in 0..n * f {
+                db[i] = dh[i] * silu(saved.a[i]);
+                da[i] = dh[i] * saved.b[i] * silu_grad(saved.a[i]);
+            }
+            let (dw1, dw3) = dw_in.split_at_mut(f * d);
+            linear_backward(dx, dw1, da, x, w1, n, d, f);
+            linear_backward(dx, dw3, db, x, &params[f * d..2 * f * d], n, d, f);
+        }
+        ExpertKind::Gelu => {
+            for i in 0..n * f {
+                da[i] = dh[i] * gelu_grad(saved.a[i]);
+            }
+            linear_backward(dx, dw_in, da, x, w1, n, d, f);
+        }
     }
 }
 
@@ -124,17 +207,8 @@ impl Backend for CpuBackend {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        assert_eq!(params.len(), kind.params(d, f));
-        saved.a.resize(n * f, 0.0);
-        linear_forward(&mut saved.a, x, &params[..f * d], n, d, f);
-        if kind == ExpertKind::SwiGlu {
-            saved.b.resize(n * f, 0.0);
-            linear_forward(&mut saved.b, x, &params[f * d..2 * f * d], n, d, f);
-        } else {
-            saved.b.clear();
-        }
-        let h = hidden(kind, saved);
-        linear_forward(out, &h, &params[params.len() - d * f..], n, f, d);
+        let scratch = &mut FfnScratch::default();
+        ffn_forward(kind, out, saved, x, params, n, d, f, scratch);
         Ok(())
     }
 
@@ -151,34 +225,8 @@ impl Backend for CpuBackend {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        dx.fill(0.0);
-        let h = hidden(kind, saved);
-        let split = dparams.len() - d * f;
-        let (dw_in, dw2) = dparams.split_at_mut(split);
-        let mut dh = vec![0.0f32; n * f];
-        linear_backward(&mut dh, dw2, dout, &h, &params[split..], n, f, d);
-        let w1 = &params[..f * d];
-        match kind {
-            ExpertKind::SwiGlu => {
-                let mut da = vec![0.0f32; n * f];
-                let mut db = vec![0.0f32; n * f];
-                for i in 0..n * f {
-                    db[i] = dh[i] * silu(saved.a[i]);
-                    da[i] = dh[i] * saved.b[i] * silu_grad(saved.a[i]);
-                }
-                let (dw1, dw3) = dw_in.split_at_mut(f * d);
-                linear_backward(dx, dw1, &da, x, w1, n, d, f);
-                linear_backward(dx, dw3, &db, x, &params[f * d..2 * f * d], n, d, f);
-            }
-            ExpertKind::Gelu => {
-                let da: Vec<f32> = dh
-                    .iter()
-                    .zip(&saved.a)
-                    .map(|(&g, &a)| g * gelu_grad(a))
-                    .collect();
-                linear_backward(dx, dw_in, &da, x, w1, n, d, f);
-            }
-        }
+        let scratch = &mut FfnScratch::default();
+        ffn_backward(kind, dx, dparams, dout, saved, x, params, n, d, f, scratch);
         Ok(())
     }
 }

@@ -1,13 +1,13 @@
 //! A compute device as the engine drives it: its device tier (an arena of
 //! expert slots, filled by asynchronous uploads) together with the expert
 //! FFN computed from the params in a slot, where they lie. The cpu device
-//! widens a slot's params into one reused f32 buffer and runs
-//! [`CpuBackend`]; the cuda device (`cuda/expert.rs`) points cuBLAS at the
-//! slot in GPU memory.
+//! widens a slot's params into one reused f32 buffer and runs the cpu
+//! backend's FFN with reused hidden-size buffers; the cuda device
+//! (`cuda/expert.rs`) points cuBLAS at the slot in GPU memory.
 
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
-use super::{Backend, CpuBackend};
+use super::cpu::{ffn_backward, ffn_forward, FfnScratch};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::EngineError;
 
@@ -97,6 +97,8 @@ pub struct CpuExpertDevice {
     arena: CpuDeviceArena,
     /// The widened params of the expert being computed (reused).
     params: Vec<f32>,
+    /// The FFN's hidden-size buffers (reused).
+    scratch: FfnScratch,
 }
 
 /// Copies in flight the cpu device's copy queues hold.
@@ -110,6 +112,7 @@ impl CpuExpertDevice {
         Ok(Self {
             arena: CpuDeviceArena::new(device_budget_bytes, slot_bytes, CPU_COPIES_MAX)?,
             params: Vec::with_capacity(layout.params_per_expert as usize),
+            scratch: FfnScratch::default(),
         })
     }
 
@@ -157,7 +160,9 @@ impl ExpertDevice for CpuExpertDevice {
         f: usize,
     ) -> Result<(), EngineError> {
         self.widen(params)?;
-        CpuBackend.expert_ffn_forward(kind, out, saved, x, &self.params, n, d, f)
+        let scratch = &mut self.scratch;
+        ffn_forward(kind, out, saved, x, &self.params, n, d, f, scratch);
+        Ok(())
     }
 
     fn expert_backward(
@@ -174,6 +179,20 @@ impl ExpertDevice for CpuExpertDevice {
         f: usize,
     ) -> Result<(), EngineError> {
         self.widen(params)?;
-        CpuBackend.expert_ffn_backward(kind, dx, dparams, dout, saved, x, &self.params, n, d, f)
+        let scratch = &mut self.scratch;
+        ffn_backward(
+            kind,
+            dx,
+            dparams,
+            dout,
+            saved,
+            x,
+            &self.params,
+            n,
+            d,
+            f,
+            scratch,
+        );
+        Ok(())
     }
 }
