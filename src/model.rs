@@ -220,7 +220,15 @@ impl Batch {
 /// backend's GEMM for the engine.
 pub trait DenseLinear {
     /// out (M, N) = x (M, K) · w (N, K)ᵀ
-    fn forward(&self, out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize);
+    fn forward(
+        &self,
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError>;
     /// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
     fn backward(
         &self,
@@ -232,15 +240,24 @@ pub trait DenseLinear {
         m: usize,
         k: usize,
         n: usize,
-    );
+    ) -> Result<(), EngineError>;
 }
 
 /// `math::linear_forward` / `linear_backward`, as written.
 pub struct PlainLinear;
 
 impl DenseLinear for PlainLinear {
-    fn forward(&self, out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+    fn forward(
+        &self,
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
         linear_forward(out, x, w, m, k, n);
+        Ok(())
     }
 
     fn backward(
@@ -253,8 +270,9 @@ impl DenseLinear for PlainLinear {
         m: usize,
         k: usize,
         n: usize,
-    ) {
+    ) -> Result<(), EngineError> {
         linear_backward(dx, dw, dout, x, w, m, k, n);
+        Ok(())
     }
 }
 
@@ -518,7 +536,7 @@ impl Network for ModelConfig {
         let (t, d, v) = (batch.tokens(), self.d_model, self.classes);
         let (h, _, _, _) = stack_forward(self, dense, batch, runner)?;
         let mut logits = vec![0.0f32; t * v];
-        linear.forward(&mut logits, &h, &dense[self.head_range()], t, d, v);
+        linear.forward(&mut logits, &h, &dense[self.head_range()], t, d, v)?;
         Ok(cross_entropy_loss(&logits, &batch.targets, v, t))
     }
 }
@@ -541,7 +559,7 @@ pub fn forward_backward(
     let (h, saved, aux_sum, z_sum) = stack_forward(model, dense, batch, runner)?;
     let head = &dense[model.head_range()];
     let mut logits = vec![0.0f32; t * v];
-    linear.forward(&mut logits, &h, head, t, d, v);
+    linear.forward(&mut logits, &h, head, t, d, v)?;
     let mut dlogits = vec![0.0f32; t * v];
     let ce = cross_entropy_forward_backward(&mut dlogits, &logits, &batch.targets, v, tokens_total);
     let share = 1.0 / micro_batches as f32;
@@ -551,7 +569,7 @@ pub fn forward_backward(
     }
     let mut dh = vec![0.0f32; t * d];
     let head_grad = &mut dense_grad[model.head_range()];
-    linear.backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v);
+    linear.backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v)?;
     let daux = model.aux_loss_coef * share;
     let dz = model.z_loss_coef * share;
     for l in (0..model.layers).rev() {

@@ -256,6 +256,46 @@ mod device_computes_from_its_slots {
     }
 }
 
+/// The dense layers' GEMMs on the GPU (f32 in, f32 accumulation) against
+/// the cpu's: the same products summed in another order, so a few f32
+/// ulps of sums of ~100 terms of order one: 1e-5 norm-wise.
+#[cfg(feature = "cuda")]
+#[test]
+fn dense_gemms_on_the_gpu_match_the_cpu() {
+    use strata::backend::{BackendKind, CpuBackend};
+    use strata::model::DenseLinear;
+    let gpu = match BackendKind::Cuda.open_dense(0) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            eprintln!("cuda case skipped: {e}");
+            return;
+        }
+    };
+    let (m, k, n) = (37, 96, 53);
+    let (x, w, dout) = (
+        f32s(m * k, 50, 1.0),
+        f32s(n * k, 51, 0.3),
+        f32s(m * n, 52, 1.0),
+    );
+    let mut outs = Vec::new();
+    for linear in [&*gpu, &CpuBackend as &dyn DenseLinear] {
+        let mut out = vec![0.0; m * n];
+        linear.forward(&mut out, &x, &w, m, k, n).unwrap();
+        // Both gradients accumulate into what they held.
+        let (mut dx, mut dw) = (vec![0.5; m * k], vec![-0.25; n * k]);
+        linear
+            .backward(&mut dx, &mut dw, &dout, &x, &w, m, k, n)
+            .unwrap();
+        outs.push((out, dx, dw));
+    }
+    let (g, c) = (&outs[0], &outs[1]);
+    for (what, a, b) in [("out", &g.0, &c.0), ("dx", &g.1, &c.1), ("dw", &g.2, &c.2)] {
+        let err = normwise(a, b);
+        eprintln!("cuda dense {what}: norm-wise error {err:.2e}");
+        assert!(err < 1e-5, "{what}: {err}");
+    }
+}
+
 /// Five engine steps with the experts on the GPU against the same on the
 /// cpu (both with bf16 compute copies). The GPU also rounds the GEMMs'
 /// activations and gradients to bf16, so the experts' gradients differ by

@@ -232,8 +232,17 @@ impl Backend for CpuBackend {
 }
 
 impl crate::model::DenseLinear for CpuBackend {
-    fn forward(&self, out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+    fn forward(
+        &self,
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
         linear_forward(out, x, w, m, k, n);
+        Ok(())
     }
 
     fn backward(
@@ -246,8 +255,9 @@ impl crate::model::DenseLinear for CpuBackend {
         m: usize,
         k: usize,
         n: usize,
-    ) {
+    ) -> Result<(), EngineError> {
         linear_backward(dx, dw, dout, x, w, m, k, n);
+        Ok(())
     }
 }
 

@@ -46,8 +46,7 @@ use strata_tiers::{
 pub use config::{EngineConfig, ScheduleKind};
 pub use metrics::StepMetrics;
 
-use crate::backend::CpuBackend;
-use crate::model::{Batch, ModelConfig, Network};
+use crate::model::{Batch, DenseLinear, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 use access::access_schedule;
@@ -63,6 +62,8 @@ pub struct Engine {
     /// before `shared`: a GPU device page-locks the host tier's region,
     /// which must be unregistered before the host tier frees it.
     devices: Vec<DeviceState>,
+    /// Per device: the dense layers' GEMMs (the cpu's, or its GPU's).
+    dense_linear: Vec<Box<dyn DenseLinear + Send + Sync>>,
     shared: SharedExperts,
     /// Why the tiers run below their best (no io_uring or O_DIRECT, host
     /// memory not page-locked for a GPU).
@@ -293,8 +294,12 @@ impl Engine {
             steps,
         );
         let cost = multi::initial_cost(&model, &layout, config.devices);
+        let dense_linear = (0..config.devices)
+            .map(|ordinal| config.backend.open_dense(ordinal))
+            .collect::<Result<Vec<_>, EngineError>>()?;
         Ok(Self {
             devices,
+            dense_linear,
             shared,
             notes,
             dense: state.params,
@@ -394,7 +399,7 @@ impl Engine {
             dev: &mut self.devices[0],
             options,
         };
-        let loss = net.forward_loss(&self.dense, batch, &mut runner, &CpuBackend);
+        let loss = net.forward_loss(&self.dense, batch, &mut runner, &*self.dense_linear[0]);
         let overlapped =
             self.config.schedule == ScheduleKind::ExpertWise && self.device_slots() >= 2;
         self.shared
@@ -487,7 +492,7 @@ impl Engine {
                     count,
                     i + 1 == count,
                     &mut runner,
-                    &CpuBackend,
+                    &*self.dense_linear[0],
                 )?
                 .total;
         }

@@ -19,7 +19,6 @@ use strata_tiers::Layout;
 use super::exchange::ExchangeRunner;
 use super::runner::DeviceRunner;
 use super::{Engine, StepMetrics};
-use crate::backend::CpuBackend;
 use crate::comm::{Comm, InProcessComm};
 use crate::model::{ModelConfig, Network};
 use crate::placement::CostModel;
@@ -92,6 +91,7 @@ impl Engine {
             model,
             shared,
             devices,
+            dense_linear,
             dense,
             ..
         } = self;
@@ -101,9 +101,10 @@ impl Engine {
         let results: Vec<Result<(f32, Vec<f32>), EngineError>> = std::thread::scope(|s| {
             let handles: Vec<_> = devices
                 .iter_mut()
+                .zip(dense_linear.iter())
                 .zip(InProcessComm::endpoints(n))
                 .enumerate()
-                .map(|(rank, (dev, comm))| {
+                .map(|(rank, ((dev, linear), comm))| {
                     std::thread::Builder::new()
                         .name(format!("strata-device-{rank}"))
                         .spawn_scoped(s, move || {
@@ -126,7 +127,7 @@ impl Engine {
                                         n * m,
                                         j + 1 == m,
                                         &mut runner,
-                                        &CpuBackend,
+                                        &**linear,
                                     )?
                                     .total;
                             }

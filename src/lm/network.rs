@@ -211,16 +211,16 @@ impl MixtralLm {
             let mut q = vec![0.0f32; t * qw];
             let mut k = vec![0.0f32; t * kw];
             let mut vv = vec![0.0f32; t * kw];
-            linear.forward(&mut q, &n1, &dense[r.wq.clone()], t, d, qw);
-            linear.forward(&mut k, &n1, &dense[r.wk.clone()], t, d, kw);
-            linear.forward(&mut vv, &n1, &dense[r.wv.clone()], t, d, kw);
+            linear.forward(&mut q, &n1, &dense[r.wq.clone()], t, d, qw)?;
+            linear.forward(&mut k, &n1, &dense[r.wk.clone()], t, d, kw)?;
+            linear.forward(&mut vv, &n1, &dense[r.wv.clone()], t, d, kw)?;
             rope_forward(&mut q, &rope, batch.seq_len, c.heads);
             rope_forward(&mut k, &rope, batch.seq_len, c.kv_heads);
             let mut attn = vec![0.0f32; t * qw];
             let mut probs = vec![0.0f32; shape.probs_len()];
             attention_forward(&mut attn, &mut probs, &q, &k, &vv, &shape);
             let mut o = vec![0.0f32; t * d];
-            linear.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d);
+            linear.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d)?;
             let h_in = h.clone();
             h.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let mut n2 = vec![0.0f32; t * d];
@@ -252,7 +252,7 @@ impl MixtralLm {
         let gf = &dense[self.final_norm.clone()];
         rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps);
         let mut logits = vec![0.0f32; t * v];
-        linear.forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v);
+        linear.forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v)?;
         Ok(Forward {
             inputs,
             targets,
@@ -387,7 +387,7 @@ impl Network for MixtralLm {
             t,
             d,
             v,
-        );
+        )?;
         let mut dh = vec![0.0f32; t * d];
         rmsnorm_backward(
             &mut dh,
@@ -441,7 +441,7 @@ impl Network for MixtralLm {
                 t,
                 qw,
                 d,
-            );
+            )?;
             let mut dq = vec![0.0f32; t * qw];
             let mut dk = vec![0.0f32; t * kw];
             let mut dv = vec![0.0f32; t * kw];
@@ -461,7 +461,7 @@ impl Network for MixtralLm {
                     t,
                     d,
                     width,
-                );
+                )?;
             }
             rmsnorm_backward(
                 &mut dh,

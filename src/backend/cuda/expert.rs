@@ -18,6 +18,9 @@ use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration
 use strata_tiers::{DeviceArena, Dtype, Layout};
 
 use super::{gpu_error, CudaBackend, Shape};
+
+/// The experts' GEMM inputs: bf16.
+const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
 use crate::backend::{Backend, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::EngineError;
@@ -66,12 +69,12 @@ impl CudaBackend {
         let up = Shape { m: n, k: d, n: f };
         // SAFETY: the weights per this function's
         // contract; every other operand is allocated here from n, d, f.
-        unsafe { self.linear_forward(&mut a, &xb, w.w1, up)? };
+        unsafe { self.linear_forward(&mut a, &xb, w.w1, up, BF16)? };
         match kind {
             ExpertKind::SwiGlu => {
                 let mut b = self.zeros(n * f)?;
                 // SAFETY: w3 per the contract; b and xb sized here.
-                unsafe { self.linear_forward(&mut b, &xb, w.w3, up)? };
+                unsafe { self.linear_forward(&mut b, &xb, w.w3, up, BF16)? };
                 self.elementwise(
                     &self.f.swiglu_forward,
                     "swiglu_forward",
@@ -89,7 +92,7 @@ impl CudaBackend {
         let mut y = self.zeros(n * d)?;
         let hb = self.to_bf16(&h)?;
         // SAFETY: w2 per the contract; y and hb sized here.
-        unsafe { self.linear_forward(&mut y, &hb, w.w2, Shape { m: n, k: f, n: d })? };
+        unsafe { self.linear_forward(&mut y, &hb, w.w2, Shape { m: n, k: f, n: d }, BF16)? };
         saved.a.resize(n * f, 0.0);
         self.download(&a, &mut saved.a)?;
         self.download(&y, out)
@@ -140,7 +143,7 @@ impl CudaBackend {
         let down = Shape { m: n, k: f, n: d };
         // SAFETY: the weights per this function's contract;
         // every other operand is allocated here from n, d, f.
-        unsafe { self.linear_backward(&mut dhidden, &mut dw2, &doutb, &hb, w.w2, down)? };
+        unsafe { self.linear_backward(&mut dhidden, &mut dw2, &doutb, &hb, w.w2, down, BF16)? };
         let mut da = self.zeros(n * f)?;
         let mut dw1 = self.upload(&dparams[..f * d])?;
         let up = Shape { m: n, k: d, n: f };
@@ -157,8 +160,8 @@ impl CudaBackend {
                 let (dab, dbb) = (self.to_bf16(&da)?, self.to_bf16(&db)?);
                 // SAFETY: w1 and w3 per the contract; the rest sized here.
                 unsafe {
-                    self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up)?;
-                    self.linear_backward(&mut ddx, &mut dw3, &dbb, &xb, w.w3, up)?;
+                    self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)?;
+                    self.linear_backward(&mut ddx, &mut dw3, &dbb, &xb, w.w3, up, BF16)?;
                 }
                 self.download(&dw3, &mut dparams[f * d..2 * f * d])?;
             }
@@ -171,7 +174,7 @@ impl CudaBackend {
                 )?;
                 let dab = self.to_bf16(&da)?;
                 // SAFETY: w1 per the contract; the rest sized here.
-                unsafe { self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up)? };
+                unsafe { self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)? };
             }
         }
         self.download(&dw1, &mut dparams[..f * d])?;

@@ -5,12 +5,14 @@
 //! The expert FFN (`expert.rs`) runs here two ways: as a [`Backend`] on
 //! host slices, and as the engine's [`super::ExpertDevice`]
 //! ([`CudaExpertDevice`]), reading each expert's bf16 params in place from
-//! its slot of the GPU device tier. The dense layers' kernels (`dense.rs`)
-//! and a dense AdamW are here and tested; the engine still runs the dense
-//! layers on the cpu.
+//! its slot of the GPU device tier. The dense layers' GEMMs run here too
+//! (`linear.rs`, f32, operands uploaded per call); their other kernels
+//! (`dense.rs`) and a dense AdamW are here and tested, while the engine
+//! still runs the rest of the dense layers on the cpu.
 
 mod dense;
 mod expert;
+mod linear;
 
 pub use expert::CudaExpertDevice;
 
@@ -174,9 +176,10 @@ impl CudaBackend {
         Ok(y)
     }
 
-    /// Column-major `c (m×n) = op(a)·op(b) + beta·c` (cublasGemmEx), bf16
-    /// `a` and `b`, f32 accumulation and `c`; `linear_*` below turn the
-    /// row-major products the FFN needs into this.
+    /// Column-major `c (m×n) = op(a)·op(b) + beta·c` (cublasGemmEx), `a`
+    /// and `b` of type `inputs` (bf16 for the experts, f32 for the dense
+    /// layers), f32 accumulation and `c`; `linear_*` below turn the
+    /// row-major products into this.
     ///
     /// # Safety
     /// `a`, `b` and `c` address device memory of this context holding the
@@ -195,6 +198,7 @@ impl CudaBackend {
         beta: f32,
         c: CUdeviceptr,
         ldc: usize,
+        inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
         let (m, n, k) = dims;
         let alpha = 1.0f32;
@@ -210,10 +214,10 @@ impl CudaBackend {
                 k as i32,
                 (&alpha as *const f32).cast(),
                 a as *const _,
-                blas_sys::cudaDataType::CUDA_R_16BF,
+                inputs,
                 lda as i32,
                 b as *const _,
-                blas_sys::cudaDataType::CUDA_R_16BF,
+                inputs,
                 ldb as i32,
                 (&beta as *const f32).cast(),
                 c as *mut _,
@@ -226,19 +230,20 @@ impl CudaBackend {
         .map_err(|e| gpu_error("cublasGemmEx", e))
     }
 
-    /// out (M, N) = x (M, K) · w (N, K)ᵀ, `w` the bf16 weights at a device
-    /// address. Column-major, that is outᵀ = w·xᵀ: op(A) = w-stored-as-
-    /// (K×N) transposed, op(B) = x as (K×M).
+    /// out (M, N) = x (M, K) · w (N, K)ᵀ, `x` and the weights at `w` of
+    /// type `inputs` (`T` its Rust type). Column-major, that is outᵀ =
+    /// w·xᵀ: op(A) = w-stored-as-(K×N) transposed, op(B) = x as (K×M).
     ///
     /// # Safety
-    /// `w` addresses N·K bf16 that nothing writes until this stream has
-    /// run the product.
-    unsafe fn linear_forward(
+    /// `w` addresses N·K values of type `inputs` that nothing writes until
+    /// this stream has run the product; `T` is `inputs`' Rust type.
+    unsafe fn linear_forward<T>(
         &self,
         out: &mut CudaSlice<f32>,
-        x: &CudaSlice<u16>,
+        x: &CudaSlice<T>,
         w: CUdeviceptr,
         s: Shape,
+        inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         assert!(out.len() == s.m * s.n && x.len() == s.m * s.k);
@@ -257,22 +262,26 @@ impl CudaBackend {
                 0.0,
                 out_ptr,
                 s.n,
+                inputs,
             )
         }
     }
 
-    /// dx (M, K) += dout (M, N) · w (N, K); dw (N, K) += doutᵀ · x.
+    /// dx (M, K) += dout (M, N) · w (N, K); dw (N, K) += doutᵀ · x, `dout`,
+    /// `x` and the weights of type `inputs`.
     ///
     /// # Safety
-    /// As [`Self::linear_forward`] for `w`.
-    unsafe fn linear_backward(
+    /// As [`Self::linear_forward`] for `w`, `T` and `inputs`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn linear_backward<T>(
         &self,
         dx: &mut CudaSlice<f32>,
         dw: &mut CudaSlice<f32>,
-        dout: &CudaSlice<u16>,
-        x: &CudaSlice<u16>,
+        dout: &CudaSlice<T>,
+        x: &CudaSlice<T>,
         w: CUdeviceptr,
         s: Shape,
+        inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         assert!(dx.len() == s.m * s.k && dw.len() == s.n * s.k);
@@ -296,6 +305,7 @@ impl CudaBackend {
                 1.0,
                 dx_ptr,
                 s.k,
+                inputs,
             )?;
             self.gemm(
                 CUBLAS_OP_N,
@@ -308,6 +318,7 @@ impl CudaBackend {
                 1.0,
                 dw_ptr,
                 s.k,
+                inputs,
             )
         }
     }

@@ -1,0 +1,74 @@
+//! The dense layers' GEMMs on the GPU ([`DenseLinear`]): f32 inputs and
+//! accumulation (cuBLAS without tensor-core rounding), so they agree with
+//! the cpu's to f32 rounding of another summation order. Each call uploads
+//! its operands and downloads its result; the dense activations and params
+//! themselves still live on the host.
+
+use cudarc::cublas::sys::cudaDataType;
+use cudarc::driver::DevicePtr;
+
+use super::{gpu_error, CudaBackend, Shape};
+use crate::model::DenseLinear;
+use crate::EngineError;
+
+const F32: cudaDataType = cudaDataType::CUDA_R_32F;
+
+impl DenseLinear for CudaBackend {
+    fn forward(
+        &self,
+        out: &mut [f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| gpu_error("binding the CUDA context", e))?;
+        let (dx, dw) = (self.upload(x)?, self.upload(w)?);
+        let mut dout = self.zeros(m * n)?;
+        let (w_ptr, _read) = dw.device_ptr(&self.stream);
+        // SAFETY: `dw` holds the n·k f32 weights and lives (unwritten)
+        // past the product, which the download below waits for.
+        unsafe { self.linear_forward(&mut dout, &dx, w_ptr, Shape { m, k, n }, F32)? };
+        self.download(&dout, out)
+    }
+
+    fn backward(
+        &self,
+        dx: &mut [f32],
+        dw: &mut [f32],
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
+        assert!(x.len() == m * k && w.len() == n * k);
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| gpu_error("binding the CUDA context", e))?;
+        let (ddout, dxin, dwin) = (self.upload(dout)?, self.upload(x)?, self.upload(w)?);
+        // Both gradients accumulate into what they held.
+        let (mut ddx, mut ddw) = (self.upload(dx)?, self.upload(dw)?);
+        let (w_ptr, _read) = dwin.device_ptr(&self.stream);
+        // SAFETY: as in the forward.
+        unsafe {
+            self.linear_backward(
+                &mut ddx,
+                &mut ddw,
+                &ddout,
+                &dxin,
+                w_ptr,
+                Shape { m, k, n },
+                F32,
+            )?
+        };
+        self.download(&ddx, dx)?;
+        self.download(&ddw, dw)
+    }
+}
