@@ -319,6 +319,36 @@ mod tests {
             .all(|r| r.devices == 1 && r.device_load_gap == 0.0));
     }
 
+    /// With `--backend cuda`, wherever a CUDA device answers (a GPU, or
+    /// the CPU model of one in CI): every configuration runs, on the GPUs.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_tiny_stack_runs_every_configuration_on_gpus() {
+        if let Err(e) = BackendKind::Cuda.check(2, Dtype::Bf16) {
+            eprintln!("cuda case skipped: {e}");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        for devices in [1, 2] {
+            let config = StepBenchConfig {
+                model: tiny(),
+                tokens: 64,
+                steps: 2,
+                devices,
+                device_experts: 4,
+                backend: BackendKind::Cuda,
+                dir: dir.path().to_path_buf(),
+                ..StepBenchConfig::default()
+            };
+            let (records, summary) = run(&config, |_| {}).unwrap();
+            assert!(records
+                .iter()
+                .all(|r| r.backend == "cuda" && r.devices == devices && r.tokens_per_s > 0.0));
+            assert!(summary.expert_wise_over_naive > 0.0);
+            eprintln!("cuda case: bench step on {devices} GPU(s) ran every configuration");
+        }
+    }
+
     #[test]
     fn several_devices_run_every_configuration() {
         let dir = tempfile::tempdir().unwrap();
