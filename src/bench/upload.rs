@@ -150,3 +150,23 @@ pub fn run(
     }
     Ok(records)
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    /// Wherever a CUDA device answers (a GPU, or the CPU model of one in
+    /// CI), the bench runs: direct and staged uploads, the plain copy.
+    #[test]
+    fn the_bench_runs_where_a_cuda_device_answers() {
+        if let Err(e) = crate::backend::BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+            eprintln!("cuda case skipped: {e}");
+            return;
+        }
+        let records = super::run(2, &[1 << 20, 3 << 20], |_| {}).unwrap();
+        assert_eq!(records.len(), 2);
+        for r in &records {
+            assert!(r.upload_gb_per_s > 0.0 && r.plain_gb_per_s > 0.0 && r.staged_gb_per_s > 0.0);
+            assert!(r.experts >= 4 && r.ratio > 0.0);
+        }
+        eprintln!("cuda case: bench upload ran on {}", records[0].gpu);
+    }
+}
