@@ -217,21 +217,26 @@ fn prefetch_hits_every_access_when_the_schedule_is_followed_and_the_window_fits(
     .unwrap();
     let schedule = moe_schedule(experts);
     cache.set_schedule(schedule.clone());
-    // Let the prefetcher fill its first window before compute starts.
-    for _ in 0..500 {
-        if cache.resident().len() >= 3 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
     for _step in 0..3 {
         for &(e, parts) in &schedule {
+            // Compute that takes as long as the prefetcher needs: wait
+            // until it has brought this access's parts in by itself (it
+            // must, within its window), however late a busy machine
+            // schedules its thread; then the access is a hit.
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while !cache
+                .resident()
+                .iter()
+                .any(|&(r, p, _)| r == e && (p == parts || p == Parts::Full))
+            {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the prefetcher never loaded {e:?} ({parts:?})"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
             let g = cache.acquire(e, parts).unwrap();
             check_read(&layout, &g, 0);
-            // Compute on this expert takes far longer than loading the next
-            // from an in-memory store (microseconds), with room for the
-            // prefetch thread to be scheduled late on a busy machine.
-            std::thread::sleep(Duration::from_millis(12));
             drop(g);
         }
     }
