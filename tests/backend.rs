@@ -264,8 +264,14 @@ mod device_computes_from_its_slots {
 fn dense_gemms_on_the_gpu_match_the_cpu() {
     use strata::backend::{BackendKind, CpuBackend};
     use strata::model::DenseLinear;
-    let gpu = match BackendKind::Cuda.open_dense(0) {
-        Ok(gpu) => gpu,
+    let layout = strata_tiers::Layout {
+        layers: 1,
+        experts_per_layer: 1,
+        params_per_expert: 64,
+        compute_dtype: strata_tiers::Dtype::Bf16,
+    };
+    let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
+        Ok(device) => device.dense_linear(),
         Err(e) => {
             eprintln!("cuda case skipped: {e}");
             return;

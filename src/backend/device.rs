@@ -5,10 +5,14 @@
 //! backend's FFN with reused hidden-size buffers; the cuda device
 //! (`cuda/expert.rs`) points cuBLAS at the slot in GPU memory.
 
+use std::sync::Arc;
+
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
 use super::cpu::{ffn_backward, ffn_forward, FfnScratch};
+use super::CpuBackend;
 use crate::math::{ExpertKind, ExpertSaved};
+use crate::model::DenseLinear;
 use crate::EngineError;
 
 /// An expert's compute params in a device slot: `count` values of `dtype`
@@ -52,6 +56,11 @@ pub trait ExpertDevice: Send {
         let _ = (ptr, len);
         None
     }
+
+    /// The dense layers' GEMMs on this device (the cpu's, or cuBLAS f32
+    /// GEMMs on the same GPU, stream and handle as the experts'); the
+    /// engine holds it beside the device, which passes borrow mutably.
+    fn dense_linear(&self) -> Arc<dyn DenseLinear + Send + Sync>;
 
     /// Uploads from host memory that is not page-locked: a GPU stages them
     /// through page-locked buffers of its own so they stay asynchronous.
@@ -146,6 +155,10 @@ impl ExpertDevice for CpuExpertDevice {
 
     fn arena(&self) -> &dyn DeviceArena {
         &self.arena
+    }
+
+    fn dense_linear(&self) -> Arc<dyn DenseLinear + Send + Sync> {
+        Arc::new(CpuBackend)
     }
 
     fn expert_forward(

@@ -123,24 +123,6 @@ impl BackendKind {
         }
     }
 
-    /// The dense layers' GEMMs for device `ordinal` of this kind: the cpu's,
-    /// or f32 cuBLAS GEMMs on GPU `ordinal` (its own stream and handle).
-    pub fn open_dense(
-        self,
-        ordinal: usize,
-    ) -> Result<Box<dyn crate::model::DenseLinear + Send + Sync>, EngineError> {
-        match self {
-            BackendKind::Cpu => {
-                let _ = ordinal;
-                Ok(Box::new(CpuBackend))
-            }
-            #[cfg(feature = "cuda")]
-            BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::new(ordinal)?)),
-            #[cfg(not(feature = "cuda"))]
-            BackendKind::Cuda => Err(Self::no_cuda_feature()),
-        }
-    }
-
     #[cfg(not(feature = "cuda"))]
     fn no_cuda_feature() -> EngineError {
         EngineError::Config(

@@ -63,7 +63,7 @@ pub struct Engine {
     /// which must be unregistered before the host tier frees it.
     devices: Vec<DeviceState>,
     /// Per device: the dense layers' GEMMs (the cpu's, or its GPU's).
-    dense_linear: Vec<Box<dyn DenseLinear + Send + Sync>>,
+    dense_linear: Vec<Arc<dyn DenseLinear + Send + Sync>>,
     shared: SharedExperts,
     /// Why the tiers run below their best (no io_uring or O_DIRECT, host
     /// memory not page-locked for a GPU).
@@ -294,9 +294,7 @@ impl Engine {
             steps,
         );
         let cost = multi::initial_cost(&model, &layout, config.devices);
-        let dense_linear = (0..config.devices)
-            .map(|ordinal| config.backend.open_dense(ordinal))
-            .collect::<Result<Vec<_>, EngineError>>()?;
+        let dense_linear = devices.iter().map(|d| d.device.dense_linear()).collect();
         Ok(Self {
             devices,
             dense_linear,

@@ -23,6 +23,7 @@ use super::{gpu_error, CudaBackend, Shape};
 const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
 use crate::backend::{Backend, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
+use crate::model::DenseLinear;
 use crate::EngineError;
 
 /// Device addresses of an expert's bf16 weights: w1 (F, D), w3 (F, D;
@@ -248,7 +249,8 @@ const STAGING_BUFFERS: usize = 2;
 /// uploads on their own stream) and the expert FFN reading each expert's
 /// params in place from its slot, on the compute stream.
 pub struct CudaExpertDevice {
-    backend: CudaBackend,
+    /// Shared with the engine as this GPU's dense GEMMs.
+    backend: Arc<CudaBackend>,
     arena: CudaDeviceArena,
     /// The host tier's region, page-locked (see `page_lock_host_region`).
     host_region: Option<HostRegistration>,
@@ -264,7 +266,7 @@ impl CudaExpertDevice {
         layout: &Layout,
     ) -> Result<Self, EngineError> {
         crate::backend::BackendKind::Cuda.check(0, layout.compute_dtype)?;
-        let backend = CudaBackend::new(ordinal)?;
+        let backend = Arc::new(CudaBackend::new(ordinal)?);
         let arena = CudaDeviceArena::new(
             Arc::clone(backend.context()),
             device_budget_bytes,
@@ -291,10 +293,7 @@ impl CudaExpertDevice {
         f: usize,
         body: impl FnOnce(Weights) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
-        self.backend
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| gpu_error("binding the CUDA context", e))?;
+        self.backend.bind()?;
         let slot = self.arena.slot_ptr(p.slot);
         match p.dtype {
             Dtype::Bf16 => body(Weights::at(slot, p.count, d, f)),
@@ -318,6 +317,10 @@ impl ExpertDevice for CudaExpertDevice {
 
     fn arena(&self) -> &dyn DeviceArena {
         &self.arena
+    }
+
+    fn dense_linear(&self) -> Arc<dyn DenseLinear + Send + Sync> {
+        self.backend.clone()
     }
 
     unsafe fn page_lock_host_region(&mut self, ptr: *mut u8, len: usize) -> Option<String> {

@@ -7,7 +7,7 @@
 use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::DevicePtr;
 
-use super::{gpu_error, CudaBackend, Shape};
+use super::{CudaBackend, Shape};
 use crate::model::DenseLinear;
 use crate::EngineError;
 
@@ -24,9 +24,7 @@ impl DenseLinear for CudaBackend {
         n: usize,
     ) -> Result<(), EngineError> {
         assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| gpu_error("binding the CUDA context", e))?;
+        self.bind()?;
         let (dx, dw) = (self.upload(x)?, self.upload(w)?);
         let mut dout = self.zeros(m * n)?;
         let (w_ptr, _read) = dw.device_ptr(&self.stream);
@@ -49,9 +47,7 @@ impl DenseLinear for CudaBackend {
     ) -> Result<(), EngineError> {
         assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
         assert!(x.len() == m * k && w.len() == n * k);
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| gpu_error("binding the CUDA context", e))?;
+        self.bind()?;
         let (ddout, dxin, dwin) = (self.upload(dout)?, self.upload(x)?, self.upload(w)?);
         // Both gradients accumulate into what they held.
         let (mut ddx, mut ddw) = (self.upload(dx)?, self.upload(dw)?);

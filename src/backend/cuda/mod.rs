@@ -126,6 +126,14 @@ impl CudaBackend {
         })
     }
 
+    /// Makes this GPU's context current on the calling thread (device
+    /// workers and tests call in from threads of their own).
+    fn bind(&self) -> Result<(), EngineError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| gpu_error("binding the CUDA context", e))
+    }
+
     fn upload(&self, host: &[f32]) -> Result<CudaSlice<f32>, EngineError> {
         self.stream
             .clone_htod(host)
