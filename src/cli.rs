@@ -129,9 +129,12 @@ pub struct StepArgs {
     /// Share of all expert records that fit in host memory (the rest stream from SSD).
     #[arg(long, default_value_t = 0.25)]
     pub host_fraction: f64,
-    /// Timed steps per run (after one warm-up step).
-    #[arg(long, default_value_t = 4)]
+    /// Timed steps per configuration per round (after one warm-up step).
+    #[arg(long, default_value_t = 2)]
     pub steps: usize,
+    /// Rounds in which the four configurations take turns (each round rotates their order).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Device workers (cpu devices), each with --device-experts slots.
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
@@ -368,6 +371,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
         device_experts: args.device_experts,
         host_fraction: args.host_fraction,
         steps: args.steps,
+        rounds: args.rounds,
         devices: args.devices,
         pin_fraction: args.pin_fraction,
         backend: crate::backend::BackendKind::parse(&args.backend)?,
@@ -430,6 +434,20 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
             out,
             "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
             summary.expert_wise_over_naive, summary.expert_wise_over_bound
+        )
+        .map_err(write_err)?;
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        writeln!(
+            out,
+            "by round ({}): over naive {}; over the bound {}",
+            summary.rounds,
+            list(&summary.expert_wise_over_naive_by_round),
+            list(&summary.expert_wise_over_bound_by_round)
         )
         .map_err(write_err)?;
     }

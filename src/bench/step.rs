@@ -23,8 +23,12 @@ pub struct StepBenchConfig {
     pub device_experts: u64,
     /// Share of all experts' records that fit in host memory.
     pub host_fraction: f64,
+    /// Timed steps per configuration per round.
     pub steps: usize,
+    /// Untimed steps per configuration at the start of each round.
     pub warmup_steps: usize,
+    /// Rounds in which the configurations take turns.
+    pub rounds: usize,
     pub compute_dtype: Dtype,
     pub dir: PathBuf,
     pub optimizer_threads: usize,
@@ -51,8 +55,9 @@ impl Default for StepBenchConfig {
             tokens: 1024,
             device_experts: 2,
             host_fraction: 0.25,
-            steps: 4,
+            steps: 2,
             warmup_steps: 1,
+            rounds: 3,
             compute_dtype: Dtype::Bf16,
             dir: std::env::temp_dir(),
             optimizer_threads: 1,
@@ -99,9 +104,14 @@ pub struct StepBenchRecord {
 pub struct StepBenchSummary {
     pub bench: &'static str,
     pub run: &'static str,
+    pub rounds: usize,
+    /// naive ÷ expert-wise median step time (over every round)
     pub expert_wise_over_naive: f64,
     /// expert-wise step time ÷ max(compute only, I/O only)
     pub expert_wise_over_bound: f64,
+    /// The same two ratios from each round's steps alone.
+    pub expert_wise_over_naive_by_round: Vec<f64>,
+    pub expert_wise_over_bound_by_round: Vec<f64>,
 }
 
 fn batch(model: &ModelConfig, tokens: usize, step: usize) -> Batch {
@@ -118,85 +128,122 @@ fn record_bytes(model: &ModelConfig, dtype: Dtype) -> u64 {
     (n * dtype.bytes() + 64).div_ceil(4096) * 4096 + (12 * n + 64).div_ceil(4096) * 4096
 }
 
-fn run_one(
-    config: &StepBenchConfig,
+/// One configuration under test: its engine, alive for the whole bench,
+/// and its timed steps so far.
+struct Arm {
     name: &'static str,
-    engine_config: EngineConfig,
-    progress: &mut dyn FnMut(&str),
-) -> Result<StepBenchRecord, EngineError> {
-    let model = &config.model;
-    let mut engine = Engine::new(model.clone(), engine_config)?;
-    for note in engine.notes() {
-        progress(&format!("{name}: note: {note}"));
-    }
-    let mut metrics: Vec<StepMetrics> = Vec::new();
-    for s in 0..config.warmup_steps + config.steps {
-        let m = engine.step(&batch(model, config.tokens, s))?;
-        progress(&format!(
-            "{name} step {}: {:.2} s, loss {:.4}",
-            s + 1,
-            m.wall_s,
-            m.loss
-        ));
-        if s >= config.warmup_steps {
-            metrics.push(m);
-        }
-    }
-    let timing = Timing::of(
-        &metrics
-            .iter()
-            .map(|m| std::time::Duration::from_secs_f64(m.wall_s))
-            .collect::<Vec<_>>(),
-    );
-    let mean =
-        |f: fn(&StepMetrics) -> f64| metrics.iter().map(f).sum::<f64>() / metrics.len() as f64;
-    let sum =
-        |f: fn(&StepMetrics) -> u64| metrics.iter().map(f).sum::<u64>() / metrics.len() as u64;
-    Ok(StepBenchRecord {
-        bench: "step",
-        run: name,
-        layers: model.layers,
-        experts: model.experts,
-        d_model: model.d_model,
-        d_ff: model.d_ff,
-        top_k: model.top_k,
-        tokens: config.tokens,
-        devices: engine.devices(),
-        backend: match config.backend {
-            BackendKind::Cpu => "cpu",
-            BackendKind::Cuda => "cuda",
-        },
-        host_slots: engine.host_slots(),
-        device_slots: engine.device_slots(),
-        steps: metrics.len(),
-        step_s: timing.median_s,
-        min_step_s: timing.min_s,
-        tokens_per_s: config.tokens as f64 / timing.median_s,
-        compute_s: mean(|m| m.compute_s),
-        stall_upload_s: mean(|m| m.stall_upload_s),
-        stall_ssd_s: mean(|m| m.stall_ssd_s),
-        stall_optimizer_s: mean(|m| m.stall_optimizer_s),
-        bytes_ssd_to_host: sum(|m| m.bytes_ssd_to_host),
-        bytes_host_to_ssd: sum(|m| m.bytes_host_to_ssd),
-        host_hit_rate: mean(|m| m.host_hit_rate),
-        device_hit_rate: mean(|m| m.device_hit_rate),
-        device_load_gap: mean(|m| m.device_load_gap()),
-    })
+    engine: Engine,
+    steps_done: usize,
+    metrics: Vec<StepMetrics>,
 }
 
-/// Runs the four configurations one after another; returns their records
-/// and the summary. They are not interleaved step by step: an engine's
-/// work spills past its step on purpose (its last updates overlap the next
-/// step's forward, its prefetcher loads the next step's first experts), so
-/// an interleaved neighbour would be charged for it.
+impl Arm {
+    /// Runs `warmup` untimed steps and `timed` timed ones, then waits for
+    /// every update in flight (untimed), so the next arm starts on a quiet
+    /// machine.
+    fn round(
+        &mut self,
+        config: &StepBenchConfig,
+        warmup: usize,
+        timed: usize,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<(), EngineError> {
+        for i in 0..warmup + timed {
+            let m = self
+                .engine
+                .step(&batch(&config.model, config.tokens, self.steps_done))?;
+            self.steps_done += 1;
+            progress(&format!(
+                "{} step {}{}: {:.2} s, loss {:.4}",
+                self.name,
+                self.steps_done,
+                if i < warmup { " (warm-up)" } else { "" },
+                m.wall_s,
+                m.loss
+            ));
+            if i >= warmup {
+                self.metrics.push(m);
+            }
+        }
+        self.engine.drain()
+    }
+
+    fn record(&self, config: &StepBenchConfig) -> StepBenchRecord {
+        let model = &config.model;
+        let metrics = &self.metrics;
+        let timing = Timing::of(
+            &metrics
+                .iter()
+                .map(|m| std::time::Duration::from_secs_f64(m.wall_s))
+                .collect::<Vec<_>>(),
+        );
+        let mean =
+            |f: fn(&StepMetrics) -> f64| metrics.iter().map(f).sum::<f64>() / metrics.len() as f64;
+        let sum =
+            |f: fn(&StepMetrics) -> u64| metrics.iter().map(f).sum::<u64>() / metrics.len() as u64;
+        StepBenchRecord {
+            bench: "step",
+            run: self.name,
+            layers: model.layers,
+            experts: model.experts,
+            d_model: model.d_model,
+            d_ff: model.d_ff,
+            top_k: model.top_k,
+            tokens: config.tokens,
+            devices: self.engine.devices(),
+            backend: match config.backend {
+                BackendKind::Cpu => "cpu",
+                BackendKind::Cuda => "cuda",
+            },
+            host_slots: self.engine.host_slots(),
+            device_slots: self.engine.device_slots(),
+            steps: metrics.len(),
+            step_s: timing.median_s,
+            min_step_s: timing.min_s,
+            tokens_per_s: config.tokens as f64 / timing.median_s,
+            compute_s: mean(|m| m.compute_s),
+            stall_upload_s: mean(|m| m.stall_upload_s),
+            stall_ssd_s: mean(|m| m.stall_ssd_s),
+            stall_optimizer_s: mean(|m| m.stall_optimizer_s),
+            bytes_ssd_to_host: sum(|m| m.bytes_ssd_to_host),
+            bytes_host_to_ssd: sum(|m| m.bytes_host_to_ssd),
+            host_hit_rate: mean(|m| m.host_hit_rate),
+            device_hit_rate: mean(|m| m.device_hit_rate),
+            device_load_gap: mean(|m| m.device_load_gap()),
+        }
+    }
+
+    /// Median wall time of the timed steps from `from` on.
+    fn median_since(&self, from: usize) -> f64 {
+        let samples: Vec<_> = self.metrics[from..]
+            .iter()
+            .map(|m| std::time::Duration::from_secs_f64(m.wall_s))
+            .collect();
+        Timing::of(&samples).median_s
+    }
+}
+
+/// Runs the four configurations in `rounds` interleaved rounds and returns
+/// their records (medians over every round's timed steps) and the summary.
+///
+/// The four engines live side by side for the whole bench. In each round
+/// every configuration in turn (the order rotates a place each round) runs
+/// one warm-up step and `steps` timed ones, then waits for its updates in
+/// flight, untimed: a slow spell of the (shared) machine then falls on
+/// every configuration alike instead of on whichever ran then. Steps are
+/// not interleaved one by one: an engine's work spills past its step on
+/// purpose (its last updates overlap the next step's forward, its
+/// prefetcher loads the next step's first experts), so an interleaved
+/// neighbour would be charged for it; the warm-up step of each turn absorbs
+/// the loss of that overlap after a switch.
 pub fn run(
     config: &StepBenchConfig,
     mut progress: impl FnMut(&str),
 ) -> Result<(Vec<StepBenchRecord>, StepBenchSummary), EngineError> {
     config.model.validate()?;
-    if config.steps == 0 || config.tokens == 0 {
+    if config.steps == 0 || config.tokens == 0 || config.rounds == 0 {
         return Err(EngineError::Config(
-            "--steps and --tokens must be at least 1".into(),
+            "--steps, --rounds and --tokens must be at least 1".into(),
         ));
     }
     let model = &config.model;
@@ -255,29 +302,67 @@ pub fn run(
             },
         ),
     ];
-    let mut records = Vec::new();
-    let mut failure = None;
-    for (name, engine_config) in runs {
-        match run_one(config, name, engine_config, &mut progress) {
-            Ok(record) => records.push(record),
-            Err(e) => {
-                failure = Some(e);
-                break;
-            }
-        }
-    }
+    let result = run_rounds(config, runs, &mut progress);
     let _ = std::fs::remove_dir_all(&scratch);
-    if let Some(e) = failure {
-        return Err(e);
+    result
+}
+
+fn run_rounds(
+    config: &StepBenchConfig,
+    runs: Vec<(&'static str, EngineConfig)>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<StepBenchRecord>, StepBenchSummary), EngineError> {
+    let mut arms = Vec::new();
+    for (name, engine_config) in runs {
+        let engine = Engine::new(config.model.clone(), engine_config)?;
+        for note in engine.notes() {
+            progress(&format!("{name}: note: {note}"));
+        }
+        arms.push(Arm {
+            name,
+            engine,
+            steps_done: 0,
+            metrics: Vec::new(),
+        });
     }
-    let step = |run: &str| records.iter().find(|r| r.run == run).expect("ran").step_s;
+    let n = arms.len();
+    let mut by_round = Vec::new();
+    for round in 0..config.rounds {
+        progress(&format!("round {} of {}", round + 1, config.rounds));
+        let from = round * config.steps;
+        for i in 0..n {
+            arms[(round + i) % n].round(config, config.warmup_steps, config.steps, progress)?;
+        }
+        let step = |run: &str| {
+            arms.iter()
+                .find(|a| a.name == run)
+                .expect("ran")
+                .median_since(from)
+        };
+        by_round.push(ratios(step));
+    }
+    let records: Vec<StepBenchRecord> = arms.iter().map(|a| a.record(config)).collect();
+    let (expert_wise_over_naive, expert_wise_over_bound) =
+        ratios(|run: &str| records.iter().find(|r| r.run == run).expect("ran").step_s);
     let summary = StepBenchSummary {
         bench: "step",
         run: "summary",
-        expert_wise_over_naive: step("naive") / step("expert_wise"),
-        expert_wise_over_bound: step("expert_wise") / step("compute_only").max(step("io_only")),
+        rounds: config.rounds,
+        expert_wise_over_naive,
+        expert_wise_over_bound,
+        expert_wise_over_naive_by_round: by_round.iter().map(|r| r.0).collect(),
+        expert_wise_over_bound_by_round: by_round.iter().map(|r| r.1).collect(),
     };
     Ok((records, summary))
+}
+
+/// (naive ÷ expert-wise, expert-wise ÷ max(compute only, I/O only)) step
+/// times.
+fn ratios(step: impl Fn(&str) -> f64) -> (f64, f64) {
+    (
+        step("naive") / step("expert_wise"),
+        step("expert_wise") / step("compute_only").max(step("io_only")),
+    )
 }
 
 #[cfg(test)]
@@ -302,6 +387,7 @@ mod tests {
             model: tiny(),
             tokens: 32,
             steps: 2,
+            rounds: 2,
             dir: dir.path().to_path_buf(),
             ..StepBenchConfig::default()
         };
@@ -313,6 +399,9 @@ mod tests {
         assert!(records[0].bytes_ssd_to_host > 0);
         assert_eq!(records[2].bytes_ssd_to_host, 0);
         assert!(summary.expert_wise_over_naive > 0.0);
+        assert_eq!(summary.rounds, 2);
+        assert_eq!(summary.expert_wise_over_naive_by_round.len(), 2);
+        assert!(records.iter().all(|r| r.steps == 4));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         assert!(records
             .iter()
