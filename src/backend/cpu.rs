@@ -1,6 +1,5 @@
-//! The cpu backend: GEMMs through `matrixmultiply`'s sgemm (which blocks
-//! the output, never the reduction, so its results do not depend on how many
-//! threads run it), activations from `math.rs`.
+//! The cpu backend: GEMMs through `matrixmultiply`'s sgemm, split over
+//! scoped threads (`gemm.rs`), activations from `math.rs`.
 //!
 //! Chosen by measurement on the 2-core development machine. On an expert's
 //! GEMM alone (512 × 512 × 1024 f32, 2 threads) faer was fastest:
@@ -13,88 +12,13 @@
 
 #![allow(clippy::too_many_arguments)]
 
+use super::gemm::{linear_backward, linear_forward};
 use super::Backend;
 use crate::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, ExpertSaved};
 use crate::EngineError;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
-
-/// out (M, N) = x (M, K) · w (N, K)ᵀ
-fn linear_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
-    assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
-    // SAFETY: the slices hold exactly the M×K, N×K and M×N elements the
-    // strides below address (asserted above); `out` does not alias inputs.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            x.as_ptr(),
-            k as isize,
-            1,
-            w.as_ptr(),
-            1,
-            k as isize,
-            0.0,
-            out.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
-}
-
-/// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
-fn linear_backward(
-    dx: &mut [f32],
-    dw: &mut [f32],
-    dout: &[f32],
-    x: &[f32],
-    w: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-) {
-    assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
-    assert!(x.len() == m * k && w.len() == n * k);
-    // SAFETY: every slice holds exactly the elements its strides address
-    // (asserted above); outputs do not alias inputs.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            n,
-            k,
-            1.0,
-            dout.as_ptr(),
-            n as isize,
-            1,
-            w.as_ptr(),
-            k as isize,
-            1,
-            1.0,
-            dx.as_mut_ptr(),
-            k as isize,
-            1,
-        );
-        matrixmultiply::sgemm(
-            n,
-            m,
-            k,
-            1.0,
-            dout.as_ptr(),
-            1,
-            n as isize,
-            x.as_ptr(),
-            k as isize,
-            1,
-            1.0,
-            dw.as_mut_ptr(),
-            k as isize,
-            1,
-        );
-    }
-}
 
 /// Buffers the expert FFN reuses from call to call: the hidden activation
 /// and its gradients, n × F each (what would otherwise be allocated and

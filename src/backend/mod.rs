@@ -9,6 +9,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device;
+mod gemm;
 
 pub use cpu::CpuBackend;
 pub use device::{CpuExpertDevice, ExpertDevice, SlotParams};
