@@ -400,7 +400,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
     } else {
         writeln!(
             out,
-            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}",
+            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
             "run",
             "step_s",
             "tokens/s",
@@ -410,13 +410,14 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
             "optim",
             "host_hit",
             "dev_hit",
-            "dev_gap"
+            "dev_gap",
+            "steal"
         )
         .map_err(write_err)?;
         for r in &records {
             writeln!(
                 out,
-                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>8.3}",
+                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>8.3} {:>7}",
                 r.run,
                 r.step_s,
                 r.tokens_per_s,
@@ -426,7 +427,8 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
                 r.stall_optimizer_s,
                 r.host_hit_rate,
                 r.device_hit_rate,
-                r.device_load_gap
+                r.device_load_gap,
+                r.steal_s.map_or("-".to_string(), |s| format!("{s:.3}"))
             )
             .map_err(write_err)?;
         }

@@ -275,7 +275,13 @@ mod tests {
     /// with ragged last parts; and the result is the plain product.
     #[test]
     fn split_gemms_equal_the_unsplit_ones_bit_for_bit() {
-        for (m, k, n) in [(37, 19, 53), (256, 64, 96), (9, 130, 7), (1, 5, 3), (4, 0, 3)] {
+        for (m, k, n) in [
+            (37, 19, 53),
+            (256, 64, 96),
+            (9, 130, 7),
+            (1, 5, 3),
+            (4, 0, 3),
+        ] {
             let x = filled(m * k, 1);
             let w = filled(n * k, 2);
             let dout = filled(m * n, 3);

@@ -98,6 +98,10 @@ pub struct StepBenchRecord {
     /// max/min − 1 of the expert assignments each device computed (mean
     /// over steps; 0 with one device).
     pub device_load_gap: f64,
+    /// CPU seconds a timed step lost to other tenants of a virtual machine
+    /// (mean; all cores; /proc/stat's steal, null where not reported). A
+    /// large figure means the machine, not strata, set this run's times.
+    pub steal_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -135,6 +139,26 @@ struct Arm {
     engine: Engine,
     steps_done: usize,
     metrics: Vec<StepMetrics>,
+    /// CPU seconds the hypervisor took from this machine during each timed
+    /// step (where the OS reports it).
+    steal: Vec<Option<f64>>,
+}
+
+/// CPU seconds stolen from this (virtual) machine so far, all cores
+/// together: the `steal` column of /proc/stat's first line; `None` where
+/// there is no such file (not Linux) or column.
+fn stolen_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: f64 = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .nth(8)?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks / hz as f64)
 }
 
 impl Arm {
@@ -149,6 +173,7 @@ impl Arm {
         progress: &mut dyn FnMut(&str),
     ) -> Result<(), EngineError> {
         for i in 0..warmup + timed {
+            let stolen_before = stolen_cpu_s();
             let m = self
                 .engine
                 .step(&batch(&config.model, config.tokens, self.steps_done))?;
@@ -163,6 +188,8 @@ impl Arm {
             ));
             if i >= warmup {
                 self.metrics.push(m);
+                self.steal
+                    .push(stolen_before.zip(stolen_cpu_s()).map(|(a, b)| b - a));
             }
         }
         self.engine.drain()
@@ -210,6 +237,12 @@ impl Arm {
             host_hit_rate: mean(|m| m.host_hit_rate),
             device_hit_rate: mean(|m| m.device_hit_rate),
             device_load_gap: mean(|m| m.device_load_gap()),
+            steal_s: self
+                .steal
+                .iter()
+                .copied()
+                .sum::<Option<f64>>()
+                .map(|s| s / self.steal.len() as f64),
         }
     }
 
@@ -323,6 +356,7 @@ fn run_rounds(
             engine,
             steps_done: 0,
             metrics: Vec::new(),
+            steal: Vec::new(),
         });
     }
     let n = arms.len();
@@ -402,6 +436,9 @@ mod tests {
         assert_eq!(summary.rounds, 2);
         assert_eq!(summary.expert_wise_over_naive_by_round.len(), 2);
         assert!(records.iter().all(|r| r.steps == 4));
+        if cfg!(target_os = "linux") {
+            assert!(records.iter().all(|r| r.steal_s.is_some_and(|s| s >= 0.0)));
+        }
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         assert!(records
             .iter()
