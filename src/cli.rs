@@ -438,6 +438,21 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
             summary.expert_wise_over_naive, summary.expert_wise_over_bound
         )
         .map_err(write_err)?;
+        if let (Some(n), Some(b)) = (
+            summary.quiet_expert_wise_over_naive,
+            summary.quiet_expert_wise_over_bound,
+        ) {
+            let counts: Vec<String> = records
+                .iter()
+                .map(|r| format!("{} {}", r.run, r.quiet_steps))
+                .collect();
+            writeln!(
+                out,
+                "over quiet steps ({}): {n:.2}x the naive schedule; {b:.2}x the bound",
+                counts.join(", ")
+            )
+            .map_err(write_err)?;
+        }
         let list = |v: &[f64]| {
             v.iter()
                 .map(|x| format!("{x:.2}"))

@@ -102,6 +102,10 @@ pub struct StepBenchRecord {
     /// (mean; all cores; /proc/stat's steal, null where not reported). A
     /// large figure means the machine, not strata, set this run's times.
     pub steal_s: Option<f64>,
+    /// Timed steps that lost at most `QUIET_STEAL_SHARE` of the machine's
+    /// CPU time to other tenants, and their median step time.
+    pub quiet_steps: usize,
+    pub quiet_step_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -116,6 +120,10 @@ pub struct StepBenchSummary {
     /// The same two ratios from each round's steps alone.
     pub expert_wise_over_naive_by_round: Vec<f64>,
     pub expert_wise_over_bound_by_round: Vec<f64>,
+    /// The two ratios over quiet steps only (see `quiet_steps`); null
+    /// where a run had none.
+    pub quiet_expert_wise_over_naive: Option<f64>,
+    pub quiet_expert_wise_over_bound: Option<f64>,
 }
 
 fn batch(model: &ModelConfig, tokens: usize, step: usize) -> Batch {
@@ -130,6 +138,17 @@ fn batch(model: &ModelConfig, tokens: usize, step: usize) -> Batch {
 fn record_bytes(model: &ModelConfig, dtype: Dtype) -> u64 {
     let n = model.expert_params() as u64;
     (n * dtype.bytes() + 64).div_ceil(4096) * 4096 + (12 * n + 64).div_ceil(4096) * 4096
+}
+
+/// A step that lost more than this share of the machine's CPU time (cores
+/// × wall time) to other tenants of a virtual machine is left out of the
+/// summary's quiet ratios.
+const QUIET_STEAL_SHARE: f64 = 0.05;
+
+/// Whether a step of `wall_s` that lost `steal_s` CPU seconds on `cores`
+/// counts as quiet (every step does where steal is not reported).
+fn is_quiet(steal_s: Option<f64>, wall_s: f64, cores: f64) -> bool {
+    steal_s.is_none_or(|s| s <= QUIET_STEAL_SHARE * cores * wall_s)
 }
 
 /// One configuration under test: its engine, alive for the whole bench,
@@ -198,6 +217,7 @@ impl Arm {
     fn record(&self, config: &StepBenchConfig) -> StepBenchRecord {
         let model = &config.model;
         let metrics = &self.metrics;
+        let quiet = self.quiet_walls();
         let timing = Timing::of(
             &metrics
                 .iter()
@@ -243,7 +263,21 @@ impl Arm {
                 .copied()
                 .sum::<Option<f64>>()
                 .map(|s| s / self.steal.len() as f64),
+            quiet_steps: quiet.len(),
+            quiet_step_s: (!quiet.is_empty()).then(|| Timing::of(&quiet).median_s),
         }
+    }
+
+    /// Wall times of the timed steps that lost at most `QUIET_STEAL_SHARE`
+    /// of the machine (all of them where steal is not reported).
+    fn quiet_walls(&self) -> Vec<std::time::Duration> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        self.metrics
+            .iter()
+            .zip(&self.steal)
+            .filter(|(m, &steal)| is_quiet(steal, m.wall_s, cores))
+            .map(|(m, _)| std::time::Duration::from_secs_f64(m.wall_s))
+            .collect()
     }
 
     /// Median wall time of the timed steps from `from` on.
@@ -378,6 +412,15 @@ fn run_rounds(
     let records: Vec<StepBenchRecord> = arms.iter().map(|a| a.record(config)).collect();
     let (expert_wise_over_naive, expert_wise_over_bound) =
         ratios(|run: &str| records.iter().find(|r| r.run == run).expect("ran").step_s);
+    let quiet = records.iter().all(|r| r.quiet_step_s.is_some()).then(|| {
+        ratios(|run: &str| {
+            records
+                .iter()
+                .find(|r| r.run == run)
+                .and_then(|r| r.quiet_step_s)
+                .expect("every run has quiet steps")
+        })
+    });
     let summary = StepBenchSummary {
         bench: "step",
         run: "summary",
@@ -386,6 +429,8 @@ fn run_rounds(
         expert_wise_over_bound,
         expert_wise_over_naive_by_round: by_round.iter().map(|r| r.0).collect(),
         expert_wise_over_bound_by_round: by_round.iter().map(|r| r.1).collect(),
+        quiet_expert_wise_over_naive: quiet.map(|q| q.0),
+        quiet_expert_wise_over_bound: quiet.map(|q| q.1),
     };
     Ok((records, summary))
 }
@@ -415,6 +460,15 @@ mod tests {
     }
 
     #[test]
+    fn steps_that_lost_much_cpu_to_other_tenants_are_not_quiet() {
+        assert!(is_quiet(None, 1.0, 2.0));
+        assert!(is_quiet(Some(0.0), 1.0, 2.0));
+        assert!(is_quiet(Some(0.1), 1.0, 2.0));
+        assert!(!is_quiet(Some(0.11), 1.0, 2.0));
+        assert!(is_quiet(Some(0.3), 3.0, 2.0));
+    }
+
+    #[test]
     fn a_tiny_stack_runs_every_configuration() {
         let dir = tempfile::tempdir().unwrap();
         let config = StepBenchConfig {
@@ -435,7 +489,11 @@ mod tests {
         assert!(summary.expert_wise_over_naive > 0.0);
         assert_eq!(summary.rounds, 2);
         assert_eq!(summary.expert_wise_over_naive_by_round.len(), 2);
-        assert!(records.iter().all(|r| r.steps == 4));
+        assert!(records.iter().all(|r| r.steps == 4 && r.quiet_steps <= 4));
+        assert_eq!(
+            summary.quiet_expert_wise_over_naive.is_some(),
+            records.iter().all(|r| r.quiet_steps > 0)
+        );
         if cfg!(target_os = "linux") {
             assert!(records.iter().all(|r| r.steal_s.is_some_and(|s| s >= 0.0)));
         }
