@@ -10,6 +10,7 @@ mod error;
 pub mod lm;
 pub mod math;
 pub mod model;
+mod parallel;
 pub mod placement;
 pub mod reference;
 pub mod trainer;

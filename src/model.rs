@@ -13,11 +13,13 @@
 // suggest would hide the shapes.
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
+use crate::lm::attention::{attention_backward_split, attention_forward_split, AttnShape};
 use crate::math::{
     combine_backward, combine_forward, cross_entropy_forward_backward, cross_entropy_loss,
     gather_backward, linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward,
     router_backward, router_forward, ExpertKind, Permutation, RouterConfig, Routing,
 };
+use crate::parallel::cores;
 use crate::EngineError;
 
 /// The shape and losses of a MoE stack.
@@ -216,9 +218,11 @@ impl Batch {
     }
 }
 
-/// The dense linear layers' GEMM: plain loops for the reference, the
-/// backend's GEMM for the engine.
-pub trait DenseLinear {
+/// The dense layers' heavy kernels: the linear layers' GEMM (plain loops
+/// for the reference, the backend's GEMM for the engine) and causal
+/// attention (on the cpu split over sequences, unless a backend brings its
+/// own: the GPU's runs it on the device).
+pub trait DenseKernels {
     /// out (M, N) = x (M, K) · w (N, K)ᵀ
     fn forward(
         &self,
@@ -241,12 +245,45 @@ pub trait DenseLinear {
         k: usize,
         n: usize,
     ) -> Result<(), EngineError>;
+
+    /// out (T, H·hd) = causal attention of q, k, v; `probs` (B, H, S, S)
+    /// keeps the probabilities for the backward.
+    fn attention_forward(
+        &self,
+        out: &mut [f32],
+        probs: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        attention_forward_split(out, probs, q, k, v, shape, cores());
+        Ok(())
+    }
+
+    /// dq, dk, dv += the gradients of `attention_forward` from dout.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        dout: &[f32],
+        probs: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        attention_backward_split(dq, dk, dv, dout, probs, q, k, v, shape, cores());
+        Ok(())
+    }
 }
 
 /// `math::linear_forward` / `linear_backward`, as written.
-pub struct PlainLinear;
+pub struct PlainKernels;
 
-impl DenseLinear for PlainLinear {
+impl DenseKernels for PlainKernels {
     fn forward(
         &self,
         out: &mut [f32],
@@ -340,7 +377,7 @@ pub trait Network {
         micro_batches: usize,
         last_micro_batch: bool,
         runner: &mut dyn ExpertRunner,
-        linear: &dyn DenseLinear,
+        kernels: &dyn DenseKernels,
     ) -> Result<Losses, EngineError>;
     /// The mean cross-entropy of `batch`, forward only (evaluation).
     fn forward_loss(
@@ -348,7 +385,7 @@ pub trait Network {
         dense: &[f32],
         batch: &Self::Batch,
         runner: &mut dyn ExpertRunner,
-        linear: &dyn DenseLinear,
+        kernels: &dyn DenseKernels,
     ) -> Result<f32, EngineError>;
 }
 
@@ -511,7 +548,7 @@ impl Network for ModelConfig {
         micro_batches: usize,
         last_micro_batch: bool,
         runner: &mut dyn ExpertRunner,
-        linear: &dyn DenseLinear,
+        kernels: &dyn DenseKernels,
     ) -> Result<Losses, EngineError> {
         forward_backward(
             self,
@@ -522,7 +559,7 @@ impl Network for ModelConfig {
             micro_batches,
             last_micro_batch,
             runner,
-            linear,
+            kernels,
         )
     }
 
@@ -531,12 +568,12 @@ impl Network for ModelConfig {
         dense: &[f32],
         batch: &Batch,
         runner: &mut dyn ExpertRunner,
-        linear: &dyn DenseLinear,
+        kernels: &dyn DenseKernels,
     ) -> Result<f32, EngineError> {
         let (t, d, v) = (batch.tokens(), self.d_model, self.classes);
         let (h, _, _, _) = stack_forward(self, dense, batch, runner)?;
         let mut logits = vec![0.0f32; t * v];
-        linear.forward(&mut logits, &h, &dense[self.head_range()], t, d, v)?;
+        kernels.forward(&mut logits, &h, &dense[self.head_range()], t, d, v)?;
         Ok(cross_entropy_loss(&logits, &batch.targets, v, t))
     }
 }
@@ -553,13 +590,13 @@ pub fn forward_backward(
     micro_batches: usize,
     last_micro_batch: bool,
     runner: &mut dyn ExpertRunner,
-    linear: &dyn DenseLinear,
+    kernels: &dyn DenseKernels,
 ) -> Result<Losses, EngineError> {
     let (t, d, v) = (batch.tokens(), model.d_model, model.classes);
     let (h, saved, aux_sum, z_sum) = stack_forward(model, dense, batch, runner)?;
     let head = &dense[model.head_range()];
     let mut logits = vec![0.0f32; t * v];
-    linear.forward(&mut logits, &h, head, t, d, v)?;
+    kernels.forward(&mut logits, &h, head, t, d, v)?;
     let mut dlogits = vec![0.0f32; t * v];
     let ce = cross_entropy_forward_backward(&mut dlogits, &logits, &batch.targets, v, tokens_total);
     let share = 1.0 / micro_batches as f32;
@@ -569,7 +606,7 @@ pub fn forward_backward(
     }
     let mut dh = vec![0.0f32; t * d];
     let head_grad = &mut dense_grad[model.head_range()];
-    linear.backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v)?;
+    kernels.backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v)?;
     let daux = model.aux_loss_coef * share;
     let dz = model.z_loss_coef * share;
     for l in (0..model.layers).rev() {

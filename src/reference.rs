@@ -15,7 +15,7 @@
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
 use crate::math::{expert_ffn_backward, expert_ffn_forward, ExpertSaved, Permutation};
-use crate::model::{Batch, ExpertRunner, Losses, ModelConfig, Network, PlainLinear};
+use crate::model::{Batch, ExpertRunner, Losses, ModelConfig, Network, PlainKernels};
 use crate::EngineError;
 
 /// One expert's params, moments, gradient and step count.
@@ -214,7 +214,7 @@ impl ReferenceTrainer {
                 count,
                 i + 1 == count,
                 &mut runner,
-                &PlainLinear,
+                &PlainKernels,
             )?;
             losses.ce += l.ce;
             losses.aux += l.aux / count as f32;

@@ -263,7 +263,7 @@ mod device_computes_from_its_slots {
 #[test]
 fn dense_gemms_on_the_gpu_match_the_cpu() {
     use strata::backend::{BackendKind, CpuBackend};
-    use strata::model::DenseLinear;
+    use strata::model::DenseKernels;
     let layout = strata_tiers::Layout {
         layers: 1,
         experts_per_layer: 1,
@@ -271,7 +271,7 @@ fn dense_gemms_on_the_gpu_match_the_cpu() {
         compute_dtype: strata_tiers::Dtype::Bf16,
     };
     let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
-        Ok(device) => device.dense_linear(),
+        Ok(device) => device.dense_kernels(),
         Err(e) => {
             eprintln!("cuda case skipped: {e}");
             return;
@@ -284,7 +284,7 @@ fn dense_gemms_on_the_gpu_match_the_cpu() {
         f32s(m * n, 52, 1.0),
     );
     let mut outs = Vec::new();
-    for linear in [&*gpu, &CpuBackend as &dyn DenseLinear] {
+    for linear in [&*gpu, &CpuBackend as &dyn DenseKernels] {
         let mut out = vec![0.0; m * n];
         linear.forward(&mut out, &x, &w, m, k, n).unwrap();
         // Both gradients accumulate into what they held.

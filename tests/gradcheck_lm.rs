@@ -5,7 +5,7 @@
 
 use strata::lm::attention::*;
 use strata::lm::{LmConfig, MixtralLm, TokenBatch};
-use strata::model::{Network, PlainLinear};
+use strata::model::{Network, PlainKernels};
 use strata::reference::{MemoryRunner, ReferenceTrainer};
 use strata_optim::AdamWHyper;
 
@@ -136,13 +136,13 @@ fn whole_network(tie: bool) {
             1,
             true,
             &mut runner,
-            &PlainLinear,
+            &PlainKernels,
         )
         .unwrap();
     }
     let mut loss_at = |p: &[f32]| {
         let mut runner = MemoryRunner::new(&moe, &mut reference.experts);
-        lm.forward_loss(p, &b, &mut runner, &PlainLinear).unwrap() as f64
+        lm.forward_loss(p, &b, &mut runner, &PlainKernels).unwrap() as f64
     };
     for t in lm.tensors() {
         let g = &grad[t.range.clone()];

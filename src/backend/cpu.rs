@@ -155,7 +155,7 @@ impl Backend for CpuBackend {
     }
 }
 
-impl crate::model::DenseLinear for CpuBackend {
+impl crate::model::DenseKernels for CpuBackend {
     fn forward(
         &self,
         out: &mut [f32],

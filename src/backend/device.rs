@@ -12,7 +12,7 @@ use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 use super::cpu::{ffn_backward, ffn_forward, FfnScratch};
 use super::CpuBackend;
 use crate::math::{ExpertKind, ExpertSaved};
-use crate::model::DenseLinear;
+use crate::model::DenseKernels;
 use crate::EngineError;
 
 /// An expert's compute params in a device slot: `count` values of `dtype`
@@ -60,7 +60,7 @@ pub trait ExpertDevice: Send {
     /// The dense layers' GEMMs on this device (the cpu's, or cuBLAS f32
     /// GEMMs on the same GPU, stream and handle as the experts'); the
     /// engine holds it beside the device, which passes borrow mutably.
-    fn dense_linear(&self) -> Arc<dyn DenseLinear + Send + Sync>;
+    fn dense_kernels(&self) -> Arc<dyn DenseKernels + Send + Sync>;
 
     /// Uploads from host memory that is not page-locked: a GPU stages them
     /// through page-locked buffers of its own so they stay asynchronous.
@@ -157,7 +157,7 @@ impl ExpertDevice for CpuExpertDevice {
         &self.arena
     }
 
-    fn dense_linear(&self) -> Arc<dyn DenseLinear + Send + Sync> {
+    fn dense_kernels(&self) -> Arc<dyn DenseKernels + Send + Sync> {
         Arc::new(CpuBackend)
     }
 

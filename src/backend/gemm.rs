@@ -15,6 +15,8 @@
 //! A spawn costs tens of microseconds, so calls under `PARALLEL_MIN_MACS`
 //! multiply-adds stay on the calling thread.
 
+use crate::parallel::{cores, run_all};
+
 /// Below this many multiply-adds (about 0.3 ms on one core) a GEMM is not
 /// split.
 const PARALLEL_MIN_MACS: usize = 8 << 20;
@@ -30,25 +32,6 @@ fn threads_for(macs: usize, cores: usize) -> usize {
     } else {
         cores.clamp(1, MAX_GEMM_THREADS)
     }
-}
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// Runs every job, the first on this thread and the others on scoped
-/// threads; returns when all have ended (a panic in one is re-raised).
-fn run_all<F: FnOnce() + Send>(jobs: Vec<F>) {
-    std::thread::scope(|s| {
-        let mut jobs = jobs.into_iter();
-        let first = jobs.next();
-        for job in jobs {
-            s.spawn(job);
-        }
-        if let Some(job) = first {
-            job();
-        }
-    });
 }
 
 /// Rows per part when `rows` are split in `parts`, rounded up to a multiple

@@ -46,7 +46,7 @@ use strata_tiers::{
 pub use config::{EngineConfig, ScheduleKind};
 pub use metrics::StepMetrics;
 
-use crate::model::{Batch, DenseLinear, ModelConfig, Network};
+use crate::model::{Batch, DenseKernels, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 use access::access_schedule;
@@ -63,7 +63,7 @@ pub struct Engine {
     /// which must be unregistered before the host tier frees it.
     devices: Vec<DeviceState>,
     /// Per device: the dense layers' GEMMs (the cpu's, or its GPU's).
-    dense_linear: Vec<Arc<dyn DenseLinear + Send + Sync>>,
+    dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>>,
     shared: SharedExperts,
     /// Why the tiers run below their best (no io_uring or O_DIRECT, host
     /// memory not page-locked for a GPU).
@@ -300,10 +300,10 @@ impl Engine {
             steps,
         );
         let cost = multi::initial_cost(&model, &layout, config.devices);
-        let dense_linear = devices.iter().map(|d| d.device.dense_linear()).collect();
+        let dense_kernels = devices.iter().map(|d| d.device.dense_kernels()).collect();
         Ok(Self {
             devices,
-            dense_linear,
+            dense_kernels,
             shared,
             notes,
             dense: state.params,
@@ -403,7 +403,7 @@ impl Engine {
             dev: &mut self.devices[0],
             options,
         };
-        let loss = net.forward_loss(&self.dense, batch, &mut runner, &*self.dense_linear[0]);
+        let loss = net.forward_loss(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
         let overlapped =
             self.config.schedule == ScheduleKind::ExpertWise && self.device_slots() >= 2;
         self.shared
@@ -496,7 +496,7 @@ impl Engine {
                     count,
                     i + 1 == count,
                     &mut runner,
-                    &*self.dense_linear[0],
+                    &*self.dense_kernels[0],
                 )?
                 .total;
         }

@@ -91,7 +91,7 @@ impl Engine {
             model,
             shared,
             devices,
-            dense_linear,
+            dense_kernels,
             dense,
             ..
         } = self;
@@ -101,10 +101,10 @@ impl Engine {
         let results: Vec<Result<(f32, Vec<f32>), EngineError>> = std::thread::scope(|s| {
             let handles: Vec<_> = devices
                 .iter_mut()
-                .zip(dense_linear.iter())
+                .zip(dense_kernels.iter())
                 .zip(InProcessComm::endpoints(n))
                 .enumerate()
-                .map(|(rank, ((dev, linear), comm))| {
+                .map(|(rank, ((dev, kernels), comm))| {
                     std::thread::Builder::new()
                         .name(format!("strata-device-{rank}"))
                         .spawn_scoped(s, move || {
@@ -127,7 +127,7 @@ impl Engine {
                                         n * m,
                                         j + 1 == m,
                                         &mut runner,
-                                        &**linear,
+                                        &**kernels,
                                     )?
                                     .total;
                             }

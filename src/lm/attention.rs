@@ -233,6 +233,97 @@ pub fn attention_backward<R: Real>(
     }
 }
 
+/// Below this many multiply-adds (about 1 ms on one core) attention is
+/// not split over threads.
+const SPLIT_MIN_MACS: usize = 2 << 20;
+
+/// At most this many threads an attention call.
+const MAX_ATTENTION_THREADS: usize = 8;
+
+/// Sequences per thread when `shape`'s attention runs on up to `threads`
+/// threads (all of them when it is too small to be worth splitting).
+fn seqs_per_part(shape: &AttnShape, threads: usize) -> usize {
+    let s = shape.seq_len;
+    let macs = shape.seqs * shape.heads * s * s * shape.head_dim;
+    let threads = threads.clamp(1, MAX_ATTENTION_THREADS);
+    if macs < SPLIT_MIN_MACS || threads == 1 {
+        shape.seqs.max(1)
+    } else {
+        shape.seqs.div_ceil(threads).max(1)
+    }
+}
+
+/// [`attention_forward`] with the sequences split over up to `threads`
+/// threads. Sequences are independent and each is computed as the serial
+/// function computes it, so the result is the same bit for bit.
+pub fn attention_forward_split<R: Real>(
+    out: &mut [R],
+    probs: &mut [R],
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    shape: &AttnShape,
+    threads: usize,
+) {
+    let per = seqs_per_part(shape, threads);
+    if per >= shape.seqs {
+        return attention_forward(out, probs, q, k, v, shape);
+    }
+    let (s, qw, kw) = (shape.seq_len, shape.q_width(), shape.kv_width());
+    let probs_per_seq = shape.heads * s * s;
+    let jobs: Vec<_> = out
+        .chunks_mut(per * s * qw)
+        .zip(probs.chunks_mut(per * probs_per_seq))
+        .zip(q.chunks(per * s * qw))
+        .zip(k.chunks(per * s * kw).zip(v.chunks(per * s * kw)))
+        .map(|(((out, probs), q), (k, v))| {
+            let part = AttnShape {
+                seqs: q.len() / (s * qw),
+                ..*shape
+            };
+            move || attention_forward(out, probs, q, k, v, &part)
+        })
+        .collect();
+    crate::parallel::run_all(jobs);
+}
+
+/// [`attention_backward`] with the sequences split over up to `threads`
+/// threads; the same bit for bit (a sequence's gradients touch only its
+/// own rows of dq, dk and dv).
+pub fn attention_backward_split<R: Real>(
+    dq: &mut [R],
+    dk: &mut [R],
+    dv: &mut [R],
+    dout: &[R],
+    probs: &[R],
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    shape: &AttnShape,
+    threads: usize,
+) {
+    let per = seqs_per_part(shape, threads);
+    if per >= shape.seqs {
+        return attention_backward(dq, dk, dv, dout, probs, q, k, v, shape);
+    }
+    let (s, qw, kw) = (shape.seq_len, shape.q_width(), shape.kv_width());
+    let (qn, kn, pn) = (per * s * qw, per * s * kw, per * shape.heads * s * s);
+    let jobs: Vec<_> = dq
+        .chunks_mut(qn)
+        .zip(dk.chunks_mut(kn).zip(dv.chunks_mut(kn)))
+        .zip(dout.chunks(qn).zip(probs.chunks(pn)))
+        .zip(q.chunks(qn).zip(k.chunks(kn).zip(v.chunks(kn))))
+        .map(|(((dq, (dk, dv)), (dout, probs)), (q, (k, v)))| {
+            let part = AttnShape {
+                seqs: q.len() / (s * qw),
+                ..*shape
+            };
+            move || attention_backward(dq, dk, dv, dout, probs, q, k, v, &part)
+        })
+        .collect();
+    crate::parallel::run_all(jobs);
+}
+
 /// h (T, D) = rows of the embedding table (V, D) picked by `tokens`.
 pub fn embedding_forward<R: Real>(h: &mut [R], table: &[R], tokens: &[u32], d: usize) {
     for (t, &tok) in tokens.iter().enumerate() {
@@ -247,6 +338,60 @@ pub fn embedding_backward<R: Real>(dtable: &mut [R], dh: &[R], tokens: &[u32], d
         let at = tok as usize * d;
         for c in 0..d {
             dtable[at + c] += dh[t * d + c];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::fill_uniform;
+
+    fn filled(len: usize, seed: u64) -> Vec<f32> {
+        let mut v = vec![0.0; len];
+        fill_uniform(&mut v, seed, 0, 1.0);
+        v
+    }
+
+    /// Splitting the sequences over threads changes no bit, with a ragged
+    /// last part and grouped kv heads, and large enough to be split.
+    #[test]
+    fn split_attention_equals_the_serial_one_bit_for_bit() {
+        let shape = AttnShape {
+            seqs: 7,
+            seq_len: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+        };
+        assert!(seqs_per_part(&shape, 3) < shape.seqs, "big enough to split");
+        let (t, qw, kw) = (shape.tokens(), shape.q_width(), shape.kv_width());
+        let (q, k, v) = (filled(t * qw, 1), filled(t * kw, 2), filled(t * kw, 3));
+        let dout = filled(t * qw, 4);
+        let serial = {
+            let (mut out, mut probs) = (vec![0.0; t * qw], vec![0.0; shape.probs_len()]);
+            attention_forward(&mut out, &mut probs, &q, &k, &v, &shape);
+            let (mut dq, mut dk, mut dv) =
+                (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
+            attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
+            (out, probs, dq, dk, dv)
+        };
+        for threads in [2, 3, 8] {
+            let (mut out, mut probs) = (vec![0.0; t * qw], vec![0.0; shape.probs_len()]);
+            attention_forward_split(&mut out, &mut probs, &q, &k, &v, &shape, threads);
+            let (mut dq, mut dk, mut dv) =
+                (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
+            attention_backward_split(
+                &mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape, threads,
+            );
+            assert!(
+                out == serial.0 && probs == serial.1,
+                "forward, {threads} threads"
+            );
+            assert!(
+                dq == serial.2 && dk == serial.3 && dv == serial.4,
+                "backward, {threads} threads"
+            );
         }
     }
 }

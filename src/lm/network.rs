@@ -11,15 +11,14 @@
 use std::ops::Range;
 
 use super::attention::{
-    attention_backward, attention_forward, embedding_backward, embedding_forward, rope_backward,
-    rope_forward, AttnShape, RopeTable,
+    embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
 };
 use super::config::LmConfig;
 use crate::math::{
     cross_entropy_forward_backward, cross_entropy_loss, rmsnorm_backward, rmsnorm_forward,
 };
 use crate::model::{
-    fill_uniform, moe_backward, moe_forward, DenseLinear, ExpertRunner, Losses, ModelConfig,
+    fill_uniform, moe_backward, moe_forward, DenseKernels, ExpertRunner, Losses, ModelConfig,
     MoeSaved, Network,
 };
 use crate::EngineError;
@@ -190,7 +189,7 @@ impl MixtralLm {
         dense: &[f32],
         batch: &TokenBatch,
         runner: &mut dyn ExpertRunner,
-        linear: &dyn DenseLinear,
+        kernels: &dyn DenseKernels,
     ) -> Result<Forward, EngineError> {
         let c = &self.config;
         let (d, v) = (c.d_model, c.vocab);
@@ -211,16 +210,16 @@ impl MixtralLm {
             let mut q = vec![0.0f32; t * qw];
             let mut k = vec![0.0f32; t * kw];
             let mut vv = vec![0.0f32; t * kw];
-            linear.forward(&mut q, &n1, &dense[r.wq.clone()], t, d, qw)?;
-            linear.forward(&mut k, &n1, &dense[r.wk.clone()], t, d, kw)?;
-            linear.forward(&mut vv, &n1, &dense[r.wv.clone()], t, d, kw)?;
+            kernels.forward(&mut q, &n1, &dense[r.wq.clone()], t, d, qw)?;
+            kernels.forward(&mut k, &n1, &dense[r.wk.clone()], t, d, kw)?;
+            kernels.forward(&mut vv, &n1, &dense[r.wv.clone()], t, d, kw)?;
             rope_forward(&mut q, &rope, batch.seq_len, c.heads);
             rope_forward(&mut k, &rope, batch.seq_len, c.kv_heads);
             let mut attn = vec![0.0f32; t * qw];
             let mut probs = vec![0.0f32; shape.probs_len()];
-            attention_forward(&mut attn, &mut probs, &q, &k, &vv, &shape);
+            kernels.attention_forward(&mut attn, &mut probs, &q, &k, &vv, &shape)?;
             let mut o = vec![0.0f32; t * d];
-            linear.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d)?;
+            kernels.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d)?;
             let h_in = h.clone();
             h.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let mut n2 = vec![0.0f32; t * d];
@@ -252,7 +251,7 @@ impl MixtralLm {
         let gf = &dense[self.final_norm.clone()];
         rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps);
         let mut logits = vec![0.0f32; t * v];
-        linear.forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v)?;
+        kernels.forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v)?;
         Ok(Forward {
             inputs,
             targets,
@@ -359,11 +358,11 @@ impl Network for MixtralLm {
         micro_batches: usize,
         last_micro_batch: bool,
         runner: &mut dyn ExpertRunner,
-        linear: &dyn DenseLinear,
+        kernels: &dyn DenseKernels,
     ) -> Result<Losses, EngineError> {
         let c = &self.config;
         let (d, v) = (c.d_model, c.vocab);
-        let f = self.forward(dense, batch, runner, linear)?;
+        let f = self.forward(dense, batch, runner, kernels)?;
         let t = f.inputs.len();
         let mut dlogits = vec![0.0f32; t * v];
         let ce =
@@ -378,7 +377,7 @@ impl Network for MixtralLm {
         let rope = &f.rope;
         // Head and final norm.
         let mut dnf = vec![0.0f32; t * d];
-        linear.backward(
+        kernels.backward(
             &mut dnf,
             &mut dense_grad[self.head.clone()],
             &dlogits,
@@ -432,7 +431,7 @@ impl Network for MixtralLm {
             );
             // Attention half: h_mid = h_in + Wo·Attn(RoPE(q), RoPE(k), v).
             let mut dattn = vec![0.0f32; t * qw];
-            linear.backward(
+            kernels.backward(
                 &mut dattn,
                 &mut dense_grad[r.wo.clone()],
                 &dh,
@@ -445,14 +444,14 @@ impl Network for MixtralLm {
             let mut dq = vec![0.0f32; t * qw];
             let mut dk = vec![0.0f32; t * kw];
             let mut dv = vec![0.0f32; t * kw];
-            attention_backward(
+            kernels.attention_backward(
                 &mut dq, &mut dk, &mut dv, &dattn, &s.probs, &s.q, &s.k, &s.v, &shape,
-            );
+            )?;
             rope_backward(&mut dq, rope, batch.seq_len, c.heads);
             rope_backward(&mut dk, rope, batch.seq_len, c.kv_heads);
             let mut dn1 = vec![0.0f32; t * d];
             for (w, dw, width) in [(&r.wq, &dq, qw), (&r.wk, &dk, kw), (&r.wv, &dv, kw)] {
-                linear.backward(
+                kernels.backward(
                     &mut dn1,
                     &mut dense_grad[w.clone()],
                     dw,
@@ -488,9 +487,9 @@ impl Network for MixtralLm {
         dense: &[f32],
         batch: &TokenBatch,
         runner: &mut dyn ExpertRunner,
-        linear: &dyn DenseLinear,
+        kernels: &dyn DenseKernels,
     ) -> Result<f32, EngineError> {
-        let f = self.forward(dense, batch, runner, linear)?;
+        let f = self.forward(dense, batch, runner, kernels)?;
         let t = f.targets.len();
         Ok(cross_entropy_loss(
             &f.logits,

@@ -426,7 +426,11 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
         v: &[f32],
         shape: &AttnShape,
     ) -> (Vec<f32>, Vec<f32>) {
-        self.attention_forward_host(q, k, v, shape).unwrap()
+        let mut out = vec![0.0; shape.tokens() * shape.q_width()];
+        let mut probs = vec![0.0; shape.probs_len()];
+        self.attention_forward_host(&mut out, &mut probs, q, k, v, shape)
+            .unwrap();
+        (out, probs)
     }
 
     fn attention_backward(

@@ -303,14 +303,18 @@ impl CudaBackend {
         Ok(h)
     }
 
-    /// `lm::attention::attention_forward` on the GPU: (out, probs).
+    /// `lm::attention::attention_forward` on the GPU, into `out` and
+    /// `probs`.
     pub fn attention_forward_host(
         &self,
+        out_host: &mut [f32],
+        probs_host: &mut [f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
         shape: &AttnShape,
-    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+    ) -> Result<(), EngineError> {
+        self.bind()?;
         let (dq, dk, dv) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
         let mut out = self.zeros(shape.tokens() * shape.q_width())?;
         let mut probs = self.zeros(shape.probs_len())?;
@@ -336,10 +340,8 @@ impl CudaBackend {
         // B·H·S·S (zeroed); one thread a (sequence, head, query).
         unsafe { launch.launch(threads(shape.seqs * shape.heads * shape.seq_len)) }
             .map_err(|e| gpu_error("attention_forward", e))?;
-        let mut h = (vec![0.0; out.len()], vec![0.0; probs.len()]);
-        self.download(&out, &mut h.0)?;
-        self.download(&probs, &mut h.1)?;
-        Ok(h)
+        self.download(&out, out_host)?;
+        self.download(&probs, probs_host)
     }
 
     /// `lm::attention::attention_backward` on the GPU: dq, dk, dv accumulate.
@@ -356,6 +358,7 @@ impl CudaBackend {
         v: &[f32],
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
+        self.bind()?;
         let (ddout, dprobs) = (self.upload(dout)?, self.upload(probs)?);
         let (dqin, dkin, dvin) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
         let (mut ddq, mut ddk, mut ddv) = (self.upload(dq)?, self.upload(dk)?, self.upload(dv)?);

@@ -23,7 +23,7 @@ use super::{gpu_error, CudaBackend, Shape};
 const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
 use crate::backend::{Backend, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
-use crate::model::DenseLinear;
+use crate::model::DenseKernels;
 use crate::EngineError;
 
 /// Device addresses of an expert's bf16 weights: w1 (F, D), w3 (F, D;
@@ -319,7 +319,7 @@ impl ExpertDevice for CudaExpertDevice {
         &self.arena
     }
 
-    fn dense_linear(&self) -> Arc<dyn DenseLinear + Send + Sync> {
+    fn dense_kernels(&self) -> Arc<dyn DenseKernels + Send + Sync> {
         self.backend.clone()
     }
 

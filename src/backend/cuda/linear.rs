@@ -1,4 +1,4 @@
-//! The dense layers' GEMMs on the GPU ([`DenseLinear`]): f32 inputs and
+//! The dense layers' GEMMs on the GPU ([`DenseKernels`]): f32 inputs and
 //! accumulation (cuBLAS without tensor-core rounding), so they agree with
 //! the cpu's to f32 rounding of another summation order. Each call uploads
 //! its operands and downloads its result; the dense activations and params
@@ -8,12 +8,13 @@ use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::DevicePtr;
 
 use super::{CudaBackend, Shape};
-use crate::model::DenseLinear;
+use crate::lm::attention::AttnShape;
+use crate::model::DenseKernels;
 use crate::EngineError;
 
 const F32: cudaDataType = cudaDataType::CUDA_R_32F;
 
-impl DenseLinear for CudaBackend {
+impl DenseKernels for CudaBackend {
     fn forward(
         &self,
         out: &mut [f32],
@@ -66,5 +67,32 @@ impl DenseLinear for CudaBackend {
         };
         self.download(&ddx, dx)?;
         self.download(&ddw, dw)
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut [f32],
+        probs: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        self.attention_forward_host(out, probs, q, k, v, shape)
+    }
+
+    fn attention_backward(
+        &self,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        dout: &[f32],
+        probs: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        self.attention_backward_host(dq, dk, dv, dout, probs, q, k, v, shape)
     }
 }
