@@ -552,21 +552,66 @@ pub fn cross_entropy_forward_backward<R: Real>(
     v: usize,
     denominator: usize,
 ) -> R {
+    cross_entropy_forward_backward_split(dlogits, logits, targets, v, denominator, 1)
+}
+
+/// Below this many logits cross-entropy is not split over threads.
+const CE_SPLIT_MIN_LOGITS: usize = 1 << 20;
+
+/// [`cross_entropy_forward_backward`] with the rows split over up to
+/// `threads` threads. Each row's share of the loss is computed as the
+/// serial loop computes it and the shares are summed in row order, so
+/// the result is the same bit for bit.
+pub fn cross_entropy_forward_backward_split<R: Real>(
+    dlogits: &mut [R],
+    logits: &[R],
+    targets: &[u32],
+    v: usize,
+    denominator: usize,
+    threads: usize,
+) -> R {
     let t = targets.len();
+    assert!(dlogits.len() == t * v && logits.len() == t * v);
     let scale = R::one() / R::from_f64(denominator as f64);
-    let mut loss = R::zero();
-    for i in 0..t {
+    let mut shares = vec![R::zero(); t];
+    let threads = if t * v < CE_SPLIT_MIN_LOGITS {
+        1
+    } else {
+        threads.clamp(1, 8)
+    };
+    let rows = t.div_ceil(threads).max(1);
+    let jobs: Vec<_> = dlogits
+        .chunks_mut((rows * v).max(1))
+        .zip(logits.chunks((rows * v).max(1)))
+        .zip(targets.chunks(rows).zip(shares.chunks_mut(rows)))
+        .map(|((dlogits, logits), (targets, shares))| {
+            move || cross_entropy_rows(dlogits, logits, targets, shares, v, scale)
+        })
+        .collect();
+    crate::parallel::run_all(jobs);
+    shares.iter().fold(R::zero(), |loss, &share| loss + share)
+}
+
+/// Each row's share of the loss and its d logits.
+fn cross_entropy_rows<R: Real>(
+    dlogits: &mut [R],
+    logits: &[R],
+    targets: &[u32],
+    shares: &mut [R],
+    v: usize,
+    scale: R,
+) {
+    for (i, &target) in targets.iter().enumerate() {
         let row = &logits[i * v..(i + 1) * v];
         let lse = log_sum_exp(row);
-        let target = targets[i] as usize;
-        loss += (lse - row[target]) * scale;
+        let target = target as usize;
+        shares[i] = (lse - row[target]) * scale;
         for j in 0..v {
             let p = (row[j] - lse).exp();
             let onehot = if j == target { R::one() } else { R::zero() };
             dlogits[i * v + j] = (p - onehot) * scale;
         }
     }
-    loss
 }
 
 /// Assignments (t, k) grouped by expert in a stable order: `order` lists
@@ -691,6 +736,33 @@ pub fn gather_from_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Splitting the rows over threads changes no bit of the loss or of
+    /// d logits (a ragged last part; large enough to be split).
+    #[test]
+    fn split_cross_entropy_equals_the_serial_one_bit_for_bit() {
+        let (t, v) = (1031, 1024);
+        assert!(t * v >= CE_SPLIT_MIN_LOGITS);
+        let logits: Vec<f32> = (0..t * v)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 9.0)
+            .collect();
+        let targets: Vec<u32> = (0..t).map(|i| (i * 31 % v) as u32).collect();
+        let mut serial = vec![0.0f32; t * v];
+        let loss = cross_entropy_forward_backward(&mut serial, &logits, &targets, v, 3 * t);
+        for threads in [2, 3, 8] {
+            let mut split = vec![0.0f32; t * v];
+            let l = cross_entropy_forward_backward_split(
+                &mut split,
+                &logits,
+                &targets,
+                v,
+                3 * t,
+                threads,
+            );
+            assert_eq!(l.to_bits(), loss.to_bits(), "{threads} threads");
+            assert!(split == serial, "{threads} threads");
+        }
+    }
 
     /// Evaluation's loss is training's loss, to the bit.
     #[test]

@@ -15,7 +15,7 @@
 
 use crate::lm::attention::{attention_backward_split, attention_forward_split, AttnShape};
 use crate::math::{
-    combine_backward, combine_forward, cross_entropy_forward_backward, cross_entropy_loss,
+    combine_backward, combine_forward, cross_entropy_forward_backward_split, cross_entropy_loss,
     gather_backward, linear_backward, linear_forward, rmsnorm_backward, rmsnorm_forward,
     router_backward, router_forward, ExpertKind, Permutation, RouterConfig, Routing,
 };
@@ -277,6 +277,26 @@ pub trait DenseKernels {
     ) -> Result<(), EngineError> {
         attention_backward_split(dq, dk, dv, dout, probs, q, k, v, shape, cores());
         Ok(())
+    }
+
+    /// Cross-entropy of `logits` (T, V) against `targets`, summed over
+    /// rows and divided by `denominator`; writes d logits.
+    fn cross_entropy(
+        &self,
+        dlogits: &mut [f32],
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        denominator: usize,
+    ) -> Result<f32, EngineError> {
+        Ok(cross_entropy_forward_backward_split(
+            dlogits,
+            logits,
+            targets,
+            v,
+            denominator,
+            cores(),
+        ))
     }
 }
 
@@ -598,7 +618,7 @@ pub fn forward_backward(
     let mut logits = vec![0.0f32; t * v];
     kernels.forward(&mut logits, &h, head, t, d, v)?;
     let mut dlogits = vec![0.0f32; t * v];
-    let ce = cross_entropy_forward_backward(&mut dlogits, &logits, &batch.targets, v, tokens_total);
+    let ce = kernels.cross_entropy(&mut dlogits, &logits, &batch.targets, v, tokens_total)?;
     let share = 1.0 / micro_batches as f32;
     let total = ce + share * (model.aux_loss_coef * aux_sum + model.z_loss_coef * z_sum);
     if !total.is_finite() {

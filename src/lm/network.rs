@@ -14,9 +14,7 @@ use super::attention::{
     embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
 };
 use super::config::LmConfig;
-use crate::math::{
-    cross_entropy_forward_backward, cross_entropy_loss, rmsnorm_backward, rmsnorm_forward,
-};
+use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward};
 use crate::model::{
     fill_uniform, moe_backward, moe_forward, DenseKernels, ExpertRunner, Losses, ModelConfig,
     MoeSaved, Network,
@@ -365,8 +363,7 @@ impl Network for MixtralLm {
         let f = self.forward(dense, batch, runner, kernels)?;
         let t = f.inputs.len();
         let mut dlogits = vec![0.0f32; t * v];
-        let ce =
-            cross_entropy_forward_backward(&mut dlogits, &f.logits, &f.targets, v, tokens_total);
+        let ce = kernels.cross_entropy(&mut dlogits, &f.logits, &f.targets, v, tokens_total)?;
         let share = 1.0 / micro_batches as f32;
         let total = ce + share * (c.aux_loss_coef * f.aux + c.z_loss_coef * f.z);
         if !total.is_finite() {

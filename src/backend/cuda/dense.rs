@@ -194,6 +194,7 @@ impl CudaBackend {
         v: usize,
         denominator: usize,
     ) -> Result<f32, EngineError> {
+        self.bind()?;
         let t = targets.len();
         let (dl, dt) = (self.upload(logits)?, self.upload_u32(targets)?);
         let (mut dd, mut rows) = (self.zeros(t * v)?, self.zeros(t)?);

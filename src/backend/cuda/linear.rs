@@ -1,8 +1,10 @@
-//! The dense layers' GEMMs on the GPU ([`DenseKernels`]): f32 inputs and
-//! accumulation (cuBLAS without tensor-core rounding), so they agree with
-//! the cpu's to f32 rounding of another summation order. Each call uploads
-//! its operands and downloads its result; the dense activations and params
-//! themselves still live on the host.
+//! The dense layers' heavy kernels on the GPU ([`DenseKernels`]): GEMMs
+//! with f32 inputs and accumulation (cuBLAS without tensor-core rounding),
+//! so they agree with the cpu's to f32 rounding of another summation
+//! order; causal attention and cross-entropy (`kernels.cu`, one thread a
+//! query row or a logits row, the cpu loops' order of sums). Each call
+//! uploads its operands and downloads its result; the dense activations
+//! and params themselves still live on the host.
 
 use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::DevicePtr;
@@ -94,5 +96,16 @@ impl DenseKernels for CudaBackend {
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         self.attention_backward_host(dq, dk, dv, dout, probs, q, k, v, shape)
+    }
+
+    fn cross_entropy(
+        &self,
+        dlogits: &mut [f32],
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        denominator: usize,
+    ) -> Result<f32, EngineError> {
+        self.cross_entropy_host(dlogits, logits, targets, v, denominator)
     }
 }
