@@ -30,9 +30,15 @@ enum : CUresult {
     CUDA_ERROR_NOT_FOUND = 500,
 };
 
-// Devices the model offers; each has its own (primary) context.
+// Devices the model can offer; each has its own (primary) context.
+// STRATA_FAKE_CUDA_DEVICES (1 to 4) offers fewer, as a one-GPU machine.
 enum { STRATA_FAKE_DEVICES = 4 };
 static int strata_fake_contexts[STRATA_FAKE_DEVICES];
+static int strata_fake_device_count() {
+    const char* n = getenv("STRATA_FAKE_CUDA_DEVICES");
+    int count = n ? atoi(n) : STRATA_FAKE_DEVICES;
+    return count >= 1 && count <= STRATA_FAKE_DEVICES ? count : STRATA_FAKE_DEVICES;
+}
 static thread_local CUcontext current_context = nullptr;
 
 #define API extern "C" __attribute__((visibility("default")))
@@ -43,11 +49,11 @@ API CUresult cuDriverGetVersion(int* v) {
     return CUDA_SUCCESS;
 }
 API CUresult cuDeviceGetCount(int* n) {
-    *n = STRATA_FAKE_DEVICES;
+    *n = strata_fake_device_count();
     return CUDA_SUCCESS;
 }
 API CUresult cuDeviceGet(CUdevice* dev, int ordinal) {
-    if (ordinal < 0 || ordinal >= STRATA_FAKE_DEVICES) return CUDA_ERROR_INVALID_DEVICE;
+    if (ordinal < 0 || ordinal >= strata_fake_device_count()) return CUDA_ERROR_INVALID_DEVICE;
     *dev = ordinal;
     return CUDA_SUCCESS;
 }
@@ -66,7 +72,7 @@ API CUresult cuDeviceGetAttribute(int* value, int, CUdevice) {
     return CUDA_SUCCESS;
 }
 API CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
-    if (dev < 0 || dev >= STRATA_FAKE_DEVICES) return CUDA_ERROR_INVALID_DEVICE;
+    if (dev < 0 || dev >= strata_fake_device_count()) return CUDA_ERROR_INVALID_DEVICE;
     *ctx = &strata_fake_contexts[dev];
     return CUDA_SUCCESS;
 }

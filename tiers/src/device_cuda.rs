@@ -232,6 +232,9 @@ pub struct CudaDeviceArena {
     download: Arc<CudaStream>,
     base: sys::CUdeviceptr,
     slot_bytes: usize,
+    /// Bytes from one slot's start to the next's: `slot_bytes` rounded up
+    /// to `SLOT_ALIGN`.
+    slot_stride: usize,
     slot_count: usize,
     uploads: Option<Sender<Pending>>,
     downloads: Option<Sender<Pending>>,
@@ -240,8 +243,16 @@ pub struct CudaDeviceArena {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// Every slot starts on this boundary. cuBLAS picks its kernels by the
+/// alignment of the operands as well as their shapes, so an expert must
+/// find its weights equally aligned in whichever slot it lands: then its
+/// GEMMs compute the same bits whatever the device budget.
+pub const SLOT_ALIGN: usize = 256;
+
 impl CudaDeviceArena {
-    /// Carves `device_budget_bytes` of GPU memory into slots of `slot_bytes`.
+    /// Carves `device_budget_bytes` of GPU memory into slots of
+    /// `slot_bytes`, each starting on a `SLOT_ALIGN` boundary (the padding,
+    /// under `SLOT_ALIGN` bytes a slot, comes on top of the budget).
     pub fn new(
         ctx: Arc<CudaContext>,
         device_budget_bytes: u64,
@@ -251,7 +262,8 @@ impl CudaDeviceArena {
         let slot_count = slots_for_budget(device_budget_bytes, slot_bytes)?;
         ctx.bind_to_thread()
             .map_err(|e| copy_error("binding the CUDA context", e))?;
-        let bytes = slot_count * slot_bytes;
+        let slot_stride = slot_bytes.next_multiple_of(SLOT_ALIGN);
+        let bytes = slot_count * slot_stride;
         // SAFETY: a plain allocation of `bytes`; freed once, in Drop, after
         // both streams have finished every copy into or out of it.
         let base = unsafe { result::malloc_sync(bytes) }.map_err(|e| {
@@ -282,6 +294,7 @@ impl CudaDeviceArena {
             download,
             base,
             slot_bytes,
+            slot_stride,
             slot_count,
             uploads: Some(uploads),
             downloads: Some(downloads),
@@ -332,7 +345,7 @@ impl CudaDeviceArena {
     /// The device address of a slot (for kernels reading the expert).
     pub fn slot_ptr(&self, slot: usize) -> sys::CUdeviceptr {
         assert!(slot < self.slot_count);
-        self.base + (slot * self.slot_bytes) as u64
+        self.base + (slot * self.slot_stride) as u64
     }
 
     /// The stream uploads run on (compute waits on its events).

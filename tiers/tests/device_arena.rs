@@ -133,3 +133,23 @@ per_backend!(bad_requests_are_clear_errors, |make| {
     let err = arena.upload_htod(1, Box::new(vec![0u8; 5])).err().unwrap();
     assert!(err.to_string().contains("no device slot 1"), "{err}");
 });
+
+/// GPU slots start on `SLOT_ALIGN` boundaries whatever the slot size (so
+/// cuBLAS sees an expert's weights equally aligned in every slot), and the
+/// budget still counts unpadded slots.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_slots_start_aligned() {
+    use strata_tiers::device_cuda::{open_gpu, CudaDeviceArena, SLOT_ALIGN};
+    let (ctx, _) = match open_gpu(0) {
+        Err(e) => return eprintln!("cuda case skipped: {e}"),
+        Ok(gpu) => gpu,
+    };
+    let slot = 3 * 1000 + 2; // bf16 params of an odd-sized expert
+    let arena = CudaDeviceArena::new(ctx, 3 * slot as u64, slot).unwrap();
+    assert_eq!(arena.slot_count(), 3);
+    for i in 0..3 {
+        assert_eq!(arena.slot_ptr(i) % SLOT_ALIGN as u64, 0, "slot {i}");
+    }
+    assert!(arena.slot_ptr(1) - arena.slot_ptr(0) >= slot as u64);
+}
