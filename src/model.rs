@@ -246,6 +246,12 @@ pub trait DenseKernels {
         n: usize,
     ) -> Result<(), EngineError>;
 
+    /// The engine's dense params (every weight later GEMMs are given as a
+    /// slice of) are `dense`, just written: a backend that keeps weights
+    /// on its device drops what it holds and may keep slices of `dense`
+    /// until the next call.
+    fn weights_changed(&self, _dense: &[f32]) {}
+
     /// out (T, H·hd) = causal attention of q, k, v; `probs` (B, H, S, S)
     /// keeps the probabilities for the backward.
     fn attention_forward(

@@ -302,6 +302,54 @@ fn dense_gemms_on_the_gpu_match_the_cpu() {
     }
 }
 
+/// A weight that is a slice of the registered dense params is uploaded
+/// once and read in place until the params change: a GEMM after the host
+/// copy changed (without `weights_changed`) still sees the uploaded
+/// weight, and after `weights_changed` the new one.
+#[cfg(feature = "cuda")]
+#[test]
+fn dense_weights_stay_on_the_gpu_until_they_change() {
+    use strata::backend::{BackendKind, CpuBackend};
+    use strata::model::DenseKernels;
+    let layout = strata_tiers::Layout {
+        layers: 1,
+        experts_per_layer: 1,
+        params_per_expert: 64,
+        compute_dtype: strata_tiers::Dtype::Bf16,
+    };
+    let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
+        Ok(device) => device.dense_kernels(),
+        Err(e) => {
+            eprintln!("cuda case skipped: {e}");
+            return;
+        }
+    };
+    let (m, k, n) = (9, 32, 24);
+    let x = f32s(m * k, 60, 1.0);
+    let mut dense = f32s(100 + n * k, 61, 0.3);
+    let w = 100..100 + n * k;
+    let product = |kernels: &dyn DenseKernels, dense: &[f32]| {
+        let mut out = vec![0.0; m * n];
+        kernels
+            .forward(&mut out, &x, &dense[w.clone()], m, k, n)
+            .unwrap();
+        out
+    };
+    gpu.weights_changed(&dense);
+    let before = product(&*gpu, &dense);
+    assert!(normwise(&before, &product(&CpuBackend, &dense)) < 1e-5);
+    dense[w.clone()].iter_mut().for_each(|v| *v = -*v);
+    assert_eq!(
+        product(&*gpu, &dense),
+        before,
+        "the uploaded weight is read"
+    );
+    gpu.weights_changed(&dense);
+    let after = product(&*gpu, &dense);
+    assert!(normwise(&after, &product(&CpuBackend, &dense)) < 1e-5);
+    assert!(normwise(&after, &before) > 1.0, "the new weight is read");
+}
+
 /// Five engine steps with the experts on the GPU against the same on the
 /// cpu (both with bf16 compute copies). The GPU also rounds the GEMMs'
 /// activations and gradients to bf16, so the experts' gradients differ by

@@ -300,7 +300,11 @@ impl Engine {
             steps,
         );
         let cost = multi::initial_cost(&model, &layout, config.devices);
-        let dense_kernels = devices.iter().map(|d| d.device.dense_kernels()).collect();
+        let dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>> =
+            devices.iter().map(|d| d.device.dense_kernels()).collect();
+        for kernels in &dense_kernels {
+            kernels.weights_changed(&state.params);
+        }
         Ok(Self {
             devices,
             dense_kernels,
@@ -441,7 +445,7 @@ impl Engine {
         self.devices[0].acc.stall_optimizer_s += finish_stall;
         self.dense_step += 1;
         let s = StepScalars::new(&self.config.hyper, self.dense_step, 1.0);
-        adamw_step(
+        let updated = adamw_step(
             Kernel::detect(),
             &s,
             &mut self.dense,
@@ -449,7 +453,12 @@ impl Engine {
             &mut self.dense_v,
             GradRef::F32(&dense_grad),
             CopyOut::None,
-        )?;
+        );
+        // Even a failed update may have written some params.
+        for kernels in &self.dense_kernels {
+            kernels.weights_changed(&self.dense);
+        }
+        updated?;
         self.step += 1;
         let stats = self.shared.cache.take_stats();
         let metrics = metrics::gather(

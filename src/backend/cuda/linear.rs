@@ -2,12 +2,13 @@
 //! with f32 inputs and accumulation (cuBLAS without tensor-core rounding),
 //! so they agree with the cpu's to f32 rounding of another summation
 //! order; causal attention and cross-entropy (`kernels.cu`, one thread a
-//! query row or a logits row, the cpu loops' order of sums). Each call
-//! uploads its operands and downloads its result; the dense activations
-//! and params themselves still live on the host.
+//! query row or a logits row, the cpu loops' order of sums). Weights that
+//! are slices of the engine's dense params are uploaded once between
+//! updates (`weights.rs`); activations are uploaded per call and results
+//! downloaded, as the activations still live on the host.
 
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::DevicePtr;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::{CudaBackend, Shape};
 use crate::lm::attention::AttnShape;
@@ -28,11 +29,12 @@ impl DenseKernels for CudaBackend {
     ) -> Result<(), EngineError> {
         assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
         self.bind()?;
-        let (dx, dw) = (self.upload(x)?, self.upload(w)?);
+        let (dx, dw) = (self.upload(x)?, self.weight(w)?);
         let mut dout = self.zeros(m * n)?;
         let (w_ptr, _read) = dw.device_ptr(&self.stream);
-        // SAFETY: `dw` holds the n·k f32 weights and lives (unwritten)
-        // past the product, which the download below waits for.
+        // SAFETY: `dw` holds the n·k f32 weights and lives (unwritten: a
+        // cached weight changes only by being replaced) past the product,
+        // which the download below waits for.
         unsafe { self.linear_forward(&mut dout, &dx, w_ptr, Shape { m, k, n }, F32)? };
         self.download(&dout, out)
     }
@@ -51,7 +53,7 @@ impl DenseKernels for CudaBackend {
         assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
         assert!(x.len() == m * k && w.len() == n * k);
         self.bind()?;
-        let (ddout, dxin, dwin) = (self.upload(dout)?, self.upload(x)?, self.upload(w)?);
+        let (ddout, dxin, dwin) = (self.upload(dout)?, self.upload(x)?, self.weight(w)?);
         // Both gradients accumulate into what they held.
         let (mut ddx, mut ddw) = (self.upload(dx)?, self.upload(dw)?);
         let (w_ptr, _read) = dwin.device_ptr(&self.stream);
@@ -69,6 +71,13 @@ impl DenseKernels for CudaBackend {
         };
         self.download(&ddx, dx)?;
         self.download(&ddw, dw)
+    }
+
+    fn weights_changed(&self, dense: &[f32]) {
+        self.weights
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .reset(dense);
     }
 
     fn attention_forward(
@@ -107,5 +116,16 @@ impl DenseKernels for CudaBackend {
         denominator: usize,
     ) -> Result<f32, EngineError> {
         self.cross_entropy_host(dlogits, logits, targets, v, denominator)
+    }
+}
+
+impl CudaBackend {
+    /// `w` on the GPU: the cached upload when it is a slice of the dense
+    /// params registered by `weights_changed`, else a fresh upload.
+    fn weight(&self, w: &[f32]) -> Result<std::sync::Arc<CudaSlice<f32>>, EngineError> {
+        self.weights
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get_or_upload(w, |w| self.upload(w))
     }
 }

@@ -13,6 +13,7 @@
 mod dense;
 mod expert;
 mod linear;
+mod weights;
 
 pub use expert::CudaExpertDevice;
 
@@ -78,6 +79,8 @@ pub struct CudaBackend {
     blas: CudaBlas,
     f: Functions,
     dense: dense::DenseFunctions,
+    /// The dense weights uploaded since the params last changed.
+    weights: std::sync::Mutex<weights::WeightCache<CudaSlice<f32>>>,
     pub info: GpuInfo,
 }
 
@@ -122,6 +125,7 @@ impl CudaBackend {
             blas,
             f,
             dense,
+            weights: Default::default(),
             info,
         })
     }
