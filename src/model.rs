@@ -252,6 +252,17 @@ pub trait DenseKernels {
     /// until the next call.
     fn weights_changed(&self, _dense: &[f32]) {}
 
+    /// A step's dense gradient is `grad`: until `grads_flush(grad)`, a
+    /// backend may sum the weight gradients of GEMMs whose `dw` is a slice
+    /// of it on its device rather than into the slice.
+    fn grads_begin(&self, _grad: &[f32]) {}
+
+    /// Adds into `grad` (the vector given to `grads_begin`) every weight
+    /// gradient summed on the device since; `grad` is complete after it.
+    fn grads_flush(&self, _grad: &mut [f32]) -> Result<(), EngineError> {
+        Ok(())
+    }
+
     /// out (T, H·hd) = causal attention of q, k, v; `probs` (B, H, S, S)
     /// keeps the probabilities for the backward.
     fn attention_forward(

@@ -350,6 +350,109 @@ fn dense_weights_stay_on_the_gpu_until_they_change() {
     assert!(normwise(&after, &before) > 1.0, "the new weight is read");
 }
 
+/// Between `grads_begin` and `grads_flush`, weight gradients that are
+/// slices of the registered gradient sum on the GPU: the host slice keeps
+/// what it held (and what the cpu adds to it) until the flush adds the
+/// GPU's sum, and the result is the cpu's.
+#[cfg(feature = "cuda")]
+#[test]
+fn dense_gradients_sum_on_the_gpu_until_the_flush() {
+    use strata::backend::{BackendKind, CpuBackend};
+    use strata::model::DenseKernels;
+    let layout = strata_tiers::Layout {
+        layers: 1,
+        experts_per_layer: 1,
+        params_per_expert: 64,
+        compute_dtype: strata_tiers::Dtype::Bf16,
+    };
+    let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
+        Ok(device) => device.dense_kernels(),
+        Err(e) => {
+            eprintln!("cuda case skipped: {e}");
+            return;
+        }
+    };
+    let (m, k, n) = (11, 32, 24);
+    let (x, w, dout) = (
+        f32s(m * k, 70, 1.0),
+        f32s(n * k, 71, 0.3),
+        f32s(m * n, 72, 1.0),
+    );
+    let slot = 40..40 + n * k;
+    let held = f32s(40 + n * k + 8, 73, 0.5);
+    let backward_twice = |kernels: &dyn DenseKernels, grad: &mut Vec<f32>| {
+        let mut dx = vec![0.0; m * k];
+        for _ in 0..2 {
+            kernels
+                .backward(&mut dx, &mut grad[slot.clone()], &dout, &x, &w, m, k, n)
+                .unwrap();
+        }
+        dx
+    };
+    let mut cpu = held.clone();
+    let cpu_dx = backward_twice(&CpuBackend, &mut cpu);
+    let mut grad = held.clone();
+    gpu.grads_begin(&grad);
+    let gpu_dx = backward_twice(&*gpu, &mut grad);
+    assert_eq!(grad, held, "the host slice waits for the flush");
+    grad[slot.start] += 1.0; // as the cpu part of a step would add
+    gpu.grads_flush(&mut grad).unwrap();
+    grad[slot.start] -= 1.0;
+    assert!(normwise(&gpu_dx, &cpu_dx) < 1e-5);
+    let err = normwise(&grad, &cpu);
+    eprintln!("cuda dense gradient summed on the GPU: norm-wise error {err:.2e}");
+    assert!(err < 1e-5, "{err}");
+}
+
+/// One engine step on the GPU moves the dense params as on the cpu. After
+/// one step AdamW moves each param by lr·g/(|g| + ε) ≈ lr·sign(g), so the
+/// two agree to rounding wherever the gradients agree in sign; bf16
+/// rounding on the GPU flips only gradients within its error of zero.
+/// A dense gradient lost or doubled on the way (the GPU sums the weight
+/// gradients on the device until the step's flush) would move a share of
+/// the params by ~lr apart: fewer than 5 % may differ by more than lr/2.
+#[cfg(feature = "cuda")]
+#[test]
+fn one_engine_step_on_the_gpu_moves_the_dense_params_as_the_cpu() {
+    use strata::backend::BackendKind;
+    use strata::engine::{Engine, EngineConfig};
+    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+        eprintln!("cuda case skipped: {e}");
+        return;
+    }
+    let model = common::model(2, ExpertKind::SwiGlu);
+    let run = |backend| {
+        let mut engine = Engine::new(
+            model.clone(),
+            EngineConfig {
+                backend,
+                hyper: common::hyper(),
+                compute_dtype: strata_tiers::Dtype::Bf16,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let before = engine.dense_params().to_vec();
+        engine.step(&common::batch(&model, 0)).unwrap();
+        (before, engine.dense_params().to_vec())
+    };
+    let (before, gpu) = run(BackendKind::Cuda);
+    let (_, cpu) = run(BackendKind::Cpu);
+    let lr = common::hyper().lr;
+    let moved = gpu.iter().zip(&before).filter(|(a, b)| a != b).count();
+    let apart = gpu
+        .iter()
+        .zip(&cpu)
+        .filter(|(g, c)| (*g - *c).abs() > lr / 2.0)
+        .count();
+    eprintln!(
+        "one step: {moved} of {} dense params moved on the GPU, {apart} apart from the cpu by > lr/2",
+        gpu.len()
+    );
+    assert!(moved > gpu.len() / 2, "{moved}");
+    assert!(apart * 20 < gpu.len(), "{apart} of {}", gpu.len());
+}
+
 /// Five engine steps with the experts on the GPU against the same on the
 /// cpu (both with bf16 compute copies). The GPU also rounds the GEMMs'
 /// activations and gradients to bf16, so the experts' gradients differ by

@@ -487,6 +487,8 @@ impl Engine {
         let parts = net.split_batch(batch, self.config.micro_batches);
         let count = parts.len();
         let mut dense_grad = vec![0.0f32; self.dense.len()];
+        let kernels = Arc::clone(&self.dense_kernels[0]);
+        kernels.grads_begin(&dense_grad);
         let mut loss = 0.0f32;
         let options = self.pass_options();
         let mut runner = DeviceRunner {
@@ -505,10 +507,11 @@ impl Engine {
                     count,
                     i + 1 == count,
                     &mut runner,
-                    &*self.dense_kernels[0],
+                    &*kernels,
                 )?
                 .total;
         }
+        kernels.grads_flush(&mut dense_grad)?;
         Ok((loss, dense_grad))
     }
 

@@ -116,6 +116,7 @@ impl Engine {
                             };
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned);
                             let mut grad = vec![0.0f32; dense.len()];
+                            kernels.grads_begin(&grad);
                             let mut loss = 0.0f32;
                             for (j, part) in parts[rank * m..(rank + 1) * m].iter().enumerate() {
                                 loss += net
@@ -131,6 +132,7 @@ impl Engine {
                                     )?
                                     .total;
                             }
+                            kernels.grads_flush(&mut grad)?;
                             runner.comm.all_reduce_sum(&mut grad)?;
                             let mut total = [loss];
                             runner.comm.all_reduce_sum(&mut total)?;

@@ -54,23 +54,51 @@ impl DenseKernels for CudaBackend {
         assert!(x.len() == m * k && w.len() == n * k);
         self.bind()?;
         let (ddout, dxin, dwin) = (self.upload(dout)?, self.upload(x)?, self.weight(w)?);
-        // Both gradients accumulate into what they held.
-        let (mut ddx, mut ddw) = (self.upload(dx)?, self.upload(dw)?);
+        // dx accumulates into what it held; dw into the step's GPU
+        // accumulator for its slice of the dense gradient (added to the
+        // host at `grads_flush`), or, for any other slice, into what it
+        // held, uploaded and downloaded here.
+        let mut ddx = self.upload(dx)?;
         let (w_ptr, _read) = dwin.device_ptr(&self.stream);
-        // SAFETY: as in the forward.
-        unsafe {
-            self.linear_backward(
-                &mut ddx,
-                &mut ddw,
-                &ddout,
-                &dxin,
-                w_ptr,
-                Shape { m, k, n },
-                F32,
-            )?
-        };
-        self.download(&ddx, dx)?;
-        self.download(&ddw, dw)
+        let shape = Shape { m, k, n };
+        let mut grads = self.grads.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(acc) = grads.accumulator(dw, |len| self.zeros(len))? {
+            // SAFETY: as in the forward; `acc` holds n·k f32 (its slice's
+            // length) and is only reached through this lock.
+            unsafe { self.linear_backward(&mut ddx, acc, &ddout, &dxin, w_ptr, shape, F32)? };
+        } else {
+            drop(grads);
+            let mut ddw = self.upload(dw)?;
+            // SAFETY: as in the forward.
+            unsafe { self.linear_backward(&mut ddx, &mut ddw, &ddout, &dxin, w_ptr, shape, F32)? };
+            self.download(&ddw, dw)?;
+        }
+        self.download(&ddx, dx)
+    }
+
+    fn grads_begin(&self, grad: &[f32]) {
+        self.grads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .begin(grad);
+    }
+
+    fn grads_flush(&self, grad: &mut [f32]) -> Result<(), EngineError> {
+        self.bind()?;
+        let sums = self
+            .grads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .finish(grad);
+        let mut host = Vec::new();
+        for ((offset, len), sum) in sums {
+            host.resize(len, 0.0f32);
+            self.download(&sum, &mut host)?;
+            for (g, s) in grad[offset..offset + len].iter_mut().zip(&host) {
+                *g += s;
+            }
+        }
+        Ok(())
     }
 
     fn weights_changed(&self, dense: &[f32]) {

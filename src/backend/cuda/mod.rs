@@ -81,6 +81,8 @@ pub struct CudaBackend {
     dense: dense::DenseFunctions,
     /// The dense weights uploaded since the params last changed.
     weights: std::sync::Mutex<weights::WeightCache<CudaSlice<f32>>>,
+    /// The dense weight gradients summed on the GPU this step.
+    grads: std::sync::Mutex<weights::GradCache<CudaSlice<f32>>>,
     pub info: GpuInfo,
 }
 
@@ -126,6 +128,7 @@ impl CudaBackend {
             f,
             dense,
             weights: Default::default(),
+            grads: Default::default(),
             info,
         })
     }
