@@ -26,6 +26,15 @@ use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
 
+/// Where an expert's weight gradients start on the GPU.
+#[derive(Clone, Copy)]
+pub(super) enum GradStart {
+    /// From zero (the engine's fresh gradient): nothing to upload.
+    Zero,
+    /// From what the host buffer held (`Backend`'s `+=` contract).
+    Held,
+}
+
 /// Device addresses of an expert's bf16 weights: w1 (F, D), w3 (F, D;
 /// SwiGLU only), w2 (D, F).
 #[derive(Clone, Copy)]
@@ -114,6 +123,7 @@ impl CudaBackend {
         n: usize,
         d: usize,
         f: usize,
+        grad_from: GradStart,
     ) -> Result<(), EngineError> {
         let xb = self.to_bf16(&self.upload(x)?)?;
         let doutb = self.to_bf16(&self.upload(dout)?)?;
@@ -138,15 +148,20 @@ impl CudaBackend {
         let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
         let in_len = dparams.len() - d * f;
         let mut dhidden = self.zeros(n * f)?;
-        // Each weight's gradient accumulates in a buffer of its own.
-        let mut dw2 = self.upload(&dparams[in_len..])?;
+        // Each weight's gradient accumulates in a buffer of its own,
+        // starting from zero or from what `dparams` held.
+        let start = |host: &[f32]| match grad_from {
+            GradStart::Zero => self.zeros(host.len()),
+            GradStart::Held => self.upload(host),
+        };
+        let mut dw2 = start(&dparams[in_len..])?;
         let hb = self.to_bf16(&h)?;
         let down = Shape { m: n, k: f, n: d };
         // SAFETY: the weights per this function's contract;
         // every other operand is allocated here from n, d, f.
         unsafe { self.linear_backward(&mut dhidden, &mut dw2, &doutb, &hb, w.w2, down, BF16)? };
         let mut da = self.zeros(n * f)?;
-        let mut dw1 = self.upload(&dparams[..f * d])?;
+        let mut dw1 = start(&dparams[..f * d])?;
         let up = Shape { m: n, k: d, n: f };
         match (kind, b) {
             (ExpertKind::SwiGlu, Some(b)) => {
@@ -157,7 +172,7 @@ impl CudaBackend {
                     &[&a, &b, &dhidden],
                     &mut [&mut da, &mut db],
                 )?;
-                let mut dw3 = self.upload(&dparams[f * d..2 * f * d])?;
+                let mut dw3 = start(&dparams[f * d..2 * f * d])?;
                 let (dab, dbb) = (self.to_bf16(&da)?, self.to_bf16(&db)?);
                 // SAFETY: w1 and w3 per the contract; the rest sized here.
                 unsafe {
@@ -236,7 +251,21 @@ impl Backend for CudaBackend {
         let (base, _read) = wb.device_ptr(&self.stream);
         let w = Weights::at(base, params.len(), d, f);
         // SAFETY: as in the forward.
-        unsafe { self.ffn_backward(kind, dx, dparams, dout, saved, x, w, n, d, f) }
+        unsafe {
+            self.ffn_backward(
+                kind,
+                dx,
+                dparams,
+                dout,
+                saved,
+                x,
+                w,
+                n,
+                d,
+                f,
+                GradStart::Held,
+            )
+        }
     }
 }
 
@@ -374,10 +403,30 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<(), EngineError> {
         assert_eq!(params.count, kind.params(d, f));
         assert_eq!(dparams.len(), params.count);
+        debug_assert!(
+            dparams.iter().all(|&g| g == 0.0),
+            "dparams must start zeroed"
+        );
         let backend = &self.backend;
         self.with_weights(params, d, f, |w| {
-            // SAFETY: as in the forward.
-            unsafe { backend.ffn_backward(kind, dx, dparams, dout, saved, x, w, n, d, f) }
+            // SAFETY: as in the forward. `dparams` holds zeros (the
+            // contract), so the gradient starts from zero on the GPU
+            // rather than from an upload of those zeros.
+            unsafe {
+                backend.ffn_backward(
+                    kind,
+                    dx,
+                    dparams,
+                    dout,
+                    saved,
+                    x,
+                    w,
+                    n,
+                    d,
+                    f,
+                    GradStart::Zero,
+                )
+            }
         })
     }
 }
