@@ -717,7 +717,7 @@ pub fn gather_backward<R: Real>(
     }
 }
 
-/// dst[a] (T·K, D) = src[r] (n, D) for each r-th assignment a of `rows`.
+/// `dst[a]` (T·K, D) = `src[r]` (n, D) for each r-th assignment a of `rows`.
 pub fn scatter_to_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d: usize) {
     for (r, &a) in rows.iter().enumerate() {
         let a = a as usize;
@@ -725,7 +725,7 @@ pub fn scatter_to_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d
     }
 }
 
-/// dst[r] (n, D) = src[a] (T·K, D) for each r-th assignment a of `rows`.
+/// `dst[r]` (n, D) = `src[a]` (T·K, D) for each r-th assignment a of `rows`.
 pub fn gather_from_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d: usize) {
     for (r, &a) in rows.iter().enumerate() {
         let a = a as usize;

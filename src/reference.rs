@@ -37,7 +37,7 @@ pub struct ReferenceTrainer {
     dense_m: Vec<f32>,
     dense_v: Vec<f32>,
     pub dense_step: u64,
-    /// [layer][expert]
+    /// `[layer][expert]`
     pub experts: Vec<Vec<ExpertState>>,
 }
 

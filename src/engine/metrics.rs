@@ -29,7 +29,7 @@ pub struct StepMetrics {
     pub host_hit_rate: f64,
     /// Expert uses served by an expert already on the device.
     pub device_hit_rate: f64,
-    /// [layer][expert] assignments this step (all devices).
+    /// `[layer][expert]` assignments this step (all devices).
     pub tokens_per_expert: Vec<Vec<u32>>,
     /// Per device: expert assignments it computed, forward and backward
     /// (placement's balance; one entry with one device).

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 /// Flags of `strata train`, `strata finetune` and `strata plan`. Every
 /// field is optional here so a TOML file can fill what the command line
-/// leaves out; [`TrainOptions::resolve`] applies the defaults.
+/// leaves out; [`TrainFlags::resolve`] applies the defaults.
 #[derive(Args, Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TrainFlags {

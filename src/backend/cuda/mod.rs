@@ -2,7 +2,7 @@
 //! accumulation, NVRTC-compiled kernels for the rest (`kernels.cu`, each
 //! mirroring a CPU function), on one compute stream of the GPU.
 //!
-//! The expert FFN (`expert.rs`) runs here two ways: as a [`Backend`] on
+//! The expert FFN (`expert.rs`) runs here two ways: as a [`Backend`](crate::backend::Backend) on
 //! host slices, and as the engine's [`super::ExpertDevice`]
 //! ([`CudaExpertDevice`]), reading each expert's bf16 params in place from
 //! its slot of the GPU device tier. The dense layers' GEMMs run here too

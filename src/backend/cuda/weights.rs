@@ -1,18 +1,17 @@
 //! The dense weights and their gradients on the GPU for a step.
 //!
 //! Weights: the engine tells the backend where its dense params live and
-//! when they change ([`DenseKernels::weights_changed`]); a GEMM whose
-//! weight is a slice of those params uploads it on first use and every
-//! later GEMM until the next change reads it in place, so a step uploads
-//! each weight once rather than once per forward, backward and
-//! micro-batch.
+//! when they change ([`weights_changed`]); a GEMM whose weight is a slice
+//! of those params uploads it on first use and every later GEMM until the
+//! next change reads it in place, so a step uploads each weight once
+//! rather than once per forward, backward and micro-batch.
 //!
-//! Gradients: between [`DenseKernels::grads_begin`] and
-//! [`DenseKernels::grads_flush`] a GEMM whose weight gradient is a slice
-//! of the registered gradient sums into a zeroed GPU accumulator instead
-//! of uploading and downloading that slice per call; the flush adds each
-//! accumulator into its slice once (what the cpu code wrote there, such
-//! as a tied embedding's gradient, stays and is added to).
+//! Gradients: between [`grads_begin`] and [`grads_flush`] a GEMM whose
+//! weight gradient is a slice of the registered gradient sums into a
+//! zeroed GPU accumulator instead of uploading and downloading that slice
+//! per call; the flush adds each accumulator into its slice once (what
+//! the cpu code wrote there, such as a tied embedding's gradient, stays
+//! and is added to).
 //!
 //! Slices from anywhere else go up and come down per call, as before.
 //! Bound: the held slices are disjoint views of the registered vector (a
@@ -20,6 +19,10 @@
 //! so each cache holds at most the params' own size: the device memory
 //! `strata plan` and the trainer's fit check set aside for the dense
 //! params and their gradients.
+//!
+//! [`weights_changed`]: crate::model::DenseKernels::weights_changed
+//! [`grads_begin`]: crate::model::DenseKernels::grads_begin
+//! [`grads_flush`]: crate::model::DenseKernels::grads_flush
 
 use std::collections::HashMap;
 use std::sync::Arc;
