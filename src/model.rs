@@ -278,7 +278,8 @@ pub trait DenseKernels {
         Ok(())
     }
 
-    /// dq, dk, dv += the gradients of `attention_forward` from dout.
+    /// dq, dk, dv (zeroed by the caller) = the gradients of
+    /// `attention_forward` from dout.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,

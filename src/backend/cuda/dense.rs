@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::expert::GradStart;
 use super::{gpu_error, CudaBackend};
 use crate::lm::attention::AttnShape;
 use crate::EngineError;
@@ -359,10 +360,33 @@ impl CudaBackend {
         v: &[f32],
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
+        let grads = [dq, dk, dv];
+        self.attention_backward_from(grads, dout, probs, q, k, v, shape, GradStart::Held)
+    }
+
+    /// As `attention_backward_host`, the gradients starting from zero on
+    /// the GPU (`GradStart::Zero`: the caller's buffers hold zeros, and
+    /// are not uploaded) or from what they held.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_backward_from(
+        &self,
+        [dq, dk, dv]: [&mut [f32]; 3],
+        dout: &[f32],
+        probs: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+        grad_from: GradStart,
+    ) -> Result<(), EngineError> {
         self.bind()?;
         let (ddout, dprobs) = (self.upload(dout)?, self.upload(probs)?);
         let (dqin, dkin, dvin) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
-        let (mut ddq, mut ddk, mut ddv) = (self.upload(dq)?, self.upload(dk)?, self.upload(dv)?);
+        let start = |host: &[f32]| match grad_from {
+            GradStart::Zero => self.zeros(host.len()),
+            GradStart::Held => self.upload(host),
+        };
+        let (mut ddq, mut ddk, mut ddv) = (start(dq)?, start(dk)?, start(dv)?);
         let rows = shape.seqs * shape.heads * shape.seq_len;
         let mut weighted = self.zeros(rows)?;
         let dims = [

@@ -10,6 +10,7 @@
 use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::expert::GradStart;
 use super::{CudaBackend, Shape};
 use crate::lm::attention::AttnShape;
 use crate::model::DenseKernels;
@@ -132,7 +133,16 @@ impl DenseKernels for CudaBackend {
         v: &[f32],
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        self.attention_backward_host(dq, dk, dv, dout, probs, q, k, v, shape)
+        debug_assert!(
+            [&*dq, &*dk, &*dv]
+                .iter()
+                .all(|g| g.iter().all(|&x| x == 0.0)),
+            "dq, dk and dv must start zeroed"
+        );
+        // The gradients start from zero on the GPU: the zeroed buffers are
+        // not uploaded.
+        let grads = [dq, dk, dv];
+        self.attention_backward_from(grads, dout, probs, q, k, v, shape, GradStart::Zero)
     }
 
     fn cross_entropy(
