@@ -1,26 +1,74 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the repository root, with gpu-bin/ carried:
-# the CUDA tests (which must not report "skipped" there), then the GPU
-# benches. Output under $OUT when set.
+# Runs on the GPU machine, from the repository root, with gpu-bin/ carried
+# (built by scripts/gpu-bundle.sh). Two phases, each well inside a
+# ten-minute command:
+#   scripts/gpu-check.sh tests   the CUDA tests (which must not report
+#                                "skipped" there), `bench upload`, and the
+#                                trainer's default run on the cuda and cpu
+#                                backends
+#   scripts/gpu-check.sh bench   `bench step --backend cuda`: the default
+#                                SSD case, then every record in host memory
+# Output goes under $OUT when set (else gpu-out/), a few files per phase.
 set -uo pipefail
+phase=${1:-tests}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+
+# cudarc opens libcuda, libnvrtc and libcublas by name: put the toolkit's
+# (or a Python wheel's) library folders on the loader's path.
+libdirs=$(find /usr/local /opt /usr/lib -maxdepth 8 \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) \
+    -printf '%h\n' 2>/dev/null | grep -v /stubs | sort -u | paste -sd:)
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
 status=0
-for t in gpu-bin/test-*; do
-    echo "== $t"
-    "$t" --nocapture 2>&1 | tee "$out/$(basename "$t").log" || status=1
-done
-if grep -h "cuda case skipped" "$out"/test-*.log; then
-    echo "the cuda cases skipped on a GPU machine"
-    status=1
-fi
-gpu-bin/strata bench upload --json | tee "$out/bench-upload.jsonl" || status=1
-gpu-bin/strata bench step --json --backend cuda --dir /tmp | tee "$out/bench-step-cuda.jsonl" || status=1
-gpu-bin/strata bench step --json --dir /tmp | tee "$out/bench-step-cpu.jsonl" || status=1
-# Every record in host memory, larger experts: uploads are the only tier
-# traffic, so stall_upload_s against step_s shows whether the next expert's
-# upload hides behind this one's compute.
-gpu-bin/strata bench step --json --backend cuda --host-fraction 1.0 --d-model 1024 \
-    --d-ff 4096 --tokens 4096 --dir /tmp | tee "$out/bench-step-cuda-resident.jsonl" || status=1
+case "$phase" in
+tests)
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        nproc
+        echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    } 2>&1 | tee "$out/env.txt"
+    for t in gpu-bin/test-*; do
+        # The trainer's other tests run the strata binary at the path cargo
+        # built it to, which is not on this machine; they need no GPU and
+        # run in CI. Its GPU test is `the_trainer_runs_on_the_gpus`.
+        filter=
+        [ "$t" = gpu-bin/test-trainer ] && filter=gpus
+        echo "== $t $filter"
+        timeout 240 "$t" $filter --nocapture 2>&1 || { echo "FAILED: $t"; status=1; }
+    done > "$out/tests.log"
+    grep -E "^== |test result|FAILED|panicked|cuda case|gpu vs cpu|gpu notes" "$out/tests.log"
+    if grep -h "cuda case skipped" "$out/tests.log"; then
+        echo "the cuda cases skipped on a GPU machine"
+        status=1
+    fi
+    timeout 120 gpu-bin/strata bench upload --json | tee "$out/bench-upload.jsonl" || status=1
+    for backend in cuda cpu; do
+        echo "== train --backend $backend"
+        rm -rf /tmp/strata-train
+        start=$SECONDS
+        timeout 200 gpu-bin/strata train --backend "$backend" --out /tmp/strata-train 2>&1 | tail -12
+        echo "wall: $((SECONDS - start)) s"
+    done > "$out/train.log" 2>&1
+    cat "$out/train.log"
+    ;;
+bench)
+    timeout 330 gpu-bin/strata bench step --json --backend cuda --dir /tmp \
+        > "$out/bench-step-cuda.jsonl" 2> "$out/bench-step-cuda.log" || status=1
+    cat "$out/bench-step-cuda.jsonl"
+    tail -5 "$out/bench-step-cuda.log"
+    # Every record in host memory, larger experts: uploads are the only tier
+    # traffic, so stall_upload_s against step_s shows whether the next
+    # expert's upload hides behind this one's compute.
+    timeout 200 gpu-bin/strata bench step --json --backend cuda --host-fraction 1.0 --d-model 1024 \
+        --d-ff 4096 --tokens 4096 --dir /tmp \
+        > "$out/bench-step-cuda-resident.jsonl" 2> "$out/bench-step-cuda-resident.log" || status=1
+    cat "$out/bench-step-cuda-resident.jsonl"
+    tail -5 "$out/bench-step-cuda-resident.log"
+    ;;
+*)
+    echo "usage: scripts/gpu-check.sh tests|bench" >&2
+    exit 2
+    ;;
+esac
 exit $status
