@@ -568,3 +568,59 @@ fn ctrl_c_checkpoints_and_exits_130() {
     assert!(stdout.contains("--resume"), "{stdout}");
     assert_eq!(committed_checkpoints(&out), 1);
 }
+
+/// With the driver but not NVRTC or cuBLAS on the library path,
+/// `--backend cuda` is refused up front, naming the missing library and
+/// where the toolkit's libraries go, and writes nothing. Needs a CUDA
+/// driver library (a GPU's, or the CPU model of one in CI) on
+/// LD_LIBRARY_PATH: the runs load it from a folder of its own.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_without_its_libraries_is_refused_naming_them() {
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let dirs: Vec<&Path> = path.split(':').map(Path::new).collect();
+    let Some(driver) = dirs
+        .iter()
+        .map(|d| d.join("libcuda.so"))
+        .find(|f| f.exists())
+    else {
+        return eprintln!("cuda case skipped: no libcuda.so on LD_LIBRARY_PATH");
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let libs = dir.path().join("driver-only");
+    std::fs::create_dir(&libs).unwrap();
+    std::fs::copy(&driver, libs.join("libcuda.so")).unwrap();
+    let refused = |library_path: std::ffi::OsString, missing: &str| {
+        let out = dir.path().join("run");
+        let run = strata_bin()
+            .args(["train", "--backend", "cuda", "--steps", "1", "--out"])
+            .arg(&out)
+            .env("LD_LIBRARY_PATH", library_path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success(), "{err}");
+        assert!(
+            err.contains(&format!("no {missing} library found")) && err.contains("LD_LIBRARY_PATH"),
+            "{err}"
+        );
+        assert!(!out.exists(), "{} was written", out.display());
+    };
+    refused(libs.clone().into_os_string(), "NVRTC");
+    // NVRTC from its folder on the path, where that folder has no cuBLAS.
+    if let Some(nvrtc) = dirs.iter().find(|d| {
+        std::fs::read_dir(d).is_ok_and(|entries| {
+            let names: Vec<String> = entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            names.iter().any(|n| n.starts_with("libnvrtc.so"))
+                && !names.iter().any(|n| n.starts_with("libcublas"))
+        })
+    }) {
+        refused(
+            std::env::join_paths([libs.as_path(), nvrtc]).unwrap(),
+            "cuBLAS",
+        );
+    }
+}

@@ -90,7 +90,7 @@ impl BackendKind {
                 for ordinal in 0..devices {
                     strata_tiers::device_cuda::open_gpu(ordinal)?;
                 }
-                Ok(())
+                cuda::check_libraries(0)
             }
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {

@@ -45,14 +45,60 @@ pub fn open_gpu(ordinal: usize) -> Result<(Arc<CudaContext>, GpuInfo), TierError
         ));
     }
     let no_gpu = |what: &str, e: DriverError| TierError::NoGpu(format!("{what}: {e}"));
-    let ctx =
-        CudaContext::new(ordinal).map_err(|e| no_gpu(&format!("CUDA device {ordinal}"), e))?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| {
+        let count = match e.0 {
+            sys::CUresult::CUDA_ERROR_INVALID_DEVICE => result::device::get_count().ok(),
+            _ => None,
+        };
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        TierError::NoGpu(why_no_gpu(ordinal, &e, count, visible.as_deref()))
+    })?;
     let info = GpuInfo {
         ordinal,
         name: ctx.name().map_err(|e| no_gpu("device name", e))?,
         total_bytes: ctx.total_mem().map_err(|e| no_gpu("device memory", e))?,
     };
     Ok((ctx, info))
+}
+
+/// Why GPU `ordinal` could not be opened, and what to do about it, for the
+/// driver errors a user can fix. `count` is the number of GPUs the driver
+/// sees (asked for when the ordinal is out of range); `visible` is
+/// `CUDA_VISIBLE_DEVICES`.
+fn why_no_gpu(
+    ordinal: usize,
+    e: &DriverError,
+    count: Option<i32>,
+    visible: Option<&str>,
+) -> String {
+    use sys::CUresult as R;
+    let visible = match visible {
+        Some(v) => format!("CUDA_VISIBLE_DEVICES is {v:?}"),
+        None => "CUDA_VISIBLE_DEVICES is unset".to_string(),
+    };
+    match e.0 {
+        R::CUDA_ERROR_STUB_LIBRARY => {
+            "the libcuda.so found is the CUDA toolkit's stub (from a `stubs` folder on the \
+             library path), which has no driver behind it: take that folder off \
+             LD_LIBRARY_PATH, or put the driver's own folder (where libcuda.so.1 is \
+             installed) ahead of it"
+                .to_string()
+        }
+        R::CUDA_ERROR_NO_DEVICE => format!("the CUDA driver sees no GPU ({visible})"),
+        R::CUDA_ERROR_INVALID_DEVICE => match count {
+            Some(n) => format!(
+                "GPU {ordinal} was asked for, but the CUDA driver sees {n} ({visible}): \
+                 ask for at most {n} device(s)"
+            ),
+            None => format!("there is no CUDA device {ordinal} ({visible})"),
+        },
+        R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH => format!(
+            "CUDA device {ordinal}: the NVIDIA kernel module and the libcuda.so found are \
+             different driver versions: load the matching libcuda (or reboot after a driver \
+             update)"
+        ),
+        _ => format!("CUDA device {ordinal}: {e}"),
+    }
 }
 
 fn copy_error(what: &str, e: DriverError) -> TierError {
@@ -565,5 +611,40 @@ impl Drop for HostRegistration {
             // SAFETY: registered in `register_host`, unregistered once.
             let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_a_user_can_fix_say_what_to_do() {
+        use sys::CUresult as R;
+        let stub = why_no_gpu(0, &DriverError(R::CUDA_ERROR_STUB_LIBRARY), None, None);
+        assert!(
+            stub.contains("stub") && stub.contains("LD_LIBRARY_PATH"),
+            "{stub}"
+        );
+        let none = why_no_gpu(0, &DriverError(R::CUDA_ERROR_NO_DEVICE), None, Some(""));
+        assert!(
+            none.contains("sees no GPU") && none.contains("CUDA_VISIBLE_DEVICES is \"\""),
+            "{none}"
+        );
+        let past = why_no_gpu(2, &DriverError(R::CUDA_ERROR_INVALID_DEVICE), Some(2), None);
+        assert!(
+            past.contains("GPU 2 was asked for, but the CUDA driver sees 2"),
+            "{past}"
+        );
+        assert!(past.contains("at most 2 device(s)"), "{past}");
+        let mismatch = why_no_gpu(
+            0,
+            &DriverError(R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH),
+            None,
+            None,
+        );
+        assert!(mismatch.contains("different driver versions"), "{mismatch}");
+        // (Other errors print the driver's own string, which needs the
+        // driver library; these cases name what to change instead.)
     }
 }

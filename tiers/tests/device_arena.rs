@@ -153,3 +153,22 @@ fn cuda_slots_start_aligned() {
     }
     assert!(arena.slot_ptr(1) - arena.slot_ptr(0) >= slot as u64);
 }
+
+/// A GPU past the last one the driver sees is refused with how many it
+/// sees and what to ask for instead.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_gpu_past_the_last_is_refused_with_the_count() {
+    use strata_tiers::device_cuda::open_gpu;
+    if let Err(e) = open_gpu(0) {
+        return eprintln!("cuda case skipped: {e}");
+    }
+    let beyond = 64; // more than any machine strata runs on
+    let err = open_gpu(beyond).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!(
+            "GPU {beyond} was asked for, but the CUDA driver sees"
+        )) && err.contains("ask for at most"),
+        "{err}"
+    );
+}

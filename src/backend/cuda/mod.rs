@@ -40,16 +40,38 @@ fn gpu_error(what: &str, e: impl std::fmt::Display) -> EngineError {
     }
 }
 
+/// Where CUDA's libraries usually are, for the errors that say one is missing.
+const TOOLKIT_HINT: &str = ": put the CUDA 13 toolkit's library folder on LD_LIBRARY_PATH, \
+     e.g. /usr/local/cuda/lib64 or /usr/local/cuda-13.0/targets/x86_64-linux/lib";
+
+fn missing_library(device: usize, what: &str, file: &str) -> EngineError {
+    EngineError::Device {
+        device,
+        why: format!("no {what} library found ({file} is not on the library path){TOOLKIT_HINT}"),
+    }
+}
+
+/// Says which of the CUDA libraries beside the driver (NVRTC, cuBLAS) is
+/// missing, before cudarc's loaders would panic on it.
+pub fn check_libraries(device: usize) -> Result<(), EngineError> {
+    // SAFETY: only tries to open the NVRTC library by its known names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(missing_library(device, "NVRTC", "libnvrtc.so"));
+    }
+    // SAFETY: as above, for cuBLAS.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(missing_library(device, "cuBLAS", "libcublas.so"));
+    }
+    Ok(())
+}
+
 /// Compiles `kernels.cu` to PTX with NVRTC (no GPU or driver needed, only
 /// the NVRTC library): no fused multiply-adds and IEEE square roots and
 /// divisions, so the kernels round as the CPU functions they mirror.
 pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx, EngineError> {
     // SAFETY: only tries to open the NVRTC library by its known names.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(EngineError::Device {
-            device: 0,
-            why: "no NVRTC library found (libnvrtc.so is not on the library path)".into(),
-        });
+        return Err(missing_library(0, "NVRTC", "libnvrtc.so"));
     }
     compile_ptx_with_opts(
         KERNELS,
@@ -98,6 +120,7 @@ impl CudaBackend {
     /// Opens GPU `ordinal` and compiles the kernels; says why when there is
     /// no GPU.
     pub fn new(ordinal: usize) -> Result<Self, EngineError> {
+        check_libraries(ordinal)?;
         let (ctx, info) = open_gpu(ordinal)?;
         let stream = ctx
             .new_stream()
