@@ -90,7 +90,10 @@ impl BackendKind {
                 for ordinal in 0..devices {
                     strata_tiers::device_cuda::open_gpu(ordinal)?;
                 }
-                cuda::check_libraries(0)
+                match devices {
+                    0 => Ok(()),
+                    _ => cuda::check_libraries(0),
+                }
             }
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {

@@ -120,8 +120,8 @@ impl CudaBackend {
     /// Opens GPU `ordinal` and compiles the kernels; says why when there is
     /// no GPU.
     pub fn new(ordinal: usize) -> Result<Self, EngineError> {
-        check_libraries(ordinal)?;
         let (ctx, info) = open_gpu(ordinal)?;
+        check_libraries(ordinal)?;
         let stream = ctx
             .new_stream()
             .map_err(|e| gpu_error("creating the compute stream", e))?;
