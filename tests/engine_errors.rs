@@ -118,3 +118,23 @@ fn budgets_too_small_name_the_tier_and_the_need() {
         "{err}"
     );
 }
+
+/// Budgets and a model that need more host memory than the machine has are
+/// refused before anything is allocated, naming the parts and the fix.
+#[test]
+fn more_host_memory_than_the_machine_has_is_refused_up_front() {
+    if strata::engine::available_host_memory().is_none() {
+        return eprintln!("skipped: this OS does not say how much memory is available");
+    }
+    let huge = ModelConfig {
+        d_model: 1 << 16,
+        d_ff: 1 << 16, // 12.9 G params an expert, the store kept in memory
+        ..model()
+    };
+    let err = Engine::new(huge, EngineConfig::default()).err().unwrap();
+    let err = err.to_string();
+    assert!(
+        err.contains("SSD tier kept in memory (no store path)") && err.contains("--host-mem"),
+        "{err}"
+    );
+}

@@ -10,7 +10,9 @@ use strata_tiers::Dtype;
 
 use super::Timing;
 use crate::backend::BackendKind;
-use crate::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
+use crate::engine::{
+    available_host_memory, Engine, EngineConfig, HostMemoryPlan, ScheduleKind, StepMetrics,
+};
 use crate::math::ExpertKind;
 use crate::model::{fill_uniform, Batch, ModelConfig};
 use crate::EngineError;
@@ -379,6 +381,29 @@ fn run_rounds(
     runs: Vec<(&'static str, EngineConfig)>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<StepBenchRecord>, StepBenchSummary), EngineError> {
+    // The four runs' engines live side by side (they take turns each
+    // round), so their host memory adds up.
+    let plans: Vec<HostMemoryPlan> = runs
+        .iter()
+        .map(|(_, c)| HostMemoryPlan::of(&Engine::layout(&config.model, c), c))
+        .collect();
+    let need: u64 = plans.iter().map(HostMemoryPlan::total).sum();
+    if let Some(available) = available_host_memory().filter(|&a| need > a) {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        return Err(EngineError::Config(format!(
+            "bench step keeps its {} runs' engines at once, {:.2} GiB of host memory in all \
+             ({}), but this machine has {:.2} GiB available: lower --d-model, --d-ff, \
+             --experts, --layers or --host-fraction",
+            runs.len(),
+            gib(need),
+            runs.iter()
+                .zip(&plans)
+                .map(|((name, _), p)| format!("{name} {:.2} GiB", gib(p.total())))
+                .collect::<Vec<_>>()
+                .join(", "),
+            gib(available),
+        )));
+    }
     let mut arms = Vec::new();
     for (name, engine_config) in runs {
         let engine = Engine::new(config.model.clone(), engine_config)?;
@@ -466,6 +491,33 @@ mod tests {
         assert!(is_quiet(Some(0.1), 1.0, 2.0));
         assert!(!is_quiet(Some(0.11), 1.0, 2.0));
         assert!(is_quiet(Some(0.3), 3.0, 2.0));
+    }
+
+    /// A shape whose four engines could not fit in any machine's memory is
+    /// refused before anything is allocated or written.
+    #[test]
+    fn a_stack_too_big_for_host_memory_is_refused_up_front() {
+        if available_host_memory().is_none() {
+            return eprintln!("skipped: this OS does not say how much memory is available");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let config = StepBenchConfig {
+            model: ModelConfig {
+                d_model: 1 << 16,
+                d_ff: 1 << 16, // 12.9 G params an expert
+                ..tiny()
+            },
+            tokens: 32,
+            dir: dir.path().to_path_buf(),
+            ..StepBenchConfig::default()
+        };
+        let err = run(&config, |_| {}).unwrap_err().to_string();
+        assert!(
+            err.contains("bench step keeps its 4 runs' engines at once"),
+            "{err}"
+        );
+        assert!(err.contains("lower --d-model"), "{err}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 
     #[test]

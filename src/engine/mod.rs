@@ -26,6 +26,7 @@ mod config;
 mod dense_state;
 mod device;
 mod exchange;
+mod memory;
 mod metrics;
 mod multi;
 mod runner;
@@ -44,6 +45,7 @@ use strata_tiers::{
 };
 
 pub use config::{EngineConfig, ScheduleKind};
+pub use memory::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 
 use crate::model::{Batch, DenseKernels, ModelConfig, Network};
@@ -195,10 +197,11 @@ impl Engine {
                 config.pin_fraction
             )));
         }
-        Ok(())
+        HostMemoryPlan::of(&Self::layout(model, config), config)
+            .check(memory::available_host_memory())
     }
 
-    fn layout(model: &ModelConfig, config: &EngineConfig) -> Layout {
+    pub(crate) fn layout(model: &ModelConfig, config: &EngineConfig) -> Layout {
         Layout {
             layers: model.layers as u32,
             experts_per_layer: model.experts as u32,

@@ -1,0 +1,171 @@
+//! The host memory an engine will hold, checked against what the machine
+//! has before anything is allocated: a budget beyond the machine's memory
+//! would otherwise end in swapping or an out-of-memory kill minutes in.
+
+use strata_tiers::Layout;
+
+use crate::backend::BackendKind;
+use crate::engine::EngineConfig;
+use crate::EngineError;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Host memory an engine holds, by what holds it. Each tier holds at most
+/// one slot per expert, so a budget beyond that costs nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostMemoryPlan {
+    /// The host tier's slots (records: compute params, master weights,
+    /// optimizer moments).
+    pub host_tier: u64,
+    /// The SSD tier kept in memory (`store_path: None`).
+    pub store_in_memory: u64,
+    /// cpu devices' slots (their "device memory" is host memory).
+    pub cpu_device_tiers: u64,
+}
+
+impl HostMemoryPlan {
+    pub fn of(layout: &Layout, config: &EngineConfig) -> Self {
+        let experts = layout.expert_count();
+        let record = layout.record_bytes();
+        let slot = layout.compute_payload_bytes().max(1);
+        let host_tier = (config.host_budget_bytes / record).min(experts) * record;
+        let store_in_memory = match config.store_path {
+            Some(_) => 0,
+            None => experts * record,
+        };
+        let cpu_device_tiers = match config.backend {
+            BackendKind::Cpu => {
+                config.devices as u64 * (config.device_budget_bytes / slot).min(experts) * slot
+            }
+            BackendKind::Cuda => 0, // GPU memory
+        };
+        Self {
+            host_tier,
+            store_in_memory,
+            cpu_device_tiers,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.host_tier + self.store_in_memory + self.cpu_device_tiers
+    }
+
+    /// The parts that hold anything, as "host tier 1.50 GiB, …".
+    pub fn describe(&self) -> String {
+        [
+            ("host tier", self.host_tier),
+            (
+                "SSD tier kept in memory (no store path)",
+                self.store_in_memory,
+            ),
+            ("cpu device tiers", self.cpu_device_tiers),
+        ]
+        .iter()
+        .filter(|(_, bytes)| *bytes > 0)
+        .map(|(what, bytes)| format!("{what} {:.2} GiB", *bytes as f64 / GIB))
+        .collect::<Vec<_>>()
+        .join(", ")
+    }
+
+    /// Refuses a plan of more than `available` bytes (`None`: unknown, so
+    /// anything goes), naming its parts and what lowers them.
+    pub fn check(&self, available: Option<u64>) -> Result<(), EngineError> {
+        match available {
+            Some(available) if self.total() > available => Err(EngineError::Config(format!(
+                "the engine would hold {:.2} GiB of host memory ({}) but this machine has \
+                 {:.2} GiB available: lower the host budget (--host-mem), the device budget \
+                 of cpu devices (--device-mem) or --devices, or give the store a file",
+                self.total() as f64 / GIB,
+                self.describe(),
+                available as f64 / GIB,
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Memory the kernel says can be had without swapping (`MemAvailable` in
+/// /proc/meminfo); `None` where that is not known.
+pub fn available_host_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&meminfo)
+}
+
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let value: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => Some(value * 1024),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_tiers::Dtype;
+
+    fn layout() -> Layout {
+        Layout {
+            layers: 2,
+            experts_per_layer: 4,
+            params_per_expert: 1000,
+            compute_dtype: Dtype::Bf16,
+        }
+    }
+
+    #[test]
+    fn tiers_hold_at_most_a_slot_per_expert() {
+        let layout = layout();
+        let record = layout.record_bytes();
+        let slot = layout.compute_payload_bytes();
+        let config = EngineConfig {
+            host_budget_bytes: 3 * record + 1,
+            device_budget_bytes: 1 << 40, // capped at the 8 experts
+            devices: 2,
+            ..EngineConfig::default()
+        };
+        let plan = HostMemoryPlan::of(&layout, &config);
+        assert_eq!(plan.host_tier, 3 * record);
+        assert_eq!(plan.store_in_memory, 8 * record);
+        assert_eq!(plan.cpu_device_tiers, 2 * 8 * slot);
+        let on_file = EngineConfig {
+            store_path: Some("x.store".into()),
+            ..config
+        };
+        assert_eq!(HostMemoryPlan::of(&layout, &on_file).store_in_memory, 0);
+    }
+
+    #[test]
+    fn a_plan_beyond_the_available_memory_is_refused_naming_its_parts() {
+        let plan = HostMemoryPlan {
+            host_tier: 3 << 30,
+            store_in_memory: 0,
+            cpu_device_tiers: 1 << 30,
+        };
+        assert!(plan.check(None).is_ok());
+        assert!(plan.check(Some(4 << 30)).is_ok());
+        let err = plan.check(Some(2 << 30)).unwrap_err().to_string();
+        assert!(err.contains("4.00 GiB of host memory"), "{err}");
+        assert!(
+            err.contains("host tier 3.00 GiB, cpu device tiers 1.00 GiB"),
+            "{err}"
+        );
+        assert!(
+            err.contains("2.00 GiB available") && err.contains("--host-mem"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn mem_available_is_read_in_bytes() {
+        let meminfo =
+            "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   16000000 kB\n";
+        assert_eq!(parse_mem_available(meminfo), Some(16_000_000 * 1024));
+        assert_eq!(parse_mem_available("MemTotal: 5 kB\n"), None);
+        if cfg!(target_os = "linux") {
+            assert!(available_host_memory().is_some_and(|b| b > 0));
+        }
+    }
+}
