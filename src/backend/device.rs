@@ -69,7 +69,9 @@ pub trait ExpertDevice: Send {
         Ok(())
     }
 
-    /// out (n, D) = expert(x (n, D)) with the params in `params`' slot.
+    /// out (n, D) = expert(x (n, D)) with the params in `params`' slot;
+    /// `saved` keeps what this device's backward needs (see
+    /// [`Backend::expert_ffn_forward`](crate::backend::Backend::expert_ffn_forward)).
     #[allow(clippy::too_many_arguments)]
     fn expert_forward(
         &mut self,

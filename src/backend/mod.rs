@@ -23,7 +23,10 @@ use crate::EngineError;
 pub trait Backend: Send {
     fn name(&self) -> &'static str;
 
-    /// out (n, D) = expert(x (n, D)); `saved` keeps what the backward needs.
+    /// out (n, D) = expert(x (n, D)); `saved` keeps what the backward needs
+    /// from this backend: the pre-activations on the cpu, nothing on a GPU
+    /// (its backward recomputes them from x rather than move them), so
+    /// `saved` goes back to the backend that filled it.
     #[allow(clippy::too_many_arguments)]
     fn expert_ffn_forward(
         &self,

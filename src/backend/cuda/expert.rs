@@ -91,21 +91,61 @@ impl CudaBackend {
                     &[&a, &b],
                     &mut [&mut h],
                 )?;
-                saved.b.resize(n * f, 0.0);
-                self.download(&b, &mut saved.b)?;
             }
             ExpertKind::Gelu => {
                 self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
-                saved.b.clear();
             }
         }
         let mut y = self.zeros(n * d)?;
         let hb = self.to_bf16(&h)?;
         // SAFETY: w2 per the contract; y and hb sized here.
         unsafe { self.linear_forward(&mut y, &hb, w.w2, Shape { m: n, k: f, n: d }, BF16)? };
-        saved.a.resize(n * f, 0.0);
-        self.download(&a, &mut saved.a)?;
+        // The backward recomputes the pre-activations from x (two GEMMs,
+        // the same bits) rather than have them come down here and go back
+        // up there: 2·n·F f32 each way.
+        saved.a.clear();
+        saved.b.clear();
         self.download(&y, out)
+    }
+
+    /// The pre-activations (a, and b for SwiGLU) of the forward: uploaded
+    /// from `saved` where it holds them, else recomputed from `xb` with the
+    /// forward's own GEMMs, which give the same bits.
+    ///
+    /// # Safety
+    /// As [`Self::ffn_forward`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pre_activations(
+        &self,
+        kind: ExpertKind,
+        saved: &ExpertSaved<f32>,
+        xb: &CudaSlice<u16>,
+        w: Weights,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(CudaSlice<f32>, Option<CudaSlice<f32>>), EngineError> {
+        if !saved.a.is_empty() {
+            let b = match kind {
+                ExpertKind::SwiGlu => Some(self.upload(&saved.b)?),
+                ExpertKind::Gelu => None,
+            };
+            return Ok((self.upload(&saved.a)?, b));
+        }
+        let up = Shape { m: n, k: d, n: f };
+        let mut a = self.zeros(n * f)?;
+        // SAFETY: w1 (and w3) per the contract; a, b and xb sized from n, d, f.
+        unsafe { self.linear_forward(&mut a, xb, w.w1, up, BF16)? };
+        let b = match kind {
+            ExpertKind::SwiGlu => {
+                let mut b = self.zeros(n * f)?;
+                // SAFETY: as above.
+                unsafe { self.linear_forward(&mut b, xb, w.w3, up, BF16)? };
+                Some(b)
+            }
+            ExpertKind::Gelu => None,
+        };
+        Ok((a, b))
     }
 
     /// # Safety
@@ -127,24 +167,18 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         let xb = self.to_bf16(&self.upload(x)?)?;
         let doutb = self.to_bf16(&self.upload(dout)?)?;
-        let a = self.upload(&saved.a)?;
+        // SAFETY: the weights per this function's contract.
+        let (a, b) = unsafe { self.pre_activations(kind, saved, &xb, w, n, d, f)? };
         let mut h = self.zeros(n * f)?;
-        let b = match kind {
-            ExpertKind::SwiGlu => {
-                let b = self.upload(&saved.b)?;
-                self.elementwise(
-                    &self.f.swiglu_forward,
-                    "swiglu_forward",
-                    &[&a, &b],
-                    &mut [&mut h],
-                )?;
-                Some(b)
-            }
-            ExpertKind::Gelu => {
-                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
-                None
-            }
-        };
+        match &b {
+            Some(b) => self.elementwise(
+                &self.f.swiglu_forward,
+                "swiglu_forward",
+                &[&a, b],
+                &mut [&mut h],
+            )?,
+            None => self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?,
+        }
         let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
         let in_len = dparams.len() - d * f;
         let mut dhidden = self.zeros(n * f)?;
