@@ -104,6 +104,12 @@ pub struct StepBenchRecord {
     /// (mean; all cores; /proc/stat's steal, null where not reported). A
     /// large figure means the machine, not strata, set this run's times.
     pub steal_s: Option<f64>,
+    /// CPU seconds the whole process used during a timed step (mean; all
+    /// threads, user + system; null where the OS does not report it). Set
+    /// against `step_s` × cores it shows how much of the machine a run
+    /// kept busy: the expert-wise run's checksums, write-backs and uploads
+    /// are what it uses beyond the compute-only run.
+    pub cpu_s: Option<f64>,
     /// Timed steps that lost at most `QUIET_STEAL_SHARE` of the machine's
     /// CPU time to other tenants, and their median step time.
     pub quiet_steps: usize,
@@ -163,6 +169,22 @@ struct Arm {
     /// CPU seconds the hypervisor took from this machine during each timed
     /// step (where the OS reports it).
     steal: Vec<Option<f64>>,
+    /// CPU seconds this process used during each timed step.
+    cpu: Vec<Option<f64>>,
+}
+
+/// CPU seconds this process has used so far, every thread, user and
+/// system time (`getrusage`); `None` if the call fails.
+fn process_cpu_s() -> Option<f64> {
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given, which lives
+    // for the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return None;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Some(secs(usage.ru_utime) + secs(usage.ru_stime))
 }
 
 /// CPU seconds stolen from this (virtual) machine so far, all cores
@@ -195,6 +217,7 @@ impl Arm {
     ) -> Result<(), EngineError> {
         for i in 0..warmup + timed {
             let stolen_before = stolen_cpu_s();
+            let cpu_before = process_cpu_s();
             let m = self
                 .engine
                 .step(&batch(&config.model, config.tokens, self.steps_done))?;
@@ -211,6 +234,8 @@ impl Arm {
                 self.metrics.push(m);
                 self.steal
                     .push(stolen_before.zip(stolen_cpu_s()).map(|(a, b)| b - a));
+                self.cpu
+                    .push(cpu_before.zip(process_cpu_s()).map(|(a, b)| b - a));
             }
         }
         self.engine.drain()
@@ -259,12 +284,8 @@ impl Arm {
             host_hit_rate: mean(|m| m.host_hit_rate),
             device_hit_rate: mean(|m| m.device_hit_rate),
             device_load_gap: mean(|m| m.device_load_gap()),
-            steal_s: self
-                .steal
-                .iter()
-                .copied()
-                .sum::<Option<f64>>()
-                .map(|s| s / self.steal.len() as f64),
+            steal_s: mean_of(&self.steal),
+            cpu_s: mean_of(&self.cpu),
             quiet_steps: quiet.len(),
             quiet_step_s: (!quiet.is_empty()).then(|| Timing::of(&quiet).median_s),
         }
@@ -416,6 +437,7 @@ fn run_rounds(
             steps_done: 0,
             metrics: Vec::new(),
             steal: Vec::new(),
+            cpu: Vec::new(),
         });
     }
     let n = arms.len();
@@ -458,6 +480,12 @@ fn run_rounds(
         quiet_expert_wise_over_bound: quiet.map(|q| q.1),
     };
     Ok((records, summary))
+}
+
+/// The mean of per-step figures, `None` if any step lacks one.
+fn mean_of(samples: &[Option<f64>]) -> Option<f64> {
+    let n = samples.len() as f64;
+    samples.iter().copied().sum::<Option<f64>>().map(|s| s / n)
 }
 
 /// (naive ÷ expert-wise, expert-wise ÷ max(compute only, I/O only)) step
@@ -549,6 +577,8 @@ mod tests {
         if cfg!(target_os = "linux") {
             assert!(records.iter().all(|r| r.steal_s.is_some_and(|s| s >= 0.0)));
         }
+        // Every run computes something on this thread, so it uses CPU time.
+        assert!(records.iter().all(|r| r.cpu_s.is_some_and(|c| c > 0.0)));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         assert!(records
             .iter()
