@@ -69,6 +69,13 @@ pub trait ExpertDevice: Send {
         Ok(())
     }
 
+    /// Whether `expert_backward` recomputes from x whatever its forward
+    /// would keep in `saved` (a GPU does), so the engine's
+    /// `recompute_hidden` needs no forward of its own before it.
+    fn backward_recomputes(&self) -> bool {
+        false
+    }
+
     /// out (n, D) = expert(x (n, D)) with the params in `params`' slot;
     /// `saved` keeps what this device's backward needs (see
     /// [`Backend::expert_ffn_forward`](crate::backend::Backend::expert_ffn_forward)).

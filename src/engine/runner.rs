@@ -190,7 +190,7 @@ impl DeviceRunner<'_> {
         if !self.options.skip_expert_compute {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];
-            if self.options.recompute_hidden {
+            if self.options.recompute_hidden && !self.dev.device.backward_recomputes() {
                 let mut scratch = vec![0.0f32; n * d];
                 let device = &mut self.dev.device;
                 device.expert_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;

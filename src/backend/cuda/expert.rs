@@ -402,6 +402,10 @@ impl ExpertDevice for CudaExpertDevice {
         Ok(self.arena.stage_uploads(STAGING_BUFFERS)?)
     }
 
+    fn backward_recomputes(&self) -> bool {
+        true // `pre_activations`: the forward keeps nothing in `saved`
+    }
+
     fn expert_forward(
         &mut self,
         kind: ExpertKind,
