@@ -9,6 +9,17 @@
 //! this one's update, so a layer's backward reads C(r0), C(r1), F(r0),
 //! C(r2), F(r1), …, F(rn).
 //!
+//! The host tier keeps what the forward loads last until the backward,
+//! which starts with it: so when one device's pipeline overlaps, the last
+//! accesses of the forward, as many as the host tier has slots (at most a
+//! layer), ask for the full record. The prefetcher then reads their optimizer
+//! state while the forward computes, instead of in the backward, which
+//! also writes every record back and so moves most of a step's bytes:
+//! with the host tier holding a quarter of the experts of 4 layers, this
+//! moves one eighth of the step's traffic from the backward to the forward.
+//! (Not with several devices: their prefetch looks only host slots ÷
+//! (2 × devices) ahead, so the tail would be read early for nothing.)
+//!
 //! Several devices: each walks its own experts of a layer in that pattern,
 //! at the same time. Once a layer is placed, its accesses are the devices'
 //! sequences interleaved position by position, which is the order they
@@ -74,13 +85,25 @@ fn backward_of(l: usize, experts: &[usize], overlapped: bool) -> Vec<Access> {
     order
 }
 
-/// The one-device schedule of a whole step.
-pub(crate) fn access_schedule(model: &ModelConfig, overlapped: bool) -> Vec<Access> {
+/// The one-device schedule of a whole step; the forward's last
+/// `tail_slots` accesses (at most a layer) ask for the full record when
+/// the pipeline overlaps.
+pub(crate) fn access_schedule(
+    model: &ModelConfig,
+    overlapped: bool,
+    tail_slots: usize,
+) -> Vec<Access> {
     let all: Vec<usize> = (0..model.experts).collect();
     let reversed: Vec<usize> = all.iter().rev().copied().collect();
     let mut order = Vec::new();
     for l in 0..model.layers {
         order.extend(forward_of(l, &all));
+    }
+    if overlapped {
+        let n = order.len();
+        for access in &mut order[n - tail_slots.min(model.experts)..] {
+            access.1 = Parts::Full;
+        }
     }
     for l in (0..model.layers).rev() {
         order.extend(backward_of(l, &reversed, overlapped));
@@ -167,7 +190,7 @@ mod tests {
     #[test]
     fn unplaced_it_is_the_one_device_schedule_rotated() {
         let m = model();
-        let one = access_schedule(&m, true);
+        let one = access_schedule(&m, true, 0);
         let placed = [None, None];
         assert_eq!(
             placed_schedule(&m, true, 2, &placed, Phase::Forward(0)),
@@ -205,5 +228,27 @@ mod tests {
             tail,
             &[c(0, 1), c(0, 3), f(0, 1), f(0, 3), c(0, 0), f(0, 0)]
         );
+    }
+
+    #[test]
+    fn the_forward_ends_asking_for_what_the_host_tier_keeps_for_the_backward() {
+        let m = model();
+        let c = |l, e| (id(l, e), Parts::Compute);
+        let f = |l, e| (id(l, e), Parts::Full);
+        // Forward 0: C C C C; forward 1: C, then 3 host slots' worth of F.
+        let order = access_schedule(&m, true, 3);
+        assert_eq!(&order[..4], &[c(0, 0), c(0, 1), c(0, 2), c(0, 3)]);
+        assert_eq!(&order[4..8], &[c(1, 0), f(1, 1), f(1, 2), f(1, 3)]);
+        // The backward is unchanged; a host tier beyond a layer stops at it.
+        assert_eq!(order[8..], access_schedule(&m, true, 0)[8..]);
+        let wide = access_schedule(&m, true, 100);
+        assert_eq!(
+            &wide[..8],
+            &[&order[..4], &[f(1, 0)], &order[5..8]].concat()
+        );
+        // Without the overlap nothing is read ahead, so nothing changes.
+        assert!(access_schedule(&m, false, 3)[..8]
+            .iter()
+            .all(|a| a.1 == Parts::Compute));
     }
 }

@@ -278,7 +278,11 @@ impl Engine {
         }
         let slots = devices[0].slots.slot_count();
         let overlapped = config.schedule == ScheduleKind::ExpertWise && slots >= 2;
-        cache.set_schedule(access_schedule(&model, overlapped));
+        cache.set_schedule(access_schedule(
+            &model,
+            overlapped,
+            forward_tail_slots(&config, &cache),
+        ));
         let optimizer = ExpertOptimizer::new(OptimizerConfig {
             threads: config.optimizer_threads,
             in_flight_max: model.layers * model.experts,
@@ -413,9 +417,10 @@ impl Engine {
         let loss = net.forward_loss(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
         let overlapped =
             self.config.schedule == ScheduleKind::ExpertWise && self.device_slots() >= 2;
+        let tail_slots = forward_tail_slots(&self.config, &self.shared.cache);
         self.shared
             .cache
-            .set_schedule(access_schedule(&self.model, overlapped));
+            .set_schedule(access_schedule(&self.model, overlapped, tail_slots));
         loss
     }
 
@@ -602,4 +607,14 @@ fn write_initial_records(model: &ModelConfig, store: &ExpertStore) -> Result<(),
     }
     store.checkpoint(0)?;
     Ok(())
+}
+
+/// How many of the forward's last accesses ask for the full record (see
+/// `access.rs`): the host tier's slots with one device, none with several.
+fn forward_tail_slots(config: &EngineConfig, cache: &HostCache) -> usize {
+    if config.devices == 1 {
+        cache.slot_count()
+    } else {
+        0
+    }
 }
