@@ -352,7 +352,14 @@ pub fn run(
         ..EngineConfig::default()
     };
     // One scratch directory for the store files (and their dense-state
-    // files), removed whole at the end.
+    // files), removed whole at the end. A run that was killed left its
+    // own (gigabytes) behind: those of processes no longer alive go first.
+    for stale in remove_stale_scratch(&config.dir) {
+        progress(&format!(
+            "removed {}, left by a run that was killed",
+            stale.display()
+        ));
+    }
     let scratch = config
         .dir
         .join(format!("strata-bench-step-{}", std::process::id()));
@@ -395,6 +402,31 @@ pub fn run(
     let result = run_rounds(config, runs, &mut progress);
     let _ = std::fs::remove_dir_all(&scratch);
     result
+}
+
+/// Removes `strata-bench-step-<pid>` directories under `dir` whose
+/// process is gone (Linux: no /proc/<pid>); returns them.
+fn remove_stale_scratch(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    if !std::path::Path::new("/proc/self").exists() {
+        return Vec::new(); // no way to tell a live run from a dead one
+    }
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let pid: u32 = name
+                .to_str()?
+                .strip_prefix("strata-bench-step-")?
+                .parse()
+                .ok()?;
+            let alive = std::path::Path::new(&format!("/proc/{pid}")).exists();
+            let path = entry.path();
+            (!alive && path.is_dir() && std::fs::remove_dir_all(&path).is_ok()).then_some(path)
+        })
+        .collect()
 }
 
 fn run_rounds(
@@ -546,6 +578,29 @@ mod tests {
         );
         assert!(err.contains("lower --d-model"), "{err}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn scratch_left_by_a_dead_run_is_removed_and_a_live_ones_kept() {
+        if !std::path::Path::new("/proc/self").exists() {
+            return eprintln!("skipped: no /proc to tell live processes from dead ones");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let dead = (4_000_000u32..)
+            .find(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+            .unwrap();
+        let named = |name: String| {
+            let path = dir.path().join(name);
+            std::fs::create_dir(&path).unwrap();
+            std::fs::write(path.join("ew.store"), b"records").unwrap();
+            path
+        };
+        let stale = named(format!("strata-bench-step-{dead}"));
+        let live = named(format!("strata-bench-step-{}", std::process::id()));
+        let other = named("strata-bench-step-notes".to_string());
+        assert_eq!(remove_stale_scratch(dir.path()), vec![stale.clone()]);
+        assert!(!stale.exists() && live.exists() && other.exists());
+        assert!(remove_stale_scratch(dir.path()).is_empty());
     }
 
     #[test]
