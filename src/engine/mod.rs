@@ -276,13 +276,8 @@ impl Engine {
                 devices[0].device.name()
             ));
         }
-        let slots = devices[0].slots.slot_count();
-        let overlapped = config.schedule == ScheduleKind::ExpertWise && slots >= 2;
-        cache.set_schedule(access_schedule(
-            &model,
-            overlapped,
-            forward_tail_slots(&config, &cache),
-        ));
+        let device_slots = devices[0].slots.slot_count();
+        cache.set_schedule(step_schedule(&model, &config, device_slots, &cache));
         let optimizer = ExpertOptimizer::new(OptimizerConfig {
             threads: config.optimizer_threads,
             in_flight_max: model.layers * model.experts,
@@ -415,12 +410,13 @@ impl Engine {
             options,
         };
         let loss = net.forward_loss(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
-        let overlapped =
-            self.config.schedule == ScheduleKind::ExpertWise && self.device_slots() >= 2;
-        let tail_slots = forward_tail_slots(&self.config, &self.shared.cache);
-        self.shared
-            .cache
-            .set_schedule(access_schedule(&self.model, overlapped, tail_slots));
+        let order = step_schedule(
+            &self.model,
+            &self.config,
+            self.device_slots(),
+            &self.shared.cache,
+        );
+        self.shared.cache.set_schedule(order);
         loss
     }
 
@@ -609,12 +605,20 @@ fn write_initial_records(model: &ModelConfig, store: &ExpertStore) -> Result<(),
     Ok(())
 }
 
-/// How many of the forward's last accesses ask for the full record (see
-/// `access.rs`): the host tier's slots with one device, none with several.
-fn forward_tail_slots(config: &EngineConfig, cache: &HostCache) -> usize {
-    if config.devices == 1 {
+/// The host tier's schedule of a step from its start (see `access.rs`):
+/// overlapped on the expert-wise schedule with two device slots or more;
+/// the forward's tail asks for full records with one device.
+fn step_schedule(
+    model: &ModelConfig,
+    config: &EngineConfig,
+    device_slots: usize,
+    cache: &HostCache,
+) -> Vec<(ExpertId, Parts)> {
+    let overlapped = config.schedule == ScheduleKind::ExpertWise && device_slots >= 2;
+    let tail_slots = if config.devices == 1 {
         cache.slot_count()
     } else {
         0
-    }
+    };
+    access_schedule(model, overlapped, tail_slots)
 }

@@ -74,28 +74,8 @@ impl CudaBackend {
         f: usize,
     ) -> Result<(), EngineError> {
         let xb = self.to_bf16(&self.upload(x)?)?;
-        let mut a = self.zeros(n * f)?;
-        let mut h = self.zeros(n * f)?;
-        let up = Shape { m: n, k: d, n: f };
-        // SAFETY: the weights per this function's
-        // contract; every other operand is allocated here from n, d, f.
-        unsafe { self.linear_forward(&mut a, &xb, w.w1, up, BF16)? };
-        match kind {
-            ExpertKind::SwiGlu => {
-                let mut b = self.zeros(n * f)?;
-                // SAFETY: w3 per the contract; b and xb sized here.
-                unsafe { self.linear_forward(&mut b, &xb, w.w3, up, BF16)? };
-                self.elementwise(
-                    &self.f.swiglu_forward,
-                    "swiglu_forward",
-                    &[&a, &b],
-                    &mut [&mut h],
-                )?;
-            }
-            ExpertKind::Gelu => {
-                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
-            }
-        }
+        // SAFETY: the weights per this function's contract.
+        let (_, _, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
         let mut y = self.zeros(n * d)?;
         let hb = self.to_bf16(&h)?;
         // SAFETY: w2 per the contract; y and hb sized here.
@@ -108,32 +88,26 @@ impl CudaBackend {
         self.download(&y, out)
     }
 
-    /// The pre-activations (a, and b for SwiGLU) of the forward: uploaded
-    /// from `saved` where it holds them, else recomputed from `xb` with the
-    /// forward's own GEMMs, which give the same bits.
+    /// The up projections a = x·w1ᵀ (and b = x·w3ᵀ for SwiGLU) and the
+    /// hidden activation h: the forward's first half, which the backward
+    /// recomputes from x (the same GEMMs, so the same bits) rather than
+    /// have a and b come down after the forward and go back up for it.
     ///
     /// # Safety
     /// As [`Self::ffn_forward`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn pre_activations(
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    unsafe fn up_and_hidden(
         &self,
         kind: ExpertKind,
-        saved: &ExpertSaved<f32>,
         xb: &CudaSlice<u16>,
         w: Weights,
         n: usize,
         d: usize,
         f: usize,
-    ) -> Result<(CudaSlice<f32>, Option<CudaSlice<f32>>), EngineError> {
-        if !saved.a.is_empty() {
-            let b = match kind {
-                ExpertKind::SwiGlu => Some(self.upload(&saved.b)?),
-                ExpertKind::Gelu => None,
-            };
-            return Ok((self.upload(&saved.a)?, b));
-        }
+    ) -> Result<(CudaSlice<f32>, Option<CudaSlice<f32>>, CudaSlice<f32>), EngineError> {
         let up = Shape { m: n, k: d, n: f };
         let mut a = self.zeros(n * f)?;
+        let mut h = self.zeros(n * f)?;
         // SAFETY: w1 (and w3) per the contract; a, b and xb sized from n, d, f.
         unsafe { self.linear_forward(&mut a, xb, w.w1, up, BF16)? };
         let b = match kind {
@@ -141,11 +115,20 @@ impl CudaBackend {
                 let mut b = self.zeros(n * f)?;
                 // SAFETY: as above.
                 unsafe { self.linear_forward(&mut b, xb, w.w3, up, BF16)? };
+                self.elementwise(
+                    &self.f.swiglu_forward,
+                    "swiglu_forward",
+                    &[&a, &b],
+                    &mut [&mut h],
+                )?;
                 Some(b)
             }
-            ExpertKind::Gelu => None,
+            ExpertKind::Gelu => {
+                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
+                None
+            }
         };
-        Ok((a, b))
+        Ok((a, b, h))
     }
 
     /// # Safety
@@ -157,7 +140,6 @@ impl CudaBackend {
         dx: &mut [f32],
         dparams: &mut [f32],
         dout: &[f32],
-        saved: &ExpertSaved<f32>,
         x: &[f32],
         w: Weights,
         n: usize,
@@ -168,17 +150,7 @@ impl CudaBackend {
         let xb = self.to_bf16(&self.upload(x)?)?;
         let doutb = self.to_bf16(&self.upload(dout)?)?;
         // SAFETY: the weights per this function's contract.
-        let (a, b) = unsafe { self.pre_activations(kind, saved, &xb, w, n, d, f)? };
-        let mut h = self.zeros(n * f)?;
-        match &b {
-            Some(b) => self.elementwise(
-                &self.f.swiglu_forward,
-                "swiglu_forward",
-                &[&a, b],
-                &mut [&mut h],
-            )?,
-            None => self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?,
-        }
+        let (a, b, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
         let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
         let in_len = dparams.len() - d * f;
         let mut dhidden = self.zeros(n * f)?;
@@ -272,7 +244,7 @@ impl Backend for CudaBackend {
         dx: &mut [f32],
         dparams: &mut [f32],
         dout: &[f32],
-        saved: &ExpertSaved<f32>,
+        _saved: &ExpertSaved<f32>, // empty: the forward keeps nothing
         x: &[f32],
         params: &[f32],
         n: usize,
@@ -285,21 +257,7 @@ impl Backend for CudaBackend {
         let (base, _read) = wb.device_ptr(&self.stream);
         let w = Weights::at(base, params.len(), d, f);
         // SAFETY: as in the forward.
-        unsafe {
-            self.ffn_backward(
-                kind,
-                dx,
-                dparams,
-                dout,
-                saved,
-                x,
-                w,
-                n,
-                d,
-                f,
-                GradStart::Held,
-            )
-        }
+        unsafe { self.ffn_backward(kind, dx, dparams, dout, x, w, n, d, f, GradStart::Held) }
     }
 }
 
@@ -403,7 +361,7 @@ impl ExpertDevice for CudaExpertDevice {
     }
 
     fn backward_recomputes(&self) -> bool {
-        true // `pre_activations`: the forward keeps nothing in `saved`
+        true // `up_and_hidden`: the forward keeps nothing in `saved`
     }
 
     fn expert_forward(
@@ -432,7 +390,7 @@ impl ExpertDevice for CudaExpertDevice {
         dx: &mut [f32],
         dparams: &mut [f32],
         dout: &[f32],
-        saved: &ExpertSaved<f32>,
+        _saved: &ExpertSaved<f32>, // empty: the forward keeps nothing
         x: &[f32],
         params: SlotParams,
         n: usize,
@@ -450,21 +408,7 @@ impl ExpertDevice for CudaExpertDevice {
             // SAFETY: as in the forward. `dparams` holds zeros (the
             // contract), so the gradient starts from zero on the GPU
             // rather than from an upload of those zeros.
-            unsafe {
-                backend.ffn_backward(
-                    kind,
-                    dx,
-                    dparams,
-                    dout,
-                    saved,
-                    x,
-                    w,
-                    n,
-                    d,
-                    f,
-                    GradStart::Zero,
-                )
-            }
+            unsafe { backend.ffn_backward(kind, dx, dparams, dout, x, w, n, d, f, GradStart::Zero) }
         })
     }
 }
