@@ -19,6 +19,14 @@ pub enum ScheduleKind {
     Naive,
 }
 
+impl ScheduleKind {
+    /// Whether uploads overlap compute: expert-wise, with a slot for the
+    /// expert computing and one for the next arriving.
+    pub(crate) fn overlaps(self, device_slots: usize) -> bool {
+        self == ScheduleKind::ExpertWise && device_slots >= 2
+    }
+}
+
 /// Budgets, store and schedule.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {

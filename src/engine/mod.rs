@@ -614,7 +614,7 @@ fn step_schedule(
     device_slots: usize,
     cache: &HostCache,
 ) -> Vec<(ExpertId, Parts)> {
-    let overlapped = config.schedule == ScheduleKind::ExpertWise && device_slots >= 2;
+    let overlapped = config.schedule.overlaps(device_slots);
     let tail_slots = if config.devices == 1 {
         cache.slot_count()
     } else {

@@ -50,7 +50,7 @@ impl DeviceRunner<'_> {
     }
 
     pub fn overlapped(&self) -> bool {
-        self.shared.schedule == ScheduleKind::ExpertWise && self.dev.slots.slot_count() >= 2
+        self.shared.schedule.overlaps(self.dev.slots.slot_count())
     }
 
     /// Makes `expert`'s compute params arrive in a device slot: waits for
