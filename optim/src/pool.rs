@@ -41,6 +41,12 @@ pub struct UpdateViews<'a> {
 /// returned by `wait`; the pool never moves it in between.
 pub trait UpdateTarget: Send + 'static {
     fn views(&mut self) -> UpdateViews<'_>;
+
+    /// Called once the update has been applied (not when it failed or the
+    /// step was skipped), on the worker that ran its last chunk, before
+    /// `wait` can return the target: where a target finishes its buffers
+    /// (checksums, handing a slot back) off the submitter's thread.
+    fn finished(&mut self) {}
 }
 
 /// When updates may run.
@@ -638,10 +644,30 @@ fn run_chunk<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize, start: usiz
             .get_or_insert(OptimError::UpdatePanicked { key, message });
     }
     state.chunks_left -= 1;
-    if state.chunks_left == 0 {
-        state.finish();
-        slot.done.notify_all();
+    if state.chunks_left > 0 {
+        return;
     }
+    if state.error.is_none() {
+        // Off the lock: `finished` may take milliseconds (checksums).
+        drop(state);
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: (4) of target_mut: every chunk is done (no RawStep
+            // pointer is in use) and the phase is still Running, so this
+            // thread, which ran the last chunk, is the only one touching
+            // the target until it publishes Done below.
+            unsafe { slot.target_mut() }
+                .as_mut()
+                .expect("claimed slot")
+                .finished()
+        }));
+        state = slot.lock();
+        if let Err(panic) = outcome {
+            let message = panic_message(&panic);
+            state.error = Some(OptimError::UpdatePanicked { key, message });
+        }
+    }
+    state.finish();
+    slot.done.notify_all();
 }
 
 fn fail<T>(slot: &Slot<T>, error: OptimError) {

@@ -121,14 +121,16 @@ impl<T> Slot<T> {
     /// 1. the submitter, while it claims a `Free` slot (phase set under lock);
     /// 2. the worker that moved the phase to `NormRunning` or `Running`, until
     ///    it publishes the phase change that ends its turn;
-    /// 3. the waiter that saw `Done` and has not yet set `Free`.
+    /// 3. the waiter that saw `Done` and has not yet set `Free`;
+    /// 4. the worker whose chunk brought `chunks_left` to 0 (with no error),
+    ///    until it publishes `Done`.
     ///
-    /// Chunk workers never call this: they use the `RawStep` pointers taken
-    /// under (2), which stay valid because the target is not moved or
-    /// touched until (3).
+    /// Chunk workers never call this while chunks run: they use the
+    /// `RawStep` pointers taken under (2), which stay valid because the
+    /// target is not moved or touched until (4) or (3).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn target_mut(&self) -> &mut Option<T> {
-        // SAFETY: exclusivity is the caller's contract (1–3 above).
+        // SAFETY: exclusivity is the caller's contract (1–4 above).
         unsafe { &mut *self.target.get() }
     }
 }

@@ -19,6 +19,8 @@ struct VecExpert {
     copy: Vec<bf16>,
     step: u64,
     panic_in_views: bool,
+    /// Calls of `finished`: one per applied update, none for a skipped one.
+    finished: u32,
 }
 
 impl VecExpert {
@@ -38,6 +40,7 @@ impl VecExpert {
             copy: vec![bf16::ZERO; n],
             step: 0,
             panic_in_views: false,
+            finished: 0,
         }
     }
 
@@ -45,6 +48,7 @@ impl VecExpert {
     fn stepped_inline(&self, hyper: &AdamWHyper, grad_scale: f32) -> Self {
         let mut e = self.clone();
         e.step += 1;
+        e.finished += 1;
         let s = StepScalars::new(hyper, e.step, grad_scale);
         adamw_step(
             Kernel::Scalar,
@@ -71,6 +75,10 @@ impl UpdateTarget for VecExpert {
             copy: CopyOut::Bf16(&mut self.copy),
             step: &mut self.step,
         }
+    }
+
+    fn finished(&mut self) {
+        self.finished += 1;
     }
 }
 

@@ -104,24 +104,22 @@ impl SharedExperts {
             book.pending[key] = false;
         }
         let t0 = Instant::now();
-        let (mut target, _) = self.optimizer.wait(ExpertKey(key as u64))?;
-        target.guard.mark_dirty(target.step);
+        let (target, _) = self.optimizer.wait(ExpertKey(key as u64))?;
         self.book().steps[key] = target.step;
         Ok(t0.elapsed().as_secs_f64())
     }
 
     /// Takes back every update that has already finished (without waiting),
-    /// so its host slot is free for the prefetcher again.
+    /// recording its step; its host slot was handed back as it finished.
     pub fn reap_finished(&self) -> Result<(), EngineError> {
         let mut book = self.book();
         for key in 0..book.pending.len() {
             if !book.pending[key] {
                 continue;
             }
-            if let Some((mut target, _)) = self.optimizer.try_wait(ExpertKey(key as u64))? {
+            if let Some((target, _)) = self.optimizer.try_wait(ExpertKey(key as u64))? {
                 book.pending[key] = false;
                 book.steps[key] = target.step;
-                target.guard.mark_dirty(target.step);
             }
         }
         Ok(())

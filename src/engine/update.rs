@@ -32,4 +32,12 @@ impl UpdateTarget for ExpertUpdate {
             step: &mut self.step,
         }
     }
+
+    /// On the optimizer worker, as the update ends: checksum the record
+    /// and hand its host slot back, dirty, so neither waits for the engine
+    /// to collect the update (the prefetcher can write it back and reuse
+    /// the slot at once, and the write-back has nothing left to compute).
+    fn finished(&mut self) {
+        self.guard.seal(self.step);
+    }
 }

@@ -116,6 +116,9 @@ pub(crate) struct SlotMeta {
     pub writing_back: bool,
     /// The step to write back under, when the slot differs from the store.
     pub dirty: Option<u64>,
+    /// The step the headers already carry checksums for (set by
+    /// `WriteGuard::seal`), so a write-back of that step skips stamping.
+    pub stamped: Option<u64>,
 }
 
 impl SlotMeta {
@@ -129,6 +132,7 @@ impl SlotMeta {
         upgrading: false,
         writing_back: false,
         dirty: None,
+        stamped: None,
     };
 
     /// Free to be given to another expert (after a write-back if dirty).
@@ -259,25 +263,18 @@ impl Shared {
     /// Each slot is `writing_back` or `Evicting` for the caller: it owns the
     /// two header ranges and may read the payloads.
     pub unsafe fn write_slots(&self, jobs: &[(usize, ExpertId, u64)]) -> Result<(), TierError> {
-        let cpb = self.layout.compute_part_bytes() as usize;
         let end = self.layout.record_bytes() as usize;
-        for &(slot, expert, step) in jobs {
-            // SAFETY: headers are owned by the caller; payloads are only read
-            // (readers may share them); the ranges are disjoint.
-            unsafe {
-                let compute_header = self.bytes_mut(slot, 0..PART_HEADER_BYTES);
-                let compute_payload = self.bytes(slot, PART_HEADER_BYTES..cpb);
-                let state_header = self.bytes_mut(slot, cpb..cpb + PART_HEADER_BYTES);
-                let state_payload = self.bytes(slot, cpb + PART_HEADER_BYTES..end);
-                stamp_headers(
-                    &self.layout,
-                    expert,
-                    step,
-                    compute_header,
-                    compute_payload,
-                    state_header,
-                    state_payload,
-                );
+        let stamped: Vec<bool> = {
+            let inner = self.lock();
+            jobs.iter()
+                .map(|&(slot, _, step)| inner.slots[slot].stamped == Some(step))
+                .collect()
+        };
+        for (&(slot, expert, step), stamped) in jobs.iter().zip(stamped) {
+            if !stamped {
+                // SAFETY: the caller owns the headers and may read the
+                // payloads (this function's contract).
+                unsafe { self.stamp(slot, expert, step) };
             }
         }
         let records: Vec<(ExpertId, u64, &[u8])> = jobs
@@ -286,6 +283,34 @@ impl Shared {
             .map(|&(slot, expert, step)| (expert, step, unsafe { self.bytes(slot, 0..end) }))
             .collect();
         self.store.write_stamped(&records)
+    }
+
+    /// Checksums `slot`'s payloads into its two headers as `expert`'s
+    /// record of `step`.
+    ///
+    /// # Safety
+    /// The caller owns the slot's two header ranges and may read its
+    /// payloads (no one writes them meanwhile).
+    unsafe fn stamp(&self, slot: usize, expert: ExpertId, step: u64) {
+        let cpb = self.layout.compute_part_bytes() as usize;
+        let end = self.layout.record_bytes() as usize;
+        // SAFETY: headers are owned by the caller; payloads are only read
+        // (readers may share them); the ranges are disjoint.
+        unsafe {
+            let compute_header = self.bytes_mut(slot, 0..PART_HEADER_BYTES);
+            let compute_payload = self.bytes(slot, PART_HEADER_BYTES..cpb);
+            let state_header = self.bytes_mut(slot, cpb..cpb + PART_HEADER_BYTES);
+            let state_payload = self.bytes(slot, cpb + PART_HEADER_BYTES..end);
+            stamp_headers(
+                &self.layout,
+                expert,
+                step,
+                compute_header,
+                compute_payload,
+                state_header,
+                state_payload,
+            );
+        }
     }
 
     /// The slot to give to a new expert, by policy, among evictable slots;
@@ -545,6 +570,7 @@ impl HostCache {
             shared: Arc::clone(&self.shared),
             slot,
             expert,
+            sealed: false,
         })
     }
 
@@ -597,6 +623,7 @@ impl HostCache {
                 let m = &mut inner.slots[slot];
                 if write {
                     m.writer = true;
+                    m.stamped = None; // the payloads are about to change
                 } else {
                     m.pins += 1;
                 }
@@ -813,6 +840,8 @@ pub struct WriteGuard {
     shared: Arc<Shared>,
     slot: usize,
     expert: ExpertId,
+    /// `seal` has handed the slot back.
+    sealed: bool,
 }
 
 impl WriteGuard {
@@ -821,7 +850,11 @@ impl WriteGuard {
     }
 
     /// Every payload, mutably.
+    ///
+    /// # Panics
+    /// After `seal`, which gave the slot back.
     pub fn record_mut(&mut self) -> RecordMut<'_> {
+        assert!(!self.sealed, "a sealed WriteGuard no longer holds its slot");
         let end = self.shared.layout.record_bytes() as usize;
         // SAFETY: the writer flag gives this guard every payload; headers
         // are only touched by write-backs, which skip written slots.
@@ -832,12 +865,39 @@ impl WriteGuard {
     /// Records that the slot now differs from the store; it is written back
     /// (with `step` in its headers) before eviction and at `flush`.
     pub fn mark_dirty(&mut self, step: u64) {
-        self.shared.lock().slots[self.slot].dirty = Some(step);
+        assert!(!self.sealed, "a sealed WriteGuard no longer holds its slot");
+        let mut inner = self.shared.lock();
+        let m = &mut inner.slots[self.slot];
+        m.dirty = Some(step);
+        m.stamped = None;
+    }
+
+    /// The writer is done: checksums the record into its headers as
+    /// `step` (on the calling thread, so a later write-back only submits
+    /// the bytes), marks it dirty and gives the slot back at once. The
+    /// guard holds nothing afterwards; dropping it is a no-op.
+    pub fn seal(&mut self, step: u64) {
+        assert!(!self.sealed, "a WriteGuard is sealed once");
+        // SAFETY: the writer flag gives this guard the whole slot, headers
+        // included: write-backs skip written slots (`evictable`, `flush`).
+        unsafe { self.shared.stamp(self.slot, self.expert, step) };
+        let mut inner = self.shared.lock();
+        let m = &mut inner.slots[self.slot];
+        assert!(m.writer, "sealing a slot without its writer");
+        m.dirty = Some(step);
+        m.stamped = Some(step);
+        m.writer = false;
+        drop(inner);
+        self.sealed = true;
+        self.shared.changed.notify_all();
     }
 }
 
 impl Drop for WriteGuard {
     fn drop(&mut self) {
+        if self.sealed {
+            return;
+        }
         let mut inner = self.shared.lock();
         let m = &mut inner.slots[self.slot];
         assert!(m.writer, "releasing a slot without its writer");

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use strata_tiers::io::{AlignedBuf, MemFile};
 use strata_tiers::{
     record_mut, Dtype, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout,
-    Parts, ReadGuard, TierError,
+    Parts, ReadGuard, TierError, WriteGuard,
 };
 
 fn layout(experts: u32) -> Layout {
@@ -76,7 +76,9 @@ enum Op {
     Read(u32, bool),
     Hold(u32),
     ReleaseOldest,
-    Update(u32),
+    /// An update that ends by `mark_dirty` and dropping the guard, or
+    /// (true) by `seal`, which checksums and hands the slot back at once.
+    Update(u32, bool),
     Flush,
     Checkpoint,
 }
@@ -86,7 +88,7 @@ fn op(experts: u32) -> impl Strategy<Value = Op> {
         4 => (0..experts, any::<bool>()).prop_map(|(e, full)| Op::Read(e, full)),
         1 => (0..experts).prop_map(Op::Hold),
         1 => Just(Op::ReleaseOldest),
-        3 => (0..experts).prop_map(Op::Update),
+        3 => (0..experts, any::<bool>()).prop_map(|(e, seal)| Op::Update(e, seal)),
         1 => Just(Op::Flush),
         1 => Just(Op::Checkpoint),
     ]
@@ -117,6 +119,7 @@ proptest! {
         // The model: each expert's current version.
         let mut model: BTreeMap<u32, u64> = (0..7).map(|i| (i, 0)).collect();
         let mut held: Vec<(ReadGuard, u64)> = Vec::new();
+        let mut held_sealed = Vec::new();
         let mut step = 0u64;
         for op in ops {
             match op {
@@ -142,7 +145,7 @@ proptest! {
                         held.remove(0);
                     }
                 }
-                Op::Update(i) => {
+                Op::Update(i, seal) => {
                     if held.iter().any(|(g, _)| g.expert().index == i) {
                         continue; // a writer would wait for our own pin
                     }
@@ -154,7 +157,14 @@ proptest! {
                     r.compute.copy_from_slice(&compute_of(e, version, n));
                     r.master.fill(master_of(e, version));
                     r.m.fill(version as f32);
-                    g.mark_dirty(version);
+                    if seal {
+                        g.seal(version);
+                        // The sealed guard holds nothing: the slot is
+                        // reusable while it lives (as in the optimizer pool).
+                        held_sealed.push(g);
+                    } else {
+                        g.mark_dirty(version);
+                    }
                     model.insert(i, version);
                 }
                 Op::Flush => cache.flush().unwrap(),
@@ -170,6 +180,7 @@ proptest! {
             prop_assert!(cache.resident().len() as u64 <= slots);
         }
         drop(held);
+        drop(held_sealed);
         // Everything reads back as the model says, through the cache...
         for (&i, &version) in &model {
             let g = cache.acquire(ExpertId::new(0, i), Parts::Full).unwrap();
@@ -380,4 +391,63 @@ fn an_acquire_within_waits_for_a_pin_to_be_released() {
         drop(g);
     });
     drop(b);
+}
+
+fn set_version(g: &mut WriteGuard, e: ExpertId, version: u64) {
+    let r = g.record_mut();
+    let n = r.compute.len();
+    r.compute.copy_from_slice(&compute_of(e, version, n));
+    r.master.fill(master_of(e, version));
+    r.m.fill(version as f32);
+}
+
+/// A sealed write guard hands its slot back while it lives: with both
+/// slots sealed, other experts still load (writing the sealed records
+/// back with the checksums `seal` stamped), and everything reads back,
+/// verified, at the sealed versions.
+#[test]
+fn a_sealed_slot_is_written_back_and_reused_while_its_guard_lives() {
+    let layout = layout(4);
+    let store = populated(layout);
+    let cache = HostCache::new(
+        store.clone(),
+        HostCacheConfig {
+            host_budget_bytes: 2 * layout.record_bytes(),
+            prefetch_ahead_max: 0,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    let mut sealed = Vec::new();
+    for i in 0..2 {
+        let e = ExpertId::new(0, i);
+        let mut g = cache.acquire_mut(e).unwrap();
+        set_version(&mut g, e, 5);
+        g.seal(5);
+        sealed.push(g);
+    }
+    // Both slots are dirty but unpinned: no wait, no AllSlotsPinned.
+    for i in 2..4 {
+        let g = cache.acquire(ExpertId::new(0, i), Parts::Full).unwrap();
+        check_read(&layout, &g, 0);
+    }
+    // A sealed expert written again, not sealed, is stamped anew.
+    let e = ExpertId::new(0, 0);
+    let mut g = cache.acquire_mut(e).unwrap();
+    set_version(&mut g, e, 6);
+    g.mark_dirty(6);
+    drop(g);
+    drop(sealed);
+    cache.checkpoint(1).unwrap();
+    let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
+    for (i, version) in [(0, 6), (1, 5), (2, 0), (3, 0)] {
+        let e = ExpertId::new(0, i);
+        assert_eq!(
+            store.read(e, Parts::Full, buf.as_mut_slice()).unwrap(),
+            version
+        );
+        let r = record_mut(&layout, buf.as_mut_slice()).unwrap();
+        assert_eq!(&r.compute[..], &compute_of(e, version, r.compute.len())[..]);
+        assert!(r.master.iter().all(|&x| x == master_of(e, version)));
+    }
 }
