@@ -400,7 +400,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
     } else {
         writeln!(
             out,
-            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
+            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
             "run",
             "step_s",
             "tokens/s",
@@ -408,6 +408,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
             "upload",
             "ssd",
             "optim",
+            "ssd_busy",
             "host_hit",
             "dev_hit",
             "dev_gap",
@@ -417,7 +418,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
         for r in &records {
             writeln!(
                 out,
-                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>8.3} {:>7}",
+                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>8.3} {:>7}",
                 r.run,
                 r.step_s,
                 r.tokens_per_s,
@@ -425,6 +426,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
                 r.stall_upload_s,
                 r.stall_ssd_s,
                 r.stall_optimizer_s,
+                r.ssd_busy_s,
                 r.host_hit_rate,
                 r.device_hit_rate,
                 r.device_load_gap,

@@ -17,7 +17,10 @@ const STEPS: usize = 20;
 fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
     let mut engine = Engine::new(model.clone(), config).unwrap();
     for s in 0..STEPS {
-        engine.step(&batch(model, s)).unwrap();
+        let m = engine.step(&batch(model, s)).unwrap();
+        // The SSD's busy time is the union of its I/O calls within the step.
+        assert!(m.ssd_busy_s >= 0.0 && m.ssd_busy_s <= m.wall_s, "{m:?}");
+        assert!(m.ssd_busy_s > 0.0 || m.bytes_ssd_to_host + m.bytes_host_to_ssd == 0);
     }
     let mut experts = Vec::new();
     let mut steps = Vec::new();

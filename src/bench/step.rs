@@ -92,6 +92,10 @@ pub struct StepBenchRecord {
     pub stall_upload_s: f64,
     pub stall_ssd_s: f64,
     pub stall_optimizer_s: f64,
+    /// Mean time a step had SSD I/O in flight (see `StepMetrics`); set
+    /// against the I/O-only run's, it shows how much slower the same
+    /// traffic runs beside compute.
+    pub ssd_busy_s: f64,
     pub bytes_ssd_to_host: u64,
     pub bytes_host_to_ssd: u64,
     pub host_hit_rate: f64,
@@ -279,6 +283,7 @@ impl Arm {
             stall_upload_s: mean(|m| m.stall_upload_s),
             stall_ssd_s: mean(|m| m.stall_ssd_s),
             stall_optimizer_s: mean(|m| m.stall_optimizer_s),
+            ssd_busy_s: mean(|m| m.ssd_busy_s),
             bytes_ssd_to_host: sum(|m| m.bytes_ssd_to_host),
             bytes_host_to_ssd: sum(|m| m.bytes_host_to_ssd),
             host_hit_rate: mean(|m| m.host_hit_rate),
@@ -621,6 +626,11 @@ mod tests {
         // The SSD runs move records between host and SSD; compute-only does not.
         assert!(records[0].bytes_ssd_to_host > 0);
         assert_eq!(records[2].bytes_ssd_to_host, 0);
+        // ...so their SSD is busy a while each step, never longer than it.
+        for r in [&records[0], &records[1], &records[3]] {
+            assert!(r.ssd_busy_s > 0.0, "{}", r.run);
+        }
+        assert_eq!(records[2].ssd_busy_s, 0.0);
         assert!(summary.expert_wise_over_naive > 0.0);
         assert_eq!(summary.rounds, 2);
         assert_eq!(summary.expert_wise_over_naive_by_round.len(), 2);

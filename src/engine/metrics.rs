@@ -21,6 +21,10 @@ pub struct StepMetrics {
     pub stall_ssd_s: f64,
     /// Time waiting for an expert's optimizer update before its forward.
     pub stall_optimizer_s: f64,
+    /// Time with at least one SSD read, write or fsync in flight (the
+    /// prefetcher's, demand loads' and write-backs' together): near
+    /// `wall_s`, the step is bound by the SSD.
+    pub ssd_busy_s: f64,
     pub bytes_ssd_to_host: u64,
     pub bytes_host_to_ssd: u64,
     pub bytes_host_to_device: u64,
@@ -62,6 +66,7 @@ pub(crate) fn gather<'a>(
     loss: f32,
     wall_s: f64,
     stats: &CacheStats,
+    ssd_busy_s: f64,
     devices: impl Iterator<Item = &'a Accumulators>,
 ) -> StepMetrics {
     let devices: Vec<&Accumulators> = devices.collect();
@@ -88,6 +93,7 @@ pub(crate) fn gather<'a>(
         stall_upload_s,
         stall_ssd_s,
         stall_optimizer_s,
+        ssd_busy_s,
         bytes_ssd_to_host: stats.bytes_read,
         bytes_host_to_ssd: stats.bytes_written,
         bytes_host_to_device: sum(|a| a.bytes_host_to_device),

@@ -431,6 +431,7 @@ impl Engine {
         net.validate_batch(batch)?;
         let start = std::time::Instant::now();
         self.shared.cache.take_stats(); // this step's counters start now
+        self.shared.cache.store().take_busy();
         self.reset_counters();
         let tokens_total = net.batch_tokens(batch);
         let result = if self.devices.len() == 1 {
@@ -465,12 +466,14 @@ impl Engine {
         updated?;
         self.step += 1;
         let stats = self.shared.cache.take_stats();
+        let ssd_busy_s = self.shared.cache.store().take_busy().as_secs_f64();
         let metrics = metrics::gather(
             self.step,
             tokens_total,
             loss,
             start.elapsed().as_secs_f64(),
             &stats,
+            ssd_busy_s,
             self.devices.iter().map(|d| &d.acc),
         );
         if self.devices.len() > 1 {

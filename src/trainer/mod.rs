@@ -553,15 +553,17 @@ fn write_metrics(file: &mut std::fs::File, m: &StepMetrics, lr: f32) -> Result<(
     writeln!(file, "{value}").map_err(|e| format!("cannot write metrics: {e}"))
 }
 
-/// loss, tokens/s and the share of the step stalled on each tier.
+/// tokens/s, the share of the step stalled on each tier, and the share
+/// the SSD was busy (near 100 %: the SSD bounds the step).
 fn status(m: &StepMetrics) -> String {
     let share = |s: f64| 100.0 * s / m.wall_s.max(1e-9);
     format!(
-        "{:.0} tok/s  stall: ssd {:.0}% upload {:.0}% optimizer {:.0}%",
+        "{:.0} tok/s  stall: ssd {:.0}% upload {:.0}% optimizer {:.0}%  ssd busy {:.0}%",
         m.tokens as f64 / m.wall_s.max(1e-9),
         share(m.stall_ssd_s),
         share(m.stall_upload_s),
-        share(m.stall_optimizer_s)
+        share(m.stall_optimizer_s),
+        share(m.ssd_busy_s)
     )
 }
 

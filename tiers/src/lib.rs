@@ -16,6 +16,7 @@
 #[cfg(not(target_endian = "little"))]
 compile_error!("the store format is little-endian; big-endian hosts are not supported");
 
+mod busy;
 mod cache;
 mod device;
 #[cfg(feature = "cuda")]

@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::busy::BusyClock;
 use crate::error::Part;
 use crate::format::{
     crc, decode_map, encode_map, Dtype, Layout, MapEntry, PartHeader, Superblock, BLOCK_BYTES,
@@ -41,6 +42,8 @@ pub struct ExpertStore {
     latch: Mutex<Option<(&'static str, String)>>,
     notes: Vec<String>,
     path: Option<PathBuf>,
+    /// Time with a read, write or fsync in flight.
+    busy: BusyClock,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -104,6 +107,7 @@ impl ExpertStore {
             latch: Mutex::new(None),
             notes: Vec::new(),
             path: None,
+            busy: BusyClock::default(),
         };
         store.guard("truncate", || {
             store.device.set_len_bytes(layout.file_bytes())
@@ -180,6 +184,7 @@ impl ExpertStore {
                 latch: Mutex::new(None),
                 notes: Vec::new(),
                 path: None,
+                busy: BusyClock::default(),
             });
         }
         Err(TierError::CorruptSuperblock(
@@ -238,6 +243,12 @@ impl ExpertStore {
         })
     }
 
+    /// Time with at least one read, write or fsync of this store in flight
+    /// since the last call (or since it was opened).
+    pub fn take_busy(&self) -> std::time::Duration {
+        self.busy.take()
+    }
+
     fn check_latch(&self) -> Result<(), TierError> {
         match lock(&self.latch).clone() {
             Some((op, message)) => Err(TierError::PreviousIo { op, message }),
@@ -252,6 +263,7 @@ impl ExpertStore {
         f: impl FnOnce() -> Result<T, TierError>,
     ) -> Result<T, TierError> {
         self.check_latch()?;
+        let _busy = self.busy.enter();
         f().inspect_err(|e| {
             lock(&self.latch).get_or_insert((op, e.to_string()));
         })
@@ -327,6 +339,7 @@ impl ExpertStore {
         };
         let (result, verify_error) = if ops.len() < 2 {
             let mut verify_error = None;
+            let _busy = self.busy.enter();
             let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
                 let (expert, parts, step) = checks[i];
                 verify_error = self.verify(expert, parts, bytes, step).err();
@@ -337,11 +350,13 @@ impl ExpertStore {
             std::thread::scope(|scope| {
                 let (tx, rx) = crossbeam_channel::bounded(ops.len());
                 let verifier = scope.spawn(move || verify_all(&rx));
+                let busy = self.busy.enter();
                 let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
                     // The channel holds every op, so this never blocks.
                     let _ = tx.send((i, bytes.as_ptr() as usize, bytes.len()));
                     Ok(())
                 });
+                drop(busy);
                 drop(tx);
                 let verify_error = verifier.join().unwrap_or_else(|panic| {
                     std::panic::resume_unwind(panic);
