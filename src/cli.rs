@@ -454,6 +454,25 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
                 counts.join(", ")
             )
             .map_err(write_err)?;
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            let noisy: Vec<String> = records
+                .iter()
+                .filter(|r| r.quiet_steps == 0)
+                .filter_map(|r| {
+                    let share = r.steal_share(cores)?;
+                    Some(format!("{} lost {:.0} %", r.run, 100.0 * share))
+                })
+                .collect();
+            if !noisy.is_empty() {
+                writeln!(
+                    out,
+                    "no quiet steps: other tenants of this machine took its CPU ({}); \
+                     the ratios above say little, run again when it is quieter",
+                    noisy.join(", ")
+                )
+                .map_err(write_err)?;
+            }
         }
         let list = |v: &[f64]| {
             v.iter()

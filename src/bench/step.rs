@@ -120,6 +120,14 @@ pub struct StepBenchRecord {
     pub quiet_step_s: Option<f64>,
 }
 
+impl StepBenchRecord {
+    /// The share of this machine's CPU time (`cores` × `step_s`) other
+    /// tenants took during a timed step, where steal is reported.
+    pub fn steal_share(&self, cores: f64) -> Option<f64> {
+        self.steal_s.map(|s| s / (cores * self.step_s).max(1e-9))
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct StepBenchSummary {
     pub bench: &'static str,
@@ -642,6 +650,11 @@ mod tests {
         if cfg!(target_os = "linux") {
             assert!(records.iter().all(|r| r.steal_s.is_some_and(|s| s >= 0.0)));
         }
+        let mut noisy = records[0].clone();
+        (noisy.steal_s, noisy.step_s) = (Some(1.5), 1.5);
+        assert_eq!(noisy.steal_share(2.0), Some(0.5));
+        noisy.steal_s = None;
+        assert_eq!(noisy.steal_share(2.0), None);
         // Every run computes something on this thread, so it uses CPU time.
         assert!(records.iter().all(|r| r.cpu_s.is_some_and(|c| c > 0.0)));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
