@@ -212,7 +212,7 @@ pub struct OptimArgs {
 }
 
 fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    crate::parallel::cores()
 }
 
 fn parse_kernel(name: &str) -> Result<Kernel, String> {
@@ -455,7 +455,7 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
             )
             .map_err(write_err)?;
         } else {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            let cores = crate::parallel::cores() as f64;
             let noisy: Vec<String> = records
                 .iter()
                 .filter(|r| r.quiet_steps == 0)

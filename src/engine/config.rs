@@ -72,7 +72,7 @@ impl Default for EngineConfig {
             store_path: None,
             device_budget_bytes: 1 << 30,
             host_budget_bytes: 4 << 30,
-            optimizer_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            optimizer_threads: crate::parallel::cores(),
             schedule: ScheduleKind::ExpertWise,
             hyper: AdamWHyper::default(),
             compute_dtype: Dtype::F32,

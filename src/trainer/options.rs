@@ -154,7 +154,7 @@ impl TrainFlags {
             None => TrainFlags::default(),
         };
         let cli = self;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = crate::parallel::cores();
         Ok(TrainOptions {
             preset: pick!(cli, file, preset, "tiny".into()),
             experts: cli.experts.or(file.experts),
