@@ -15,21 +15,11 @@ use crate::TierError;
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
-    /// Where the buffer came from, for `Drop`.
-    source: Source,
 }
 
-/// Buffers of at least this size are mapped whole, aligned to and advised
-/// for transparent huge pages.
+/// Buffers of at least this size are mapped on their own (`map_huge`),
+/// smaller ones come from the global allocator.
 const HUGE_PAGE_BYTES: usize = 2 << 20;
-
-#[derive(Clone, Copy)]
-enum Source {
-    /// The global allocator, with a 4096-aligned layout of `len` bytes.
-    Heap,
-    /// An anonymous mapping of `len` bytes at `ptr`.
-    Mapped,
-}
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
 unsafe impl Send for AlignedBuf {}
@@ -40,24 +30,15 @@ impl AlignedBuf {
     /// `len` is rounded up to a whole number of blocks (at least one).
     pub fn zeroed(len: usize) -> AlignedBuf {
         let len = len.max(1).div_ceil(BLOCK_BYTES) * BLOCK_BYTES;
-        if len >= HUGE_PAGE_BYTES {
-            if let Some(ptr) = map_huge(len) {
-                return AlignedBuf {
-                    ptr,
-                    len,
-                    source: Source::Mapped,
-                };
-            }
-        }
         let layout = Layout::from_size_align(len, BLOCK_BYTES).expect("valid layout");
-        // SAFETY: the layout has a non-zero size (len ≥ 4096).
-        let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf {
-            ptr,
-            len,
-            source: Source::Heap,
-        }
+        let ptr = if len >= HUGE_PAGE_BYTES {
+            map_huge(len)
+        } else {
+            // SAFETY: the layout has a non-zero size (len ≥ 4096).
+            NonNull::new(unsafe { alloc_zeroed(layout) })
+        };
+        let ptr = ptr.unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len }
     }
 
     pub fn len(&self) -> usize {
@@ -81,17 +62,15 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        match self.source {
-            Source::Heap => {
-                let layout = Layout::from_size_align(self.len, BLOCK_BYTES).expect("valid layout");
-                // SAFETY: allocated in `zeroed` with this exact layout, freed once.
-                unsafe { dealloc(self.ptr.as_ptr(), layout) }
-            }
-            Source::Mapped => {
-                // SAFETY: `map_huge` mapped exactly [ptr, ptr + len) and nothing
-                // else unmaps it; it is unmapped once, here.
-                unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
-            }
+        if self.len >= HUGE_PAGE_BYTES {
+            // SAFETY: `zeroed` took [ptr, ptr + len) from `map_huge`, which
+            // mapped exactly that; nothing else unmaps it, and it is unmapped
+            // once, here.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        } else {
+            let layout = Layout::from_size_align(self.len, BLOCK_BYTES).expect("valid layout");
+            // SAFETY: allocated in `zeroed` with this exact layout, freed once.
+            unsafe { dealloc(self.ptr.as_ptr(), layout) }
         }
     }
 }
@@ -100,8 +79,8 @@ impl Drop for AlignedBuf {
 /// asks the kernel to back them with transparent huge pages. On a virtual
 /// machine, memory reached through 4 KiB pages pays two-level page walks
 /// on every TLB miss, for the CPU and for the host's disk DMA alike.
-/// `None` if the mapping fails (the caller falls back to the heap); a
-/// refused `madvise` (THP off) leaves plain pages.
+/// `None` if the mapping fails; a refused `madvise` (THP off) leaves plain
+/// pages.
 fn map_huge(len: usize) -> Option<NonNull<u8>> {
     let span = len + HUGE_PAGE_BYTES;
     // SAFETY: an anonymous private mapping at an address of the kernel's
@@ -256,8 +235,8 @@ mod tests {
                 "VmFlags {flags}"
             );
         }
-        // Freed buffers give their mapping back: a new one of the same
-        // size is again whole and zeroed.
+        // After a drop (munmap), a new buffer of the same size is again
+        // zeroed.
         drop(b);
         let again = AlignedBuf::zeroed(len);
         assert!(again.as_slice().iter().all(|&x| x == 0));
