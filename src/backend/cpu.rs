@@ -14,18 +14,20 @@
 
 use super::gemm::{linear_backward, linear_forward};
 use super::Backend;
-use crate::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, ExpertSaved};
+use crate::math::{gelu, gelu_grad, sigmoid, silu, ExpertKind, ExpertSaved};
 use crate::EngineError;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
-/// Buffers the expert FFN reuses from call to call: the hidden activation
-/// and its gradients, n × F each (what would otherwise be allocated and
-/// faulted in for every expert of every pass).
+/// Buffers the expert FFN reuses from call to call: the hidden activation,
+/// the gate's sigmoid and the hidden layer's gradients, n × F each (what
+/// would otherwise be allocated and faulted in for every expert of every
+/// pass).
 #[derive(Debug, Default)]
 pub struct FfnScratch {
     h: Vec<f32>,
+    sig: Vec<f32>,
     dh: Vec<f32>,
     da: Vec<f32>,
     db: Vec<f32>,
@@ -38,12 +40,112 @@ fn zeroed(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buf
 }
 
-/// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`.
-fn hidden_into(kind: ExpertKind, saved: &ExpertSaved<f32>, h: &mut Vec<f32>) {
-    h.clear();
-    match kind {
-        ExpertKind::SwiGlu => h.extend(saved.a.iter().zip(&saved.b).map(|(&a, &b)| silu(a) * b)),
-        ExpertKind::Gelu => h.extend(saved.a.iter().map(|&a| gelu(a))),
+/// Below this many hidden elements an activation pass stays on the calling
+/// thread (about 0.1 ms of sigmoids; a spawn costs tens of microseconds).
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
+
+/// Runs `body(start, len)` over `0..n` cut into one contiguous range per
+/// core (a single range below `PARALLEL_MIN_ELEMENTS`). Each element is
+/// computed alone, so the cut changes no bit of the result.
+fn for_ranges(n: usize, body: impl Fn(usize, usize) + Sync) {
+    let parts = if n < PARALLEL_MIN_ELEMENTS {
+        1
+    } else {
+        crate::parallel::cores().clamp(1, 4)
+    };
+    let per = n.div_ceil(parts).max(1);
+    let body = &body;
+    crate::parallel::run_all(
+        (0..n)
+            .step_by(per)
+            .map(|start| move || body(start, per.min(n - start)))
+            .collect(),
+    );
+}
+
+/// A slice's elements as a raw pointer that threads working on disjoint
+/// ranges may share.
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+
+// SAFETY: only `for_ranges` bodies use it, each on its own disjoint range
+// of a buffer that outlives the scoped threads (see `SharedMut::range`).
+unsafe impl Send for SharedMut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMut {}
+
+impl SharedMut {
+    fn new(buf: &mut [f32]) -> Self {
+        SharedMut(buf.as_mut_ptr())
+    }
+
+    /// Elements `start..start + len` of the buffer.
+    ///
+    /// # Safety
+    /// The range lies inside the buffer this was made from, that buffer is
+    /// alive and otherwise untouched, and no other live slice overlaps it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, start: usize, len: usize) -> &mut [f32] {
+        // SAFETY: the caller's contract above.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
+
+/// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`; with
+/// `sig`, also σ(a) (SwiGLU), which the backward reuses for silu′.
+fn hidden_into(
+    kind: ExpertKind,
+    saved: &ExpertSaved<f32>,
+    h: &mut Vec<f32>,
+    mut sig: Option<&mut Vec<f32>>,
+) {
+    let n = saved.a.len();
+    let h = SharedMut::new(zeroed(h, n));
+    let sig = sig.as_mut().map(|s| SharedMut::new(zeroed(s, n)));
+    for_ranges(n, |start, len| {
+        let a = &saved.a[start..start + len];
+        // SAFETY: `for_ranges` hands out disjoint ranges of 0..n, and `h`
+        // (and `sig`) hold n elements and are used by nothing else here.
+        let h = unsafe { h.range(start, len) };
+        match kind {
+            ExpertKind::SwiGlu => {
+                let b = &saved.b[start..start + len];
+                match sig {
+                    Some(sig) => {
+                        // SAFETY: as for `h`.
+                        let sig = unsafe { sig.range(start, len) };
+                        for i in 0..len {
+                            let s = sigmoid(a[i]);
+                            sig[i] = s;
+                            // silu(a) = a·σ(a), the same operations.
+                            h[i] = a[i] * s * b[i];
+                        }
+                    }
+                    None => {
+                        for i in 0..len {
+                            h[i] = silu(a[i]) * b[i];
+                        }
+                    }
+                }
+            }
+            ExpertKind::Gelu => {
+                for i in 0..len {
+                    h[i] = gelu(a[i]);
+                }
+            }
+        }
+    });
+}
+
+/// SwiGLU's hidden gradients from dh = ∂L/∂h, h = silu(a)·b: db = dh·silu(a)
+/// and da = dh·b·silu′(a), from σ(a) with the operations of `math::silu`
+/// and `math::silu_grad` (so the same bits, for one sigmoid instead of
+/// two).
+fn swiglu_grads(da: &mut [f32], db: &mut [f32], dh: &[f32], a: &[f32], b: &[f32], sig: &[f32]) {
+    for i in 0..da.len() {
+        let s = sig[i];
+        db[i] = dh[i] * (a[i] * s);
+        da[i] = dh[i] * b[i] * (s * (1.0 + a[i] * (1.0 - s)));
     }
 }
 
@@ -69,7 +171,7 @@ pub(crate) fn ffn_forward(
     } else {
         saved.b.clear();
     }
-    hidden_into(kind, saved, &mut scratch.h);
+    hidden_into(kind, saved, &mut scratch.h, None);
     linear_forward(out, &scratch.h, &params[params.len() - d * f..], n, f, d);
 }
 
@@ -88,29 +190,47 @@ pub(crate) fn ffn_backward(
     scratch: &mut FfnScratch,
 ) {
     dx.fill(0.0);
-    hidden_into(kind, saved, &mut scratch.h);
+    hidden_into(kind, saved, &mut scratch.h, Some(&mut scratch.sig));
     let split = dparams.len() - d * f;
     let (dw_in, dw2) = dparams.split_at_mut(split);
     let dh = zeroed(&mut scratch.dh, n * f);
     linear_backward(dh, dw2, dout, &scratch.h, &params[split..], n, f, d);
+    let dh = &*dh;
     let w1 = &params[..f * d];
-    let da = zeroed(&mut scratch.da, n * f);
+    let da = SharedMut::new(zeroed(&mut scratch.da, n * f));
     match kind {
         ExpertKind::SwiGlu => {
-            let db = zeroed(&mut scratch.db, n * f);
-            for i in 0..n * f {
-                db[i] = dh[i] * silu(saved.a[i]);
-                da[i] = dh[i] * saved.b[i] * silu_grad(saved.a[i]);
-            }
+            let db = SharedMut::new(zeroed(&mut scratch.db, n * f));
+            let sig = &scratch.sig;
+            for_ranges(n * f, |start, len| {
+                // SAFETY: disjoint ranges of 0..n·f (`for_ranges`) of
+                // buffers of n·f elements used by nothing else meanwhile.
+                let (da, db) = unsafe { (da.range(start, len), db.range(start, len)) };
+                let r = start..start + len;
+                swiglu_grads(
+                    da,
+                    db,
+                    &dh[r.clone()],
+                    &saved.a[r.clone()],
+                    &saved.b[r.clone()],
+                    &sig[r],
+                );
+            });
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
-            linear_backward(dx, dw1, da, x, w1, n, d, f);
-            linear_backward(dx, dw3, db, x, &params[f * d..2 * f * d], n, d, f);
+            linear_backward(dx, dw1, &scratch.da, x, w1, n, d, f);
+            linear_backward(dx, dw3, &scratch.db, x, &params[f * d..2 * f * d], n, d, f);
         }
         ExpertKind::Gelu => {
-            for i in 0..n * f {
-                da[i] = dh[i] * gelu_grad(saved.a[i]);
-            }
-            linear_backward(dx, dw_in, da, x, w1, n, d, f);
+            for_ranges(n * f, |start, len| {
+                // SAFETY: as above.
+                let da = unsafe { da.range(start, len) };
+                let end = start + len;
+                let (a, dh) = (&saved.a[start..end], &dh[start..end]);
+                for i in 0..len {
+                    da[i] = dh[i] * gelu_grad(a[i]);
+                }
+            });
+            linear_backward(dx, dw_in, &scratch.da, x, w1, n, d, f);
         }
     }
 }
@@ -189,6 +309,62 @@ impl crate::model::DenseKernels for CpuBackend {
 mod tests {
     use super::*;
     use crate::math::{expert_ffn_backward, expert_ffn_forward};
+
+    #[test]
+    fn ranges_cover_every_element_once() {
+        for n in [
+            0,
+            1,
+            7,
+            PARALLEL_MIN_ELEMENTS - 1,
+            PARALLEL_MIN_ELEMENTS + 3,
+        ] {
+            let hits: Vec<std::sync::atomic::AtomicU32> = (0..n)
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect();
+            for_ranges(n, |start, len| {
+                for hit in &hits[start..start + len] {
+                    hit.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            assert!(hits
+                .iter()
+                .all(|h| h.load(std::sync::atomic::Ordering::Relaxed) == 1));
+        }
+    }
+
+    /// The activations of a layer large enough to be split over threads,
+    /// and the σ(a) the backward reuses, are bit for bit the formulas of
+    /// `math` (which the reference trainer uses).
+    #[test]
+    fn split_activations_equal_the_math_formulas_bit_for_bit() {
+        let n = PARALLEL_MIN_ELEMENTS * 2 + 5;
+        let wave = |i: usize, k: usize| ((i * k % 1009) as f32 / 1009.0 - 0.5) * 12.0;
+        let saved = ExpertSaved {
+            a: (0..n).map(|i| wave(i, 37)).collect(),
+            b: (0..n).map(|i| wave(i, 53)).collect(),
+        };
+        let (mut h, mut sig) = (Vec::new(), Vec::new());
+        hidden_into(ExpertKind::SwiGlu, &saved, &mut h, Some(&mut sig));
+        for i in 0..n {
+            let (a, b) = (saved.a[i], saved.b[i]);
+            assert_eq!(h[i].to_bits(), (silu(a) * b).to_bits());
+            assert_eq!(sig[i].to_bits(), sigmoid(a).to_bits());
+        }
+        let dh: Vec<f32> = (0..n).map(|i| wave(i, 11)).collect();
+        let (mut da, mut db) = (vec![0.0; n], vec![0.0; n]);
+        swiglu_grads(&mut da, &mut db, &dh, &saved.a, &saved.b, &sig);
+        for i in 0..n {
+            let (a, b) = (saved.a[i], saved.b[i]);
+            assert_eq!(db[i].to_bits(), (dh[i] * silu(a)).to_bits());
+            let da_math = dh[i] * b * crate::math::silu_grad(a);
+            assert_eq!(da[i].to_bits(), da_math.to_bits());
+        }
+        hidden_into(ExpertKind::SwiGlu, &saved, &mut h, None);
+        assert!((0..n).all(|i| h[i].to_bits() == (silu(saved.a[i]) * saved.b[i]).to_bits()));
+        hidden_into(ExpertKind::Gelu, &saved, &mut h, None);
+        assert!((0..n).all(|i| h[i].to_bits() == gelu(saved.a[i]).to_bits()));
+    }
 
     #[test]
     fn gemm_experts_match_the_plain_loops() {
