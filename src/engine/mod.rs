@@ -26,6 +26,7 @@ mod config;
 mod dense_state;
 mod device;
 mod exchange;
+mod grad_buffers;
 mod memory;
 mod metrics;
 mod multi;

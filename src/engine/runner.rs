@@ -184,7 +184,8 @@ impl DeviceRunner<'_> {
         let kind = self.model.expert_kind;
         let n = xe.len() / d;
         let key = self.key(layer, expert);
-        let mut grad = vec![0.0f32; params.count];
+        let mut grad = self.shared.grads.take();
+        debug_assert_eq!(grad.len(), params.count);
         let mut dxe = vec![0.0f32; n * d];
         self.dev.acc.assignments_computed += n as u64;
         if !self.options.skip_expert_compute {

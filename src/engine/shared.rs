@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use strata_optim::{ExpertKey, ExpertOptimizer};
 use strata_tiers::{ExpertId, HostCache, Layout, TierError};
 
+use super::grad_buffers::GradBuffers;
 use super::update::ExpertUpdate;
 use super::ScheduleKind;
 use crate::EngineError;
@@ -40,6 +41,8 @@ pub(crate) struct SharedExperts {
     pub layout: Layout,
     pub cache: HostCache,
     pub optimizer: ExpertOptimizer<ExpertUpdate>,
+    /// Expert gradients, reused once their update (or sum) is done.
+    pub grads: GradBuffers,
     book: Mutex<UpdateBook>,
 }
 
@@ -54,6 +57,9 @@ impl SharedExperts {
         steps: Vec<u64>,
     ) -> Self {
         let n = steps.len();
+        // At most one gradient per expert is alive outside a backward in
+        // progress (summed, held or being applied), plus one per device.
+        let grads = GradBuffers::new(layout.params_per_expert as usize, n + devices);
         Self {
             experts_per_layer,
             devices,
@@ -61,6 +67,7 @@ impl SharedExperts {
             layout,
             cache,
             optimizer,
+            grads,
             book: Mutex::new(UpdateBook {
                 steps,
                 pending: vec![false; n],
@@ -106,6 +113,7 @@ impl SharedExperts {
         let t0 = Instant::now();
         let (target, _) = self.optimizer.wait(ExpertKey(key as u64))?;
         self.book().steps[key] = target.step;
+        self.grads.give(target.grad);
         Ok(t0.elapsed().as_secs_f64())
     }
 
@@ -120,6 +128,7 @@ impl SharedExperts {
             if let Some((target, _)) = self.optimizer.try_wait(ExpertKey(key as u64))? {
                 book.pending[key] = false;
                 book.steps[key] = target.step;
+                self.grads.give(target.grad);
             }
         }
         Ok(())
@@ -141,6 +150,7 @@ impl SharedExperts {
         let grad = match book.grad_accum[key].take() {
             Some(mut sum) => {
                 sum.iter_mut().zip(&grad).for_each(|(s, g)| *s += g);
+                self.grads.give(grad);
                 sum
             }
             None => grad,
@@ -231,7 +241,11 @@ impl SharedExperts {
     /// A failed step leaves no partial gradient behind for the next.
     pub fn discard_partial(&self) {
         let mut book = self.book();
-        book.grad_accum.iter_mut().for_each(|g| *g = None);
-        book.deferred.clear();
+        let book = &mut *book;
+        let summed = book.grad_accum.iter_mut().filter_map(Option::take);
+        let held = book.deferred.drain(..).map(|(_, g)| g);
+        for grad in summed.chain(held).collect::<Vec<_>>() {
+            self.grads.give(grad);
+        }
     }
 }
