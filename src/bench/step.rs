@@ -114,6 +114,12 @@ pub struct StepBenchRecord {
     /// kept busy: the expert-wise run's checksums, write-backs and uploads
     /// are what it uses beyond the compute-only run.
     pub cpu_s: Option<f64>,
+    /// Page faults the whole process took during a timed step (mean; minor
+    /// faults: first touches of new memory, served without I/O; null where
+    /// the OS does not report them). Each costs a trap and a page clear, on
+    /// whichever thread touched the page: a run that allocates its buffers
+    /// afresh every step shows here.
+    pub page_faults: Option<f64>,
     /// Timed steps that lost at most `QUIET_STEAL_SHARE` of the machine's
     /// CPU time to other tenants, and their median step time.
     pub quiet_steps: usize,
@@ -183,11 +189,14 @@ struct Arm {
     steal: Vec<Option<f64>>,
     /// CPU seconds this process used during each timed step.
     cpu: Vec<Option<f64>>,
+    /// Minor page faults this process took during each timed step.
+    faults: Vec<Option<f64>>,
 }
 
-/// CPU seconds this process has used so far, every thread, user and
-/// system time (`getrusage`); `None` if the call fails.
-fn process_cpu_s() -> Option<f64> {
+/// What this process has used so far, every thread: (CPU seconds, user
+/// and system; minor page faults), from `getrusage`; `None` if the call
+/// fails.
+fn process_usage() -> Option<(f64, f64)> {
     // SAFETY: an all-zero rusage is a valid value of the plain C struct.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage only writes the struct it is given, which lives
@@ -196,7 +205,10 @@ fn process_cpu_s() -> Option<f64> {
         return None;
     }
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    Some(secs(usage.ru_utime) + secs(usage.ru_stime))
+    Some((
+        secs(usage.ru_utime) + secs(usage.ru_stime),
+        usage.ru_minflt as f64,
+    ))
 }
 
 /// CPU seconds stolen from this (virtual) machine so far, all cores
@@ -229,7 +241,7 @@ impl Arm {
     ) -> Result<(), EngineError> {
         for i in 0..warmup + timed {
             let stolen_before = stolen_cpu_s();
-            let cpu_before = process_cpu_s();
+            let usage_before = process_usage();
             let m = self
                 .engine
                 .step(&batch(&config.model, config.tokens, self.steps_done))?;
@@ -246,8 +258,9 @@ impl Arm {
                 self.metrics.push(m);
                 self.steal
                     .push(stolen_before.zip(stolen_cpu_s()).map(|(a, b)| b - a));
-                self.cpu
-                    .push(cpu_before.zip(process_cpu_s()).map(|(a, b)| b - a));
+                let used = usage_before.zip(process_usage());
+                self.cpu.push(used.map(|(a, b)| b.0 - a.0));
+                self.faults.push(used.map(|(a, b)| b.1 - a.1));
             }
         }
         self.engine.drain()
@@ -299,6 +312,7 @@ impl Arm {
             device_load_gap: mean(|m| m.device_load_gap()),
             steal_s: mean_of(&self.steal),
             cpu_s: mean_of(&self.cpu),
+            page_faults: mean_of(&self.faults),
             quiet_steps: quiet.len(),
             quiet_step_s: (!quiet.is_empty()).then(|| Timing::of(&quiet).median_s),
         }
@@ -483,6 +497,7 @@ fn run_rounds(
             metrics: Vec::new(),
             steal: Vec::new(),
             cpu: Vec::new(),
+            faults: Vec::new(),
         });
     }
     let n = arms.len();
@@ -657,6 +672,11 @@ mod tests {
         assert_eq!(noisy.steal_share(2.0), None);
         // Every run computes something on this thread, so it uses CPU time.
         assert!(records.iter().all(|r| r.cpu_s.is_some_and(|c| c > 0.0)));
+        if cfg!(target_os = "linux") {
+            assert!(records
+                .iter()
+                .all(|r| r.page_faults.is_some_and(|f| f >= 0.0)));
+        }
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         assert!(records
             .iter()
