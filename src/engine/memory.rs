@@ -5,7 +5,7 @@
 use strata_tiers::Layout;
 
 use crate::backend::BackendKind;
-use crate::engine::EngineConfig;
+use crate::engine::{EngineConfig, ScheduleKind};
 use crate::EngineError;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -21,6 +21,12 @@ pub struct HostMemoryPlan {
     pub store_in_memory: u64,
     /// cpu devices' slots (their "device memory" is host memory).
     pub cpu_device_tiers: u64,
+    /// Expert gradients (f32) alive at once: one per expert where the
+    /// naive schedule holds them to the end of the backward or several
+    /// micro-batches sum them; else one per update in flight (each holds a
+    /// host slot) plus one per device computing. Kept for reuse between
+    /// steps, so held for the whole run.
+    pub gradients: u64,
 }
 
 impl HostMemoryPlan {
@@ -39,15 +45,22 @@ impl HostMemoryPlan {
             }
             BackendKind::Cuda => 0, // GPU memory
         };
+        let held = if config.schedule == ScheduleKind::Naive || config.micro_batches > 1 {
+            experts
+        } else {
+            host_tier / record
+        };
+        let gradients = (held + config.devices as u64) * layout.params_per_expert * 4;
         Self {
             host_tier,
             store_in_memory,
             cpu_device_tiers,
+            gradients,
         }
     }
 
     pub fn total(&self) -> u64 {
-        self.host_tier + self.store_in_memory + self.cpu_device_tiers
+        self.host_tier + self.store_in_memory + self.cpu_device_tiers + self.gradients
     }
 
     /// The parts that hold anything, as "host tier 1.50 GiB, …".
@@ -59,6 +72,7 @@ impl HostMemoryPlan {
                 self.store_in_memory,
             ),
             ("cpu device tiers", self.cpu_device_tiers),
+            ("expert gradients", self.gradients),
         ]
         .iter()
         .filter(|(_, bytes)| *bytes > 0)
@@ -74,7 +88,8 @@ impl HostMemoryPlan {
             Some(available) if self.total() > available => Err(EngineError::Config(format!(
                 "the engine would hold {:.2} GiB of host memory ({}) but this machine has \
                  {:.2} GiB available: lower the host budget (--host-mem), the device budget \
-                 of cpu devices (--device-mem) or --devices, or give the store a file",
+                 of cpu devices (--device-mem) or --devices, give the store a file, or \
+                 (for the gradients) use fewer micro-batches or the expert-wise schedule",
                 self.total() as f64 / GIB,
                 self.describe(),
                 available as f64 / GIB,
@@ -130,6 +145,24 @@ mod tests {
         assert_eq!(plan.host_tier, 3 * record);
         assert_eq!(plan.store_in_memory, 8 * record);
         assert_eq!(plan.cpu_device_tiers, 2 * 8 * slot);
+        // Expert-wise, one micro-batch: an update in flight per host slot,
+        // one expert computing per device.
+        assert_eq!(plan.gradients, (3 + 2) * 1000 * 4);
+        for holds_all in [
+            EngineConfig {
+                schedule: ScheduleKind::Naive,
+                ..config.clone()
+            },
+            EngineConfig {
+                micro_batches: 4,
+                ..config.clone()
+            },
+        ] {
+            assert_eq!(
+                HostMemoryPlan::of(&layout, &holds_all).gradients,
+                (8 + 2) * 1000 * 4
+            );
+        }
         let on_file = EngineConfig {
             store_path: Some("x.store".into()),
             ..config
@@ -143,13 +176,16 @@ mod tests {
             host_tier: 3 << 30,
             store_in_memory: 0,
             cpu_device_tiers: 1 << 30,
+            gradients: 1 << 29,
         };
         assert!(plan.check(None).is_ok());
-        assert!(plan.check(Some(4 << 30)).is_ok());
+        assert!(plan.check(Some(9 << 29)).is_ok());
         let err = plan.check(Some(2 << 30)).unwrap_err().to_string();
-        assert!(err.contains("4.00 GiB of host memory"), "{err}");
+        assert!(err.contains("4.50 GiB of host memory"), "{err}");
         assert!(
-            err.contains("host tier 3.00 GiB, cpu device tiers 1.00 GiB"),
+            err.contains(
+                "host tier 3.00 GiB, cpu device tiers 1.00 GiB, expert gradients 0.50 GiB"
+            ),
             "{err}"
         );
         assert!(
