@@ -40,55 +40,58 @@ fn zeroed(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buf
 }
 
+/// `buf` resized to `len`, keeping its allocation and old values, for an
+/// output every element of which is written.
+fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    buf
+}
+
 /// Below this many hidden elements an activation pass stays on the calling
 /// thread (about 0.1 ms of sigmoids; a spawn costs tens of microseconds).
 const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
 
-/// Runs `body(start, len)` over `0..n` cut into one contiguous range per
-/// core (a single range below `PARALLEL_MIN_ELEMENTS`). Each element is
+/// Elements per part of an activation pass over `n`: one contiguous part
+/// per core (a single part below `PARALLEL_MIN_ELEMENTS`). Each element is
 /// computed alone, so the cut changes no bit of the result.
-fn for_ranges(n: usize, body: impl Fn(usize, usize) + Sync) {
+fn part_len(n: usize) -> usize {
     let parts = if n < PARALLEL_MIN_ELEMENTS {
         1
     } else {
         crate::parallel::cores().clamp(1, 4)
     };
-    let per = n.div_ceil(parts).max(1);
+    n.div_ceil(parts).max(1)
+}
+
+/// Runs `body(start, part)` on each part of `out` (`start`: the index of
+/// its first element), each on its own thread.
+fn for_parts(out: &mut [f32], body: impl Fn(usize, &mut [f32]) + Sync) {
+    let per = part_len(out.len());
     let body = &body;
     crate::parallel::run_all(
-        (0..n)
-            .step_by(per)
-            .map(|start| move || body(start, per.min(n - start)))
+        out.chunks_mut(per)
+            .enumerate()
+            .map(|(i, part)| move || body(i * per, part))
             .collect(),
     );
 }
 
-/// A slice's elements as a raw pointer that threads working on disjoint
-/// ranges may share.
-#[derive(Clone, Copy)]
-struct SharedMut(*mut f32);
-
-// SAFETY: only `for_ranges` bodies use it, each on its own disjoint range
-// of a buffer that outlives the scoped threads (see `SharedMut::range`).
-unsafe impl Send for SharedMut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedMut {}
-
-impl SharedMut {
-    fn new(buf: &mut [f32]) -> Self {
-        SharedMut(buf.as_mut_ptr())
-    }
-
-    /// Elements `start..start + len` of the buffer.
-    ///
-    /// # Safety
-    /// The range lies inside the buffer this was made from, that buffer is
-    /// alive and otherwise untouched, and no other live slice overlaps it.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn range(&self, start: usize, len: usize) -> &mut [f32] {
-        // SAFETY: the caller's contract above.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
-    }
+/// `for_parts` over two outputs of the same length, cut alike.
+fn for_part_pairs(
+    out: &mut [f32],
+    out2: &mut [f32],
+    body: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
+) {
+    assert_eq!(out.len(), out2.len());
+    let per = part_len(out.len());
+    let body = &body;
+    crate::parallel::run_all(
+        out.chunks_mut(per)
+            .zip(out2.chunks_mut(per))
+            .enumerate()
+            .map(|(i, (part, part2))| move || body(i * per, part, part2))
+            .collect(),
+    );
 }
 
 /// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`; with
@@ -97,44 +100,31 @@ fn hidden_into(
     kind: ExpertKind,
     saved: &ExpertSaved<f32>,
     h: &mut Vec<f32>,
-    mut sig: Option<&mut Vec<f32>>,
+    sig: Option<&mut Vec<f32>>,
 ) {
     let n = saved.a.len();
-    let h = SharedMut::new(zeroed(h, n));
-    let sig = sig.as_mut().map(|s| SharedMut::new(zeroed(s, n)));
-    for_ranges(n, |start, len| {
-        let a = &saved.a[start..start + len];
-        // SAFETY: `for_ranges` hands out disjoint ranges of 0..n, and `h`
-        // (and `sig`) hold n elements and are used by nothing else here.
-        let h = unsafe { h.range(start, len) };
-        match kind {
-            ExpertKind::SwiGlu => {
-                let b = &saved.b[start..start + len];
-                match sig {
-                    Some(sig) => {
-                        // SAFETY: as for `h`.
-                        let sig = unsafe { sig.range(start, len) };
-                        for i in 0..len {
-                            let s = sigmoid(a[i]);
-                            sig[i] = s;
-                            // silu(a) = a·σ(a), the same operations.
-                            h[i] = a[i] * s * b[i];
-                        }
-                    }
-                    None => {
-                        for i in 0..len {
-                            h[i] = silu(a[i]) * b[i];
-                        }
-                    }
-                }
+    let (a, b) = (&saved.a, &saved.b);
+    let h = sized(h, n);
+    match (kind, sig) {
+        (ExpertKind::SwiGlu, Some(sig)) => for_part_pairs(h, sized(sig, n), |at, h, sig| {
+            for i in 0..h.len() {
+                let s = sigmoid(a[at + i]);
+                sig[i] = s;
+                // silu(a) = a·σ(a), the same operations.
+                h[i] = a[at + i] * s * b[at + i];
             }
-            ExpertKind::Gelu => {
-                for i in 0..len {
-                    h[i] = gelu(a[i]);
-                }
+        }),
+        (ExpertKind::SwiGlu, None) => for_parts(h, |at, h| {
+            for i in 0..h.len() {
+                h[i] = silu(a[at + i]) * b[at + i];
             }
-        }
-    });
+        }),
+        (ExpertKind::Gelu, _) => for_parts(h, |at, h| {
+            for i in 0..h.len() {
+                h[i] = gelu(a[at + i]);
+            }
+        }),
+    }
 }
 
 /// SwiGLU's hidden gradients from dh = ∂L/∂h, h = silu(a)·b: db = dh·silu(a)
@@ -197,22 +187,19 @@ pub(crate) fn ffn_backward(
     linear_backward(dh, dw2, dout, &scratch.h, &params[split..], n, f, d);
     let dh = &*dh;
     let w1 = &params[..f * d];
-    let da = SharedMut::new(zeroed(&mut scratch.da, n * f));
+    let da = sized(&mut scratch.da, n * f);
     match kind {
         ExpertKind::SwiGlu => {
-            let db = SharedMut::new(zeroed(&mut scratch.db, n * f));
-            let sig = &scratch.sig;
-            for_ranges(n * f, |start, len| {
-                // SAFETY: disjoint ranges of 0..n·f (`for_ranges`) of
-                // buffers of n·f elements used by nothing else meanwhile.
-                let (da, db) = unsafe { (da.range(start, len), db.range(start, len)) };
-                let r = start..start + len;
+            let db = sized(&mut scratch.db, n * f);
+            let (a, b, sig) = (&saved.a, &saved.b, &scratch.sig);
+            for_part_pairs(da, db, |at, da, db| {
+                let r = at..at + da.len();
                 swiglu_grads(
                     da,
                     db,
                     &dh[r.clone()],
-                    &saved.a[r.clone()],
-                    &saved.b[r.clone()],
+                    &a[r.clone()],
+                    &b[r.clone()],
                     &sig[r],
                 );
             });
@@ -221,13 +208,10 @@ pub(crate) fn ffn_backward(
             linear_backward(dx, dw3, &scratch.db, x, &params[f * d..2 * f * d], n, d, f);
         }
         ExpertKind::Gelu => {
-            for_ranges(n * f, |start, len| {
-                // SAFETY: as above.
-                let da = unsafe { da.range(start, len) };
-                let end = start + len;
-                let (a, dh) = (&saved.a[start..end], &dh[start..end]);
-                for i in 0..len {
-                    da[i] = dh[i] * gelu_grad(a[i]);
+            let a = &saved.a;
+            for_parts(da, |at, da| {
+                for i in 0..da.len() {
+                    da[i] = dh[at + i] * gelu_grad(a[at + i]);
                 }
             });
             linear_backward(dx, dw_in, &scratch.da, x, w1, n, d, f);
@@ -319,17 +303,21 @@ mod tests {
             PARALLEL_MIN_ELEMENTS - 1,
             PARALLEL_MIN_ELEMENTS + 3,
         ] {
-            let hits: Vec<std::sync::atomic::AtomicU32> = (0..n)
-                .map(|_| std::sync::atomic::AtomicU32::new(0))
-                .collect();
-            for_ranges(n, |start, len| {
-                for hit in &hits[start..start + len] {
-                    hit.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
+            // Each visit adds the element's index + 1, as its part says.
+            let visit = |at: usize, part: &mut [f32]| {
+                part.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, h)| *h += (at + i + 1) as f32)
+            };
+            let (mut hits, mut hits2) = (vec![0.0f32; n], vec![0.0f32; n]);
+            for_parts(&mut hits, visit);
+            assert!((0..n).all(|i| hits[i] == (i + 1) as f32));
+            hits.fill(0.0);
+            for_part_pairs(&mut hits, &mut hits2, |at, part, part2| {
+                visit(at, part);
+                visit(at, part2);
             });
-            assert!(hits
-                .iter()
-                .all(|h| h.load(std::sync::atomic::Ordering::Relaxed) == 1));
+            assert!((0..n).all(|i| hits[i] == (i + 1) as f32 && hits2[i] == (i + 1) as f32));
         }
     }
 

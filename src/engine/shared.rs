@@ -244,8 +244,6 @@ impl SharedExperts {
         let book = &mut *book;
         let summed = book.grad_accum.iter_mut().filter_map(Option::take);
         let held = book.deferred.drain(..).map(|(_, g)| g);
-        for grad in summed.chain(held).collect::<Vec<_>>() {
-            self.grads.give(grad);
-        }
+        summed.chain(held).for_each(|grad| self.grads.give(grad));
     }
 }
