@@ -107,6 +107,32 @@ fn rope_apply<R: Real>(
     }
 }
 
+/// Σ a[c]·b[c] over one head's dimension, in eight interleaved partial
+/// sums (element c goes to sum c % 8) added pairwise at the end. The order
+/// is fixed, so every call, thread and split gives the same bits; unlike
+/// one running sum (a chain of dependent adds the compiler may not
+/// reorder), the eight sums are independent and become SIMD lanes.
+#[inline]
+fn dot<R: Real>(a: &[R], b: &[R]) -> R {
+    debug_assert_eq!(a.len(), b.len());
+    const LANES: usize = 8;
+    let mut sums = [R::zero(); LANES];
+    let whole = a.len() / LANES * LANES;
+    for (x, y) in a[..whole]
+        .chunks_exact(LANES)
+        .zip(b[..whole].chunks_exact(LANES))
+    {
+        for l in 0..LANES {
+            sums[l] += x[l] * y[l];
+        }
+    }
+    for (l, (&x, &y)) in a[whole..].iter().zip(&b[whole..]).enumerate() {
+        sums[l] += x * y;
+    }
+    let [s0, s1, s2, s3, s4, s5, s6, s7] = sums;
+    ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7))
+}
+
 /// out (T, H·hd) = softmax(q kᵀ / √hd, causal) v per sequence and head;
 /// saves the probabilities (B, H, S, S; zero above the diagonal).
 pub fn attention_forward<R: Real>(
@@ -141,11 +167,7 @@ pub fn attention_forward<R: Real>(
                 for j in 0..=i {
                     let tj = b * s + j;
                     let kj = &k[tj * kw + g * hd..tj * kw + (g + 1) * hd];
-                    let mut dot = R::zero();
-                    for c in 0..hd {
-                        dot += qi[c] * kj[c];
-                    }
-                    row[j] = dot * scale;
+                    row[j] = dot(qi, kj) * scale;
                     if row[j] > max {
                         max = row[j];
                     }
@@ -162,8 +184,9 @@ pub fn attention_forward<R: Real>(
                 for j in 0..=i {
                     let tj = b * s + j;
                     let vj = &v[tj * kw + g * hd..tj * kw + (g + 1) * hd];
-                    for c in 0..hd {
-                        oi[c] += row[j] * vj[c];
+                    let p = row[j];
+                    for (o, &vc) in oi.iter_mut().zip(vj) {
+                        *o += p * vc;
                     }
                 }
             }
@@ -206,26 +229,28 @@ pub fn attention_backward<R: Real>(
                 for j in 0..=i {
                     let tj = b * s + j;
                     let vj = &v[tj * kw + g * hd..tj * kw + (g + 1) * hd];
-                    let mut dot = R::zero();
-                    for c in 0..hd {
-                        dot += doi[c] * vj[c];
-                    }
+                    let dot = dot(doi, vj);
                     dp[j] = dot;
                     weighted += row[j] * dot;
                     let dvj = &mut dv[tj * kw + g * hd..tj * kw + (g + 1) * hd];
-                    for c in 0..hd {
-                        dvj[c] += row[j] * doi[c];
+                    let p = row[j];
+                    for (d, &o) in dvj.iter_mut().zip(doi) {
+                        *d += p * o;
                     }
                 }
                 // dScore_ij = P_ij (dP_ij − Σ_j' P_ij' dP_ij') · scale
                 let qi_at = ti * qw + h * hd;
+                let qi = &q[qi_at..qi_at + hd];
+                let dqi = &mut dq[qi_at..qi_at + hd];
                 for j in 0..=i {
                     let ds = row[j] * (dp[j] - weighted) * scale;
                     let tj = b * s + j;
                     let kj_at = tj * kw + g * hd;
-                    for c in 0..hd {
-                        dq[qi_at + c] += ds * k[kj_at + c];
-                        dk[kj_at + c] += ds * q[qi_at + c];
+                    let kj = &k[kj_at..kj_at + hd];
+                    let dkj = &mut dk[kj_at..kj_at + hd];
+                    for ((dqc, dkc), (&kc, &qc)) in dqi.iter_mut().zip(dkj).zip(kj.iter().zip(qi)) {
+                        *dqc += ds * kc;
+                        *dkc += ds * qc;
                     }
                 }
             }
@@ -351,6 +376,25 @@ mod tests {
         let mut v = vec![0.0; len];
         fill_uniform(&mut v, seed, 0, 1.0);
         v
+    }
+
+    /// The eight-sum dot product is the plain sum up to rounding, for
+    /// every length around the lane count (a ragged tail included), and
+    /// exact where every partial sum is.
+    #[test]
+    fn lane_dot_is_the_dot_product() {
+        for len in 0..=27 {
+            let (a, b) = (filled(len, 11), filled(len, 12));
+            let exact: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+            let got = dot(&a, &b) as f64;
+            assert!(
+                (got - exact).abs() <= 1e-6 * (1.0 + exact.abs()),
+                "{len}: {got} vs {exact}"
+            );
+            let ints: Vec<f32> = (0..len).map(|i| (i % 7) as f32 - 3.0).collect();
+            let want: f32 = ints.iter().map(|x| x * x).sum();
+            assert_eq!(dot(&ints, &ints), want, "{len}: small integers sum exactly");
+        }
     }
 
     /// Splitting the sequences over threads changes no bit, with a ragged
