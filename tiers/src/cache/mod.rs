@@ -1,0 +1,452 @@
+//! [`HostCache`]: the host tier. One allocation sized from
+//! `host_budget_bytes` is carved into fixed-size slots, one expert record
+//! each. Slots carry a pin count, a writer flag, a dirty step and a state;
+//! eviction never touches a pinned, written or in-flight slot, and writes a
+//! dirty one back before reuse. A prefetcher thread (`prefetch.rs`) walks
+//! the access schedule and loads ahead of compute.
+//!
+//! Slot memory is shared between guards, the prefetcher and write-backs by
+//! this protocol (all transitions under the one mutex):
+//! - `Loading` / `Evicting`: the I/O thread that set it owns the whole slot;
+//! - `Ready` + `writer`: the one `WriteGuard` owns the payloads;
+//! - `Ready` + `upgrading`: an I/O thread fills the state part, while read
+//!   guards of the compute part go on (disjoint bytes);
+//! - `Ready` + `writing_back`: an I/O thread stamps the two 64-byte headers
+//!   and reads the payloads; read guards go on (they never see headers).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use lru::LruCache;
+
+use crate::io::{HostAllocator, PageAllocator};
+use crate::record::Parts;
+use crate::schedule::Schedule;
+use crate::store::ExpertStore;
+use crate::{ExpertId, TierError};
+
+mod guards;
+mod slots;
+
+pub use guards::{ReadGuard, WriteGuard};
+pub(crate) use slots::{Inner, Shared, SlotMeta, SlotState};
+
+/// How to choose what to evict.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    /// Least recently used: for access patterns the schedule does not know.
+    Lru,
+    /// The expert whose next scheduled use is furthest away (Belady's
+    /// choice, exact when the schedule is followed).
+    #[default]
+    ScheduleDistance,
+}
+
+/// Host tier configuration; every bound is fixed at construction.
+#[derive(Clone)]
+pub struct HostCacheConfig {
+    pub host_budget_bytes: u64,
+    pub policy: EvictionPolicy,
+    /// How many scheduled accesses the prefetcher looks ahead of the
+    /// cursor; 0 disables the prefetcher. Free slots bound it further.
+    pub prefetch_ahead_max: usize,
+    /// Loads the prefetcher issues as one I/O batch.
+    pub prefetch_batch_max: usize,
+    pub allocator: Arc<dyn HostAllocator>,
+}
+
+impl Default for HostCacheConfig {
+    fn default() -> Self {
+        Self {
+            host_budget_bytes: 1 << 30,
+            policy: EvictionPolicy::ScheduleDistance,
+            prefetch_ahead_max: 64,
+            prefetch_batch_max: 8,
+            allocator: Arc::new(PageAllocator),
+        }
+    }
+}
+
+/// Counters since construction (or the last `take_stats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Acquires that found their parts ready.
+    pub hits: u64,
+    /// Acquires that found their expert on its way in and waited.
+    pub late: u64,
+    /// Acquires that had to load (some of) their parts themselves.
+    pub misses: u64,
+    /// Time acquires spent waiting for or doing loads.
+    pub stall_ns: u64,
+    pub loads: u64,
+    pub bytes_read: u64,
+    pub write_backs: u64,
+    pub bytes_written: u64,
+    pub evictions: u64,
+}
+
+impl CacheStats {
+    pub fn acquires(&self) -> u64 {
+        self.hits + self.late + self.misses
+    }
+
+    /// Share of acquires served without waiting; 1.0 when there were none.
+    pub fn hit_rate(&self) -> f64 {
+        match self.acquires() {
+            0 => 1.0,
+            n => self.hits as f64 / n as f64,
+        }
+    }
+}
+/// The host tier. See the module docs.
+pub struct HostCache {
+    shared: Arc<Shared>,
+    prefetcher: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HostCache {
+    /// Allocates the slots and, if asked, starts the prefetcher.
+    pub fn new(store: Arc<ExpertStore>, config: HostCacheConfig) -> Result<Self, TierError> {
+        let layout = store.layout();
+        let slot_bytes = layout.record_bytes();
+        let slot_count = config.host_budget_bytes / slot_bytes;
+        if slot_count == 0 {
+            return Err(TierError::BudgetTooSmall {
+                tier: "host",
+                budget_bytes: config.host_budget_bytes,
+                needed_bytes: slot_bytes,
+                why: "one expert record",
+            });
+        }
+        // No more slots than experts: extra ones could never be used.
+        let slot_count = slot_count.min(layout.expert_count()) as usize;
+        let region = config
+            .allocator
+            .allocate(slot_count * slot_bytes as usize)?;
+        // SAFETY: the region lives in `Shared`, whose Drop unregisters it
+        // before the region itself is dropped.
+        let registered = unsafe { store.register_host_region(region.as_ptr(), region.len()) };
+        let shared = Arc::new(Shared {
+            store,
+            region,
+            registered,
+            slot_bytes: slot_bytes as usize,
+            layout,
+            policy: config.policy,
+            ahead_max: config.prefetch_ahead_max,
+            batch_max: config.prefetch_batch_max.max(1),
+            inner: Mutex::new(Inner {
+                slots: vec![SlotMeta::EMPTY; slot_count],
+                by_expert: HashMap::with_capacity(slot_count * 2),
+                recency: LruCache::unbounded(),
+                schedule: Schedule::default(),
+                stats: CacheStats::default(),
+                stop: false,
+            }),
+            changed: Condvar::new(),
+        });
+        let prefetcher = if config.prefetch_ahead_max > 0 {
+            let shared = Arc::clone(&shared);
+            Some(
+                std::thread::Builder::new()
+                    .name("strata-prefetch".to_string())
+                    .spawn(move || crate::prefetch::run(&shared))
+                    .map_err(|e| TierError::IoThread(e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        Ok(Self { shared, prefetcher })
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.shared.lock().slots.len()
+    }
+
+    pub fn store(&self) -> &Arc<ExpertStore> {
+        &self.shared.store
+    }
+
+    /// Whether the host allocation is registered with io_uring (fixed buffers).
+    pub fn io_registered(&self) -> bool {
+        self.shared.registered()
+    }
+
+    /// Whether the host allocation is page-locked (pinned for DMA).
+    pub fn page_locked(&self) -> bool {
+        self.shared.region.page_locked
+    }
+
+    /// The host region, for registering it with an I/O or GPU driver.
+    pub fn region_ptr_len(&self) -> (*mut u8, usize) {
+        (self.shared.region.as_ptr(), self.shared.region.len())
+    }
+
+    /// The order compute will ask for experts, repeated every step.
+    pub fn set_schedule(&self, order: Vec<(ExpertId, Parts)>) {
+        let mut inner = self.shared.lock();
+        inner.schedule = Schedule::new(order);
+        drop(inner);
+        self.shared.changed.notify_all();
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.shared.lock().stats
+    }
+
+    /// The counters so far, resetting them.
+    pub fn take_stats(&self) -> CacheStats {
+        std::mem::take(&mut self.shared.lock().stats)
+    }
+
+    /// Pins `expert` with `parts` ready (Compute or Full) and returns a
+    /// shared guard; blocks only while a load is late or a writer holds it.
+    pub fn acquire(&self, expert: ExpertId, parts: Parts) -> Result<ReadGuard, TierError> {
+        self.acquire_within(expert, parts, Duration::ZERO)
+    }
+
+    /// `acquire`, but when every slot is pinned it waits up to `pin_wait`
+    /// for a guard to be dropped (by another thread: an upload completing)
+    /// before it reports `AllSlotsPinned`.
+    pub fn acquire_within(
+        &self,
+        expert: ExpertId,
+        parts: Parts,
+        pin_wait: Duration,
+    ) -> Result<ReadGuard, TierError> {
+        assert_ne!(parts, Parts::State, "acquire Compute or Full");
+        let slot = self.acquire_slot(expert, parts, false, pin_wait)?;
+        Ok(ReadGuard {
+            shared: Arc::clone(&self.shared),
+            slot,
+            expert,
+            parts,
+        })
+    }
+
+    /// Pins `expert` with its full record, exclusively, for the optimizer.
+    pub fn acquire_mut(&self, expert: ExpertId) -> Result<WriteGuard, TierError> {
+        self.acquire_mut_within(expert, Duration::ZERO)
+    }
+
+    /// `acquire_mut`, waiting up to `pin_wait` as `acquire_within` does.
+    pub fn acquire_mut_within(
+        &self,
+        expert: ExpertId,
+        pin_wait: Duration,
+    ) -> Result<WriteGuard, TierError> {
+        let slot = self.acquire_slot(expert, Parts::Full, true, pin_wait)?;
+        Ok(WriteGuard {
+            shared: Arc::clone(&self.shared),
+            slot,
+            expert,
+            sealed: false,
+        })
+    }
+
+    fn acquire_slot(
+        &self,
+        expert: ExpertId,
+        parts: Parts,
+        write: bool,
+        pin_wait: Duration,
+    ) -> Result<usize, TierError> {
+        let shared = &*self.shared;
+        shared.layout.slot_of(expert)?;
+        let start = Instant::now();
+        let mut inner = shared.lock();
+        let mut waited = false;
+        let mut loaded = false;
+        loop {
+            if let Some(&slot) = inner.by_expert.get(&expert) {
+                let m = inner.slots[slot];
+                let busy = match m.state {
+                    SlotState::Loading | SlotState::Evicting => true,
+                    SlotState::Empty => unreachable!("a mapped slot is not empty"),
+                    SlotState::Ready => {
+                        m.writer
+                            || (parts == Parts::Full && m.upgrading)
+                            || (write && (m.pins > 0 || m.writing_back))
+                    }
+                };
+                if busy {
+                    waited = true;
+                    inner = shared.wait(inner);
+                    continue;
+                }
+                if parts == Parts::Full && m.parts == Parts::Compute {
+                    inner.slots[slot].upgrading = true;
+                    drop(inner);
+                    // SAFETY: `upgrading` gives this thread the state part;
+                    // compute readers keep to the compute part.
+                    let result = unsafe { shared.read_slots(&[(slot, expert, Parts::State)]) };
+                    inner = shared.lock();
+                    inner.slots[slot].upgrading = false;
+                    shared.changed.notify_all();
+                    result?;
+                    inner.slots[slot].parts = Parts::Full;
+                    inner.stats.loads += 1;
+                    inner.stats.bytes_read += Parts::State.range(&shared.layout).len() as u64;
+                    loaded = true;
+                    continue;
+                }
+                let m = &mut inner.slots[slot];
+                if write {
+                    m.writer = true;
+                    m.stamped = None; // the payloads are about to change
+                } else {
+                    m.pins += 1;
+                }
+                inner.recency.put(slot, ());
+                let window = shared.ahead_max.max(1) * 4;
+                inner.schedule.advance(expert, window);
+                let stats = &mut inner.stats;
+                if loaded {
+                    stats.misses += 1;
+                } else if waited {
+                    stats.late += 1;
+                } else {
+                    stats.hits += 1;
+                }
+                if loaded || waited {
+                    stats.stall_ns += start.elapsed().as_nanos() as u64;
+                }
+                drop(inner);
+                shared.changed.notify_all();
+                return Ok(slot);
+            }
+            // Not resident: load it here.
+            let Some(victim) = shared.choose_victim(&inner, None) else {
+                // Loads, write-backs and upgrades finish on their own.
+                let transient = inner.slots.iter().any(|m| {
+                    matches!(m.state, SlotState::Loading | SlotState::Evicting)
+                        || m.upgrading
+                        || m.writing_back
+                });
+                if transient {
+                    waited = true;
+                    inner = shared.wait(inner);
+                    continue;
+                }
+                // Pins held elsewhere end when their holders drop them.
+                if let Some(left) = pin_wait
+                    .checked_sub(start.elapsed())
+                    .filter(|d| !d.is_zero())
+                {
+                    waited = true;
+                    inner = shared.wait_timeout(inner, left);
+                    continue;
+                }
+                return Err(TierError::AllSlotsPinned {
+                    slots: inner.slots.len(),
+                });
+            };
+            let write_back = shared.claim(&mut inner, victim, expert, parts);
+            drop(inner);
+            let result = load_now(shared, victim, expert, parts, write_back);
+            inner = shared.lock();
+            shared.changed.notify_all();
+            match result {
+                Ok(()) => {
+                    if write_back.is_some() {
+                        shared.evicted(&mut inner, victim);
+                    }
+                    shared.loaded(&mut inner, victim);
+                    loaded = true;
+                }
+                Err(e) => {
+                    shared.abandon(&mut inner, victim);
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Writes every dirty slot back to the store (not yet durable). Fails
+    /// if a dirty expert is still held by a `WriteGuard`.
+    pub fn flush(&self) -> Result<(), TierError> {
+        let shared = &*self.shared;
+        let mut inner = shared.lock();
+        loop {
+            let transient = inner.slots.iter().any(|m| {
+                matches!(m.state, SlotState::Loading | SlotState::Evicting) || m.writing_back
+            });
+            if !transient {
+                break;
+            }
+            inner = shared.wait(inner);
+        }
+        let mut jobs = Vec::new();
+        for (slot, m) in inner.slots.iter_mut().enumerate() {
+            if let (Some(expert), Some(step)) = (m.expert, m.dirty) {
+                if m.writer {
+                    return Err(TierError::DirtyExpertHeld { expert });
+                }
+                m.writing_back = true;
+                jobs.push((slot, expert, step));
+            }
+        }
+        drop(inner);
+        // SAFETY: each job's slot is `writing_back` for this thread.
+        let result = unsafe { shared.write_slots(&jobs) };
+        let mut inner = shared.lock();
+        for &(slot, _, step) in &jobs {
+            let m = &mut inner.slots[slot];
+            m.writing_back = false;
+            if result.is_ok() && m.dirty == Some(step) {
+                m.dirty = None;
+            }
+        }
+        if result.is_ok() {
+            inner.stats.write_backs += jobs.len() as u64;
+            inner.stats.bytes_written += jobs.len() as u64 * shared.layout.record_bytes();
+        }
+        drop(inner);
+        shared.changed.notify_all();
+        result
+    }
+
+    /// `flush`, then commit the store's checkpoint `step` (durable on return).
+    pub fn checkpoint(&self, step: u64) -> Result<(), TierError> {
+        self.flush()?;
+        self.shared.store.checkpoint(step)
+    }
+
+    /// Which experts are resident, for tests and reports.
+    pub fn resident(&self) -> Vec<(ExpertId, Parts, bool)> {
+        let inner = self.shared.lock();
+        inner
+            .slots
+            .iter()
+            .filter(|m| m.state == SlotState::Ready)
+            .map(|m| (m.expert.expect("ready"), m.parts, m.dirty.is_some()))
+            .collect()
+    }
+}
+
+/// Writes back (if needed) and loads one slot, on the calling thread.
+fn load_now(
+    shared: &Shared,
+    slot: usize,
+    expert: ExpertId,
+    parts: Parts,
+    write_back: Option<(usize, ExpertId, u64)>,
+) -> Result<(), TierError> {
+    if let Some(job) = write_back {
+        // SAFETY: the slot is Evicting for this thread (claim).
+        unsafe { shared.write_slots(&[job])? };
+    }
+    // SAFETY: the slot is Loading (or Evicting, about to be) for this thread.
+    unsafe { shared.read_slots(&[(slot, expert, parts)]) }
+}
+
+impl Drop for HostCache {
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.changed.notify_all();
+        if let Some(t) = self.prefetcher.take() {
+            let _ = t.join();
+        }
+    }
+}
