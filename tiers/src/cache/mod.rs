@@ -30,7 +30,8 @@ mod guards;
 mod slots;
 
 pub use guards::{ReadGuard, WriteGuard};
-pub(crate) use slots::{Inner, Shared, SlotMeta, SlotState};
+use slots::{Inner, SlotMeta};
+pub(crate) use slots::{Shared, SlotState};
 
 /// How to choose what to evict.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
