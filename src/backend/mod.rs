@@ -13,6 +13,7 @@ mod gemm;
 
 pub use cpu::CpuBackend;
 pub use device::{CpuExpertDevice, ExpertDevice, SlotParams};
+pub(crate) use gemm::linear_forward;
 
 use strata_tiers::{Dtype, Layout};
 

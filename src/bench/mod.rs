@@ -4,6 +4,7 @@
 //! shared machine.
 
 pub mod optim;
+pub mod overlap;
 pub mod placement;
 pub mod step;
 pub mod tiers;
@@ -35,6 +36,41 @@ impl Timing {
             min_s: s[0],
         }
     }
+}
+
+/// What this process has used so far, every thread: (CPU seconds, user
+/// and system; minor page faults), from `getrusage`; `None` if the call
+/// fails.
+pub(crate) fn process_usage() -> Option<(f64, f64)> {
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given, which lives
+    // for the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return None;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Some((
+        secs(usage.ru_utime) + secs(usage.ru_stime),
+        usage.ru_minflt as f64,
+    ))
+}
+
+/// CPU seconds stolen from this (virtual) machine so far, all cores
+/// together: the `steal` column of /proc/stat's first line; `None` where
+/// there is no such file (not Linux) or column.
+pub(crate) fn stolen_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: f64 = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .nth(8)?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks / hz as f64)
 }
 
 /// Parses a count with an optional binary suffix: `1000`, `64K`, `64M`, `1G`.

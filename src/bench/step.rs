@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 use strata_tiers::Dtype;
 
-use super::Timing;
+use super::{process_usage, stolen_cpu_s, Timing};
 use crate::backend::BackendKind;
 use crate::engine::{
     available_host_memory, Engine, EngineConfig, HostMemoryPlan, ScheduleKind, StepMetrics,
@@ -104,9 +104,12 @@ pub struct StepBenchRecord {
     /// max/min − 1 of the expert assignments each device computed (mean
     /// over steps; 0 with one device).
     pub device_load_gap: f64,
-    /// CPU seconds a timed step lost to other tenants of a virtual machine
-    /// (mean; all cores; /proc/stat's steal, null where not reported). A
-    /// large figure means the machine, not strata, set this run's times.
+    /// CPU seconds the hypervisor took from this virtual machine during a
+    /// timed step (mean; all cores; /proc/stat's steal, null where not
+    /// reported): other tenants' work, or the host serving this machine's
+    /// own disk I/O on the cores behind its own. The second shows only in
+    /// the runs that overlap SSD I/O with compute on every core (measured
+    /// alone by `strata bench overlap`).
     pub steal_s: Option<f64>,
     /// CPU seconds the whole process used during a timed step (mean; all
     /// threads, user + system; null where the OS does not report it). Set
@@ -121,14 +124,14 @@ pub struct StepBenchRecord {
     /// afresh every step shows here.
     pub page_faults: Option<f64>,
     /// Timed steps that lost at most `QUIET_STEAL_SHARE` of the machine's
-    /// CPU time to other tenants, and their median step time.
+    /// CPU time to steal, and their median step time.
     pub quiet_steps: usize,
     pub quiet_step_s: Option<f64>,
 }
 
 impl StepBenchRecord {
-    /// The share of this machine's CPU time (`cores` × `step_s`) other
-    /// tenants took during a timed step, where steal is reported.
+    /// The share of this machine's CPU time (`cores` × `step_s`) the
+    /// hypervisor took during a timed step, where steal is reported.
     pub fn steal_share(&self, cores: f64) -> Option<f64> {
         self.steal_s.map(|s| s / (cores * self.step_s).max(1e-9))
     }
@@ -167,8 +170,9 @@ fn record_bytes(model: &ModelConfig, dtype: Dtype) -> u64 {
 }
 
 /// A step that lost more than this share of the machine's CPU time (cores
-/// × wall time) to other tenants of a virtual machine is left out of the
-/// summary's quiet ratios.
+/// × wall time) to steal is left out of the summary's quiet ratios. Where
+/// the steal is the run's own I/O (see `StepBenchRecord::steal_s`), the
+/// expert-wise run has few quiet steps however quiet the neighbours are.
 const QUIET_STEAL_SHARE: f64 = 0.05;
 
 /// Whether a step of `wall_s` that lost `steal_s` CPU seconds on `cores`
@@ -191,41 +195,6 @@ struct Arm {
     cpu: Vec<Option<f64>>,
     /// Minor page faults this process took during each timed step.
     faults: Vec<Option<f64>>,
-}
-
-/// What this process has used so far, every thread: (CPU seconds, user
-/// and system; minor page faults), from `getrusage`; `None` if the call
-/// fails.
-fn process_usage() -> Option<(f64, f64)> {
-    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage only writes the struct it is given, which lives
-    // for the call.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
-        return None;
-    }
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    Some((
-        secs(usage.ru_utime) + secs(usage.ru_stime),
-        usage.ru_minflt as f64,
-    ))
-}
-
-/// CPU seconds stolen from this (virtual) machine so far, all cores
-/// together: the `steal` column of /proc/stat's first line; `None` where
-/// there is no such file (not Linux) or column.
-fn stolen_cpu_s() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let ticks: f64 = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .nth(8)?
-        .parse()
-        .ok()?;
-    // SAFETY: sysconf only reads a configuration value.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (hz > 0).then(|| ticks / hz as f64)
 }
 
 impl Arm {
@@ -573,7 +542,7 @@ mod tests {
     }
 
     #[test]
-    fn steps_that_lost_much_cpu_to_other_tenants_are_not_quiet() {
+    fn steps_that_lost_much_cpu_to_steal_are_not_quiet() {
         assert!(is_quiet(None, 1.0, 2.0));
         assert!(is_quiet(Some(0.0), 1.0, 2.0));
         assert!(is_quiet(Some(0.1), 1.0, 2.0));

@@ -57,16 +57,9 @@ pub struct TiersBenchRecord {
     pub file: String,
 }
 
+/// CPU seconds this process has used so far (0 where the OS does not say).
 fn cpu_seconds() -> f64 {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes a whole rusage into the pointer it is given,
-    // which points at a zero-initialized value of that type.
-    let usage = unsafe {
-        libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr());
-        usage.assume_init()
-    };
-    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 * 1e-6;
-    t(usage.ru_utime) + t(usage.ru_stime)
+    super::process_usage().map_or(0.0, |(cpu_s, _)| cpu_s)
 }
 
 fn layout_for(config: &TiersBenchConfig) -> Layout {
