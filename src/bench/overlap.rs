@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use strata_tiers::io::{AlignedBuf, FileOptions};
-use strata_tiers::{Dtype, ExpertStore, Layout, Parts, TierError};
+use strata_tiers::{ExpertStore, Layout, Parts, TierError};
 
 use super::{process_usage, stolen_cpu_s};
 use crate::backend::linear_forward;
@@ -163,23 +163,24 @@ impl GemmWork {
     }
 }
 
-/// The scratch store and the host memory its records pass through.
+/// The scratch store and the host memory its records pass through (the
+/// store is dropped first: fields drop in declaration order).
 struct ScratchIo {
     store: ExpertStore,
     layout: Layout,
     region: AlignedBuf,
 }
 
+impl Drop for ScratchIo {
+    fn drop(&mut self) {
+        self.store.unregister_host_region();
+    }
+}
+
 impl ScratchIo {
     /// Creates the store in `dir` and writes (and commits) every record once.
     fn create(config: &OverlapBenchConfig, path: &std::path::Path) -> Result<Self, TierError> {
-        // A record holds 2 (bf16) + 12 bytes a param, plus two 4 KiB headers.
-        let layout = Layout {
-            layers: 1,
-            experts_per_layer: config.records,
-            params_per_expert: ((config.record_mib << 20) / 14).max(1),
-            compute_dtype: Dtype::Bf16,
-        };
+        let layout = super::tiers::scratch_layout(config.record_mib, config.records);
         let buffer_bytes = layout.record_bytes() * u64::from(config.records);
         if buffer_bytes > BUFFER_BYTES_MAX {
             return Err(TierError::BudgetTooSmall {
@@ -196,6 +197,11 @@ impl ScratchIo {
             .enumerate()
             .for_each(|(k, x)| *x = (k % 251) as u8);
         let store = ExpertStore::create(path, layout, &FileOptions::default())?;
+        // Registered with io_uring, as the host tier's slots are.
+        // SAFETY: `region` is dropped after `store` (field order below) and
+        // `Drop` unregisters it first, so the memory outlives the
+        // registration.
+        unsafe { store.register_host_region(region.as_mut_slice().as_mut_ptr(), region.len()) };
         let mut io = Self {
             store,
             layout,

@@ -62,12 +62,14 @@ fn cpu_seconds() -> f64 {
     super::process_usage().map_or(0.0, |(cpu_s, _)| cpu_s)
 }
 
-fn layout_for(config: &TiersBenchConfig) -> Layout {
+/// A one-layer store of `records` records of about `record_mib` MiB each
+/// (also the scratch store of `bench overlap`).
+pub(crate) fn scratch_layout(record_mib: u64, records: u32) -> Layout {
     // A record holds 2 (bf16) + 12 bytes a param, plus two 4 KiB-rounded headers.
-    let params = (config.record_mib << 20) / 14;
+    let params = (record_mib << 20) / 14;
     Layout {
         layers: 1,
-        experts_per_layer: config.experts,
+        experts_per_layer: records,
         params_per_expert: params.max(1),
         compute_dtype: Dtype::Bf16,
     }
@@ -78,7 +80,7 @@ pub fn run(
     config: &TiersBenchConfig,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<TiersBenchRecord>, TierError> {
-    let layout = layout_for(config);
+    let layout = scratch_layout(config.record_mib, config.experts);
     let record_bytes = layout.record_bytes();
     let buffer_bytes = record_bytes * config.experts as u64;
     if buffer_bytes > BUFFER_BYTES_MAX {
