@@ -31,9 +31,6 @@ use super::{process_usage, stolen_cpu_s};
 use crate::backend::linear_forward;
 use crate::EngineError;
 
-/// Host memory the bench may fill with record buffers.
-const BUFFER_BYTES_MAX: u64 = 4 << 30;
-
 /// The GEMM of the compute arm: (M, K) · (N, K)ᵀ, an expert's first
 /// projection at `strata bench step`'s defaults (256 tokens an expert,
 /// d_model 512, d_ff 1024).
@@ -181,21 +178,10 @@ impl ScratchIo {
     /// Creates the store in `dir` and writes (and commits) every record once.
     fn create(config: &OverlapBenchConfig, path: &std::path::Path) -> Result<Self, TierError> {
         let layout = super::tiers::scratch_layout(config.record_mib, config.records);
-        let buffer_bytes = layout.record_bytes() * u64::from(config.records);
-        if buffer_bytes > BUFFER_BYTES_MAX {
-            return Err(TierError::BudgetTooSmall {
-                tier: "bench buffer",
-                budget_bytes: BUFFER_BYTES_MAX,
-                needed_bytes: buffer_bytes,
-                why: "one buffer per record; use fewer --records or a smaller --record-mib",
-            });
-        }
-        let mut region = AlignedBuf::zeroed(buffer_bytes as usize);
-        region
-            .as_mut_slice()
-            .iter_mut()
-            .enumerate()
-            .for_each(|(k, x)| *x = (k % 251) as u8);
+        let mut region = super::tiers::scratch_region(
+            layout,
+            "one buffer per record; use fewer --records or a smaller --record-mib",
+        )?;
         let store = ExpertStore::create(path, layout, &FileOptions::default())?;
         // Registered with io_uring, as the host tier's slots are.
         // SAFETY: `region` is dropped after `store` (field order below) and

@@ -75,30 +75,39 @@ pub(crate) fn scratch_layout(record_mib: u64, records: u32) -> Layout {
     }
 }
 
-/// Runs the bench; `progress` gets a line per measurement.
-pub fn run(
-    config: &TiersBenchConfig,
-    mut progress: impl FnMut(&str),
-) -> Result<Vec<TiersBenchRecord>, TierError> {
-    let layout = scratch_layout(config.record_mib, config.experts);
-    let record_bytes = layout.record_bytes();
-    let buffer_bytes = record_bytes * config.experts as u64;
+/// One region for every record of `layout` (so it can be registered with
+/// io_uring as the host tier's pool is), filled with a byte pattern;
+/// refused beyond `BUFFER_BYTES_MAX`, with `why` naming the options that
+/// shrink it.
+pub(crate) fn scratch_region(layout: Layout, why: &'static str) -> Result<AlignedBuf, TierError> {
+    let buffer_bytes = layout.record_bytes() * layout.expert_count();
     if buffer_bytes > BUFFER_BYTES_MAX {
         return Err(TierError::BudgetTooSmall {
             tier: "bench buffer",
             budget_bytes: BUFFER_BYTES_MAX,
             needed_bytes: buffer_bytes,
-            why: "one buffer per record; use fewer --experts or a smaller --record-mib",
+            why,
         });
     }
-    // One region for every record buffer, so it can be registered with
-    // io_uring as the host tier's pool is.
     let mut region = AlignedBuf::zeroed(buffer_bytes as usize);
     region
         .as_mut_slice()
         .iter_mut()
         .enumerate()
         .for_each(|(k, x)| *x = (k % 251) as u8);
+    Ok(region)
+}
+
+/// Runs the bench; `progress` gets a line per measurement.
+pub fn run(
+    config: &TiersBenchConfig,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<TiersBenchRecord>, TierError> {
+    let layout = scratch_layout(config.record_mib, config.experts);
+    let mut region = scratch_region(
+        layout,
+        "one buffer per record; use fewer --experts or a smaller --record-mib",
+    )?;
     let mut out = Vec::new();
     for &engine in &config.engines {
         let depths: Vec<u32> = if engine == EnginePreference::Pread {
