@@ -169,6 +169,9 @@ pub struct OverlapArgs {
     /// Rounds in which the three arms take turns.
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
+    /// How long the compute arm lasts, as a multiple of the I/O arm (1: balanced).
+    #[arg(long, default_value_t = 1.0)]
+    pub compute_over_io: f64,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -543,6 +546,7 @@ fn bench_overlap(args: OverlapArgs) -> Result<(), String> {
         record_mib: args.record_mib,
         records: args.records,
         rounds: args.rounds,
+        compute_over_io: args.compute_over_io,
     };
     let (records, summary) =
         bench::overlap::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;

@@ -8,7 +8,8 @@
 //!   prefetch thread does;
 //! - `compute`: the cpu backend's expert GEMMs, split over every core as
 //!   the engine splits them, sized in an untimed first pass to last as long
-//!   as `io` alone: the balanced case, where the overlap matters most;
+//!   as `io` alone (the balanced case, where the overlap matters most), or
+//!   `compute_over_io` times as long;
 //! - `both`: the two at once.
 //!
 //! `both` ÷ max(io, compute) is then the best step any overlapping schedule
@@ -48,6 +49,9 @@ pub struct OverlapBenchConfig {
     pub records: u32,
     /// Rounds in which the three arms take turns.
     pub rounds: usize,
+    /// How long the compute arm is to last, as a multiple of the I/O arm
+    /// (1.0: balanced).
+    pub compute_over_io: f64,
 }
 
 /// One arm's line of output: medians over the rounds.
@@ -296,6 +300,12 @@ pub fn run(
             "--records, --record-mib and --rounds must be at least 1".into(),
         ));
     }
+    if !(config.compute_over_io > 0.0 && config.compute_over_io <= 100.0) {
+        return Err(EngineError::Config(format!(
+            "--compute-over-io {} is not a ratio in (0, 100] (1: compute as long as the I/O)",
+            config.compute_over_io
+        )));
+    }
     let path = config
         .dir
         .join(format!("strata-bench-overlap-{}.store", std::process::id()));
@@ -323,17 +333,18 @@ fn run_on(
     let mut work = GemmWork::new();
     // Untimed: two passes of each warm the file and the threads (the first
     // I/O pass runs slower), then the GEMM count is set so that the compute
-    // arm lasts as long as the faster I/O pass.
+    // arm lasts `compute_over_io` times the faster I/O pass.
     let io_s = io.pass()?.min(io.pass()?);
+    let target_s = io_s * config.compute_over_io;
     work.run(2);
     let probe = 16;
     let per_call = work.run(probe) / probe as f64;
-    let mut calls = ((io_s / per_call.max(1e-9)).round() as usize).max(1);
+    let mut calls = ((target_s / per_call.max(1e-9)).round() as usize).max(1);
     // Once more at full length, which short probes misjudge.
     let full = work.run(calls);
-    calls = ((calls as f64 * io_s / full.max(1e-9)).round() as usize).max(1);
+    calls = ((calls as f64 * target_s / full.max(1e-9)).round() as usize).max(1);
     progress(&format!(
-        "I/O pass {io_s:.3} s; {calls} GEMMs of {GEMM_M}x{GEMM_K}x{GEMM_N} to match it"
+        "I/O pass {io_s:.3} s; {calls} GEMMs of {GEMM_M}x{GEMM_K}x{GEMM_N} to last {target_s:.3} s"
     ));
 
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); Arm::ALL.len()];
@@ -449,6 +460,7 @@ mod tests {
             record_mib: 1,
             records: 4,
             rounds: 2,
+            compute_over_io: 1.0,
         };
         let mut lines = 0;
         let (records, summary) = run(&config, |_| lines += 1).unwrap();
@@ -475,8 +487,18 @@ mod tests {
             record_mib: 1,
             records: 0,
             rounds: 1,
+            compute_over_io: 1.0,
         };
         let err = run(&config, |_| {}).unwrap_err().to_string();
         assert!(err.contains("--records"), "{err}");
+        for ratio in [0.0, -1.0, f64::NAN, 1e9] {
+            let config = OverlapBenchConfig {
+                records: 4,
+                compute_over_io: ratio,
+                ..config.clone()
+            };
+            let err = run(&config, |_| {}).unwrap_err().to_string();
+            assert!(err.contains("--compute-over-io"), "{err}");
+        }
     }
 }
