@@ -6,8 +6,10 @@
 #                                "skipped" there), `bench upload`, and the
 #                                trainer's default run on the cuda and cpu
 #                                backends
-#   scripts/gpu-check.sh bench   `bench step --backend cuda`: the default
-#                                SSD case, then every record in host memory
+#   scripts/gpu-check.sh bench   `bench overlap` (whether this host's disk
+#                                I/O hides behind CPU work), then `bench step
+#                                --backend cuda`: the default SSD case, then
+#                                every record in host memory
 # Output goes under $OUT when set (else gpu-out/), a few files per phase.
 set -uo pipefail
 phase=${1:-tests}
@@ -53,7 +55,10 @@ tests)
     cat "$out/train.log"
     ;;
 bench)
-    timeout 330 gpu-bin/strata bench step --json --backend cuda --dir /tmp \
+    timeout 50 gpu-bin/strata bench overlap --json --rounds 3 --dir /tmp \
+        > "$out/bench-overlap.jsonl" 2> "$out/bench-overlap.log" || status=1
+    cat "$out/bench-overlap.jsonl"
+    timeout 300 gpu-bin/strata bench step --json --backend cuda --dir /tmp \
         > "$out/bench-step-cuda.jsonl" 2> "$out/bench-step-cuda.log" || status=1
     cat "$out/bench-step-cuda.jsonl"
     tail -5 "$out/bench-step-cuda.log"
