@@ -22,19 +22,24 @@ pub struct Timing {
 impl Timing {
     /// Panics on an empty set: every bench times at least one repetition.
     pub fn of(samples: &[Duration]) -> Timing {
-        assert!(!samples.is_empty(), "no samples to summarize");
-        let mut s: Vec<f64> = samples.iter().map(Duration::as_secs_f64).collect();
-        s.sort_by(f64::total_cmp);
-        let mid = s.len() / 2;
-        let median_s = if s.len() % 2 == 1 {
-            s[mid]
-        } else {
-            (s[mid - 1] + s[mid]) / 2.0
-        };
+        let s: Vec<f64> = samples.iter().map(Duration::as_secs_f64).collect();
         Timing {
-            median_s,
-            min_s: s[0],
+            median_s: median(s.clone()),
+            min_s: s.into_iter().fold(f64::INFINITY, f64::min),
         }
+    }
+}
+
+/// The median of `v` (the mean of the middle two for an even count).
+/// Panics on an empty set: every bench times at least one repetition.
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    assert!(!v.is_empty(), "no samples to summarize");
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
     }
 }
 

@@ -28,7 +28,7 @@ use serde::Serialize;
 use strata_tiers::io::{AlignedBuf, FileOptions};
 use strata_tiers::{ExpertStore, Layout, Parts, TierError};
 
-use super::{process_usage, stolen_cpu_s};
+use super::{median, process_usage, stolen_cpu_s};
 use crate::backend::linear_forward;
 use crate::EngineError;
 
@@ -76,7 +76,8 @@ pub struct OverlapRecord {
     pub cpu_s: Option<f64>,
     pub bytes_moved: u64,
     pub gemm_calls: usize,
-    /// Whether the store bypassed the page cache (false on tmpfs).
+    /// Whether the store bypassed the page cache (false where the file
+    /// system refused O_DIRECT).
     pub direct: bool,
     pub engine: &'static str,
     pub cores: usize,
@@ -87,7 +88,8 @@ pub struct OverlapRecord {
 pub struct OverlapSummary {
     pub bench: &'static str,
     pub arm: &'static str,
-    /// both ÷ max(io, compute), medians: 1.0 is a perfect overlap, 2.0 none.
+    /// both ÷ max(io, compute), medians: 1.0 is a perfect overlap,
+    /// `serial_over_bound` none.
     pub both_over_bound: f64,
     /// The same ratio round by round.
     pub both_over_bound_by_round: Vec<f64>,
@@ -271,17 +273,6 @@ fn measure(
         steal_s: steal0.zip(stolen_cpu_s()).map(|(a, b)| b - a),
         cpu_s: usage0.zip(process_usage()).map(|(a, b)| b.0 - a.0),
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    assert!(!v.is_empty(), "no samples");
-    v.sort_by(f64::total_cmp);
-    let mid = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[mid]
-    } else {
-        (v[mid - 1] + v[mid]) / 2.0
-    }
 }
 
 /// The median of the present values, `None` if there are none.
