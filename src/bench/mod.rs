@@ -23,9 +23,10 @@ impl Timing {
     /// Panics on an empty set: every bench times at least one repetition.
     pub fn of(samples: &[Duration]) -> Timing {
         let s: Vec<f64> = samples.iter().map(Duration::as_secs_f64).collect();
+        let min_s = s.iter().copied().fold(f64::INFINITY, f64::min);
         Timing {
-            median_s: median(s.clone()),
-            min_s: s.into_iter().fold(f64::INFINITY, f64::min),
+            median_s: median(s),
+            min_s,
         }
     }
 }
