@@ -102,20 +102,30 @@ impl WriteGuard {
         m.stamped = None;
     }
 
-    /// The writer is done: checksums the record into its headers as
-    /// `step` (on the calling thread, so a later write-back only submits
-    /// the bytes), marks it dirty and gives the slot back at once. The
-    /// guard holds nothing afterwards; dropping it is a no-op.
+    /// The writer is done: marks the record dirty as `step` and gives the
+    /// slot back at once. The guard holds nothing afterwards; dropping it
+    /// is a no-op.
+    ///
+    /// Where records get evicted (the host tier holds fewer than all of
+    /// them), the record is checksummed into its headers here, on the
+    /// calling thread, so that its write-back only submits the bytes.
+    /// Where every record stays resident, nothing is written back until a
+    /// flush, which checksums what it writes: a record updated every step
+    /// is checksummed once a flush, not once a step.
     pub fn seal(&mut self, step: u64) {
         assert!(!self.sealed, "a WriteGuard is sealed once");
-        // SAFETY: the writer flag gives this guard the whole slot, headers
-        // included: write-backs skip written slots (`evictable`, `flush`).
-        unsafe { self.shared.stamp(self.slot, self.expert, step) };
+        let stamp_now = self.shared.evicts();
+        if stamp_now {
+            // SAFETY: the writer flag gives this guard the whole slot,
+            // headers included: write-backs skip written slots
+            // (`evictable`, `flush`).
+            unsafe { self.shared.stamp(self.slot, self.expert, step) };
+        }
         let mut inner = self.shared.lock();
         let m = &mut inner.slots[self.slot];
         assert!(m.writer, "sealing a slot without its writer");
         m.dirty = Some(step);
-        m.stamped = Some(step);
+        m.stamped = stamp_now.then_some(step);
         m.writer = false;
         drop(inner);
         self.sealed = true;

@@ -114,6 +114,13 @@ impl Shared {
         self.registered
     }
 
+    /// Whether records ever leave this tier: it has fewer slots than the
+    /// store has records.
+    pub fn evicts(&self) -> bool {
+        let slots = (self.region.len() / self.slot_bytes) as u64;
+        slots < self.layout.expert_count()
+    }
+
     pub fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
