@@ -12,7 +12,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::gemm::{linear_backward, linear_forward};
+use super::gemm::{linear_backward, linear_backward_writing, linear_forward, Write};
 use super::Backend;
 use crate::math::{gelu, gelu_grad, sigmoid, silu, ExpertKind, ExpertSaved};
 use crate::EngineError;
@@ -31,13 +31,6 @@ pub struct FfnScratch {
     dh: Vec<f32>,
     da: Vec<f32>,
     db: Vec<f32>,
-}
-
-/// `buf` resized to `len` zeros, keeping its allocation.
-fn zeroed(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buf.clear();
-    buf.resize(len, 0.0);
-    buf
 }
 
 /// `buf` resized to `len`, keeping its allocation and old values, for an
@@ -165,11 +158,13 @@ pub(crate) fn ffn_forward(
     linear_forward(out, &scratch.h, &params[params.len() - d * f..], n, f, d);
 }
 
-/// dx (n, D) = …, dparams += … (dx is overwritten).
+/// dx (n, D) = …, dparams += … or = … as `dparams_write` says (dx is
+/// overwritten; neither output is read first when set).
 pub(crate) fn ffn_backward(
     kind: ExpertKind,
     dx: &mut [f32],
     dparams: &mut [f32],
+    dparams_write: Write,
     dout: &[f32],
     saved: &ExpertSaved<f32>,
     x: &[f32],
@@ -179,12 +174,12 @@ pub(crate) fn ffn_backward(
     f: usize,
     scratch: &mut FfnScratch,
 ) {
-    dx.fill(0.0);
     hidden_into(kind, saved, &mut scratch.h, Some(&mut scratch.sig));
     let split = dparams.len() - d * f;
     let (dw_in, dw2) = dparams.split_at_mut(split);
-    let dh = zeroed(&mut scratch.dh, n * f);
-    linear_backward(dh, dw2, dout, &scratch.h, &params[split..], n, f, d);
+    let dh = sized(&mut scratch.dh, n * f);
+    let (h, w2) = (&scratch.h, &params[split..]);
+    linear_backward_writing(dh, dw2, [Write::Set, dparams_write], dout, h, w2, n, f, d);
     let dh = &*dh;
     let w1 = &params[..f * d];
     let da = sized(&mut scratch.da, n * f);
@@ -204,8 +199,9 @@ pub(crate) fn ffn_backward(
                 );
             });
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
-            linear_backward(dx, dw1, &scratch.da, x, w1, n, d, f);
-            linear_backward(dx, dw3, &scratch.db, x, &params[f * d..2 * f * d], n, d, f);
+            let (da, db, w3) = (&scratch.da, &scratch.db, &params[f * d..2 * f * d]);
+            linear_backward_writing(dx, dw1, [Write::Set, dparams_write], da, x, w1, n, d, f);
+            linear_backward_writing(dx, dw3, [Write::Add, dparams_write], db, x, w3, n, d, f);
         }
         ExpertKind::Gelu => {
             let a = &saved.a;
@@ -214,7 +210,8 @@ pub(crate) fn ffn_backward(
                     da[i] = dh[at + i] * gelu_grad(a[at + i]);
                 }
             });
-            linear_backward(dx, dw_in, &scratch.da, x, w1, n, d, f);
+            let writes = [Write::Set, dparams_write];
+            linear_backward_writing(dx, dw_in, writes, &scratch.da, x, w1, n, d, f);
         }
     }
 }
@@ -254,7 +251,20 @@ impl Backend for CpuBackend {
         f: usize,
     ) -> Result<(), EngineError> {
         let scratch = &mut FfnScratch::default();
-        ffn_backward(kind, dx, dparams, dout, saved, x, params, n, d, f, scratch);
+        ffn_backward(
+            kind,
+            dx,
+            dparams,
+            Write::Add,
+            dout,
+            saved,
+            x,
+            params,
+            n,
+            d,
+            f,
+            scratch,
+        );
         Ok(())
     }
 }

@@ -10,9 +10,11 @@ use std::sync::Arc;
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
 use super::cpu::{ffn_backward, ffn_forward, FfnScratch};
+use super::gemm::Write;
 use super::CpuBackend;
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
+use crate::parallel::{cores, run_all};
 use crate::EngineError;
 
 /// An expert's compute params in a device slot: `count` values of `dtype`
@@ -92,10 +94,12 @@ pub trait ExpertDevice: Send {
         f: usize,
     ) -> Result<(), EngineError>;
 
-    /// dx (n, D) = …, dparams (`params.count` f32, zeroed by the caller)
-    /// = the expert's gradient (dx is overwritten). A GPU device starts
-    /// the gradient from zero on the device instead of uploading the
-    /// zeros: for a Mixtral-sized expert that is 704 MB a backward.
+    /// dx (n, D) = …, dparams (`params.count` f32) = the expert's
+    /// gradient. Both are overwritten: what they held is never read, so
+    /// the engine hands in its kept gradient buffers as they are. (The cpu
+    /// device's GEMMs write the gradient without reading it; a GPU device
+    /// starts it from zero on the device, which for a Mixtral-sized expert
+    /// saves uploading 704 MB of zeros a backward.)
     #[allow(clippy::too_many_arguments)]
     fn expert_backward(
         &mut self,
@@ -137,26 +141,41 @@ impl CpuExpertDevice {
         })
     }
 
-    /// Widens the slot's params into `self.params`.
+    /// Widens the slot's params into `self.params`, in one contiguous part
+    /// per core (each element alone, so the cut changes no bit).
     fn widen(&mut self, p: SlotParams) -> Result<(), EngineError> {
         let view = self.arena.view(p.slot)?;
         let bytes = &view.bytes()[..p.count * p.dtype.bytes() as usize];
-        let out = &mut self.params;
-        out.clear();
-        match p.dtype {
-            Dtype::F32 => out.extend_from_slice(bytemuck::cast_slice::<u8, f32>(bytes)),
-            Dtype::Bf16 => out.extend(
-                bytemuck::cast_slice::<u8, half::bf16>(bytes)
-                    .iter()
-                    .map(|x| x.to_f32()),
-            ),
-            Dtype::F16 => out.extend(
-                bytemuck::cast_slice::<u8, half::f16>(bytes)
-                    .iter()
-                    .map(|x| x.to_f32()),
-            ),
-        }
+        self.params.resize(p.count, 0.0);
+        let per = p.count.div_ceil(cores()).max(WIDEN_PART_MIN);
+        let width = p.dtype.bytes() as usize;
+        run_all(
+            self.params
+                .chunks_mut(per)
+                .zip(bytes.chunks(per * width))
+                .map(|(out, bytes)| move || widen_into(out, bytes, p.dtype))
+                .collect(),
+        );
         Ok(())
+    }
+}
+
+/// Below this many params a part is not split off (a spawn costs tens of
+/// microseconds; this is about as long to widen).
+const WIDEN_PART_MIN: usize = 1 << 16;
+
+/// out = `bytes` read as `dtype`, widened to f32.
+fn widen_into(out: &mut [f32], bytes: &[u8], dtype: Dtype) {
+    match dtype {
+        Dtype::F32 => out.copy_from_slice(bytemuck::cast_slice::<u8, f32>(bytes)),
+        Dtype::Bf16 => {
+            let src = bytemuck::cast_slice::<u8, half::bf16>(bytes);
+            out.iter_mut().zip(src).for_each(|(o, x)| *o = x.to_f32());
+        }
+        Dtype::F16 => {
+            let src = bytemuck::cast_slice::<u8, half::f16>(bytes);
+            out.iter_mut().zip(src).for_each(|(o, x)| *o = x.to_f32());
+        }
     }
 }
 
@@ -203,16 +222,13 @@ impl ExpertDevice for CpuExpertDevice {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        debug_assert!(
-            dparams.iter().all(|&g| g == 0.0),
-            "dparams must start zeroed"
-        );
         self.widen(params)?;
         let scratch = &mut self.scratch;
         ffn_backward(
             kind,
             dx,
             dparams,
+            Write::Set,
             dout,
             saved,
             x,

@@ -99,6 +99,26 @@ fn forward_rows(out: &mut [f32], x: &[f32], w: &[f32], k: usize, n: usize) {
     }
 }
 
+/// How a backward GEMM writes an output: adds the product to what is
+/// there, or replaces it (the output's old values are never read, so it
+/// needs no zeroing first). For the same product the two give the same
+/// bits, but for the sign of a zero sum: matrixmultiply sums each element
+/// in the same order either way, and 0 + s = s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Write {
+    Add,
+    Set,
+}
+
+impl Write {
+    fn beta(self) -> f32 {
+        match self {
+            Write::Add => 1.0,
+            Write::Set => 0.0,
+        }
+    }
+}
+
 /// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_backward(
@@ -111,22 +131,47 @@ pub(crate) fn linear_backward(
     k: usize,
     n: usize,
 ) {
+    linear_backward_writing(dx, dw, [Write::Add; 2], dout, x, w, m, k, n);
+}
+
+/// `linear_backward`, writing dx and dw as `writes` = [dx's, dw's] say.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear_backward_writing(
+    dx: &mut [f32],
+    dw: &mut [f32],
+    writes: [Write; 2],
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) {
     let parts = threads_for(2 * m * k * n, cores());
-    backward_in_parts(dx, dw, dout, x, w, m, k, n, parts);
+    backward_in_parts(dx, dw, writes, dout, x, w, m, k, n, parts);
 }
 
 /// One part of a backward GEMM pair.
 enum BackwardPart<'a> {
-    /// dx rows [`row0`, `row0` + len / K) += dout rows · w
-    Dx { dx: &'a mut [f32], row0: usize },
-    /// dw rows [`row0`, `row0` + len / K) += dout columns ᵀ · x
-    Dw { dw: &'a mut [f32], row0: usize },
+    /// dx rows [`row0`, `row0` + len / K) (+)= dout rows · w
+    Dx {
+        dx: &'a mut [f32],
+        row0: usize,
+        write: Write,
+    },
+    /// dw rows [`row0`, `row0` + len / K) (+)= dout columns ᵀ · x
+    Dw {
+        dw: &'a mut [f32],
+        row0: usize,
+        write: Write,
+    },
 }
 
 #[allow(clippy::too_many_arguments)]
 fn backward_in_parts(
     dx: &mut [f32],
     dw: &mut [f32],
+    writes: [Write; 2],
     dout: &[f32],
     x: &[f32],
     w: &[f32],
@@ -138,6 +183,12 @@ fn backward_in_parts(
     assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
     assert!(x.len() == m * k && w.len() == n * k);
     if m * n * k == 0 {
+        // An empty sum (no rows of dout, or N = 0) or an empty output.
+        for (out, write) in [(dx, writes[0]), (dw, writes[1])] {
+            if write == Write::Set {
+                out.fill(0.0);
+            }
+        }
         return;
     }
     // The two GEMMs cost the same; each gets half the threads (one each
@@ -152,6 +203,7 @@ fn backward_in_parts(
         .map(|(i, dx)| BackwardPart::Dx {
             dx,
             row0: i * dx_rows,
+            write: writes[0],
         })
         .chain(
             dw.chunks_mut(dw_rows * k)
@@ -159,6 +211,7 @@ fn backward_in_parts(
                 .map(|(i, dw)| BackwardPart::Dw {
                     dw,
                     row0: i * dw_rows,
+                    write: writes[1],
                 }),
         )
         .collect();
@@ -185,7 +238,7 @@ fn backward_part(
     n: usize,
 ) {
     match part {
-        BackwardPart::Dx { dx, row0 } => {
+        BackwardPart::Dx { dx, row0, write } => {
             let rows = dx.len() / k;
             assert!(row0 + rows <= m);
             let dout = &dout[row0 * n..(row0 + rows) * n];
@@ -204,14 +257,14 @@ fn backward_part(
                     w.as_ptr(),
                     k as isize,
                     1,
-                    1.0,
+                    write.beta(),
                     dx.as_mut_ptr(),
                     k as isize,
                     1,
                 );
             }
         }
-        BackwardPart::Dw { dw, row0 } => {
+        BackwardPart::Dw { dw, row0, write } => {
             let rows = dw.len() / k;
             assert!(row0 + rows <= n);
             // Column j of dout (M, N) is row j of doutᵀ: it starts at
@@ -233,7 +286,7 @@ fn backward_part(
                     x.as_ptr(),
                     k as isize,
                     1,
-                    1.0,
+                    write.beta(),
                     dw.as_mut_ptr(),
                     k as isize,
                     1,
@@ -247,6 +300,8 @@ fn backward_part(
 mod tests {
     use super::*;
     use crate::model::fill_uniform;
+
+    const ADD: [Write; 2] = [Write::Add; 2];
 
     fn filled(len: usize, seed: u64) -> Vec<f32> {
         let mut v = vec![0.0; len];
@@ -277,13 +332,13 @@ mod tests {
             }
             let (dx0, dw0) = (filled(m * k, 4), filled(n * k, 5));
             let (mut dx_whole, mut dw_whole) = (dx0.clone(), dw0.clone());
-            backward_in_parts(&mut dx_whole, &mut dw_whole, &dout, &x, &w, m, k, n, 1);
+            backward_in_parts(&mut dx_whole, &mut dw_whole, ADD, &dout, &x, &w, m, k, n, 1);
             for parts in [2, 3, 4] {
                 let mut split = vec![0.0; m * n];
                 forward_in_parts(&mut split, &x, &w, m, k, n, parts);
                 assert_eq!(split, whole, "forward {m}×{k}×{n} in {parts}");
                 let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-                backward_in_parts(&mut dx, &mut dw, &dout, &x, &w, m, k, n, parts);
+                backward_in_parts(&mut dx, &mut dw, ADD, &dout, &x, &w, m, k, n, parts);
                 assert_eq!(dx, dx_whole, "dx {m}×{k}×{n} in {parts}");
                 assert_eq!(dw, dw_whole, "dw {m}×{k}×{n} in {parts}");
             }
@@ -295,6 +350,34 @@ mod tests {
                 .zip(dx_plain.iter().chain(&dw_plain))
             {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+            }
+        }
+    }
+
+    /// `Write::Set` never reads its output (NaN there does not leak) and
+    /// gives the bits `Write::Add` gives on a zeroed output, split or not;
+    /// an empty sum sets zeros.
+    #[test]
+    fn set_writes_equal_adds_onto_zeros() {
+        for (m, k, n) in [(37, 19, 53), (256, 64, 96), (0, 5, 3), (4, 6, 0)] {
+            let (x, w, dout) = (filled(m * k, 1), filled(n * k, 2), filled(m * n, 3));
+            let (mut dx_add, mut dw_add) = (vec![0.0; m * k], vec![0.0; n * k]);
+            backward_in_parts(&mut dx_add, &mut dw_add, ADD, &dout, &x, &w, m, k, n, 1);
+            for parts in [1, 2, 3] {
+                let (mut dx, mut dw) = (vec![f32::NAN; m * k], vec![f32::NAN; n * k]);
+                let set = [Write::Set; 2];
+                backward_in_parts(&mut dx, &mut dw, set, &dout, &x, &w, m, k, n, parts);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&dx), bits(&dx_add), "dx {m}×{k}×{n} in {parts}");
+                assert_eq!(bits(&dw), bits(&dw_add), "dw {m}×{k}×{n} in {parts}");
+            }
+            // Mixed: dx added to, dw set.
+            let (mut dx, mut dw) = (vec![1.0; m * k], vec![f32::NAN; n * k]);
+            let mixed = [Write::Add, Write::Set];
+            backward_in_parts(&mut dx, &mut dw, mixed, &dout, &x, &w, m, k, n, 2);
+            assert_eq!(dw, dw_add);
+            for (a, b) in dx.iter().zip(&dx_add) {
+                assert_eq!(*a, 1.0 + b);
             }
         }
     }

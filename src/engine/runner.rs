@@ -184,11 +184,14 @@ impl DeviceRunner<'_> {
         let kind = self.model.expert_kind;
         let n = xe.len() / d;
         let key = self.key(layer, expert);
+        // Overwritten by the backward (or zeroed below when it is skipped).
         let mut grad = self.shared.grads.take();
         debug_assert_eq!(grad.len(), params.count);
         let mut dxe = vec![0.0f32; n * d];
         self.dev.acc.assignments_computed += n as u64;
-        if !self.options.skip_expert_compute {
+        if self.options.skip_expert_compute {
+            grad.fill(0.0);
+        } else {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];
             if self.options.recompute_hidden && !self.dev.device.backward_recomputes() {

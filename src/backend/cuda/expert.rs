@@ -29,7 +29,8 @@ use crate::EngineError;
 /// Where an expert's weight gradients start on the GPU.
 #[derive(Clone, Copy)]
 pub(super) enum GradStart {
-    /// From zero (the engine's fresh gradient): nothing to upload.
+    /// From zero (the engine's gradient, which overwrites what its host
+    /// buffer held): nothing to upload.
     Zero,
     /// From what the host buffer held (`Backend`'s `+=` contract).
     Held,
@@ -399,15 +400,11 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<(), EngineError> {
         assert_eq!(params.count, kind.params(d, f));
         assert_eq!(dparams.len(), params.count);
-        debug_assert!(
-            dparams.iter().all(|&g| g == 0.0),
-            "dparams must start zeroed"
-        );
         let backend = &self.backend;
         self.with_weights(params, d, f, |w| {
-            // SAFETY: as in the forward. `dparams` holds zeros (the
-            // contract), so the gradient starts from zero on the GPU
-            // rather than from an upload of those zeros.
+            // SAFETY: as in the forward. `dparams` is overwritten (the
+            // contract): the gradient starts from zero on the GPU and
+            // every part of it is downloaded over what `dparams` held.
             unsafe { backend.ffn_backward(kind, dx, dparams, dout, x, w, n, d, f, GradStart::Zero) }
         })
     }
