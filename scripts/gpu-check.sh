@@ -10,6 +10,10 @@
 #                                I/O hides behind CPU work), then `bench step
 #                                --backend cuda`: the default SSD case, then
 #                                every record in host memory
+#   scripts/gpu-check.sh sweep   `bench step --backend cuda` (the SSD case)
+#                                at 4096, 6144 and 8192 tokens a step, where
+#                                compute approaches the I/O: expert-wise
+#                                over naive peaks where the two balance
 # Output goes under $OUT when set (else gpu-out/), a few files per phase.
 set -uo pipefail
 phase=${1:-tests}
@@ -71,8 +75,17 @@ bench)
     cat "$out/bench-step-cuda-resident.jsonl"
     tail -5 "$out/bench-step-cuda-resident.log"
     ;;
+sweep)
+    for tokens in 4096 6144 8192; do
+        timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens "$tokens" \
+            --rounds 2 --dir /tmp \
+            > "$out/bench-step-cuda-t$tokens.jsonl" 2> "$out/bench-step-cuda-t$tokens.log" || status=1
+        echo "== --tokens $tokens"
+        cat "$out/bench-step-cuda-t$tokens.jsonl"
+    done
+    ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|bench" >&2
+    echo "usage: scripts/gpu-check.sh tests|bench|sweep" >&2
     exit 2
     ;;
 esac
