@@ -12,7 +12,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::gemm::{linear_backward, linear_backward_writing, linear_forward, Write};
+use super::gemm::{linear_backward, linear_forward, Write};
 use super::Backend;
 use crate::math::{gelu, gelu_grad, sigmoid, silu, ExpertKind, ExpertSaved};
 use crate::EngineError;
@@ -179,7 +179,7 @@ pub(crate) fn ffn_backward(
     let (dw_in, dw2) = dparams.split_at_mut(split);
     let dh = sized(&mut scratch.dh, n * f);
     let (h, w2) = (&scratch.h, &params[split..]);
-    linear_backward_writing(dh, dw2, [Write::Set, dparams_write], dout, h, w2, n, f, d);
+    linear_backward(dh, dw2, [Write::Set, dparams_write], dout, h, w2, n, f, d);
     let dh = &*dh;
     let w1 = &params[..f * d];
     let da = sized(&mut scratch.da, n * f);
@@ -200,8 +200,8 @@ pub(crate) fn ffn_backward(
             });
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
             let (da, db, w3) = (&scratch.da, &scratch.db, &params[f * d..2 * f * d]);
-            linear_backward_writing(dx, dw1, [Write::Set, dparams_write], da, x, w1, n, d, f);
-            linear_backward_writing(dx, dw3, [Write::Add, dparams_write], db, x, w3, n, d, f);
+            linear_backward(dx, dw1, [Write::Set, dparams_write], da, x, w1, n, d, f);
+            linear_backward(dx, dw3, [Write::Add, dparams_write], db, x, w3, n, d, f);
         }
         ExpertKind::Gelu => {
             let a = &saved.a;
@@ -211,7 +211,7 @@ pub(crate) fn ffn_backward(
                 }
             });
             let writes = [Write::Set, dparams_write];
-            linear_backward_writing(dx, dw_in, writes, &scratch.da, x, w1, n, d, f);
+            linear_backward(dx, dw_in, writes, &scratch.da, x, w1, n, d, f);
         }
     }
 }
@@ -294,7 +294,7 @@ impl crate::model::DenseKernels for CpuBackend {
         k: usize,
         n: usize,
     ) -> Result<(), EngineError> {
-        linear_backward(dx, dw, dout, x, w, m, k, n);
+        linear_backward(dx, dw, [Write::Add; 2], dout, x, w, m, k, n);
         Ok(())
     }
 }

@@ -119,24 +119,10 @@ impl Write {
     }
 }
 
-/// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
+/// dx (M, K) (+)= dout · w;  dw (N, K) (+)= doutᵀ · x, each added to or
+/// set as `writes` = [dx's, dw's] says.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_backward(
-    dx: &mut [f32],
-    dw: &mut [f32],
-    dout: &[f32],
-    x: &[f32],
-    w: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-) {
-    linear_backward_writing(dx, dw, [Write::Add; 2], dout, x, w, m, k, n);
-}
-
-/// `linear_backward`, writing dx and dw as `writes` = [dx's, dw's] say.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn linear_backward_writing(
     dx: &mut [f32],
     dw: &mut [f32],
     writes: [Write; 2],

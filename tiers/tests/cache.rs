@@ -54,6 +54,20 @@ fn populated(layout: Layout) -> Arc<ExpertStore> {
     Arc::new(store)
 }
 
+/// A host tier of `slots` slots over `store`, with no prefetcher.
+fn cache_without_prefetch(store: Arc<ExpertStore>, slots: u64) -> HostCache {
+    let layout = store.layout();
+    HostCache::new(
+        store,
+        HostCacheConfig {
+            host_budget_bytes: slots * layout.record_bytes(),
+            prefetch_ahead_max: 0,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 fn check_read(layout: &Layout, g: &ReadGuard, version: u64) {
     let e = g.expert();
     let n = layout.compute_payload_bytes() as usize;
@@ -324,15 +338,7 @@ fn budgets_and_pins_get_clear_errors() {
     ));
     assert!(err.to_string().contains("raise it to at least"), "{err}");
 
-    let cache = HostCache::new(
-        store,
-        HostCacheConfig {
-            host_budget_bytes: 2 * layout.record_bytes(),
-            prefetch_ahead_max: 0,
-            ..HostCacheConfig::default()
-        },
-    )
-    .unwrap();
+    let cache = cache_without_prefetch(store, 2);
     let a = cache.acquire(ExpertId::new(0, 0), Parts::Compute).unwrap();
     let b = cache.acquire(ExpertId::new(0, 1), Parts::Compute).unwrap();
     let err = cache
@@ -363,15 +369,7 @@ fn budgets_and_pins_get_clear_errors() {
 #[test]
 fn an_acquire_within_waits_for_a_pin_to_be_released() {
     let layout = layout(4);
-    let cache = HostCache::new(
-        populated(layout),
-        HostCacheConfig {
-            host_budget_bytes: 2 * layout.record_bytes(),
-            prefetch_ahead_max: 0,
-            ..HostCacheConfig::default()
-        },
-    )
-    .unwrap();
+    let cache = cache_without_prefetch(populated(layout), 2);
     let a = cache.acquire(ExpertId::new(0, 0), Parts::Compute).unwrap();
     let b = cache.acquire(ExpertId::new(0, 1), Parts::Compute).unwrap();
     let short = cache.acquire_within(
@@ -409,15 +407,7 @@ fn set_version(g: &mut WriteGuard, e: ExpertId, version: u64) {
 fn a_sealed_slot_is_written_back_and_reused_while_its_guard_lives() {
     let layout = layout(4);
     let store = populated(layout);
-    let cache = HostCache::new(
-        store.clone(),
-        HostCacheConfig {
-            host_budget_bytes: 2 * layout.record_bytes(),
-            prefetch_ahead_max: 0,
-            ..HostCacheConfig::default()
-        },
-    )
-    .unwrap();
+    let cache = cache_without_prefetch(store.clone(), 2);
     let mut sealed = Vec::new();
     for i in 0..2 {
         let e = ExpertId::new(0, i);
@@ -439,17 +429,22 @@ fn a_sealed_slot_is_written_back_and_reused_while_its_guard_lives() {
     drop(g);
     drop(sealed);
     cache.checkpoint(1).unwrap();
-    let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
     for (i, version) in [(0, 6), (1, 5), (2, 0), (3, 0)] {
-        let e = ExpertId::new(0, i);
-        assert_eq!(
-            store.read(e, Parts::Full, buf.as_mut_slice()).unwrap(),
-            version
-        );
-        let r = record_mut(&layout, buf.as_mut_slice()).unwrap();
-        assert_eq!(&r.compute[..], &compute_of(e, version, r.compute.len())[..]);
-        assert!(r.master.iter().all(|&x| x == master_of(e, version)));
+        check_stored(&store, ExpertId::new(0, i), version);
     }
+}
+
+/// `e`'s record reads back from the store, verified, at `version`.
+fn check_stored(store: &ExpertStore, e: ExpertId, version: u64) {
+    let layout = store.layout();
+    let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
+    assert_eq!(
+        store.read(e, Parts::Full, buf.as_mut_slice()).unwrap(),
+        version
+    );
+    let r = record_mut(&layout, buf.as_mut_slice()).unwrap();
+    assert_eq!(&r.compute[..], &compute_of(e, version, r.compute.len())[..]);
+    assert!(r.master.iter().all(|&x| x == master_of(e, version)));
 }
 
 /// Where the host tier holds every record, `seal` leaves the checksums to
@@ -460,15 +455,7 @@ fn a_sealed_slot_is_written_back_and_reused_while_its_guard_lives() {
 fn records_sealed_in_a_tier_that_holds_them_all_are_checksummed_at_flush() {
     let layout = layout(3);
     let store = populated(layout);
-    let cache = HostCache::new(
-        store.clone(),
-        HostCacheConfig {
-            host_budget_bytes: 3 * layout.record_bytes(),
-            prefetch_ahead_max: 0,
-            ..HostCacheConfig::default()
-        },
-    )
-    .unwrap();
+    let cache = cache_without_prefetch(store.clone(), 3);
     for version in 1..=3 {
         for i in 0..3 {
             let e = ExpertId::new(0, i);
@@ -477,17 +464,8 @@ fn records_sealed_in_a_tier_that_holds_them_all_are_checksummed_at_flush() {
             g.seal(version + i as u64);
         }
         cache.checkpoint(version).unwrap();
-        let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
         for i in 0..3 {
-            let e = ExpertId::new(0, i);
-            let want = version + i as u64;
-            assert_eq!(
-                store.read(e, Parts::Full, buf.as_mut_slice()).unwrap(),
-                want
-            );
-            let r = record_mut(&layout, buf.as_mut_slice()).unwrap();
-            assert_eq!(&r.compute[..], &compute_of(e, want, r.compute.len())[..]);
-            assert!(r.master.iter().all(|&x| x == master_of(e, want)));
+            check_stored(&store, ExpertId::new(0, i), version + i as u64);
         }
     }
 }
