@@ -114,7 +114,7 @@ impl WriteGuard {
     /// is checksummed once a flush, not once a step.
     pub fn seal(&mut self, step: u64) {
         assert!(!self.sealed, "a WriteGuard is sealed once");
-        let stamp_now = self.shared.evicts();
+        let stamp_now = self.shared.evicts;
         if stamp_now {
             // SAFETY: the writer flag gives this guard the whole slot,
             // headers included: write-backs skip written slots

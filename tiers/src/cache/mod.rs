@@ -132,6 +132,7 @@ impl HostCache {
             store,
             region,
             registered,
+            evicts: (slot_count as u64) < layout.expert_count(),
             slot_bytes: slot_bytes as usize,
             layout,
             policy: config.policy,

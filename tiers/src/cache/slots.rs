@@ -90,6 +90,9 @@ pub(crate) struct Shared {
     pub batch_max: usize,
     /// Whether `region` is registered with the store's I/O engine.
     pub(super) registered: bool,
+    /// Whether records ever leave this tier: it has fewer slots than the
+    /// store has records.
+    pub(super) evicts: bool,
     pub(super) inner: Mutex<Inner>,
     pub changed: Condvar,
 }
@@ -112,13 +115,6 @@ unsafe impl Send for Shared {}
 impl Shared {
     pub fn registered(&self) -> bool {
         self.registered
-    }
-
-    /// Whether records ever leave this tier: it has fewer slots than the
-    /// store has records.
-    pub fn evicts(&self) -> bool {
-        let slots = (self.region.len() / self.slot_bytes) as u64;
-        slots < self.layout.expert_count()
     }
 
     pub fn lock(&self) -> MutexGuard<'_, Inner> {
