@@ -58,7 +58,7 @@ fn part_len(n: usize) -> usize {
 
 /// Runs `body(start, part)` on each part of `out` (`start`: the index of
 /// its first element), each on its own thread.
-fn for_parts(out: &mut [f32], body: impl Fn(usize, &mut [f32]) + Sync) {
+pub(super) fn for_parts(out: &mut [f32], body: impl Fn(usize, &mut [f32]) + Sync) {
     let per = part_len(out.len());
     let body = &body;
     crate::parallel::run_all(

@@ -9,12 +9,11 @@ use std::sync::Arc;
 
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
-use super::cpu::{ffn_backward, ffn_forward, FfnScratch};
+use super::cpu::{ffn_backward, ffn_forward, for_parts, FfnScratch};
 use super::gemm::Write;
 use super::CpuBackend;
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
-use crate::parallel::{cores, run_all};
 use crate::EngineError;
 
 /// An expert's compute params in a device slot: `count` values of `dtype`
@@ -141,28 +140,20 @@ impl CpuExpertDevice {
         })
     }
 
-    /// Widens the slot's params into `self.params`, in one contiguous part
-    /// per core (each element alone, so the cut changes no bit).
+    /// Widens the slot's params into `self.params`, split over the cores
+    /// as the cpu backend's activation passes are (each element alone, so
+    /// the cut changes no bit).
     fn widen(&mut self, p: SlotParams) -> Result<(), EngineError> {
         let view = self.arena.view(p.slot)?;
-        let bytes = &view.bytes()[..p.count * p.dtype.bytes() as usize];
-        self.params.resize(p.count, 0.0);
-        let per = p.count.div_ceil(cores()).max(WIDEN_PART_MIN);
         let width = p.dtype.bytes() as usize;
-        run_all(
-            self.params
-                .chunks_mut(per)
-                .zip(bytes.chunks(per * width))
-                .map(|(out, bytes)| move || widen_into(out, bytes, p.dtype))
-                .collect(),
-        );
+        let bytes = &view.bytes()[..p.count * width];
+        self.params.resize(p.count, 0.0);
+        for_parts(&mut self.params, |at, out| {
+            widen_into(out, &bytes[at * width..(at + out.len()) * width], p.dtype)
+        });
         Ok(())
     }
 }
-
-/// Below this many params a part is not split off (a spawn costs tens of
-/// microseconds; this is about as long to widen).
-const WIDEN_PART_MIN: usize = 1 << 16;
 
 /// out = `bytes` read as `dtype`, widened to f32.
 fn widen_into(out: &mut [f32], bytes: &[u8], dtype: Dtype) {
