@@ -22,6 +22,7 @@ mod adamw;
 mod error;
 mod pool;
 mod slot;
+mod worker;
 
 pub use adamw::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 pub use error::OptimError;
