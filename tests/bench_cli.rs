@@ -1,7 +1,8 @@
-//! `strata bench overlap` through the binary: its JSON lines and its
-//! refusal of a directory that is not there.
+//! `strata bench …` through the binary: `overlap`'s JSON lines, its
+//! refusal of a directory that is not there, and a quiet exit when the
+//! reader of stdout goes away.
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 fn strata_bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_strata"))
@@ -42,4 +43,21 @@ fn bench_overlap_names_a_missing_directory() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--dir /no/such/strata/dir"), "{err}");
+}
+
+#[test]
+fn bench_output_into_a_closed_pipe_ends_quietly() {
+    // The reader is gone before the bench has measured anything, so its
+    // first line meets a broken pipe (as with `strata bench … | head -0`).
+    let mut child = strata_bin()
+        .args(["bench", "placement", "--reps", "2000", "--trials", "5"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
 }

@@ -61,6 +61,8 @@ pub struct TrainFlags {
     /// The cosine decays to lr × this at the last step.
     #[arg(long)]
     pub min_lr_ratio: Option<f32>,
+    /// Decoupled AdamW weight decay (params −= lr × this × params, as torch's
+    /// AdamW), on every parameter, norms and embeddings included (default 0).
     #[arg(long)]
     pub weight_decay: Option<f32>,
     /// Held-out loss every N steps (0: never).

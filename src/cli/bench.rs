@@ -1,72 +1,13 @@
-//! The `strata` command line.
+//! `strata bench …`: each bench's arguments, and its results printed as a
+//! table or as JSON lines.
 
 use std::io::Write;
-use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Subcommand};
 use strata_optim::Kernel;
 
-use std::path::PathBuf;
-
+use super::CliError;
 use crate::bench;
-use crate::trainer::{self, Source, TrainFlags};
-
-#[derive(Parser, Debug)]
-#[command(
-    name = "strata",
-    version,
-    about = "Train Mixture-of-Experts models larger than GPU memory"
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Subcommand, Debug)]
-pub enum Command {
-    /// Train a Mixtral-architecture MoE language model from scratch (built-in data by default).
-    Train(TrainFlags),
-    /// Fine-tune a Hugging Face Mixtral-layout checkpoint (config.json + safetensors).
-    Finetune(FinetuneArgs),
-    /// Print the bytes each tier needs and the offloading mode, or why it cannot fit.
-    Plan(PlanArgs),
-    /// Write a run's model as safetensors in the Hugging Face layout.
-    Export(ExportArgs),
-    /// Performance measurements (JSON lines with --json).
-    #[command(subcommand)]
-    Bench(BenchCommand),
-}
-
-#[derive(Args, Debug)]
-pub struct FinetuneArgs {
-    /// The model directory: config.json, *.safetensors (sharded with an index or not).
-    #[arg(long)]
-    pub model: PathBuf,
-    #[command(flatten)]
-    pub flags: TrainFlags,
-}
-
-#[derive(Args, Debug)]
-pub struct PlanArgs {
-    /// A model directory to plan for (default: the --preset).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    #[command(flatten)]
-    pub flags: TrainFlags,
-}
-
-#[derive(Args, Debug)]
-pub struct ExportArgs {
-    /// The run directory (a train or finetune --out).
-    #[arg(long)]
-    pub run: PathBuf,
-    /// Where to write config.json and the safetensors.
-    #[arg(long)]
-    pub to: PathBuf,
-    /// Tensor precision: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
-}
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -253,76 +194,31 @@ fn parse_kernel(name: &str) -> Result<Kernel, String> {
     Ok(kernel)
 }
 
-/// Runs the parsed command; errors are printed as one line on stderr.
-pub fn run(cli: Cli) -> ExitCode {
-    match execute(cli) {
-        Ok(code) => code,
-        Err(message) => {
-            eprintln!("strata: error: {message}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn train(flags: TrainFlags, source: Source) -> Result<ExitCode, String> {
-    let interrupt = trainer::interrupt::install();
-    let summary = trainer::run(&flags, source, interrupt)?;
-    Ok(if summary.interrupted {
-        ExitCode::from(130)
-    } else {
-        ExitCode::SUCCESS
-    })
-}
-
-fn execute(cli: Cli) -> Result<ExitCode, String> {
-    match cli.command {
-        Command::Train(flags) => train(flags, Source::Scratch),
-        Command::Finetune(args) => train(args.flags, Source::Finetune(args.model)),
-        Command::Plan(args) => {
-            let plan = trainer::plan_command(&args.flags, args.model.as_deref())?;
-            println!("{}", plan.describe());
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Export(args) => {
-            let files = trainer::export_run(&args.run, &args.to, &args.dtype)?;
-            println!("wrote {} files to {}", files.len(), args.to.display());
-            Ok(ExitCode::SUCCESS)
-        }
-        other => execute_bench(other).map(|()| ExitCode::SUCCESS),
-    }
-}
-
-fn execute_bench(command: Command) -> Result<(), String> {
+/// Runs one bench and prints its results on stdout, its progress on stderr.
+pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
     match command {
-        Command::Bench(BenchCommand::Optim(args)) => bench_optim(args),
-        Command::Bench(BenchCommand::Tiers(args)) => bench_tiers(args),
-        Command::Bench(BenchCommand::Overlap(args)) => bench_overlap(args),
-        Command::Bench(BenchCommand::Step(args)) => bench_step(args),
-        Command::Bench(BenchCommand::Placement(args)) => bench_placement(args),
-        Command::Bench(BenchCommand::Upload(args)) => bench_upload(args),
-        _ => unreachable!("not a bench command"),
+        BenchCommand::Optim(args) => bench_optim(args),
+        BenchCommand::Tiers(args) => bench_tiers(args),
+        BenchCommand::Overlap(args) => bench_overlap(args),
+        BenchCommand::Step(args) => bench_step(args),
+        BenchCommand::Placement(args) => bench_placement(args),
+        BenchCommand::Upload(args) => bench_upload(args),
     }
 }
 
-fn bench_upload(args: UploadArgs) -> Result<(), String> {
+fn bench_upload(args: UploadArgs) -> Result<(), CliError> {
     let records = bench::upload::run(args.reps, &bench::upload::DEFAULT_SIZES, |line| {
         eprintln!("# {line}")
     })?;
-    let mut out = std::io::stdout().lock();
-    let write_err = |e: std::io::Error| e.to_string();
     if args.json {
-        for r in &records {
-            let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
-            writeln!(out, "{line}").map_err(write_err)?;
-        }
-        return Ok(());
+        return write_json_lines(&records);
     }
+    let mut out = std::io::stdout().lock();
     writeln!(
         out,
         "{:>12} {:>8} {:>12} {:>12} {:>7} {:>7} {:>12}",
         "expert", "experts", "upload GB/s", "plain GB/s", "ratio", "locked", "staged GB/s"
-    )
-    .map_err(write_err)?;
+    )?;
     for r in &records {
         writeln!(
             out,
@@ -334,36 +230,41 @@ fn bench_upload(args: UploadArgs) -> Result<(), String> {
             r.ratio,
             r.page_locked,
             r.staged_gb_per_s
-        )
-        .map_err(write_err)?;
+        )?;
     }
     Ok(())
 }
 
-fn bench_placement(args: PlacementArgs) -> Result<(), String> {
+fn bench_placement(args: PlacementArgs) -> Result<(), CliError> {
     if args.reps == 0 || args.trials == 0 {
         return Err("--reps and --trials must be at least 1".into());
     }
     let (latency, balance) = bench::placement::run(args.reps, args.trials);
     if args.json {
-        for row in &latency {
-            println!("{}", serde_json::to_string(row).expect("plain JSON"));
-        }
-        for row in &balance {
-            println!("{}", serde_json::to_string(row).expect("plain JSON"));
-        }
-        return Ok(());
+        write_json_lines(&latency)?;
+        return write_json_lines(&balance);
     }
-    println!("{:>8} {:>8} {:>12}", "experts", "devices", "latency ns");
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:>8} {:>8} {:>12}",
+        "experts", "devices", "latency ns"
+    )?;
     for r in &latency {
-        println!("{:>8} {:>8} {:>12.0}", r.experts, r.devices, r.latency_ns);
+        writeln!(
+            out,
+            "{:>8} {:>8} {:>12.0}",
+            r.experts, r.devices, r.latency_ns
+        )?;
     }
-    println!(
+    writeln!(
+        out,
         "{:>8} {:>8} {:>9} {:>12} {:>9} {:>10}",
         "experts", "devices", "tokens", "policy", "load gap", "span/bound"
-    );
+    )?;
     for r in &balance {
-        println!(
+        writeln!(
+            out,
             "{:>8} {:>8} {:>9} {:>12} {:>8.1}% {:>10.3}",
             r.experts,
             r.devices,
@@ -371,17 +272,15 @@ fn bench_placement(args: PlacementArgs) -> Result<(), String> {
             r.policy,
             100.0 * r.load_gap,
             r.makespan_over_bound
-        );
+        )?;
     }
     Ok(())
 }
 
-fn bench_step(args: StepArgs) -> Result<(), String> {
-    if !args.dir.is_dir() {
-        return Err(format!("--dir {}: not a directory", args.dir.display()));
-    }
+fn bench_step(args: StepArgs) -> Result<(), CliError> {
+    require_dir(&args.dir)?;
     if !(args.host_fraction > 0.0 && args.host_fraction <= 1.0) {
-        return Err("--host-fraction must be in (0, 1]".to_string());
+        return Err("--host-fraction must be in (0, 1]".into());
     }
     let defaults = bench::step::StepBenchConfig::default();
     let config = bench::step::StepBenchConfig {
@@ -406,43 +305,29 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
     };
     let (records, summary) =
         bench::step::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;
-    let mut out = std::io::stdout().lock();
-    let write_err = |e: std::io::Error| e.to_string();
     if args.json {
-        for r in &records {
-            writeln!(
-                out,
-                "{}",
-                serde_json::to_string(r).map_err(|e| e.to_string())?
-            )
-            .map_err(write_err)?;
-        }
+        write_json_lines(&records)?;
+        return write_json_lines([&summary]);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
+        "run",
+        "step_s",
+        "tokens/s",
+        "compute",
+        "upload",
+        "ssd",
+        "optim",
+        "ssd_busy",
+        "host_hit",
+        "dev_hit",
+        "dev_gap",
+        "steal"
+    )?;
+    for r in &records {
         writeln!(
-            out,
-            "{}",
-            serde_json::to_string(&summary).map_err(|e| e.to_string())?
-        )
-        .map_err(write_err)?;
-    } else {
-        writeln!(
-            out,
-            "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>7}",
-            "run",
-            "step_s",
-            "tokens/s",
-            "compute",
-            "upload",
-            "ssd",
-            "optim",
-            "ssd_busy",
-            "host_hit",
-            "dev_hit",
-            "dev_gap",
-            "steal"
-        )
-        .map_err(write_err)?;
-        for r in &records {
-            writeln!(
                 out,
                 "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>8.3} {:>8.3} {:>7}",
                 r.run,
@@ -457,90 +342,78 @@ fn bench_step(args: StepArgs) -> Result<(), String> {
                 r.device_hit_rate,
                 r.device_load_gap,
                 r.steal_s.map_or("-".to_string(), |s| format!("{s:.3}"))
-            )
-            .map_err(write_err)?;
-        }
+            )?;
+    }
+    writeln!(
+        out,
+        "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
+        summary.expert_wise_over_naive, summary.expert_wise_over_bound
+    )?;
+    if let (Some(n), Some(b)) = (
+        summary.quiet_expert_wise_over_naive,
+        summary.quiet_expert_wise_over_bound,
+    ) {
+        let counts: Vec<String> = records
+            .iter()
+            .map(|r| format!("{} {}", r.run, r.quiet_steps))
+            .collect();
         writeln!(
             out,
-            "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
-            summary.expert_wise_over_naive, summary.expert_wise_over_bound
-        )
-        .map_err(write_err)?;
-        if let (Some(n), Some(b)) = (
-            summary.quiet_expert_wise_over_naive,
-            summary.quiet_expert_wise_over_bound,
-        ) {
-            let counts: Vec<String> = records
-                .iter()
-                .map(|r| format!("{} {}", r.run, r.quiet_steps))
-                .collect();
+            "over quiet steps ({}): {n:.2}x the naive schedule; {b:.2}x the bound",
+            counts.join(", ")
+        )?;
+    } else {
+        let cores = crate::parallel::cores() as f64;
+        let noisy: Vec<String> = records
+            .iter()
+            .filter(|r| r.quiet_steps == 0)
+            .filter_map(|r| {
+                let share = r.steal_share(cores)?;
+                Some(format!("{} lost {:.0} %", r.run, 100.0 * share))
+            })
+            .collect();
+        // Steal only in the run that overlaps SSD I/O with compute on
+        // every core is that run's own I/O, served by the host on the
+        // cores behind this machine's (`strata bench overlap`).
+        let own_io = records
+            .iter()
+            .all(|r| r.quiet_steps > 0 || r.run == "expert_wise");
+        if !noisy.is_empty() && own_io {
             writeln!(
                 out,
-                "over quiet steps ({}): {n:.2}x the naive schedule; {b:.2}x the bound",
-                counts.join(", ")
-            )
-            .map_err(write_err)?;
-        } else {
-            let cores = crate::parallel::cores() as f64;
-            let noisy: Vec<String> = records
-                .iter()
-                .filter(|r| r.quiet_steps == 0)
-                .filter_map(|r| {
-                    let share = r.steal_share(cores)?;
-                    Some(format!("{} lost {:.0} %", r.run, 100.0 * share))
-                })
-                .collect();
-            // Steal only in the run that overlaps SSD I/O with compute on
-            // every core is that run's own I/O, served by the host on the
-            // cores behind this machine's (`strata bench overlap`).
-            let own_io = records
-                .iter()
-                .all(|r| r.quiet_steps > 0 || r.run == "expert_wise");
-            if !noisy.is_empty() && own_io {
-                writeln!(
-                    out,
-                    "no quiet steps: the expert-wise run lost CPU to steal ({}) while the \
+                "no quiet steps: the expert-wise run lost CPU to steal ({}) while the \
                      compute-only and I/O-only runs did not; on a virtual machine whose disk \
                      is served on the cores behind its own, that is the cost of overlapping \
                      this run's I/O with its compute (`strata bench overlap` measures it)",
-                    noisy.join(", ")
-                )
-                .map_err(write_err)?;
-            } else if !noisy.is_empty() {
-                writeln!(
-                    out,
-                    "no quiet steps: other tenants of this machine took its CPU ({}); \
+                noisy.join(", ")
+            )?;
+        } else if !noisy.is_empty() {
+            writeln!(
+                out,
+                "no quiet steps: other tenants of this machine took its CPU ({}); \
                      the ratios above say little, run again when it is quieter",
-                    noisy.join(", ")
-                )
-                .map_err(write_err)?;
-            }
+                noisy.join(", ")
+            )?;
         }
-        let list = |v: &[f64]| {
-            v.iter()
-                .map(|x| format!("{x:.2}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
-        writeln!(
-            out,
-            "by round ({}): over naive {}; over the bound {}",
-            summary.rounds,
-            list(&summary.expert_wise_over_naive_by_round),
-            list(&summary.expert_wise_over_bound_by_round)
-        )
-        .map_err(write_err)?;
     }
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    writeln!(
+        out,
+        "by round ({}): over naive {}; over the bound {}",
+        summary.rounds,
+        list(&summary.expert_wise_over_naive_by_round),
+        list(&summary.expert_wise_over_bound_by_round)
+    )?;
     Ok(())
 }
 
-fn bench_overlap(args: OverlapArgs) -> Result<(), String> {
-    if !args.dir.is_dir() {
-        return Err(format!(
-            "--dir {}: not a directory; give a directory on the disk to measure",
-            args.dir.display()
-        ));
-    }
+fn bench_overlap(args: OverlapArgs) -> Result<(), CliError> {
+    require_dir(&args.dir)?;
     let config = bench::overlap::OverlapBenchConfig {
         dir: args.dir,
         record_mib: args.record_mib,
@@ -550,25 +423,17 @@ fn bench_overlap(args: OverlapArgs) -> Result<(), String> {
     };
     let (records, summary) =
         bench::overlap::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;
-    let mut out = std::io::stdout().lock();
-    let write_err = |e: std::io::Error| e.to_string();
     if args.json {
-        for line in records
-            .iter()
-            .map(serde_json::to_string)
-            .chain([serde_json::to_string(&summary)])
-        {
-            writeln!(out, "{}", line.map_err(|e| e.to_string())?).map_err(write_err)?;
-        }
-        return Ok(());
+        write_json_lines(&records)?;
+        return write_json_lines([&summary]);
     }
+    let mut out = std::io::stdout().lock();
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |x| format!("{x:.prec$}"));
     writeln!(
         out,
         "{:<8} {:>7} {:>7} {:>9} {:>8} {:>8} {:>8} {:>7}",
         "arm", "wall_s", "io_s", "compute_s", "io_GB/s", "GFLOP/s", "steal_s", "cpu_s"
-    )
-    .map_err(write_err)?;
+    )?;
     for r in &records {
         writeln!(
             out,
@@ -581,8 +446,7 @@ fn bench_overlap(args: OverlapArgs) -> Result<(), String> {
             opt(r.gflop_per_s, 1),
             opt(r.steal_s, 2),
             opt(r.cpu_s, 2),
-        )
-        .map_err(write_err)?;
+        )?;
     }
     writeln!(
         out,
@@ -596,26 +460,19 @@ fn bench_overlap(args: OverlapArgs) -> Result<(), String> {
             .map(|r| format!("{r:.2}"))
             .collect::<Vec<_>>()
             .join(" ")
-    )
-    .map_err(write_err)?;
+    )?;
     writeln!(
         out,
         "beside each other the I/O ran {:.2}x and the GEMMs {:.2}x their time alone",
         summary.io_slowdown, summary.compute_slowdown
-    )
-    .map_err(write_err)?;
+    )?;
     Ok(())
 }
 
-fn bench_tiers(args: TiersArgs) -> Result<(), String> {
-    if !args.dir.is_dir() {
-        return Err(format!(
-            "--dir {}: not a directory; give a directory on the disk to measure",
-            args.dir.display()
-        ));
-    }
+fn bench_tiers(args: TiersArgs) -> Result<(), CliError> {
+    require_dir(&args.dir)?;
     if args.queue_depths.contains(&0) || args.experts == 0 || args.record_mib == 0 {
-        return Err("--queue-depths, --experts and --record-mib must be at least 1".to_string());
+        return Err("--queue-depths, --experts and --record-mib must be at least 1".into());
     }
     let config = bench::tiers::TiersBenchConfig {
         dir: args.dir,
@@ -629,33 +486,26 @@ fn bench_tiers(args: TiersArgs) -> Result<(), String> {
     };
     let records =
         bench::tiers::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;
-    let mut out = std::io::stdout().lock();
-    let write_err = |e: std::io::Error| e.to_string();
     if args.json {
-        for r in &records {
-            let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
-            writeln!(out, "{line}").map_err(write_err)?;
-        }
-    } else {
+        return write_json_lines(&records);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:<9} {:<6} {:>6} {:>12} {:>8} {:>10}",
+        "engine", "op", "depth", "record_bytes", "GB/s", "CPU s/GB"
+    )?;
+    for r in &records {
         writeln!(
             out,
-            "{:<9} {:<6} {:>6} {:>12} {:>8} {:>10}",
-            "engine", "op", "depth", "record_bytes", "GB/s", "CPU s/GB"
-        )
-        .map_err(write_err)?;
-        for r in &records {
-            writeln!(
-                out,
-                "{:<9} {:<6} {:>6} {:>12} {:>8.2} {:>10.3}",
-                r.engine, r.op, r.queue_depth, r.record_bytes, r.gb_per_s, r.cpu_s_per_gb
-            )
-            .map_err(write_err)?;
-        }
+            "{:<9} {:<6} {:>6} {:>12} {:>8.2} {:>10.3}",
+            r.engine, r.op, r.queue_depth, r.record_bytes, r.gb_per_s, r.cpu_s_per_gb
+        )?;
     }
     Ok(())
 }
 
-fn bench_optim(args: OptimArgs) -> Result<(), String> {
+fn bench_optim(args: OptimArgs) -> Result<(), CliError> {
     let config = bench::optim::OptimBenchConfig {
         params: args.params,
         threads: args.threads,
@@ -664,38 +514,55 @@ fn bench_optim(args: OptimArgs) -> Result<(), String> {
     };
     let records =
         bench::optim::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;
-    let mut out = std::io::stdout().lock();
     if args.json {
-        for r in &records {
-            let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
-            writeln!(out, "{line}").map_err(|e| e.to_string())?;
-        }
-    } else {
+        return write_json_lines(&records);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:<16} {:>9} {:>9} {:>12} {:>8} {:>9}",
+        "variant", "median_ms", "min_ms", "Gparams/s", "GB/s", "ceiling"
+    )?;
+    for r in &records {
         writeln!(
             out,
-            "{:<16} {:>9} {:>9} {:>12} {:>8} {:>9}",
-            "variant", "median_ms", "min_ms", "Gparams/s", "GB/s", "ceiling"
-        )
-        .map_err(|e| e.to_string())?;
-        for r in &records {
-            writeln!(
-                out,
-                "{:<16} {:>9.2} {:>9.2} {:>12.3} {:>8.1} {:>9.3}",
-                r.variant,
-                r.median_s * 1e3,
-                r.min_s * 1e3,
-                r.params_per_s / 1e9,
-                r.gb_per_s,
-                r.ceiling_ratio
-            )
-            .map_err(|e| e.to_string())?;
-        }
-        writeln!(
+            "{:<16} {:>9.2} {:>9.2} {:>12.3} {:>8.1} {:>9.3}",
+            r.variant,
+            r.median_s * 1e3,
+            r.min_s * 1e3,
+            r.params_per_s / 1e9,
+            r.gb_per_s,
+            r.ceiling_ratio
+        )?;
+    }
+    writeln!(
             out,
             "kernel {}, {} params, {} threads, {} timed steps; ceiling = read-4/write-3 f32 sweep, same run",
             config.kernel.name(), config.params, config.threads, config.steps
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
+    Ok(())
+}
+
+/// One JSON object a line on stdout; a closed pipe is an error, not a panic.
+fn write_json_lines<T: serde::Serialize>(
+    records: impl IntoIterator<Item = T>,
+) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    for record in records {
+        let line = serde_json::to_string(&record).map_err(|e| e.to_string())?;
+        writeln!(out, "{line}")?;
     }
     Ok(())
+}
+
+/// `--dir` must name a directory: the benches make their scratch files there.
+fn require_dir(dir: &std::path::Path) -> Result<(), CliError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    Err(format!(
+        "--dir {}: not a directory; give a directory on the disk to measure",
+        dir.display()
+    )
+    .into())
 }

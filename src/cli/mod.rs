@@ -1,0 +1,144 @@
+//! The `strata` command line: the training commands here, the benches in
+//! `cli/bench.rs`.
+
+mod bench;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+pub use bench::BenchCommand;
+
+use crate::trainer::{self, Source, TrainFlags};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "strata",
+    version,
+    about = "Train Mixture-of-Experts models larger than GPU memory"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train a Mixtral-architecture MoE language model from scratch (built-in data by default).
+    Train(TrainFlags),
+    /// Fine-tune a Hugging Face Mixtral-layout checkpoint (config.json + safetensors).
+    Finetune(FinetuneArgs),
+    /// Print the bytes each tier needs and the offloading mode, or why it cannot fit.
+    Plan(PlanArgs),
+    /// Write a run's model as safetensors in the Hugging Face layout.
+    Export(ExportArgs),
+    /// Performance measurements (JSON lines with --json).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Args, Debug)]
+pub struct FinetuneArgs {
+    /// The model directory: config.json, *.safetensors (sharded with an index or not).
+    #[arg(long)]
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub flags: TrainFlags,
+}
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// A model directory to plan for (default: the --preset).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub flags: TrainFlags,
+}
+
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// The run directory (a train or finetune --out).
+    #[arg(long)]
+    pub run: PathBuf,
+    /// Where to write config.json and the safetensors.
+    #[arg(long)]
+    pub to: PathBuf,
+    /// Tensor precision: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+}
+
+/// Runs the parsed command; errors are printed as one line on stderr.
+pub fn run(cli: Cli) -> ExitCode {
+    match execute(cli) {
+        Ok(code) => code,
+        // `strata bench … | head`: the reader has what it wanted.
+        Err(CliError::StdoutClosed) => ExitCode::SUCCESS,
+        Err(CliError::Message(message)) => {
+            eprintln!("strata: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Why a command failed.
+#[derive(Debug)]
+enum CliError {
+    Message(String),
+    /// Standard output was closed under the command (a broken pipe).
+    StdoutClosed,
+}
+
+impl From<String> for CliError {
+    fn from(message: String) -> Self {
+        CliError::Message(message)
+    }
+}
+
+impl From<&str> for CliError {
+    fn from(message: &str) -> Self {
+        CliError::Message(message.to_string())
+    }
+}
+
+/// Only for writes to stdout.
+impl From<std::io::Error> for CliError {
+    fn from(error: std::io::Error) -> Self {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            CliError::StdoutClosed
+        } else {
+            CliError::Message(format!("writing to stdout: {error}"))
+        }
+    }
+}
+
+fn train(flags: TrainFlags, source: Source) -> Result<ExitCode, CliError> {
+    let interrupt = trainer::interrupt::install();
+    let summary = trainer::run(&flags, source, interrupt)?;
+    Ok(if summary.interrupted {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn execute(cli: Cli) -> Result<ExitCode, CliError> {
+    match cli.command {
+        Command::Train(flags) => train(flags, Source::Scratch),
+        Command::Finetune(args) => train(args.flags, Source::Finetune(args.model)),
+        Command::Plan(args) => {
+            let plan = trainer::plan_command(&args.flags, args.model.as_deref())?;
+            writeln!(std::io::stdout(), "{}", plan.describe())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Export(args) => {
+            let files = trainer::export_run(&args.run, &args.to, &args.dtype)?;
+            let (count, to) = (files.len(), args.to.display());
+            writeln!(std::io::stdout(), "wrote {count} files to {to}")?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench(command) => bench::execute(command).map(|()| ExitCode::SUCCESS),
+    }
+}
