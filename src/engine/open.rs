@@ -1,0 +1,300 @@
+//! Opening an engine: on a new store, on a resumed one, or on one whose
+//! experts were imported; then building the host tier, the devices and the
+//! optimizer pool around it.
+
+use std::sync::Arc;
+
+use strata_optim::{ExpertOptimizer, Kernel, OptimizerConfig};
+use strata_tiers::io::{AlignedBuf, FileOptions, MemFile};
+use strata_tiers::safetensors_io::encode_compute;
+use strata_tiers::{
+    record_mut, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout, Parts,
+};
+
+use super::access::access_schedule;
+use super::device::DeviceState;
+use super::shared::SharedExperts;
+use super::{dense_state, memory, multi, Engine, EngineConfig, HostMemoryPlan, ScheduleKind};
+use crate::model::{DenseKernels, ModelConfig, Network};
+use crate::EngineError;
+
+impl Engine {
+    /// Builds the tiers for `model` within the budgets and writes every
+    /// expert's initial record. With a `store_path`, the file must not exist.
+    pub fn new(model: ModelConfig, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::new_network(&model, config)
+    }
+
+    /// [`Engine::new`] for any [`Network`]: its MoE layers' experts go to
+    /// the tiers, its dense params start at `net.init_dense()`.
+    pub fn new_network<N: Network>(net: &N, config: EngineConfig) -> Result<Self, EngineError> {
+        let model = net.moe().clone();
+        Self::check(&model, &config)?;
+        let layout = Self::layout(&model, &config);
+        let store = match &config.store_path {
+            Some(path) => ExpertStore::create(path, layout, &Self::file_options(&config))?,
+            None => ExpertStore::create_on(Box::new(MemFile::new()), layout)?,
+        };
+        write_initial_records(&model, &store)?;
+        let dense = net.init_dense();
+        let n = dense.len();
+        let state = dense_state::DenseState {
+            step: 0,
+            dense_step: 0,
+            params: dense,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        };
+        if let Some(path) = &config.store_path {
+            // Step 0 is committed by write_initial_records; give it its
+            // dense file so even an untrained store can be resumed.
+            dense_state::write(path, &state)?;
+        }
+        Self::build(model, config, Arc::new(store), state)
+    }
+
+    /// Reopens the store at `config.store_path` and its dense-state file and
+    /// continues from its last committed checkpoint (see `checkpoint`).
+    pub fn resume(model: ModelConfig, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::resume_network(&model, config)
+    }
+
+    /// [`Engine::resume`] for any [`Network`].
+    pub fn resume_network<N: Network>(net: &N, config: EngineConfig) -> Result<Self, EngineError> {
+        let model = net.moe().clone();
+        Self::check(&model, &config)?;
+        let Some(path) = config.store_path.clone() else {
+            return Err(EngineError::Config("resume needs a store_path".into()));
+        };
+        let layout = Self::layout(&model, &config);
+        let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
+        let step = store.committed_step();
+        let state = dense_state::read(&path, step, net.dense_params())?;
+        Self::build(model, config, Arc::new(store), state)
+    }
+
+    /// Opens a store whose experts were imported (step 0 committed, e.g.
+    /// by `strata_tiers::import_experts`) and starts from `dense`, the
+    /// network's imported dense params: fine-tuning.
+    pub fn open_imported<N: Network>(
+        net: &N,
+        config: EngineConfig,
+        dense: Vec<f32>,
+    ) -> Result<Self, EngineError> {
+        let model = net.moe().clone();
+        Self::check(&model, &config)?;
+        let Some(path) = config.store_path.clone() else {
+            return Err(EngineError::Config(
+                "open_imported needs a store_path".into(),
+            ));
+        };
+        if dense.len() != net.dense_params() {
+            return Err(EngineError::Config(format!(
+                "{} dense params given, the network has {}",
+                dense.len(),
+                net.dense_params()
+            )));
+        }
+        let layout = Self::layout(&model, &config);
+        let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
+        let n = dense.len();
+        let state = dense_state::DenseState {
+            step: store.committed_step(),
+            dense_step: 0,
+            params: dense,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        };
+        dense_state::write(&path, &state)?;
+        Self::build(model, config, Arc::new(store), state)
+    }
+
+    fn check(model: &ModelConfig, config: &EngineConfig) -> Result<(), EngineError> {
+        model.validate()?;
+        config
+            .hyper
+            .validate()
+            .map_err(|e| EngineError::Config(e.to_string()))?;
+        if config.micro_batches == 0 || config.optimizer_threads == 0 || config.devices == 0 {
+            return Err(EngineError::Config(
+                "micro_batches, optimizer_threads and devices must be at least 1".into(),
+            ));
+        }
+        if config.devices > usize::from(u16::MAX) {
+            return Err(EngineError::Config(format!(
+                "{} devices asked for; at most {} are supported",
+                config.devices,
+                u16::MAX
+            )));
+        }
+        if !(0.0..=1.0).contains(&config.pin_fraction) {
+            return Err(EngineError::Config(format!(
+                "pin_fraction = {} must be between 0 and 1",
+                config.pin_fraction
+            )));
+        }
+        HostMemoryPlan::of(&Self::layout(model, config), config)
+            .check(memory::available_host_memory())
+    }
+
+    pub(crate) fn layout(model: &ModelConfig, config: &EngineConfig) -> Layout {
+        Layout {
+            layers: model.layers as u32,
+            experts_per_layer: model.experts as u32,
+            params_per_expert: model.expert_params() as u64,
+            compute_dtype: config.compute_dtype,
+        }
+    }
+
+    fn file_options(config: &EngineConfig) -> FileOptions {
+        FileOptions {
+            queue_depth: config.io_queue_depth,
+            ..FileOptions::default()
+        }
+    }
+
+    fn build(
+        model: ModelConfig,
+        config: EngineConfig,
+        store: Arc<ExpertStore>,
+        state: dense_state::DenseState,
+    ) -> Result<Self, EngineError> {
+        let layout = store.layout();
+        // Several devices walk a layer's experts at once, so their accesses
+        // stray from any one order; a lookahead beyond half of a device's
+        // share of the host slots then loads records the host tier must
+        // evict before their use (measured in `strata bench step --devices 2`:
+        // 3.4× the SSD reads at a lookahead of 16 with 8 host slots).
+        let host_slots = (config.host_budget_bytes / layout.record_bytes()) as usize;
+        let prefetch = match config.schedule {
+            ScheduleKind::ExpertWise if config.devices > 1 => config
+                .prefetch_ahead_max
+                .min((host_slots / (2 * config.devices)).max(1)),
+            ScheduleKind::ExpertWise => config.prefetch_ahead_max,
+            ScheduleKind::Naive => 0,
+        };
+        let cache = HostCache::new(
+            Arc::clone(&store),
+            HostCacheConfig {
+                host_budget_bytes: config.host_budget_bytes,
+                policy: EvictionPolicy::ScheduleDistance,
+                prefetch_ahead_max: prefetch,
+                // A batch's loads become usable when its last read ends,
+                // so a wide batch makes the nearest expert wait for the
+                // farthest (each record is one large read, which keeps the
+                // disk busy by itself). In `bench step` batches of 8 left
+                // the expert-wise schedule 0.44 / 0.39 s of SSD stall a
+                // step, batches of 2 0.22 / 0.16 s (alternating runs).
+                prefetch_batch_max: 2,
+                ..HostCacheConfig::default()
+            },
+        )?;
+        let mut devices = (0..config.devices)
+            .map(|ordinal| {
+                let device =
+                    config
+                        .backend
+                        .open_device(ordinal, config.device_budget_bytes, &layout)?;
+                Ok(DeviceState::new(device, model.layers, model.experts))
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let mut notes = store.notes().to_vec();
+        let (region, region_len) = cache.region_ptr_len();
+        // SAFETY: the region lives as long as the cache, which `shared`
+        // holds; the engine drops `devices` first (field order).
+        if let Some(why) = unsafe { devices[0].device.page_lock_host_region(region, region_len) } {
+            for dev in devices.iter_mut() {
+                dev.device.stage_uploads()?;
+            }
+            notes.push(format!(
+                "host memory for {} uploads: {why}; uploads are staged through page-locked \
+                 buffers instead (one more host copy each)",
+                devices[0].device.name()
+            ));
+        }
+        let device_slots = devices[0].slots.slot_count();
+        cache.set_schedule(step_schedule(&model, &config, device_slots, &cache));
+        let optimizer = ExpertOptimizer::new(OptimizerConfig {
+            threads: config.optimizer_threads,
+            in_flight_max: model.layers * model.experts,
+            kernel: Kernel::detect(),
+            hyper: config.hyper,
+            ..OptimizerConfig::default()
+        })?;
+        // Each expert's step count: its params' version (0 for a new store).
+        let steps = (0..model.layers * model.experts)
+            .map(|key| {
+                let id = ExpertId::new((key / model.experts) as u32, (key % model.experts) as u32);
+                Ok(store.expert_step(id)?.unwrap_or(0))
+            })
+            .collect::<Result<Vec<u64>, EngineError>>()?;
+        let shared = SharedExperts::new(
+            model.experts,
+            config.devices,
+            config.schedule,
+            layout,
+            cache,
+            optimizer,
+            steps,
+        );
+        let cost = multi::initial_cost(&model, &layout, config.devices);
+        let dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>> =
+            devices.iter().map(|d| d.device.dense_kernels()).collect();
+        for kernels in &dense_kernels {
+            kernels.weights_changed(&state.params);
+        }
+        Ok(Self {
+            devices,
+            dense_kernels,
+            shared,
+            notes,
+            dense: state.params,
+            dense_m: state.m,
+            dense_v: state.v,
+            dense_step: state.dense_step,
+            cost,
+            prev_load: None,
+            step: state.step,
+            model,
+            config,
+        })
+    }
+}
+
+/// Writes each expert's initial params (zero moments) and commits step 0.
+fn write_initial_records(model: &ModelConfig, store: &ExpertStore) -> Result<(), EngineError> {
+    let layout = store.layout();
+    let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
+    for l in 0..model.layers {
+        for e in 0..model.experts {
+            {
+                let r = record_mut(&layout, buf.as_mut_slice())?;
+                model.init_expert(l, e, r.master);
+                r.m.fill(0.0);
+                r.v.fill(0.0);
+                encode_compute(layout.compute_dtype, r.master, r.compute);
+            }
+            store.write(ExpertId::new(l as u32, e as u32), 0, buf.as_mut_slice())?;
+        }
+    }
+    store.checkpoint(0)?;
+    Ok(())
+}
+
+/// The host tier's schedule of a step from its start (see `access.rs`):
+/// overlapped on the expert-wise schedule with two device slots or more;
+/// the forward's tail asks for full records with one device.
+pub(super) fn step_schedule(
+    model: &ModelConfig,
+    config: &EngineConfig,
+    device_slots: usize,
+    cache: &HostCache,
+) -> Vec<(ExpertId, Parts)> {
+    let overlapped = config.schedule.overlaps(device_slots);
+    let tail_slots = if config.devices == 1 {
+        cache.slot_count()
+    } else {
+        0
+    };
+    access_schedule(model, overlapped, tail_slots)
+}
