@@ -1,6 +1,6 @@
 //! The plain reference trainer: every parameter in memory, f32, no tiers,
 //! no scheduler, no threads. Experts run through the plain loops of
-//! `math.rs`; AdamW is the scalar oracle of `strata-optim` (itself held to
+//! `math`; AdamW is the scalar oracle of `strata-optim` (itself held to
 //! an f64 evaluation of the formula). The engine must match it.
 //!
 //! An expert that received no token in a step has no gradient and is not

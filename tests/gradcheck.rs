@@ -1,4 +1,4 @@
-//! Finite-difference checks (f64) of every backward in `math.rs`: router
+//! Finite-difference checks (f64) of every backward in `math`: router
 //! (softmax, top-k, renormalization, load-balancing and z losses), the
 //! permutation (gather / combine), both expert kinds, RMSNorm and the
 //! cross-entropy. Each test takes L = Σ c·out for random c, runs the

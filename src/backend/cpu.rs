@@ -1,5 +1,5 @@
 //! The cpu backend: GEMMs through `matrixmultiply`'s sgemm, split over
-//! scoped threads (`gemm.rs`), activations from `math.rs`.
+//! scoped threads (`gemm.rs`), activations from `math`.
 //!
 //! Chosen by measurement on the 2-core development machine. On an expert's
 //! GEMM alone (512 × 512 × 1024 f32, 2 threads) faer was fastest:
