@@ -8,8 +8,10 @@
 #                                backends
 #   scripts/gpu-check.sh bench   `bench overlap` (whether this host's disk
 #                                I/O hides behind CPU work), then `bench step
-#                                --backend cuda`: the default SSD case, then
-#                                every record in host memory
+#                                --backend cuda`: the default SSD case (at
+#                                the tokens a step where compute-only and
+#                                I/O-only steps balance), then every record
+#                                in host memory
 #   scripts/gpu-check.sh sweep   `bench step --backend cuda` (the SSD case)
 #                                at 4096, 6144 and 8192 tokens a step, where
 #                                compute approaches the I/O: expert-wise
@@ -65,6 +67,7 @@ bench)
     timeout 300 gpu-bin/strata bench step --json --backend cuda --dir /tmp \
         > "$out/bench-step-cuda.jsonl" 2> "$out/bench-step-cuda.log" || status=1
     cat "$out/bench-step-cuda.jsonl"
+    grep "balance" "$out/bench-step-cuda.log"
     tail -5 "$out/bench-step-cuda.log"
     # Every record in host memory, larger experts: uploads are the only tier
     # traffic, so stall_upload_s against step_s shows whether the next

@@ -1,6 +1,6 @@
 //! `strata bench …` through the binary: `overlap`'s JSON lines, its
-//! refusal of a directory that is not there, and a quiet exit when the
-//! reader of stdout goes away.
+//! refusal of a directory that is not there, `step`'s refusal of a token
+//! count, and a quiet exit when the reader of stdout goes away.
 
 use std::process::{Command, Stdio};
 
@@ -60,4 +60,17 @@ fn bench_output_into_a_closed_pipe_ends_quietly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{:?}: {err}", out.status);
     assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bench_step_refuses_a_token_count_it_cannot_run() {
+    for bad in ["0", "many"] {
+        let out = strata_bin()
+            .args(["bench", "step", "--tokens", bad])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("nor `balanced`"), "{err}");
+    }
 }

@@ -64,9 +64,10 @@ pub struct StepArgs {
     pub d_ff: usize,
     #[arg(long, default_value_t = 2)]
     pub top_k: usize,
-    /// Tokens per step.
-    #[arg(long, default_value_t = 1024)]
-    pub tokens: usize,
+    /// Tokens per step, or `balanced`: the count at which compute-only and
+    /// I/O-only steps take as long, found by timing both first (from 1024).
+    #[arg(long, default_value = "balanced", value_parser = parse_tokens)]
+    pub tokens: StepTokens,
     /// Experts that fit on the device at once.
     #[arg(long, default_value_t = 2)]
     pub device_experts: u64,
@@ -147,6 +148,25 @@ pub struct TiersArgs {
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `bench step --tokens`: a count, or `balanced`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepTokens {
+    Balanced,
+    Fixed(usize),
+}
+
+fn parse_tokens(value: &str) -> Result<StepTokens, String> {
+    if value == "balanced" {
+        return Ok(StepTokens::Balanced);
+    }
+    match value.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(StepTokens::Fixed(n)),
+        _ => Err(format!(
+            "`{value}` is neither a token count (1 or more) nor `balanced`"
+        )),
+    }
 }
 
 fn parse_engine(name: &str) -> Result<strata_tiers::io::EnginePreference, String> {
@@ -292,7 +312,11 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
             top_k: args.top_k,
             ..defaults.model.clone()
         },
-        tokens: args.tokens,
+        tokens: match args.tokens {
+            StepTokens::Fixed(n) => n,
+            StepTokens::Balanced => defaults.tokens,
+        },
+        balance_tokens: args.tokens == StepTokens::Balanced,
         device_experts: args.device_experts,
         host_fraction: args.host_fraction,
         steps: args.steps,
@@ -409,6 +433,23 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         list(&summary.expert_wise_over_naive_by_round),
         list(&summary.expert_wise_over_bound_by_round)
     )?;
+    if let Some(balance) = &summary.balance {
+        let tried: Vec<String> = balance
+            .compute_only_s
+            .iter()
+            .map(|(tokens, s)| format!("{s:.3} s at {tokens}"))
+            .collect();
+        writeln!(
+            out,
+            "{} tokens a step, balanced: I/O only {:.3} s; compute only {}{}",
+            summary.tokens,
+            balance.io_only_s,
+            tried.join(", "),
+            balance
+                .unbracketed
+                .map_or(String::new(), |why| format!(" ({why})"))
+        )?;
+    }
     Ok(())
 }
 

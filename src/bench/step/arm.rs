@@ -95,6 +95,35 @@ impl Arm {
         self.engine.drain()
     }
 
+    /// One untimed step and two timed ones at `tokens`, left out of the
+    /// arm's records; returns the shorter timed step's wall time, once
+    /// every update in flight is done.
+    pub(super) fn probe(
+        &mut self,
+        config: &StepBenchConfig,
+        tokens: usize,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<f64, EngineError> {
+        let mut shortest = f64::INFINITY;
+        for i in 0..3 {
+            let m = self
+                .engine
+                .step(&batch(&config.model, tokens, self.steps_done))?;
+            self.steps_done += 1;
+            progress(&format!(
+                "{} probe at {tokens} tokens{}: {:.2} s",
+                self.name,
+                if i == 0 { " (warm-up)" } else { "" },
+                m.wall_s
+            ));
+            if i > 0 {
+                shortest = shortest.min(m.wall_s);
+            }
+        }
+        self.engine.drain()?;
+        Ok(shortest)
+    }
+
     pub(super) fn record(&self, config: &StepBenchConfig) -> StepBenchRecord {
         let model = &config.model;
         let metrics = &self.metrics;

@@ -15,13 +15,19 @@ use crate::model::ModelConfig;
 use crate::EngineError;
 
 mod arm;
+mod balance;
 
 use arm::Arm;
+pub use balance::Balance;
 
 #[derive(Clone, Debug)]
 pub struct StepBenchConfig {
     pub model: ModelConfig,
+    /// Tokens per step; with `balance_tokens`, where the search starts.
     pub tokens: usize,
+    /// Run at the tokens per step where compute-only and I/O-only steps
+    /// take as long (found by timing both first; see `balance.rs`).
+    pub balance_tokens: bool,
     /// Experts that fit on the device at once.
     pub device_experts: u64,
     /// Share of all experts' records that fit in host memory.
@@ -56,6 +62,7 @@ impl Default for StepBenchConfig {
                 ..ModelConfig::default()
             },
             tokens: 1024,
+            balance_tokens: true,
             device_experts: 2,
             host_fraction: 0.25,
             steps: 2,
@@ -143,6 +150,10 @@ pub struct StepBenchSummary {
     pub bench: &'static str,
     pub run: &'static str,
     pub rounds: usize,
+    /// Tokens per step of every run.
+    pub tokens: usize,
+    /// How `tokens` was found, where it was balanced (`balance_tokens`).
+    pub balance: Option<Balance>,
     /// naive ÷ expert-wise median step time (over every round)
     pub expert_wise_over_naive: f64,
     /// expert-wise step time ÷ max(compute only, I/O only)
@@ -313,6 +324,23 @@ fn run_rounds(
         }
         arms.push(Arm::new(name, engine));
     }
+    let balance = if config.balance_tokens {
+        let [.., compute_only, io_only] = &mut arms[..] else {
+            unreachable!("four runs")
+        };
+        debug_assert_eq!(
+            (compute_only.name, io_only.name),
+            ("compute_only", "io_only")
+        );
+        Some(balance::find(config, compute_only, io_only, progress)?)
+    } else {
+        None
+    };
+    let config = &StepBenchConfig {
+        tokens: balance.as_ref().map_or(config.tokens, |b| b.tokens),
+        balance_tokens: false,
+        ..config.clone()
+    };
     let n = arms.len();
     let mut by_round = Vec::new();
     for round in 0..config.rounds {
@@ -345,6 +373,8 @@ fn run_rounds(
         bench: "step",
         run: "summary",
         rounds: config.rounds,
+        tokens: config.tokens,
+        balance,
         expert_wise_over_naive,
         expert_wise_over_bound,
         expert_wise_over_naive_by_round: by_round.iter().map(|r| r.0).collect(),
@@ -394,6 +424,7 @@ mod tests {
                 ..tiny()
             },
             tokens: 32,
+            balance_tokens: false,
             dir: dir.path().to_path_buf(),
             ..StepBenchConfig::default()
         };
@@ -435,6 +466,7 @@ mod tests {
         let config = StepBenchConfig {
             model: tiny(),
             tokens: 32,
+            balance_tokens: false,
             steps: 2,
             rounds: 2,
             dir: dir.path().to_path_buf(),
@@ -495,6 +527,7 @@ mod tests {
             let config = StepBenchConfig {
                 model: tiny(),
                 tokens: 64,
+                balance_tokens: false,
                 steps: 2,
                 devices,
                 device_experts: 4,
@@ -512,11 +545,55 @@ mod tests {
     }
 
     #[test]
+    fn balanced_tokens_are_found_first_and_every_run_uses_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = StepBenchConfig {
+            model: tiny(),
+            tokens: 32,
+            steps: 1,
+            rounds: 1,
+            dir: dir.path().to_path_buf(),
+            ..StepBenchConfig::default()
+        };
+        assert!(config.balance_tokens, "the default balances");
+        let mut lines = Vec::new();
+        let (records, summary) = run(&config, |l| lines.push(l.to_string())).unwrap();
+        let balance = summary.balance.expect("balanced");
+        assert_eq!(summary.tokens, balance.tokens);
+        assert!(records.iter().all(|r| r.tokens == balance.tokens));
+        assert!(balance.tokens % balance::TOKENS_GRAIN == 0);
+        assert!((16..=32 * balance::SEARCH_FACTOR_MAX).contains(&balance.tokens));
+        assert!(balance.io_only_s > 0.0);
+        let (first, _) = balance.compute_only_s[0];
+        assert_eq!(first, 32, "the search starts at the given count");
+        // Each count tried is twice or half the one before it.
+        for pair in balance.compute_only_s.windows(2) {
+            let (a, b) = (pair[0].0, pair[1].0);
+            assert!(b == 2 * a || 2 * b == a, "{a} then {b}");
+        }
+        if balance.unbracketed.is_none() {
+            let below = balance
+                .compute_only_s
+                .iter()
+                .any(|p| p.1 <= balance.io_only_s);
+            let above = balance
+                .compute_only_s
+                .iter()
+                .any(|p| p.1 > balance.io_only_s);
+            assert!(below && above, "{balance:?}");
+        }
+        assert!(lines.iter().any(|l| l.starts_with("balance: ")));
+        // The probes are not counted as the runs' timed steps.
+        assert!(records.iter().all(|r| r.steps == 1));
+    }
+
+    #[test]
     fn several_devices_run_every_configuration() {
         let dir = tempfile::tempdir().unwrap();
         let config = StepBenchConfig {
             model: tiny(),
             tokens: 64,
+            balance_tokens: false,
             steps: 2,
             devices: 2,
             device_experts: 4,
