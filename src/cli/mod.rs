@@ -2,6 +2,7 @@
 //! `cli/bench.rs`.
 
 mod bench;
+mod step_table;
 
 use std::io::Write;
 use std::path::PathBuf;
