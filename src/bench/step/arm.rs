@@ -58,6 +58,17 @@ impl Arm {
         }
     }
 
+    /// One engine step on this arm's next batch of `tokens`.
+    fn next_step(
+        &mut self,
+        model: &ModelConfig,
+        tokens: usize,
+    ) -> Result<StepMetrics, EngineError> {
+        let m = self.engine.step(&batch(model, tokens, self.steps_done))?;
+        self.steps_done += 1;
+        Ok(m)
+    }
+
     /// Runs `warmup` untimed steps and `timed` timed ones, then waits for
     /// every update in flight (untimed), so the next arm starts on a quiet
     /// machine.
@@ -71,10 +82,7 @@ impl Arm {
         for i in 0..warmup + timed {
             let stolen_before = stolen_cpu_s();
             let usage_before = process_usage();
-            let m = self
-                .engine
-                .step(&batch(&config.model, config.tokens, self.steps_done))?;
-            self.steps_done += 1;
+            let m = self.next_step(&config.model, config.tokens)?;
             progress(&format!(
                 "{} step {}{}: {:.2} s, loss {:.4}",
                 self.name,
@@ -106,10 +114,7 @@ impl Arm {
     ) -> Result<f64, EngineError> {
         let mut shortest = f64::INFINITY;
         for i in 0..3 {
-            let m = self
-                .engine
-                .step(&batch(&config.model, tokens, self.steps_done))?;
-            self.steps_done += 1;
+            let m = self.next_step(&config.model, tokens)?;
             progress(&format!(
                 "{} probe at {tokens} tokens{}: {:.2} s",
                 self.name,
