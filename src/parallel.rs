@@ -32,6 +32,64 @@ pub(crate) fn run_all<F: FnOnce() + Send>(jobs: Vec<F>) {
     });
 }
 
+/// Elements a job should touch at least to be worth a thread of its own
+/// (a spawn costs tens of microseconds; this is about a tenth of a
+/// millisecond of streaming work).
+const MIN_JOB_WORK: usize = 1 << 17;
+
+/// Rows a job takes when `rows` rows of `work_per_row` elements each are
+/// shared out: all on the calling thread when the whole is small, else an
+/// even share over the cores.
+pub(crate) fn rows_per_job(rows: usize, work_per_row: usize) -> usize {
+    let jobs = (rows.saturating_mul(work_per_row) / MIN_JOB_WORK).clamp(1, cores());
+    rows.div_ceil(jobs).max(1)
+}
+
+/// Runs `body(first_row, block)` over `out` cut into blocks of whole rows
+/// (`row_len` elements a row), each block on its own thread. Every row is
+/// computed by exactly one job, so a body that writes each of its rows
+/// from that row's inputs alone gives the same bits however the rows are
+/// cut.
+pub(crate) fn for_row_blocks<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    work_per_row: usize,
+    body: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let rows = out.len() / row_len.max(1);
+    let per = rows_per_job(rows, work_per_row);
+    let body = &body;
+    run_all(
+        out.chunks_mut((per * row_len).max(1))
+            .enumerate()
+            .map(|(i, block)| move || body(i * per, block))
+            .collect(),
+    );
+}
+
+/// `for_row_blocks` over two outputs with the same rows (`row_len` and
+/// `row_len2` elements a row), cut alike.
+pub(crate) fn for_row_block_pairs<T: Send, U: Send>(
+    out: &mut [T],
+    row_len: usize,
+    out2: &mut [U],
+    row_len2: usize,
+    work_per_row: usize,
+    body: impl Fn(usize, &mut [T], &mut [U]) + Sync,
+) {
+    let rows = out.len() / row_len.max(1);
+    assert_eq!(rows * row_len2, out2.len(), "the two outputs' rows differ");
+    let per = rows_per_job(rows, work_per_row);
+    let body = &body;
+    run_all(
+        out.chunks_mut((per * row_len).max(1))
+            .zip(out2.chunks_mut((per * row_len2).max(1)))
+            .enumerate()
+            .map(|(i, (block, block2))| move || body(i * per, block, block2))
+            .collect(),
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -43,5 +101,29 @@ mod tests {
         assert_eq!(hits, vec![1; 5]);
         run_all(Vec::<fn()>::new());
         assert!(cores() >= 1);
+    }
+
+    #[test]
+    fn row_blocks_cover_every_row_once_in_whole_rows() {
+        for rows in [0usize, 1, 7, 1000, 100_000] {
+            let mut out = vec![0u32; rows * 3];
+            let mut marks = vec![0u8; rows];
+            // Enough work per row that large cases split over the cores.
+            for_row_block_pairs(&mut out, 3, &mut marks, 1, 64, |first, block, m| {
+                assert_eq!(block.len() % 3, 0);
+                assert_eq!(block.len() / 3, m.len());
+                for (r, row) in block.chunks_mut(3).enumerate() {
+                    row.iter_mut().for_each(|v| *v += (first + r) as u32);
+                    m[r] += 1;
+                }
+            });
+            assert!(marks.iter().all(|&m| m == 1));
+            assert!(out
+                .chunks(3)
+                .enumerate()
+                .all(|(r, row)| row.iter().all(|&v| v == r as u32)));
+        }
+        assert_eq!(rows_per_job(10, 1), 10); // small: one job
+        assert!(rows_per_job(1 << 20, 1 << 10) < 1 << 20 || cores() == 1);
     }
 }

@@ -2,7 +2,11 @@
 //! mirrored `*_forward` / `*_backward` pairs, row-major, no tiers, no
 //! scheduling. The reference trainer runs these in f32; the gradient tests
 //! run them in f64 against finite differences; the engine's fast paths are
-//! held to them by the equivalence tests.
+//! held to them by the equivalence tests. The passes over tokens (RMSNorm,
+//! the linear layers, the permutation's gathers and scatters, the combine)
+//! share their rows over the cores, each output element computed by one
+//! job in the order the plain loop sums it: the same bits on any split
+//! (`split_tests` holds them to the plain loops).
 //!
 //! Legend: T tokens, D d_model, F d_ff, E experts, K top-k, V classes.
 //! Weights are stored as Hugging Face does, (out, in): `y = x · Wᵀ`.
@@ -88,24 +92,57 @@ real_impl!(f32);
 real_impl!(f64);
 
 /// out (M, N) = x (M, K) · w (N, K)ᵀ
+///
+/// Each output is summed over K in order, as a dot product would be; a
+/// row's N outputs accumulate side by side (over wᵀ, so the N lanes
+/// vectorize) and rows are shared over the cores. Neither changes a bit.
 pub fn linear_forward<R: Real>(out: &mut [R], x: &[R], w: &[R], m: usize, k: usize, n: usize) {
     assert_eq!(x.len(), m * k);
     assert_eq!(w.len(), n * k);
     assert_eq!(out.len(), m * n);
-    for i in 0..m {
-        let xi = &x[i * k..(i + 1) * k];
-        for j in 0..n {
-            let wj = &w[j * k..(j + 1) * k];
-            let mut acc = R::zero();
-            for p in 0..k {
-                acc += xi[p] * wj[p];
-            }
-            out[i * n + j] = acc;
+    let mut wt = vec![R::zero(); k * n];
+    for j in 0..n {
+        for p in 0..k {
+            wt[p * n + j] = w[j * k + p];
         }
     }
+    let wt = &wt;
+    crate::parallel::for_row_blocks(out, n, k * n, |first, block| {
+        for (r, out_row) in block.chunks_mut(n.max(1)).enumerate() {
+            let xi = &x[(first + r) * k..(first + r + 1) * k];
+            // Eight outputs at a time in registers, then the rest.
+            let mut j0 = 0;
+            while j0 + LANES <= n {
+                let mut acc = [R::zero(); LANES];
+                for p in 0..k {
+                    let xp = xi[p];
+                    let wp = &wt[p * n + j0..p * n + j0 + LANES];
+                    for l in 0..LANES {
+                        acc[l] += xp * wp[l];
+                    }
+                }
+                out_row[j0..j0 + LANES].copy_from_slice(&acc);
+                j0 += LANES;
+            }
+            for j in j0..n {
+                let mut acc = R::zero();
+                for p in 0..k {
+                    acc += xi[p] * wt[p * n + j];
+                }
+                out_row[j] = acc;
+            }
+        }
+    });
 }
 
+/// Outputs `linear_forward` accumulates side by side.
+const LANES: usize = 8;
+
 /// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
+///
+/// Each element of dx sums over N in order and each of dw over M in
+/// order, the same bits as one loop over (i, j, p); dx's rows and dw's
+/// rows are each shared over the cores.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward<R: Real>(
     dx: &mut [R],
@@ -118,15 +155,31 @@ pub fn linear_backward<R: Real>(
     n: usize,
 ) {
     assert_eq!(dout.len(), m * n);
-    for i in 0..m {
-        for j in 0..n {
-            let g = dout[i * n + j];
-            for p in 0..k {
-                dx[i * k + p] += g * w[j * k + p];
-                dw[j * k + p] += g * x[i * k + p];
+    assert_eq!(dx.len(), m * k);
+    assert_eq!(dw.len(), n * k);
+    crate::parallel::for_row_blocks(dx, k, n * k, |first, block| {
+        for (r, dxi) in block.chunks_mut(k.max(1)).enumerate() {
+            let i = first + r;
+            for j in 0..n {
+                let g = dout[i * n + j];
+                let wj = &w[j * k..(j + 1) * k];
+                for p in 0..k {
+                    dxi[p] += g * wj[p];
+                }
             }
         }
-    }
+    });
+    crate::parallel::for_row_blocks(dw, k, m * k, |first, block| {
+        for i in 0..m {
+            let xi = &x[i * k..(i + 1) * k];
+            for (r, dwj) in block.chunks_mut(k.max(1)).enumerate() {
+                let g = dout[i * n + first + r];
+                for p in 0..k {
+                    dwj[p] += g * xi[p];
+                }
+            }
+        }
+    });
 }
 
 pub fn sigmoid<R: Real>(x: R) -> R {
@@ -315,18 +368,22 @@ pub fn rmsnorm_forward<R: Real>(
     d: usize,
     eps: f64,
 ) {
-    for i in 0..t {
-        let row = &x[i * d..(i + 1) * d];
-        let mut ss = R::zero();
-        for &v in row {
-            ss += v * v;
+    assert_eq!(out.len(), t * d);
+    assert_eq!(inv_rms.len(), t);
+    crate::parallel::for_row_block_pairs(out, d, inv_rms, 1, d, |first, out, inv_rms| {
+        for (r, o) in out.chunks_mut(d.max(1)).enumerate() {
+            let row = &x[(first + r) * d..(first + r + 1) * d];
+            let mut ss = R::zero();
+            for &v in row {
+                ss += v * v;
+            }
+            let inv = R::one() / (ss / R::from_f64(d as f64) + R::from_f64(eps)).sqrt();
+            inv_rms[r] = inv;
+            for j in 0..d {
+                o[j] = row[j] * inv * g[j];
+            }
         }
-        let inv = R::one() / (ss / R::from_f64(d as f64) + R::from_f64(eps)).sqrt();
-        inv_rms[i] = inv;
-        for j in 0..d {
-            out[i * d + j] = row[j] * inv * g[j];
-        }
-    }
+    });
 }
 
 /// dx += …, dg += … for RMSNorm.
@@ -341,21 +398,37 @@ pub fn rmsnorm_backward<R: Real>(
     t: usize,
     d: usize,
 ) {
-    for i in 0..t {
-        let row = &x[i * d..(i + 1) * d];
-        let dy = &dout[i * d..(i + 1) * d];
-        let inv = inv_rms[i];
-        let mut dot = R::zero();
-        for j in 0..d {
-            dot += dy[j] * g[j] * row[j];
-            dg[j] += dy[j] * row[j] * inv;
+    assert_eq!(dx.len(), t * d);
+    assert_eq!(dg.len(), d);
+    // dx row by row; dg (a sum over rows, in row order) column block by
+    // column block: the same bits as one pass, each shared over the cores.
+    crate::parallel::for_row_blocks(dx, d, d, |first, block| {
+        for (r, dxi) in block.chunks_mut(d.max(1)).enumerate() {
+            let i = first + r;
+            let row = &x[i * d..(i + 1) * d];
+            let dy = &dout[i * d..(i + 1) * d];
+            let inv = inv_rms[i];
+            let mut dot = R::zero();
+            for j in 0..d {
+                dot += dy[j] * g[j] * row[j];
+            }
+            // ∂/∂x_j of x_j·inv·g_j with inv = (mean x² + ε)^-½
+            let coef = dot * inv * inv * inv / R::from_f64(d as f64);
+            for j in 0..d {
+                dxi[j] += dy[j] * g[j] * inv - row[j] * coef;
+            }
         }
-        // ∂/∂x_j of x_j·inv·g_j with inv = (mean x² + ε)^-½
-        let coef = dot * inv * inv * inv / R::from_f64(d as f64);
-        for j in 0..d {
-            dx[i * d + j] += dy[j] * g[j] * inv - row[j] * coef;
+    });
+    crate::parallel::for_row_blocks(dg, 1, t, |first, block| {
+        for i in 0..t {
+            let row = &x[i * d + first..i * d + first + block.len()];
+            let dy = &dout[i * d + first..i * d + first + block.len()];
+            let inv = inv_rms[i];
+            for j in 0..block.len() {
+                block[j] += dy[j] * row[j] * inv;
+            }
         }
-    }
+    });
 }
 
 /// Cross-entropy summed over rows and divided by `denominator`, forward
@@ -446,6 +519,9 @@ fn cross_entropy_rows<R: Real>(
         }
     }
 }
+#[cfg(test)]
+mod split_tests;
+
 #[cfg(test)]
 mod tests {
     use super::*;

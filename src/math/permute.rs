@@ -6,6 +6,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::Real;
+use crate::parallel::{for_row_block_pairs, for_row_blocks, rows_per_job, run_all};
 
 /// Assignments (t, k) grouped by expert in a stable order: `order` lists
 /// assignment indices (t·K + k) expert by expert, token order within each;
@@ -42,10 +43,13 @@ impl Permutation {
 
 /// rows (n, D) = x[token of each assignment]
 pub fn gather_forward<R: Real>(rows: &mut [R], x: &[R], assignments: &[u32], k: usize, d: usize) {
-    for (r, &a) in assignments.iter().enumerate() {
-        let t = a as usize / k;
-        rows[r * d..(r + 1) * d].copy_from_slice(&x[t * d..(t + 1) * d]);
-    }
+    assert_eq!(rows.len(), assignments.len() * d);
+    for_row_blocks(rows, d, d, |first, block| {
+        for (r, row) in block.chunks_mut(d.max(1)).enumerate() {
+            let t = assignments[first + r] as usize / k;
+            row.copy_from_slice(&x[t * d..(t + 1) * d]);
+        }
+    });
 }
 
 /// y (T, D) = Σ_k w_tk · per_assignment[(t, k)], summed in k order.
@@ -57,15 +61,19 @@ pub fn combine_forward<R: Real>(
     k: usize,
     d: usize,
 ) {
-    for i in 0..t {
-        for j in 0..d {
-            let mut acc = R::zero();
-            for s in 0..k {
-                acc += weights[i * k + s] * per_assignment[(i * k + s) * d + j];
+    assert_eq!(y.len(), t * d);
+    for_row_blocks(y, d, k * d, |first, block| {
+        for (r, yi) in block.chunks_mut(d.max(1)).enumerate() {
+            let i = first + r;
+            for j in 0..d {
+                let mut acc = R::zero();
+                for s in 0..k {
+                    acc += weights[i * k + s] * per_assignment[(i * k + s) * d + j];
+                }
+                yi[j] = acc;
             }
-            y[i * d + j] = acc;
         }
-    }
+    });
 }
 
 /// d per_assignment = w · dy; dweights = dy · per_assignment.
@@ -79,17 +87,30 @@ pub fn combine_backward<R: Real>(
     k: usize,
     d: usize,
 ) {
-    for i in 0..t {
-        for s in 0..k {
-            let a = i * k + s;
-            let mut dot = R::zero();
-            for j in 0..d {
-                dper_assignment[a * d + j] = weights[a] * dy[i * d + j];
-                dot += dy[i * d + j] * per_assignment[a * d + j];
+    assert_eq!(dper_assignment.len(), t * k * d);
+    assert_eq!(dweights.len(), t * k);
+    let work = 2 * k * d;
+    for_row_block_pairs(
+        dper_assignment,
+        k * d,
+        dweights,
+        k,
+        work,
+        |first, dper, dw| {
+            for r in 0..dw.len() / k.max(1) {
+                let i = first + r;
+                for s in 0..k {
+                    let (a, local) = (i * k + s, r * k + s);
+                    let mut dot = R::zero();
+                    for j in 0..d {
+                        dper[local * d + j] = weights[a] * dy[i * d + j];
+                        dot += dy[i * d + j] * per_assignment[a * d + j];
+                    }
+                    dw[local] = dot;
+                }
             }
-            dweights[a] = dot;
-        }
-    }
+        },
+    );
 }
 
 /// dx (T, D) += Σ_k d per_assignment_input[(t, k)], in k order.
@@ -100,28 +121,61 @@ pub fn gather_backward<R: Real>(
     k: usize,
     d: usize,
 ) {
-    for i in 0..t {
-        for s in 0..k {
-            let a = i * k + s;
-            for j in 0..d {
-                dx[i * d + j] += dper_assignment_input[a * d + j];
+    assert_eq!(dx.len(), t * d);
+    for_row_blocks(dx, d, k * d, |first, block| {
+        for (r, dxi) in block.chunks_mut(d.max(1)).enumerate() {
+            let i = first + r;
+            for s in 0..k {
+                let a = i * k + s;
+                for j in 0..d {
+                    dxi[j] += dper_assignment_input[a * d + j];
+                }
             }
         }
-    }
+    });
 }
 
 /// `dst[a]` (T·K, D) = `src[r]` (n, D) for each r-th assignment a of `rows`.
+///
+/// An expert's rows from a [`Permutation`] ascend, so blocks of them
+/// write disjoint, ascending blocks of `dst`: those are shared over the
+/// cores. Rows in any other order are copied on this thread.
 pub fn scatter_to_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d: usize) {
-    for (r, &a) in rows.iter().enumerate() {
-        let a = a as usize;
-        dst[a * d..(a + 1) * d].copy_from_slice(&src[r * d..(r + 1) * d]);
+    assert_eq!(src.len(), rows.len() * d);
+    let per = rows_per_job(rows.len(), d);
+    if per >= rows.len() || d == 0 || !rows.windows(2).all(|w| w[0] < w[1]) {
+        for (r, &a) in rows.iter().enumerate() {
+            let a = a as usize;
+            dst[a * d..(a + 1) * d].copy_from_slice(&src[r * d..(r + 1) * d]);
+        }
+        return;
     }
+    let mut jobs = Vec::new();
+    let mut rest = dst;
+    let mut base = 0; // the row of dst where `rest` starts
+    for (rows, src) in rows.chunks(per).zip(src.chunks(per * d)) {
+        let end = *rows.last().expect("chunks are not empty") as usize + 1;
+        let (block, tail) = std::mem::take(&mut rest).split_at_mut((end - base) * d);
+        rest = tail;
+        let first = base;
+        jobs.push(move || {
+            for (r, &a) in rows.iter().enumerate() {
+                let a = a as usize - first;
+                block[a * d..(a + 1) * d].copy_from_slice(&src[r * d..(r + 1) * d]);
+            }
+        });
+        base = end;
+    }
+    run_all(jobs);
 }
 
 /// `dst[r]` (n, D) = `src[a]` (T·K, D) for each r-th assignment a of `rows`.
 pub fn gather_from_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d: usize) {
-    for (r, &a) in rows.iter().enumerate() {
-        let a = a as usize;
-        dst[r * d..(r + 1) * d].copy_from_slice(&src[a * d..(a + 1) * d]);
-    }
+    assert_eq!(dst.len(), rows.len() * d);
+    for_row_blocks(dst, d, d, |first, block| {
+        for (r, row) in block.chunks_mut(d.max(1)).enumerate() {
+            let a = rows[first + r] as usize;
+            row.copy_from_slice(&src[a * d..(a + 1) * d]);
+        }
+    });
 }
