@@ -4,6 +4,7 @@
 
 use crate::backend::ExpertDevice;
 use crate::math::ExpertSaved;
+use crate::model::F32BufferPool;
 
 /// Per-step counters of one device.
 #[derive(Default)]
@@ -129,6 +130,10 @@ pub(crate) struct DeviceState {
     /// [layer][expert] the input rows of the experts this device computed
     /// for other devices' tokens too (exchange runs only).
     pub saved_x: Vec<Vec<Vec<f32>>>,
+    /// The layers' (T·K, D) buffers between steps: one per layer (each
+    /// layer's expert outputs live from its forward to its backward) and
+    /// the two its backward uses.
+    pub buffers: F32BufferPool,
     pub acc: Accumulators,
 }
 
@@ -140,6 +145,7 @@ impl DeviceState {
             slots,
             saved: vec![vec![ExpertSaved::default(); experts]; layers],
             saved_x: vec![vec![Vec::new(); experts]; layers],
+            buffers: F32BufferPool::new(layers + 2),
             acc: Accumulators::new(layers, experts),
         }
     }

@@ -226,6 +226,14 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
 }
 
 impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
+    fn take_buffer(&mut self, len: usize) -> Vec<f32> {
+        self.inner.take_buffer(len)
+    }
+
+    fn give_buffer(&mut self, buf: Vec<f32>) {
+        self.inner.give_buffer(buf);
+    }
+
     fn forward_layer(
         &mut self,
         layer: usize,

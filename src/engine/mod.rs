@@ -342,3 +342,34 @@ impl Engine {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{fill_uniform, Batch};
+
+    #[test]
+    fn a_step_leaves_its_layer_buffers_for_the_next() {
+        let model = ModelConfig {
+            layers: 3,
+            ..ModelConfig::default()
+        };
+        let mut engine = Engine::new(model.clone(), EngineConfig::default()).unwrap();
+        let tokens = 40;
+        let mut inputs = vec![0.0f32; tokens * model.d_model];
+        fill_uniform(&mut inputs, 5, 1, 1.0);
+        let batch = Batch {
+            inputs,
+            targets: (0..tokens as u32)
+                .map(|i| i % model.classes as u32)
+                .collect(),
+        };
+        assert_eq!(engine.devices[0].buffers.kept(), 0);
+        for _ in 0..2 {
+            engine.step(&batch).unwrap();
+            // One per layer (kept from its forward to its backward) and
+            // the backward's two, handed back and kept within the bound.
+            assert_eq!(engine.devices[0].buffers.kept(), model.layers + 2);
+        }
+    }
+}

@@ -190,7 +190,7 @@ impl DeviceRunner<'_> {
         let mut dxe = vec![0.0f32; n * d];
         self.dev.acc.assignments_computed += n as u64;
         if self.options.skip_expert_compute {
-            grad.fill(0.0);
+            crate::parallel::for_row_blocks(&mut grad, 1, 1, |_, part| part.fill(0.0));
         } else {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];
@@ -214,6 +214,14 @@ impl DeviceRunner<'_> {
 }
 
 impl ExpertRunner for DeviceRunner<'_> {
+    fn take_buffer(&mut self, len: usize) -> Vec<f32> {
+        self.dev.buffers.take(len)
+    }
+
+    fn give_buffer(&mut self, buf: Vec<f32>) {
+        self.dev.buffers.give(buf);
+    }
+
     fn forward_layer(
         &mut self,
         layer: usize,

@@ -360,7 +360,7 @@ impl Network for MixtralLm {
     ) -> Result<Losses, EngineError> {
         let c = &self.config;
         let (d, v) = (c.d_model, c.vocab);
-        let f = self.forward(dense, batch, runner, kernels)?;
+        let mut f = self.forward(dense, batch, runner, kernels)?;
         let t = f.inputs.len();
         let mut dlogits = vec![0.0f32; t * v];
         let ce = kernels.cross_entropy(&mut dlogits, &f.logits, &f.targets, v, tokens_total)?;
@@ -469,6 +469,7 @@ impl Network for MixtralLm {
                 t,
                 d,
             );
+            runner.give_buffer(std::mem::take(&mut f.layers[l].moe.per_assignment));
         }
         embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
         Ok(Losses {

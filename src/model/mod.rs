@@ -20,8 +20,10 @@ use crate::math::{
 };
 use crate::EngineError;
 
+mod buffer_pool;
 mod dense_kernels;
 
+pub(crate) use buffer_pool::F32BufferPool;
 pub use dense_kernels::{DenseKernels, PlainKernels};
 
 /// The shape and losses of a MoE stack.
@@ -243,6 +245,17 @@ pub trait ExpertRunner {
         dx: &mut [f32],
         last_micro_batch: bool,
     ) -> Result<(), EngineError>;
+
+    /// `len` zeros for a layer's (T·K, D) buffers; a runner that keeps
+    /// buffers between uses hands back one given to `give_buffer`.
+    fn take_buffer(&mut self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    /// A buffer from `take_buffer` its user is done with.
+    fn give_buffer(&mut self, buf: Vec<f32>) {
+        drop(buf);
+    }
 }
 
 /// The losses of one micro-batch.
@@ -319,7 +332,7 @@ pub fn moe_forward(
     let mut s = MoeSaved::default();
     router_forward(&model.router(), &mut s.routing, x, router_w, t, d);
     s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
-    s.per_assignment = vec![0.0; t * k * d];
+    s.per_assignment = runner.take_buffer(t * k * d);
     runner.forward_layer(layer, &s.perm, x, &mut s.per_assignment)?;
     let mut y = vec![0.0f32; t * d];
     combine_forward(&mut y, &s.per_assignment, &s.routing.weights, t, k, d);
@@ -345,7 +358,7 @@ pub fn moe_backward(
     last_micro_batch: bool,
 ) -> Result<(), EngineError> {
     let (d, k) = (model.d_model, model.top_k);
-    let mut dper = vec![0.0f32; t * k * d];
+    let mut dper = runner.take_buffer(t * k * d);
     let mut dweights = vec![0.0f32; t * k];
     combine_backward(
         &mut dper,
@@ -357,9 +370,11 @@ pub fn moe_backward(
         k,
         d,
     );
-    let mut dxa = vec![0.0f32; t * k * d];
+    let mut dxa = runner.take_buffer(t * k * d);
     runner.backward_layer(layer, &s.perm, x, &dper, &mut dxa, last_micro_batch)?;
+    runner.give_buffer(dper);
     gather_backward(dx, &dxa, t, k, d);
+    runner.give_buffer(dxa);
     router_backward(
         &model.router(),
         dx,
@@ -500,7 +515,7 @@ pub fn forward_backward(
     kernels: &dyn DenseKernels,
 ) -> Result<Losses, EngineError> {
     let (t, d, v) = (batch.tokens(), model.d_model, model.classes);
-    let (h, saved, aux_sum, z_sum) = stack_forward(model, dense, batch, runner)?;
+    let (h, mut saved, aux_sum, z_sum) = stack_forward(model, dense, batch, runner)?;
     let head = &dense[model.head_range()];
     let mut logits = vec![0.0f32; t * v];
     kernels.forward(&mut logits, &h, head, t, d, v)?;
@@ -517,7 +532,7 @@ pub fn forward_backward(
     let daux = model.aux_loss_coef * share;
     let dz = model.z_loss_coef * share;
     for l in (0..model.layers).rev() {
-        let s = &saved[l];
+        let s = &mut saved[l];
         let mut dnormed = vec![0.0f32; t * d];
         let wr = &dense[model.router_range(l)];
         moe_backward(
@@ -535,6 +550,7 @@ pub fn forward_backward(
             runner,
             last_micro_batch,
         )?;
+        runner.give_buffer(std::mem::take(&mut s.moe.per_assignment));
         let g = &dense[model.norm_range(l)];
         let mut dh_in = dh.clone(); // the residual path
         let norm_grad = &mut dense_grad[model.norm_range(l)];
