@@ -13,9 +13,10 @@
 #                                I/O-only steps balance), then every record
 #                                in host memory
 #   scripts/gpu-check.sh sweep   `bench step --backend cuda` (the SSD case)
-#                                at 4096, 6144 and 8192 tokens a step, where
-#                                compute approaches the I/O: expert-wise
-#                                over naive peaks where the two balance
+#                                at 8192, 12288 and 16384 tokens a step,
+#                                around where compute meets the I/O on an
+#                                H100 host (expert-wise over naive peaks
+#                                where the two balance)
 # Output goes under $OUT when set (else gpu-out/), a few files per phase.
 set -uo pipefail
 phase=${1:-tests}
@@ -79,7 +80,7 @@ bench)
     tail -5 "$out/bench-step-cuda-resident.log"
     ;;
 sweep)
-    for tokens in 4096 6144 8192; do
+    for tokens in 8192 12288 16384; do
         timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens "$tokens" \
             --rounds 2 --dir /tmp \
             > "$out/bench-step-cuda-t$tokens.jsonl" 2> "$out/bench-step-cuda-t$tokens.log" || status=1
