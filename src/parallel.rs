@@ -35,7 +35,7 @@ pub(crate) fn run_all<F: FnOnce() + Send>(jobs: Vec<F>) {
 /// Elements a job should touch at least to be worth a thread of its own
 /// (a spawn costs tens of microseconds; this is about a tenth of a
 /// millisecond of streaming work).
-const MIN_JOB_WORK: usize = 1 << 17;
+pub(crate) const MIN_JOB_WORK: usize = 1 << 17;
 
 /// Rows a job takes when `rows` rows of `work_per_row` elements each are
 /// shared out: all on the calling thread when the whole is small, else an
@@ -88,6 +88,11 @@ pub(crate) fn for_row_block_pairs<T: Send, U: Send>(
             .map(|(i, (block, block2))| move || body(i * per, block, block2))
             .collect(),
     );
+}
+
+/// `buf` zeroed, shared over the cores when it is large.
+pub(crate) fn fill_zeros(buf: &mut [f32]) {
+    for_row_blocks(buf, 1, 1, |_, part| part.fill(0.0));
 }
 
 #[cfg(test)]

@@ -44,29 +44,16 @@ fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 /// thread (about 0.1 ms of sigmoids; a spawn costs tens of microseconds).
 const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
 
-/// Elements per part of an activation pass over `n`: one contiguous part
-/// per core (a single part below `PARALLEL_MIN_ELEMENTS`). Each element is
-/// computed alone, so the cut changes no bit of the result.
-fn part_len(n: usize) -> usize {
-    let parts = if n < PARALLEL_MIN_ELEMENTS {
-        1
-    } else {
-        crate::parallel::cores().clamp(1, 4)
-    };
-    n.div_ceil(parts).max(1)
-}
+/// An activation element (a sigmoid or a tanh) as elements of the
+/// streaming work `parallel` shares out, so that a job holds at least
+/// `PARALLEL_MIN_ELEMENTS` of them.
+const ACTIVATION_WORK: usize = crate::parallel::MIN_JOB_WORK / PARALLEL_MIN_ELEMENTS;
 
 /// Runs `body(start, part)` on each part of `out` (`start`: the index of
-/// its first element), each on its own thread.
+/// its first element), each on its own thread. Each element is computed
+/// alone, so the cut changes no bit of the result.
 pub(super) fn for_parts(out: &mut [f32], body: impl Fn(usize, &mut [f32]) + Sync) {
-    let per = part_len(out.len());
-    let body = &body;
-    crate::parallel::run_all(
-        out.chunks_mut(per)
-            .enumerate()
-            .map(|(i, part)| move || body(i * per, part))
-            .collect(),
-    );
+    crate::parallel::for_row_blocks(out, 1, ACTIVATION_WORK, body);
 }
 
 /// `for_parts` over two outputs of the same length, cut alike.
@@ -76,15 +63,7 @@ fn for_part_pairs(
     body: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
 ) {
     assert_eq!(out.len(), out2.len());
-    let per = part_len(out.len());
-    let body = &body;
-    crate::parallel::run_all(
-        out.chunks_mut(per)
-            .zip(out2.chunks_mut(per))
-            .enumerate()
-            .map(|(i, (part, part2))| move || body(i * per, part, part2))
-            .collect(),
-    );
+    crate::parallel::for_row_block_pairs(out, 1, out2, 1, ACTIVATION_WORK, body);
 }
 
 /// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`; with

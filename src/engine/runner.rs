@@ -190,7 +190,7 @@ impl DeviceRunner<'_> {
         let mut dxe = vec![0.0f32; n * d];
         self.dev.acc.assignments_computed += n as u64;
         if self.options.skip_expert_compute {
-            crate::parallel::for_row_blocks(&mut grad, 1, 1, |_, part| part.fill(0.0));
+            crate::parallel::fill_zeros(&mut grad);
         } else {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];

@@ -28,7 +28,7 @@ impl F32BufferPool {
         match self.kept.iter().position(|b| b.len() == len) {
             Some(i) => {
                 let mut buf = self.kept.swap_remove(i);
-                crate::parallel::for_row_blocks(&mut buf, 1, 1, |_, part| part.fill(0.0));
+                crate::parallel::fill_zeros(&mut buf);
                 buf
             }
             None => vec![0.0; len],
