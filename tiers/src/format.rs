@@ -171,6 +171,11 @@ pub fn crc(bytes: &[u8]) -> u32 {
     crc32c::crc32c(bytes)
 }
 
+/// `crc` of `a` followed by `bytes`, from `crc(a)`.
+pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc, bytes)
+}
+
 fn put_u16(b: &mut [u8], at: usize, v: u16) {
     b[at..at + 2].copy_from_slice(&v.to_le_bytes());
 }

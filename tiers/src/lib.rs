@@ -29,6 +29,7 @@ mod record;
 pub mod safetensors_io;
 mod schedule;
 mod store;
+mod verify;
 
 pub use cache::{CacheStats, EvictionPolicy, HostCache, HostCacheConfig, ReadGuard, WriteGuard};
 pub use device::{

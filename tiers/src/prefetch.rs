@@ -1,9 +1,12 @@
-//! The prefetcher: one background thread that walks the access schedule
-//! ahead of the cursor and loads what is not resident, in batches (so
+//! The prefetcher: background threads (two by default: one plans and
+//! issues its batch while the other's ends) that walk the access schedule
+//! ahead of the cursor and load what is not resident, in batches (so
 //! io_uring can keep several reads in flight), into slots whose experts
 //! are needed later than the one being loaded. It never evicts an expert
 //! the schedule needs sooner than the one it brings in, so following the
-//! schedule never makes it fight compute.
+//! schedule never makes it fight compute. With nothing to load, it writes
+//! back the dirty records that will be evicted unchanged, so the loads
+//! that evict them later only read.
 
 use crate::cache::{Shared, SlotState};
 use crate::record::Parts;
@@ -53,7 +56,24 @@ pub(crate) fn run(shared: &Shared) {
             loads.push((victim, expert, parts));
         }
         if loads.is_empty() && upgrades.is_empty() {
-            inner = shared.wait(inner);
+            // Nothing to load: write back what will be evicted dirty
+            // later, so those loads need not wait for the write.
+            let early = shared.claim_early_write_backs(&mut inner, shared.batch_max);
+            if early.is_empty() {
+                inner = shared.wait(inner);
+                continue;
+            }
+            drop(inner);
+            // SAFETY: `claim_early_write_backs` set these slots
+            // `writing_back` for this thread.
+            let written = unsafe { shared.write_back(&early) };
+            inner = shared.lock();
+            if written.is_err() {
+                // The store has latched the error, and the next load
+                // reports it; the slots stay dirty. Retry only once
+                // something changes, rather than spin on the latch.
+                inner = shared.wait(inner);
+            }
             continue;
         }
         drop(inner);

@@ -19,7 +19,12 @@ use crate::format::{
 };
 use crate::io::{open_file, AlignedBuf, FileOptions, ReadOp, RecordDevice, WriteOp};
 use crate::record::Parts;
+use crate::verify::{ChunkVerifier, PartsCheck};
 use crate::{ExpertId, TierError};
+
+/// Reads are split into chunks of at most this many bytes (a multiple of
+/// the 4096-byte alignment O_DIRECT needs), each checked as it arrives.
+const READ_CHUNK_BYTES: usize = 1 << 20;
 
 struct Meta {
     superblock: Superblock,
@@ -44,6 +49,17 @@ pub struct ExpertStore {
     path: Option<PathBuf>,
     /// Time with a read, write or fsync in flight.
     busy: BusyClock,
+    /// Taken for each device call when the engine runs one batch at a time
+    /// (`RecordDevice::one_batch_at_a_time`), so that a call waiting for
+    /// another's batch to end is not counted as busy.
+    turn: Mutex<()>,
+}
+
+/// A device call in flight: the engine's turn, where it has one, and the
+/// busy clock running.
+struct InFlight<'a> {
+    _busy: crate::busy::BusyGuard<'a>,
+    _turn: Option<MutexGuard<'a, ()>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -108,6 +124,7 @@ impl ExpertStore {
             notes: Vec::new(),
             path: None,
             busy: BusyClock::default(),
+            turn: Mutex::new(()),
         };
         store.guard("truncate", || {
             store.device.set_len_bytes(layout.file_bytes())
@@ -185,6 +202,7 @@ impl ExpertStore {
                 notes: Vec::new(),
                 path: None,
                 busy: BusyClock::default(),
+                turn: Mutex::new(()),
             });
         }
         Err(TierError::CorruptSuperblock(
@@ -249,6 +267,16 @@ impl ExpertStore {
         self.busy.take()
     }
 
+    /// Enters a device call: waits for the engine's turn (where it runs one
+    /// batch at a time), then starts the busy clock.
+    fn in_flight(&self) -> InFlight<'_> {
+        let turn = self.device.one_batch_at_a_time().then(|| lock(&self.turn));
+        InFlight {
+            _busy: self.busy.enter(),
+            _turn: turn,
+        }
+    }
+
     fn check_latch(&self) -> Result<(), TierError> {
         match lock(&self.latch).clone() {
             Some((op, message)) => Err(TierError::PreviousIo { op, message }),
@@ -263,7 +291,7 @@ impl ExpertStore {
         f: impl FnOnce() -> Result<T, TierError>,
     ) -> Result<T, TierError> {
         self.check_latch()?;
-        let _busy = self.busy.enter();
+        let _in_flight = self.in_flight();
         f().inspect_err(|e| {
             lock(&self.latch).get_or_insert((op, e.to_string()));
         })
@@ -304,59 +332,66 @@ impl ExpertStore {
                 offsets.push(self.layout.record_offset(slot as u64, copy));
             }
         }
-        let checks: Vec<(ExpertId, Parts, u64)> = requests
-            .iter()
-            .zip(&steps)
-            .map(|((e, p, _), &s)| (*e, *p, s))
-            .collect();
-        let mut ops: Vec<ReadOp<'_>> = requests
-            .iter_mut()
-            .zip(&offsets)
-            .map(|((_, parts, buf), &offset)| ReadOp {
-                offset: offset + parts.range(&self.layout).start as u64,
-                buf: &mut buf[..parts.bytes(&self.layout) as usize],
-            })
-            .collect();
-        // Each record is verified as soon as it arrives, on a verifier
-        // thread, so checksumming overlaps the reads still in flight and
-        // never delays reaping and refilling the queue. A checksum error is
-        // not an I/O failure: it is returned as is and does not latch.
-        self.check_latch()?;
-        let verify_all = |completed: &crossbeam_channel::Receiver<(usize, usize, usize)>| {
-            let mut first = None;
-            for (i, addr, len) in completed.iter() {
-                if first.is_some() {
-                    continue; // drain: the batch is failing anyway
-                }
-                // SAFETY: op i has completed, so nothing writes its buffer
-                // any more; the buffer is lent to read_many for this whole
-                // call, and this thread is joined before read_many returns.
-                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                let (expert, parts, step) = checks[i];
-                first = self.verify(expert, parts, bytes, step).err();
+        // Each read is split into chunks, and each chunk checked on a
+        // verifier thread as soon as it and those before it have arrived:
+        // checksumming overlaps the chunks still in flight, never delays
+        // reaping and refilling the queue, and after the batch's last chunk
+        // only that chunk's checksum is left to compute. A checksum error
+        // is not an I/O failure: it is returned as is and does not latch.
+        let mut checks = Vec::with_capacity(requests.len());
+        // Per op (chunk): the read it belongs to.
+        let mut owner = Vec::new();
+        let mut ops: Vec<ReadOp<'_>> = Vec::new();
+        for (r, ((expert, parts, buf), &offset)) in requests.iter_mut().zip(&offsets).enumerate() {
+            checks.push(PartsCheck::new(&self.layout, *expert, *parts, steps[r]));
+            let range = parts.range(&self.layout);
+            let mut at = offset + range.start as u64;
+            for chunk in buf[..range.len()].chunks_mut(READ_CHUNK_BYTES) {
+                let len = chunk.len() as u64;
+                ops.push(ReadOp {
+                    offset: at,
+                    buf: chunk,
+                });
+                owner.push(r);
+                at += len;
             }
-            first
-        };
+        }
+        self.check_latch()?;
         let (result, verify_error) = if ops.len() < 2 {
+            // At most one read, in one chunk.
             let mut verify_error = None;
-            let _busy = self.busy.enter();
-            let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
-                let (expert, parts, step) = checks[i];
-                verify_error = self.verify(expert, parts, bytes, step).err();
+            let mut checks = checks.into_iter();
+            let _in_flight = self.in_flight();
+            let result = self.device.read_batch_each(&mut ops, &mut |_, bytes| {
+                let mut check = checks.next().expect("a check per read");
+                check.feed(bytes);
+                verify_error = check.finish().err();
                 Ok(())
             });
             (result, verify_error)
         } else {
             std::thread::scope(|scope| {
-                let (tx, rx) = crossbeam_channel::bounded(ops.len());
-                let verifier = scope.spawn(move || verify_all(&rx));
-                let busy = self.busy.enter();
+                let (tx, rx) = crossbeam_channel::bounded::<(usize, usize, usize)>(ops.len());
+                let owner = &owner;
+                let verifier = scope.spawn(move || {
+                    let mut verifier = ChunkVerifier::new(checks, owner);
+                    for (i, addr, len) in rx.iter() {
+                        // SAFETY: op i has completed, so nothing writes its
+                        // buffer any more; the buffer is lent to read_many
+                        // for this whole call, and this thread is joined
+                        // before read_many returns.
+                        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                        verifier.arrived(i, bytes);
+                    }
+                    verifier.into_error()
+                });
+                let in_flight = self.in_flight();
                 let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
                     // The channel holds every op, so this never blocks.
                     let _ = tx.send((i, bytes.as_ptr() as usize, bytes.len()));
                     Ok(())
                 });
-                drop(busy);
+                drop(in_flight);
                 drop(tx);
                 let verify_error = verifier.join().unwrap_or_else(|panic| {
                     std::panic::resume_unwind(panic);
@@ -377,51 +412,6 @@ impl ExpertStore {
     /// Reads one expert's parts into `buf`; returns its record step.
     pub fn read(&self, expert: ExpertId, parts: Parts, buf: &mut [u8]) -> Result<u64, TierError> {
         Ok(self.read_many(&mut [(expert, parts, buf)])?[0])
-    }
-
-    fn verify(
-        &self,
-        expert: ExpertId,
-        parts: Parts,
-        buf: &[u8],
-        step: u64,
-    ) -> Result<(), TierError> {
-        let layout = &self.layout;
-        let check = |part: Part, at: usize, payload: u64, dtype: Dtype| {
-            let h = PartHeader::decode(&buf[at..], expert, part)?;
-            let corrupt = |what| TierError::CorruptRecord { expert, part, what };
-            if h.step != step {
-                return Err(corrupt("record step differs from the committed map"));
-            }
-            if h.payload_bytes != payload || h.dtype != dtype {
-                return Err(corrupt("record size or dtype differs from the layout"));
-            }
-            let body = &buf[at + PART_HEADER_BYTES..at + PART_HEADER_BYTES + payload as usize];
-            if crc(body) != h.payload_crc {
-                return Err(TierError::Checksum {
-                    expert,
-                    part,
-                    what: "payload",
-                });
-            }
-            Ok(())
-        };
-        if parts.includes_compute() {
-            check(
-                Part::Compute,
-                0,
-                layout.compute_payload_bytes(),
-                layout.compute_dtype,
-            )?;
-        }
-        if parts.includes_state() {
-            let at = match parts {
-                Parts::State => 0,
-                _ => layout.compute_part_bytes() as usize,
-            };
-            check(Part::State, at, layout.state_payload_bytes(), Dtype::F32)?;
-        }
-        Ok(())
     }
 
     /// Stamps headers and checksums into full-record buffers and writes
@@ -537,7 +527,7 @@ impl ExpertStore {
 }
 
 /// Writes both part headers (with payload checksums) into a record buffer.
-fn stamp(layout: &Layout, expert: ExpertId, step: u64, buf: &mut [u8]) {
+pub(crate) fn stamp(layout: &Layout, expert: ExpertId, step: u64, buf: &mut [u8]) {
     let cpb = layout.compute_part_bytes() as usize;
     let (compute_part, state_part) = buf.split_at_mut(cpb);
     let (compute_header, compute_rest) = compute_part.split_at_mut(PART_HEADER_BYTES);

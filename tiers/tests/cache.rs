@@ -469,3 +469,76 @@ fn records_sealed_in_a_tier_that_holds_them_all_are_checksummed_at_flush() {
         }
     }
 }
+
+/// A host tier of `slots` slots over four experts with `order` as its
+/// schedule and a prefetcher looking one access ahead; expert 0 is updated
+/// (its full access, the schedule's first) to version 5 and released.
+fn updated_first(slots: u64, order: &[(u32, Parts)]) -> (Arc<ExpertStore>, HostCache) {
+    let layout = layout(4);
+    let store = populated(layout);
+    let cache = HostCache::new(
+        store.clone(),
+        HostCacheConfig {
+            host_budget_bytes: slots * layout.record_bytes(),
+            prefetch_ahead_max: 1,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    let order = order
+        .iter()
+        .map(|&(i, p)| (ExpertId::new(0, i), p))
+        .collect();
+    cache.set_schedule(order);
+    let e = ExpertId::new(0, 0);
+    let mut g = cache.acquire_mut(e).unwrap();
+    set_version(&mut g, e, 5);
+    g.seal(5);
+    drop(g);
+    (store, cache)
+}
+
+fn dirty(cache: &HostCache, e: ExpertId) -> bool {
+    cache.resident().iter().any(|&(r, _, d)| r == e && d)
+}
+
+/// With nothing to load, the prefetcher writes back a dirty record the
+/// schedule next only reads (it will be evicted unchanged), so the load
+/// that evicts it need not wait for the write; never one the schedule
+/// updates next, nor anything where every record stays resident.
+#[test]
+fn the_prefetcher_writes_back_early_what_is_next_only_read() {
+    let e0 = ExpertId::new(0, 0);
+    let (c, f) = (Parts::Compute, Parts::Full);
+    // Next for expert 0: a read (distance 0), then the other experts.
+    let reads_next = [(0, f), (0, c), (1, c), (2, c), (3, c)];
+    let (store, cache) = updated_first(2, &reads_next);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while dirty(&cache, e0) {
+        assert!(std::time::Instant::now() < deadline, "never written back");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(cache.stats().write_backs, 1);
+    assert_eq!(cache.stats().bytes_written, layout(4).record_bytes());
+    check_stored(&store, e0, 5);
+    // Still resident: read from the host tier, a hit.
+    let before = cache.stats();
+    let g = cache.acquire(e0, Parts::Compute).unwrap();
+    check_read(&layout(4), &g, 5);
+    let after = cache.stats();
+    assert_eq!(after.hits, before.hits + 1);
+    assert_eq!((after.late, after.misses), (before.late, before.misses));
+    drop(g);
+
+    // Next for expert 0: its update (after 1, 2, 3); and a tier that holds
+    // every record. Neither writes anything back before a flush.
+    let updated_next = [(0, f), (1, c), (2, c), (3, c)];
+    for (slots, order) in [(2, &updated_next[..]), (4, &reads_next[..])] {
+        let (store, cache) = updated_first(slots, order);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(dirty(&cache, e0), "{slots} slots, {order:?}");
+        assert_eq!(cache.stats().write_backs, 0);
+        cache.flush().unwrap();
+        check_stored(&store, e0, 5);
+    }
+}

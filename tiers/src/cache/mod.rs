@@ -2,8 +2,8 @@
 //! `host_budget_bytes` is carved into fixed-size slots, one expert record
 //! each. Slots carry a pin count, a writer flag, a dirty step and a state;
 //! eviction never touches a pinned, written or in-flight slot, and writes a
-//! dirty one back before reuse. A prefetcher thread (`prefetch.rs`) walks
-//! the access schedule and loads ahead of compute.
+//! dirty one back before reuse. Prefetcher threads (`prefetch.rs`) walk
+//! the access schedule and load ahead of compute.
 //!
 //! Slot memory is shared between guards, the prefetcher and write-backs by
 //! this protocol (all transitions under the one mutex):
@@ -54,6 +54,11 @@ pub struct HostCacheConfig {
     pub prefetch_ahead_max: usize,
     /// Loads the prefetcher issues as one I/O batch.
     pub prefetch_batch_max: usize,
+    /// Prefetcher threads (at least 1 when prefetching). With two, one
+    /// plans and issues its next batch while the other's finishes (its
+    /// last checksum, marking its slots ready), so the disk is not left
+    /// idle between batches.
+    pub prefetch_threads: usize,
     pub allocator: Arc<dyn HostAllocator>,
 }
 
@@ -64,6 +69,7 @@ impl Default for HostCacheConfig {
             policy: EvictionPolicy::ScheduleDistance,
             prefetch_ahead_max: 64,
             prefetch_batch_max: 8,
+            prefetch_threads: 2,
             allocator: Arc::new(PageAllocator),
         }
     }
@@ -103,7 +109,7 @@ impl CacheStats {
 /// The host tier. See the module docs.
 pub struct HostCache {
     shared: Arc<Shared>,
-    prefetcher: Option<std::thread::JoinHandle<()>>,
+    prefetchers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl HostCache {
@@ -148,18 +154,23 @@ impl HostCache {
             }),
             changed: Condvar::new(),
         });
-        let prefetcher = if config.prefetch_ahead_max > 0 {
-            let shared = Arc::clone(&shared);
-            Some(
-                std::thread::Builder::new()
-                    .name("strata-prefetch".to_string())
-                    .spawn(move || crate::prefetch::run(&shared))
-                    .map_err(|e| TierError::IoThread(e.to_string()))?,
-            )
-        } else {
-            None
+        let threads = match config.prefetch_ahead_max {
+            0 => 0,
+            _ => config.prefetch_threads.max(1),
         };
-        Ok(Self { shared, prefetcher })
+        let mut cache = Self {
+            shared,
+            prefetchers: Vec::with_capacity(threads),
+        };
+        for _ in 0..threads {
+            let shared = Arc::clone(&cache.shared);
+            let thread = std::thread::Builder::new()
+                .name("strata-prefetch".to_string())
+                .spawn(move || crate::prefetch::run(&shared))
+                .map_err(|e| TierError::IoThread(e.to_string()))?;
+            cache.prefetchers.push(thread);
+        }
+        Ok(cache)
     }
 
     pub fn slot_count(&self) -> usize {
@@ -390,23 +401,8 @@ impl HostCache {
             }
         }
         drop(inner);
-        // SAFETY: each job's slot is `writing_back` for this thread.
-        let result = unsafe { shared.write_slots(&jobs) };
-        let mut inner = shared.lock();
-        for &(slot, _, step) in &jobs {
-            let m = &mut inner.slots[slot];
-            m.writing_back = false;
-            if result.is_ok() && m.dirty == Some(step) {
-                m.dirty = None;
-            }
-        }
-        if result.is_ok() {
-            inner.stats.write_backs += jobs.len() as u64;
-            inner.stats.bytes_written += jobs.len() as u64 * shared.layout.record_bytes();
-        }
-        drop(inner);
-        shared.changed.notify_all();
-        result
+        // SAFETY: each job's slot was set `writing_back` above.
+        unsafe { shared.write_back(&jobs) }
     }
 
     /// `flush`, then commit the store's checkpoint `step` (durable on return).
@@ -447,7 +443,7 @@ impl Drop for HostCache {
     fn drop(&mut self) {
         self.shared.lock().stop = true;
         self.shared.changed.notify_all();
-        if let Some(t) = self.prefetcher.take() {
+        for t in self.prefetchers.drain(..) {
             let _ = t.join();
         }
     }

@@ -92,7 +92,7 @@ pub(crate) struct Shared {
     pub(super) registered: bool,
     /// Whether records ever leave this tier: it has fewer slots than the
     /// store has records.
-    pub(super) evicts: bool,
+    pub(crate) evicts: bool,
     pub(super) inner: Mutex<Inner>,
     pub changed: Condvar,
 }
@@ -209,6 +209,73 @@ impl Shared {
             .map(|&(slot, expert, step)| (expert, step, unsafe { self.bytes(slot, 0..end) }))
             .collect();
         self.store.write_stamped(&records)
+    }
+
+    /// Writes dirty slots back in place, as they stay resident: `jobs`
+    /// (slot, expert, step) are slots this thread set `writing_back`; each
+    /// is clean afterwards unless it changed meanwhile. Wakes waiters.
+    ///
+    /// # Safety
+    /// Each job's slot is `writing_back` for the caller.
+    pub unsafe fn write_back(&self, jobs: &[(usize, ExpertId, u64)]) -> Result<(), TierError> {
+        // SAFETY: forwarded: the caller owns the headers as `writing_back`.
+        let result = unsafe { self.write_slots(jobs) };
+        let mut inner = self.lock();
+        for &(slot, _, step) in jobs {
+            let m = &mut inner.slots[slot];
+            m.writing_back = false;
+            if result.is_ok() && m.dirty == Some(step) {
+                m.dirty = None;
+            }
+        }
+        if result.is_ok() {
+            inner.stats.write_backs += jobs.len() as u64;
+            inner.stats.bytes_written += jobs.len() as u64 * self.layout.record_bytes();
+        }
+        drop(inner);
+        self.changed.notify_all();
+        result
+    }
+
+    /// Dirty slots to write back ahead of their eviction, while the
+    /// prefetcher has nothing to load: those whose expert the schedule next
+    /// reads (a compute access, or none) rather than updates, so a record
+    /// is not written twice for one update where the tier keeps it until
+    /// its next one, soonest read first (in a cyclic schedule, the first
+    /// to be evicted after it), at most `max`. Marks them `writing_back`
+    /// and returns their jobs (slot, expert, step).
+    pub fn claim_early_write_backs(
+        &self,
+        inner: &mut Inner,
+        max: usize,
+    ) -> Vec<(usize, ExpertId, u64)> {
+        if !self.evicts {
+            return Vec::new(); // nothing is ever evicted: flushes write
+        }
+        let mut found: Vec<(usize, usize, ExpertId, u64)> = Vec::new();
+        for (slot, m) in inner.slots.iter().enumerate() {
+            let (Some(expert), Some(step)) = (m.expert, m.dirty) else {
+                continue;
+            };
+            if m.state != SlotState::Ready || m.writer || m.writing_back || m.upgrading {
+                continue;
+            }
+            let distance = inner.schedule.distance(expert);
+            let next = distance.and_then(|d| inner.schedule.upcoming(d));
+            if matches!(next, Some((_, Parts::Full | Parts::State))) {
+                continue;
+            }
+            found.push((distance.unwrap_or(usize::MAX), slot, expert, step));
+        }
+        found.sort_unstable_by_key(|f| f.0);
+        found.truncate(max);
+        found
+            .into_iter()
+            .map(|(_, slot, expert, step)| {
+                inner.slots[slot].writing_back = true;
+                (slot, expert, step)
+            })
+            .collect()
     }
 
     /// Checksums `slot`'s payloads into its two headers as `expert`'s

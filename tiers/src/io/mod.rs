@@ -39,6 +39,11 @@ pub struct WriteOp<'a> {
 pub trait RecordDevice: Send + Sync {
     /// `io_uring`, `pread`, `memory` or `faulty`.
     fn engine(&self) -> &'static str;
+    /// Whether the engine runs one batch at a time, however many threads
+    /// call it (the others wait on a lock inside it).
+    fn one_batch_at_a_time(&self) -> bool {
+        false
+    }
     fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Result<(), TierError>;
     fn write_batch(&self, ops: &[WriteOp<'_>]) -> Result<(), TierError>;
     /// Makes every completed write durable (fdatasync).

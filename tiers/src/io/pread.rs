@@ -4,7 +4,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-use super::{file_error, ReadOp, RecordDevice, WriteOp};
+use super::{file_error, OnReadComplete, ReadOp, RecordDevice, WriteOp};
 use crate::TierError;
 
 /// Opens the file, with O_DIRECT when asked and allowed; returns whether
@@ -67,10 +67,21 @@ impl RecordDevice for PreadFile {
     }
 
     fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Result<(), TierError> {
-        for op in ops.iter_mut() {
+        self.read_batch_each(ops, &mut |_, _| Ok(()))
+    }
+
+    /// One op after another, each handed to `on_complete` as soon as it
+    /// has been read (so checking it overlaps reading the next).
+    fn read_batch_each(
+        &self,
+        ops: &mut [ReadOp<'_>],
+        on_complete: &mut OnReadComplete<'_>,
+    ) -> Result<(), TierError> {
+        for (i, op) in ops.iter_mut().enumerate() {
             self.file
                 .read_exact_at(op.buf, op.offset)
                 .map_err(|e| TierError::io("read", op.offset, e))?;
+            on_complete(i, op.buf)?;
         }
         Ok(())
     }

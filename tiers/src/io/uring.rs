@@ -282,6 +282,11 @@ impl RecordDevice for UringFile {
         "io_uring"
     }
 
+    /// A batch holds the ring from its first submission to its last reap.
+    fn one_batch_at_a_time(&self) -> bool {
+        true
+    }
+
     fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Result<(), TierError> {
         let raw: Vec<(u64, *mut u8, usize)> = ops
             .iter_mut()
