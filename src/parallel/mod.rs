@@ -1,9 +1,13 @@
-//! Independent pieces of one computation run on scoped threads: the first
-//! on the calling thread, the others on threads that end with the call.
-//! No pool lives between calls (a spawn costs tens of microseconds, so
-//! callers split only work far larger than that), and joining blocks
-//! rather than spins, so on a machine shared with the optimizer and the
-//! I/O the cores go to whoever has work.
+//! Independent pieces of one computation: the first on the calling thread,
+//! the others on the parked workers of a [`WorkerPool`] (`pool.rs`), which
+//! costs a wake-up a piece rather than a thread spawn. Waiting blocks
+//! rather than spins (a waiting caller runs queued pieces itself), so on a
+//! machine shared with the optimizer and the I/O the cores go to whoever
+//! has work.
+
+mod pool;
+
+pub(crate) use pool::WorkerPool;
 
 /// The cores this process may use, asked once. std answers afresh on
 /// every call from the affinity mask and the cgroup quota files (about
@@ -17,24 +21,20 @@ pub(crate) fn cores() -> usize {
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
-/// Runs every job, the first on this thread and the others on scoped
-/// threads; returns when all have ended (a panic in one is re-raised).
+/// Runs every job, the first on this thread and the others on the
+/// process's worker pool; returns when all have ended (a panic in one is
+/// re-raised).
 pub(crate) fn run_all<F: FnOnce() + Send>(jobs: Vec<F>) {
-    std::thread::scope(|s| {
-        let mut jobs = jobs.into_iter();
-        let first = jobs.next();
-        for job in jobs {
-            s.spawn(job);
-        }
-        if let Some(job) = first {
-            job();
-        }
-    });
+    if jobs.len() < 2 {
+        jobs.into_iter().for_each(|job| job());
+        return;
+    }
+    WorkerPool::global().run_all(jobs);
 }
 
 /// Elements a job should touch at least to be worth a thread of its own
-/// (a spawn costs tens of microseconds; this is about a tenth of a
-/// millisecond of streaming work).
+/// (about a tenth of a millisecond of streaming work, well above a
+/// worker's wake-up).
 pub(crate) const MIN_JOB_WORK: usize = 1 << 17;
 
 /// Rows a job takes when `rows` rows of `work_per_row` elements each are
