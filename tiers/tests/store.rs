@@ -387,20 +387,28 @@ fn bad_files_get_clear_errors() {
     .is_err());
 }
 
-#[test]
-fn real_files_round_trip_through_every_engine() {
-    let dir = tempfile::tempdir().unwrap();
-    for (name, engine) in [
-        ("auto", EnginePreference::Auto),
-        ("pread", EnginePreference::Pread),
-    ] {
-        let path = dir.path().join(format!("{name}.strata"));
+/// File options for each engine a real file can use, named.
+fn every_engine() -> [(&'static str, FileOptions); 2] {
+    [EnginePreference::Auto, EnginePreference::Pread].map(|engine| {
+        let name = match engine {
+            EnginePreference::Pread => "pread",
+            _ => "auto",
+        };
         let options = FileOptions {
             engine,
             ..FileOptions::default()
         };
+        (name, options)
+    })
+}
+
+#[test]
+fn real_files_round_trip_through_every_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, options) in every_engine() {
+        let path = dir.path().join(format!("{name}.strata"));
         let store = ExpertStore::create(&path, layout(), &options).unwrap();
-        if engine == EnginePreference::Pread {
+        if options.engine == EnginePreference::Pread {
             assert_eq!(store.engine(), "pread");
         } else {
             eprintln!("auto engine: {} {:?}", store.engine(), store.notes());
@@ -418,6 +426,26 @@ fn real_files_round_trip_through_every_engine() {
     assert!(matches!(missing, Err(TierError::File { .. })));
 }
 
+/// The full records of `which`, read in one batch: the batch's result and
+/// the buffers.
+fn read_full_records(
+    store: &ExpertStore,
+    which: &[ExpertId],
+) -> (Result<Vec<u64>, TierError>, Vec<AlignedBuf>) {
+    let record_bytes = store.layout().record_bytes() as usize;
+    let mut bufs: Vec<AlignedBuf> = which
+        .iter()
+        .map(|_| AlignedBuf::zeroed(record_bytes))
+        .collect();
+    let mut requests: Vec<(ExpertId, Parts, &mut [u8])> = which
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(&e, b)| (e, Parts::Full, b.as_mut_slice()))
+        .collect();
+    let steps = store.read_many(&mut requests);
+    (steps, bufs)
+}
+
 #[test]
 fn batched_reads_fill_every_buffer() {
     let dir = tempfile::tempdir().unwrap();
@@ -426,17 +454,8 @@ fn batched_reads_fill_every_buffer() {
     let all = experts(&layout());
     write_step(&store, &all, 9).unwrap();
     let l = layout();
-    let mut bufs: Vec<AlignedBuf> = all
-        .iter()
-        .map(|_| AlignedBuf::zeroed(l.record_bytes() as usize))
-        .collect();
-    let mut requests: Vec<(ExpertId, Parts, &mut [u8])> = all
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(&e, b)| (e, Parts::Full, b.as_mut_slice()))
-        .collect();
-    let steps = store.read_many(&mut requests).unwrap();
-    assert_eq!(steps, vec![9; all.len()]);
+    let (steps, mut bufs) = read_full_records(&store, &all);
+    assert_eq!(steps.unwrap(), vec![9; all.len()]);
     for (e, b) in all.iter().zip(bufs.iter_mut()) {
         check(&l, *e, 9, b.as_mut_slice());
     }
@@ -457,28 +476,13 @@ fn records_longer_than_a_read_chunk_are_checked_across_chunks() {
     };
     let all = experts(&big);
     let dir = tempfile::tempdir().unwrap();
-    for (name, engine) in [
-        ("auto", EnginePreference::Auto),
-        ("pread", EnginePreference::Pread),
-    ] {
+    for (name, options) in every_engine() {
         let path = dir.path().join(format!("{name}.strata"));
-        let options = FileOptions {
-            engine,
-            ..FileOptions::default()
-        };
         let store = ExpertStore::create(&path, big, &options).unwrap();
         write_step(&store, &all, 3).unwrap();
         store.checkpoint(3).unwrap();
-        let mut bufs: Vec<AlignedBuf> = all
-            .iter()
-            .map(|_| AlignedBuf::zeroed(big.record_bytes() as usize))
-            .collect();
-        let mut requests: Vec<(ExpertId, Parts, &mut [u8])> = all
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(&e, b)| (e, Parts::Full, b.as_mut_slice()))
-            .collect();
-        assert_eq!(store.read_many(&mut requests).unwrap(), vec![3; 3]);
+        let (steps, mut bufs) = read_full_records(&store, &all);
+        assert_eq!(steps.unwrap(), vec![3; 3]);
         for (e, b) in all.iter().zip(bufs.iter_mut()) {
             check(&big, *e, 3, b.as_mut_slice());
         }
@@ -498,16 +502,7 @@ fn records_longer_than_a_read_chunk_are_checked_across_chunks() {
         let damaged_path = dir.path().join(format!("{name}-damaged.strata"));
         std::fs::write(&damaged_path, image).unwrap();
         let store = ExpertStore::open(&damaged_path, Some(big), &options).unwrap();
-        let mut bufs: Vec<AlignedBuf> = all
-            .iter()
-            .map(|_| AlignedBuf::zeroed(big.record_bytes() as usize))
-            .collect();
-        let mut requests: Vec<(ExpertId, Parts, &mut [u8])> = all
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(&e, b)| (e, Parts::Full, b.as_mut_slice()))
-            .collect();
-        let err = store.read_many(&mut requests).unwrap_err();
+        let err = read_full_records(&store, &all).0.unwrap_err();
         assert!(
             matches!(err, TierError::Checksum { expert, .. } if expert == all[1]),
             "{err}"
