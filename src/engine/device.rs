@@ -4,7 +4,7 @@
 
 use crate::backend::ExpertDevice;
 use crate::math::ExpertSaved;
-use crate::model::F32BufferPool;
+use crate::model::{F32BufferPool, ScratchBuffers};
 
 /// Per-step counters of one device.
 #[derive(Default)]
@@ -134,6 +134,9 @@ pub(crate) struct DeviceState {
     /// layer's expert outputs live from its forward to its backward) and
     /// the two its backward uses.
     pub buffers: F32BufferPool,
+    /// The per-expert buffers (input rows, output, their gradients), at
+    /// most the three an expert's backward holds at once plus one.
+    pub scratch: ScratchBuffers,
     pub acc: Accumulators,
 }
 
@@ -146,6 +149,7 @@ impl DeviceState {
             saved: vec![vec![ExpertSaved::default(); experts]; layers],
             saved_x: vec![vec![Vec::new(); experts]; layers],
             buffers: F32BufferPool::new(layers + 2),
+            scratch: ScratchBuffers::new(4),
             acc: Accumulators::new(layers, experts),
         }
     }

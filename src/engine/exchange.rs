@@ -14,7 +14,7 @@ use super::access::{placed_schedule, Phase, PlacedLayer};
 use super::runner::DeviceRunner;
 use crate::comm::Comm;
 use crate::math::{gather_forward, Permutation};
-use crate::model::ExpertRunner;
+use crate::model::{ExpertRunner, ScratchBuf};
 use crate::placement::{CostModel, LptPlacer};
 use crate::EngineError;
 
@@ -270,7 +270,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             .map(|&e| self.concat(layer, e, &received, &offsets))
             .collect();
         drop(received);
-        let mut outputs: Vec<(usize, Vec<f32>)> = Vec::with_capacity(mine.len());
+        let mut outputs: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
         let mut inputs = inputs.into_iter();
         self.inner
             .pipeline(layer, &mine, |runner, expert, params| {
@@ -282,6 +282,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             })?;
         for (expert, ye) in outputs {
             self.split_into(layer, expert, &ye, &mut replies, &offsets);
+            self.inner.dev.scratch.give(ye);
         }
         let back = self.comm.all_to_all(replies)?;
         self.scatter_back(layer, perm, &back, out);
@@ -311,7 +312,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             .map(|&e| self.concat(layer, e, &received, &offsets))
             .collect();
         drop(received);
-        let mut grads_in: Vec<(usize, Vec<f32>)> = Vec::with_capacity(mine.len());
+        let mut grads_in: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
         let mut douts = douts.into_iter();
         self.inner
             .pipeline(layer, &mine, |runner, expert, params| {
@@ -324,6 +325,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             })?;
         for (expert, dxe) in grads_in {
             self.split_into(layer, expert, &dxe, &mut replies, &offsets);
+            self.inner.dev.scratch.give(dxe);
         }
         let back = self.comm.all_to_all(replies)?;
         self.scatter_back(layer, perm, &back, dx);

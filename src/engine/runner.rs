@@ -20,7 +20,7 @@ use super::ScheduleKind;
 
 use crate::backend::SlotParams;
 use crate::math::{gather_forward, Permutation};
-use crate::model::{ExpertRunner, ModelConfig};
+use crate::model::{ExpertRunner, ModelConfig, ScratchBuf};
 use crate::EngineError;
 
 /// What a device pass needs to know of the engine's configuration.
@@ -140,12 +140,14 @@ impl DeviceRunner<'_> {
         expert: usize,
         xe: &[f32],
         params: SlotParams,
-    ) -> Result<Vec<f32>, EngineError> {
+    ) -> Result<ScratchBuf, EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let n = xe.len() / d;
-        let mut ye = vec![0.0f32; n * d];
+        // Written whole by the device's forward (or zeroed below).
+        let mut ye = self.dev.scratch.take(n * d);
         self.dev.acc.assignments_computed += n as u64;
         if self.options.skip_expert_compute {
+            crate::parallel::fill_zeros(&mut ye);
             return Ok(ye);
         }
         let t0 = Instant::now();
@@ -179,7 +181,7 @@ impl DeviceRunner<'_> {
         dye: &[f32],
         params: SlotParams,
         last_micro_batch: bool,
-    ) -> Result<Vec<f32>, EngineError> {
+    ) -> Result<ScratchBuf, EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let kind = self.model.expert_kind;
         let n = xe.len() / d;
@@ -187,10 +189,12 @@ impl DeviceRunner<'_> {
         // Overwritten by the backward (or zeroed below when it is skipped).
         let mut grad = self.shared.grads.take();
         debug_assert_eq!(grad.len(), params.count);
-        let mut dxe = vec![0.0f32; n * d];
+        // Written whole by the device's backward (or zeroed below).
+        let mut dxe = self.dev.scratch.take(n * d);
         self.dev.acc.assignments_computed += n as u64;
         if self.options.skip_expert_compute {
             crate::parallel::fill_zeros(&mut grad);
+            crate::parallel::fill_zeros(&mut dxe);
         } else {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];
@@ -236,10 +240,12 @@ impl ExpertRunner for DeviceRunner<'_> {
         }
         self.pipeline(layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);
-            let mut xe = vec![0.0f32; rows.len() * d];
+            let mut xe = runner.dev.scratch.take(rows.len() * d); // gathered over
             gather_forward(&mut xe, x, rows, k, d);
             let ye = runner.expert_forward(layer, expert, &xe, params)?;
             crate::math::scatter_to_assignments(out, &ye, rows, d);
+            runner.dev.scratch.give(xe);
+            runner.dev.scratch.give(ye);
             Ok(())
         })
     }
@@ -260,12 +266,16 @@ impl ExpertRunner for DeviceRunner<'_> {
             .collect();
         self.pipeline(layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);
-            let mut xe = vec![0.0f32; rows.len() * d];
+            // Both gathered over.
+            let mut xe = runner.dev.scratch.take(rows.len() * d);
             gather_forward(&mut xe, x, rows, k, d);
-            let mut dye = vec![0.0f32; rows.len() * d];
+            let mut dye = runner.dev.scratch.take(rows.len() * d);
             crate::math::gather_from_assignments(&mut dye, dout, rows, d);
             let dxe = runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch)?;
             crate::math::scatter_to_assignments(dx, &dxe, rows, d);
+            for buf in [xe, dye, dxe] {
+                runner.dev.scratch.give(buf);
+            }
             Ok(())
         })
     }

@@ -4,6 +4,10 @@
 //! comes from a new mapping and its every page faults on first touch (at
 //! 16 384 tokens of d_model 512, top-2, 430 000 faults a step). Kept here,
 //! the next step's layers reuse them.
+//!
+//! [`ScratchBuffers`] keeps the per-expert buffers (an expert's input rows,
+//! output, and their gradients) that their users overwrite whole: taking
+//! one then costs no zeroing.
 
 /// Up to `max_kept` buffers between uses (a bound set when the pool is
 /// made); a buffer of another length, or one more than the bound, is
@@ -58,9 +62,105 @@ impl F32BufferPool {
     }
 }
 
+/// f32 buffers whose users write every element before reading any,
+/// kept between uses with what they last held: taking one zeroes nothing
+/// but the length by which it grows past the longest it has been (once
+/// the largest request has been seen, nothing). At most `max_kept` (a
+/// bound set when made) are kept; a buffer given back beyond it is
+/// dropped.
+#[derive(Debug, Default)]
+pub struct ScratchBuffers {
+    kept: Vec<Vec<f32>>,
+    max_kept: usize,
+}
+
+/// A buffer from [`ScratchBuffers`]: the first `len` floats of a kept
+/// buffer, of unspecified value (whatever an earlier user left, or
+/// zeros) until its user writes them.
+#[derive(Debug)]
+pub struct ScratchBuf {
+    buf: Vec<f32>,
+    len: usize,
+}
+
+impl std::ops::Deref for ScratchBuf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.buf[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for ScratchBuf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[..self.len]
+    }
+}
+
+impl ScratchBuffers {
+    pub fn new(max_kept: usize) -> Self {
+        Self {
+            kept: Vec::new(),
+            max_kept,
+        }
+    }
+
+    /// `len` floats that the caller overwrites whole before reading: the
+    /// longest kept buffer, grown (zeroing what it gains) if short.
+    pub fn take(&mut self, len: usize) -> ScratchBuf {
+        let longest = (0..self.kept.len()).max_by_key(|&i| self.kept[i].len());
+        let mut buf = longest.map_or_else(Vec::new, |i| self.kept.swap_remove(i));
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+        ScratchBuf { buf, len }
+    }
+
+    /// Keeps `buf` for a later `take`, within the bound.
+    pub fn give(&mut self, buf: ScratchBuf) {
+        if !buf.buf.is_empty() && self.kept.len() < self.max_kept {
+            self.kept.push(buf.buf);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_buffers_are_reused_unzeroed_within_the_bound() {
+        let mut scratch = ScratchBuffers::new(2);
+        let mut a = scratch.take(1000);
+        assert_eq!(a.len(), 1000);
+        a.fill(3.0);
+        let ptr = a.as_ptr();
+        scratch.give(a);
+        // Shorter, then as long again: the same memory, as it was left.
+        let b = scratch.take(600);
+        assert_eq!((b.as_ptr(), b.len()), (ptr, 600));
+        assert!(b.iter().all(|&v| v == 3.0));
+        scratch.give(b);
+        let c = scratch.take(1000);
+        assert_eq!(c.as_ptr(), ptr);
+        assert!(c.iter().all(|&v| v == 3.0));
+        scratch.give(c);
+        // Longer than it has been: the old part as it was, the rest zeros.
+        let d = scratch.take(1200);
+        assert_eq!(d.len(), 1200);
+        assert!(d[..1000].iter().all(|&v| v == 3.0));
+        assert!(d[1000..].iter().all(|&v| v == 0.0));
+        scratch.give(d);
+        let small = |n| {
+            let mut s = ScratchBuffers::new(1);
+            s.take(n)
+        };
+        scratch.give(small(10));
+        scratch.give(small(10)); // over the bound: dropped
+        assert_eq!(scratch.kept.len(), 2);
+        // The longest kept buffer serves the next request.
+        assert_eq!(scratch.take(5).buf.len(), 1200);
+        assert_eq!(ScratchBuffers::new(0).take(3).len(), 3);
+    }
 
     #[test]
     fn kept_buffers_come_back_zeroed_and_within_the_bound() {

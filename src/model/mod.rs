@@ -23,7 +23,7 @@ use crate::EngineError;
 mod buffer_pool;
 mod dense_kernels;
 
-pub(crate) use buffer_pool::F32BufferPool;
+pub(crate) use buffer_pool::{F32BufferPool, ScratchBuf, ScratchBuffers};
 pub use dense_kernels::{DenseKernels, PlainKernels};
 
 /// The shape and losses of a MoE stack.
