@@ -92,7 +92,7 @@ pub(crate) struct Shared {
     pub(super) registered: bool,
     /// Whether records ever leave this tier: it has fewer slots than the
     /// store has records.
-    pub(crate) evicts: bool,
+    pub(super) evicts: bool,
     pub(super) inner: Mutex<Inner>,
     pub changed: Condvar,
 }
