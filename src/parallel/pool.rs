@@ -7,7 +7,9 @@
 //! caller that waits for its pieces runs queued pieces itself (its own, or
 //! another caller's), so nothing spins, a pool without workers (one core)
 //! still finishes every call, and a piece that splits again cannot
-//! deadlock the pool.
+//! deadlock the pool. The queue holds only the pieces of calls still
+//! waiting: each call queues fewer pieces than it was given jobs (the
+//! splitters give at most one a core) and returns only once they have run.
 
 use std::any::Any;
 use std::collections::VecDeque;
