@@ -246,8 +246,11 @@ pub trait ExpertRunner {
         last_micro_batch: bool,
     ) -> Result<(), EngineError>;
 
-    /// `len` zeros for a layer's (T·K, D) buffers; a runner that keeps
-    /// buffers between uses hands back one given to `give_buffer`.
+    /// `len` floats for one of a layer's (T·K, D) buffers, each of which
+    /// its user writes whole before reading (the experts' outputs, one row
+    /// an assignment; their gradients, from the combine's backward; the
+    /// gradients of the experts' inputs): a runner that keeps buffers
+    /// between uses hands back one given to `give_buffer`, as it was left.
     fn take_buffer(&mut self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }
