@@ -130,9 +130,9 @@ pub(crate) struct DeviceState {
     /// [layer][expert] the input rows of the experts this device computed
     /// for other devices' tokens too (exchange runs only).
     pub saved_x: Vec<Vec<Vec<f32>>>,
-    /// The layers' (T·K, D) buffers between steps: one per layer (each
-    /// layer's expert outputs live from its forward to its backward) and
-    /// the two its backward uses.
+    /// The layers' (T·K, D) and (T, D) buffers between steps: three per
+    /// layer (its experts' outputs, its norm's input and output live from
+    /// its forward to its backward) and the six a step uses besides.
     pub buffers: F32BufferPool,
     /// The per-expert buffers (input rows, output, their gradients), at
     /// most the three an expert's backward holds at once plus one.
@@ -148,7 +148,7 @@ impl DeviceState {
             slots,
             saved: vec![vec![ExpertSaved::default(); experts]; layers],
             saved_x: vec![vec![Vec::new(); experts]; layers],
-            buffers: F32BufferPool::new(layers + 2),
+            buffers: F32BufferPool::new(3 * layers + 6),
             scratch: ScratchBuffers::new(4),
             acc: Accumulators::new(layers, experts),
         }

@@ -246,11 +246,13 @@ pub trait ExpertRunner {
         last_micro_batch: bool,
     ) -> Result<(), EngineError>;
 
-    /// `len` floats for one of a layer's (T·K, D) buffers, each of which
-    /// its user writes whole before reading (the experts' outputs, one row
-    /// an assignment; their gradients, from the combine's backward; the
-    /// gradients of the experts' inputs): a runner that keeps buffers
-    /// between uses hands back one given to `give_buffer`, as it was left.
+    /// `len` floats for one of a layer's (T·K, D) or (T, D) buffers, each
+    /// of which its user writes whole before reading (the experts'
+    /// outputs, one row an assignment; their gradients, from the combine's
+    /// backward; the gradients of the experts' inputs; a norm's input and
+    /// output, the MoE output, their gradients): a runner that keeps
+    /// buffers between uses hands back one given to `give_buffer`, as it
+    /// was left.
     fn take_buffer(&mut self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }
@@ -337,7 +339,7 @@ pub fn moe_forward(
     s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
     s.per_assignment = runner.take_buffer(t * k * d);
     runner.forward_layer(layer, &s.perm, x, &mut s.per_assignment)?;
-    let mut y = vec![0.0f32; t * d];
+    let mut y = runner.take_buffer(t * d); // the combine writes it whole
     combine_forward(&mut y, &s.per_assignment, &s.routing.weights, t, k, d);
     Ok((y, s))
 }
@@ -415,14 +417,16 @@ fn stack_forward(
     let mut h = batch.inputs.clone();
     let (mut aux_sum, mut z_sum) = (0.0f32, 0.0f32);
     for l in 0..model.layers {
-        let mut normed = vec![0.0; t * d];
+        let mut normed = runner.take_buffer(t * d); // the norm writes it whole
         let mut inv_rms = vec![0.0; t];
         let g = &dense[model.norm_range(l)];
         rmsnorm_forward(&mut normed, &mut inv_rms, &h, g, t, d, model.rms_eps);
         let router_w = &dense[model.router_range(l)];
         let (y, moe) = moe_forward(model, l, router_w, &normed, t, runner)?;
-        let h_in = h.clone();
+        let mut h_in = runner.take_buffer(t * d);
+        h_in.copy_from_slice(&h);
         h.iter_mut().zip(&y).for_each(|(hi, yi)| *hi += yi);
+        runner.give_buffer(y);
         aux_sum += moe.routing.aux_loss;
         z_sum += moe.routing.z_loss;
         saved.push(StackSaved {
@@ -529,14 +533,16 @@ pub fn forward_backward(
     if !total.is_finite() {
         return Err(EngineError::NonFiniteLoss { loss: total });
     }
-    let mut dh = vec![0.0f32; t * d];
+    let mut dh = runner.take_buffer(t * d);
+    crate::parallel::fill_zeros(&mut dh);
     let head_grad = &mut dense_grad[model.head_range()];
     kernels.backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v)?;
     let daux = model.aux_loss_coef * share;
     let dz = model.z_loss_coef * share;
     for l in (0..model.layers).rev() {
         let s = &mut saved[l];
-        let mut dnormed = vec![0.0f32; t * d];
+        let mut dnormed = runner.take_buffer(t * d);
+        crate::parallel::fill_zeros(&mut dnormed); // the backward adds into it
         let wr = &dense[model.router_range(l)];
         moe_backward(
             model,
@@ -555,13 +561,22 @@ pub fn forward_backward(
         )?;
         runner.give_buffer(std::mem::take(&mut s.moe.per_assignment));
         let g = &dense[model.norm_range(l)];
-        let mut dh_in = dh.clone(); // the residual path
+        let mut dh_in = runner.take_buffer(t * d);
+        dh_in.copy_from_slice(&dh); // the residual path
         let norm_grad = &mut dense_grad[model.norm_range(l)];
         rmsnorm_backward(
             &mut dh_in, norm_grad, &dnormed, &s.h_in, g, &s.inv_rms, t, d,
         );
-        dh = dh_in;
+        for buf in [
+            std::mem::replace(&mut dh, dh_in),
+            dnormed,
+            std::mem::take(&mut s.normed),
+            std::mem::take(&mut s.h_in),
+        ] {
+            runner.give_buffer(buf);
+        }
     }
+    runner.give_buffer(dh);
     Ok(Losses {
         ce,
         aux: aux_sum,
