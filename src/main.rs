@@ -10,9 +10,13 @@ fn main() -> std::process::ExitCode {
 /// buffers a training step frees and allocates again every step come back
 /// as fresh pages, each a page fault and a page clear: 1 000–1 300 a step
 /// in `strata train`'s default run, a sixth of its CPU time in the kernel.
-/// Allocations up to 32 MiB come from the heap instead, and up to 256 MiB
-/// of free heap is kept for reuse. (Process-wide, so the binary sets it,
-/// not the library: an embedding program may do the same.)
+/// Allocations come from the heap instead (up to 32 MiB, glibc's largest
+/// threshold, and beyond it too, with mmap turned off: a model's logits,
+/// (tokens, vocabulary) floats, pass 32 MiB at a few hundred tokens), and
+/// up to 256 MiB of free heap is kept for reuse. (Process-wide, so the
+/// binary sets it, not the library: an embedding program may do the
+/// same.) The host tier's and devices' large aligned buffers are mappings
+/// of their own, made without malloc, so this leaves them as they are.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn keep_freed_memory_in_the_heap() {
     // SAFETY: mallopt only changes malloc's parameters, and runs here
@@ -20,6 +24,7 @@ fn keep_freed_memory_in_the_heap() {
     // default in place.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_MMAP_MAX, 0);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
 }
