@@ -132,7 +132,8 @@ pub(crate) struct DeviceState {
     pub saved_x: Vec<Vec<Vec<f32>>>,
     /// The layers' (T·K, D) and (T, D) buffers between steps: three per
     /// layer (its experts' outputs, its norm's input and output live from
-    /// its forward to its backward) and the six a step uses besides.
+    /// its forward to its backward), the five a step uses besides, and one
+    /// to spare.
     pub buffers: F32BufferPool,
     /// The per-expert buffers (input rows, output, their gradients), at
     /// most the three an expert's backward holds at once plus one.

@@ -227,6 +227,7 @@ impl MixtralLm {
             let (y, moe) = moe_forward(&self.moe, l, &dense[r.router.clone()], &n2, t, runner)?;
             let h_mid = h.clone();
             h.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+            runner.give_buffer(y);
             aux += moe.routing.aux_loss;
             z += moe.routing.z_loss;
             layers.push(LayerSaved {

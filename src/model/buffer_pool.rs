@@ -1,9 +1,11 @@
 //! f32 buffers kept between uses. A layer's (T·K, D) buffers (its experts'
 //! outputs in assignment order, and their gradients) pass glibc's largest
-//! mmap threshold (32 MiB) at a few thousand tokens: allocated afresh, each
-//! comes from a new mapping and its every page faults on first touch (at
-//! 16 384 tokens of d_model 512, top-2, 430 000 faults a step). Kept here,
-//! the next step's layers reuse them.
+//! mmap threshold (32 MiB) at a few thousand tokens, its (T, D) ones at
+//! twice as many: allocated afresh, each comes from a new mapping (unless
+//! the program turned malloc's mmap off, as the `strata` binary does) and
+//! its every page faults on first touch (at 16 384 tokens of d_model 512,
+//! top-2, 430 000 faults a step). Kept here, the next step's layers reuse
+//! them, unzeroed, since every user writes them whole.
 //!
 //! [`ScratchBuffers`] keeps the per-expert buffers (an expert's input rows,
 //! output, and their gradients) that their users overwrite whole: taking
