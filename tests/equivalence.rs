@@ -15,7 +15,13 @@ const STEPS: usize = 20;
 
 /// Every parameter of the engine after training, flattened.
 fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
+    let keeps = config.host_stream_slots == Some(2);
     let mut engine = Engine::new(model.clone(), config).unwrap();
+    // The configuration that streams through 2 host slots keeps the rest.
+    if keeps {
+        assert!(engine.host_kept() > 0);
+        assert_eq!(engine.host_kept(), engine.host_slots() - 2);
+    }
     for s in 0..STEPS {
         let m = engine.step(&batch(model, s)).unwrap();
         // The SSD's busy time is the union of its I/O calls within the step.
@@ -88,6 +94,16 @@ fn configs(
                 device_budget_bytes: 2 * expert_bytes,
                 host_budget_bytes: all / 4 * record_bytes,
                 store_path: Some(dir.join(format!("store-{micro_batches}-{}.strata", model.top_k))),
+                ..base.clone()
+            },
+        ),
+        (
+            "host budget of 25%, half of it keeping records resident",
+            EngineConfig {
+                device_budget_bytes: 2 * expert_bytes,
+                host_budget_bytes: all / 4 * record_bytes,
+                host_stream_slots: Some(2),
+                store_path: Some(dir.join(format!("kept-{micro_batches}-{}.strata", model.top_k))),
                 ..base.clone()
             },
         ),

@@ -31,6 +31,11 @@ fn batch(step: u64) -> Batch {
 }
 
 fn config(path: std::path::PathBuf) -> EngineConfig {
+    config_streaming(path, EngineConfig::default().host_stream_slots)
+}
+
+/// 4 host slots for 12 records, `stream` of them streaming.
+fn config_streaming(path: std::path::PathBuf, stream: Option<usize>) -> EngineConfig {
     let m = model();
     let expert = (m.expert_params() * 2) as u64;
     EngineConfig {
@@ -38,6 +43,7 @@ fn config(path: std::path::PathBuf) -> EngineConfig {
         compute_dtype: Dtype::Bf16,
         device_budget_bytes: 2 * expert,
         host_budget_bytes: 4 * (expert + 12 * m.expert_params() as u64 + 8192),
+        host_stream_slots: stream,
         ..EngineConfig::default()
     }
 }
@@ -57,8 +63,21 @@ fn params(engine: &mut Engine) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
 
 #[test]
 fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
+    resumed_run_matches(EngineConfig::default().host_stream_slots, 0);
+}
+
+/// Records kept in host memory reach the store only at checkpoints: the
+/// resumed run still starts from their checkpointed versions.
+#[test]
+fn a_resumed_run_with_kept_records_is_bit_identical_too() {
+    resumed_run_matches(Some(2), 2);
+}
+
+fn resumed_run_matches(stream: Option<usize>, kept: usize) {
+    let config = |path| config_streaming(path, stream);
     let dir = tempfile::tempdir().unwrap();
     let mut straight = Engine::new(model(), config(dir.path().join("a.strata"))).unwrap();
+    assert_eq!(straight.host_kept(), kept);
     for s in 0..8 {
         straight.step(&batch(s)).unwrap();
     }

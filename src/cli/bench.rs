@@ -87,6 +87,10 @@ pub struct StepArgs {
     /// Several devices: share of each layer's experts pinned (0: off).
     #[arg(long, default_value_t = 0.25)]
     pub pin_fraction: f64,
+    /// Host slots the expert-wise runs stream records through; the others
+    /// keep records resident for the whole run. `all`: keep none.
+    #[arg(long, default_value = "4", value_parser = parse_stream_slots)]
+    pub host_stream_slots: StreamSlots,
     /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -166,6 +170,23 @@ fn parse_tokens(value: &str) -> Result<StepTokens, String> {
         Ok(n) if n >= 1 => Ok(StepTokens::Fixed(n)),
         _ => Err(format!(
             "`{value}` is neither a token count (1 or more) nor `balanced`"
+        )),
+    }
+}
+
+/// `--host-stream-slots`: a count, or `all` (`None`: keep nothing resident).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamSlots(pub Option<usize>);
+
+fn parse_stream_slots(value: &str) -> Result<StreamSlots, String> {
+    let least = strata_tiers::MIN_STREAMING_SLOTS;
+    if value == "all" {
+        return Ok(StreamSlots(None));
+    }
+    match value.parse::<usize>() {
+        Ok(n) if n >= least => Ok(StreamSlots(Some(n))),
+        _ => Err(format!(
+            "`{value}` is neither a slot count ({least} or more) nor `all`"
         )),
     }
 }
@@ -324,6 +345,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         rounds: args.rounds,
         devices: args.devices,
         pin_fraction: args.pin_fraction,
+        host_stream_slots: args.host_stream_slots.0,
         backend: crate::backend::BackendKind::parse(&args.backend)?,
         dir: args.dir,
         ..defaults

@@ -11,8 +11,9 @@
 //!
 //! The host tier keeps what the forward loads last until the backward,
 //! which starts with it: so when one device's pipeline overlaps, the last
-//! accesses of the forward, as many as the host tier has slots (at most a
-//! layer), ask for the full record. The prefetcher then reads their optimizer
+//! accesses of the forward, as many as the host tier has streaming slots
+//! (those not keeping a record resident; at most a layer), ask for the
+//! full record. The prefetcher then reads their optimizer
 //! state while the forward computes, instead of in the backward, which
 //! also writes every record back and so moves most of a step's bytes:
 //! with the host tier holding a quarter of the experts of 4 layers, this

@@ -46,6 +46,13 @@ pub struct EngineConfig {
     pub recompute_hidden: bool,
     /// Scheduled accesses the prefetcher looks ahead.
     pub prefetch_ahead_max: usize,
+    /// Expert-wise schedule, one device, a host tier smaller than the
+    /// store: the host slots that stream records through it. The others
+    /// keep records resident for the whole run (the last layer's first,
+    /// in index order), each of which then saves its read and its
+    /// write-back every step (`None`: every slot streams, as the naive
+    /// schedule's do). At least `strata_tiers::MIN_STREAMING_SLOTS`.
+    pub host_stream_slots: Option<usize>,
     /// Queue depth of the store's io_uring.
     pub io_queue_depth: u32,
     /// Benches only: move experts through the tiers and the optimizer
@@ -79,6 +86,7 @@ impl Default for EngineConfig {
             micro_batches: 1,
             recompute_hidden: false,
             prefetch_ahead_max: 16,
+            host_stream_slots: Some(4),
             io_queue_depth: 32,
             skip_expert_compute: false,
             devices: 1,

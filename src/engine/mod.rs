@@ -110,6 +110,12 @@ impl Engine {
         self.shared.cache.slot_count()
     }
 
+    /// Of the host slots, those keeping a record resident for the whole
+    /// run (`EngineConfig::host_stream_slots`); the rest stream.
+    pub fn host_kept(&self) -> usize {
+        self.shared.cache.kept_count()
+    }
+
     /// One training step on `batch` (split into the configured micro-batches).
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, EngineError> {
         let model = self.model.clone();

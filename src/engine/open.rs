@@ -9,6 +9,7 @@ use strata_tiers::io::{AlignedBuf, FileOptions, MemFile};
 use strata_tiers::safetensors_io::encode_compute;
 use strata_tiers::{
     record_mut, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout, Parts,
+    MIN_STREAMING_SLOTS,
 };
 
 use super::access::access_schedule;
@@ -127,6 +128,15 @@ impl Engine {
                 u16::MAX
             )));
         }
+        if let Some(n) = config
+            .host_stream_slots
+            .filter(|&n| n < MIN_STREAMING_SLOTS)
+        {
+            return Err(EngineError::Config(format!(
+                "host_stream_slots = {n}: at least {MIN_STREAMING_SLOTS} host slots must \
+                 stream records (one updated, one arriving); use None to keep none resident"
+            )));
+        }
         if !(0.0..=1.0).contains(&config.pin_fraction) {
             return Err(EngineError::Config(format!(
                 "pin_fraction = {} must be between 0 and 1",
@@ -213,6 +223,7 @@ impl Engine {
             ));
         }
         let device_slots = devices[0].slots.slot_count();
+        cache.keep_resident(&kept_experts(&model, &config, cache.slot_count()))?;
         cache.set_schedule(step_schedule(&model, &config, device_slots, &cache));
         let optimizer = ExpertOptimizer::new(OptimizerConfig {
             threads: config.optimizer_threads,
@@ -281,6 +292,34 @@ fn write_initial_records(model: &ModelConfig, store: &ExpertStore) -> Result<(),
     Ok(())
 }
 
+/// The experts the host tier keeps resident (`host_stream_slots`): with
+/// the expert-wise schedule on one device, where the tier cannot hold
+/// every record, all its slots but the streaming ones, filled from the
+/// last layer down in index order. A kept record is read and written back
+/// by checkpoints only; a streamed one once a step each way. (The last
+/// layer's first: in the I/O-only step of `bench step`'s stack, the same
+/// count kept from other layers moved more bytes, as the fewer streaming
+/// slots then read some records twice.)
+pub(super) fn kept_experts(
+    model: &ModelConfig,
+    config: &EngineConfig,
+    host_slots: usize,
+) -> Vec<ExpertId> {
+    let all = model.layers * model.experts;
+    let Some(stream) = config.host_stream_slots else {
+        return Vec::new();
+    };
+    if config.schedule != ScheduleKind::ExpertWise || config.devices != 1 || host_slots >= all {
+        return Vec::new();
+    }
+    let keep = host_slots.saturating_sub(stream.max(MIN_STREAMING_SLOTS));
+    (0..model.layers)
+        .rev()
+        .flat_map(|l| (0..model.experts).map(move |e| ExpertId::new(l as u32, e as u32)))
+        .take(keep)
+        .collect()
+}
+
 /// The host tier's schedule of a step from its start (see `access.rs`):
 /// overlapped on the expert-wise schedule with two device slots or more;
 /// the forward's tail asks for full records with one device.
@@ -292,7 +331,7 @@ pub(super) fn step_schedule(
 ) -> Vec<(ExpertId, Parts)> {
     let overlapped = config.schedule.overlaps(device_slots);
     let tail_slots = if config.devices == 1 {
-        cache.slot_count()
+        cache.slot_count() - cache.kept_count()
     } else {
         0
     };

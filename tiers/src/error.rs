@@ -94,6 +94,15 @@ pub enum TierError {
         expected: usize,
         got: usize,
     },
+    #[error(
+        "{kept} experts to keep resident in {slots} host slots: at least {streaming} must stay \
+         free to stream the others; keep fewer or raise the host budget"
+    )]
+    TooManyKept {
+        kept: usize,
+        slots: usize,
+        streaming: usize,
+    },
     #[error("all {slots} host slots are pinned; release a guard or raise the host budget")]
     AllSlotsPinned { slots: usize },
     #[error("expert {expert} is dirty and still held by a write guard; drop the guard before a flush or checkpoint")]

@@ -31,7 +31,10 @@ mod schedule;
 mod store;
 mod verify;
 
-pub use cache::{CacheStats, EvictionPolicy, HostCache, HostCacheConfig, ReadGuard, WriteGuard};
+pub use cache::{
+    CacheStats, EvictionPolicy, HostCache, HostCacheConfig, ReadGuard, WriteGuard,
+    MIN_STREAMING_SLOTS,
+};
 pub use device::{
     CopyEvent, CpuDeviceArena, DeviceArena, Download, HostBytes, HostBytesMut, SlotView,
 };

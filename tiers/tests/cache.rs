@@ -542,3 +542,78 @@ fn the_prefetcher_writes_back_early_what_is_next_only_read() {
         check_stored(&store, e0, 5);
     }
 }
+
+/// Kept experts stay resident while the others stream through the
+/// remaining slots: never evicted, never written back before a flush
+/// (not even early, by an idle prefetcher), read as hits; the flush writes
+/// them; more than the slots less `MIN_STREAMING_SLOTS` is refused; and
+/// an expert no longer kept is evicted (written back) like any other.
+#[test]
+fn kept_experts_stay_resident_while_the_others_stream() {
+    let layout = layout(6);
+    let store = populated(layout);
+    let ids: Vec<ExpertId> = (0..6).map(|i| ExpertId::new(0, i)).collect();
+    let cache = HostCache::new(
+        store.clone(),
+        HostCacheConfig {
+            host_budget_bytes: 4 * layout.record_bytes(),
+            prefetch_ahead_max: 2,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    // The schedule reads expert 0 next after its update, which would let
+    // an idle prefetcher write it back early were it not kept.
+    let order = [0, 1, 2, 3, 4, 5]
+        .iter()
+        .map(|&i| (ids[i], Parts::Compute))
+        .collect();
+    cache.set_schedule(order);
+    assert!(matches!(
+        cache.keep_resident(&ids[..3]),
+        Err(TierError::TooManyKept {
+            kept: 3,
+            slots: 4,
+            streaming: 2
+        })
+    ));
+    cache.keep_resident(&ids[..2]).unwrap();
+    assert_eq!(cache.kept_count(), 2);
+    for (i, version) in [(0, 5), (1, 7)] {
+        let mut g = cache.acquire_mut(ids[i]).unwrap();
+        set_version(&mut g, ids[i], version);
+        g.seal(version);
+    }
+    for _round in 0..3 {
+        for &e in &ids[2..] {
+            let g = cache.acquire(e, Parts::Full).unwrap();
+            check_read(&layout, &g, 0);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(dirty(&cache, ids[0]) && dirty(&cache, ids[1]));
+    assert_eq!(cache.stats().write_backs, 0, "{:?}", cache.stats());
+    let before = cache.stats();
+    for (i, version) in [(0, 5), (1, 7)] {
+        let g = cache.acquire(ids[i], Parts::Full).unwrap();
+        check_read(&layout, &g, version);
+    }
+    assert_eq!(cache.stats().hits, before.hits + 2);
+    cache.flush().unwrap();
+    check_stored(&store, ids[0], 5);
+    check_stored(&store, ids[1], 7);
+
+    // No longer kept: expert 1 is evicted (after its new version is
+    // written back) once others need its slot.
+    let mut g = cache.acquire_mut(ids[1]).unwrap();
+    set_version(&mut g, ids[1], 8);
+    g.seal(8);
+    drop(g);
+    cache.keep_resident(&ids[..1]).unwrap();
+    for &e in &ids[2..] {
+        drop(cache.acquire(e, Parts::Full).unwrap());
+    }
+    let resident: Vec<ExpertId> = cache.resident().iter().map(|r| r.0).collect();
+    assert!(resident.contains(&ids[0]) && !resident.contains(&ids[1]));
+    check_stored(&store, ids[1], 8);
+}

@@ -158,6 +158,7 @@ impl Arm {
                 BackendKind::Cuda => "cuda",
             },
             host_slots: self.engine.host_slots(),
+            host_kept: self.engine.host_kept(),
             device_slots: self.engine.device_slots(),
             steps: metrics.len(),
             step_s: timing.median_s,

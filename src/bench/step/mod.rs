@@ -44,6 +44,8 @@ pub struct StepBenchConfig {
     /// Device workers, each with `device_experts` slots.
     pub devices: usize,
     pub pin_fraction: f64,
+    /// The expert-wise runs' streaming host slots (`None`: all stream).
+    pub host_stream_slots: Option<usize>,
     pub backend: BackendKind,
 }
 
@@ -73,6 +75,7 @@ impl Default for StepBenchConfig {
             optimizer_threads: 1,
             devices: 1,
             pin_fraction: 0.25,
+            host_stream_slots: EngineConfig::default().host_stream_slots,
             backend: BackendKind::Cpu,
         }
     }
@@ -91,6 +94,8 @@ pub struct StepBenchRecord {
     pub devices: usize,
     pub backend: &'static str,
     pub host_slots: usize,
+    /// Of `host_slots`, those keeping a record resident for the whole run.
+    pub host_kept: usize,
     pub device_slots: usize,
     pub steps: usize,
     pub step_s: f64,
@@ -207,6 +212,7 @@ pub fn run(
         optimizer_threads: config.optimizer_threads,
         devices: config.devices,
         pin_fraction: config.pin_fraction,
+        host_stream_slots: config.host_stream_slots,
         backend: config.backend,
         ..EngineConfig::default()
     };

@@ -14,7 +14,7 @@
 //! - `Ready` + `writing_back`: an I/O thread stamps the two 64-byte headers
 //!   and reads the payloads; read guards go on (they never see headers).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,10 @@ mod slots;
 pub use guards::{ReadGuard, WriteGuard};
 use slots::{Inner, SlotMeta};
 pub(crate) use slots::{Shared, SlotState};
+
+/// Slots `HostCache::keep_resident` leaves to stream records through: one
+/// for the record being updated and one for the next arriving, at least.
+pub const MIN_STREAMING_SLOTS: usize = 2;
 
 /// How to choose what to evict.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -149,6 +153,7 @@ impl HostCache {
                 by_expert: HashMap::with_capacity(slot_count * 2),
                 recency: LruCache::unbounded(),
                 schedule: Schedule::default(),
+                keep: HashSet::new(),
                 stats: CacheStats::default(),
                 stop: false,
             }),
@@ -202,6 +207,40 @@ impl HostCache {
         inner.schedule = Schedule::new(order);
         drop(inner);
         self.shared.changed.notify_all();
+    }
+
+    /// Keeps `experts` resident once loaded: they are never evicted, and
+    /// only a flush (or checkpoint) writes them back. The other slots, at
+    /// least [`MIN_STREAMING_SLOTS`], stream the rest. Where every record
+    /// is streamed through the tier each step, each kept record saves its
+    /// read and its write-back a step. Replaces any earlier set; an expert
+    /// left out becomes evictable again.
+    pub fn keep_resident(&self, experts: &[ExpertId]) -> Result<(), TierError> {
+        for &e in experts {
+            self.shared.layout.slot_of(e)?;
+        }
+        let mut inner = self.shared.lock();
+        let keep: HashSet<ExpertId> = experts.iter().copied().collect();
+        let most = inner.slots.len().saturating_sub(MIN_STREAMING_SLOTS);
+        if keep.len() > most {
+            return Err(TierError::TooManyKept {
+                kept: keep.len(),
+                slots: inner.slots.len(),
+                streaming: MIN_STREAMING_SLOTS,
+            });
+        }
+        for m in inner.slots.iter_mut() {
+            m.kept = m.state == SlotState::Ready && m.expert.is_some_and(|e| keep.contains(&e));
+        }
+        inner.keep = keep;
+        drop(inner);
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    /// How many experts `keep_resident` holds.
+    pub fn kept_count(&self) -> usize {
+        self.shared.lock().keep.len()
     }
 
     pub fn stats(&self) -> CacheStats {

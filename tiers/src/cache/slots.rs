@@ -4,7 +4,7 @@
 //! the parent module's docs, reads and writes slots through the store, and
 //! chooses, claims and releases slots (eviction).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -42,6 +42,9 @@ pub(crate) struct SlotMeta {
     /// The step the headers already carry checksums for (set by
     /// `WriteGuard::seal`), so a write-back of that step skips stamping.
     pub stamped: Option<u64>,
+    /// The expert is one the tier keeps resident (`HostCache::keep_resident`):
+    /// never evicted, written back only by a flush.
+    pub kept: bool,
 }
 
 impl SlotMeta {
@@ -56,6 +59,7 @@ impl SlotMeta {
         writing_back: false,
         dirty: None,
         stamped: None,
+        kept: false,
     };
 
     /// Free to be given to another expert (after a write-back if dirty).
@@ -63,7 +67,11 @@ impl SlotMeta {
         match self.state {
             SlotState::Empty => true,
             SlotState::Ready => {
-                self.pins == 0 && !self.writer && !self.upgrading && !self.writing_back
+                !self.kept
+                    && self.pins == 0
+                    && !self.writer
+                    && !self.upgrading
+                    && !self.writing_back
             }
             SlotState::Loading | SlotState::Evicting => false,
         }
@@ -76,6 +84,9 @@ pub(crate) struct Inner {
     /// Slot recency, most recent first.
     pub recency: LruCache<usize, ()>,
     pub schedule: Schedule,
+    /// Experts kept resident once loaded (at most the slots less
+    /// `MIN_STREAMING_SLOTS`).
+    pub keep: HashSet<ExpertId>,
     pub stats: CacheStats,
     pub stop: bool,
 }
@@ -257,8 +268,8 @@ impl Shared {
             let (Some(expert), Some(step)) = (m.expert, m.dirty) else {
                 continue;
             };
-            if m.state != SlotState::Ready || m.writer || m.writing_back || m.upgrading {
-                continue;
+            if m.state != SlotState::Ready || m.writer || m.writing_back || m.upgrading || m.kept {
+                continue; // busy, or never evicted: a flush writes it
             }
             let distance = inner.schedule.distance(expert);
             let next = distance.and_then(|d| inner.schedule.upcoming(d));
@@ -402,6 +413,7 @@ impl Shared {
         let meta = &mut inner.slots[slot];
         assert_eq!(meta.state, SlotState::Loading);
         meta.state = SlotState::Ready;
+        meta.kept = meta.expert.is_some_and(|e| inner.keep.contains(&e));
         let bytes = meta.parts.range(&self.layout).len() as u64;
         inner.stats.loads += 1;
         inner.stats.bytes_read += bytes;
