@@ -298,6 +298,15 @@ pub fn run(
     for note in engine.notes() {
         say(format!("note: {note}"));
     }
+    if engine.host_kept() > 0 {
+        say(format!(
+            "  host memory: {} expert records; {} stay resident, the others stream from the SSD \
+             through {} slots",
+            engine.host_slots(),
+            engine.host_kept(),
+            engine.host_slots() - engine.host_kept()
+        ));
+    }
     let start_step = engine.steps();
     if start_step >= o.steps {
         say(format!(
