@@ -119,6 +119,21 @@ fn budgets_too_small_name_the_tier_and_the_need() {
     );
 }
 
+#[test]
+fn too_few_host_slots_to_stream_through_are_refused() {
+    let config = EngineConfig {
+        host_stream_slots: Some(2),
+        ..EngineConfig::default()
+    };
+    let err = Engine::new(model(), config).err().unwrap();
+    assert!(matches!(err, EngineError::Config(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains("host_stream_slots = 2: at least 3 host slots must stream"),
+        "{err}"
+    );
+}
+
 /// Budgets and a model that need more host memory than the machine has are
 /// refused before anything is allocated, naming the parts and the fix.
 #[test]

@@ -15,12 +15,12 @@ const STEPS: usize = 20;
 
 /// Every parameter of the engine after training, flattened.
 fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
-    let keeps = config.host_stream_slots == Some(2);
+    let keeps = config.host_stream_slots == Some(3);
     let mut engine = Engine::new(model.clone(), config).unwrap();
-    // The configuration that streams through 2 host slots keeps the rest.
+    // The configuration that streams through 3 host slots keeps the rest.
     if keeps {
         assert!(engine.host_kept() > 0);
-        assert_eq!(engine.host_kept(), engine.host_slots() - 2);
+        assert_eq!(engine.host_kept(), engine.host_slots() - 3);
     }
     for s in 0..STEPS {
         let m = engine.step(&batch(model, s)).unwrap();
@@ -98,11 +98,11 @@ fn configs(
             },
         ),
         (
-            "host budget of 25%, half of it keeping records resident",
+            "host budget of 25%, streaming through 3 of its slots",
             EngineConfig {
                 device_budget_bytes: 2 * expert_bytes,
                 host_budget_bytes: all / 4 * record_bytes,
-                host_stream_slots: Some(2),
+                host_stream_slots: Some(3),
                 store_path: Some(dir.join(format!("kept-{micro_batches}-{}.strata", model.top_k))),
                 ..base.clone()
             },

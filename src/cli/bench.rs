@@ -179,7 +179,7 @@ fn parse_tokens(value: &str) -> Result<StepTokens, String> {
 pub struct StreamSlots(pub Option<usize>);
 
 fn parse_stream_slots(value: &str) -> Result<StreamSlots, String> {
-    let least = strata_tiers::MIN_STREAMING_SLOTS;
+    let least = crate::engine::MIN_HOST_STREAM_SLOTS;
     if value == "all" {
         return Ok(StreamSlots(None));
     }

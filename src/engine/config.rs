@@ -7,6 +7,13 @@ use strata_tiers::Dtype;
 
 use crate::backend::BackendKind;
 
+/// The fewest host slots `host_stream_slots` may stream through: one
+/// holding the record being updated, one the record being uploaded, one
+/// the next arriving. With two, `bench step`'s I/O-only run read 1008 MiB
+/// a step instead of 630 with three: the prefetcher had nowhere to load,
+/// and demand loads evicted what it had brought in.
+pub const MIN_HOST_STREAM_SLOTS: usize = 3;
+
 /// How experts move and when they are updated.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ScheduleKind {
@@ -51,7 +58,7 @@ pub struct EngineConfig {
     /// keep records resident for the whole run (the last layer's first,
     /// in index order), each of which then saves its read and its
     /// write-back every step (`None`: every slot streams, as the naive
-    /// schedule's do). At least `strata_tiers::MIN_STREAMING_SLOTS`.
+    /// schedule's do). At least [`MIN_HOST_STREAM_SLOTS`].
     pub host_stream_slots: Option<usize>,
     /// Queue depth of the store's io_uring.
     pub io_queue_depth: u32,

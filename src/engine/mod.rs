@@ -40,7 +40,7 @@ use std::sync::Arc;
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
-pub use config::{EngineConfig, ScheduleKind};
+pub use config::{EngineConfig, ScheduleKind, MIN_HOST_STREAM_SLOTS};
 pub use memory::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 

@@ -9,13 +9,15 @@ use strata_tiers::io::{AlignedBuf, FileOptions, MemFile};
 use strata_tiers::safetensors_io::encode_compute;
 use strata_tiers::{
     record_mut, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout, Parts,
-    MIN_STREAMING_SLOTS,
 };
 
 use super::access::access_schedule;
 use super::device::DeviceState;
 use super::shared::SharedExperts;
-use super::{dense_state, memory, multi, Engine, EngineConfig, HostMemoryPlan, ScheduleKind};
+use super::{
+    dense_state, memory, multi, Engine, EngineConfig, HostMemoryPlan, ScheduleKind,
+    MIN_HOST_STREAM_SLOTS,
+};
 use crate::model::{DenseKernels, ModelConfig, Network};
 use crate::EngineError;
 
@@ -130,11 +132,12 @@ impl Engine {
         }
         if let Some(n) = config
             .host_stream_slots
-            .filter(|&n| n < MIN_STREAMING_SLOTS)
+            .filter(|&n| n < MIN_HOST_STREAM_SLOTS)
         {
             return Err(EngineError::Config(format!(
-                "host_stream_slots = {n}: at least {MIN_STREAMING_SLOTS} host slots must \
-                 stream records (one updated, one arriving); use None to keep none resident"
+                "host_stream_slots = {n}: at least {MIN_HOST_STREAM_SLOTS} host slots must \
+                 stream records (one updated, one uploading, one loading); use None to keep \
+                 none resident"
             )));
         }
         if !(0.0..=1.0).contains(&config.pin_fraction) {
@@ -312,7 +315,7 @@ pub(super) fn kept_experts(
     if config.schedule != ScheduleKind::ExpertWise || config.devices != 1 || host_slots >= all {
         return Vec::new();
     }
-    let keep = host_slots.saturating_sub(stream.max(MIN_STREAMING_SLOTS));
+    let keep = host_slots.saturating_sub(stream.max(MIN_HOST_STREAM_SLOTS));
     (0..model.layers)
         .rev()
         .flat_map(|l| (0..model.experts).map(move |e| ExpertId::new(l as u32, e as u32)))
