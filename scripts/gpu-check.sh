@@ -17,6 +17,13 @@
 #                                around where compute meets the I/O on an
 #                                H100 host (expert-wise over naive peaks
 #                                where the two balance)
+#   scripts/gpu-check.sh kept [N]  `bench step --backend cuda --tokens
+#                                12288` (near an H100 host's balance)
+#                                streaming through every host slot
+#                                (`--host-stream-slots all`), then keeping
+#                                records resident in all but 4 (the
+#                                default): one alternating pair, its files
+#                                suffixed N (run it twice for two pairs)
 # Output goes under $OUT when set (else gpu-out/), a few files per phase.
 set -uo pipefail
 phase=${1:-tests}
@@ -88,8 +95,19 @@ sweep)
         cat "$out/bench-step-cuda-t$tokens.jsonl"
     done
     ;;
+kept)
+    pair=${2:-1}
+    for stream in all 4; do
+        timeout 280 gpu-bin/strata bench step --json --backend cuda --tokens 12288 \
+            --rounds 2 --host-stream-slots "$stream" --dir /tmp \
+            > "$out/bench-step-cuda-stream-$stream-$pair.jsonl" \
+            2> "$out/bench-step-cuda-stream-$stream-$pair.log" || status=1
+        echo "== --host-stream-slots $stream (pair $pair)"
+        cat "$out/bench-step-cuda-stream-$stream-$pair.jsonl"
+    done
+    ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|bench|sweep" >&2
+    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept" >&2
     exit 2
     ;;
 esac
