@@ -12,12 +12,16 @@
 //! one then costs no zeroing.
 
 /// Up to `max_kept` buffers between uses (a bound set when the pool is
-/// made); a buffer of another length, or one more than the bound, is
-/// dropped rather than kept.
+/// made). When full, a buffer given back displaces the one given back
+/// longest ago: after the token count changes, the old lengths, which no
+/// one takes any more, go first, and a length in use is never displaced
+/// by another while a stale one is kept.
 #[derive(Debug, Default)]
 pub struct F32BufferPool {
-    kept: Vec<Vec<f32>>,
+    /// Each kept buffer with the `given` count when it came back.
+    kept: Vec<(u64, Vec<f32>)>,
     max_kept: usize,
+    given: u64,
 }
 
 impl F32BufferPool {
@@ -25,33 +29,32 @@ impl F32BufferPool {
         Self {
             kept: Vec::new(),
             max_kept,
+            given: 0,
         }
     }
 
     /// `len` floats that the caller writes whole before reading: a kept
     /// buffer of that length as its last user left it, or new zeros.
     pub fn take(&mut self, len: usize) -> Vec<f32> {
-        match self.kept.iter().position(|b| b.len() == len) {
-            Some(i) => self.kept.swap_remove(i),
+        match self.kept.iter().position(|(_, b)| b.len() == len) {
+            Some(i) => self.kept.swap_remove(i).1,
             None => vec![0.0; len],
         }
     }
 
-    /// Keeps `buf` for a later `take`, within the bound. Buffers of a
-    /// length no longer asked for (the token count changed) go first.
+    /// Keeps `buf` for a later `take`, within the bound (see the type).
     pub fn give(&mut self, buf: Vec<f32>) {
         if buf.is_empty() || self.max_kept == 0 {
             return;
         }
         if self.kept.len() == self.max_kept {
-            match self.kept.iter().position(|b| b.len() != buf.len()) {
-                Some(i) => {
-                    self.kept.swap_remove(i);
-                }
-                None => return,
-            }
+            let oldest = (0..self.kept.len())
+                .min_by_key(|&i| self.kept[i].0)
+                .expect("a full pool keeps at least one buffer");
+            self.kept.swap_remove(oldest);
         }
-        self.kept.push(buf);
+        self.given += 1;
+        self.kept.push((self.given, buf));
     }
 
     #[cfg(test)]
@@ -175,12 +178,30 @@ mod tests {
         assert_eq!(pool.take(10).len(), 10);
         pool.give(b);
         pool.give(vec![1.0; 1000]);
-        pool.give(vec![1.0; 1000]); // over the bound: dropped
+        pool.give(vec![2.0; 1000]); // over the bound: the oldest goes
         assert_eq!(pool.kept(), 2);
-        // A new length displaces an old one.
-        pool.give(vec![1.0; 500]);
-        assert_eq!(pool.kept(), 2);
-        assert_eq!(pool.take(500), vec![1.0; 500]);
+        assert_eq!(pool.take(1000), vec![1.0; 1000]);
+        assert_eq!(pool.take(1000), vec![2.0; 1000]);
         assert_eq!(F32BufferPool::new(0).take(4), vec![0.0; 4]);
+    }
+
+    /// Two lengths in use side by side (a layer's (T·K, D) and (T, D)
+    /// buffers) and a stale one from an earlier token count: a full pool
+    /// drops the stale buffer, the one given back longest ago, not the
+    /// first it finds of another length.
+    #[test]
+    fn a_full_pool_drops_the_buffer_given_back_longest_ago() {
+        let mut pool = F32BufferPool::new(3);
+        pool.give(vec![1.0; 200]);
+        pool.give(vec![9.0; 70]); // stale: its length is never taken again
+        pool.give(vec![2.0; 100]);
+        let a = pool.take(200);
+        pool.give(a); // kept: [100, 70, 200], 70 given back longest ago
+        pool.give(vec![3.0; 300]); // full: the stale one goes
+        assert_eq!(pool.kept(), 3);
+        assert_eq!(pool.take(70), vec![0.0; 70], "the stale buffer was dropped");
+        assert_eq!(pool.take(200), vec![1.0; 200]);
+        assert_eq!(pool.take(100), vec![2.0; 100]);
+        assert_eq!(pool.take(300), vec![3.0; 300]);
     }
 }
