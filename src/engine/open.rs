@@ -308,19 +308,24 @@ pub(super) fn kept_experts(
     config: &EngineConfig,
     host_slots: usize,
 ) -> Vec<ExpertId> {
-    let all = model.layers * model.experts;
-    let Some(stream) = config.host_stream_slots else {
-        return Vec::new();
-    };
-    if config.schedule != ScheduleKind::ExpertWise || config.devices != 1 || host_slots >= all {
-        return Vec::new();
-    }
-    let keep = host_slots.saturating_sub(stream.max(MIN_HOST_STREAM_SLOTS));
+    let keep = host_kept_count(config, host_slots, model.layers * model.experts);
     (0..model.layers)
         .rev()
         .flat_map(|l| (0..model.experts).map(move |e| ExpertId::new(l as u32, e as u32)))
         .take(keep)
         .collect()
+}
+
+/// How many of `host_slots` keep a record resident under `config`, with
+/// `records` expert records in the store (see [`EngineConfig::host_stream_slots`]).
+pub fn host_kept_count(config: &EngineConfig, host_slots: usize, records: usize) -> usize {
+    let Some(stream) = config.host_stream_slots else {
+        return 0;
+    };
+    if config.schedule != ScheduleKind::ExpertWise || config.devices != 1 || host_slots >= records {
+        return 0;
+    }
+    host_slots.saturating_sub(stream.max(MIN_HOST_STREAM_SLOTS))
 }
 
 /// The host tier's schedule of a step from its start (see `access.rs`):

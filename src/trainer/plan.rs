@@ -60,6 +60,9 @@ pub struct MemoryPlan {
     /// Host bytes given to expert records.
     pub expert_host_bytes: u64,
     pub host_slots: u64,
+    /// Of `host_slots`, those keeping a record resident for the whole run
+    /// (`EngineConfig::host_stream_slots`); the others stream.
+    pub host_kept: u64,
     pub ssd_bytes: u64,
     pub ssd_free_bytes: Option<u64>,
 }
@@ -184,6 +187,14 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         dense_host_bytes: dense_host,
         expert_host_bytes: host_slots * record,
         host_slots,
+        host_kept: crate::engine::host_kept_count(
+            &crate::engine::EngineConfig {
+                devices,
+                ..crate::engine::EngineConfig::default()
+            },
+            host_slots as usize,
+            experts as usize,
+        ) as u64,
         ssd_bytes: ssd,
         ssd_free_bytes: ssd_free,
     })
@@ -246,9 +257,13 @@ impl MemoryPlan {
             show_bytes(self.expert_device_bytes),
             self.device_slots
         );
+        let kept = match self.host_kept {
+            0 => String::new(),
+            n => format!(" ({n} kept resident, {} streaming)", self.host_slots - n),
+        };
         let _ = writeln!(
             s,
-            "host:   {} dense moments + {} for {} of {} expert records",
+            "host:   {} dense moments + {} for {} of {} expert records{kept}",
             show_bytes(self.dense_host_bytes),
             show_bytes(self.expert_host_bytes),
             self.host_slots,
@@ -300,6 +315,25 @@ mod tests {
         assert_eq!(p.mode, OffloadMode::HostAndSsd);
         assert!(p.host_slots >= 2 && p.host_slots < p.expert_count);
         assert!(p.describe().contains("host + SSD"));
+        // Past 4 host slots, the others keep records resident on one
+        // device; with two devices every slot streams.
+        assert!(p.host_slots > 4, "{}", p.describe());
+        assert_eq!(p.host_kept, p.host_slots - 4);
+        let kept = format!("({} kept resident, 4 streaming)", p.host_kept);
+        assert!(p.describe().contains(&kept), "{}", p.describe());
+        let host_mem = p.dense_host_bytes + 5 * (1 << 20);
+        let two = |device_mem, host_mem| {
+            plan(&PlanInput {
+                devices: 2,
+                ..input(&m, device_mem, host_mem)
+            })
+            .unwrap()
+        };
+        let roomy = two(1 << 30, 1 << 30);
+        let fixed_two = roomy.dense_device_bytes + roomy.activation_bytes;
+        let two = two(fixed_two + 3 * slot, host_mem);
+        assert_eq!((two.mode, two.host_kept), (OffloadMode::HostAndSsd, 0));
+        assert!(!two.describe().contains("kept"), "{}", two.describe());
     }
 
     #[test]
