@@ -603,8 +603,9 @@ fn kept_experts_stay_resident_while_the_others_stream() {
     check_stored(&store, ids[0], 5);
     check_stored(&store, ids[1], 7);
 
-    // No longer kept: expert 1 is evicted (after its new version is
-    // written back) once others need its slot.
+    // No longer kept: expert 1 is evicted, its new version written back
+    // without a flush, once four others pass through the three slots
+    // expert 0 leaves (the prefetcher may bring it back afterwards).
     let mut g = cache.acquire_mut(ids[1]).unwrap();
     set_version(&mut g, ids[1], 8);
     g.seal(8);
@@ -613,7 +614,7 @@ fn kept_experts_stay_resident_while_the_others_stream() {
     for &e in &ids[2..] {
         drop(cache.acquire(e, Parts::Full).unwrap());
     }
-    let resident: Vec<ExpertId> = cache.resident().iter().map(|r| r.0).collect();
-    assert!(resident.contains(&ids[0]) && !resident.contains(&ids[1]));
     check_stored(&store, ids[1], 8);
+    let resident: Vec<ExpertId> = cache.resident().iter().map(|r| r.0).collect();
+    assert!(resident.contains(&ids[0]), "{resident:?}");
 }
