@@ -89,8 +89,9 @@ pub struct StepArgs {
     pub pin_fraction: f64,
     /// Host slots the expert-wise runs stream records through; the others
     /// keep records resident for the whole run. `all`: keep none.
-    #[arg(long, default_value = "4", value_parser = parse_stream_slots)]
-    pub host_stream_slots: StreamSlots,
+    /// [default: the engine's, 4]
+    #[arg(long, value_parser = parse_stream_slots)]
+    pub host_stream_slots: Option<StreamSlots>,
     /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -345,7 +346,9 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         rounds: args.rounds,
         devices: args.devices,
         pin_fraction: args.pin_fraction,
-        host_stream_slots: args.host_stream_slots.0,
+        host_stream_slots: args
+            .host_stream_slots
+            .map_or(defaults.host_stream_slots, |s| s.0),
         backend: crate::backend::BackendKind::parse(&args.backend)?,
         dir: args.dir,
         ..defaults
