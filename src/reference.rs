@@ -105,7 +105,7 @@ impl ExpertRunner for MemoryRunner<'_> {
         layer: usize,
         perm: &Permutation,
         x: &[f32],
-        dout: &[f32],
+        dout: crate::math::AssignmentGrads<'_, f32>,
         dx: &mut [f32],
         _last_micro_batch: bool,
     ) -> Result<(), EngineError> {
@@ -117,7 +117,7 @@ impl ExpertRunner for MemoryRunner<'_> {
             }
             let xe = gather(x, rows, k, d);
             let mut dye = vec![0.0f32; rows.len() * d];
-            crate::math::gather_from_assignments(&mut dye, dout, rows, d);
+            dout.gather(&mut dye, rows);
             let mut dxe = vec![0.0f32; rows.len() * d];
             let expert = &mut self.experts[layer][e];
             expert.touched = true;

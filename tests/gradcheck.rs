@@ -99,9 +99,18 @@ fn permutation_and_combine_gradients_match() {
         combine_forward(&mut y, per, w, t, k, d);
         dot(&y, &c)
     };
-    let mut dper = vec![0.0; t * k * d];
     let mut dw = vec![0.0; t * k];
-    combine_backward(&mut dper, &mut dw, &c, &per, &w, t, k, d);
+    combine_backward_weights(&mut dw, &c, &per, t, k, d);
+    // Every assignment's output gradient, gathered in assignment order.
+    let all: Vec<u32> = (0..(t * k) as u32).collect();
+    let mut dper = vec![0.0; t * k * d];
+    AssignmentGrads {
+        dy: &c,
+        weights: &w,
+        k,
+        d,
+    }
+    .gather(&mut dper, &all);
     check("combine dper", &per, &dper, |p| y_of(p, &w));
     check("combine dweights", &w, &dw, |w| y_of(&per, w));
 

@@ -13,7 +13,7 @@
 use super::access::{placed_schedule, Phase, PlacedLayer};
 use super::runner::DeviceRunner;
 use crate::comm::Comm;
-use crate::math::{gather_forward, Permutation};
+use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ScratchBuf};
 use crate::placement::{CostModel, LptPlacer};
 use crate::EngineError;
@@ -294,15 +294,12 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         layer: usize,
         perm: &Permutation,
         _x: &[f32],
-        dout: &[f32],
+        dout: AssignmentGrads<'_, f32>,
         dx: &mut [f32],
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
-        let d = self.inner.model.d_model;
         self.reschedule(Phase::Backward(layer));
-        let sends = self.outgoing(layer, perm, |buf, rows| {
-            crate::math::gather_from_assignments(buf, dout, rows, d)
-        });
+        let sends = self.outgoing(layer, perm, |buf, rows| dout.gather(buf, rows));
         let received = self.comm.all_to_all(sends)?;
         let offsets = self.offsets(layer);
         let mut replies = self.reply_buffers(layer);

@@ -376,10 +376,11 @@ mod tests {
             engine.step(&batch).unwrap();
             // Three per layer (its experts' outputs, its norm's input and
             // output, kept from its forward to its backward) and the
-            // step's five besides (the backward's two (T·K, D) buffers;
-            // the MoE output, reused for the norm's input gradient, and the
-            // residual gradient in and out), handed back within the bound.
-            assert_eq!(engine.devices[0].buffers.kept(), 3 * model.layers + 5);
+            // step's four besides (the stack's output, which the head
+            // reads; the backward's (T·K, D) buffer of its experts' input
+            // gradients; the residual gradient in and out), handed back
+            // within the bound.
+            assert_eq!(engine.devices[0].buffers.kept(), 3 * model.layers + 4);
         }
     }
 }

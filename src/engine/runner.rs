@@ -19,7 +19,7 @@ use super::shared::SharedExperts;
 use super::ScheduleKind;
 
 use crate::backend::SlotParams;
-use crate::math::{gather_forward, Permutation};
+use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ModelConfig, ScratchBuf};
 use crate::EngineError;
 
@@ -255,7 +255,7 @@ impl ExpertRunner for DeviceRunner<'_> {
         layer: usize,
         perm: &Permutation,
         x: &[f32],
-        dout: &[f32],
+        dout: AssignmentGrads<'_, f32>,
         dx: &mut [f32],
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
@@ -270,7 +270,7 @@ impl ExpertRunner for DeviceRunner<'_> {
             let mut xe = runner.dev.scratch.take(rows.len() * d);
             gather_forward(&mut xe, x, rows, k, d);
             let mut dye = runner.dev.scratch.take(rows.len() * d);
-            crate::math::gather_from_assignments(&mut dye, dout, rows, d);
+            dout.gather(&mut dye, rows);
             let dxe = runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch)?;
             crate::math::scatter_to_assignments(dx, &dxe, rows, d);
             for buf in [xe, dye, dxe] {

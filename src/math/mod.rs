@@ -23,8 +23,8 @@ mod permute;
 mod router;
 
 pub use permute::{
-    combine_backward, combine_forward, gather_backward, gather_forward, gather_from_assignments,
-    scatter_to_assignments, Permutation,
+    combine_backward_weights, combine_forward, gather_backward, gather_forward,
+    scatter_to_assignments, AssignmentGrads, Permutation,
 };
 pub use router::{router_backward, router_forward, top_k, RouterConfig, Routing};
 

@@ -6,7 +6,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::Real;
-use crate::parallel::{for_row_block_pairs, for_row_blocks, rows_per_job, run_all};
+use crate::parallel::{for_row_blocks, rows_per_job, run_all};
 
 /// Assignments (t, k) grouped by expert in a stable order: `order` lists
 /// assignment indices (t·K + k) expert by expert, token order within each;
@@ -76,41 +76,65 @@ pub fn combine_forward<R: Real>(
     });
 }
 
-/// d per_assignment = w · dy; dweights = dy · per_assignment.
-pub fn combine_backward<R: Real>(
-    dper_assignment: &mut [R],
+/// dweights (T·K) = dy · per_assignment, each a sum over D in order. The
+/// gradient of the assignments' outputs, w · dy, is not formed here: its
+/// users take it row by row through [`AssignmentGrads`].
+pub fn combine_backward_weights<R: Real>(
     dweights: &mut [R],
     dy: &[R],
     per_assignment: &[R],
-    weights: &[R],
     t: usize,
     k: usize,
     d: usize,
 ) {
-    assert_eq!(dper_assignment.len(), t * k * d);
     assert_eq!(dweights.len(), t * k);
-    let work = 2 * k * d;
-    for_row_block_pairs(
-        dper_assignment,
-        k * d,
-        dweights,
-        k,
-        work,
-        |first, dper, dw| {
-            for r in 0..dw.len() / k.max(1) {
-                let i = first + r;
-                for s in 0..k {
-                    let (a, local) = (i * k + s, r * k + s);
-                    let mut dot = R::zero();
-                    for j in 0..d {
-                        dper[local * d + j] = weights[a] * dy[i * d + j];
-                        dot += dy[i * d + j] * per_assignment[a * d + j];
-                    }
-                    dw[local] = dot;
+    assert_eq!(dy.len(), t * d);
+    assert_eq!(per_assignment.len(), t * k * d);
+    for_row_blocks(dweights, k, 2 * k * d, |first, dw| {
+        for r in 0..dw.len() / k.max(1) {
+            let i = first + r;
+            for s in 0..k {
+                let a = i * k + s;
+                let mut dot = R::zero();
+                for j in 0..d {
+                    dot += dy[i * d + j] * per_assignment[a * d + j];
+                }
+                dw[r * k + s] = dot;
+            }
+        }
+    });
+}
+
+/// The gradient of every assignment's output in the combine's backward:
+/// row a = t·K + k is `weights[a] · dy[t]`. Held as its two factors (a
+/// (T, D) and a (T·K) slice) and formed only for the rows an expert
+/// gathers, so no (T·K, D) buffer is written and read back.
+#[derive(Clone, Copy, Debug)]
+pub struct AssignmentGrads<'a, R> {
+    /// (T, D) the gradient of the combine's output
+    pub dy: &'a [R],
+    /// (T·K) each assignment's combine weight
+    pub weights: &'a [R],
+    pub k: usize,
+    pub d: usize,
+}
+
+impl<R: Real> AssignmentGrads<'_, R> {
+    /// `dst[r]` (n, D) = `weights[a] · dy[t(a)]` for each r-th assignment
+    /// a of `rows`.
+    pub fn gather(&self, dst: &mut [R], rows: &[u32]) {
+        let (d, k) = (self.d, self.k);
+        assert_eq!(dst.len(), rows.len() * d);
+        for_row_blocks(dst, d, d, |first, block| {
+            for (r, row) in block.chunks_mut(d.max(1)).enumerate() {
+                let a = rows[first + r] as usize;
+                let (w, t) = (self.weights[a], a / k);
+                for (o, &g) in row.iter_mut().zip(&self.dy[t * d..(t + 1) * d]) {
+                    *o = w * g;
                 }
             }
-        },
-    );
+        });
+    }
 }
 
 /// dx (T, D) += Σ_k d per_assignment_input[(t, k)], in k order.
@@ -167,15 +191,4 @@ pub fn scatter_to_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d
         base = end;
     }
     run_all(jobs);
-}
-
-/// `dst[r]` (n, D) = `src[a]` (T·K, D) for each r-th assignment a of `rows`.
-pub fn gather_from_assignments<R: Real>(dst: &mut [R], src: &[R], rows: &[u32], d: usize) {
-    assert_eq!(dst.len(), rows.len() * d);
-    for_row_blocks(dst, d, d, |first, block| {
-        for (r, row) in block.chunks_mut(d.max(1)).enumerate() {
-            let a = rows[first + r] as usize;
-            row.copy_from_slice(&src[a * d..(a + 1) * d]);
-        }
-    });
 }

@@ -126,8 +126,23 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
     }
     assert_eq!(bits(&y), bits(&want_y));
 
-    let (mut dper, mut dweights) = (vec![0.0f32; t * k * d], vec![0.0f32; t * k]);
-    combine_backward(&mut dper, &mut dweights, &dy, &per, &weights, t, k, d);
+    let mut dweights = vec![0.0f32; t * k];
+    combine_backward_weights(&mut dweights, &dy, &per, t, k, d);
+    // The assignments' output gradients, gathered expert by expert and put
+    // back in assignment order.
+    let grads = AssignmentGrads {
+        dy: &dy,
+        weights: &weights,
+        k,
+        d,
+    };
+    let mut dper = vec![0.0f32; t * k * d];
+    for e in 0..experts {
+        let rows = perm.rows(e);
+        let mut dye = vec![0.0f32; rows.len() * d];
+        grads.gather(&mut dye, rows);
+        scatter_to_assignments(&mut dper, &dye, rows, d);
+    }
     let (mut want_dper, mut want_dw) = (vec![0.0f32; t * k * d], vec![0.0f32; t * k]);
     for i in 0..t {
         for s in 0..k {
@@ -168,8 +183,11 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
             let tok = a as usize / k;
             assert_eq!(xe[r * d..(r + 1) * d], x[tok * d..(tok + 1) * d]);
         }
-        let mut pe = vec![0.0f32; rows.len() * d];
-        gather_from_assignments(&mut pe, &per, rows, d);
+        let pe: Vec<f32> = rows
+            .iter()
+            .flat_map(|&a| &per[a as usize * d..(a as usize + 1) * d])
+            .copied()
+            .collect();
         scatter_to_assignments(&mut back, &pe, rows, d);
     }
     assert_eq!(bits(&back), bits(&per));

@@ -1,5 +1,5 @@
 //! f32 buffers kept between uses. A layer's (T·K, D) buffers (its experts'
-//! outputs in assignment order, and their gradients) pass glibc's largest
+//! outputs in assignment order, and the gradients of their inputs) pass glibc's largest
 //! mmap threshold (32 MiB) at a few thousand tokens, its (T, D) ones at
 //! twice as many: allocated afresh, each comes from a new mapping (unless
 //! the program turned malloc's mmap off, as the `strata` binary does) and

@@ -14,9 +14,9 @@
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
 use crate::math::{
-    combine_backward, combine_forward, cross_entropy_loss, gather_backward, rmsnorm_backward,
-    rmsnorm_forward, router_backward, router_forward, ExpertKind, Permutation, RouterConfig,
-    Routing,
+    combine_backward_weights, combine_forward, cross_entropy_loss, gather_backward,
+    rmsnorm_backward, rmsnorm_forward, router_backward, router_forward, AssignmentGrads,
+    ExpertKind, Permutation, RouterConfig, Routing,
 };
 use crate::EngineError;
 
@@ -233,24 +233,26 @@ pub trait ExpertRunner {
         out: &mut [f32],
     ) -> Result<(), EngineError>;
 
-    /// From `dout[a]` (T·K, D), writes `dx[a]` (T·K, D) and accumulates the
-    /// experts' parameter gradients; `last_micro_batch` says the step's
-    /// gradients are complete after this call.
+    /// From the gradient of every assignment's output, `dout` (row a of
+    /// (T·K, D), formed as an expert gathers its rows), writes `dx[a]`
+    /// (T·K, D) and accumulates the experts' parameter gradients;
+    /// `last_micro_batch` says the step's gradients are complete after
+    /// this call.
     fn backward_layer(
         &mut self,
         layer: usize,
         perm: &Permutation,
         x: &[f32],
-        dout: &[f32],
+        dout: AssignmentGrads<'_, f32>,
         dx: &mut [f32],
         last_micro_batch: bool,
     ) -> Result<(), EngineError>;
 
     /// `len` floats for one of a layer's (T·K, D) or (T, D) buffers, each
     /// of which its user writes whole before reading (the experts'
-    /// outputs, one row an assignment; their gradients, from the combine's
-    /// backward; the gradients of the experts' inputs; a norm's input and
-    /// output, the MoE output, their gradients): a runner that keeps
+    /// outputs, one row an assignment; the gradients of the experts'
+    /// inputs; a norm's input and output, the MoE output, the residual
+    /// stream, their gradients): a runner that keeps
     /// buffers between uses hands back one given to `give_buffer`, as it
     /// was left.
     fn take_buffer(&mut self, len: usize) -> Vec<f32> {
@@ -363,21 +365,16 @@ pub fn moe_backward(
     last_micro_batch: bool,
 ) -> Result<(), EngineError> {
     let (d, k) = (model.d_model, model.top_k);
-    let mut dper = runner.take_buffer(t * k * d);
     let mut dweights = vec![0.0f32; t * k];
-    combine_backward(
-        &mut dper,
-        &mut dweights,
+    combine_backward_weights(&mut dweights, dy, &s.per_assignment, t, k, d);
+    let dout = AssignmentGrads {
         dy,
-        &s.per_assignment,
-        &s.routing.weights,
-        t,
+        weights: &s.routing.weights,
         k,
         d,
-    );
+    };
     let mut dxa = runner.take_buffer(t * k * d);
-    runner.backward_layer(layer, &s.perm, x, &dper, &mut dxa, last_micro_batch)?;
-    runner.give_buffer(dper);
+    runner.backward_layer(layer, &s.perm, x, dout, &mut dxa, last_micro_batch)?;
     gather_backward(dx, &dxa, t, k, d);
     runner.give_buffer(dxa);
     router_backward(
@@ -414,7 +411,8 @@ fn stack_forward(
 ) -> Result<(Vec<f32>, Vec<StackSaved>, f32, f32), EngineError> {
     let (t, d) = (batch.tokens(), model.d_model);
     let mut saved = Vec::with_capacity(model.layers);
-    let mut h = batch.inputs.clone();
+    let mut h = runner.take_buffer(t * d);
+    crate::parallel::copy_into(&mut h, &batch.inputs);
     let (mut aux_sum, mut z_sum) = (0.0f32, 0.0f32);
     for l in 0..model.layers {
         let mut normed = runner.take_buffer(t * d); // the norm writes it whole
@@ -423,9 +421,10 @@ fn stack_forward(
         rmsnorm_forward(&mut normed, &mut inv_rms, &h, g, t, d, model.rms_eps);
         let router_w = &dense[model.router_range(l)];
         let (y, moe) = moe_forward(model, l, router_w, &normed, t, runner)?;
-        let mut h_in = runner.take_buffer(t * d);
-        h_in.copy_from_slice(&h);
-        h.iter_mut().zip(&y).for_each(|(hi, yi)| *hi += yi);
+        // The residual: this layer's input is kept for its backward, and
+        // the next layer's is written beside it (the add writes it whole).
+        let h_in = std::mem::replace(&mut h, runner.take_buffer(t * d));
+        crate::parallel::add_into(&mut h, &h_in, &y);
         runner.give_buffer(y);
         aux_sum += moe.routing.aux_loss;
         z_sum += moe.routing.z_loss;
@@ -500,9 +499,15 @@ impl Network for ModelConfig {
         kernels: &dyn DenseKernels,
     ) -> Result<f32, EngineError> {
         let (t, d, v) = (batch.tokens(), self.d_model, self.classes);
-        let (h, _, _, _) = stack_forward(self, dense, batch, runner)?;
+        let (h, saved, _, _) = stack_forward(self, dense, batch, runner)?;
         let mut logits = vec![0.0f32; t * v];
         kernels.forward(&mut logits, &h, &dense[self.head_range()], t, d, v)?;
+        runner.give_buffer(h);
+        for s in saved {
+            for buf in [s.h_in, s.normed, s.moe.per_assignment] {
+                runner.give_buffer(buf);
+            }
+        }
         Ok(cross_entropy_loss(&logits, &batch.targets, v, t))
     }
 }
@@ -537,6 +542,7 @@ pub fn forward_backward(
     crate::parallel::fill_zeros(&mut dh);
     let head_grad = &mut dense_grad[model.head_range()];
     kernels.backward(&mut dh, head_grad, &dlogits, &h, head, t, d, v)?;
+    runner.give_buffer(h);
     let daux = model.aux_loss_coef * share;
     let dz = model.z_loss_coef * share;
     for l in (0..model.layers).rev() {
@@ -562,7 +568,7 @@ pub fn forward_backward(
         runner.give_buffer(std::mem::take(&mut s.moe.per_assignment));
         let g = &dense[model.norm_range(l)];
         let mut dh_in = runner.take_buffer(t * d);
-        dh_in.copy_from_slice(&dh); // the residual path
+        crate::parallel::copy_into(&mut dh_in, &dh); // the residual path
         let norm_grad = &mut dense_grad[model.norm_range(l)];
         rmsnorm_backward(
             &mut dh_in, norm_grad, &dnormed, &s.h_in, g, &s.inv_rms, t, d,

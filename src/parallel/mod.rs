@@ -95,6 +95,26 @@ pub(crate) fn fill_zeros(buf: &mut [f32]) {
     for_row_blocks(buf, 1, 1, |_, part| part.fill(0.0));
 }
 
+/// `dst` = `src`, shared over the cores when it is large.
+pub(crate) fn copy_into(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len());
+    for_row_blocks(dst, 1, 1, |first, part| {
+        part.copy_from_slice(&src[first..first + part.len()])
+    });
+}
+
+/// `out` = `a` + `b` element by element (each sum the one `a[i] += b[i]`
+/// gives), shared over the cores when it is large.
+pub(crate) fn add_into(out: &mut [f32], a: &[f32], b: &[f32]) {
+    assert!(out.len() == a.len() && out.len() == b.len());
+    for_row_blocks(out, 1, 2, |first, part| {
+        let (a, b) = (&a[first..first + part.len()], &b[first..first + part.len()]);
+        for ((o, &x), &y) in part.iter_mut().zip(a).zip(b) {
+            *o = x + y;
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,6 +126,23 @@ mod tests {
         assert_eq!(hits, vec![1; 5]);
         run_all(Vec::<fn()>::new());
         assert!(cores() >= 1);
+    }
+
+    #[test]
+    fn copy_and_add_write_every_element_as_the_plain_loops_do() {
+        // Large enough to be split over two cores or more.
+        let n = 4 * MIN_JOB_WORK + 3;
+        let a: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
+        let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).cos() * 1e-3).collect();
+        let mut copied = vec![f32::NAN; n];
+        copy_into(&mut copied, &a);
+        assert_eq!(copied, a);
+        let mut sum = vec![f32::NAN; n];
+        add_into(&mut sum, &a, &b);
+        let mut want = a.clone();
+        want.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&sum), bits(&want));
     }
 
     #[test]
