@@ -66,6 +66,17 @@ fn forward_of(l: usize, experts: &[usize]) -> Vec<Access> {
 
 /// One device's backward accesses over `experts` (already in reverse).
 fn backward_of(l: usize, experts: &[usize], overlapped: bool) -> Vec<Access> {
+    backward_deferring(l, experts, overlapped, &[])
+}
+
+/// `backward_of`, without the update's access of the experts in
+/// `deferred` (their updates come in the next step's forward).
+fn backward_deferring(
+    l: usize,
+    experts: &[usize],
+    overlapped: bool,
+    deferred: &[ExpertId],
+) -> Vec<Access> {
     let mut order = Vec::new();
     let Some(&first) = experts.first() else {
         return order;
@@ -83,16 +94,19 @@ fn backward_of(l: usize, experts: &[usize], overlapped: bool) -> Vec<Access> {
             order.push((id(l, e), Parts::Full));
         }
     }
+    order.retain(|a| !(a.1 == Parts::Full && deferred.contains(&a.0)));
     order
 }
 
 /// The one-device schedule of a whole step; the forward's last
 /// `tail_slots` accesses (at most a layer) ask for the full record when
-/// the pipeline overlaps.
+/// the pipeline overlaps. An expert in `deferred` has its update's access
+/// (the full record) just before its forward's, and none in the backward.
 pub(crate) fn access_schedule(
     model: &ModelConfig,
     overlapped: bool,
     tail_slots: usize,
+    deferred: &[ExpertId],
 ) -> Vec<Access> {
     let all: Vec<usize> = (0..model.experts).collect();
     let reversed: Vec<usize> = all.iter().rev().copied().collect();
@@ -106,8 +120,22 @@ pub(crate) fn access_schedule(
             access.1 = Parts::Full;
         }
     }
+    let mut order: Vec<Access> = order
+        .into_iter()
+        .flat_map(|a| {
+            let update = deferred.contains(&a.0).then_some((a.0, Parts::Full));
+            update.into_iter().chain([(
+                a.0,
+                if update.is_some() {
+                    Parts::Compute
+                } else {
+                    a.1
+                },
+            )])
+        })
+        .collect();
     for l in (0..model.layers).rev() {
-        order.extend(backward_of(l, &reversed, overlapped));
+        order.extend(backward_deferring(l, &reversed, overlapped, deferred));
     }
     order
 }
@@ -191,7 +219,7 @@ mod tests {
     #[test]
     fn unplaced_it_is_the_one_device_schedule_rotated() {
         let m = model();
-        let one = access_schedule(&m, true, 0);
+        let one = access_schedule(&m, true, 0, &[]);
         let placed = [None, None];
         assert_eq!(
             placed_schedule(&m, true, 2, &placed, Phase::Forward(0)),
@@ -237,18 +265,18 @@ mod tests {
         let c = |l, e| (id(l, e), Parts::Compute);
         let f = |l, e| (id(l, e), Parts::Full);
         // Forward 0: C C C C; forward 1: C, then 3 host slots' worth of F.
-        let order = access_schedule(&m, true, 3);
+        let order = access_schedule(&m, true, 3, &[]);
         assert_eq!(&order[..4], &[c(0, 0), c(0, 1), c(0, 2), c(0, 3)]);
         assert_eq!(&order[4..8], &[c(1, 0), f(1, 1), f(1, 2), f(1, 3)]);
         // The backward is unchanged; a host tier beyond a layer stops at it.
-        assert_eq!(order[8..], access_schedule(&m, true, 0)[8..]);
-        let wide = access_schedule(&m, true, 100);
+        assert_eq!(order[8..], access_schedule(&m, true, 0, &[])[8..]);
+        let wide = access_schedule(&m, true, 100, &[]);
         assert_eq!(
             &wide[..8],
             &[&order[..4], &[f(1, 0)], &order[5..8]].concat()
         );
         // Without the overlap nothing is read ahead, so nothing changes.
-        assert!(access_schedule(&m, false, 3)[..8]
+        assert!(access_schedule(&m, false, 3, &[])[..8]
             .iter()
             .all(|a| a.1 == Parts::Compute));
     }

@@ -60,6 +60,15 @@ pub struct EngineConfig {
     /// write-back every step (`None`: every slot streams, as the naive
     /// schedule's do). At least [`MIN_HOST_STREAM_SLOTS`].
     pub host_stream_slots: Option<usize>,
+    /// Where records are kept resident (see `host_stream_slots`) and the
+    /// last layer's other experts all fit in the streaming slots: their
+    /// updates wait for the next step's forward, which applies them just
+    /// before that layer, as its records arrive for it anyway. Their
+    /// write-backs then leave the backward, where the disk is the
+    /// bottleneck, for the turn from forward to backward, where it idles;
+    /// each holds its f32 gradient across the step boundary. The same
+    /// update before the same next use: the same bits.
+    pub defer_last_layer_updates: bool,
     /// Queue depth of the store's io_uring.
     pub io_queue_depth: u32,
     /// Benches only: move experts through the tiers and the optimizer
@@ -94,6 +103,7 @@ impl Default for EngineConfig {
             recompute_hidden: false,
             prefetch_ahead_max: 16,
             host_stream_slots: Some(4),
+            defer_last_layer_updates: true,
             io_queue_depth: 32,
             skip_expert_compute: false,
             devices: 1,

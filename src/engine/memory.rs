@@ -24,7 +24,7 @@ pub struct HostMemoryPlan {
     /// Expert gradients (f32) alive at once: one per expert where the
     /// naive schedule holds them to the end of the backward or several
     /// micro-batches sum them; else one per update in flight (each holds a
-    /// host slot) plus one per device computing. Kept for reuse between
+    /// host slot), one per deferred update, plus one per device computing. Kept for reuse between
     /// steps, so held for the whole run.
     pub gradients: u64,
 }
@@ -48,7 +48,16 @@ impl HostMemoryPlan {
         let held = if config.schedule == ScheduleKind::Naive || config.micro_batches > 1 {
             experts
         } else {
-            host_tier / record
+            // One per update in flight, and at most one per streaming slot
+            // held across the step boundary (deferred updates).
+            let slots = host_tier / record;
+            let kept = super::host_kept_count(config, slots as usize, experts as usize) as u64;
+            let deferred = if config.defer_last_layer_updates && kept > 0 {
+                slots - kept
+            } else {
+                0
+            };
+            slots + deferred
         };
         let gradients = (held + config.devices as u64) * layout.params_per_expert * 4;
         Self {

@@ -117,6 +117,12 @@ impl Engine {
         self.shared.cache.kept_count()
     }
 
+    /// Experts whose updates wait for the next step's forward (see
+    /// [`EngineConfig::defer_last_layer_updates`]).
+    pub fn deferred_updates(&self) -> usize {
+        self.shared.deferred_count()
+    }
+
     /// One training step on `batch` (split into the configured micro-batches).
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, EngineError> {
         let model = self.model.clone();
@@ -286,6 +292,7 @@ impl Engine {
 
     /// Waits for every update in flight.
     pub fn drain(&mut self) -> Result<(), EngineError> {
+        self.shared.submit_parked()?;
         self.shared.drain()?;
         Ok(())
     }

@@ -251,6 +251,14 @@ impl Engine {
             optimizer,
             steps,
         );
+        if config.schedule.overlaps(device_slots) {
+            // The same set `step_schedule` gives its accesses for.
+            shared.defer_updates(&deferred_experts(
+                &model,
+                &config,
+                shared.cache.slot_count(),
+            ));
+        }
         let cost = multi::initial_cost(&model, &layout, config.devices);
         let dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>> =
             devices.iter().map(|d| d.device.dense_kernels()).collect();
@@ -316,6 +324,29 @@ pub(super) fn kept_experts(
         .collect()
 }
 
+/// The experts whose updates wait for the next step's forward (see
+/// [`EngineConfig::defer_last_layer_updates`]): the last layer's experts
+/// not kept, when records are kept and those fit in the streaming slots
+/// (the forward's tail then reads them in full just before that layer).
+pub(super) fn deferred_experts(
+    model: &ModelConfig,
+    config: &EngineConfig,
+    host_slots: usize,
+) -> Vec<ExpertId> {
+    let keep = host_kept_count(config, host_slots, model.layers * model.experts);
+    let last = model.layers - 1;
+    let others: Vec<ExpertId> = (0..model.experts)
+        .map(|e| ExpertId::new(last as u32, e as u32))
+        .filter(|_| config.defer_last_layer_updates && keep > 0)
+        .skip(keep)
+        .collect();
+    if others.len() <= host_slots - keep {
+        others
+    } else {
+        Vec::new()
+    }
+}
+
 /// How many of `host_slots` keep a record resident under `config`, with
 /// `records` expert records in the store (see [`EngineConfig::host_stream_slots`]).
 pub fn host_kept_count(config: &EngineConfig, host_slots: usize, records: usize) -> usize {
@@ -343,5 +374,10 @@ pub(super) fn step_schedule(
     } else {
         0
     };
-    access_schedule(model, overlapped, tail_slots)
+    let deferred = if overlapped {
+        deferred_experts(model, config, cache.slot_count())
+    } else {
+        Vec::new()
+    };
+    access_schedule(model, overlapped, tail_slots, &deferred)
 }

@@ -66,6 +66,10 @@ impl DeviceRunner<'_> {
         let shared = self.shared;
         let acc = &mut self.dev.acc;
         shared.reap_finished()?;
+        // A deferred update of this expert goes in now, just before its
+        // forward, as its record arrives (the forward's tail reads it in
+        // full): the update's access is then the one the schedule expects.
+        acc.stall_optimizer_s += shared.submit_parked_one(key)?;
         acc.stall_optimizer_s += shared.wait_update(key)?;
         let version = shared.version(key);
         if let Some(slot) = self.dev.slots.lookup(key, version) {

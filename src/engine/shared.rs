@@ -31,6 +31,10 @@ pub(crate) struct UpdateBook {
     pub grad_accum: Vec<Option<Vec<f32>>>,
     /// Naive schedule: updates held until the backward pass is over.
     pub deferred: Vec<(usize, Vec<f32>)>,
+    /// Experts whose updates wait for the next step's forward.
+    pub parks: Vec<bool>,
+    /// Their complete gradients, held until `submit_parked`.
+    pub parked: Vec<(usize, Vec<f32>)>,
 }
 
 pub(crate) struct SharedExperts {
@@ -73,6 +77,8 @@ impl SharedExperts {
                 pending: vec![false; n],
                 grad_accum: vec![None; n],
                 deferred: Vec::new(),
+                parks: vec![false; n],
+                parked: Vec::new(),
             }),
         }
     }
@@ -163,15 +169,71 @@ impl SharedExperts {
         }
     }
 
+    /// Holds the updates of `experts` from their backward until
+    /// `submit_parked` (see `EngineConfig::defer_last_layer_updates`).
+    pub fn defer_updates(&self, experts: &[ExpertId]) {
+        let mut book = self.book();
+        for e in experts {
+            let key = e.layer as usize * self.experts_per_layer + e.index as usize;
+            book.parks[key] = true;
+        }
+    }
+
     /// Hands an expert's complete gradient to the optimizer (or, on the
-    /// naive schedule, holds it until the backward pass is over); returns
+    /// naive schedule, holds it until the backward pass is over, and for an
+    /// expert whose update is deferred, until `submit_parked`); returns
     /// the seconds spent waiting for host slots held by updates.
     pub fn submit(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
-        if self.schedule == ScheduleKind::Naive {
-            self.book().deferred.push((key, grad));
-            return Ok(0.0);
+        {
+            let mut book = self.book();
+            if self.schedule == ScheduleKind::Naive {
+                book.deferred.push((key, grad));
+                return Ok(0.0);
+            }
+            if book.parks[key] {
+                book.parked.push((key, grad));
+                return Ok(0.0);
+            }
         }
         self.submit_now(key, grad)
+    }
+
+    /// Submits every held (deferred) update, in the order their gradients
+    /// came; returns the seconds spent waiting for their records. Before
+    /// anything reads those experts' params other than a forward, which
+    /// submits each as it stages it: a drain, a checkpoint.
+    pub fn submit_parked(&self) -> Result<f64, EngineError> {
+        let mut parked = std::mem::take(&mut self.book().parked).into_iter();
+        let mut stall = 0.0;
+        while let Some((key, grad)) = parked.next() {
+            match self.submit_now(key, grad) {
+                Ok(waited) => stall += waited,
+                Err(e) => {
+                    // The rest stay held for a later call.
+                    self.book().parked.extend(parked);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(stall)
+    }
+
+    /// Submits `key`'s held update, if there is one; returns the seconds
+    /// spent waiting for its record's host slot.
+    pub fn submit_parked_one(&self, key: usize) -> Result<f64, EngineError> {
+        let grad = {
+            let mut book = self.book();
+            match book.parked.iter().position(|(k, _)| *k == key) {
+                Some(i) => book.parked.swap_remove(i).1,
+                None => return Ok(0.0),
+            }
+        };
+        self.submit_now(key, grad)
+    }
+
+    /// Experts whose updates wait for the next step's forward.
+    pub fn deferred_count(&self) -> usize {
+        self.book().parks.iter().filter(|&&p| p).count()
     }
 
     /// Acquires through the host tier. When every host slot is pinned it
