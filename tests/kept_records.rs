@@ -66,3 +66,50 @@ fn kept_records_are_neither_read_nor_written_back_each_step() {
     );
     assert!(written_kept < written_all && read_kept < read_all);
 }
+
+/// Every expert's params after `STEPS` steps, and how many experts'
+/// updates were deferred.
+fn params_after(defer: bool, dir: &std::path::Path) -> (Vec<Vec<f32>>, usize) {
+    let model = model(2, ExpertKind::SwiGlu);
+    let expert_bytes = (model.expert_params() * 4) as u64;
+    let mut engine = Engine::new(
+        model.clone(),
+        EngineConfig {
+            store_path: Some(dir.join(format!("defer-{defer}.strata"))),
+            device_budget_bytes: 2 * expert_bytes,
+            // 8 slots for 16 records: 4 kept (layer 1's experts 0–3), and
+            // layer 1's other 4 fit the 4 streaming slots.
+            host_budget_bytes: 8 * record_bytes(&model),
+            defer_last_layer_updates: defer,
+            compute_dtype: Dtype::F32,
+            hyper: hyper(),
+            optimizer_threads: 2,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    for s in 0..STEPS {
+        engine.step(&batch(&model, s)).unwrap();
+    }
+    let deferred = engine.deferred_updates();
+    // Reading params applies the updates still held.
+    let params = (0..model.layers)
+        .flat_map(|l| (0..model.experts).map(move |e| (l, e)))
+        .map(|(l, e)| engine.expert_params(l, e).unwrap())
+        .collect();
+    (params, deferred)
+}
+
+#[test]
+fn deferred_updates_change_no_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, none) = params_after(false, dir.path());
+    let (deferred, four) = params_after(true, dir.path());
+    assert_eq!((none, four), (0, 4));
+    let bits = |p: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        p.iter()
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    assert_eq!(bits(&plain), bits(&deferred));
+}
