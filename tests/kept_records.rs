@@ -7,23 +7,25 @@ mod common;
 use common::{batch, hyper, model, record_bytes};
 use strata::engine::{Engine, EngineConfig};
 use strata::math::ExpertKind;
+use strata::model::ModelConfig;
 use strata_tiers::Dtype;
 
 const STEPS: usize = 6;
 
-/// Bytes written to and read from the store over `STEPS` steps, and the
-/// records kept.
-fn traffic(stream: Option<usize>, dir: &std::path::Path) -> (u64, u64, usize) {
+/// The test engine: 8 host slots for 16 records, `stream` of them
+/// streaming; with 4 streaming, 4 keep layer 1's experts 0–3 and layer 1's
+/// other 4 fit the streaming slots, so their updates may be deferred.
+fn engine(dir: &std::path::Path, stream: Option<usize>, defer: bool) -> (Engine, ModelConfig) {
     let model = model(2, ExpertKind::SwiGlu);
     let expert_bytes = (model.expert_params() * 4) as u64;
-    let mut engine = Engine::new(
+    let engine = Engine::new(
         model.clone(),
         EngineConfig {
-            store_path: Some(dir.join(format!("{stream:?}.strata"))),
+            store_path: Some(dir.join(format!("{stream:?}-{defer}.strata"))),
             device_budget_bytes: 2 * expert_bytes,
-            // 8 slots for 16 records.
             host_budget_bytes: 8 * record_bytes(&model),
             host_stream_slots: stream,
+            defer_last_layer_updates: defer,
             compute_dtype: Dtype::F32,
             hyper: hyper(),
             optimizer_threads: 2,
@@ -31,6 +33,13 @@ fn traffic(stream: Option<usize>, dir: &std::path::Path) -> (u64, u64, usize) {
         },
     )
     .unwrap();
+    (engine, model)
+}
+
+/// Bytes written to and read from the store over `STEPS` steps, and the
+/// records kept.
+fn traffic(stream: Option<usize>, dir: &std::path::Path) -> (u64, u64, usize) {
+    let (mut engine, model) = engine(dir, stream, true);
     let (mut written, mut read) = (0, 0);
     for s in 0..STEPS {
         let m = engine.step(&batch(&model, s)).unwrap();
@@ -70,24 +79,7 @@ fn kept_records_are_neither_read_nor_written_back_each_step() {
 /// Every expert's params after `STEPS` steps, and how many experts'
 /// updates were deferred.
 fn params_after(defer: bool, dir: &std::path::Path) -> (Vec<Vec<f32>>, usize) {
-    let model = model(2, ExpertKind::SwiGlu);
-    let expert_bytes = (model.expert_params() * 4) as u64;
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            store_path: Some(dir.join(format!("defer-{defer}.strata"))),
-            device_budget_bytes: 2 * expert_bytes,
-            // 8 slots for 16 records: 4 kept (layer 1's experts 0–3), and
-            // layer 1's other 4 fit the 4 streaming slots.
-            host_budget_bytes: 8 * record_bytes(&model),
-            defer_last_layer_updates: defer,
-            compute_dtype: Dtype::F32,
-            hyper: hyper(),
-            optimizer_threads: 2,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let (mut engine, model) = engine(dir, Some(4), defer);
     for s in 0..STEPS {
         engine.step(&batch(&model, s)).unwrap();
     }

@@ -120,20 +120,15 @@ pub(crate) fn access_schedule(
             access.1 = Parts::Full;
         }
     }
-    let mut order: Vec<Access> = order
-        .into_iter()
-        .flat_map(|a| {
-            let update = deferred.contains(&a.0).then_some((a.0, Parts::Full));
-            update.into_iter().chain([(
-                a.0,
-                if update.is_some() {
-                    Parts::Compute
-                } else {
-                    a.1
-                },
-            )])
-        })
-        .collect();
+    let forward = std::mem::take(&mut order);
+    for (expert, parts) in forward {
+        if deferred.contains(&expert) {
+            order.push((expert, Parts::Full)); // its held update
+            order.push((expert, Parts::Compute));
+        } else {
+            order.push((expert, parts));
+        }
+    }
     for l in (0..model.layers).rev() {
         order.extend(backward_deferring(l, &reversed, overlapped, deferred));
     }

@@ -24,8 +24,8 @@ pub struct HostMemoryPlan {
     /// Expert gradients (f32) alive at once: one per expert where the
     /// naive schedule holds them to the end of the backward or several
     /// micro-batches sum them; else one per update in flight (each holds a
-    /// host slot), one per deferred update, plus one per device computing. Kept for reuse between
-    /// steps, so held for the whole run.
+    /// host slot), one per deferred update, plus one per device computing.
+    /// Kept for reuse between steps, so held for the whole run.
     pub gradients: u64,
 }
 

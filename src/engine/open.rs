@@ -242,7 +242,7 @@ impl Engine {
                 Ok(store.expert_step(id)?.unwrap_or(0))
             })
             .collect::<Result<Vec<u64>, EngineError>>()?;
-        let shared = SharedExperts::new(
+        let mut shared = SharedExperts::new(
             model.experts,
             config.devices,
             config.schedule,
@@ -251,14 +251,9 @@ impl Engine {
             optimizer,
             steps,
         );
-        if config.schedule.overlaps(device_slots) {
-            // The same set `step_schedule` gives its accesses for.
-            shared.defer_updates(&deferred_experts(
-                &model,
-                &config,
-                shared.cache.slot_count(),
-            ));
-        }
+        // The same set `step_schedule` gives its accesses for.
+        let slots = shared.cache.slot_count();
+        shared.defer_updates(&deferred_experts(&model, &config, device_slots, slots));
         let cost = multi::initial_cost(&model, &layout, config.devices);
         let dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>> =
             devices.iter().map(|d| d.device.dense_kernels()).collect();
@@ -326,25 +321,28 @@ pub(super) fn kept_experts(
 
 /// The experts whose updates wait for the next step's forward (see
 /// [`EngineConfig::defer_last_layer_updates`]): the last layer's experts
-/// not kept, when records are kept and those fit in the streaming slots
-/// (the forward's tail then reads them in full just before that layer).
+/// not kept, when the pipeline overlaps, records are kept and those fit in
+/// the streaming slots (the forward's tail then reads them in full just
+/// before that layer).
 pub(super) fn deferred_experts(
     model: &ModelConfig,
     config: &EngineConfig,
+    device_slots: usize,
     host_slots: usize,
 ) -> Vec<ExpertId> {
     let keep = host_kept_count(config, host_slots, model.layers * model.experts);
-    let last = model.layers - 1;
-    let others: Vec<ExpertId> = (0..model.experts)
-        .map(|e| ExpertId::new(last as u32, e as u32))
-        .filter(|_| config.defer_last_layer_updates && keep > 0)
-        .skip(keep)
-        .collect();
-    if others.len() <= host_slots - keep {
-        others
-    } else {
-        Vec::new()
+    let others = model.experts.saturating_sub(keep);
+    if !config.defer_last_layer_updates
+        || !config.schedule.overlaps(device_slots)
+        || keep == 0
+        || others > host_slots - keep
+    {
+        return Vec::new();
     }
+    let last = (model.layers - 1) as u32;
+    (keep..model.experts)
+        .map(|e| ExpertId::new(last, e as u32))
+        .collect()
 }
 
 /// How many of `host_slots` keep a record resident under `config`, with
@@ -374,10 +372,6 @@ pub(super) fn step_schedule(
     } else {
         0
     };
-    let deferred = if overlapped {
-        deferred_experts(model, config, cache.slot_count())
-    } else {
-        Vec::new()
-    };
+    let deferred = deferred_experts(model, config, device_slots, cache.slot_count());
     access_schedule(model, overlapped, tail_slots, &deferred)
 }

@@ -31,9 +31,7 @@ pub(crate) struct UpdateBook {
     pub grad_accum: Vec<Option<Vec<f32>>>,
     /// Naive schedule: updates held until the backward pass is over.
     pub deferred: Vec<(usize, Vec<f32>)>,
-    /// Experts whose updates wait for the next step's forward.
-    pub parks: Vec<bool>,
-    /// Their complete gradients, held until `submit_parked`.
+    /// Deferred experts' complete gradients, held until `submit_parked`.
     pub parked: Vec<(usize, Vec<f32>)>,
 }
 
@@ -47,6 +45,9 @@ pub(crate) struct SharedExperts {
     pub optimizer: ExpertOptimizer<ExpertUpdate>,
     /// Expert gradients, reused once their update (or sum) is done.
     pub grads: GradBuffers,
+    /// Per expert: whether its updates wait for the next step's forward
+    /// (set once, before the first step).
+    defers: Vec<bool>,
     book: Mutex<UpdateBook>,
 }
 
@@ -72,12 +73,12 @@ impl SharedExperts {
             cache,
             optimizer,
             grads,
+            defers: vec![false; n],
             book: Mutex::new(UpdateBook {
                 steps,
                 pending: vec![false; n],
                 grad_accum: vec![None; n],
                 deferred: Vec::new(),
-                parks: vec![false; n],
                 parked: Vec::new(),
             }),
         }
@@ -171,11 +172,10 @@ impl SharedExperts {
 
     /// Holds the updates of `experts` from their backward until
     /// `submit_parked` (see `EngineConfig::defer_last_layer_updates`).
-    pub fn defer_updates(&self, experts: &[ExpertId]) {
-        let mut book = self.book();
+    pub fn defer_updates(&mut self, experts: &[ExpertId]) {
         for e in experts {
             let key = e.layer as usize * self.experts_per_layer + e.index as usize;
-            book.parks[key] = true;
+            self.defers[key] = true;
         }
     }
 
@@ -190,7 +190,7 @@ impl SharedExperts {
                 book.deferred.push((key, grad));
                 return Ok(0.0);
             }
-            if book.parks[key] {
+            if self.defers[key] {
                 book.parked.push((key, grad));
                 return Ok(0.0);
             }
@@ -233,7 +233,7 @@ impl SharedExperts {
 
     /// Experts whose updates wait for the next step's forward.
     pub fn deferred_count(&self) -> usize {
-        self.book().parks.iter().filter(|&&p| p).count()
+        self.defers.iter().filter(|&&d| d).count()
     }
 
     /// Acquires through the host tier. When every host slot is pinned it
