@@ -31,18 +31,21 @@ fn batch(step: u64) -> Batch {
 }
 
 fn config(path: std::path::PathBuf) -> EngineConfig {
-    config_streaming(path, EngineConfig::default().host_stream_slots)
+    config_streaming(path, 4, EngineConfig::default().host_stream_slots)
 }
 
-/// 4 host slots for 12 records, `stream` of them streaming.
-fn config_streaming(path: std::path::PathBuf, stream: Option<usize>) -> EngineConfig {
-    let m = model();
-    let expert = (m.expert_params() * 2) as u64;
+/// `slots` host slots for 12 records, `stream` of them streaming.
+fn config_streaming(path: std::path::PathBuf, slots: u64, stream: Option<usize>) -> EngineConfig {
+    let n = model().expert_params() as u64;
+    let expert = n * 2;
+    // A bf16 record: the compute part (bf16 params) and the state part
+    // (f32 master, m, v), each with its 64-byte header, 4 KiB aligned.
+    let record = (expert + 64).div_ceil(4096) * 4096 + (12 * n + 64).div_ceil(4096) * 4096;
     EngineConfig {
         store_path: Some(path),
         compute_dtype: Dtype::Bf16,
         device_budget_bytes: 2 * expert,
-        host_budget_bytes: 4 * (expert + 12 * m.expert_params() as u64 + 8192),
+        host_budget_bytes: slots * record,
         host_stream_slots: stream,
         ..EngineConfig::default()
     }
@@ -63,21 +66,32 @@ fn params(engine: &mut Engine) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
 
 #[test]
 fn a_resumed_run_is_bit_identical_to_an_uninterrupted_one() {
-    resumed_run_matches(EngineConfig::default().host_stream_slots, 0);
+    resumed_run_matches(4, EngineConfig::default().host_stream_slots, 0, 0);
 }
 
 /// Records kept in host memory reach the store only at checkpoints: the
 /// resumed run still starts from their checkpointed versions.
 #[test]
 fn a_resumed_run_with_kept_records_is_bit_identical_too() {
-    resumed_run_matches(Some(3), 1);
+    resumed_run_matches(4, Some(3), 1, 0);
 }
 
-fn resumed_run_matches(stream: Option<usize>, kept: usize) {
-    let config = |path| config_streaming(path, stream);
+/// With 4 of 8 host slots kept, the last layer's other 2 experts hold
+/// their updates for the next step's forward. The checkpoint applies
+/// them first (the uninterrupted run applies them in step 5's forward):
+/// the stored records are those of the 5 steps, and the resumed run,
+/// which holds nothing at its start, goes on from them.
+#[test]
+fn a_resumed_run_with_deferred_updates_is_bit_identical_too() {
+    resumed_run_matches(8, Some(4), 4, 2);
+}
+
+fn resumed_run_matches(slots: u64, stream: Option<usize>, kept: usize, deferred: usize) {
+    let config = |path| config_streaming(path, slots, stream);
     let dir = tempfile::tempdir().unwrap();
     let mut straight = Engine::new(model(), config(dir.path().join("a.strata"))).unwrap();
     assert_eq!(straight.host_kept(), kept);
+    assert_eq!(straight.deferred_updates(), deferred);
     for s in 0..8 {
         straight.step(&batch(s)).unwrap();
     }
