@@ -24,6 +24,11 @@
 #                                records resident in all but 4 (the
 #                                default): one alternating pair, its files
 #                                suffixed N (run it twice for two pairs)
+#   scripts/gpu-check.sh defer [N]  the same at 12288 tokens with the last
+#                                layer's updates applied as each backward
+#                                ends (`--defer-updates off`), then held
+#                                for the next forward (`on`, the default):
+#                                one alternating pair, its files suffixed N
 # Output goes under $OUT when set (else gpu-out/), a few files per phase.
 set -uo pipefail
 phase=${1:-tests}
@@ -106,8 +111,19 @@ kept)
         cat "$out/bench-step-cuda-stream-$stream-$pair.jsonl"
     done
     ;;
+defer)
+    pair=${2:-1}
+    for defer in off on; do
+        timeout 280 gpu-bin/strata bench step --json --backend cuda --tokens 12288 \
+            --rounds 2 --defer-updates "$defer" --dir /tmp \
+            > "$out/bench-step-cuda-defer-$defer-$pair.jsonl" \
+            2> "$out/bench-step-cuda-defer-$defer-$pair.log" || status=1
+        echo "== --defer-updates $defer (pair $pair)"
+        cat "$out/bench-step-cuda-defer-$defer-$pair.jsonl"
+    done
+    ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept" >&2
+    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]" >&2
     exit 2
     ;;
 esac

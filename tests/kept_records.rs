@@ -15,13 +15,19 @@ const STEPS: usize = 6;
 /// The test engine: 8 host slots for 16 records, `stream` of them
 /// streaming; with 4 streaming, 4 keep layer 1's experts 0–3 and layer 1's
 /// other 4 fit the streaming slots, so their updates may be deferred.
-fn engine(dir: &std::path::Path, stream: Option<usize>, defer: bool) -> (Engine, ModelConfig) {
+/// Each step is `micro_batches` micro-batches.
+fn engine(
+    dir: &std::path::Path,
+    stream: Option<usize>,
+    defer: bool,
+    micro_batches: usize,
+) -> (Engine, ModelConfig) {
     let model = model(2, ExpertKind::SwiGlu);
     let expert_bytes = (model.expert_params() * 4) as u64;
     let engine = Engine::new(
         model.clone(),
         EngineConfig {
-            store_path: Some(dir.join(format!("{stream:?}-{defer}.strata"))),
+            store_path: Some(dir.join(format!("{stream:?}-{defer}-{micro_batches}.strata"))),
             device_budget_bytes: 2 * expert_bytes,
             host_budget_bytes: 8 * record_bytes(&model),
             host_stream_slots: stream,
@@ -29,6 +35,7 @@ fn engine(dir: &std::path::Path, stream: Option<usize>, defer: bool) -> (Engine,
             compute_dtype: Dtype::F32,
             hyper: hyper(),
             optimizer_threads: 2,
+            micro_batches,
             ..EngineConfig::default()
         },
     )
@@ -39,7 +46,7 @@ fn engine(dir: &std::path::Path, stream: Option<usize>, defer: bool) -> (Engine,
 /// Bytes written to and read from the store over `STEPS` steps, and the
 /// records kept.
 fn traffic(stream: Option<usize>, dir: &std::path::Path) -> (u64, u64, usize) {
-    let (mut engine, model) = engine(dir, stream, true);
+    let (mut engine, model) = engine(dir, stream, true, 1);
     let (mut written, mut read) = (0, 0);
     for s in 0..STEPS {
         let m = engine.step(&batch(&model, s)).unwrap();
@@ -78,8 +85,12 @@ fn kept_records_are_neither_read_nor_written_back_each_step() {
 
 /// Every expert's params after `STEPS` steps, and how many experts'
 /// updates were deferred.
-fn params_after(defer: bool, dir: &std::path::Path) -> (Vec<Vec<f32>>, usize) {
-    let (mut engine, model) = engine(dir, Some(4), defer);
+fn params_after(
+    defer: bool,
+    micro_batches: usize,
+    dir: &std::path::Path,
+) -> (Vec<Vec<f32>>, usize) {
+    let (mut engine, model) = engine(dir, Some(4), defer, micro_batches);
     for s in 0..STEPS {
         engine.step(&batch(&model, s)).unwrap();
     }
@@ -92,16 +103,23 @@ fn params_after(defer: bool, dir: &std::path::Path) -> (Vec<Vec<f32>>, usize) {
     (params, deferred)
 }
 
+/// Also where gradients sum over micro-batches: the held update is of the
+/// summed gradient, applied before the next step's first micro-batch.
 #[test]
 fn deferred_updates_change_no_bit() {
     let dir = tempfile::tempdir().unwrap();
-    let (plain, none) = params_after(false, dir.path());
-    let (deferred, four) = params_after(true, dir.path());
-    assert_eq!((none, four), (0, 4));
     let bits = |p: &[Vec<f32>]| -> Vec<Vec<u32>> {
         p.iter()
             .map(|v| v.iter().map(|x| x.to_bits()).collect())
             .collect()
     };
-    assert_eq!(bits(&plain), bits(&deferred));
+    for micro_batches in [1, 2] {
+        let (plain, none) = params_after(false, micro_batches, dir.path());
+        let (deferred, four) = params_after(true, micro_batches, dir.path());
+        assert_eq!((none, four), (0, 4), "{micro_batches} micro-batches");
+        assert!(
+            bits(&plain) == bits(&deferred),
+            "deferred updates changed params with {micro_batches} micro-batches"
+        );
+    }
 }

@@ -92,6 +92,11 @@ pub struct StepArgs {
     /// [default: the engine's, 4]
     #[arg(long, value_parser = parse_stream_slots)]
     pub host_stream_slots: Option<StreamSlots>,
+    /// Where records are kept resident, hold the last layer's other
+    /// updates for the next step's forward (`on`) or apply each as its
+    /// backward ends (`off`).
+    #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub defer_updates: bool,
     /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -189,6 +194,14 @@ fn parse_stream_slots(value: &str) -> Result<StreamSlots, String> {
         _ => Err(format!(
             "`{value}` is neither a slot count ({least} or more) nor `all`"
         )),
+    }
+}
+
+fn parse_on_off(value: &str) -> Result<bool, String> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("`{other}` is neither `on` nor `off`")),
     }
 }
 
@@ -349,6 +362,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         host_stream_slots: args
             .host_stream_slots
             .map_or(defaults.host_stream_slots, |s| s.0),
+        defer_updates: args.defer_updates,
         backend: crate::backend::BackendKind::parse(&args.backend)?,
         dir: args.dir,
         ..defaults

@@ -159,6 +159,7 @@ impl Arm {
             },
             host_slots: self.engine.host_slots(),
             host_kept: self.engine.host_kept(),
+            deferred_updates: self.engine.deferred_updates(),
             device_slots: self.engine.device_slots(),
             steps: metrics.len(),
             step_s: timing.median_s,

@@ -47,6 +47,9 @@ pub struct StepBenchConfig {
     pub pin_fraction: f64,
     /// The expert-wise runs' streaming host slots (`None`: all stream).
     pub host_stream_slots: Option<usize>,
+    /// Where records are kept, the last layer's other updates wait for
+    /// the next step's forward (`EngineConfig::defer_last_layer_updates`).
+    pub defer_updates: bool,
     pub backend: BackendKind,
 }
 
@@ -77,6 +80,7 @@ impl Default for StepBenchConfig {
             devices: 1,
             pin_fraction: 0.25,
             host_stream_slots: EngineConfig::default().host_stream_slots,
+            defer_updates: EngineConfig::default().defer_last_layer_updates,
             backend: BackendKind::Cpu,
         }
     }
@@ -123,6 +127,7 @@ pub fn run(
         devices: config.devices,
         pin_fraction: config.pin_fraction,
         host_stream_slots: config.host_stream_slots,
+        defer_last_layer_updates: config.defer_updates,
         backend: config.backend,
         ..EngineConfig::default()
     };
@@ -427,6 +432,32 @@ mod tests {
         assert!(records
             .iter()
             .all(|r| r.devices == 1 && r.device_load_gap == 0.0));
+    }
+
+    /// Half the records in host memory: 4 of 8 slots keep the last layer's
+    /// experts 0–3, and its other 4 defer their updates unless told not to,
+    /// in the expert-wise and I/O-only runs alike (the naive one keeps
+    /// nothing).
+    #[test]
+    fn deferred_updates_follow_the_config() {
+        let dir = tempfile::tempdir().unwrap();
+        for (defer, expected) in [(true, 4), (false, 0)] {
+            let config = StepBenchConfig {
+                model: tiny(),
+                tokens: 32,
+                balance_tokens: false,
+                host_fraction: 0.5,
+                steps: 1,
+                rounds: 1,
+                defer_updates: defer,
+                dir: dir.path().to_path_buf(),
+                ..StepBenchConfig::default()
+            };
+            let (records, _) = run(&config, |_| {}).unwrap();
+            let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
+            assert_eq!(deferred, [expected, 0, 0, expected], "defer {defer}");
+            assert_eq!(records[0].host_kept, 4);
+        }
     }
 
     /// With `--backend cuda`, wherever a CUDA device answers (a GPU, or

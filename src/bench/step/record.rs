@@ -20,6 +20,8 @@ pub struct StepBenchRecord {
     pub host_slots: usize,
     /// Of `host_slots`, those keeping a record resident for the whole run.
     pub host_kept: usize,
+    /// Experts whose updates wait for the next step's forward.
+    pub deferred_updates: usize,
     pub device_slots: usize,
     pub steps: usize,
     pub step_s: f64,
