@@ -1,6 +1,7 @@
 //! `strata bench …` through the binary: `overlap`'s JSON lines, its
 //! refusal of a directory that is not there, `step`'s refusal of a token
-//! count, and a quiet exit when the reader of stdout goes away.
+//! count and its table's line on the host tier, and a quiet exit when the
+//! reader of stdout goes away.
 
 use std::process::{Command, Stdio};
 
@@ -73,4 +74,37 @@ fn bench_step_refuses_a_token_count_it_cannot_run() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("nor `balanced`"), "{err}");
     }
+}
+
+/// The table says how the expert-wise run's host tier is used: with half
+/// the records in host memory, 4 of 8 slots keep a record resident, and
+/// the last layer's other 4 experts hold their updates unless told not to.
+#[test]
+fn bench_step_table_names_kept_records_and_held_updates() {
+    let dir = tempfile::tempdir().unwrap();
+    for (defer, held) in [("on", 4), ("off", 0)] {
+        let out = strata_bin()
+            .args(["bench", "step", "--layers", "2", "--experts", "8"])
+            .args(["--d-model", "16", "--d-ff", "32", "--tokens", "32"])
+            .args(["--rounds", "1", "--steps", "1", "--host-fraction", "0.5"])
+            .args(["--defer-updates", defer, "--dir"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        let table = String::from_utf8_lossy(&out.stdout);
+        let expected = format!(
+            "expert-wise host tier: 8 slots, 4 keeping a record resident, 4 streaming; \
+             {held} updates held for the next forward"
+        );
+        assert!(table.contains(&expected), "{table}");
+    }
+    let out = strata_bin()
+        .args(["bench", "step", "--defer-updates", "maybe"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("neither `on` nor `off`"), "{err}");
 }

@@ -53,6 +53,17 @@ pub(super) fn print(
         "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
         summary.expert_wise_over_naive, summary.expert_wise_over_bound
     )?;
+    if let Some(ew) = records.iter().find(|r| r.run == "expert_wise") {
+        writeln!(
+            out,
+            "expert-wise host tier: {} slots, {} keeping a record resident, {} streaming; \
+             {} updates held for the next forward",
+            ew.host_slots,
+            ew.host_kept,
+            ew.host_slots - ew.host_kept,
+            ew.deferred_updates
+        )?;
+    }
     if let (Some(n), Some(b)) = (
         summary.quiet_expert_wise_over_naive,
         summary.quiet_expert_wise_over_bound,
