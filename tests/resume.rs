@@ -3,7 +3,7 @@
 
 use strata::engine::{Engine, EngineConfig};
 use strata::model::{fill_uniform, Batch, ModelConfig};
-use strata_tiers::Dtype;
+use strata_tiers::{Dtype, Layout};
 
 fn model() -> ModelConfig {
     ModelConfig {
@@ -36,11 +36,15 @@ fn config(path: std::path::PathBuf) -> EngineConfig {
 
 /// `slots` host slots for 12 records, `stream` of them streaming.
 fn config_streaming(path: std::path::PathBuf, slots: u64, stream: Option<usize>) -> EngineConfig {
-    let n = model().expert_params() as u64;
-    let expert = n * 2;
-    // A bf16 record: the compute part (bf16 params) and the state part
-    // (f32 master, m, v), each with its 64-byte header, 4 KiB aligned.
-    let record = (expert + 64).div_ceil(4096) * 4096 + (12 * n + 64).div_ceil(4096) * 4096;
+    let m = model();
+    let expert = m.expert_params() as u64 * 2;
+    let record = Layout {
+        layers: m.layers as u32,
+        experts_per_layer: m.experts as u32,
+        params_per_expert: m.expert_params() as u64,
+        compute_dtype: Dtype::Bf16,
+    }
+    .record_bytes();
     EngineConfig {
         store_path: Some(path),
         compute_dtype: Dtype::Bf16,
