@@ -82,12 +82,13 @@ impl ExpertRunner for MemoryRunner<'_> {
                 continue;
             }
             let xe = gather(x, rows, k, d);
-            let mut ye = vec![0.0f32; rows.len() * d];
+            let span = perm.span(e);
+            let ye = &mut out[span.start * d..span.end * d];
             let expert = &self.experts[layer][e];
             let saved = &mut self.saved[layer][e];
             expert_ffn_forward(
                 self.model.expert_kind,
-                &mut ye,
+                ye,
                 saved,
                 &xe,
                 &expert.params,
@@ -95,7 +96,6 @@ impl ExpertRunner for MemoryRunner<'_> {
                 d,
                 f,
             );
-            crate::math::scatter_to_assignments(out, &ye, rows, d);
         }
         Ok(())
     }
@@ -118,13 +118,15 @@ impl ExpertRunner for MemoryRunner<'_> {
             let xe = gather(x, rows, k, d);
             let mut dye = vec![0.0f32; rows.len() * d];
             dout.gather(&mut dye, rows);
-            let mut dxe = vec![0.0f32; rows.len() * d];
+            let span = perm.span(e);
+            // Zeros from `take_buffer`, which the plain backward adds to.
+            let dxe = &mut dx[span.start * d..span.end * d];
             let expert = &mut self.experts[layer][e];
             expert.touched = true;
             let saved = &self.saved[layer][e];
             expert_ffn_backward(
                 self.model.expert_kind,
-                &mut dxe,
+                dxe,
                 &mut expert.grad,
                 &dye,
                 saved,
@@ -134,7 +136,6 @@ impl ExpertRunner for MemoryRunner<'_> {
                 d,
                 f,
             );
-            crate::math::scatter_to_assignments(dx, &dxe, rows, d);
         }
         Ok(())
     }

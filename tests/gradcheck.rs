@@ -86,23 +86,38 @@ fn top_k_is_stable_and_dropless_routing_counts_every_assignment() {
     assert_eq!(p.rows(0), &[1, 4]);
     assert_eq!(p.rows(2), &[0, 2, 5], "token order within an expert");
     assert!(p.rows(3).is_empty());
+    assert_eq!(
+        p.span(2),
+        3..6,
+        "an expert's rows of an expert-ordered buffer"
+    );
+    assert_eq!(
+        p.position,
+        vec![3, 0, 4, 2, 1, 5],
+        "where each assignment's row is"
+    );
+    for (i, &a) in p.order.iter().enumerate() {
+        assert_eq!(p.position[a as usize] as usize, i);
+    }
 }
 
 #[test]
 fn permutation_and_combine_gradients_match() {
     let (t, k, d) = (4, 2, 3);
+    // The experts' outputs in expert order, as the combine reads them.
+    let experts_per_token = [1u32, 0, 0, 2, 1, 1, 2, 0];
+    let perm = Permutation::from_routing(&experts_per_token, 3);
     let per = values(t * k * d, 21, 1.0);
     let w = values(t * k, 22, 1.0);
     let c = values(t * d, 23, 1.0);
     let y_of = |per: &[f64], w: &[f64]| {
         let mut y = vec![0.0; t * d];
-        combine_forward(&mut y, per, w, t, k, d);
+        combine_forward(&mut y, per, &perm.position, w, t, k, d);
         dot(&y, &c)
     };
     let mut dw = vec![0.0; t * k];
-    combine_backward_weights(&mut dw, &c, &per, t, k, d);
-    // Every assignment's output gradient, gathered in assignment order.
-    let all: Vec<u32> = (0..(t * k) as u32).collect();
+    combine_backward_weights(&mut dw, &c, &per, &perm.position, t, k, d);
+    // Every assignment's output gradient, gathered in expert order.
     let mut dper = vec![0.0; t * k * d];
     AssignmentGrads {
         dy: &c,
@@ -110,26 +125,19 @@ fn permutation_and_combine_gradients_match() {
         k,
         d,
     }
-    .gather(&mut dper, &all);
+    .gather(&mut dper, &perm.order);
     check("combine dper", &per, &dper, |p| y_of(p, &w));
     check("combine dweights", &w, &dw, |w| y_of(&per, w));
 
     // gather is linear: its backward must be its adjoint,
     // <gather(x), u> = <x, gatherᵀ(u)>, over a real permutation.
     let x = values(t * d, 24, 1.0);
-    let experts_per_token = [1u32, 0, 0, 2, 1, 1, 2, 0];
-    let perm = Permutation::from_routing(&experts_per_token, 3);
     let mut rows = vec![0.0; t * k * d];
     gather_forward(&mut rows, &x, &perm.order, k, d);
+    // u, the gradient of the gathered rows, in the same (expert) order.
     let u = values(t * k * d, 25, 1.0);
-    // u is given in permuted order; move it back to assignment order.
-    let mut u_by_assignment = vec![0.0; t * k * d];
-    for (r, &a) in perm.order.iter().enumerate() {
-        u_by_assignment[a as usize * d..(a as usize + 1) * d]
-            .copy_from_slice(&u[r * d..(r + 1) * d]);
-    }
     let mut gx = vec![0.0; t * d];
-    gather_backward(&mut gx, &u_by_assignment, t, k, d);
+    gather_backward(&mut gx, &u, &perm.position, t, k, d);
     assert!((dot(&rows, &u) - dot(&x, &gx)).abs() < 1e-12);
 }
 

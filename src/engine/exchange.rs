@@ -206,20 +206,20 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
     }
 
     /// Writes what came back (rows of this device's tokens, from each
-    /// expert's device) to the assignments they belong to.
+    /// expert's device) to their expert's block of `out` (expert order).
     fn scatter_back(&self, layer: usize, perm: &Permutation, back: &[Vec<f32>], out: &mut [f32]) {
         let plan = &self.plans[layer];
         let d = self.inner.model.d_model;
         let mut cursor = vec![0usize; back.len()];
         for e in 0..plan.owner.len() {
-            let rows = perm.rows(e);
-            if rows.is_empty() {
+            let span = perm.span(e);
+            if span.is_empty() {
                 continue;
             }
             let owner = plan.owner[e] as usize;
-            let n = rows.len() * d;
+            let n = span.len() * d;
             let src = &back[owner][cursor[owner]..cursor[owner] + n];
-            crate::math::scatter_to_assignments(out, src, rows, d);
+            crate::parallel::copy_into(&mut out[span.start * d..span.end * d], src);
             cursor[owner] += n;
         }
     }
@@ -275,7 +275,8 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         self.inner
             .pipeline(layer, &mine, |runner, expert, params| {
                 let xe = inputs.next().expect("one input per expert");
-                let ye = runner.expert_forward(layer, expert, &xe, params)?;
+                let mut ye = runner.dev.scratch.take(xe.len()); // written whole
+                runner.expert_forward(layer, expert, &xe, params, &mut ye)?;
                 runner.dev.saved_x[layer][expert] = xe;
                 outputs.push((expert, ye));
                 Ok(())
@@ -315,8 +316,9 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             .pipeline(layer, &mine, |runner, expert, params| {
                 let dye = douts.next().expect("one gradient per expert");
                 let xe = std::mem::take(&mut runner.dev.saved_x[layer][expert]);
-                let dxe =
-                    runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch)?;
+                let mut dxe = runner.dev.scratch.take(xe.len()); // written whole
+                let last = last_micro_batch;
+                runner.expert_backward(layer, expert, &xe, &dye, params, last, &mut dxe)?;
                 grads_in.push((expert, dxe));
                 Ok(())
             })?;

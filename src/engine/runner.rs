@@ -20,7 +20,7 @@ use super::ScheduleKind;
 
 use crate::backend::SlotParams;
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
-use crate::model::{ExpertRunner, ModelConfig, ScratchBuf};
+use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
 
 /// What a device pass needs to know of the engine's configuration.
@@ -137,46 +137,41 @@ impl DeviceRunner<'_> {
         Ok(())
     }
 
-    /// ye (n, D) = expert(xe (n, D)), keeping what its backward needs.
+    /// ye (n, D) = expert(xe (n, D)), written whole, keeping what its
+    /// backward needs.
     pub fn expert_forward(
         &mut self,
         layer: usize,
         expert: usize,
         xe: &[f32],
         params: SlotParams,
-    ) -> Result<ScratchBuf, EngineError> {
+        ye: &mut [f32],
+    ) -> Result<(), EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let n = xe.len() / d;
-        // Written whole by the device's forward (or zeroed below).
-        let mut ye = self.dev.scratch.take(n * d);
+        assert_eq!(ye.len(), n * d);
         self.dev.acc.assignments_computed += n as u64;
         if self.options.skip_expert_compute {
-            crate::parallel::fill_zeros(&mut ye);
-            return Ok(ye);
+            crate::parallel::fill_zeros(ye);
+            return Ok(());
         }
         let t0 = Instant::now();
         let saved = &mut self.dev.saved[layer][expert];
-        self.dev.device.expert_forward(
-            self.model.expert_kind,
-            &mut ye,
-            saved,
-            xe,
-            params,
-            n,
-            d,
-            f,
-        )?;
+        self.dev
+            .device
+            .expert_forward(self.model.expert_kind, ye, saved, xe, params, n, d, f)?;
         if self.options.recompute_hidden {
             saved.a = Vec::new();
             saved.b = Vec::new();
         }
         self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
-        Ok(ye)
+        Ok(())
     }
 
     /// dxe (n, D) from dye (n, D); the expert's gradient is summed with the
     /// step's earlier micro-batches' and, on the last, handed to the
     /// optimizer at once.
+    #[allow(clippy::too_many_arguments)]
     pub fn expert_backward(
         &mut self,
         layer: usize,
@@ -185,7 +180,8 @@ impl DeviceRunner<'_> {
         dye: &[f32],
         params: SlotParams,
         last_micro_batch: bool,
-    ) -> Result<ScratchBuf, EngineError> {
+        dxe: &mut [f32],
+    ) -> Result<(), EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let kind = self.model.expert_kind;
         let n = xe.len() / d;
@@ -193,12 +189,11 @@ impl DeviceRunner<'_> {
         // Overwritten by the backward (or zeroed below when it is skipped).
         let mut grad = self.shared.grads.take();
         debug_assert_eq!(grad.len(), params.count);
-        // Written whole by the device's backward (or zeroed below).
-        let mut dxe = self.dev.scratch.take(n * d);
+        assert_eq!(dxe.len(), n * d); // written whole, by the device or here
         self.dev.acc.assignments_computed += n as u64;
         if self.options.skip_expert_compute {
             crate::parallel::fill_zeros(&mut grad);
-            crate::parallel::fill_zeros(&mut dxe);
+            crate::parallel::fill_zeros(dxe);
         } else {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];
@@ -209,7 +204,7 @@ impl DeviceRunner<'_> {
             }
             self.dev
                 .device
-                .expert_backward(kind, &mut dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
+                .expert_backward(kind, dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
         self.dev.acc.bytes_device_to_host += 4 * grad.len() as u64;
@@ -217,7 +212,7 @@ impl DeviceRunner<'_> {
             self.dev.slots.invalidate(key); // its params are about to change
             self.dev.acc.stall_optimizer_s += self.shared.submit(key, grad)?;
         }
-        Ok(dxe)
+        Ok(())
     }
 }
 
@@ -246,10 +241,10 @@ impl ExpertRunner for DeviceRunner<'_> {
             let rows = perm.rows(expert);
             let mut xe = runner.dev.scratch.take(rows.len() * d); // gathered over
             gather_forward(&mut xe, x, rows, k, d);
-            let ye = runner.expert_forward(layer, expert, &xe, params)?;
-            crate::math::scatter_to_assignments(out, &ye, rows, d);
+            let span = perm.span(expert);
+            let ye = &mut out[span.start * d..span.end * d];
+            runner.expert_forward(layer, expert, &xe, params, ye)?;
             runner.dev.scratch.give(xe);
-            runner.dev.scratch.give(ye);
             Ok(())
         })
     }
@@ -275,9 +270,10 @@ impl ExpertRunner for DeviceRunner<'_> {
             gather_forward(&mut xe, x, rows, k, d);
             let mut dye = runner.dev.scratch.take(rows.len() * d);
             dout.gather(&mut dye, rows);
-            let dxe = runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch)?;
-            crate::math::scatter_to_assignments(dx, &dxe, rows, d);
-            for buf in [xe, dye, dxe] {
+            let span = perm.span(expert);
+            let dxe = &mut dx[span.start * d..span.end * d];
+            runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch, dxe)?;
+            for buf in [xe, dye] {
                 runner.dev.scratch.give(buf);
             }
             Ok(())

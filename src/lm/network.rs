@@ -470,7 +470,7 @@ impl Network for MixtralLm {
                 t,
                 d,
             );
-            runner.give_buffer(std::mem::take(&mut f.layers[l].moe.per_assignment));
+            runner.give_buffer(std::mem::take(&mut f.layers[l].moe.expert_out));
         }
         embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
         Ok(Losses {

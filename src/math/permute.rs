@@ -10,11 +10,18 @@ use crate::parallel::{for_row_blocks, rows_per_job, run_all};
 
 /// Assignments (t, k) grouped by expert in a stable order: `order` lists
 /// assignment indices (t·K + k) expert by expert, token order within each;
-/// expert e's are `order[offsets[e]..offsets[e + 1]]`.
+/// expert e's are `order[offsets[e]..offsets[e + 1]]`, and assignment a
+/// is `order[position[a]]`.
+///
+/// A layer's experts write their outputs (and the gradients of their
+/// inputs) in this order, each expert's rows one contiguous block of a
+/// (T·K, D) buffer: row i belongs to assignment `order[i]`. The combine and
+/// the gather's backward read them back through `position`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Permutation {
     pub order: Vec<u32>,
     pub offsets: Vec<u32>,
+    pub position: Vec<u32>,
 }
 
 impl Permutation {
@@ -29,15 +36,28 @@ impl Permutation {
         }
         let mut cursor = offsets.clone();
         let mut order = vec![0u32; experts_per_token.len()];
+        let mut position = vec![0u32; experts_per_token.len()];
         for (a, &e) in experts_per_token.iter().enumerate() {
-            order[cursor[e as usize] as usize] = a as u32;
+            let i = cursor[e as usize];
+            order[i as usize] = a as u32;
+            position[a] = i;
             cursor[e as usize] += 1;
         }
-        Self { order, offsets }
+        Self {
+            order,
+            offsets,
+            position,
+        }
+    }
+
+    /// The positions in `order` of `expert`'s assignments: the rows of an
+    /// expert-ordered (T·K, D) buffer that are its.
+    pub fn span(&self, expert: usize) -> std::ops::Range<usize> {
+        self.offsets[expert] as usize..self.offsets[expert + 1] as usize
     }
 
     pub fn rows(&self, expert: usize) -> &[u32] {
-        &self.order[self.offsets[expert] as usize..self.offsets[expert + 1] as usize]
+        &self.order[self.span(expert)]
     }
 }
 
@@ -52,52 +72,64 @@ pub fn gather_forward<R: Real>(rows: &mut [R], x: &[R], assignments: &[u32], k: 
     });
 }
 
-/// y (T, D) = Σ_k w_tk · per_assignment[(t, k)], summed in k order.
+/// y (T, D) = Σ_k w_tk · out[(t, k)], summed in k order, where assignment
+/// a's row of the experts' outputs `expert_rows` (T·K, D) is `position[a]`
+/// (a [`Permutation`]'s: expert order).
 pub fn combine_forward<R: Real>(
     y: &mut [R],
-    per_assignment: &[R],
+    expert_rows: &[R],
+    position: &[u32],
     weights: &[R],
     t: usize,
     k: usize,
     d: usize,
 ) {
     assert_eq!(y.len(), t * d);
+    assert_eq!(expert_rows.len(), t * k * d);
+    assert_eq!(position.len(), t * k);
     for_row_blocks(y, d, k * d, |first, block| {
         for (r, yi) in block.chunks_mut(d.max(1)).enumerate() {
             let i = first + r;
-            for j in 0..d {
-                let mut acc = R::zero();
-                for s in 0..k {
-                    acc += weights[i * k + s] * per_assignment[(i * k + s) * d + j];
+            // Row by row in k order from zero: the same sums, element by
+            // element, as one accumulator over k.
+            yi.fill(R::zero());
+            for s in 0..k {
+                let w = weights[i * k + s];
+                let row = &expert_rows[position[i * k + s] as usize * d..][..d];
+                for (o, &v) in yi.iter_mut().zip(row) {
+                    *o += w * v;
                 }
-                yi[j] = acc;
             }
         }
     });
 }
 
-/// dweights (T·K) = dy · per_assignment, each a sum over D in order. The
-/// gradient of the assignments' outputs, w · dy, is not formed here: its
-/// users take it row by row through [`AssignmentGrads`].
+/// dweights (T·K) = dy · out, each a sum over D in order, with the
+/// experts' outputs `expert_rows` as in [`combine_forward`]. The gradient
+/// of the assignments' outputs, w · dy, is not formed here: its users take
+/// it row by row through [`AssignmentGrads`].
 pub fn combine_backward_weights<R: Real>(
     dweights: &mut [R],
     dy: &[R],
-    per_assignment: &[R],
+    expert_rows: &[R],
+    position: &[u32],
     t: usize,
     k: usize,
     d: usize,
 ) {
     assert_eq!(dweights.len(), t * k);
     assert_eq!(dy.len(), t * d);
-    assert_eq!(per_assignment.len(), t * k * d);
+    assert_eq!(expert_rows.len(), t * k * d);
+    assert_eq!(position.len(), t * k);
     for_row_blocks(dweights, k, 2 * k * d, |first, dw| {
         for r in 0..dw.len() / k.max(1) {
             let i = first + r;
             for s in 0..k {
                 let a = i * k + s;
+                let row = &expert_rows[position[a] as usize * d..][..d];
                 let mut dot = R::zero();
                 for j in 0..d {
-                    dot += dy[i * d + j] * per_assignment[a * d + j];
+                    dot += dy[i * d + j] * row[j];
                 }
                 dw[r * k + s] = dot;
             }
@@ -137,22 +169,27 @@ impl<R: Real> AssignmentGrads<'_, R> {
     }
 }
 
-/// dx (T, D) += Σ_k d per_assignment_input[(t, k)], in k order.
+/// dx (T, D) += Σ_k d in[(t, k)], in k order, where assignment a's input
+/// gradient is row `position[a]` of `expert_rows` (T·K, D) (a
+/// [`Permutation`]'s: expert order).
 pub fn gather_backward<R: Real>(
     dx: &mut [R],
-    dper_assignment_input: &[R],
+    expert_rows: &[R],
+    position: &[u32],
     t: usize,
     k: usize,
     d: usize,
 ) {
     assert_eq!(dx.len(), t * d);
+    assert_eq!(expert_rows.len(), t * k * d);
+    assert_eq!(position.len(), t * k);
     for_row_blocks(dx, d, k * d, |first, block| {
         for (r, dxi) in block.chunks_mut(d.max(1)).enumerate() {
             let i = first + r;
             for s in 0..k {
-                let a = i * k + s;
-                for j in 0..d {
-                    dxi[j] += dper_assignment_input[a * d + j];
+                let row = &expert_rows[position[i * k + s] as usize * d..][..d];
+                for (o, &v) in dxi.iter_mut().zip(row) {
+                    *o += v;
                 }
             }
         }

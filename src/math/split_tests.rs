@@ -111,9 +111,16 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
     let choice: Vec<u32> = (0..t * k).map(|a| (a % experts) as u32).collect();
     let perm = Permutation::from_routing(&choice, experts);
     let (per, weights, dy) = (values(t * k * d, 11), values(t * k, 12), values(t * d, 13));
+    // `per` is in assignment order; the passes read it in expert order.
+    let by_expert: Vec<f32> = perm
+        .order
+        .iter()
+        .flat_map(|&a| &per[a as usize * d..(a as usize + 1) * d])
+        .copied()
+        .collect();
 
     let mut y = vec![0.0f32; t * d];
-    combine_forward(&mut y, &per, &weights, t, k, d);
+    combine_forward(&mut y, &by_expert, &perm.position, &weights, t, k, d);
     let mut want_y = vec![0.0f32; t * d];
     for i in 0..t {
         for j in 0..d {
@@ -127,7 +134,7 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
     assert_eq!(bits(&y), bits(&want_y));
 
     let mut dweights = vec![0.0f32; t * k];
-    combine_backward_weights(&mut dweights, &dy, &per, t, k, d);
+    combine_backward_weights(&mut dweights, &dy, &by_expert, &perm.position, t, k, d);
     // The assignments' output gradients, gathered expert by expert and put
     // back in assignment order.
     let grads = AssignmentGrads {
@@ -160,7 +167,7 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
 
     let mut dx = values(t * d, 14);
     let mut want_dx = dx.clone();
-    gather_backward(&mut dx, &per, t, k, d);
+    gather_backward(&mut dx, &by_expert, &perm.position, t, k, d);
     for i in 0..t {
         for s in 0..k {
             for j in 0..d {

@@ -1,5 +1,5 @@
 //! f32 buffers kept between uses. A layer's (T·K, D) buffers (its experts'
-//! outputs in assignment order, and the gradients of their inputs) pass glibc's largest
+//! outputs in expert order, and the gradients of their inputs) pass glibc's largest
 //! mmap threshold (32 MiB) at a few thousand tokens, its (T, D) ones at
 //! twice as many: allocated afresh, each comes from a new mapping (unless
 //! the program turned malloc's mmap off, as the `strata` binary does) and
@@ -7,9 +7,10 @@
 //! top-2, 430 000 faults a step). Kept here, the next step's layers reuse
 //! them, unzeroed, since every user writes them whole.
 //!
-//! [`ScratchBuffers`] keeps the per-expert buffers (an expert's input rows,
-//! output, and their gradients) that their users overwrite whole: taking
-//! one then costs no zeroing.
+//! [`ScratchBuffers`] keeps the per-expert buffers (an expert's input rows
+//! and its output's gradient; on several devices, its output and its
+//! input's gradient too, until they go back to their tokens' devices) that
+//! their users overwrite whole: taking one then costs no zeroing.
 
 /// Up to `max_kept` buffers between uses (a bound set when the pool is
 /// made). When full, a buffer given back displaces the one given back

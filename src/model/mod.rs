@@ -224,7 +224,9 @@ impl Batch {
 
 /// Runs a layer's experts. Rows of assignment a = t·K + k are `x[t]`.
 pub trait ExpertRunner {
-    /// Writes `out[a]` (T·K, D) for every assignment of every expert.
+    /// Writes every expert's outputs into `out` (T·K, D) in expert order:
+    /// row i is assignment `perm.order[i]`'s, so expert e's rows are the
+    /// block `perm.span(e)`, where it can write them in place.
     fn forward_layer(
         &mut self,
         layer: usize,
@@ -234,8 +236,10 @@ pub trait ExpertRunner {
     ) -> Result<(), EngineError>;
 
     /// From the gradient of every assignment's output, `dout` (row a of
-    /// (T·K, D), formed as an expert gathers its rows), writes `dx[a]`
-    /// (T·K, D) and accumulates the experts' parameter gradients;
+    /// (T·K, D), formed as an expert gathers its rows), writes the
+    /// gradients of the experts' inputs into `dx` (T·K, D) in expert order,
+    /// as `forward_layer` its outputs, and accumulates the experts'
+    /// parameter gradients;
     /// `last_micro_batch` says the step's gradients are complete after
     /// this call.
     fn backward_layer(
@@ -321,8 +325,9 @@ pub trait Network {
 pub struct MoeSaved {
     pub routing: Routing<f32>,
     pub perm: Permutation,
-    /// (T·K, D) each assignment's expert output
-    pub per_assignment: Vec<f32>,
+    /// (T·K, D) the experts' outputs in expert order: row i is assignment
+    /// `perm.order[i]`'s
+    pub expert_out: Vec<f32>,
 }
 
 /// One MoE layer, forward: router, dropless permutation, experts, and the
@@ -339,10 +344,11 @@ pub fn moe_forward(
     let mut s = MoeSaved::default();
     router_forward(&model.router(), &mut s.routing, x, router_w, t, d);
     s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
-    s.per_assignment = runner.take_buffer(t * k * d);
-    runner.forward_layer(layer, &s.perm, x, &mut s.per_assignment)?;
+    s.expert_out = runner.take_buffer(t * k * d);
+    runner.forward_layer(layer, &s.perm, x, &mut s.expert_out)?;
     let mut y = runner.take_buffer(t * d); // the combine writes it whole
-    combine_forward(&mut y, &s.per_assignment, &s.routing.weights, t, k, d);
+    let (out, position, weights) = (&s.expert_out, &s.perm.position, &s.routing.weights);
+    combine_forward(&mut y, out, position, weights, t, k, d);
     Ok((y, s))
 }
 
@@ -366,7 +372,7 @@ pub fn moe_backward(
 ) -> Result<(), EngineError> {
     let (d, k) = (model.d_model, model.top_k);
     let mut dweights = vec![0.0f32; t * k];
-    combine_backward_weights(&mut dweights, dy, &s.per_assignment, t, k, d);
+    combine_backward_weights(&mut dweights, dy, &s.expert_out, &s.perm.position, t, k, d);
     let dout = AssignmentGrads {
         dy,
         weights: &s.routing.weights,
@@ -375,7 +381,7 @@ pub fn moe_backward(
     };
     let mut dxa = runner.take_buffer(t * k * d);
     runner.backward_layer(layer, &s.perm, x, dout, &mut dxa, last_micro_batch)?;
-    gather_backward(dx, &dxa, t, k, d);
+    gather_backward(dx, &dxa, &s.perm.position, t, k, d);
     runner.give_buffer(dxa);
     router_backward(
         &model.router(),
@@ -504,7 +510,7 @@ impl Network for ModelConfig {
         kernels.forward(&mut logits, &h, &dense[self.head_range()], t, d, v)?;
         runner.give_buffer(h);
         for s in saved {
-            for buf in [s.h_in, s.normed, s.moe.per_assignment] {
+            for buf in [s.h_in, s.normed, s.moe.expert_out] {
                 runner.give_buffer(buf);
             }
         }
@@ -565,7 +571,7 @@ pub fn forward_backward(
             runner,
             last_micro_batch,
         )?;
-        runner.give_buffer(std::mem::take(&mut s.moe.per_assignment));
+        runner.give_buffer(std::mem::take(&mut s.moe.expert_out));
         let g = &dense[model.norm_range(l)];
         let mut dh_in = runner.take_buffer(t * d);
         crate::parallel::copy_into(&mut dh_in, &dh); // the residual path
