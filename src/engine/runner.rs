@@ -198,9 +198,11 @@ impl DeviceRunner<'_> {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];
             if self.options.recompute_hidden && !self.dev.device.backward_recomputes() {
-                let mut scratch = vec![0.0f32; n * d];
+                // The output is written whole and not needed: only `saved`.
+                let mut scratch = self.dev.scratch.take(n * d);
                 let device = &mut self.dev.device;
                 device.expert_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
+                self.dev.scratch.give(scratch);
             }
             self.dev
                 .device
