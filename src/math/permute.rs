@@ -196,7 +196,11 @@ pub fn gather_backward<R: Real>(
     });
 }
 
-/// `dst[a]` (T·K, D) = `src[r]` (n, D) for each r-th assignment a of `rows`.
+/// `dst[a]` (T·K, D) = `src[r]` (n, D) for each r-th assignment a of `rows`:
+/// an expert's rows put back in assignment order. The engine has no need
+/// of it (its experts write in expert order, read through
+/// [`Permutation::position`]); it is the CPU function the GPU kernel
+/// `scatter_rows` is held to, and serves callers that want token order.
 ///
 /// An expert's rows from a [`Permutation`] ascend, so blocks of them
 /// write disjoint, ascending blocks of `dst`: those are shared over the
