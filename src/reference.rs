@@ -82,8 +82,7 @@ impl ExpertRunner for MemoryRunner<'_> {
                 continue;
             }
             let xe = gather(x, rows, k, d);
-            let span = perm.span(e);
-            let ye = &mut out[span.start * d..span.end * d];
+            let ye = perm.block_mut(out, e, d);
             let expert = &self.experts[layer][e];
             let saved = &mut self.saved[layer][e];
             expert_ffn_forward(
@@ -118,9 +117,9 @@ impl ExpertRunner for MemoryRunner<'_> {
             let xe = gather(x, rows, k, d);
             let mut dye = vec![0.0f32; rows.len() * d];
             dout.gather(&mut dye, rows);
-            let span = perm.span(e);
-            // Zeros from `take_buffer`, which the plain backward adds to.
-            let dxe = &mut dx[span.start * d..span.end * d];
+            // The plain backward adds to it.
+            let dxe = perm.block_mut(dx, e, d);
+            dxe.fill(0.0);
             let expert = &mut self.experts[layer][e];
             expert.touched = true;
             let saved = &self.saved[layer][e];

@@ -212,14 +212,13 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         let d = self.inner.model.d_model;
         let mut cursor = vec![0usize; back.len()];
         for e in 0..plan.owner.len() {
-            let span = perm.span(e);
-            if span.is_empty() {
+            let block = perm.block_mut(out, e, d);
+            if block.is_empty() {
                 continue;
             }
             let owner = plan.owner[e] as usize;
-            let n = span.len() * d;
-            let src = &back[owner][cursor[owner]..cursor[owner] + n];
-            crate::parallel::copy_into(&mut out[span.start * d..span.end * d], src);
+            let n = block.len();
+            crate::parallel::copy_into(block, &back[owner][cursor[owner]..cursor[owner] + n]);
             cursor[owner] += n;
         }
     }

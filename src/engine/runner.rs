@@ -243,8 +243,7 @@ impl ExpertRunner for DeviceRunner<'_> {
             let rows = perm.rows(expert);
             let mut xe = runner.dev.scratch.take(rows.len() * d); // gathered over
             gather_forward(&mut xe, x, rows, k, d);
-            let span = perm.span(expert);
-            let ye = &mut out[span.start * d..span.end * d];
+            let ye = perm.block_mut(out, expert, d);
             runner.expert_forward(layer, expert, &xe, params, ye)?;
             runner.dev.scratch.give(xe);
             Ok(())
@@ -272,8 +271,7 @@ impl ExpertRunner for DeviceRunner<'_> {
             gather_forward(&mut xe, x, rows, k, d);
             let mut dye = runner.dev.scratch.take(rows.len() * d);
             dout.gather(&mut dye, rows);
-            let span = perm.span(expert);
-            let dxe = &mut dx[span.start * d..span.end * d];
+            let dxe = perm.block_mut(dx, expert, d);
             runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch, dxe)?;
             for buf in [xe, dye] {
                 runner.dev.scratch.give(buf);

@@ -221,6 +221,9 @@ impl SharedExperts {
     /// Submits `key`'s held update, if there is one; returns the seconds
     /// spent waiting for its record's host slot.
     pub fn submit_parked_one(&self, key: usize) -> Result<f64, EngineError> {
+        if !self.defers[key] {
+            return Ok(0.0); // nothing to look for, and no lock to take
+        }
         let grad = {
             let mut book = self.book();
             match book.parked.iter().position(|(k, _)| *k == key) {

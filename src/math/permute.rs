@@ -56,6 +56,12 @@ impl Permutation {
         self.offsets[expert] as usize..self.offsets[expert + 1] as usize
     }
 
+    /// `expert`'s block of an expert-ordered (T·K, D) buffer `buf`.
+    pub fn block_mut<'b, R>(&self, buf: &'b mut [R], expert: usize, d: usize) -> &'b mut [R] {
+        let span = self.span(expert);
+        &mut buf[span.start * d..span.end * d]
+    }
+
     pub fn rows(&self, expert: usize) -> &[u32] {
         &self.order[self.span(expert)]
     }
