@@ -29,6 +29,11 @@
 #                                ends (`--defer-updates off`), then held
 #                                for the next forward (`on`, the default):
 #                                one alternating pair, its files suffixed N
+#   scripts/gpu-check.sh cpu [N]  `bench step` as its defaults stand (the
+#                                SSD case on the cpu backend, balanced) on
+#                                this host's cores and disk, which overlap
+#                                where the development machine's cannot;
+#                                its files suffixed N (run it twice for two)
 # Output goes under $OUT when set (else gpu-out/), a few files per phase.
 set -uo pipefail
 phase=${1:-tests}
@@ -78,6 +83,7 @@ bench)
         > "$out/bench-overlap.jsonl" 2> "$out/bench-overlap.log" || status=1
     cat "$out/bench-overlap.jsonl"
     timeout 300 gpu-bin/strata bench step --json --backend cuda --dir /tmp \
+        --timeline "$out/timeline-cuda" \
         > "$out/bench-step-cuda.jsonl" 2> "$out/bench-step-cuda.log" || status=1
     cat "$out/bench-step-cuda.jsonl"
     grep "balance" "$out/bench-step-cuda.log"
@@ -94,7 +100,7 @@ bench)
 sweep)
     for tokens in 8192 12288 16384; do
         timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens "$tokens" \
-            --rounds 2 --dir /tmp \
+            --rounds 2 --dir /tmp --timeline "$out/timeline-cuda-t$tokens" \
             > "$out/bench-step-cuda-t$tokens.jsonl" 2> "$out/bench-step-cuda-t$tokens.log" || status=1
         echo "== --tokens $tokens"
         cat "$out/bench-step-cuda-t$tokens.jsonl"
@@ -122,8 +128,17 @@ defer)
         cat "$out/bench-step-cuda-defer-$defer-$pair.jsonl"
     done
     ;;
+cpu)
+    run=${2:-1}
+    timeout 400 gpu-bin/strata bench step --json --dir /tmp --timeline "$out/timeline-cpu-$run" \
+        > "$out/bench-step-cpu-$run.jsonl" 2> "$out/bench-step-cpu-$run.log" || status=1
+    echo "== bench step (cpu backend, defaults; run $run)"
+    cat "$out/bench-step-cpu-$run.jsonl"
+    grep "balance" "$out/bench-step-cpu-$run.log"
+    tail -5 "$out/bench-step-cpu-$run.log"
+    ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]|cpu [N]" >&2
     exit 2
     ;;
 esac

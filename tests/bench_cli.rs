@@ -1,7 +1,7 @@
 //! `strata bench …` through the binary: `overlap`'s JSON lines, its
 //! refusal of a directory that is not there, `step`'s refusal of a token
-//! count and its table's line on the host tier, and a quiet exit when the
-//! reader of stdout goes away.
+//! count, its table's line on the host tier and its timelines, and a quiet
+//! exit when the reader of stdout goes away.
 
 use std::process::{Command, Stdio};
 
@@ -107,4 +107,49 @@ fn bench_step_table_names_kept_records_and_held_updates() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("neither `on` nor `off`"), "{err}");
+}
+
+/// `--timeline DIR` leaves each run's last timed step as a Chrome trace,
+/// and every record says where its steps' SSD sat idle.
+#[test]
+fn bench_step_writes_timelines_and_phases() {
+    let dir = tempfile::tempdir().unwrap();
+    let traces = dir.path().join("traces");
+    let out = strata_bin()
+        .args(["bench", "step", "--layers", "2", "--experts", "8"])
+        .args(["--d-model", "16", "--d-ff", "32", "--tokens", "32"])
+        .args(["--rounds", "1", "--steps", "1", "--json", "--dir"])
+        .arg(dir.path())
+        .arg("--timeline")
+        .arg(&traces)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let records: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &serde_json::Value| r["run"] != "summary")
+        .collect();
+    assert_eq!(records.len(), 4);
+    for r in &records {
+        let run = r["run"].as_str().unwrap();
+        let phases = &r["phases"];
+        let step = r["step_s"].as_f64().unwrap();
+        let sum: f64 = ["forward_s", "turn_s", "backward_s"]
+            .iter()
+            .map(|k| phases[k].as_f64().unwrap())
+            .sum();
+        assert!(sum > 0.0 && sum <= step * 1.5, "{run}: {phases}");
+        let trace: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(traces.join(format!("{run}.json"))).unwrap())
+                .unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        assert!(events.iter().any(|e| e["cat"] == "step"), "{run}");
+        let ssd = events.iter().filter(|e| e["cat"] == "ssd").count();
+        // Every record is resident in the compute-only run; the others
+        // stream three quarters of them.
+        assert_eq!(ssd == 0, run == "compute_only", "{run}: {ssd} SSD calls");
+    }
 }

@@ -103,6 +103,11 @@ pub struct StepArgs {
     /// Directory for the SSD tier's store files.
     #[arg(long, default_value = "/tmp")]
     pub dir: std::path::PathBuf,
+    /// Write each run's last timed step as a Chrome trace, `<run>.json` in
+    /// this directory (open it in https://ui.perfetto.dev): every SSD call,
+    /// wait, expert loop and update, on its thread.
+    #[arg(long, value_name = "DIR")]
+    pub timeline: Option<std::path::PathBuf>,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -365,6 +370,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         defer_updates: args.defer_updates,
         backend: crate::backend::BackendKind::parse(&args.backend)?,
         dir: args.dir,
+        timeline_dir: args.timeline,
         ..defaults
     };
     let (records, summary) =

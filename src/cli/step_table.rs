@@ -53,6 +53,30 @@ pub(super) fn print(
         "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
         summary.expert_wise_over_naive, summary.expert_wise_over_bound
     )?;
+    let with_phases: Vec<_> = records
+        .iter()
+        .filter_map(|r| Some((r.run, r.phases?)))
+        .filter(|(run, _)| *run != "compute_only")
+        .collect();
+    if !with_phases.is_empty() {
+        writeln!(
+            out,
+            "SSD idle in the forward / the turn to the backward / the backward, \
+             of each phase's time (s):"
+        )?;
+        for (run, p) in with_phases {
+            writeln!(
+                out,
+                "  {run:<13} {:.3} of {:.3} / {:.3} of {:.3} / {:.3} of {:.3}",
+                p.ssd_idle_forward_s,
+                p.forward_s,
+                p.ssd_idle_turn_s,
+                p.turn_s,
+                p.ssd_idle_backward_s,
+                p.backward_s
+            )?;
+        }
+    }
     if let Some(ew) = records.iter().find(|r| r.run == "expert_wise") {
         writeln!(
             out,

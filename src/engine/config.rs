@@ -1,9 +1,10 @@
 //! The engine's configuration: budgets, store, schedule, devices, backend.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use strata_optim::AdamWHyper;
-use strata_tiers::Dtype;
+use strata_tiers::{Dtype, Timeline};
 
 use crate::backend::BackendKind;
 
@@ -87,6 +88,11 @@ pub struct EngineConfig {
     /// Which backend computes the experts (device i uses GPU i with `Cuda`);
     /// the dense layers run on the cpu.
     pub backend: BackendKind,
+    /// Where to record what each thread does when: SSD calls and the waits
+    /// on them, each layer's expert loop, each expert's update (see
+    /// [`strata_tiers::Timeline`]; `strata bench step --timeline` writes
+    /// one). `None`: nothing is recorded.
+    pub timeline: Option<Arc<Timeline>>,
 }
 
 impl Default for EngineConfig {
@@ -109,6 +115,7 @@ impl Default for EngineConfig {
             devices: 1,
             pin_fraction: 0.25,
             backend: BackendKind::Cpu,
+            timeline: None,
         }
     }
 }

@@ -11,7 +11,7 @@
 //! the numbers.
 
 use super::access::{placed_schedule, Phase, PlacedLayer};
-use super::runner::DeviceRunner;
+use super::runner::{DeviceRunner, Pass};
 use crate::comm::Comm;
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ScratchBuf};
@@ -272,7 +272,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         let mut outputs: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
         let mut inputs = inputs.into_iter();
         self.inner
-            .pipeline(layer, &mine, |runner, expert, params| {
+            .pipeline(Pass::Forward, layer, &mine, |runner, expert, params| {
                 let xe = inputs.next().expect("one input per expert");
                 let mut ye = runner.dev.scratch.take(xe.len()); // written whole
                 runner.expert_forward(layer, expert, &xe, params, &mut ye)?;
@@ -312,7 +312,7 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         let mut grads_in: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
         let mut douts = douts.into_iter();
         self.inner
-            .pipeline(layer, &mine, |runner, expert, params| {
+            .pipeline(Pass::Backward, layer, &mine, |runner, expert, params| {
                 let dye = douts.next().expect("one gradient per expert");
                 let xe = std::mem::take(&mut runner.dev.saved_x[layer][expert]);
                 let mut dxe = runner.dev.scratch.take(xe.len()); // written whole

@@ -197,6 +197,9 @@ impl Engine {
     {
         self.check_network(net)?;
         net.validate_batch(batch)?;
+        let timeline = self.config.timeline.clone();
+        let _span = strata_tiers::TimelineSpan::start(timeline.as_deref(), "step", "step")
+            .with_detail(|| format!("step {}", self.step + 1));
         let start = std::time::Instant::now();
         self.shared.cache.take_stats(); // this step's counters start now
         self.shared.cache.store().take_busy();

@@ -199,6 +199,7 @@ impl Engine {
                 // the expert-wise schedule 0.44 / 0.39 s of SSD stall a
                 // step, batches of 2 0.22 / 0.16 s (alternating runs).
                 prefetch_batch_max: 2,
+                timeline: config.timeline.clone(),
                 ..HostCacheConfig::default()
             },
         )?;
@@ -251,6 +252,7 @@ impl Engine {
             optimizer,
             steps,
         );
+        shared.timeline = config.timeline.clone();
         // The same set `step_schedule` gives its accesses for.
         let slots = shared.cache.slot_count();
         shared.defer_updates(&deferred_experts(&model, &config, device_slots, slots));

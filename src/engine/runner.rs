@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use strata_tiers::{CopyEvent, ExpertId, Parts};
+use strata_tiers::{CopyEvent, ExpertId, Parts, TimelineSpan};
 
 use super::device::DeviceState;
 use super::shared::SharedExperts;
@@ -35,6 +35,22 @@ pub(crate) struct DeviceRunner<'a> {
     pub shared: &'a SharedExperts,
     pub dev: &'a mut DeviceState,
     pub options: PassOptions,
+}
+
+/// Which pass an expert loop belongs to.
+#[derive(Clone, Copy)]
+pub(crate) enum Pass {
+    Forward,
+    Backward,
+}
+
+impl Pass {
+    fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "forward",
+            Pass::Backward => "backward",
+        }
+    }
 }
 
 /// An expert on its way to (or already on) the device.
@@ -70,7 +86,12 @@ impl DeviceRunner<'_> {
         // forward, as its record arrives (the forward's tail reads it in
         // full): the update's access is then the one the schedule expects.
         acc.stall_optimizer_s += shared.submit_parked_one(key)?;
-        acc.stall_optimizer_s += shared.wait_update(key)?;
+        let t0 = Instant::now();
+        let waited = shared.wait_update(key)?;
+        acc.stall_optimizer_s += waited;
+        if let Some(timeline) = shared.timeline.as_deref().filter(|_| waited > 0.0) {
+            timeline.record("stall", "update", t0, || format!("{layer}.{expert}"));
+        }
         let version = shared.version(key);
         if let Some(slot) = self.dev.slots.lookup(key, version) {
             acc.device_hits += 1;
@@ -89,6 +110,8 @@ impl DeviceRunner<'_> {
         let upload = self.dev.device.arena().upload_htod(slot, Box::new(guard))?;
         acc.bytes_host_to_device += shared.layout.compute_payload_bytes();
         if shared.schedule == ScheduleKind::Naive {
+            let _span = TimelineSpan::start(shared.timeline.as_deref(), "stall", "upload")
+                .with_detail(|| format!("{layer}.{expert}"));
             let t0 = Instant::now();
             upload.wait()?;
             acc.stall_upload_s += t0.elapsed().as_secs_f64();
@@ -109,10 +132,15 @@ impl DeviceRunner<'_> {
     /// the device has room for both, and calls `compute` on each.
     pub fn pipeline(
         &mut self,
+        pass: Pass,
         layer: usize,
         order: &[usize],
         mut compute: impl FnMut(&mut Self, usize, SlotParams) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
+        let shared = self.shared;
+        let timeline = shared.timeline.as_deref();
+        let _span = TimelineSpan::start(timeline, "experts", pass.name())
+            .with_detail(|| format!("layer {layer}, {} experts", order.len()));
         let overlap = self.overlapped();
         let mut next = match order.first() {
             Some(&e) => Some(self.stage(layer, e, None)?),
@@ -124,6 +152,8 @@ impl DeviceRunner<'_> {
                 next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
             }
             if let Some(upload) = &current.upload {
+                let _span = TimelineSpan::start(timeline, "stall", "upload")
+                    .with_detail(|| format!("{layer}.{}", current.expert));
                 let t0 = Instant::now();
                 upload.wait()?;
                 self.dev.acc.stall_upload_s += t0.elapsed().as_secs_f64();
@@ -239,7 +269,7 @@ impl ExpertRunner for DeviceRunner<'_> {
         for e in 0..experts {
             self.dev.acc.tokens_per_expert[layer][e] += perm.rows(e).len() as u32;
         }
-        self.pipeline(layer, &order, |runner, expert, params| {
+        self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);
             let mut xe = runner.dev.scratch.take(rows.len() * d); // gathered over
             gather_forward(&mut xe, x, rows, k, d);
@@ -264,7 +294,7 @@ impl ExpertRunner for DeviceRunner<'_> {
             .rev()
             .filter(|&e| !perm.rows(e).is_empty())
             .collect();
-        self.pipeline(layer, &order, |runner, expert, params| {
+        self.pipeline(Pass::Backward, layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);
             // Both gathered over.
             let mut xe = runner.dev.scratch.take(rows.len() * d);

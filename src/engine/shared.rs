@@ -6,11 +6,11 @@
 //! bookkeeping is per expert and a short lock keeps devices apart; nothing
 //! is held locked while waiting for an update or a record.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use strata_optim::{ExpertKey, ExpertOptimizer};
-use strata_tiers::{ExpertId, HostCache, Layout, TierError};
+use strata_tiers::{ExpertId, HostCache, Layout, TierError, Timeline};
 
 use super::grad_buffers::GradBuffers;
 use super::update::ExpertUpdate;
@@ -45,6 +45,8 @@ pub(crate) struct SharedExperts {
     pub optimizer: ExpertOptimizer<ExpertUpdate>,
     /// Expert gradients, reused once their update (or sum) is done.
     pub grads: GradBuffers,
+    /// Where passes and updates are recorded (`EngineConfig::timeline`).
+    pub timeline: Option<Arc<Timeline>>,
     /// Per expert: whether its updates wait for the next step's forward
     /// (set once, before the first step).
     defers: Vec<bool>,
@@ -73,6 +75,7 @@ impl SharedExperts {
             cache,
             optimizer,
             grads,
+            timeline: None,
             defers: vec![false; n],
             book: Mutex::new(UpdateBook {
                 steps,
@@ -274,6 +277,8 @@ impl SharedExperts {
             grad,
             step,
             dtype: self.layout.compute_dtype,
+            timeline: self.timeline.clone(),
+            started: None,
         };
         self.optimizer.submit(ExpertKey(key as u64), target)?;
         self.book().pending[key] = true;

@@ -3,18 +3,28 @@
 //! gradient and its own step count.
 
 use half::{bf16, f16};
+use std::sync::Arc;
+use std::time::Instant;
 use strata_optim::{CopyOut, GradRef, UpdateTarget, UpdateViews};
-use strata_tiers::{Dtype, WriteGuard};
+
+use strata_tiers::{Dtype, Timeline, WriteGuard};
 
 pub(crate) struct ExpertUpdate {
     pub guard: WriteGuard,
     pub grad: Vec<f32>,
     pub step: u64,
     pub dtype: Dtype,
+    /// Where the update is recorded, from its first chunk's start to its
+    /// end (`EngineConfig::timeline`).
+    pub timeline: Option<Arc<Timeline>>,
+    pub started: Option<Instant>,
 }
 
 impl UpdateTarget for ExpertUpdate {
     fn views(&mut self) -> UpdateViews<'_> {
+        if self.timeline.is_some() && self.started.is_none() {
+            self.started = Some(Instant::now());
+        }
         let record = self.guard.record_mut();
         // The compute part starts 64 bytes into a 4096-aligned slot, so the
         // casts are aligned for f32, bf16 and f16 alike.
@@ -39,5 +49,9 @@ impl UpdateTarget for ExpertUpdate {
     /// the slot at once, and the write-back has nothing left to compute).
     fn finished(&mut self) {
         self.guard.seal(self.step);
+        if let (Some(timeline), Some(started)) = (&self.timeline, self.started) {
+            let expert = self.guard.expert();
+            timeline.record("optimizer", "update", started, || expert.to_string());
+        }
     }
 }

@@ -29,6 +29,7 @@ mod record;
 pub mod safetensors_io;
 mod schedule;
 mod store;
+pub mod timeline;
 mod verify;
 
 pub use cache::{
@@ -42,6 +43,7 @@ pub use error::{Part, TierError};
 pub use format::{Dtype, Layout};
 pub use record::{compute_bytes, record_mut, Parts, RecordMut};
 pub use store::ExpertStore;
+pub use timeline::{Timeline, TimelineEvent, TimelineRecord, TimelineSpan};
 
 /// An expert's address: its MoE layer and its index within the layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -620,3 +620,64 @@ fn kept_experts_stay_resident_while_the_others_stream() {
     let resident: Vec<ExpertId> = cache.resident().iter().map(|r| r.0).collect();
     assert!(resident.contains(&ids[0]), "{resident:?}");
 }
+
+/// A host tier given a timeline records each SSD call with the records it
+/// moved, and each acquire that had to wait, on the thread that did it.
+#[test]
+fn a_timeline_records_every_read_write_and_wait() {
+    let layout = layout(4);
+    let store = populated(layout);
+    let timeline = Arc::new(strata_tiers::Timeline::new(64));
+    let cache = HostCache::new(
+        store,
+        HostCacheConfig {
+            host_budget_bytes: 2 * layout.record_bytes(),
+            prefetch_ahead_max: 0,
+            timeline: Some(Arc::clone(&timeline)),
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    let e = |i| ExpertId::new(0, i);
+    drop(cache.acquire(e(0), Parts::Compute).unwrap()); // a load
+    drop(cache.acquire(e(0), Parts::Compute).unwrap()); // a hit: no event
+    let mut g = cache.acquire_mut(e(1)).unwrap();
+    set_version(&mut g, e(1), 1);
+    g.seal(1);
+    drop(g);
+    drop(cache.acquire(e(2), Parts::Full).unwrap()); // evicts 0 (clean) or 1 (dirty)
+    cache.flush().unwrap();
+    let events = timeline.take().events;
+    let named = |category: &str, name: &str| {
+        events
+            .iter()
+            .filter(|ev| ev.category == category && ev.name == name)
+            .map(|ev| ev.detail.as_str())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        named("ssd", "read"),
+        ["0.0 compute", "0.1 full", "0.2 full"]
+    );
+    assert_eq!(named("ssd", "write"), ["0.1"]);
+    assert_eq!(
+        named("stall", "load"),
+        ["0.0 compute", "0.1 full", "0.2 full"]
+    );
+    let me = std::thread::current().name().unwrap().to_string();
+    assert!(events.iter().all(|ev| ev.thread == me), "{events:?}");
+    // Each load contains its read.
+    for (read, load) in named_events(&events, "read").zip(named_events(&events, "load")) {
+        assert!(
+            load.start <= read.start && read.end() <= load.end(),
+            "{read:?} {load:?}"
+        );
+    }
+}
+
+fn named_events<'a>(
+    events: &'a [strata_tiers::TimelineEvent],
+    name: &'a str,
+) -> impl Iterator<Item = &'a strata_tiers::TimelineEvent> {
+    events.iter().filter(move |ev| ev.name == name)
+}

@@ -1,6 +1,11 @@
 //! One configuration of `strata bench step` (an arm): its engine, its
 //! timed steps, and what each cost the machine.
 
+use std::sync::Arc;
+
+use strata_tiers::{Timeline, TimelineEvent};
+
+use super::phases::StepPhases;
 use super::{StepBenchConfig, StepBenchRecord};
 use crate::backend::BackendKind;
 use crate::bench::{process_usage, stolen_cpu_s, Timing};
@@ -43,10 +48,17 @@ pub(super) struct Arm {
     cpu: Vec<Option<f64>>,
     /// Minor page faults this process took during each timed step.
     faults: Vec<Option<f64>>,
+    /// What the engine records its steps on (`EngineConfig::timeline`).
+    timeline: Option<Arc<Timeline>>,
+    /// Each timed step's phases, from its timeline.
+    phases: Vec<StepPhases>,
+    /// The last timed step's timeline.
+    last_trace: Vec<TimelineEvent>,
 }
 
 impl Arm {
-    pub(super) fn new(name: &'static str, engine: Engine) -> Self {
+    /// `timeline`: the one `engine` was configured with, if any.
+    pub(super) fn new(name: &'static str, engine: Engine, timeline: Option<Arc<Timeline>>) -> Self {
         Self {
             name,
             engine,
@@ -55,7 +67,15 @@ impl Arm {
             steal: Vec::new(),
             cpu: Vec::new(),
             faults: Vec::new(),
+            timeline,
+            phases: Vec::new(),
+            last_trace: Vec::new(),
         }
+    }
+
+    /// The last timed step's timeline (empty without one).
+    pub(super) fn last_trace(&self) -> &[TimelineEvent] {
+        &self.last_trace
     }
 
     /// One engine step on this arm's next batch of `tokens`.
@@ -80,6 +100,9 @@ impl Arm {
         progress: &mut dyn FnMut(&str),
     ) -> Result<(), EngineError> {
         for i in 0..warmup + timed {
+            if let Some(timeline) = &self.timeline {
+                timeline.take(); // this step's events start now
+            }
             let stolen_before = stolen_cpu_s();
             let usage_before = process_usage();
             let m = self.next_step(&config.model, config.tokens)?;
@@ -92,6 +115,11 @@ impl Arm {
                 m.loss
             ));
             if i >= warmup {
+                if let Some(timeline) = &self.timeline {
+                    let events = timeline.take().events;
+                    self.phases.extend(StepPhases::of(&events));
+                    self.last_trace = events;
+                }
                 self.metrics.push(m);
                 self.steal
                     .push(stolen_before.zip(stolen_cpu_s()).map(|(a, b)| b - a));
@@ -180,6 +208,7 @@ impl Arm {
             page_faults: mean_of(&self.faults),
             quiet_steps: quiet.len(),
             quiet_step_s: (!quiet.is_empty()).then(|| Timing::of(&quiet).median_s),
+            phases: StepPhases::mean(&self.phases),
         }
     }
 

@@ -4,8 +4,9 @@
 //! and I/O only (the same tier traffic, no expert GEMMs).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use strata_tiers::Dtype;
+use strata_tiers::{Dtype, Timeline};
 
 use crate::backend::BackendKind;
 use crate::engine::{available_host_memory, Engine, EngineConfig, HostMemoryPlan, ScheduleKind};
@@ -15,10 +16,12 @@ use crate::EngineError;
 
 mod arm;
 mod balance;
+mod phases;
 mod record;
 
 use arm::Arm;
 pub use balance::Balance;
+pub use phases::StepPhases;
 pub use record::{StepBenchRecord, StepBenchSummary};
 
 #[derive(Clone, Debug)]
@@ -51,6 +54,10 @@ pub struct StepBenchConfig {
     /// the next step's forward (`EngineConfig::defer_last_layer_updates`).
     pub defer_updates: bool,
     pub backend: BackendKind,
+    /// Where to write each run's last timed step as a Chrome trace
+    /// (`<run>.json`); `None`: not written. Every run records its steps'
+    /// timelines either way, for the records' `phases`.
+    pub timeline_dir: Option<PathBuf>,
 }
 
 impl Default for StepBenchConfig {
@@ -82,9 +89,14 @@ impl Default for StepBenchConfig {
             host_stream_slots: EngineConfig::default().host_stream_slots,
             defer_updates: EngineConfig::default().defer_last_layer_updates,
             backend: BackendKind::Cpu,
+            timeline_dir: None,
         }
     }
 }
+
+/// Events a run's timeline keeps between two steps: a step of the default
+/// stack records a few hundred (SSD calls, waits, expert loops, updates).
+const TIMELINE_EVENTS: usize = 1 << 14;
 
 fn record_bytes(model: &ModelConfig, dtype: Dtype) -> u64 {
     let n = model.expert_params() as u64;
@@ -238,12 +250,14 @@ fn run_rounds(
         )));
     }
     let mut arms = Vec::new();
-    for (name, engine_config) in runs {
+    for (name, mut engine_config) in runs {
+        let timeline = Arc::new(Timeline::new(TIMELINE_EVENTS));
+        engine_config.timeline = Some(Arc::clone(&timeline));
         let engine = Engine::new(config.model.clone(), engine_config)?;
         for note in engine.notes() {
             progress(&format!("{name}: note: {note}"));
         }
-        arms.push(Arm::new(name, engine));
+        arms.push(Arm::new(name, engine, Some(timeline)));
     }
     let balance = if config.balance_tokens {
         let [.., compute_only, io_only] = &mut arms[..] else {
@@ -278,6 +292,17 @@ fn run_rounds(
         };
         by_round.push(ratios(step));
     }
+    if let Some(dir) = &config.timeline_dir {
+        for arm in &arms {
+            let path = dir.join(format!("{}.json", arm.name));
+            write_trace(&path, arm.last_trace())?;
+            progress(&format!(
+                "{}: last timed step's timeline in {}",
+                arm.name,
+                path.display()
+            ));
+        }
+    }
     let records: Vec<StepBenchRecord> = arms.iter().map(|a| a.record(config)).collect();
     let (expert_wise_over_naive, expert_wise_over_bound) =
         ratios(|run: &str| records.iter().find(|r| r.run == run).expect("ran").step_s);
@@ -304,6 +329,22 @@ fn run_rounds(
         quiet_expert_wise_over_bound: quiet.map(|q| q.1),
     };
     Ok((records, summary))
+}
+
+/// Writes `events` to `path` as a Chrome trace, creating its folder.
+fn write_trace(
+    path: &std::path::Path,
+    events: &[strata_tiers::TimelineEvent],
+) -> Result<(), EngineError> {
+    let fail = |e: std::io::Error| {
+        EngineError::Config(format!("writing the timeline {}: {e}", path.display()))
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(fail)?;
+    }
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(fail)?);
+    strata_tiers::timeline::write_chrome_trace(events, &mut out).map_err(fail)?;
+    std::io::Write::flush(&mut out).map_err(fail)
 }
 
 /// (naive ÷ expert-wise, expert-wise ÷ max(compute only, I/O only)) step

@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use super::phases::StepPhases;
 use super::Balance;
 
 #[derive(Clone, Debug, Serialize)]
@@ -66,6 +67,10 @@ pub struct StepBenchRecord {
     /// CPU time to steal, and their median step time.
     pub quiet_steps: usize,
     pub quiet_step_s: Option<f64>,
+    /// Mean over the timed steps of their phases (forward, the turn to the
+    /// backward, backward) and the SSD's idle time in each (see
+    /// `phases.rs`); null where the steps ran no backward expert loop.
+    pub phases: Option<StepPhases>,
 }
 
 impl StepBenchRecord {

@@ -24,13 +24,14 @@ use crate::io::{HostAllocator, PageAllocator};
 use crate::record::Parts;
 use crate::schedule::Schedule;
 use crate::store::ExpertStore;
+use crate::timeline::Timeline;
 use crate::{ExpertId, TierError};
 
 mod guards;
 mod slots;
 
 pub use guards::{ReadGuard, WriteGuard};
-use slots::{Inner, SlotMeta};
+use slots::{expert_detail, Inner, SlotMeta};
 pub(crate) use slots::{Shared, SlotState};
 
 /// Slots `HostCache::keep_resident` leaves to stream records through: one
@@ -64,6 +65,9 @@ pub struct HostCacheConfig {
     /// idle between batches.
     pub prefetch_threads: usize,
     pub allocator: Arc<dyn HostAllocator>,
+    /// Where to record every SSD call and every acquire that waited
+    /// (`None`: nothing is recorded).
+    pub timeline: Option<Arc<Timeline>>,
 }
 
 impl Default for HostCacheConfig {
@@ -75,6 +79,7 @@ impl Default for HostCacheConfig {
             prefetch_batch_max: 8,
             prefetch_threads: 2,
             allocator: Arc::new(PageAllocator),
+            timeline: None,
         }
     }
 }
@@ -148,6 +153,7 @@ impl HostCache {
             policy: config.policy,
             ahead_max: config.prefetch_ahead_max,
             batch_max: config.prefetch_batch_max.max(1),
+            timeline: config.timeline,
             inner: Mutex::new(Inner {
                 slots: vec![SlotMeta::EMPTY; slot_count],
                 by_expert: HashMap::with_capacity(slot_count * 2),
@@ -167,10 +173,10 @@ impl HostCache {
             shared,
             prefetchers: Vec::with_capacity(threads),
         };
-        for _ in 0..threads {
+        for i in 0..threads {
             let shared = Arc::clone(&cache.shared);
             let thread = std::thread::Builder::new()
-                .name("strata-prefetch".to_string())
+                .name(format!("strata-prefetch-{i}"))
                 .spawn(move || crate::prefetch::run(&shared))
                 .map_err(|e| TierError::IoThread(e.to_string()))?;
             cache.prefetchers.push(thread);
@@ -363,6 +369,10 @@ impl HostCache {
                 }
                 if loaded || waited {
                     stats.stall_ns += start.elapsed().as_nanos() as u64;
+                    if let Some(timeline) = &shared.timeline {
+                        let name = if loaded { "load" } else { "wait for record" };
+                        timeline.record("stall", name, start, || expert_detail(expert, parts));
+                    }
                 }
                 drop(inner);
                 shared.changed.notify_all();

@@ -16,6 +16,7 @@ use crate::io::HostRegion;
 use crate::record::Parts;
 use crate::schedule::Schedule;
 use crate::store::{stamp_headers, ExpertStore};
+use crate::timeline::{Timeline, TimelineSpan};
 use crate::{ExpertId, TierError};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,6 +100,7 @@ pub(crate) struct Shared {
     pub policy: EvictionPolicy,
     pub ahead_max: usize,
     pub batch_max: usize,
+    pub timeline: Option<Arc<Timeline>>,
     /// Whether `region` is registered with the store's I/O engine.
     pub(super) registered: bool,
     /// Whether records ever leave this tier: it has fewer slots than the
@@ -177,6 +179,11 @@ impl Shared {
         unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(slot).add(range.start), range.len()) }
     }
 
+    /// The timeline an SSD call of `jobs` is recorded on (none for no jobs).
+    fn timeline_for<T>(&self, jobs: &[T]) -> Option<&Timeline> {
+        self.timeline.as_deref().filter(|_| !jobs.is_empty())
+    }
+
     /// Reads `jobs` (slot, expert, parts) into their slots in one batch.
     ///
     /// # Safety
@@ -191,6 +198,10 @@ impl Shared {
                 (expert, parts, buf)
             })
             .collect();
+        let _span = TimelineSpan::start(self.timeline_for(jobs), "ssd", "read").with_detail(|| {
+            let each = jobs.iter().map(|&(_, e, parts)| expert_detail(e, parts));
+            each.collect::<Vec<_>>().join(", ")
+        });
         self.store.read_many(&mut requests).map(|_| ())
     }
 
@@ -201,6 +212,11 @@ impl Shared {
     /// two header ranges and may read the payloads.
     pub unsafe fn write_slots(&self, jobs: &[(usize, ExpertId, u64)]) -> Result<(), TierError> {
         let end = self.layout.record_bytes() as usize;
+        let _span =
+            TimelineSpan::start(self.timeline_for(jobs), "ssd", "write").with_detail(|| {
+                let each = jobs.iter().map(|&(_, e, _)| e.to_string());
+                each.collect::<Vec<_>>().join(", ")
+            });
         let stamped: Vec<bool> = {
             let inner = self.lock();
             jobs.iter()
@@ -431,4 +447,14 @@ impl Shared {
         inner.slots[slot] = SlotMeta::EMPTY;
         inner.recency.pop(&slot);
     }
+}
+
+/// An expert and the parts of its record, as a timeline shows them.
+pub(crate) fn expert_detail(expert: ExpertId, parts: Parts) -> String {
+    let parts = match parts {
+        Parts::Compute => "compute",
+        Parts::Full => "full",
+        Parts::State => "state",
+    };
+    format!("{expert} {parts}")
 }
