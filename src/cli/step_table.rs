@@ -152,11 +152,12 @@ pub(super) fn print(
         let tried: Vec<String> = balance
             .compute_only_s
             .iter()
-            .map(|(tokens, s)| format!("{s:.3} s at {tokens}"))
+            .zip(&balance.io_only_at)
+            .map(|((tokens, c), (_, io))| format!("{c:.3} / {io:.3} s at {tokens}"))
             .collect();
         writeln!(
             out,
-            "{} tokens a step, balanced: I/O only {:.3} s; compute only {}{}",
+            "{} tokens a step, balanced: I/O only {:.3} s there; compute only / I/O only {}{}",
             summary.tokens,
             balance.io_only_s,
             tried.join(", "),

@@ -559,16 +559,22 @@ mod tests {
             let (a, b) = (pair[0].0, pair[1].0);
             assert!(b == 2 * a || 2 * b == a, "{a} then {b}");
         }
+        // Both runs were timed at every count tried.
+        let counts = |v: &[(usize, f64)]| v.iter().map(|p| p.0).collect::<Vec<_>>();
+        assert_eq!(counts(&balance.compute_only_s), counts(&balance.io_only_at));
         if balance.unbracketed.is_none() {
-            let below = balance
+            let excess = balance
                 .compute_only_s
                 .iter()
-                .any(|p| p.1 <= balance.io_only_s);
-            let above = balance
-                .compute_only_s
-                .iter()
-                .any(|p| p.1 > balance.io_only_s);
+                .zip(&balance.io_only_at)
+                .map(|(c, io)| c.1 - io.1);
+            let below = excess.clone().any(|e| e <= 0.0);
+            let above = excess.clone().any(|e| e > 0.0);
             assert!(below && above, "{balance:?}");
+            // The I/O-only step at the balance lies between those timed.
+            let ios = balance.io_only_at.iter().map(|p| p.1);
+            let (lo, hi) = ios.fold((f64::MAX, 0.0f64), |(a, b), s| (a.min(s), b.max(s)));
+            assert!((lo..=hi).contains(&balance.io_only_s), "{balance:?}");
         }
         assert!(lines.iter().any(|l| l.starts_with("balance: ")));
         // The probes are not counted as the runs' timed steps.
