@@ -624,3 +624,41 @@ fn cuda_without_its_libraries_is_refused_naming_them() {
         );
     }
 }
+
+#[test]
+fn timeline_step_writes_that_steps_chrome_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = cli_args(&out, 3);
+    args.extend(["--timeline-step", "2"].map(String::from));
+    let run = strata_bin().args(&args).output().unwrap();
+    assert!(run.status.success(), "{run:?}");
+    assert!(!out.join("timeline-step-1.json").exists());
+    let text = std::fs::read_to_string(out.join("timeline-step-2.json")).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let named = |name: &str| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["name"] == name)
+            .count()
+    };
+    assert_eq!(named("step"), 1, "one step on the trace");
+    assert!(named("forward") > 0 && named("backward") > 0);
+    assert!(named("update") > 0, "the step's expert updates are on it");
+
+    let o = out.to_str().unwrap();
+    refused(
+        &[
+            "train",
+            "--resume",
+            "--out",
+            o,
+            "--timeline-step",
+            "2",
+            "--steps",
+            "4",
+        ],
+        "--timeline-step 2: this run goes from step 4 to 4",
+    );
+}

@@ -17,11 +17,12 @@ pub mod plan;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use strata_optim::AdamWHyper;
 use strata_tiers::io::FileOptions;
-use strata_tiers::{Dtype, ExpertStore, Layout};
+use strata_tiers::{Dtype, ExpertStore, Layout, Timeline};
 
 use crate::engine::{Engine, EngineConfig, StepMetrics};
 use crate::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
@@ -248,7 +249,11 @@ pub fn run(
         (Source::Finetune(dir), false) => Some(hf::read_dense(dir, &lm)?),
         _ => None,
     };
+    // Every step is recorded (a few hundred events) until the one asked
+    // for; what did not fit is dropped, and `take` starts that step afresh.
+    let timeline = o.timeline_step.map(|_| Arc::new(Timeline::new(1 << 16)));
     let engine_config = EngineConfig {
+        timeline: timeline.clone(),
         store_path: Some(store_path(&o.out)),
         device_budget_bytes: plan.expert_device_bytes,
         host_budget_bytes: plan.expert_host_bytes,
@@ -308,6 +313,16 @@ pub fn run(
         ));
     }
     let start_step = engine.steps();
+    if let Some(n) = o
+        .timeline_step
+        .filter(|n| !(start_step + 1..=o.steps).contains(n))
+    {
+        return Err(format!(
+            "--timeline-step {n}: this run goes from step {} to {}; ask for one of those",
+            start_step + 1,
+            o.steps
+        ));
+    }
     if start_step >= o.steps {
         say(format!(
             "the run is already at step {start_step} of {}",
@@ -340,7 +355,23 @@ pub fn run(
         let lr = lr_at(&o, step);
         engine.set_lr(lr).map_err(err)?;
         let batch = data.next_batch().map_err(err)?;
+        let traced = timeline.as_ref().filter(|_| o.timeline_step == Some(step));
+        if let Some(timeline) = traced {
+            timeline.take(); // this step's events start now
+        }
         let m = engine.step_network(&lm, &batch).map_err(err)?;
+        if let Some(timeline) = traced {
+            engine.drain().map_err(err)?; // its last updates, on the trace
+            let path = o.out.join(format!("timeline-step-{step}.json"));
+            strata_tiers::timeline::write_chrome_trace_file(&timeline.take().events, &path)
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            let line = format!("  step {step}'s timeline: {}", path.display());
+            if bar.is_hidden() {
+                say(line);
+            } else {
+                bar.println(line);
+            }
+        }
         rates.push(m.tokens as f64 / m.wall_s);
         summary.first_loss.get_or_insert(m.loss);
         summary.last_loss = Some(m.loss);
@@ -431,8 +462,8 @@ pub fn run(
     Ok(summary)
 }
 
-/// `--resume`: the saved options, with `--steps`, `--export` and
-/// `--quiet` taken from the command line when given.
+/// `--resume`: the saved options, with `--steps`, `--export`, `--quiet`
+/// and `--timeline-step` taken from the command line when given.
 fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source), String> {
     let out = flags.resolve()?.out;
     let path = out.join("run.json");
@@ -452,6 +483,7 @@ fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source), String> 
         o.export = flags.export.clone();
     }
     o.quiet = flags.quiet;
+    o.timeline_step = flags.timeline_step;
     o.resume = true;
     Ok((o, record.source))
 }

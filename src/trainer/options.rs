@@ -97,6 +97,12 @@ pub struct TrainFlags {
     #[arg(long)]
     #[serde(skip)]
     pub quiet: bool,
+    /// Record step N's timeline (every SSD call, wait, expert loop and
+    /// update, on its thread) and write it to --out as
+    /// timeline-step-N.json, a Chrome trace (open it in ui.perfetto.dev).
+    #[arg(long, value_name = "N")]
+    #[serde(skip)]
+    pub timeline_step: Option<u64>,
 }
 
 /// The resolved options.
@@ -129,6 +135,9 @@ pub struct TrainOptions {
     pub export: Option<PathBuf>,
     pub resume: bool,
     pub quiet: bool,
+    /// Command line only: the step whose timeline is written.
+    #[serde(default, skip_serializing)]
+    pub timeline_step: Option<u64>,
 }
 
 fn one() -> usize {
@@ -183,6 +192,7 @@ impl TrainFlags {
             export: cli.export.clone().or(file.export.clone()),
             resume: cli.resume,
             quiet: cli.quiet,
+            timeline_step: cli.timeline_step,
         })
     }
 }

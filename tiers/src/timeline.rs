@@ -11,6 +11,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
+use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -232,6 +233,17 @@ pub fn write_chrome_trace(events: &[TimelineEvent], out: &mut impl Write) -> std
     let doc = serde_json::json!({ "traceEvents": trace, "displayTimeUnit": "ms" });
     serde_json::to_writer(&mut *out, &doc)?;
     out.write_all(b"\n")
+}
+
+/// [`write_chrome_trace`] into the file `path` (its folder created if
+/// missing).
+pub fn write_chrome_trace_file(events: &[TimelineEvent], path: &Path) -> std::io::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    write_chrome_trace(events, &mut out)?;
+    out.flush()
 }
 
 #[cfg(test)]

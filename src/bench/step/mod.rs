@@ -295,7 +295,9 @@ fn run_rounds(
     if let Some(dir) = &config.timeline_dir {
         for arm in &arms {
             let path = dir.join(format!("{}.json", arm.name));
-            write_trace(&path, arm.last_trace())?;
+            strata_tiers::timeline::write_chrome_trace_file(arm.last_trace(), &path).map_err(
+                |e| EngineError::Config(format!("writing the timeline {}: {e}", path.display())),
+            )?;
             progress(&format!(
                 "{}: last timed step's timeline in {}",
                 arm.name,
@@ -329,22 +331,6 @@ fn run_rounds(
         quiet_expert_wise_over_bound: quiet.map(|q| q.1),
     };
     Ok((records, summary))
-}
-
-/// Writes `events` to `path` as a Chrome trace, creating its folder.
-fn write_trace(
-    path: &std::path::Path,
-    events: &[strata_tiers::TimelineEvent],
-) -> Result<(), EngineError> {
-    let fail = |e: std::io::Error| {
-        EngineError::Config(format!("writing the timeline {}: {e}", path.display()))
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(fail)?;
-    }
-    let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(fail)?);
-    strata_tiers::timeline::write_chrome_trace(events, &mut out).map_err(fail)?;
-    std::io::Write::flush(&mut out).map_err(fail)
 }
 
 /// (naive ÷ expert-wise, expert-wise ÷ max(compute only, I/O only)) step
