@@ -29,6 +29,12 @@
 #                                ends (`--defer-updates off`), then held
 #                                for the next forward (`on`, the default):
 #                                one alternating pair, its files suffixed N
+#   scripts/gpu-check.sh share [N]  the same at 12288 tokens holding 0, a
+#                                quarter and three eighths of each other
+#                                layer's updates for the next forward too
+#                                (`--defer-share`), which moves their disk
+#                                work from the backward into the forward;
+#                                its files suffixed N
 #   scripts/gpu-check.sh cpu [N]  `bench step` as its defaults stand (the
 #                                SSD case on the cpu backend, balanced) on
 #                                this host's cores and disk, which overlap
@@ -128,6 +134,18 @@ defer)
         cat "$out/bench-step-cuda-defer-$defer-$pair.jsonl"
     done
     ;;
+share)
+    run=${2:-1}
+    for share in 0 0.25 0.375; do
+        timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens 12288 \
+            --rounds 2 --defer-share "$share" --dir /tmp \
+            --timeline "$out/timeline-cuda-share-$share-$run" \
+            > "$out/bench-step-cuda-share-$share-$run.jsonl" \
+            2> "$out/bench-step-cuda-share-$share-$run.log" || status=1
+        echo "== --defer-share $share (run $run)"
+        cat "$out/bench-step-cuda-share-$share-$run.jsonl"
+    done
+    ;;
 cpu)
     run=${2:-1}
     timeout 400 gpu-bin/strata bench step --json --dir /tmp --timeline "$out/timeline-cpu-$run" \
@@ -138,7 +156,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]|share [N]|cpu [N]" >&2
     exit 2
     ;;
 esac

@@ -97,6 +97,12 @@ pub struct StepArgs {
     /// backward ends (`off`).
     #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub defer_updates: bool,
+    /// The share of each other layer's experts whose updates are held for
+    /// the next step's forward too, so that their records are read and
+    /// written in full during the forward (0 to 1; about F / (F + B), the
+    /// forward's part of the compute, balances the passes' disk work).
+    #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
+    pub defer_share: f64,
     /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -368,6 +374,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
             .host_stream_slots
             .map_or(defaults.host_stream_slots, |s| s.0),
         defer_updates: args.defer_updates,
+        deferred_update_share: args.defer_share,
         backend: crate::backend::BackendKind::parse(&args.backend)?,
         dir: args.dir,
         timeline_dir: args.timeline,

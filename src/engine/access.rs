@@ -275,4 +275,29 @@ mod tests {
             .iter()
             .all(|a| a.1 == Parts::Compute));
     }
+
+    #[test]
+    fn a_held_update_is_read_in_full_in_the_forward_and_not_in_the_backward() {
+        let m = model();
+        let c = |l, e| (id(l, e), Parts::Compute);
+        let f = |l, e| (id(l, e), Parts::Full);
+        let order = access_schedule(&m, true, 0, &[id(0, 1)]);
+        assert_eq!(&order[..5], &[c(0, 0), f(0, 1), c(0, 1), c(0, 2), c(0, 3)]);
+        // Layer 0's backward (the step's last 7 accesses, 8 less the update
+        // of expert 1): its compute params only.
+        let tail = &order[order.len() - 7..];
+        assert_eq!(
+            tail,
+            &[
+                c(0, 3),
+                c(0, 2),
+                f(0, 3),
+                c(0, 1),
+                f(0, 2),
+                c(0, 0),
+                f(0, 0)
+            ]
+        );
+        assert_eq!(order.len(), access_schedule(&m, true, 0, &[]).len());
+    }
 }

@@ -48,16 +48,18 @@ impl HostMemoryPlan {
         let held = if config.schedule == ScheduleKind::Naive || config.micro_batches > 1 {
             experts
         } else {
-            // One per update in flight, and at most one per streaming slot
-            // held across the step boundary (deferred updates).
+            // One per update in flight, and one per deferred update, held
+            // across the step boundary (as if the pipeline overlapped:
+            // the most it defers).
             let slots = host_tier / record;
-            let kept = super::host_kept_count(config, slots as usize, experts as usize) as u64;
-            let deferred = if config.defer_last_layer_updates && kept > 0 {
-                slots - kept
-            } else {
-                0
-            };
-            slots + deferred
+            let deferred = super::open::deferred_experts(
+                layout.layers as usize,
+                layout.experts_per_layer as usize,
+                config,
+                config.schedule == ScheduleKind::ExpertWise,
+                slots as usize,
+            );
+            slots + deferred.len() as u64
         };
         let gradients = (held + config.devices as u64) * layout.params_per_expert * 4;
         Self {
@@ -172,6 +174,18 @@ mod tests {
                 (8 + 2) * 1000 * 4
             );
         }
+        // One device deferring half of layer 0's updates holds their two
+        // gradients across the step boundary (no record is kept in 3
+        // slots, so the last layer defers none).
+        let deferring = EngineConfig {
+            devices: 1,
+            deferred_update_share: 0.5,
+            ..config.clone()
+        };
+        assert_eq!(
+            HostMemoryPlan::of(&layout, &deferring).gradients,
+            (3 + 2 + 1) * 1000 * 4
+        );
         let on_file = EngineConfig {
             store_path: Some("x.store".into()),
             ..config

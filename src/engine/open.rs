@@ -146,6 +146,12 @@ impl Engine {
                 config.pin_fraction
             )));
         }
+        if !(0.0..=1.0).contains(&config.deferred_update_share) {
+            return Err(EngineError::Config(format!(
+                "deferred_update_share = {} must be between 0 and 1",
+                config.deferred_update_share
+            )));
+        }
         HostMemoryPlan::of(&Self::layout(model, config), config)
             .check(memory::available_host_memory())
     }
@@ -255,7 +261,14 @@ impl Engine {
         shared.timeline = config.timeline.clone();
         // The same set `step_schedule` gives its accesses for.
         let slots = shared.cache.slot_count();
-        shared.defer_updates(&deferred_experts(&model, &config, device_slots, slots));
+        let overlapped = config.schedule.overlaps(device_slots);
+        shared.defer_updates(&deferred_experts(
+            model.layers,
+            model.experts,
+            &config,
+            overlapped,
+            slots,
+        ));
         let cost = multi::initial_cost(&model, &layout, config.devices);
         let dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>> =
             devices.iter().map(|d| d.device.dense_kernels()).collect();
@@ -321,30 +334,43 @@ pub(super) fn kept_experts(
         .collect()
 }
 
-/// The experts whose updates wait for the next step's forward (see
-/// [`EngineConfig::defer_last_layer_updates`]): the last layer's experts
-/// not kept, when the pipeline overlaps, records are kept and those fit in
-/// the streaming slots (the forward's tail then reads them in full just
-/// before that layer).
+/// The experts whose updates wait for the next step's forward, in a
+/// stack of `layers` × `experts` whose pipeline overlaps or not:
+/// - the last layer's experts not kept (see
+///   [`EngineConfig::defer_last_layer_updates`]), when records are kept
+///   and those fit in the streaming slots (the forward's tail then reads
+///   them in full just before that layer);
+/// - in each other layer, `round(share × experts)` of them, evenly spaced
+///   by index (see [`EngineConfig::deferred_update_share`]), with one
+///   device.
 pub(super) fn deferred_experts(
-    model: &ModelConfig,
+    layers: usize,
+    experts: usize,
     config: &EngineConfig,
-    device_slots: usize,
+    overlapped: bool,
     host_slots: usize,
 ) -> Vec<ExpertId> {
-    let keep = host_kept_count(config, host_slots, model.layers * model.experts);
-    let others = model.experts.saturating_sub(keep);
-    if !config.defer_last_layer_updates
-        || !config.schedule.overlaps(device_slots)
-        || keep == 0
-        || others > host_slots - keep
-    {
+    if !overlapped || config.devices != 1 || layers == 0 {
         return Vec::new();
     }
-    let last = (model.layers - 1) as u32;
-    (keep..model.experts)
-        .map(|e| ExpertId::new(last, e as u32))
-        .collect()
+    let keep = host_kept_count(config, host_slots, layers * experts);
+    let others = experts.saturating_sub(keep);
+    let mut deferred = Vec::new();
+    let per_layer = (config.deferred_update_share * experts as f64).round() as usize;
+    let per_layer = per_layer.min(experts);
+    for l in 0..layers - 1 {
+        // Expert e where the count of chosen ones steps up: n of E evenly.
+        deferred.extend(
+            (0..experts)
+                .filter(|e| (e + 1) * per_layer / experts > e * per_layer / experts)
+                .map(|e| ExpertId::new(l as u32, e as u32)),
+        );
+    }
+    if config.defer_last_layer_updates && keep > 0 && others <= host_slots - keep {
+        let last = (layers - 1) as u32;
+        deferred.extend((keep..experts).map(|e| ExpertId::new(last, e as u32)));
+    }
+    deferred
 }
 
 /// How many of `host_slots` keep a record resident under `config`, with
@@ -374,6 +400,12 @@ pub(super) fn step_schedule(
     } else {
         0
     };
-    let deferred = deferred_experts(model, config, device_slots, cache.slot_count());
+    let deferred = deferred_experts(
+        model.layers,
+        model.experts,
+        config,
+        overlapped,
+        cache.slot_count(),
+    );
     access_schedule(model, overlapped, tail_slots, &deferred)
 }

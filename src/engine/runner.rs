@@ -150,6 +150,13 @@ impl DeviceRunner<'_> {
             let current = next.take().expect("staged");
             if overlap && i + 1 < order.len() {
                 next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
+                // The held update of the expert after next, if its record
+                // is in: the schedule asks for it right after the next
+                // one's compute params, and it runs beside this compute.
+                if let (Pass::Forward, Some(&after)) = (pass, order.get(i + 2)) {
+                    let key = self.key(layer, after);
+                    self.dev.acc.stall_optimizer_s += shared.submit_parked_if_ready(key)?;
+                }
             }
             if let Some(upload) = &current.upload {
                 let _span = TimelineSpan::start(timeline, "stall", "upload")

@@ -237,6 +237,18 @@ impl SharedExperts {
         self.submit_now(key, grad)
     }
 
+    /// Submits `key`'s held update if there is one and its full record is
+    /// already in host memory, free to write: an update started ahead of
+    /// its expert's forward, so that it runs beside the compute before it
+    /// instead of stalling the forward. Never waits for a load; the record
+    /// not there, the update waits for `submit_parked_one`.
+    pub fn submit_parked_if_ready(&self, key: usize) -> Result<f64, EngineError> {
+        if !self.defers[key] || !self.cache.full_record_ready(self.expert_id(key)) {
+            return Ok(0.0);
+        }
+        self.submit_parked_one(key)
+    }
+
     /// Experts whose updates wait for the next step's forward.
     pub fn deferred_count(&self) -> usize {
         self.defers.iter().filter(|&&d| d).count()

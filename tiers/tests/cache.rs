@@ -391,6 +391,26 @@ fn an_acquire_within_waits_for_a_pin_to_be_released() {
     drop(b);
 }
 
+#[test]
+fn a_full_record_is_ready_to_write_only_when_loaded_in_full_and_free() {
+    let layout = layout(4);
+    let cache = cache_without_prefetch(populated(layout), 2);
+    let (e0, e1) = (ExpertId::new(0, 0), ExpertId::new(0, 1));
+    assert!(!cache.full_record_ready(e0), "not resident");
+    let compute = cache.acquire(e0, Parts::Compute).unwrap();
+    assert!(!cache.full_record_ready(e0), "compute params only, pinned");
+    drop(compute);
+    assert!(!cache.full_record_ready(e0), "compute params only");
+    let full = cache.acquire(e0, Parts::Full).unwrap();
+    assert!(!cache.full_record_ready(e0), "pinned by a reader");
+    drop(full);
+    assert!(cache.full_record_ready(e0));
+    let writer = cache.acquire_mut_within(e0, Duration::ZERO).unwrap();
+    assert!(!cache.full_record_ready(e0), "taken by a writer");
+    drop(writer);
+    assert!(cache.full_record_ready(e0) && !cache.full_record_ready(e1));
+}
+
 fn set_version(g: &mut WriteGuard, e: ExpertId, version: u64) {
     let r = g.record_mut();
     let n = r.compute.len();

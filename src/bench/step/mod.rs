@@ -53,6 +53,9 @@ pub struct StepBenchConfig {
     /// Where records are kept, the last layer's other updates wait for
     /// the next step's forward (`EngineConfig::defer_last_layer_updates`).
     pub defer_updates: bool,
+    /// The share of each other layer's experts whose updates wait too
+    /// (`EngineConfig::deferred_update_share`).
+    pub deferred_update_share: f64,
     pub backend: BackendKind,
     /// Where to write each run's last timed step as a Chrome trace
     /// (`<run>.json`); `None`: not written. Every run records its steps'
@@ -88,6 +91,7 @@ impl Default for StepBenchConfig {
             pin_fraction: 0.25,
             host_stream_slots: EngineConfig::default().host_stream_slots,
             defer_updates: EngineConfig::default().defer_last_layer_updates,
+            deferred_update_share: EngineConfig::default().deferred_update_share,
             backend: BackendKind::Cpu,
             timeline_dir: None,
         }
@@ -140,6 +144,7 @@ pub fn run(
         pin_fraction: config.pin_fraction,
         host_stream_slots: config.host_stream_slots,
         defer_last_layer_updates: config.defer_updates,
+        deferred_update_share: config.deferred_update_share,
         backend: config.backend,
         ..EngineConfig::default()
     };

@@ -460,6 +460,25 @@ impl HostCache {
         self.shared.store.checkpoint(step)
     }
 
+    /// Whether `expert`'s full record is in a host slot that a writer could
+    /// take now, without a read or a wait: loaded in full, unpinned, not
+    /// being written back or taken by another writer. A caller that must
+    /// not block (one starting an update ahead of its need) asks first; the
+    /// answer can go stale, after which `acquire_mut_within` still works,
+    /// waiting or loading as it must.
+    pub fn full_record_ready(&self, expert: ExpertId) -> bool {
+        let inner = self.shared.lock();
+        inner.by_expert.get(&expert).is_some_and(|&slot| {
+            let m = &inner.slots[slot];
+            m.state == SlotState::Ready
+                && m.parts == Parts::Full
+                && m.pins == 0
+                && !m.writer
+                && !m.upgrading
+                && !m.writing_back
+        })
+    }
+
     /// Which experts are resident, for tests and reports.
     pub fn resident(&self) -> Vec<(ExpertId, Parts, bool)> {
         let inner = self.shared.lock();
