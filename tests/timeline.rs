@@ -119,3 +119,84 @@ fn a_step_records_its_loops_its_ssd_calls_and_its_updates() {
         );
     }
 }
+
+/// Layer-0 record parts (`"0.e full"` or `"0.e state"`) the SSD read in
+/// full, in the forward (before the first backward loop) and after it.
+fn layer0_state_reads(events: &[TimelineEvent]) -> (usize, usize) {
+    let turn = events
+        .iter()
+        .find(|e| e.category == "experts" && e.name == "backward")
+        .expect("a backward loop")
+        .start;
+    let mut counts = (0, 0);
+    for read in named(events, "ssd", "read") {
+        let n = read
+            .detail
+            .split(", ")
+            .filter(|d| d.starts_with("0.") && !d.ends_with("compute"))
+            .count();
+        if read.start < turn {
+            counts.0 += n;
+        } else {
+            counts.1 += n;
+        }
+    }
+    counts
+}
+
+/// Holding all of layer 0's updates (`deferred_update_share` 1) reads its
+/// records' optimizer state for the forward, where they are updated, not
+/// for the backward, which reads their compute params only. (The schedule
+/// is cyclic: the prefetcher reads what the next forward updates first
+/// once the backward's own records are in, at the end of this backward.)
+#[test]
+fn held_updates_move_a_layers_state_reads_into_the_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(2, ExpertKind::SwiGlu);
+    let expert_bytes = (model.expert_params() * 4) as u64;
+    let mut seen = Vec::new();
+    for share in [0.0, 1.0] {
+        let timeline = Arc::new(Timeline::new(4096));
+        let mut engine = Engine::new(
+            model.clone(),
+            EngineConfig {
+                store_path: Some(dir.path().join(format!("share-{share}.strata"))),
+                device_budget_bytes: 2 * expert_bytes,
+                // 8 of the 16 records: 4 keep layer 1's, 4 stream.
+                host_budget_bytes: 8 * record_bytes(&model),
+                compute_dtype: Dtype::F32,
+                hyper: hyper(),
+                optimizer_threads: 2,
+                deferred_update_share: share,
+                timeline: Some(Arc::clone(&timeline)),
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        for s in 0..2 {
+            engine.step(&batch(&model, s)).unwrap();
+        }
+        timeline.take(); // the first steps'
+        engine.step(&batch(&model, 2)).unwrap();
+        let record = timeline.take();
+        assert_eq!(record.dropped, 0);
+        seen.push((
+            engine.deferred_updates(),
+            layer0_state_reads(&record.events),
+        ));
+    }
+    let (none, held) = (seen[0], seen[1]);
+    assert_eq!((none.0, held.0), (4, 12), "held updates: {seen:?}");
+    assert_eq!(
+        none.1 .0, 0,
+        "without: no layer-0 state read in the forward"
+    );
+    // Each of layer 0's 8 streamed records is read in full at least once
+    // a step (twice where one was evicted before its use).
+    assert!(
+        none.1 .0 + none.1 .1 >= 8 && held.1 .0 + held.1 .1 >= 8,
+        "{seen:?}"
+    );
+    // At most the 4 streaming slots' worth come in before the step starts.
+    assert!(held.1 .0 >= 4, "held: at least 4 in the forward ({seen:?})");
+}
