@@ -341,8 +341,8 @@ pub(super) fn kept_experts(
 ///   and those fit in the streaming slots (the forward's tail then reads
 ///   them in full just before that layer);
 /// - in each other layer, `round(share × experts)` of them, evenly spaced
-///   by index (see [`EngineConfig::deferred_update_share`]), with one
-///   device.
+///   by index, less any kept resident (see
+///   [`EngineConfig::deferred_update_share`]), with one device.
 pub(super) fn deferred_experts(
     layers: usize,
     experts: usize,
@@ -359,10 +359,12 @@ pub(super) fn deferred_experts(
     let per_layer = (config.deferred_update_share * experts as f64).round() as usize;
     let per_layer = per_layer.min(experts);
     for l in 0..layers - 1 {
-        // Expert e where the count of chosen ones steps up: n of E evenly.
+        // Expert e where the count of chosen ones steps up: n of E evenly;
+        // not a kept one (`kept_experts`' order), which never streams.
+        let kept = |e: usize| (layers - 1 - l) * experts + e < keep;
         deferred.extend(
             (0..experts)
-                .filter(|e| (e + 1) * per_layer / experts > e * per_layer / experts)
+                .filter(|&e| (e + 1) * per_layer / experts > e * per_layer / experts && !kept(e))
                 .map(|e| ExpertId::new(l as u32, e as u32)),
         );
     }
@@ -408,4 +410,46 @@ pub(super) fn step_schedule(
         cache.slot_count(),
     );
     access_schedule(model, overlapped, tail_slots, &deferred)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(list: &[(u32, u32)]) -> Vec<ExpertId> {
+        list.iter().map(|&(l, e)| ExpertId::new(l, e)).collect()
+    }
+
+    #[test]
+    fn held_updates_are_spread_over_each_layer_and_skip_kept_records() {
+        let config = EngineConfig {
+            deferred_update_share: 0.25,
+            ..EngineConfig::default()
+        };
+        // 2 × 8 experts, 8 host slots, 4 streaming: layer 1's experts 0–3
+        // kept, its 4–7 held (they fit the streaming slots); a quarter of
+        // layer 0's, evenly spaced.
+        assert_eq!(
+            deferred_experts(2, 8, &config, true, 8),
+            ids(&[(0, 3), (0, 7), (1, 4), (1, 5), (1, 6), (1, 7)])
+        );
+        // 3 × 4 experts, 10 host slots: 6 kept (all of layer 2, layer 1's
+        // 0 and 1); half of layers 0 and 1 would be 1 and 3, less kept 1.1.
+        let half = EngineConfig {
+            deferred_update_share: 0.5,
+            ..EngineConfig::default()
+        };
+        assert_eq!(
+            deferred_experts(3, 4, &half, true, 10),
+            ids(&[(0, 1), (0, 3), (1, 3)])
+        );
+        // Nothing is held where the pipeline does not overlap, or with
+        // several devices.
+        assert!(deferred_experts(2, 8, &config, false, 8).is_empty());
+        let two = EngineConfig {
+            devices: 2,
+            ..config
+        };
+        assert!(deferred_experts(2, 8, &two, true, 8).is_empty());
+    }
 }
