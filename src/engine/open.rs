@@ -233,7 +233,12 @@ impl Engine {
             ));
         }
         let device_slots = devices[0].slots.slot_count();
-        cache.keep_resident(&kept_experts(&model, &config, cache.slot_count()))?;
+        cache.keep_resident(&kept_experts(
+            model.layers,
+            model.experts,
+            &config,
+            cache.slot_count(),
+        ))?;
         cache.set_schedule(step_schedule(&model, &config, device_slots, &cache));
         let optimizer = ExpertOptimizer::new(OptimizerConfig {
             threads: config.optimizer_threads,
@@ -322,14 +327,15 @@ fn write_initial_records(model: &ModelConfig, store: &ExpertStore) -> Result<(),
 /// count kept from other layers moved more bytes, as the fewer streaming
 /// slots then read some records twice.)
 pub(super) fn kept_experts(
-    model: &ModelConfig,
+    layers: usize,
+    experts: usize,
     config: &EngineConfig,
     host_slots: usize,
 ) -> Vec<ExpertId> {
-    let keep = host_kept_count(config, host_slots, model.layers * model.experts);
-    (0..model.layers)
+    let keep = host_kept_count(config, host_slots, layers * experts);
+    (0..layers)
         .rev()
-        .flat_map(|l| (0..model.experts).map(move |e| ExpertId::new(l as u32, e as u32)))
+        .flat_map(|l| (0..experts).map(move |e| ExpertId::new(l as u32, e as u32)))
         .take(keep)
         .collect()
 }
@@ -353,19 +359,20 @@ pub(super) fn deferred_experts(
     if !overlapped || config.devices != 1 || layers == 0 {
         return Vec::new();
     }
-    let keep = host_kept_count(config, host_slots, layers * experts);
+    let kept = kept_experts(layers, experts, config, host_slots);
+    let keep = kept.len();
     let others = experts.saturating_sub(keep);
     let mut deferred = Vec::new();
     let per_layer = (config.deferred_update_share * experts as f64).round() as usize;
     let per_layer = per_layer.min(experts);
     for l in 0..layers - 1 {
         // Expert e where the count of chosen ones steps up: n of E evenly;
-        // not a kept one (`kept_experts`' order), which never streams.
-        let kept = |e: usize| (layers - 1 - l) * experts + e < keep;
+        // not a kept one, which never streams.
         deferred.extend(
             (0..experts)
-                .filter(|&e| (e + 1) * per_layer / experts > e * per_layer / experts && !kept(e))
-                .map(|e| ExpertId::new(l as u32, e as u32)),
+                .filter(|e| (e + 1) * per_layer / experts > e * per_layer / experts)
+                .map(|e| ExpertId::new(l as u32, e as u32))
+                .filter(|id| !kept.contains(id)),
         );
     }
     if config.defer_last_layer_updates && keep > 0 && others <= host_slots - keep {

@@ -319,16 +319,7 @@ impl HostCache {
         loop {
             if let Some(&slot) = inner.by_expert.get(&expert) {
                 let m = inner.slots[slot];
-                let busy = match m.state {
-                    SlotState::Loading | SlotState::Evicting => true,
-                    SlotState::Empty => unreachable!("a mapped slot is not empty"),
-                    SlotState::Ready => {
-                        m.writer
-                            || (parts == Parts::Full && m.upgrading)
-                            || (write && (m.pins > 0 || m.writing_back))
-                    }
-                };
-                if busy {
+                if m.busy_for(parts, write) {
                     waited = true;
                     inner = shared.wait(inner);
                     continue;
@@ -470,12 +461,7 @@ impl HostCache {
         let inner = self.shared.lock();
         inner.by_expert.get(&expert).is_some_and(|&slot| {
             let m = &inner.slots[slot];
-            m.state == SlotState::Ready
-                && m.parts == Parts::Full
-                && m.pins == 0
-                && !m.writer
-                && !m.upgrading
-                && !m.writing_back
+            !m.busy_for(Parts::Full, true) && m.parts == Parts::Full
         })
     }
 

@@ -63,6 +63,22 @@ impl SlotMeta {
         kept: false,
     };
 
+    /// Whether an access to `parts` (a writer's when `write`) must wait:
+    /// the slot is loading or evicting, another writer has it, its state
+    /// part is arriving for a full access, or (for a writer) it is pinned
+    /// or being written back.
+    pub fn busy_for(&self, parts: Parts, write: bool) -> bool {
+        match self.state {
+            SlotState::Loading | SlotState::Evicting => true,
+            SlotState::Empty => unreachable!("a mapped slot is not empty"),
+            SlotState::Ready => {
+                self.writer
+                    || (parts == Parts::Full && self.upgrading)
+                    || (write && (self.pins > 0 || self.writing_back))
+            }
+        }
+    }
+
     /// Free to be given to another expert (after a write-back if dirty).
     pub fn evictable(&self) -> bool {
         match self.state {
