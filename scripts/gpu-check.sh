@@ -35,6 +35,18 @@
 #                                (`--defer-share`), which moves their disk
 #                                work from the backward into the forward;
 #                                its files suffixed N
+#   scripts/gpu-check.sh tune [N]  the same at 12288 tokens with the
+#                                engine's split of the host tier (4
+#                                streaming slots, no held share), then 5
+#                                streaming with a quarter held, then 6 with
+#                                three eighths: the settings a modeled
+#                                device (`--modeled-device-gflops`) ranked
+#                                on the development machine; files suffixed N
+#   scripts/gpu-check.sh modeled  `bench step --modeled-device-gflops` at
+#                                1000 and 2000 on this host's cores and
+#                                disk, at 12288 tokens: set against the
+#                                cuda runs, how far the modeled device
+#                                stands for the GPU
 #   scripts/gpu-check.sh cpu [N]  `bench step` as its defaults stand (the
 #                                SSD case on the cpu backend, balanced) on
 #                                this host's cores and disk, which overlap
@@ -144,6 +156,28 @@ share)
             2> "$out/bench-step-cuda-share-$share-$run.log" || status=1
         echo "== --defer-share $share (run $run)"
         cat "$out/bench-step-cuda-share-$share-$run.jsonl"
+    done
+    ;;
+tune)
+    run=${2:-1}
+    for setting in "4 0" "5 0.25" "6 0.375"; do
+        set -- $setting
+        timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens 12288 \
+            --rounds 2 --host-stream-slots "$1" --defer-share "$2" --dir /tmp \
+            > "$out/bench-step-cuda-tune-$1-$2-$run.jsonl" \
+            2> "$out/bench-step-cuda-tune-$1-$2-$run.log" || status=1
+        echo "== --host-stream-slots $1 --defer-share $2 (run $run)"
+        cat "$out/bench-step-cuda-tune-$1-$2-$run.jsonl"
+    done
+    ;;
+modeled)
+    for gflops in 1000 2000; do
+        timeout 240 gpu-bin/strata bench step --json --modeled-device-gflops "$gflops" \
+            --tokens 12288 --rounds 2 --dir /tmp \
+            > "$out/bench-step-modeled-$gflops.jsonl" \
+            2> "$out/bench-step-modeled-$gflops.log" || status=1
+        echo "== --modeled-device-gflops $gflops"
+        cat "$out/bench-step-modeled-$gflops.jsonl"
     done
     ;;
 cpu)

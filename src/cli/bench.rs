@@ -89,7 +89,7 @@ pub struct StepArgs {
     pub pin_fraction: f64,
     /// Host slots the expert-wise runs stream records through; the others
     /// keep records resident for the whole run. `all`: keep none.
-    /// [default: the engine's, 4]
+    /// [default: 5, one more than the engine's]
     #[arg(long, value_parser = parse_stream_slots)]
     pub host_stream_slots: Option<StreamSlots>,
     /// Where records are kept resident, hold the last layer's other
@@ -100,12 +100,25 @@ pub struct StepArgs {
     /// The share of each other layer's experts whose updates are held for
     /// the next step's forward too, so that their records are read and
     /// written in full during the forward (0 to 1; about F / (F + B), the
-    /// forward's part of the compute, balances the passes' disk work).
-    #[arg(long, default_value_t = 0.0, value_name = "SHARE")]
+    /// forward's part of the compute, balances the passes' disk work; the
+    /// engine's default is 0).
+    #[arg(long, default_value_t = crate::bench::step::BENCH_DEFERRED_SHARE, value_name = "SHARE")]
     pub defer_share: f64,
     /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// Threads running the experts' AdamW updates (one leaves the other
+    /// cores to the cpu backend's GEMMs).
+    #[arg(long, default_value_t = 1)]
+    pub optimizer_threads: usize,
+    /// Model the device instead of computing the experts: every run but
+    /// the I/O-only one skips the expert GEMMs and waits, asleep, for as
+    /// long as a device at this many GFLOP/s would take. On a machine
+    /// without a GPU it shows what the schedule's overlap gives where
+    /// compute leaves the cores to the I/O and the optimizer, as a GPU's
+    /// does. Its figures are a model's, not a GPU's.
+    #[arg(long, value_name = "GFLOPS")]
+    pub modeled_device_gflops: Option<f64>,
     /// Directory for the SSD tier's store files.
     #[arg(long, default_value = "/tmp")]
     pub dir: std::path::PathBuf,
@@ -376,6 +389,8 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         defer_updates: args.defer_updates,
         deferred_update_share: args.defer_share,
         backend: crate::backend::BackendKind::parse(&args.backend)?,
+        modeled_device_flops: args.modeled_device_gflops.map(|g| g * 1e9),
+        optimizer_threads: args.optimizer_threads,
         dir: args.dir,
         timeline_dir: args.timeline,
         ..defaults

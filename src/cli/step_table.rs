@@ -53,6 +53,13 @@ pub(super) fn print(
         "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
         summary.expert_wise_over_naive, summary.expert_wise_over_bound
     )?;
+    if let Some(gflops) = summary.modeled_device_gflop_per_s {
+        writeln!(
+            out,
+            "(expert compute modeled, not computed: a device at {gflops} GFLOP/s, \
+             its time slept on the device's thread)"
+        )?;
+    }
     let with_phases: Vec<_> = records
         .iter()
         .filter_map(|r| Some((r.run, r.phases?)))

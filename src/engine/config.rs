@@ -35,6 +35,35 @@ impl ScheduleKind {
     }
 }
 
+/// What a device does with an expert's forward and backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum ExpertCompute {
+    /// Compute them on the backend.
+    #[default]
+    Run,
+    /// Benches only: move experts through the tiers and the optimizer
+    /// exactly as training does, but skip the expert GEMMs (outputs and
+    /// gradients are zero). This is the I/O-only run of `strata bench step`.
+    Skip,
+    /// Benches only: skip the GEMMs as [`ExpertCompute::Skip`] does and
+    /// hold the device's thread, asleep, for as long as a device running
+    /// the expert's FLOPs at `flops_per_s` would take (the forward's
+    /// 2·n·D·F per matrix, the backward's twice that). A model of an
+    /// accelerator for a machine without one: its compute costs the step
+    /// wall time but no host core, as a GPU's does, so the schedule's
+    /// overlap can be studied where the cpu backend's GEMMs would take the
+    /// cores the I/O and the optimizer need.
+    Modeled { flops_per_s: f64 },
+}
+
+impl ExpertCompute {
+    /// Whether the expert GEMMs are skipped (their outputs and gradients
+    /// zero).
+    pub(crate) fn skips_gemms(self) -> bool {
+        self != ExpertCompute::Run
+    }
+}
+
 /// Budgets, store and schedule.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -72,7 +101,8 @@ pub struct EngineConfig {
     pub defer_last_layer_updates: bool,
     /// The share of each other layer's experts (evenly spaced by index,
     /// `round(share × experts)` of them) whose updates, too, wait for the
-    /// next step's forward, with one device on the expert-wise schedule.
+    /// next step's forward, with one device on the expert-wise schedule
+    /// where records stream (the host tier holds fewer than all of them).
     /// Their records are then read and written in full during the forward,
     /// where the disk has little else to do (the forward reads compute
     /// params only), and read for their compute params only in the
@@ -85,10 +115,9 @@ pub struct EngineConfig {
     pub deferred_update_share: f64,
     /// Queue depth of the store's io_uring.
     pub io_queue_depth: u32,
-    /// Benches only: move experts through the tiers and the optimizer
-    /// exactly as training does, but skip the expert GEMMs (outputs and
-    /// gradients are zero). This is the I/O-only run of `strata bench step`.
-    pub skip_expert_compute: bool,
+    /// Whether the experts' GEMMs run ([`ExpertCompute::Run`], always in
+    /// training); the other two are for benches.
+    pub expert_compute: ExpertCompute,
     /// Device workers (cpu devices), each with its own device tier of
     /// `device_budget_bytes`. With more than one, each takes an equal share
     /// of every batch, experts are placed per layer by greedy LPT and the
@@ -125,7 +154,7 @@ impl Default for EngineConfig {
             defer_last_layer_updates: true,
             deferred_update_share: 0.0,
             io_queue_depth: 32,
-            skip_expert_compute: false,
+            expert_compute: ExpertCompute::Run,
             devices: 1,
             pin_fraction: 0.25,
             backend: BackendKind::Cpu,

@@ -40,7 +40,7 @@ use std::sync::Arc;
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
-pub use config::{EngineConfig, ScheduleKind, MIN_HOST_STREAM_SLOTS};
+pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
 pub use memory::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 pub use open::host_kept_count;
@@ -82,6 +82,11 @@ pub struct Engine {
 impl Engine {
     pub fn model(&self) -> &ModelConfig {
         &self.model
+    }
+
+    /// The configuration this engine was built with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
     }
 
     /// Steps completed.
@@ -152,7 +157,7 @@ impl Engine {
     fn pass_options(&self) -> PassOptions {
         PassOptions {
             recompute_hidden: self.config.recompute_hidden,
-            skip_expert_compute: self.config.skip_expert_compute,
+            expert_compute: self.config.expert_compute,
         }
     }
 

@@ -15,7 +15,7 @@ use super::access::access_schedule;
 use super::device::DeviceState;
 use super::shared::SharedExperts;
 use super::{
-    dense_state, memory, multi, Engine, EngineConfig, HostMemoryPlan, ScheduleKind,
+    dense_state, memory, multi, Engine, EngineConfig, ExpertCompute, HostMemoryPlan, ScheduleKind,
     MIN_HOST_STREAM_SLOTS,
 };
 use crate::model::{DenseKernels, ModelConfig, Network};
@@ -151,6 +151,14 @@ impl Engine {
                 "deferred_update_share = {} must be between 0 and 1",
                 config.deferred_update_share
             )));
+        }
+        if let ExpertCompute::Modeled { flops_per_s } = config.expert_compute {
+            if !(flops_per_s.is_finite() && flops_per_s > 0.0) {
+                return Err(EngineError::Config(format!(
+                    "ExpertCompute::Modeled {{ flops_per_s: {flops_per_s} }}: the modeled \
+                     device's rate must be a positive number of FLOP/s"
+                )));
+            }
         }
         HostMemoryPlan::of(&Self::layout(model, config), config)
             .check(memory::available_host_memory())
@@ -348,7 +356,8 @@ pub(super) fn kept_experts(
 ///   them in full just before that layer);
 /// - in each other layer, `round(share × experts)` of them, evenly spaced
 ///   by index, less any kept resident (see
-///   [`EngineConfig::deferred_update_share`]), with one device.
+///   [`EngineConfig::deferred_update_share`]), with one device and where
+///   records stream (the host tier holds fewer than all of them).
 pub(super) fn deferred_experts(
     layers: usize,
     experts: usize,
@@ -363,7 +372,13 @@ pub(super) fn deferred_experts(
     let keep = kept.len();
     let others = experts.saturating_sub(keep);
     let mut deferred = Vec::new();
-    let per_layer = (config.deferred_update_share * experts as f64).round() as usize;
+    // With every record resident nothing streams, and holding an update
+    // would only keep its gradient longer.
+    let streams = host_slots < layers * experts;
+    let per_layer = match streams {
+        true => (config.deferred_update_share * experts as f64).round() as usize,
+        false => 0,
+    };
     let per_layer = per_layer.min(experts);
     for l in 0..layers - 1 {
         // Expert e where the count of chosen ones steps up: n of E evenly;
@@ -450,9 +465,10 @@ mod tests {
             deferred_experts(3, 4, &half, true, 10),
             ids(&[(0, 1), (0, 3), (1, 3)])
         );
-        // Nothing is held where the pipeline does not overlap, or with
-        // several devices.
+        // Nothing is held where the pipeline does not overlap, with
+        // several devices, or where every record is resident.
         assert!(deferred_experts(2, 8, &config, false, 8).is_empty());
+        assert!(deferred_experts(2, 8, &config, true, 16).is_empty());
         let two = EngineConfig {
             devices: 2,
             ..config

@@ -10,13 +10,13 @@
 //! (`exchange.rs`) drives the same staging and expert passes on tokens
 //! gathered from every device.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use strata_tiers::{CopyEvent, ExpertId, Parts, TimelineSpan};
 
 use super::device::DeviceState;
 use super::shared::SharedExperts;
-use super::ScheduleKind;
+use super::{ExpertCompute, ScheduleKind};
 
 use crate::backend::SlotParams;
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
@@ -27,7 +27,28 @@ use crate::EngineError;
 #[derive(Clone, Copy)]
 pub(crate) struct PassOptions {
     pub recompute_hidden: bool,
-    pub skip_expert_compute: bool,
+    pub expert_compute: ExpertCompute,
+}
+
+/// With [`ExpertCompute::Modeled`], sleeps for as long as the modeled
+/// device takes for `gemm_passes` passes over the expert's matrices on
+/// `n` rows (the forward 1, the backward 2: its input and weight
+/// gradients), and returns the seconds slept.
+fn modeled_compute(
+    compute: ExpertCompute,
+    kind: crate::math::ExpertKind,
+    n: usize,
+    d: usize,
+    f: usize,
+    gemm_passes: usize,
+) -> f64 {
+    let ExpertCompute::Modeled { flops_per_s } = compute else {
+        return 0.0;
+    };
+    let flops = (gemm_passes * 2 * n * kind.params(d, f)) as f64;
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(flops / flops_per_s));
+    t0.elapsed().as_secs_f64()
 }
 
 pub(crate) struct DeviceRunner<'a> {
@@ -188,8 +209,11 @@ impl DeviceRunner<'_> {
         let n = xe.len() / d;
         assert_eq!(ye.len(), n * d);
         self.dev.acc.assignments_computed += n as u64;
-        if self.options.skip_expert_compute {
+        if self.options.expert_compute.skips_gemms() {
             crate::parallel::fill_zeros(ye);
+            let kind = self.model.expert_kind;
+            self.dev.acc.expert_compute_s +=
+                modeled_compute(self.options.expert_compute, kind, n, d, f, 1);
             return Ok(());
         }
         let t0 = Instant::now();
@@ -228,9 +252,11 @@ impl DeviceRunner<'_> {
         debug_assert_eq!(grad.len(), params.count);
         assert_eq!(dxe.len(), n * d); // written whole, by the device or here
         self.dev.acc.assignments_computed += n as u64;
-        if self.options.skip_expert_compute {
+        if self.options.expert_compute.skips_gemms() {
             crate::parallel::fill_zeros(&mut grad);
             crate::parallel::fill_zeros(dxe);
+            self.dev.acc.expert_compute_s +=
+                modeled_compute(self.options.expert_compute, kind, n, d, f, 2);
         } else {
             let t0 = Instant::now();
             let saved = &mut self.dev.saved[layer][expert];

@@ -9,7 +9,7 @@ use super::phases::StepPhases;
 use super::{StepBenchConfig, StepBenchRecord};
 use crate::backend::BackendKind;
 use crate::bench::{process_usage, stolen_cpu_s, Timing};
-use crate::engine::{Engine, StepMetrics};
+use crate::engine::{Engine, ExpertCompute, StepMetrics};
 use crate::model::{fill_uniform, Batch, ModelConfig};
 use crate::EngineError;
 
@@ -184,6 +184,11 @@ impl Arm {
             backend: match config.backend {
                 BackendKind::Cpu => "cpu",
                 BackendKind::Cuda => "cuda",
+            },
+            expert_compute: match self.engine.config().expert_compute {
+                ExpertCompute::Run => "computed",
+                ExpertCompute::Skip => "skipped",
+                ExpertCompute::Modeled { .. } => "modeled",
             },
             host_slots: self.engine.host_slots(),
             host_kept: self.engine.host_kept(),

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use strata_tiers::{Dtype, Timeline};
 
 use crate::backend::BackendKind;
-use crate::engine::{available_host_memory, Engine, EngineConfig, HostMemoryPlan, ScheduleKind};
+use crate::engine::{
+    available_host_memory, Engine, EngineConfig, ExpertCompute, HostMemoryPlan, ScheduleKind,
+};
 use crate::math::ExpertKind;
 use crate::model::ModelConfig;
 use crate::EngineError;
@@ -49,14 +51,24 @@ pub struct StepBenchConfig {
     pub devices: usize,
     pub pin_fraction: f64,
     /// The expert-wise runs' streaming host slots (`None`: all stream).
+    /// The default, [`BENCH_STREAM_SLOTS`], is one more than the engine's.
     pub host_stream_slots: Option<usize>,
     /// Where records are kept, the last layer's other updates wait for
     /// the next step's forward (`EngineConfig::defer_last_layer_updates`).
     pub defer_updates: bool,
     /// The share of each other layer's experts whose updates wait too
-    /// (`EngineConfig::deferred_update_share`).
+    /// (`EngineConfig::deferred_update_share`); by default
+    /// [`BENCH_DEFERRED_SHARE`], where the engine's is 0.
     pub deferred_update_share: f64,
     pub backend: BackendKind,
+    /// Model the device instead of computing on `backend` (cpu only): the
+    /// expert-wise, naive and compute-only runs skip the expert GEMMs and
+    /// hold the device's thread, asleep, for the time a device at this many
+    /// FLOP/s takes ([`ExpertCompute::Modeled`]). On a machine without an
+    /// accelerator this shows what the schedule's overlap gives where
+    /// compute does not take the cores the I/O and the optimizer use.
+    /// `None`: the experts are computed.
+    pub modeled_device_flops: Option<f64>,
     /// Where to write each run's last timed step as a Chrome trace
     /// (`<run>.json`); `None`: not written. Every run records its steps'
     /// timelines either way, for the records' `phases`.
@@ -89,14 +101,29 @@ impl Default for StepBenchConfig {
             optimizer_threads: 1,
             devices: 1,
             pin_fraction: 0.25,
-            host_stream_slots: EngineConfig::default().host_stream_slots,
+            host_stream_slots: Some(BENCH_STREAM_SLOTS),
             defer_updates: EngineConfig::default().defer_last_layer_updates,
-            deferred_update_share: EngineConfig::default().deferred_update_share,
+            deferred_update_share: BENCH_DEFERRED_SHARE,
             backend: BackendKind::Cpu,
+            modeled_device_flops: None,
             timeline_dir: None,
         }
     }
 }
+
+/// The bench's split of its host tier (8 slots at the defaults): 5
+/// streaming, 3 keeping a record. With expert compute that leaves the
+/// cores free (a GPU's, or `--modeled-device-gflops`), the fifth streaming
+/// slot lets the prefetcher run further ahead in the backward, where the
+/// next layer's records otherwise wait for the last ones to leave; see
+/// docs/performance.md, "A modeled device".
+pub const BENCH_STREAM_SLOTS: usize = 5;
+
+/// The bench's share of each layer's updates held for the next forward
+/// (`EngineConfig::deferred_update_share`): a quarter (2 of 8 experts a
+/// layer), which moves that much of the backward's disk work into the
+/// forward; the forward is about a third of the compute.
+pub const BENCH_DEFERRED_SHARE: f64 = 0.25;
 
 /// Events a run's timeline keeps between two steps: a step of the default
 /// stack records a few hundred (SSD calls, waits, expert loops, updates).
@@ -130,6 +157,24 @@ pub fn run(
             "--steps, --rounds and --tokens must be at least 1".into(),
         ));
     }
+    let expert_compute = match config.modeled_device_flops {
+        None => ExpertCompute::Run,
+        Some(_) if config.backend != BackendKind::Cpu => {
+            return Err(EngineError::Config(
+                "a modeled device stands in for the backend's expert compute: leave out \
+                 --backend (cpu) or the modeled device's rate"
+                    .into(),
+            ))
+        }
+        Some(rate) if rate.is_finite() && rate > 0.0 => {
+            ExpertCompute::Modeled { flops_per_s: rate }
+        }
+        Some(rate) => {
+            return Err(EngineError::Config(format!(
+                "the modeled device's rate must be a positive number of FLOP/s, not {rate}"
+            )))
+        }
+    };
     let model = &config.model;
     let all = (model.layers * model.experts) as u64;
     let expert_bytes = model.expert_params() as u64 * config.compute_dtype.bytes();
@@ -146,6 +191,7 @@ pub fn run(
         defer_last_layer_updates: config.defer_updates,
         deferred_update_share: config.deferred_update_share,
         backend: config.backend,
+        expert_compute,
         ..EngineConfig::default()
     };
     // One scratch directory for the store files (and their dense-state
@@ -191,7 +237,7 @@ pub fn run(
             "io_only",
             EngineConfig {
                 store_path: store("io"),
-                skip_expert_compute: true,
+                expert_compute: ExpertCompute::Skip,
                 ..base
             },
         ),
@@ -327,6 +373,7 @@ fn run_rounds(
         run: "summary",
         rounds: config.rounds,
         tokens: config.tokens,
+        modeled_device_gflop_per_s: config.modeled_device_flops.map(|r| r / 1e9),
         balance,
         expert_wise_over_naive,
         expert_wise_over_bound,
@@ -466,8 +513,59 @@ mod tests {
             .all(|r| r.devices == 1 && r.device_load_gap == 0.0));
     }
 
-    /// Half the records in host memory: 4 of 8 slots keep the last layer's
-    /// experts 0–3, and its other 4 defer their updates unless told not to,
+    /// A modeled device: every run but the I/O-only one sleeps its expert
+    /// compute, which the records and the summary say; it stands in for the
+    /// cpu backend only, and its rate must be a positive number.
+    #[test]
+    fn a_modeled_device_is_labeled_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = StepBenchConfig {
+            model: tiny(),
+            tokens: 32,
+            balance_tokens: false,
+            steps: 1,
+            rounds: 1,
+            modeled_device_flops: Some(1e9),
+            dir: dir.path().to_path_buf(),
+            ..StepBenchConfig::default()
+        };
+        let (records, summary) = run(&config, |_| {}).unwrap();
+        let labels: Vec<_> = records.iter().map(|r| r.expert_compute).collect();
+        assert_eq!(labels, ["modeled", "modeled", "modeled", "skipped"]);
+        assert_eq!(summary.modeled_device_gflop_per_s, Some(1.0));
+        // 6 FLOPs an expert parameter an assignment, over both layers, at
+        // 1 GFLOP/s.
+        let model = tiny();
+        let slept = (6 * 32 * model.top_k * model.expert_params() * model.layers) as f64 / 1e9;
+        assert!(records[2].compute_s >= slept, "{} s", records[2].compute_s);
+        for (rate, backend, expected) in [
+            (0.0, BackendKind::Cpu, "must be a positive number of FLOP/s"),
+            (1e9, BackendKind::Cuda, "leave out --backend (cpu)"),
+        ] {
+            let config = StepBenchConfig {
+                modeled_device_flops: Some(rate),
+                backend,
+                ..config.clone()
+            };
+            let err = run(&config, |_| {}).unwrap_err().to_string();
+            assert!(err.contains(expected), "{err}");
+        }
+        let (records, summary) = run(
+            &StepBenchConfig {
+                modeled_device_flops: None,
+                ..config
+            },
+            |_| {},
+        )
+        .unwrap();
+        let labels: Vec<_> = records.iter().map(|r| r.expert_compute).collect();
+        assert_eq!(labels, ["computed", "computed", "computed", "skipped"]);
+        assert_eq!(summary.modeled_device_gflop_per_s, None);
+    }
+
+    /// Half the records in host memory and the engine's split: 4 of 8
+    /// slots keep the last layer's experts 0–3, and its other 4 defer their
+    /// updates unless told not to,
     /// in the expert-wise and I/O-only runs alike (the naive one keeps
     /// nothing).
     #[test]
@@ -481,6 +579,8 @@ mod tests {
                 host_fraction: 0.5,
                 steps: 1,
                 rounds: 1,
+                host_stream_slots: Some(4),
+                deferred_update_share: 0.0,
                 defer_updates: defer,
                 dir: dir.path().to_path_buf(),
                 ..StepBenchConfig::default()
@@ -490,6 +590,22 @@ mod tests {
             assert_eq!(deferred, [expected, 0, 0, expected], "defer {defer}");
             assert_eq!(records[0].host_kept, 4);
         }
+        // The bench's own split: 5 streaming slots, so 3 kept; the last
+        // layer's other 5 held, and a quarter (2) of layer 0's.
+        let config = StepBenchConfig {
+            model: tiny(),
+            tokens: 32,
+            balance_tokens: false,
+            host_fraction: 0.5,
+            steps: 1,
+            rounds: 1,
+            dir: dir.path().to_path_buf(),
+            ..StepBenchConfig::default()
+        };
+        let (records, _) = run(&config, |_| {}).unwrap();
+        let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
+        assert_eq!(deferred, [7, 0, 0, 7]);
+        assert_eq!(records[0].host_kept, 3);
     }
 
     /// With `--backend cuda`, wherever a CUDA device answers (a GPU, or

@@ -18,6 +18,9 @@ pub struct StepBenchRecord {
     pub tokens: usize,
     pub devices: usize,
     pub backend: &'static str,
+    /// `computed` on `backend`, `skipped` (the I/O-only run) or `modeled`
+    /// (see the summary's `modeled_device_gflop_per_s`).
+    pub expert_compute: &'static str,
     pub host_slots: usize,
     /// Of `host_slots`, those keeping a record resident for the whole run.
     pub host_kept: usize,
@@ -88,6 +91,9 @@ pub struct StepBenchSummary {
     pub rounds: usize,
     /// Tokens per step of every run.
     pub tokens: usize,
+    /// Where the runs' expert compute was modeled, not computed: the
+    /// modeled device's rate (`StepBenchConfig::modeled_device_flops`).
+    pub modeled_device_gflop_per_s: Option<f64>,
     /// How `tokens` was found, where it was balanced (`balance_tokens`).
     pub balance: Option<Balance>,
     /// naive ÷ expert-wise median step time (over every round)
