@@ -374,12 +374,11 @@ pub(super) fn deferred_experts(
     let mut deferred = Vec::new();
     // With every record resident nothing streams, and holding an update
     // would only keep its gradient longer.
-    let streams = host_slots < layers * experts;
-    let per_layer = match streams {
-        true => (config.deferred_update_share * experts as f64).round() as usize,
-        false => 0,
+    let per_layer = if host_slots < layers * experts {
+        ((config.deferred_update_share * experts as f64).round() as usize).min(experts)
+    } else {
+        0
     };
-    let per_layer = per_layer.min(experts);
     for l in 0..layers - 1 {
         // Expert e where the count of chosen ones steps up: n of E evenly;
         // not a kept one, which never streams.

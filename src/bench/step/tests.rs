@@ -170,34 +170,12 @@ fn a_modeled_device_is_labeled_and_checked() {
 
 /// Half the records in host memory and the engine's split: 4 of 8
 /// slots keep the last layer's experts 0–3, and its other 4 defer their
-/// updates unless told not to,
-/// in the expert-wise and I/O-only runs alike (the naive one keeps
-/// nothing).
+/// updates unless told not to, in the expert-wise and I/O-only runs alike
+/// (the naive one keeps nothing).
 #[test]
 fn deferred_updates_follow_the_config() {
     let dir = tempfile::tempdir().unwrap();
-    for (defer, expected) in [(true, 4), (false, 0)] {
-        let config = StepBenchConfig {
-            model: tiny(),
-            tokens: 32,
-            balance_tokens: false,
-            host_fraction: 0.5,
-            steps: 1,
-            rounds: 1,
-            host_stream_slots: Some(4),
-            deferred_update_share: 0.0,
-            defer_updates: defer,
-            dir: dir.path().to_path_buf(),
-            ..StepBenchConfig::default()
-        };
-        let (records, _) = run(&config, |_| {}).unwrap();
-        let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
-        assert_eq!(deferred, [expected, 0, 0, expected], "defer {defer}");
-        assert_eq!(records[0].host_kept, 4);
-    }
-    // The bench's own split: 5 streaming slots, so 3 kept; the last
-    // layer's other 5 held, and a quarter (2) of layer 0's.
-    let config = StepBenchConfig {
+    let half = StepBenchConfig {
         model: tiny(),
         tokens: 32,
         balance_tokens: false,
@@ -207,7 +185,21 @@ fn deferred_updates_follow_the_config() {
         dir: dir.path().to_path_buf(),
         ..StepBenchConfig::default()
     };
-    let (records, _) = run(&config, |_| {}).unwrap();
+    for (defer, expected) in [(true, 4), (false, 0)] {
+        let config = StepBenchConfig {
+            host_stream_slots: Some(4),
+            deferred_update_share: 0.0,
+            defer_updates: defer,
+            ..half.clone()
+        };
+        let (records, _) = run(&config, |_| {}).unwrap();
+        let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
+        assert_eq!(deferred, [expected, 0, 0, expected], "defer {defer}");
+        assert_eq!(records[0].host_kept, 4);
+    }
+    // The bench's own split: 5 streaming slots, so 3 kept; the last
+    // layer's other 5 held, and a quarter (2) of layer 0's.
+    let (records, _) = run(&half, |_| {}).unwrap();
     let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
     assert_eq!(deferred, [7, 0, 0, 7]);
     assert_eq!(records[0].host_kept, 3);
