@@ -54,6 +54,19 @@ impl Schedule {
         })
     }
 
+    /// Accesses from the cursor until `expert`'s full record is next asked
+    /// for (`Full` or `State`), if the schedule ever does.
+    pub fn full_distance(&self, expert: ExpertId) -> Option<usize> {
+        let positions = self.positions.get(&expert)?;
+        let len = self.order.len();
+        let i = positions.partition_point(|&p| p < self.cursor);
+        positions[i..]
+            .iter()
+            .chain(&positions[..i])
+            .find(|&&p| self.order[p].1 != Parts::Compute)
+            .map(|&p| (p + len - self.cursor) % len)
+    }
+
     /// Records that `expert` was just accessed: if it is one of the next
     /// `window` scheduled accesses, the cursor moves past it. An access
     /// the schedule did not foresee leaves the cursor where it is.
@@ -91,6 +104,7 @@ mod tests {
         assert_eq!(s.distance(e(0)), Some(3));
         assert_eq!(s.distance(e(1)), Some(2));
         assert_eq!(s.distance(e(9)), None);
+        assert_eq!(s.full_distance(e(0)), None);
         // An unforeseen access does not move the cursor.
         s.advance(e(7), 4);
         assert_eq!(s.upcoming(0), Some((e(2), Parts::Compute)));
@@ -98,5 +112,25 @@ mod tests {
             s.advance(e(x), 4);
         }
         assert_eq!(s.upcoming(0), Some((e(0), Parts::Compute)));
+    }
+
+    #[test]
+    fn full_distance_finds_the_next_full_access_past_compute_reads() {
+        // forward 0 1, backward 1 (full) 0 (compute, then full)
+        let (c, f) = (Parts::Compute, Parts::Full);
+        let order = vec![(e(0), c), (e(1), c), (e(1), f), (e(0), c), (e(0), f)];
+        let mut s = Schedule::new(order);
+        assert_eq!(s.full_distance(e(0)), Some(4));
+        assert_eq!(s.full_distance(e(1)), Some(2));
+        for x in [0, 1, 1, 0, 0] {
+            s.advance(e(x), 5);
+        }
+        // Wrapped to the next step: the same distances again.
+        assert_eq!(s.full_distance(e(0)), Some(4));
+        s.advance(e(0), 5);
+        s.advance(e(1), 5);
+        s.advance(e(1), 5);
+        assert_eq!(s.full_distance(e(1)), Some(4));
+        assert_eq!(s.full_distance(e(9)), None);
     }
 }

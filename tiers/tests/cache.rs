@@ -5,54 +5,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
+use common::*;
 use proptest::prelude::*;
-use strata_tiers::io::{AlignedBuf, MemFile};
+use strata_tiers::io::AlignedBuf;
 use strata_tiers::{
-    record_mut, Dtype, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout,
-    Parts, ReadGuard, TierError, WriteGuard,
+    record_mut, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Parts,
+    ReadGuard, TierError,
 };
-
-fn layout(experts: u32) -> Layout {
-    Layout {
-        layers: 1,
-        experts_per_layer: experts,
-        params_per_expert: 700,
-        compute_dtype: Dtype::Bf16,
-    }
-}
-
-/// Content of an expert at a version: compute bytes and state floats.
-fn compute_of(e: ExpertId, version: u64, n: usize) -> Vec<u8> {
-    (0..n)
-        .map(|i| ((e.index as u64 * 37 + version * 11 + i as u64) % 251) as u8)
-        .collect()
-}
-
-fn master_of(e: ExpertId, version: u64) -> f32 {
-    e.index as f32 * 100.0 + version as f32
-}
-
-fn fill(layout: &Layout, e: ExpertId, version: u64, buf: &mut [u8]) {
-    let r = record_mut(layout, buf).unwrap();
-    let n = r.compute.len();
-    r.compute.copy_from_slice(&compute_of(e, version, n));
-    r.master.fill(master_of(e, version));
-    r.m.fill(version as f32);
-    r.v.fill(1.0);
-}
-
-/// A store with every expert written at version 0 and committed.
-fn populated(layout: Layout) -> Arc<ExpertStore> {
-    let store = ExpertStore::create_on(Box::new(MemFile::new()), layout).unwrap();
-    let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
-    for i in 0..layout.experts_per_layer {
-        let e = ExpertId::new(0, i);
-        fill(&layout, e, 0, buf.as_mut_slice());
-        store.write(e, 0, buf.as_mut_slice()).unwrap();
-    }
-    store.checkpoint(0).unwrap();
-    Arc::new(store)
-}
 
 /// A host tier of `slots` slots over `store`, with no prefetcher.
 fn cache_without_prefetch(store: Arc<ExpertStore>, slots: u64) -> HostCache {
@@ -66,23 +27,6 @@ fn cache_without_prefetch(store: Arc<ExpertStore>, slots: u64) -> HostCache {
         },
     )
     .unwrap()
-}
-
-fn check_read(layout: &Layout, g: &ReadGuard, version: u64) {
-    let e = g.expert();
-    let n = layout.compute_payload_bytes() as usize;
-    assert_eq!(
-        g.compute(),
-        &compute_of(e, version, n)[..],
-        "expert {e} v{version}"
-    );
-    if let Some((master, m, _)) = g.state() {
-        assert!(
-            master.iter().all(|&x| x == master_of(e, version)),
-            "expert {e}"
-        );
-        assert!(m.iter().all(|&x| x == version as f32));
-    }
 }
 
 #[derive(Clone, Debug)]
@@ -115,20 +59,24 @@ proptest! {
     fn the_cache_behaves_like_a_map(
         ops in prop::collection::vec(op(7), 1..60),
         slots in 2u64..5,
+        cell_slots in 0usize..2,
         lru in any::<bool>(),
         prefetch in any::<bool>(),
     ) {
         let layout = layout(7);
         let store = populated(layout);
         let cache = HostCache::new(store.clone(), HostCacheConfig {
-            host_budget_bytes: slots * layout.record_bytes(),
+            host_budget_bytes: (slots + cell_slots as u64) * layout.record_bytes(),
+            cell_slots,
             policy: if lru { EvictionPolicy::Lru } else { EvictionPolicy::ScheduleDistance },
             prefetch_ahead_max: if prefetch { 4 } else { 0 },
             ..HostCacheConfig::default()
         }).unwrap();
         if prefetch {
-            // A schedule the ops do not follow: prefetching must not change results.
-            cache.set_schedule((0..7).map(|i| (ExpertId::new(0, i), Parts::Compute)).collect());
+            // A schedule the ops do not follow (compute reads, then full
+            // ones, which move records between record slots and compute
+            // cells): prefetching must not change results.
+            cache.set_schedule(moe_schedule(7));
         }
         // The model: each expert's current version.
         let mut model: BTreeMap<u32, u64> = (0..7).map(|i| (i, 0)).collect();
@@ -191,7 +139,9 @@ proptest! {
             for (g, version) in &held {
                 check_read(&layout, g, *version);
             }
-            prop_assert!(cache.resident().len() as u64 <= slots);
+            prop_assert!(cache.resident().len() <= slots as usize + cache.cell_count());
+            let full = cache.resident().iter().filter(|r| r.1 == Parts::Full).count();
+            prop_assert!(full as u64 <= slots);
         }
         drop(held);
         drop(held_sealed);
@@ -411,14 +361,6 @@ fn a_full_record_is_ready_to_write_only_when_loaded_in_full_and_free() {
     assert!(cache.full_record_ready(e0) && !cache.full_record_ready(e1));
 }
 
-fn set_version(g: &mut WriteGuard, e: ExpertId, version: u64) {
-    let r = g.record_mut();
-    let n = r.compute.len();
-    r.compute.copy_from_slice(&compute_of(e, version, n));
-    r.master.fill(master_of(e, version));
-    r.m.fill(version as f32);
-}
-
 /// A sealed write guard hands its slot back while it lives: with both
 /// slots sealed, other experts still load (writing the sealed records
 /// back with the checksums `seal` stamped), and everything reads back,
@@ -452,19 +394,6 @@ fn a_sealed_slot_is_written_back_and_reused_while_its_guard_lives() {
     for (i, version) in [(0, 6), (1, 5), (2, 0), (3, 0)] {
         check_stored(&store, ExpertId::new(0, i), version);
     }
-}
-
-/// `e`'s record reads back from the store, verified, at `version`.
-fn check_stored(store: &ExpertStore, e: ExpertId, version: u64) {
-    let layout = store.layout();
-    let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
-    assert_eq!(
-        store.read(e, Parts::Full, buf.as_mut_slice()).unwrap(),
-        version
-    );
-    let r = record_mut(&layout, buf.as_mut_slice()).unwrap();
-    assert_eq!(&r.compute[..], &compute_of(e, version, r.compute.len())[..]);
-    assert!(r.master.iter().all(|&x| x == master_of(e, version)));
 }
 
 /// Where the host tier holds every record, `seal` leaves the checksums to

@@ -1,9 +1,14 @@
 //! [`HostCache`]: the host tier. One allocation sized from
 //! `host_budget_bytes` is carved into fixed-size slots, one expert record
-//! each. Slots carry a pin count, a writer flag, a dirty step and a state;
-//! eviction never touches a pinned, written or in-flight slot, and writes a
-//! dirty one back before reuse. Prefetcher threads (`prefetch.rs`) walk
-//! the access schedule and load ahead of compute.
+//! each, and (`HostCacheConfig::cell_slots`) compute cells, each one
+//! record's compute part: an expert read for its compute params alone
+//! takes a cell instead of a record slot, and the prefetcher moves a clean
+//! record that is next read that way into a cell (a host copy, no I/O)
+//! when a record slot is wanted, so the record slots carry what is read
+//! and written in full. Slots carry a pin count, a writer flag, a dirty
+//! step and a state; eviction never touches a pinned, written or in-flight
+//! slot, and writes a dirty one back before reuse. Prefetcher threads
+//! (`prefetch.rs`) walk the access schedule and load ahead of compute.
 //!
 //! Slot memory is shared between guards, the prefetcher and write-backs by
 //! this protocol (all transitions under the one mutex):
@@ -12,7 +17,9 @@
 //! - `Ready` + `upgrading`: an I/O thread fills the state part, while read
 //!   guards of the compute part go on (disjoint bytes);
 //! - `Ready` + `writing_back`: an I/O thread stamps the two 64-byte headers
-//!   and reads the payloads; read guards go on (they never see headers).
+//!   and reads the payloads; read guards go on (they never see headers);
+//! - a demotion: the prefetcher pins the record slot (a reader's share)
+//!   and owns the `Loading` cell it copies the compute part into.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
@@ -32,7 +39,7 @@ mod slots;
 
 pub use guards::{ReadGuard, WriteGuard};
 use slots::{expert_detail, Inner, SlotMeta};
-pub(crate) use slots::{Shared, SlotState};
+pub(crate) use slots::{Shared, SlotKind, SlotState};
 
 /// Slots `HostCache::keep_resident` leaves to stream records through: one
 /// for the record being updated and one for the next arriving, at least.
@@ -64,6 +71,11 @@ pub struct HostCacheConfig {
     /// last checksum, marking its slots ready), so the disk is not left
     /// idle between batches.
     pub prefetch_threads: usize,
+    /// Record slots of the budget split into compute cells, each as large
+    /// as one record's compute part (a seventh of a bf16 record), for
+    /// experts read for their compute params alone. None where the record
+    /// slots left hold every record.
+    pub cell_slots: usize,
     pub allocator: Arc<dyn HostAllocator>,
     /// Where to record every SSD call and every acquire that waited
     /// (`None`: nothing is recorded).
@@ -78,6 +90,7 @@ impl Default for HostCacheConfig {
             prefetch_ahead_max: 64,
             prefetch_batch_max: 8,
             prefetch_threads: 2,
+            cell_slots: 0,
             allocator: Arc::new(PageAllocator),
             timeline: None,
         }
@@ -100,6 +113,9 @@ pub struct CacheStats {
     pub write_backs: u64,
     pub bytes_written: u64,
     pub evictions: u64,
+    /// Records whose compute part moved to a compute cell to free their
+    /// record slot.
+    pub demotions: u64,
 }
 
 impl CacheStats {
@@ -126,20 +142,32 @@ impl HostCache {
     pub fn new(store: Arc<ExpertStore>, config: HostCacheConfig) -> Result<Self, TierError> {
         let layout = store.layout();
         let slot_bytes = layout.record_bytes();
-        let slot_count = config.host_budget_bytes / slot_bytes;
-        if slot_count == 0 {
+        let cell_bytes = layout.compute_part_bytes();
+        let budget_slots = config.host_budget_bytes / slot_bytes;
+        let record_slots = budget_slots.saturating_sub(config.cell_slots as u64);
+        if record_slots == 0 {
+            let why = match config.cell_slots {
+                0 => "one expert record",
+                _ => "one expert record besides the slots split into compute cells",
+            };
             return Err(TierError::BudgetTooSmall {
                 tier: "host",
                 budget_bytes: config.host_budget_bytes,
-                needed_bytes: slot_bytes,
-                why: "one expert record",
+                needed_bytes: slot_bytes * (config.cell_slots as u64 + 1),
+                why,
             });
         }
-        // No more slots than experts: extra ones could never be used.
-        let slot_count = slot_count.min(layout.expert_count()) as usize;
+        // No more slots than experts: extra ones could never be used; and
+        // no cells where the record slots hold every record.
+        let experts = layout.expert_count();
+        let record_slots = record_slots.min(experts) as usize;
+        let cells = match record_slots as u64 == experts {
+            true => 0,
+            false => config.cell_slots * (slot_bytes / cell_bytes) as usize,
+        };
         let region = config
             .allocator
-            .allocate(slot_count * slot_bytes as usize)?;
+            .allocate(record_slots * slot_bytes as usize + cells * cell_bytes as usize)?;
         // SAFETY: the region lives in `Shared`, whose Drop unregisters it
         // before the region itself is dropped.
         let registered = unsafe { store.register_host_region(region.as_ptr(), region.len()) };
@@ -147,16 +175,18 @@ impl HostCache {
             store,
             region,
             registered,
-            evicts: (slot_count as u64) < layout.expert_count(),
+            evicts: (record_slots as u64) < experts,
             slot_bytes: slot_bytes as usize,
+            record_slots,
+            cell_bytes: cell_bytes as usize,
             layout,
             policy: config.policy,
             ahead_max: config.prefetch_ahead_max,
             batch_max: config.prefetch_batch_max.max(1),
             timeline: config.timeline,
             inner: Mutex::new(Inner {
-                slots: vec![SlotMeta::EMPTY; slot_count],
-                by_expert: HashMap::with_capacity(slot_count * 2),
+                slots: vec![SlotMeta::EMPTY; record_slots + cells],
+                by_expert: HashMap::with_capacity((record_slots + cells) * 2),
                 recency: LruCache::unbounded(),
                 schedule: Schedule::default(),
                 keep: HashSet::new(),
@@ -184,8 +214,14 @@ impl HostCache {
         Ok(cache)
     }
 
+    /// Slots that hold a whole record.
     pub fn slot_count(&self) -> usize {
-        self.shared.lock().slots.len()
+        self.shared.record_slots
+    }
+
+    /// Compute cells (`HostCacheConfig::cell_slots`).
+    pub fn cell_count(&self) -> usize {
+        self.shared.lock().slots.len() - self.shared.record_slots
     }
 
     pub fn store(&self) -> &Arc<ExpertStore> {
@@ -227,15 +263,16 @@ impl HostCache {
         }
         let mut inner = self.shared.lock();
         let keep: HashSet<ExpertId> = experts.iter().copied().collect();
-        let most = inner.slots.len().saturating_sub(MIN_STREAMING_SLOTS);
+        let records = self.shared.record_slots;
+        let most = records.saturating_sub(MIN_STREAMING_SLOTS);
         if keep.len() > most {
             return Err(TierError::TooManyKept {
                 kept: keep.len(),
-                slots: inner.slots.len(),
+                slots: records,
                 streaming: MIN_STREAMING_SLOTS,
             });
         }
-        for m in inner.slots.iter_mut() {
+        for m in inner.slots[..records].iter_mut() {
             m.kept = m.state == SlotState::Ready && m.expert.is_some_and(|e| keep.contains(&e));
         }
         inner.keep = keep;
@@ -319,6 +356,14 @@ impl HostCache {
         loop {
             if let Some(&slot) = inner.by_expert.get(&expert) {
                 let m = inner.slots[slot];
+                let cell = shared.kind(slot) == SlotKind::Cell;
+                if cell && (write || parts != Parts::Compute) && m.state == SlotState::Ready {
+                    // A cell holds compute params only: load the record
+                    // into a record slot (below), readers of the cell
+                    // keeping theirs.
+                    shared.leave_cell(&mut inner, slot);
+                    continue;
+                }
                 if m.busy_for(parts, write) {
                     waited = true;
                     inner = shared.wait(inner);
@@ -370,7 +415,7 @@ impl HostCache {
                 return Ok(slot);
             }
             // Not resident: load it here.
-            let Some(victim) = shared.choose_victim(&inner, None) else {
+            let Some(victim) = shared.choose_place(&inner, expert, parts, None) else {
                 // Loads, write-backs and upgrades finish on their own.
                 let transient = inner.slots.iter().any(|m| {
                     matches!(m.state, SlotState::Loading | SlotState::Evicting)
@@ -391,9 +436,11 @@ impl HostCache {
                     inner = shared.wait_timeout(inner, left);
                     continue;
                 }
-                return Err(TierError::AllSlotsPinned {
-                    slots: inner.slots.len(),
-                });
+                let slots = match parts {
+                    Parts::Compute => inner.slots.len(),
+                    _ => shared.record_slots,
+                };
+                return Err(TierError::AllSlotsPinned { slots });
             };
             let write_back = shared.claim(&mut inner, victim, expert, parts);
             drop(inner);
@@ -405,7 +452,7 @@ impl HostCache {
                     if write_back.is_some() {
                         shared.evicted(&mut inner, victim);
                     }
-                    shared.loaded(&mut inner, victim);
+                    shared.loaded(&mut inner, victim, parts);
                     loaded = true;
                 }
                 Err(e) => {
@@ -463,6 +510,16 @@ impl HostCache {
             let m = &inner.slots[slot];
             !m.busy_for(Parts::Full, true) && m.parts == Parts::Full
         })
+    }
+
+    /// Which experts sit in compute cells, for tests and reports.
+    pub fn cells_resident(&self) -> Vec<ExpertId> {
+        let inner = self.shared.lock();
+        inner.slots[self.shared.record_slots..]
+            .iter()
+            .filter(|m| m.state == SlotState::Ready)
+            .filter_map(|m| m.expert)
+            .collect()
     }
 
     /// Which experts are resident, for tests and reports.

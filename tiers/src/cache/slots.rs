@@ -3,6 +3,10 @@
 //! the slot memory and hands out byte ranges of it under the protocol in
 //! the parent module's docs, reads and writes slots through the store, and
 //! chooses, claims and releases slots (eviction).
+//!
+//! Slots `0..record_slots` hold a whole record each; the rest are compute
+//! cells, each the size of one record's compute part, which hold an
+//! expert's compute params only and are never dirty.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -80,9 +84,11 @@ impl SlotMeta {
     }
 
     /// Free to be given to another expert (after a write-back if dirty).
+    /// An empty slot with pins is a cell its expert left while read (see
+    /// `Shared::leave_cell`): free once its last reader is done.
     pub fn evictable(&self) -> bool {
         match self.state {
-            SlotState::Empty => true,
+            SlotState::Empty => self.pins == 0,
             SlotState::Ready => {
                 !self.kept
                     && self.pins == 0
@@ -108,10 +114,31 @@ pub(crate) struct Inner {
     pub stop: bool,
 }
 
+/// A record's compute part on its way from a record slot to a compute
+/// cell (`Shared::plan_demotion`).
+pub(crate) struct Demotion {
+    pub expert: ExpertId,
+    pub from: usize,
+    pub to: usize,
+}
+
+/// The two sizes of slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SlotKind {
+    /// A whole record.
+    Record,
+    /// One record's compute part.
+    Cell,
+}
+
 pub(crate) struct Shared {
     pub store: Arc<ExpertStore>,
     pub(super) region: HostRegion,
     pub slot_bytes: usize,
+    /// Slots `0..record_slots` hold records; the others are compute cells.
+    pub record_slots: usize,
+    /// A compute cell's bytes: the layout's compute part.
+    pub cell_bytes: usize,
     pub layout: Layout,
     pub policy: EvictionPolicy,
     pub ahead_max: usize,
@@ -166,10 +193,32 @@ impl Shared {
         }
     }
 
+    pub fn kind(&self, slot: usize) -> SlotKind {
+        if slot < self.record_slots {
+            SlotKind::Record
+        } else {
+            SlotKind::Cell
+        }
+    }
+
+    /// The bytes a slot spans: a record or a compute part.
+    pub fn size_of(&self, slot: usize) -> usize {
+        match self.kind(slot) {
+            SlotKind::Record => self.slot_bytes,
+            SlotKind::Cell => self.cell_bytes,
+        }
+    }
+
     fn slot_ptr(&self, slot: usize) -> *mut u8 {
-        assert!(slot * self.slot_bytes + self.slot_bytes <= self.region.len());
+        let offset = match self.kind(slot) {
+            SlotKind::Record => slot * self.slot_bytes,
+            SlotKind::Cell => {
+                self.record_slots * self.slot_bytes + (slot - self.record_slots) * self.cell_bytes
+            }
+        };
+        assert!(offset + self.size_of(slot) <= self.region.len());
         // SAFETY: in bounds of the region (asserted above).
-        unsafe { self.region.as_ptr().add(slot * self.slot_bytes) }
+        unsafe { self.region.as_ptr().add(offset) }
     }
 
     /// A byte range of a slot.
@@ -178,7 +227,7 @@ impl Shared {
     /// The caller holds the access the slot protocol (`cache` module docs) gives for
     /// exactly this range, and no `&mut` to it exists meanwhile.
     pub unsafe fn bytes(&self, slot: usize, range: std::ops::Range<usize>) -> &[u8] {
-        assert!(range.end <= self.slot_bytes);
+        assert!(range.end <= self.size_of(slot));
         // SAFETY: in bounds (asserted); aliasing is the caller's contract.
         unsafe { std::slice::from_raw_parts(self.slot_ptr(slot).add(range.start), range.len()) }
     }
@@ -190,7 +239,7 @@ impl Shared {
     /// no other reference to it exists while the result lives.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self, slot: usize, range: std::ops::Range<usize>) -> &mut [u8] {
-        assert!(range.end <= self.slot_bytes);
+        assert!(range.end <= self.size_of(slot));
         // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(slot).add(range.start), range.len()) }
     }
@@ -349,16 +398,29 @@ impl Shared {
         }
     }
 
-    /// The slot to give to a new expert, by policy, among evictable slots;
-    /// with `protect_within`, only slots whose expert is not needed within
-    /// that many scheduled accesses.
-    pub fn choose_victim(&self, inner: &Inner, protect_within: Option<usize>) -> Option<usize> {
-        if let Some(empty) = inner.slots.iter().position(|m| m.state == SlotState::Empty) {
+    /// The slot of `kind` to give to a new expert, by policy, among
+    /// evictable slots; with `protect_within`, only slots whose expert is
+    /// not needed within that many scheduled accesses.
+    pub fn choose_victim(
+        &self,
+        inner: &Inner,
+        protect_within: Option<usize>,
+        kind: SlotKind,
+    ) -> Option<usize> {
+        let range = match kind {
+            SlotKind::Record => 0..self.record_slots,
+            SlotKind::Cell => self.record_slots..inner.slots.len(),
+        };
+        let free = |slot: &usize| {
+            let m = &inner.slots[*slot];
+            m.state == SlotState::Empty && m.evictable()
+        };
+        if let Some(empty) = range.clone().find(free) {
             return Some(empty);
         }
         let allowed = |slot: usize| {
             let m = &inner.slots[slot];
-            if !m.evictable() {
+            if !range.contains(&slot) || !m.evictable() || m.state == SlotState::Empty {
                 return false;
             }
             match (protect_within, m.expert) {
@@ -373,7 +435,8 @@ impl Shared {
                 .rev()
                 .map(|(&slot, _)| slot)
                 .find(|&slot| allowed(slot)),
-            EvictionPolicy::ScheduleDistance => (0..inner.slots.len())
+            EvictionPolicy::ScheduleDistance => range
+                .clone()
                 .filter(|&slot| allowed(slot))
                 .max_by_key(|&slot| {
                     let e = inner.slots[slot]
@@ -383,6 +446,125 @@ impl Shared {
                     inner.schedule.distance(e).map_or(usize::MAX, |d| d)
                 }),
         }
+    }
+
+    /// Where a load of `expert`'s `parts` goes: a compute cell for compute
+    /// params alone (when the tier has cells and the expert is not one it
+    /// keeps), else a record slot; the victim as `choose_victim` picks it,
+    /// falling back to a record slot when no cell is free.
+    pub fn choose_place(
+        &self,
+        inner: &Inner,
+        expert: ExpertId,
+        parts: Parts,
+        protect_within: Option<usize>,
+    ) -> Option<usize> {
+        let cell = parts == Parts::Compute
+            && self.record_slots < inner.slots.len()
+            && !inner.keep.contains(&expert);
+        cell.then(|| self.choose_victim(inner, protect_within, SlotKind::Cell))
+            .flatten()
+            .or_else(|| self.choose_victim(inner, protect_within, SlotKind::Record))
+    }
+
+    /// Takes `expert` out of its compute cell, for an access that needs a
+    /// record slot (its full record, or a writer). The cell is free at
+    /// once if unpinned; else it is left empty with its pins, and free
+    /// when its last reader drops its guard (readers keep the bytes they
+    /// pinned; the record slot is loaded from the store, which the cell
+    /// matches, as cells are never written).
+    pub fn leave_cell(&self, inner: &mut Inner, slot: usize) {
+        let m = inner.slots[slot];
+        assert!(self.kind(slot) == SlotKind::Cell && m.state == SlotState::Ready);
+        if let Some(e) = m.expert {
+            inner.by_expert.remove(&e);
+        }
+        inner.slots[slot] = SlotMeta {
+            pins: m.pins,
+            ..SlotMeta::EMPTY
+        };
+        inner.recency.pop(&slot);
+    }
+
+    /// Plans to make room in the record slots for a record needed
+    /// `distance` accesses ahead, where none is free to evict: a clean
+    /// record whose expert is next read for its compute params only (and
+    /// sooner than `distance`), and not in full until after it, moves them
+    /// to a compute cell, whose own expert is needed later still, and gives
+    /// up its record slot. Of those, the one needed last. (A record wanted
+    /// in full before the one it makes room for would take its slot back,
+    /// and the two would trade places for ever.) The record slot is pinned
+    /// for the copy and the cell `Loading`; `finish_demotion` ends it.
+    pub fn plan_demotion(&self, inner: &mut Inner, distance: usize) -> Option<Demotion> {
+        if self.record_slots == inner.slots.len() {
+            return None;
+        }
+        let (from, expert, next) = (0..self.record_slots)
+            .filter_map(|slot| {
+                let m = &inner.slots[slot];
+                let e = m.expert?;
+                let clean = m.state == SlotState::Ready && m.evictable() && m.dirty.is_none();
+                let d = inner.schedule.distance(e)?;
+                let compute_next = inner.schedule.upcoming(d) == Some((e, Parts::Compute));
+                let full_later = inner.schedule.full_distance(e).is_none_or(|f| f > distance);
+                (clean && compute_next && full_later && d < distance).then_some((slot, e, d))
+            })
+            .max_by_key(|c| c.2)?;
+        let to = self.choose_victim(inner, Some(next), SlotKind::Cell)?;
+        if let Some(prev) = inner.slots[to].expert {
+            inner.by_expert.remove(&prev);
+            inner.stats.evictions += 1;
+        }
+        inner.recency.pop(&to);
+        inner.slots[to] = SlotMeta {
+            expert: Some(expert),
+            state: SlotState::Loading,
+            ..SlotMeta::EMPTY
+        };
+        inner.slots[from].pins += 1;
+        Some(Demotion { expert, from, to })
+    }
+
+    /// Copies `expert`'s compute part (header and payload) from slot `from`
+    /// to slot `to`: a record's into a cell (a demotion), or a cell's into
+    /// a record slot whose state part is then read.
+    ///
+    /// # Safety
+    /// The caller holds a pin of `from` (shared reads of its compute part)
+    /// and `to` is `Loading` for it.
+    pub unsafe fn copy_compute(&self, expert: ExpertId, from: usize, to: usize) {
+        let _span = TimelineSpan::start(self.timeline.as_deref(), "host", "copy compute part")
+            .with_detail(|| expert.to_string());
+        let part = Parts::Compute.range(&self.layout);
+        // SAFETY: the pin gives shared reads of `from`'s compute part; the
+        // Loading slot is the caller's alone.
+        unsafe {
+            let source = self.bytes(from, part.clone());
+            self.bytes_mut(to, part).copy_from_slice(source);
+        }
+    }
+
+    /// Ends a demotion: the expert now reads from its cell and the record
+    /// slot is empty, unless the record was pinned, written or changed
+    /// meanwhile, in which case it stays and the cell is emptied.
+    pub fn finish_demotion(&self, inner: &mut Inner, demotion: &Demotion) -> bool {
+        let m = &mut inner.slots[demotion.from];
+        m.pins -= 1;
+        let intact = m.state == SlotState::Ready
+            && m.expert == Some(demotion.expert)
+            && m.evictable()
+            && m.dirty.is_none();
+        if !intact {
+            inner.slots[demotion.to] = SlotMeta::EMPTY;
+            return false;
+        }
+        inner.slots[demotion.from] = SlotMeta::EMPTY;
+        inner.recency.pop(&demotion.from);
+        inner.by_expert.insert(demotion.expert, demotion.to);
+        inner.slots[demotion.to].state = SlotState::Ready;
+        inner.recency.put(demotion.to, ());
+        inner.stats.demotions += 1;
+        true
     }
 
     /// Gives `slot` to `expert`: `Loading` if it can be read at once, or
@@ -397,6 +579,10 @@ impl Shared {
     ) -> Option<(usize, ExpertId, u64)> {
         let old = inner.slots[slot];
         assert!(old.evictable(), "claiming a busy slot");
+        assert!(
+            self.kind(slot) == SlotKind::Record || parts == Parts::Compute,
+            "a compute cell holds compute params only"
+        );
         inner.by_expert.insert(expert, slot);
         if let Some(prev) = old.expert {
             inner.stats.evictions += 1;
@@ -440,13 +626,16 @@ impl Shared {
         };
     }
 
-    /// After a load: the slot is ready.
-    pub fn loaded(&self, inner: &mut Inner, slot: usize) {
+    /// After a load that read `read` (the parts claimed, or their state
+    /// part where the compute part was copied from a cell): the slot is
+    /// ready.
+    pub fn loaded(&self, inner: &mut Inner, slot: usize, read: Parts) {
         let meta = &mut inner.slots[slot];
         assert_eq!(meta.state, SlotState::Loading);
         meta.state = SlotState::Ready;
-        meta.kept = meta.expert.is_some_and(|e| inner.keep.contains(&e));
-        let bytes = meta.parts.range(&self.layout).len() as u64;
+        meta.kept = self.kind(slot) == SlotKind::Record
+            && meta.expert.is_some_and(|e| inner.keep.contains(&e));
+        let bytes = read.range(&self.layout).len() as u64;
         inner.stats.loads += 1;
         inner.stats.bytes_read += bytes;
         inner.recency.put(slot, ());
