@@ -37,11 +37,13 @@
 #                                its files suffixed N
 #   scripts/gpu-check.sh tune [N]  the same at 12288 tokens with the
 #                                engine's split of the host tier (4
-#                                streaming slots, no held share), then 5
-#                                streaming with a quarter held, then 6 with
-#                                three eighths: the settings a modeled
-#                                device (`--modeled-device-gflops`) ranked
-#                                on the development machine; files suffixed N
+#                                streaming slots, no held share, no compute
+#                                cells), then 5 streaming with a quarter
+#                                held, without and with a slot split into
+#                                compute cells, then 6 with three eighths
+#                                and cells: the settings a modeled device
+#                                (`--modeled-device-gflops`) ranked on the
+#                                development machine; files suffixed N
 #   scripts/gpu-check.sh modeled  `bench step --modeled-device-gflops` at
 #                                1000 and 2000 on this host's cores and
 #                                disk, at 12288 tokens: set against the
@@ -160,14 +162,15 @@ share)
     ;;
 tune)
     run=${2:-1}
-    for setting in "4 0" "5 0.25" "6 0.375"; do
+    for setting in "4 0 0" "5 0.25 0" "5 0.25 1" "6 0.375 1"; do
         set -- $setting
+        name="$1-$2-$3-$run"
         timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens 12288 \
-            --rounds 2 --host-stream-slots "$1" --defer-share "$2" --dir /tmp \
-            > "$out/bench-step-cuda-tune-$1-$2-$run.jsonl" \
-            2> "$out/bench-step-cuda-tune-$1-$2-$run.log" || status=1
-        echo "== --host-stream-slots $1 --defer-share $2 (run $run)"
-        cat "$out/bench-step-cuda-tune-$1-$2-$run.jsonl"
+            --rounds 2 --host-stream-slots "$1" --defer-share "$2" --host-cell-slots "$3" \
+            --dir /tmp > "$out/bench-step-cuda-tune-$name.jsonl" \
+            2> "$out/bench-step-cuda-tune-$name.log" || status=1
+        echo "== --host-stream-slots $1 --defer-share $2 --host-cell-slots $3 (run $run)"
+        cat "$out/bench-step-cuda-tune-$name.jsonl"
     done
     ;;
 modeled)

@@ -77,29 +77,43 @@ fn bench_step_refuses_a_token_count_it_cannot_run() {
 }
 
 /// The table says how the expert-wise run's host tier is used: with half
-/// the records in host memory, 3 of 8 slots keep a record resident (the
-/// bench streams through 5), the last layer's other 5 experts hold their
-/// updates unless told not to, and a quarter of layer 0's (2) either way.
+/// the records in host memory and no slot split into compute cells, 3 of
+/// 8 slots keep a record resident (the bench streams through 5), the last
+/// layer's other 5 experts hold their updates unless told not to, and a
+/// quarter of layer 0's (2) either way. At the bench's default of one
+/// slot split into cells (6 of them at this shape), 2 of the 7 record
+/// slots keep a record; the last layer's other 6 then do not fit the
+/// streaming slots, so only layer 0's updates are held.
 #[test]
 fn bench_step_table_names_kept_records_and_held_updates() {
     let dir = tempfile::tempdir().unwrap();
-    for (defer, held) in [("on", 7), ("off", 2)] {
+    let no_cells = "expert-wise host tier: 8 slots, 3 keeping a record resident, 5 streaming;";
+    let cells = "expert-wise host tier: 7 slots, 2 keeping a record resident, 5 streaming, \
+                 and 6 compute cells (";
+    for (defer, cell_slots, tier, held) in [
+        ("on", "0", no_cells, 7),
+        ("off", "0", no_cells, 2),
+        ("on", "1", cells, 2),
+    ] {
         let out = strata_bin()
             .args(["bench", "step", "--layers", "2", "--experts", "8"])
             .args(["--d-model", "16", "--d-ff", "32", "--tokens", "32"])
             .args(["--rounds", "1", "--steps", "1", "--host-fraction", "0.5"])
-            .args(["--defer-updates", defer, "--dir"])
+            .args(["--defer-updates", defer, "--host-cell-slots", cell_slots])
+            .arg("--dir")
             .arg(dir.path())
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{err}");
         let table = String::from_utf8_lossy(&out.stdout);
-        let expected = format!(
-            "expert-wise host tier: 8 slots, 3 keeping a record resident, 5 streaming; \
-             {held} updates held for the next forward"
-        );
-        assert!(table.contains(&expected), "{table}");
+        let line = table
+            .lines()
+            .find(|l| l.starts_with("expert-wise host tier"))
+            .unwrap_or_else(|| panic!("{table}"));
+        assert!(line.starts_with(tier), "{line}");
+        let held = format!("; {held} updates held for the next forward");
+        assert!(line.ends_with(&held), "{line}");
     }
     let out = strata_bin()
         .args(["bench", "step", "--defer-updates", "maybe"])

@@ -170,3 +170,36 @@ fn more_host_memory_than_the_machine_has_is_refused_up_front() {
         "{err}"
     );
 }
+
+#[test]
+fn compute_cells_that_leave_too_few_record_slots_are_refused() {
+    let model = model();
+    let layout = strata_tiers::Layout {
+        layers: model.layers as u32,
+        experts_per_layer: model.experts as u32,
+        params_per_expert: model.expert_params() as u64,
+        compute_dtype: EngineConfig::default().compute_dtype,
+    };
+    // 3 of the 4 records fit; one slot split into cells leaves 2.
+    let config = EngineConfig {
+        host_budget_bytes: 3 * layout.record_bytes(),
+        host_cell_slots: 1,
+        ..EngineConfig::default()
+    };
+    let err = Engine::new(model.clone(), config).err().unwrap();
+    assert!(matches!(err, EngineError::Config(_)), "{err}");
+    assert!(
+        err.to_string().contains(
+            "host_cell_slots = 1 leaves 2 of the host budget's 3 record slots; at least 3"
+        ),
+        "{err}"
+    );
+    // Where every record fits, there are no cells to refuse.
+    let config = EngineConfig {
+        host_budget_bytes: 4 * layout.record_bytes(),
+        host_cell_slots: 1,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(model, config).unwrap();
+    assert_eq!((engine.host_slots(), engine.host_cells()), (4, 0));
+}

@@ -15,18 +15,27 @@ const STEPS: usize = 20;
 
 /// Every parameter of the engine after training, flattened.
 fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
-    let keeps = config.host_stream_slots == Some(3);
+    let keeps = config.host_stream_slots == Some(3) && config.host_cell_slots == 0;
+    let cells = config.host_cell_slots > 0;
     let mut engine = Engine::new(model.clone(), config).unwrap();
     // The configuration that streams through 3 host slots keeps the rest.
     if keeps {
         assert!(engine.host_kept() > 0);
         assert_eq!(engine.host_kept(), engine.host_slots() - 3);
     }
+    if cells {
+        assert!(engine.host_cells() > 0);
+    }
+    let mut demotions = 0;
     for s in 0..STEPS {
         let m = engine.step(&batch(model, s)).unwrap();
+        demotions += m.host_demotions;
         // The SSD's busy time is the union of its I/O calls within the step.
         assert!(m.ssd_busy_s >= 0.0 && m.ssd_busy_s <= m.wall_s, "{m:?}");
         assert!(m.ssd_busy_s > 0.0 || m.bytes_ssd_to_host + m.bytes_host_to_ssd == 0);
+    }
+    if cells {
+        eprintln!("{demotions} records moved into compute cells in {STEPS} steps");
     }
     let mut experts = Vec::new();
     let mut steps = Vec::new();
@@ -104,6 +113,18 @@ fn configs(
                 host_budget_bytes: all / 4 * record_bytes,
                 host_stream_slots: Some(3),
                 store_path: Some(dir.join(format!("kept-{micro_batches}-{}.strata", model.top_k))),
+                ..base.clone()
+            },
+        ),
+        (
+            "host budget of 25%, a slot split into compute cells, half of layer 0's updates held",
+            EngineConfig {
+                device_budget_bytes: 2 * expert_bytes,
+                host_budget_bytes: all / 4 * record_bytes,
+                host_stream_slots: Some(3),
+                host_cell_slots: 1,
+                deferred_update_share: 0.5,
+                store_path: Some(dir.join(format!("cells-{micro_batches}-{}.strata", model.top_k))),
                 ..base.clone()
             },
         ),

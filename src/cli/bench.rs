@@ -92,6 +92,11 @@ pub struct StepArgs {
     /// [default: 5, one more than the engine's]
     #[arg(long, value_parser = parse_stream_slots)]
     pub host_stream_slots: Option<StreamSlots>,
+    /// Host slots the expert-wise runs split into compute cells, each one
+    /// record's compute part, for experts read for their compute params
+    /// alone; the record slots left keep records first.
+    #[arg(long, default_value_t = crate::bench::step::BENCH_CELL_SLOTS, value_name = "N")]
+    pub host_cell_slots: usize,
     /// Where records are kept resident, hold the last layer's other
     /// updates for the next step's forward (`on`) or apply each as its
     /// backward ends (`off`).
@@ -386,6 +391,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         host_stream_slots: args
             .host_stream_slots
             .map_or(defaults.host_stream_slots, |s| s.0),
+        host_cell_slots: args.host_cell_slots,
         defer_updates: args.defer_updates,
         deferred_update_share: args.defer_share,
         backend: crate::backend::BackendKind::parse(&args.backend)?,

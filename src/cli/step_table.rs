@@ -87,11 +87,18 @@ pub(super) fn print(
     if let Some(ew) = records.iter().find(|r| r.run == "expert_wise") {
         writeln!(
             out,
-            "expert-wise host tier: {} slots, {} keeping a record resident, {} streaming; \
+            "expert-wise host tier: {} slots, {} keeping a record resident, {} streaming{}; \
              {} updates held for the next forward",
             ew.host_slots,
             ew.host_kept,
             ew.host_slots - ew.host_kept,
+            match ew.host_cells {
+                0 => String::new(),
+                n => format!(
+                    ", and {n} compute cells ({:.1} records moved into them a step)",
+                    ew.host_demotions
+                ),
+            },
             ew.deferred_updates
         )?;
     }

@@ -90,6 +90,18 @@ pub struct EngineConfig {
     /// write-back every step (`None`: every slot streams, as the naive
     /// schedule's do). At least [`MIN_HOST_STREAM_SLOTS`].
     pub host_stream_slots: Option<usize>,
+    /// Expert-wise schedule, one device, a host tier smaller than the
+    /// store: host slots split into compute cells, each the size of one
+    /// record's compute part (a seventh of a bf16 record). An expert read
+    /// for its compute params alone (the forward's reads, a held update's
+    /// backward) then takes a cell instead of a whole record slot, and a
+    /// clean record next read that way moves to a cell (a host copy) when
+    /// the prefetcher wants its slot for a record read in full; so the
+    /// record slots carry the reads and write-backs of full records further
+    /// ahead. The slots left hold records: kept ones first (see
+    /// `host_stream_slots`), so each split slot keeps one record fewer.
+    /// 0 (the default): none.
+    pub host_cell_slots: usize,
     /// Where records are kept resident (see `host_stream_slots`) and the
     /// last layer's other experts all fit in the streaming slots: their
     /// updates wait for the next step's forward, which applies them just
@@ -151,6 +163,7 @@ impl Default for EngineConfig {
             recompute_hidden: false,
             prefetch_ahead_max: 16,
             host_stream_slots: Some(4),
+            host_cell_slots: 0,
             defer_last_layer_updates: true,
             deferred_update_share: 0.0,
             io_queue_depth: 32,

@@ -31,6 +31,9 @@ pub struct StepMetrics {
     pub bytes_device_to_host: u64,
     /// Host-tier acquires served without waiting.
     pub host_hit_rate: f64,
+    /// Records whose compute params moved from a host record slot to a
+    /// compute cell to free the slot (`EngineConfig::host_cell_slots`).
+    pub host_demotions: u64,
     /// Expert uses served by an expert already on the device.
     pub device_hit_rate: f64,
     /// `[layer][expert]` assignments this step (all devices).
@@ -99,6 +102,7 @@ pub(crate) fn gather<'a>(
         bytes_host_to_device: sum(|a| a.bytes_host_to_device),
         bytes_device_to_host: sum(|a| a.bytes_device_to_host),
         host_hit_rate: stats.hit_rate(),
+        host_demotions: stats.demotions,
         device_hit_rate: if hits + misses == 0 {
             1.0
         } else {

@@ -111,9 +111,16 @@ impl Engine {
         &self.notes
     }
 
-    /// Host slots (expert records that fit in host memory at once).
+    /// Host slots (expert records that fit in host memory at once, less
+    /// those split into compute cells).
     pub fn host_slots(&self) -> usize {
         self.shared.cache.slot_count()
+    }
+
+    /// Host compute cells, each one record's compute part
+    /// (`EngineConfig::host_cell_slots`).
+    pub fn host_cells(&self) -> usize {
+        self.shared.cache.cell_count()
     }
 
     /// Of the host slots, those keeping a record resident for the whole

@@ -140,6 +140,17 @@ impl Engine {
                  none resident"
             )));
         }
+        let layout = Self::layout(model, config);
+        let budget_slots = (config.host_budget_bytes / layout.record_bytes()) as usize;
+        let cells = host_cell_slot_count(config, budget_slots, layout.expert_count() as usize);
+        if cells > 0 && budget_slots - cells.min(budget_slots) < MIN_HOST_STREAM_SLOTS {
+            return Err(EngineError::Config(format!(
+                "host_cell_slots = {cells} leaves {} of the host budget's {budget_slots} record \
+                 slots; at least {MIN_HOST_STREAM_SLOTS} must hold records to stream them: split \
+                 fewer slots into compute cells or raise host_budget_bytes",
+                budget_slots - cells.min(budget_slots)
+            )));
+        }
         if !(0.0..=1.0).contains(&config.pin_fraction) {
             return Err(EngineError::Config(format!(
                 "pin_fraction = {} must be between 0 and 1",
@@ -160,8 +171,7 @@ impl Engine {
                 )));
             }
         }
-        HostMemoryPlan::of(&Self::layout(model, config), config)
-            .check(memory::available_host_memory())
+        HostMemoryPlan::of(&layout, config).check(memory::available_host_memory())
     }
 
     pub(crate) fn layout(model: &ModelConfig, config: &EngineConfig) -> Layout {
@@ -213,6 +223,11 @@ impl Engine {
                 // the expert-wise schedule 0.44 / 0.39 s of SSD stall a
                 // step, batches of 2 0.22 / 0.16 s (alternating runs).
                 prefetch_batch_max: 2,
+                cell_slots: host_cell_slot_count(
+                    &config,
+                    host_slots,
+                    layout.expert_count() as usize,
+                ),
                 timeline: config.timeline.clone(),
                 ..HostCacheConfig::default()
             },
@@ -406,6 +421,18 @@ pub fn host_kept_count(config: &EngineConfig, host_slots: usize, records: usize)
         return 0;
     }
     host_slots.saturating_sub(stream.max(MIN_HOST_STREAM_SLOTS))
+}
+
+/// How many of the host budget's `budget_slots` record slots are split
+/// into compute cells under `config`, with `records` expert records in
+/// the store (see [`EngineConfig::host_cell_slots`]): none but with the
+/// expert-wise schedule on one device where records stream.
+pub fn host_cell_slot_count(config: &EngineConfig, budget_slots: usize, records: usize) -> usize {
+    if config.schedule != ScheduleKind::ExpertWise || config.devices != 1 || budget_slots >= records
+    {
+        return 0;
+    }
+    config.host_cell_slots
 }
 
 /// The host tier's schedule of a step from its start (see `access.rs`):

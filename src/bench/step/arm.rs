@@ -192,6 +192,8 @@ impl Arm {
             },
             host_slots: self.engine.host_slots(),
             host_kept: self.engine.host_kept(),
+            host_cells: self.engine.host_cells(),
+            host_demotions: mean(|m| m.host_demotions as f64),
             deferred_updates: self.engine.deferred_updates(),
             device_slots: self.engine.device_slots(),
             steps: metrics.len(),

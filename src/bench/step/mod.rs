@@ -53,6 +53,9 @@ pub struct StepBenchConfig {
     /// The expert-wise runs' streaming host slots (`None`: all stream).
     /// The default, [`BENCH_STREAM_SLOTS`], is one more than the engine's.
     pub host_stream_slots: Option<usize>,
+    /// The expert-wise runs' host slots split into compute cells
+    /// (`EngineConfig::host_cell_slots`); by default [`BENCH_CELL_SLOTS`].
+    pub host_cell_slots: usize,
     /// Where records are kept, the last layer's other updates wait for
     /// the next step's forward (`EngineConfig::defer_last_layer_updates`).
     pub defer_updates: bool,
@@ -102,6 +105,7 @@ impl Default for StepBenchConfig {
             devices: 1,
             pin_fraction: 0.25,
             host_stream_slots: Some(BENCH_STREAM_SLOTS),
+            host_cell_slots: BENCH_CELL_SLOTS,
             defer_updates: EngineConfig::default().defer_last_layer_updates,
             deferred_update_share: BENCH_DEFERRED_SHARE,
             backend: BackendKind::Cpu,
@@ -111,13 +115,22 @@ impl Default for StepBenchConfig {
     }
 }
 
-/// The bench's split of its host tier (8 slots at the defaults): 5
-/// streaming, 3 keeping a record. With expert compute that leaves the
+/// The bench's split of its host tier's record slots: 5 streaming, the
+/// others (2 at the defaults, with one of the 8 slots split into compute
+/// cells) keeping a record. With expert compute that leaves the
 /// cores free (a GPU's, or `--modeled-device-gflops`), the fifth streaming
 /// slot lets the prefetcher run further ahead in the backward, where the
 /// next layer's records otherwise wait for the last ones to leave; see
 /// docs/performance.md, "A modeled device".
 pub const BENCH_STREAM_SLOTS: usize = 5;
+
+/// The bench's host slots split into compute cells
+/// (`EngineConfig::host_cell_slots`): one, which leaves 7 record slots at
+/// the defaults (2 keeping a record, 5 streaming) and 6 cells. With expert
+/// compute off the cores, the record slots then carry the next layer's
+/// full records while the last ones compute; see docs/performance.md,
+/// "Compute cells".
+pub const BENCH_CELL_SLOTS: usize = 1;
 
 /// The bench's share of each layer's updates held for the next forward
 /// (`EngineConfig::deferred_update_share`): a quarter (2 of 8 experts a
@@ -182,6 +195,7 @@ pub fn run(
         devices: config.devices,
         pin_fraction: config.pin_fraction,
         host_stream_slots: config.host_stream_slots,
+        host_cell_slots: config.host_cell_slots,
         defer_last_layer_updates: config.defer_updates,
         deferred_update_share: config.deferred_update_share,
         backend: config.backend,

@@ -21,9 +21,15 @@ pub struct StepBenchRecord {
     /// `computed` on `backend`, `skipped` (the I/O-only run) or `modeled`
     /// (see the summary's `modeled_device_gflop_per_s`).
     pub expert_compute: &'static str,
+    /// Host slots holding a whole record each.
     pub host_slots: usize,
     /// Of `host_slots`, those keeping a record resident for the whole run.
     pub host_kept: usize,
+    /// Host compute cells (each one record's compute part), from the slots
+    /// split into them (`--host-cell-slots`).
+    pub host_cells: usize,
+    /// Records a step moved from a record slot to a compute cell (mean).
+    pub host_demotions: f64,
     /// Experts whose updates wait for the next step's forward.
     pub deferred_updates: usize,
     pub device_slots: usize,

@@ -168,10 +168,10 @@ fn a_modeled_device_is_labeled_and_checked() {
     assert_eq!(summary.modeled_device_gflop_per_s, None);
 }
 
-/// Half the records in host memory and the engine's split: 4 of 8
-/// slots keep the last layer's experts 0–3, and its other 4 defer their
-/// updates unless told not to, in the expert-wise and I/O-only runs alike
-/// (the naive one keeps nothing).
+/// Half the records in host memory and the engine's split (no compute
+/// cells): 4 of 8 slots keep the last layer's experts 0–3, and its other 4
+/// defer their updates unless told not to, in the expert-wise and I/O-only
+/// runs alike (the naive one keeps nothing).
 #[test]
 fn deferred_updates_follow_the_config() {
     let dir = tempfile::tempdir().unwrap();
@@ -188,6 +188,7 @@ fn deferred_updates_follow_the_config() {
     for (defer, expected) in [(true, 4), (false, 0)] {
         let config = StepBenchConfig {
             host_stream_slots: Some(4),
+            host_cell_slots: 0,
             deferred_update_share: 0.0,
             defer_updates: defer,
             ..half.clone()
@@ -197,12 +198,26 @@ fn deferred_updates_follow_the_config() {
         assert_eq!(deferred, [expected, 0, 0, expected], "defer {defer}");
         assert_eq!(records[0].host_kept, 4);
     }
-    // The bench's own split: 5 streaming slots, so 3 kept; the last
-    // layer's other 5 held, and a quarter (2) of layer 0's.
-    let (records, _) = run(&half, |_| {}).unwrap();
+    // 5 streaming slots and no cells, so 3 kept: the last layer's other 5
+    // held, and a quarter (2) of layer 0's.
+    let no_cells = StepBenchConfig {
+        host_cell_slots: 0,
+        ..half.clone()
+    };
+    let (records, _) = run(&no_cells, |_| {}).unwrap();
     let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
     assert_eq!(deferred, [7, 0, 0, 7]);
-    assert_eq!(records[0].host_kept, 3);
+    assert_eq!((records[0].host_kept, records[0].host_cells), (3, 0));
+    // The bench's own split: one slot in compute cells, 5 of the 7 left
+    // streaming, so 2 kept; the last layer's other 6 do not fit the
+    // streaming slots and update in the backward; layer 0's quarter is held.
+    let (records, _) = run(&half, |_| {}).unwrap();
+    let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
+    assert_eq!(deferred, [2, 0, 0, 2]);
+    assert_eq!((records[0].host_slots, records[0].host_kept), (7, 2));
+    assert!(records[0].host_cells > 0);
+    // Neither the naive run nor the all-resident one has cells.
+    assert_eq!((records[1].host_cells, records[2].host_cells), (0, 0));
 }
 
 /// With `--backend cuda`, wherever a CUDA device answers (a GPU, or
