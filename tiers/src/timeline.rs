@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Debug, PartialEq)]
 pub struct TimelineEvent {
     /// The kind of work: `"ssd"` (a batch of reads or writes), `"stall"`
-    /// (a thread waiting), `"experts"` (a layer's expert loop), `"step"`.
+    /// (a thread waiting), `"host"` (a compute part copied between a
+    /// record slot and a compute cell), `"experts"` (a layer's expert
+    /// loop), `"step"`.
     pub category: &'static str,
     pub name: Cow<'static, str>,
     /// The recording thread's name (its id where it has none).
