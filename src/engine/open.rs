@@ -143,12 +143,12 @@ impl Engine {
         let layout = Self::layout(model, config);
         let budget_slots = (config.host_budget_bytes / layout.record_bytes()) as usize;
         let cells = host_cell_slot_count(config, budget_slots, layout.expert_count() as usize);
-        if cells > 0 && budget_slots - cells.min(budget_slots) < MIN_HOST_STREAM_SLOTS {
+        let left = budget_slots.saturating_sub(cells);
+        if cells > 0 && left < MIN_HOST_STREAM_SLOTS {
             return Err(EngineError::Config(format!(
-                "host_cell_slots = {cells} leaves {} of the host budget's {budget_slots} record \
-                 slots; at least {MIN_HOST_STREAM_SLOTS} must hold records to stream them: split \
-                 fewer slots into compute cells or raise host_budget_bytes",
-                budget_slots - cells.min(budget_slots)
+                "host_cell_slots = {cells} leaves {left} of the host budget's {budget_slots} \
+                 record slots; at least {MIN_HOST_STREAM_SLOTS} must hold records to stream \
+                 them: split fewer slots into compute cells or raise host_budget_bytes"
             )));
         }
         if !(0.0..=1.0).contains(&config.pin_fraction) {
@@ -414,13 +414,19 @@ pub(super) fn deferred_experts(
 /// How many of `host_slots` keep a record resident under `config`, with
 /// `records` expert records in the store (see [`EngineConfig::host_stream_slots`]).
 pub fn host_kept_count(config: &EngineConfig, host_slots: usize, records: usize) -> usize {
-    let Some(stream) = config.host_stream_slots else {
-        return 0;
-    };
-    if config.schedule != ScheduleKind::ExpertWise || config.devices != 1 || host_slots >= records {
-        return 0;
+    match config.host_stream_slots {
+        Some(stream) if streams_on_one_device(config, host_slots, records) => {
+            host_slots.saturating_sub(stream.max(MIN_HOST_STREAM_SLOTS))
+        }
+        _ => 0,
     }
-    host_slots.saturating_sub(stream.max(MIN_HOST_STREAM_SLOTS))
+}
+
+/// Whether the host tier's split (kept records, compute cells) applies:
+/// the expert-wise schedule on one device, with fewer than the store's
+/// `records` fitting in `host_slots`.
+fn streams_on_one_device(config: &EngineConfig, host_slots: usize, records: usize) -> bool {
+    config.schedule == ScheduleKind::ExpertWise && config.devices == 1 && host_slots < records
 }
 
 /// How many of the host budget's `budget_slots` record slots are split
@@ -428,11 +434,10 @@ pub fn host_kept_count(config: &EngineConfig, host_slots: usize, records: usize)
 /// the store (see [`EngineConfig::host_cell_slots`]): none but with the
 /// expert-wise schedule on one device where records stream.
 pub fn host_cell_slot_count(config: &EngineConfig, budget_slots: usize, records: usize) -> usize {
-    if config.schedule != ScheduleKind::ExpertWise || config.devices != 1 || budget_slots >= records
-    {
-        return 0;
+    match streams_on_one_device(config, budget_slots, records) {
+        true => config.host_cell_slots,
+        false => 0,
     }
-    config.host_cell_slots
 }
 
 /// The host tier's schedule of a step from its start (see `access.rs`):
