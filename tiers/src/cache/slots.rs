@@ -6,7 +6,7 @@
 //!
 //! Slots `0..record_slots` hold a whole record each; the rest are compute
 //! cells, each the size of one record's compute part, which hold an
-//! expert's compute params only and are never dirty.
+//! expert's compute params only and are never dirty (`cells`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -22,6 +22,8 @@ use crate::schedule::Schedule;
 use crate::store::{stamp_headers, ExpertStore};
 use crate::timeline::{Timeline, TimelineSpan};
 use crate::{ExpertId, TierError};
+
+mod cells;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SlotState {
@@ -112,14 +114,6 @@ pub(crate) struct Inner {
     pub keep: HashSet<ExpertId>,
     pub stats: CacheStats,
     pub stop: bool,
-}
-
-/// A record's compute part on its way from a record slot to a compute
-/// cell (`Shared::plan_demotion`).
-pub(crate) struct Demotion {
-    pub expert: ExpertId,
-    pub from: usize,
-    pub to: usize,
 }
 
 /// The two sizes of slot.
@@ -446,125 +440,6 @@ impl Shared {
                     inner.schedule.distance(e).map_or(usize::MAX, |d| d)
                 }),
         }
-    }
-
-    /// Where a load of `expert`'s `parts` goes: a compute cell for compute
-    /// params alone (when the tier has cells and the expert is not one it
-    /// keeps), else a record slot; the victim as `choose_victim` picks it,
-    /// falling back to a record slot when no cell is free.
-    pub fn choose_place(
-        &self,
-        inner: &Inner,
-        expert: ExpertId,
-        parts: Parts,
-        protect_within: Option<usize>,
-    ) -> Option<usize> {
-        let cell = parts == Parts::Compute
-            && self.record_slots < inner.slots.len()
-            && !inner.keep.contains(&expert);
-        cell.then(|| self.choose_victim(inner, protect_within, SlotKind::Cell))
-            .flatten()
-            .or_else(|| self.choose_victim(inner, protect_within, SlotKind::Record))
-    }
-
-    /// Takes `expert` out of its compute cell, for an access that needs a
-    /// record slot (its full record, or a writer). The cell is free at
-    /// once if unpinned; else it is left empty with its pins, and free
-    /// when its last reader drops its guard (readers keep the bytes they
-    /// pinned; the record slot is loaded from the store, which the cell
-    /// matches, as cells are never written).
-    pub fn leave_cell(&self, inner: &mut Inner, slot: usize) {
-        let m = inner.slots[slot];
-        assert!(self.kind(slot) == SlotKind::Cell && m.state == SlotState::Ready);
-        if let Some(e) = m.expert {
-            inner.by_expert.remove(&e);
-        }
-        inner.slots[slot] = SlotMeta {
-            pins: m.pins,
-            ..SlotMeta::EMPTY
-        };
-        inner.recency.pop(&slot);
-    }
-
-    /// Plans to make room in the record slots for a record needed
-    /// `distance` accesses ahead, where none is free to evict: a clean
-    /// record whose expert is next read for its compute params only (and
-    /// sooner than `distance`), and not in full until after it, moves them
-    /// to a compute cell, whose own expert is needed later still, and gives
-    /// up its record slot. Of those, the one needed last. (A record wanted
-    /// in full before the one it makes room for would take its slot back,
-    /// and the two would trade places for ever.) The record slot is pinned
-    /// for the copy and the cell `Loading`; `finish_demotion` ends it.
-    pub fn plan_demotion(&self, inner: &mut Inner, distance: usize) -> Option<Demotion> {
-        if self.record_slots == inner.slots.len() {
-            return None;
-        }
-        let (from, expert, next) = (0..self.record_slots)
-            .filter_map(|slot| {
-                let m = &inner.slots[slot];
-                let e = m.expert?;
-                let clean = m.state == SlotState::Ready && m.evictable() && m.dirty.is_none();
-                let d = inner.schedule.distance(e)?;
-                let compute_next = inner.schedule.upcoming(d) == Some((e, Parts::Compute));
-                let full_later = inner.schedule.full_distance(e).is_none_or(|f| f > distance);
-                (clean && compute_next && full_later && d < distance).then_some((slot, e, d))
-            })
-            .max_by_key(|c| c.2)?;
-        let to = self.choose_victim(inner, Some(next), SlotKind::Cell)?;
-        if let Some(prev) = inner.slots[to].expert {
-            inner.by_expert.remove(&prev);
-            inner.stats.evictions += 1;
-        }
-        inner.recency.pop(&to);
-        inner.slots[to] = SlotMeta {
-            expert: Some(expert),
-            state: SlotState::Loading,
-            ..SlotMeta::EMPTY
-        };
-        inner.slots[from].pins += 1;
-        Some(Demotion { expert, from, to })
-    }
-
-    /// Copies `expert`'s compute part (header and payload) from slot `from`
-    /// to slot `to`: a record's into a cell (a demotion), or a cell's into
-    /// a record slot whose state part is then read.
-    ///
-    /// # Safety
-    /// The caller holds a pin of `from` (shared reads of its compute part)
-    /// and `to` is `Loading` for it.
-    pub unsafe fn copy_compute(&self, expert: ExpertId, from: usize, to: usize) {
-        let _span = TimelineSpan::start(self.timeline.as_deref(), "host", "copy compute part")
-            .with_detail(|| expert.to_string());
-        let part = Parts::Compute.range(&self.layout);
-        // SAFETY: the pin gives shared reads of `from`'s compute part; the
-        // Loading slot is the caller's alone.
-        unsafe {
-            let source = self.bytes(from, part.clone());
-            self.bytes_mut(to, part).copy_from_slice(source);
-        }
-    }
-
-    /// Ends a demotion: the expert now reads from its cell and the record
-    /// slot is empty, unless the record was pinned, written or changed
-    /// meanwhile, in which case it stays and the cell is emptied.
-    pub fn finish_demotion(&self, inner: &mut Inner, demotion: &Demotion) -> bool {
-        let m = &mut inner.slots[demotion.from];
-        m.pins -= 1;
-        let intact = m.state == SlotState::Ready
-            && m.expert == Some(demotion.expert)
-            && m.evictable()
-            && m.dirty.is_none();
-        if !intact {
-            inner.slots[demotion.to] = SlotMeta::EMPTY;
-            return false;
-        }
-        inner.slots[demotion.from] = SlotMeta::EMPTY;
-        inner.recency.pop(&demotion.from);
-        inner.by_expert.insert(demotion.expert, demotion.to);
-        inner.slots[demotion.to].state = SlotState::Ready;
-        inner.recency.put(demotion.to, ());
-        inner.stats.demotions += 1;
-        true
     }
 
     /// Gives `slot` to `expert`: `Loading` if it can be read at once, or
