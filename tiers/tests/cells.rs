@@ -64,14 +64,13 @@ fn compute_reads_take_cells_and_full_access_takes_a_record_slot() {
     drop(more);
 
     // A writer of an expert read from a cell neither waits for the
-    // cell's reader nor changes its bytes: it loads the whole record into
-    // a record slot, where later reads find the new version.
+    // cell's reader nor changes its bytes: it takes a record slot, where
+    // later reads find the new version. The compute part is copied from
+    // the cell, so only the state part is read.
+    let state = layout.record_bytes() - layout.compute_part_bytes();
     let before = cache.stats();
     let mut w = cache.acquire_mut(e[1]).unwrap();
-    assert_eq!(
-        cache.stats().bytes_read - before.bytes_read,
-        layout.record_bytes()
-    );
+    assert_eq!(cache.stats().bytes_read - before.bytes_read, state);
     set_version(&mut w, e[1], 3);
     w.seal(3);
     drop(w);
@@ -85,6 +84,15 @@ fn compute_reads_take_cells_and_full_access_takes_a_record_slot() {
     drop(held);
     let g = cache.acquire(e[5], Parts::Compute).unwrap();
     assert!(cache.cells_resident().contains(&e[5]));
+    drop(g);
+
+    // A full read of an expert in a cell: compute part copied, state read.
+    let before = cache.stats();
+    let g = cache.acquire(e[2], Parts::Full).unwrap();
+    assert_eq!(cache.stats().bytes_read - before.bytes_read, state);
+    assert_eq!(cache.stats().misses, before.misses + 1);
+    assert!(!cache.cells_resident().contains(&e[2]));
+    check_read(&layout, &g, 0);
     drop(g);
     cache.checkpoint(1).unwrap();
     check_stored(&store, e[1], 3);

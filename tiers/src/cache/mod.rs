@@ -22,7 +22,7 @@
 //!   and owns the `Loading` cell it copies the compute part into.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use lru::LruCache;
@@ -358,10 +358,22 @@ impl HostCache {
                 let m = inner.slots[slot];
                 let cell = shared.kind(slot) == SlotKind::Cell;
                 if cell && (write || parts != Parts::Compute) && m.state == SlotState::Ready {
-                    // A cell holds compute params only: load the record
-                    // into a record slot (below), readers of the cell
-                    // keeping theirs.
+                    // A cell holds compute params only: the record goes to
+                    // a record slot, readers of the cell keeping theirs.
+                    // With one free to evict now, its compute part is
+                    // copied from the cell (pinned for the copy; the lock
+                    // is held from here to the claim, so the cell still
+                    // matches the store) and only its state part is read;
+                    // else it is read whole once one is (below).
+                    let place = shared.choose_victim(&inner, None, SlotKind::Record);
+                    if place.is_some() {
+                        inner.slots[slot].pins += 1;
+                    }
                     shared.leave_cell(&mut inner, slot);
+                    if let Some(victim) = place {
+                        inner = self.load_here(inner, victim, expert, Parts::Full, Some(slot))?;
+                        loaded = true;
+                    }
                     continue;
                 }
                 if m.busy_for(parts, write) {
@@ -442,23 +454,44 @@ impl HostCache {
                 };
                 return Err(TierError::AllSlotsPinned { slots });
             };
-            let write_back = shared.claim(&mut inner, victim, expert, parts);
-            drop(inner);
-            let result = load_now(shared, victim, expert, parts, write_back);
-            inner = shared.lock();
-            shared.changed.notify_all();
-            match result {
-                Ok(()) => {
-                    if write_back.is_some() {
-                        shared.evicted(&mut inner, victim);
-                    }
-                    shared.loaded(&mut inner, victim, parts);
-                    loaded = true;
+            inner = self.load_here(inner, victim, expert, parts, None)?;
+            loaded = true;
+        }
+    }
+
+    /// Gives `victim` to `expert` and loads its `parts` on this thread,
+    /// writing the slot's dirty record back first. With `from_cell` (a
+    /// cell this thread pinned, holding the expert's compute part), that
+    /// part is copied from the cell and only the state part is read; the
+    /// pin ends here.
+    fn load_here<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+        victim: usize,
+        expert: ExpertId,
+        parts: Parts,
+        from_cell: Option<usize>,
+    ) -> Result<MutexGuard<'a, Inner>, TierError> {
+        let shared = &*self.shared;
+        let write_back = shared.claim(&mut inner, victim, expert, parts);
+        drop(inner);
+        let result = load_now(shared, victim, expert, parts, write_back, from_cell);
+        let mut inner = shared.lock();
+        if let Some(cell) = from_cell {
+            inner.slots[cell].pins -= 1;
+        }
+        shared.changed.notify_all();
+        match result {
+            Ok(read) => {
+                if write_back.is_some() {
+                    shared.evicted(&mut inner, victim);
                 }
-                Err(e) => {
-                    shared.abandon(&mut inner, victim);
-                    return Err(e);
-                }
+                shared.loaded(&mut inner, victim, read);
+                Ok(inner)
+            }
+            Err(e) => {
+                shared.abandon(&mut inner, victim);
+                Err(e)
             }
         }
     }
@@ -534,20 +567,34 @@ impl HostCache {
     }
 }
 
-/// Writes back (if needed) and loads one slot, on the calling thread.
+/// Writes back (if needed) and loads one slot, on the calling thread:
+/// `parts`, or its state part after copying the compute part from
+/// `from_cell`. Returns the parts read from the store.
 fn load_now(
     shared: &Shared,
     slot: usize,
     expert: ExpertId,
     parts: Parts,
     write_back: Option<(usize, ExpertId, u64)>,
-) -> Result<(), TierError> {
+    from_cell: Option<usize>,
+) -> Result<Parts, TierError> {
     if let Some(job) = write_back {
         // SAFETY: the slot is Evicting for this thread (claim).
         unsafe { shared.write_slots(&[job])? };
     }
-    // SAFETY: the slot is Loading (or Evicting, about to be) for this thread.
-    unsafe { shared.read_slots(&[(slot, expert, parts)]) }
+    let read = match from_cell {
+        Some(cell) => {
+            // SAFETY: the caller pinned the cell (shared reads of its
+            // compute part) and the slot is Loading for this thread.
+            unsafe { shared.copy_compute(expert, cell, slot) };
+            Parts::State
+        }
+        None => parts,
+    };
+    // SAFETY: the slot is Loading for this thread (claim, or evicted after
+    // the write-back above).
+    unsafe { shared.read_slots(&[(slot, expert, read)])? };
+    Ok(read)
 }
 
 impl Drop for HostCache {
