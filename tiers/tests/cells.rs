@@ -120,6 +120,28 @@ fn kept_experts_and_full_reads_never_take_cells() {
     ));
 }
 
+#[test]
+fn a_kept_expert_waits_for_a_record_slot_while_others_take_cells() {
+    let e = ids(8);
+    let (_store, cache) = with_cells(8, 3, 0);
+    cache.keep_resident(&e[..1]).unwrap();
+    let held: Vec<_> = e[1..4]
+        .iter()
+        .map(|&x| cache.acquire(x, Parts::Full).unwrap())
+        .collect();
+    // Every record slot is pinned: the kept expert has nowhere to go, and
+    // the error counts the record slots alone, which it could have taken.
+    assert!(matches!(
+        cache.acquire(e[0], Parts::Compute),
+        Err(TierError::AllSlotsPinned { slots: 3 })
+    ));
+    let g = cache.acquire(e[4], Parts::Compute).unwrap();
+    assert!(cache.cells_resident().contains(&e[4]));
+    drop((g, held));
+    drop(cache.acquire(e[0], Parts::Compute).unwrap());
+    assert!(!cache.cells_resident().contains(&e[0]));
+}
+
 /// Two record slots hold experts 0 and 1 (1 updated to version 4), next
 /// read for compute; experts 2 and 3 are wanted in full after them. The
 /// prefetcher writes 1 back, moves both into cells and loads 2 and 3; the

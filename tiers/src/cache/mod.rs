@@ -448,9 +448,11 @@ impl HostCache {
                     inner = shared.wait_timeout(inner, left);
                     continue;
                 }
-                let slots = match parts {
-                    Parts::Compute => inner.slots.len(),
-                    _ => shared.record_slots,
+                // The slots this load could have taken (`choose_place`).
+                let slots = if parts == Parts::Compute && !inner.keep.contains(&expert) {
+                    inner.slots.len()
+                } else {
+                    shared.record_slots
                 };
                 return Err(TierError::AllSlotsPinned { slots });
             };
