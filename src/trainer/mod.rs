@@ -4,15 +4,16 @@
 //! checkpoints (every N steps, at the end and on Ctrl-C), resume, export,
 //! a progress bar and JSON-lines metrics.
 //!
-//! A run lives in one directory (`--out`): `run.json` (the resolved
-//! options and model), `config.json` (the model, Hugging Face form), the
-//! expert store `experts.strata` with its dense checkpoint files, and
-//! `metrics.jsonl`.
+//! A run lives in one directory (`--out`, `run_dir`): `run.json` (the
+//! resolved options and model), `config.json` (the model, Hugging Face
+//! form), the expert store `experts.strata` with its dense checkpoint
+//! files, and `metrics.jsonl`.
 
 pub mod hf;
 pub mod interrupt;
 pub mod options;
 pub mod plan;
+mod run_dir;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -21,14 +22,15 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use strata_optim::AdamWHyper;
-use strata_tiers::io::FileOptions;
-use strata_tiers::{Dtype, ExpertStore, Layout, Timeline};
+use strata_tiers::{Dtype, Timeline};
 
 use crate::engine::{Engine, EngineConfig, StepMetrics};
 use crate::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use crate::lm::{LmConfig, MixtralLm};
 pub use options::{TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
+pub use run_dir::export_run;
+use run_dir::{create_run, resume_options, store_path};
 
 use crate::backend::BackendKind;
 
@@ -39,15 +41,6 @@ pub enum Source {
     Scratch,
     /// A Hugging Face model directory.
     Finetune(PathBuf),
-}
-
-/// What `run.json` holds.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct RunRecord {
-    options: TrainOptions,
-    source: Source,
-    /// The model's `config.json` text.
-    model: String,
 }
 
 /// How a run went.
@@ -86,10 +79,6 @@ fn parse_dtype(name: &str) -> Result<Dtype, String> {
         "f32" => Ok(Dtype::F32),
         other => Err(format!("--compute-dtype {other:?}: use bf16, f16 or f32")),
     }
-}
-
-fn store_path(out: &Path) -> PathBuf {
-    out.join("experts.strata")
 }
 
 /// The tokenizer: `--tokenizer`, else the model directory's
@@ -460,132 +449,6 @@ pub fn run(
         summary.tokens_per_s
     ));
     Ok(summary)
-}
-
-/// `--resume`: the saved options, with `--steps`, `--export`, `--quiet`
-/// and `--timeline-step` taken from the command line when given.
-fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source), String> {
-    let out = flags.resolve()?.out;
-    let path = out.join("run.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        format!(
-            "cannot resume: {} is not readable ({e}); is --out the run's directory?",
-            path.display()
-        )
-    })?;
-    let record: RunRecord =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut o = record.options;
-    if let Some(steps) = flags.steps {
-        o.steps = steps;
-    }
-    if flags.export.is_some() {
-        o.export = flags.export.clone();
-    }
-    o.quiet = flags.quiet;
-    o.timeline_step = flags.timeline_step;
-    o.resume = true;
-    Ok((o, record.source))
-}
-
-/// `strata export`: the run's last checkpoint as a Hugging Face model.
-pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>, String> {
-    let flags = TrainFlags {
-        out: Some(run_dir.to_path_buf()),
-        ..TrainFlags::default()
-    };
-    let (o, source) = resume_options(&flags)?;
-    let tok = tokenizer_for(&o, &source)?;
-    let config = model_config(&o, &source, &tok)?;
-    let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
-    let engine_config = EngineConfig {
-        store_path: Some(store_path(run_dir)),
-        device_budget_bytes: 2 * lm.config().expert_params() as u64 * 4,
-        host_budget_bytes: 2 * Layout {
-            layers: 1,
-            experts_per_layer: 1,
-            params_per_expert: lm.config().expert_params() as u64,
-            compute_dtype: parse_dtype(&o.compute_dtype)?,
-        }
-        .record_bytes(),
-        compute_dtype: parse_dtype(&o.compute_dtype)?,
-        optimizer_threads: 1,
-        ..EngineConfig::default()
-    };
-    let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
-    let source_dir = match &source {
-        Source::Finetune(d) => Some(d.as_path()),
-        Source::Scratch => None,
-    };
-    hf::export(
-        to,
-        &lm,
-        engine.dense_params(),
-        engine.store(),
-        parse_dtype(dtype)?,
-        2 << 30,
-        source_dir,
-    )
-}
-
-/// Makes the run directory, its record and its store (initialized or
-/// imported). On failure, what this call created is removed again.
-fn create_run(
-    o: &TrainOptions,
-    source: &Source,
-    config: &LmConfig,
-    lm: &MixtralLm,
-    engine_config: EngineConfig,
-    imported: Option<(strata_tiers::safetensors_io::Checkpoint, Vec<f32>)>,
-) -> Result<Engine, String> {
-    let created = !o.out.exists();
-    std::fs::create_dir_all(&o.out)
-        .map_err(|e| format!("cannot create {}: {e}", o.out.display()))?;
-    let result = (|| {
-        let record = RunRecord {
-            options: o.clone(),
-            source: source.clone(),
-            model: config.to_hf_json(),
-        };
-        let engine = match imported {
-            None => Engine::new_network(lm, engine_config).map_err(|e| e.to_string())?,
-            Some((ckpt, dense)) => {
-                let layout = Layout {
-                    layers: config.layers as u32,
-                    experts_per_layer: config.experts as u32,
-                    params_per_expert: config.expert_params() as u64,
-                    compute_dtype: engine_config.compute_dtype,
-                };
-                let path = store_path(&o.out);
-                {
-                    let store = ExpertStore::create(&path, layout, &FileOptions::default())
-                        .map_err(|e| e.to_string())?;
-                    println!("importing {} experts …", layout.expert_count());
-                    let bar = indicatif::ProgressBar::new(layout.expert_count());
-                    hf::import_store(&ckpt, config, &store, |done, _| bar.set_position(done))?;
-                    bar.finish_and_clear();
-                }
-                Engine::open_imported(lm, engine_config, dense).map_err(|e| e.to_string())?
-            }
-        };
-        std::fs::write(o.out.join("config.json"), config.to_hf_json())
-            .and_then(|()| {
-                let text = serde_json::to_string_pretty(&record).expect("plain JSON");
-                let tmp = o.out.join(".run.json.partial");
-                std::fs::write(&tmp, text)?;
-                std::fs::rename(&tmp, o.out.join("run.json"))
-            })
-            .map_err(|e| format!("cannot write the run record in {}: {e}", o.out.display()))?;
-        Ok(engine)
-    })();
-    if result.is_err() {
-        if created {
-            let _ = std::fs::remove_dir_all(&o.out);
-        } else {
-            let _ = std::fs::remove_file(store_path(&o.out));
-        }
-    }
-    result
 }
 
 fn write_metrics(file: &mut std::fs::File, m: &StepMetrics, lr: f32) -> Result<(), String> {
