@@ -88,8 +88,8 @@ fn kept_records_are_neither_read_nor_written_back_each_step() {
     assert!(written_kept < written_all && read_kept < read_all);
 }
 
-/// Every expert's params after `STEPS` steps, and how many experts'
-/// updates were deferred.
+/// Every expert's params after `STEPS` steps at a changing learning rate,
+/// and how many experts' updates were deferred.
 fn params_after(
     defer: bool,
     share: f64,
@@ -98,6 +98,9 @@ fn params_after(
 ) -> (Vec<Vec<f32>>, usize) {
     let (mut engine, model) = engine(dir, Some(4), defer, share, micro_batches);
     for s in 0..STEPS {
+        // A learning rate that changes every step, as schedules do: a held
+        // update takes the rate of the step whose gradient it applies.
+        engine.set_lr(1e-3 * (1 + s % 3) as f32).unwrap();
         engine.step(&batch(&model, s)).unwrap();
     }
     let deferred = engine.deferred_updates();

@@ -217,9 +217,28 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
         Ok(())
     }
 
+    /// The hyperparameters `submit` gives an update now (`set_hyper`).
+    pub fn hyper(&self) -> AdamWHyper {
+        *lock(&self.shared.hyper)
+    }
+
     /// Hands over one expert's buffers for its update and returns at once;
-    /// blocks only while the bounded task queue is full.
+    /// blocks only while the bounded task queue is full. The update runs
+    /// with the hyperparameters set now.
     pub fn submit(&self, key: ExpertKey, target: T) -> Result<(), OptimError> {
+        self.submit_with(key, target, self.hyper())
+    }
+
+    /// `submit`, with `hyper` for this update: one whose gradient was held
+    /// past a `set_hyper` (a learning-rate schedule's next step) runs with
+    /// those of the step that computed it.
+    pub fn submit_with(
+        &self,
+        key: ExpertKey,
+        target: T,
+        hyper: AdamWHyper,
+    ) -> Result<(), OptimError> {
+        hyper.validate()?;
         let shared = &*self.shared;
         let slot_index = {
             let mut index = lock(&shared.index);
@@ -243,7 +262,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
             } else {
                 Phase::Queued
             };
-            state.claim(key, phase, *lock(&shared.hyper));
+            state.claim(key, phase, hyper);
             // SAFETY: (1) of target_mut: this thread claimed the Free slot
             // under its lock, and no task naming it has been sent yet.
             unsafe { *slot.target_mut() = Some(target) };

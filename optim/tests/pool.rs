@@ -131,6 +131,41 @@ fn hundreds_of_experts_from_several_threads_while_others_wait() {
     Arc::try_unwrap(pool).ok().unwrap().shutdown().unwrap();
 }
 
+/// An update takes the hyperparameters of its submit: `set_hyper` after a
+/// submit changes none in flight, and `submit_with` names its own.
+#[test]
+fn each_update_runs_with_the_hyperparameters_it_was_submitted_with() {
+    let pool = ExpertOptimizer::<VecExpert>::new(config(2)).unwrap();
+    let first = pool.hyper();
+    let second = AdamWHyper {
+        lr: first.lr * 3.0,
+        weight_decay: 0.1,
+        ..first
+    };
+    let a = VecExpert::new(300, 1);
+    let b = VecExpert::new(300, 2);
+    let c = VecExpert::new(300, 3);
+    let (want_a, want_b, want_c) = (
+        a.stepped_inline(&first, 1.0),
+        b.stepped_inline(&second, 1.0),
+        c.stepped_inline(&first, 1.0),
+    );
+    assert_ne!(want_a, a.stepped_inline(&second, 1.0));
+    pool.submit(ExpertKey(1), a).unwrap();
+    pool.set_hyper(second).unwrap();
+    assert_eq!(pool.hyper(), second);
+    pool.submit(ExpertKey(2), b).unwrap();
+    pool.submit_with(ExpertKey(3), c, first).unwrap();
+    assert_eq!(pool.wait(ExpertKey(1)).unwrap().0, want_a);
+    assert_eq!(pool.wait(ExpertKey(2)).unwrap().0, want_b);
+    assert_eq!(pool.wait(ExpertKey(3)).unwrap().0, want_c);
+    let bad = AdamWHyper { lr: -1.0, ..first };
+    assert!(pool
+        .submit_with(ExpertKey(4), VecExpert::new(8, 4), bad)
+        .is_err());
+    pool.shutdown().unwrap();
+}
+
 #[test]
 fn a_panicking_update_is_reported_on_wait_and_the_pool_goes_on() {
     let pool = ExpertOptimizer::<VecExpert>::new(config(2)).unwrap();

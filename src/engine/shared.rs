@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use strata_optim::{ExpertKey, ExpertOptimizer};
+use strata_optim::{AdamWHyper, ExpertKey, ExpertOptimizer};
 use strata_tiers::{ExpertId, HostCache, Layout, TierError, Timeline};
 
 use super::grad_buffers::GradBuffers;
@@ -31,8 +31,10 @@ pub(crate) struct UpdateBook {
     pub grad_accum: Vec<Option<Vec<f32>>>,
     /// Naive schedule: updates held until the backward pass is over.
     pub deferred: Vec<(usize, Vec<f32>)>,
-    /// Deferred experts' complete gradients, held until `submit_parked`.
-    pub parked: Vec<(usize, Vec<f32>)>,
+    /// Deferred experts' complete gradients, held until `submit_parked`,
+    /// each with the hyperparameters of the step that computed it (a
+    /// schedule sets the next step's before the held update runs).
+    pub parked: Vec<(usize, Vec<f32>, AdamWHyper)>,
 }
 
 pub(crate) struct SharedExperts {
@@ -194,7 +196,7 @@ impl SharedExperts {
                 return Ok(0.0);
             }
             if self.defers[key] {
-                book.parked.push((key, grad));
+                book.parked.push((key, grad, self.optimizer.hyper()));
                 return Ok(0.0);
             }
         }
@@ -208,8 +210,8 @@ impl SharedExperts {
     pub fn submit_parked(&self) -> Result<f64, EngineError> {
         let mut parked = std::mem::take(&mut self.book().parked).into_iter();
         let mut stall = 0.0;
-        while let Some((key, grad)) = parked.next() {
-            match self.submit_now(key, grad) {
+        while let Some((key, grad, hyper)) = parked.next() {
+            match self.submit_with(key, grad, hyper) {
                 Ok(waited) => stall += waited,
                 Err(e) => {
                     // The rest stay held for a later call.
@@ -227,14 +229,14 @@ impl SharedExperts {
         if !self.defers[key] {
             return Ok(0.0); // nothing to look for, and no lock to take
         }
-        let grad = {
+        let (_, grad, hyper) = {
             let mut book = self.book();
-            match book.parked.iter().position(|(k, _)| *k == key) {
-                Some(i) => book.parked.swap_remove(i).1,
+            match book.parked.iter().position(|(k, ..)| *k == key) {
+                Some(i) => book.parked.swap_remove(i),
                 None => return Ok(0.0),
             }
         };
-        self.submit_now(key, grad)
+        self.submit_with(key, grad, hyper)
     }
 
     /// Submits `key`'s held update if there is one and its full record is
@@ -279,7 +281,20 @@ impl SharedExperts {
         }
     }
 
+    /// Hands `key`'s gradient to the optimizer now, with the
+    /// hyperparameters set now; returns the seconds spent waiting for its
+    /// record's host slot.
     pub fn submit_now(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
+        self.submit_with(key, grad, self.optimizer.hyper())
+    }
+
+    /// `submit_now`, with `hyper` for this update.
+    fn submit_with(
+        &self,
+        key: usize,
+        grad: Vec<f32>,
+        hyper: AdamWHyper,
+    ) -> Result<f64, EngineError> {
         self.reap_finished()?;
         let expert = self.expert_id(key);
         let (guard, stall) = self.acquire(|cache, wait| cache.acquire_mut_within(expert, wait))?;
@@ -292,7 +307,8 @@ impl SharedExperts {
             timeline: self.timeline.clone(),
             started: None,
         };
-        self.optimizer.submit(ExpertKey(key as u64), target)?;
+        self.optimizer
+            .submit_with(ExpertKey(key as u64), target, hyper)?;
         self.book().pending[key] = true;
         Ok(stall)
     }
