@@ -88,6 +88,11 @@ fn small_flags(out: &Path) -> TrainFlags {
     // Room on the device for the dense part, the activations and two
     // expert slots, and on the host for three of the eight records:
     // experts stream from the SSD.
+    flags_holding(out, 3)
+}
+
+/// `small_flags` with host memory for `records` of the eight records.
+fn flags_holding(out: &Path, records: u64) -> TrainFlags {
     let config = tiny_config();
     let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
         model: &config,
@@ -99,12 +104,14 @@ fn small_flags(out: &Path) -> TrainFlags {
         device_mem: 1 << 40,
         host_mem: 1 << 40,
         store_dir: None,
+        host_stream_slots: EngineConfig::default().host_stream_slots,
+        host_cell_slots: 0,
     })
     .unwrap();
     let slot = 2 * config.expert_params() as u64;
     let device = fixed.dense_device_bytes + fixed.activation_bytes + 2 * slot;
     let record = fixed.expert_host_bytes / fixed.expert_count;
-    let host = fixed.dense_host_bytes + 3 * record;
+    let host = fixed.dense_host_bytes + records * record;
     TrainFlags {
         out: Some(out.to_path_buf()),
         steps: Some(6),
@@ -296,6 +303,57 @@ fn finetune_through_ssd_offload_exports_and_reimports() {
             );
         }
     }
+}
+
+/// How the host slots split where records stream (`--host-stream-slots`,
+/// `--host-cell-slots`, `--defer-share`) moves records at other times,
+/// not what the steps compute: two runs under different splits end on
+/// the same bits, and the plan says how each split.
+#[test]
+fn the_host_tiers_split_changes_the_traffic_not_the_params() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &config);
+    let run = |name: &str, split: TrainFlags| {
+        let out = dir.path().join(name);
+        let flags = TrainFlags {
+            host_stream_slots: split.host_stream_slots,
+            host_cell_slots: split.host_cell_slots,
+            defer_share: split.defer_share,
+            ..flags_holding(&out, 6)
+        };
+        let summary = trainer::run(
+            &flags,
+            Source::Finetune(model.clone()),
+            &AtomicBool::new(false),
+        )
+        .unwrap();
+        (summary, run_params(&out, &config))
+    };
+    let (plain, plain_params) = run("plain", TrainFlags::default());
+    let (split, split_params) = run(
+        "split",
+        TrainFlags {
+            host_stream_slots: Some(trainer::StreamSlots(None)),
+            host_cell_slots: Some(1),
+            defer_share: Some(0.5),
+            ..TrainFlags::default()
+        },
+    );
+    // Six host slots: by default 4 stream and 2 keep a record; split, one
+    // is cut into compute cells and the other five all stream.
+    assert_eq!(plain.plan.host_slots, 6);
+    assert_eq!((plain.plan.host_kept, plain.plan.host_cell_slots), (2, 0));
+    assert_eq!((split.plan.host_kept, split.plan.host_cell_slots), (0, 1));
+    assert!(
+        split.plan.describe().contains("(1 in compute cells)"),
+        "{}",
+        split.plan.describe()
+    );
+    assert_eq!(plain.last_loss, split.last_loss);
+    assert_eq!(plain.last_eval_loss, split.last_eval_loss);
+    assert!(plain_params == split_params, "the params differ");
 }
 
 /// `--devices 2` (one micro-batch each) trains the model one device
@@ -506,6 +564,25 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
         "--compute-dtype bf16",
     );
     refused(&["train", "--out", o, "--devices", "0"], "--devices");
+    refused(
+        &["train", "--out", o, "--defer-share", "1.5"],
+        "--defer-share 1.5",
+    );
+    // Tiny's records are 344 KiB and its dense moments 459.5 KiB: six
+    // host slots, four of them cut into compute cells, leave two for
+    // records, one fewer than streaming them needs.
+    refused(
+        &[
+            "plan",
+            "--host-mem",
+            "2600KiB",
+            "--device-mem",
+            "64MiB",
+            "--host-cell-slots",
+            "4",
+        ],
+        "--host-cell-slots 4 leaves 2 of the 6 host slots",
+    );
     refused(
         &["train", "--out", o, "--devices", "4", "--batch", "2"],
         "--devices 4",

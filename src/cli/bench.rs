@@ -9,6 +9,7 @@ use strata_optim::Kernel;
 use super::step_table;
 use super::CliError;
 use crate::bench;
+use crate::trainer::StreamSlots;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -90,7 +91,7 @@ pub struct StepArgs {
     /// Host slots the expert-wise runs stream records through; the others
     /// keep records resident for the whole run. `all`: keep none.
     /// [default: 5, one more than the engine's]
-    #[arg(long, value_parser = parse_stream_slots)]
+    #[arg(long, value_parser = StreamSlots::parse)]
     pub host_stream_slots: Option<StreamSlots>,
     /// Host slots the expert-wise runs split into compute cells, each one
     /// record's compute part, for experts read for their compute params
@@ -205,23 +206,6 @@ fn parse_tokens(value: &str) -> Result<StepTokens, String> {
         Ok(n) if n >= 1 => Ok(StepTokens::Fixed(n)),
         _ => Err(format!(
             "`{value}` is neither a token count (1 or more) nor `balanced`"
-        )),
-    }
-}
-
-/// `--host-stream-slots`: a count, or `all` (`None`: keep nothing resident).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StreamSlots(pub Option<usize>);
-
-fn parse_stream_slots(value: &str) -> Result<StreamSlots, String> {
-    let least = crate::engine::MIN_HOST_STREAM_SLOTS;
-    if value == "all" {
-        return Ok(StreamSlots(None));
-    }
-    match value.parse::<usize>() {
-        Ok(n) if n >= least => Ok(StreamSlots(Some(n))),
-        _ => Err(format!(
-            "`{value}` is neither a slot count ({least} or more) nor `all`"
         )),
     }
 }

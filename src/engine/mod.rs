@@ -43,7 +43,7 @@ use strata_tiers::{ExpertId, ExpertStore, Parts};
 pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
 pub use memory::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
-pub use open::host_kept_count;
+pub use open::{host_cell_slot_count, host_kept_count};
 
 use crate::model::{Batch, DenseKernels, ModelConfig, Network};
 use crate::placement::CostModel;

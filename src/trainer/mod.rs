@@ -27,7 +27,7 @@ use strata_tiers::{Dtype, Timeline};
 use crate::engine::{Engine, EngineConfig, StepMetrics};
 use crate::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use crate::lm::{LmConfig, MixtralLm};
-pub use options::{TrainFlags, TrainOptions};
+pub use options::{StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 pub use run_dir::export_run;
 use run_dir::{create_run, resume_options, store_path};
@@ -152,6 +152,8 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         device_mem: o.device_mem,
         host_mem: o.host_mem,
         store_dir: Some(&o.out),
+        host_stream_slots: o.host_stream_slots.0,
+        host_cell_slots: o.host_cell_slots,
     })
 }
 
@@ -190,6 +192,12 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
         .map_err(|e| format!("--backend {}: {e}", o.backend))?;
     if !(o.lr > 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
         return Err("--lr must be positive and --min-lr-ratio in [0, 1]".into());
+    }
+    if !(0.0..=1.0).contains(&o.defer_share) {
+        return Err(format!(
+            "--defer-share {} must be between 0 and 1",
+            o.defer_share
+        ));
     }
     Ok(())
 }
@@ -256,6 +264,9 @@ pub fn run(
         micro_batches: o.micro_batches,
         devices: o.devices,
         backend: BackendKind::parse(&o.backend)?,
+        host_stream_slots: o.host_stream_slots.0,
+        host_cell_slots: o.host_cell_slots,
+        deferred_update_share: o.defer_share,
         ..EngineConfig::default()
     };
     let say = |line: String| {
@@ -292,13 +303,23 @@ pub fn run(
     for note in engine.notes() {
         say(format!("note: {note}"));
     }
-    if engine.host_kept() > 0 {
+    if engine.host_kept() > 0 || engine.host_cells() > 0 {
+        let cells = match engine.host_cells() {
+            0 => String::new(),
+            n => format!(", and {n} compute cells"),
+        };
         say(format!(
             "  host memory: {} expert records; {} stay resident, the others stream from the SSD \
-             through {} slots",
+             through {} slots{cells}",
             engine.host_slots(),
             engine.host_kept(),
             engine.host_slots() - engine.host_kept()
+        ));
+    }
+    if engine.deferred_updates() > 0 {
+        say(format!(
+            "  {} experts' updates wait for the next step's forward",
+            engine.deferred_updates()
         ));
     }
     let start_step = engine.steps();

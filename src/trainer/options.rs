@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
+use crate::engine::{EngineConfig, MIN_HOST_STREAM_SLOTS};
+
 /// Flags of `strata train`, `strata finetune` and `strata plan`. Every
 /// field is optional here so a TOML file can fill what the command line
 /// leaves out; [`TrainFlags::resolve`] applies the defaults.
@@ -83,6 +85,21 @@ pub struct TrainFlags {
     /// Threads of the CPU optimizer.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where records stream from the SSD: the host slots they stream
+    /// through (at least 3), the others keeping a record resident for the
+    /// whole run; `all`: keep none (default 4).
+    #[arg(long, value_parser = StreamSlots::parse)]
+    pub host_stream_slots: Option<StreamSlots>,
+    /// Where records stream from the SSD: host slots split into compute
+    /// cells, one record's compute part each, for experts read for their
+    /// compute params alone (default 0).
+    #[arg(long, value_name = "N")]
+    pub host_cell_slots: Option<usize>,
+    /// Where records stream from the SSD: the share of each layer's experts
+    /// whose updates wait for the next step's forward, which then reads and
+    /// writes their records (0 to 1, default 0).
+    #[arg(long, value_name = "SHARE")]
+    pub defer_share: Option<f64>,
     /// Seed of the initialization and of the data order.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -131,6 +148,12 @@ pub struct TrainOptions {
     pub host_mem: u64,
     pub compute_dtype: String,
     pub threads: usize,
+    #[serde(default = "default_stream_slots")]
+    pub host_stream_slots: StreamSlots,
+    #[serde(default)]
+    pub host_cell_slots: usize,
+    #[serde(default)]
+    pub defer_share: f64,
     pub seed: u64,
     pub export: Option<PathBuf>,
     pub resume: bool,
@@ -146,6 +169,55 @@ fn one() -> usize {
 
 fn cpu() -> String {
     "cpu".into()
+}
+
+fn default_stream_slots() -> StreamSlots {
+    StreamSlots(EngineConfig::default().host_stream_slots)
+}
+
+/// `--host-stream-slots`: a slot count, or `all` (`None`: keep no record
+/// resident). In a TOML file or `run.json`, a number or `"all"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamSlots(pub Option<usize>);
+
+impl StreamSlots {
+    pub fn parse(value: &str) -> Result<Self, String> {
+        let least = MIN_HOST_STREAM_SLOTS;
+        if value == "all" {
+            return Ok(Self(None));
+        }
+        match value.parse::<usize>() {
+            Ok(n) if n >= least => Ok(Self(Some(n))),
+            _ => Err(format!(
+                "`{value}` is neither a slot count ({least} or more) nor `all`"
+            )),
+        }
+    }
+}
+
+impl Serialize for StreamSlots {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            Some(n) => s.serialize_u64(n as u64),
+            None => s.serialize_str("all"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StreamSlots {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given {
+            Count(u64),
+            Word(String),
+        }
+        let text = match Given::deserialize(d)? {
+            Given::Count(n) => n.to_string(),
+            Given::Word(w) => w,
+        };
+        Self::parse(&text).map_err(serde::de::Error::custom)
+    }
 }
 
 macro_rules! pick {
@@ -188,6 +260,9 @@ impl TrainFlags {
             host_mem: parse_bytes(&pick!(cli, file, host_mem, "4GiB".into()))?,
             compute_dtype: pick!(cli, file, compute_dtype, "bf16".into()),
             threads: pick!(cli, file, threads, threads),
+            host_stream_slots: pick!(cli, file, host_stream_slots, default_stream_slots()),
+            host_cell_slots: pick!(cli, file, host_cell_slots, 0),
+            defer_share: pick!(cli, file, defer_share, 0.0),
             seed: pick!(cli, file, seed, 0),
             export: cli.export.clone().or(file.export.clone()),
             resume: cli.resume,
@@ -274,5 +349,53 @@ mod tests {
         std::fs::write(&path, "stepz = 7\n").unwrap();
         let err = flags.resolve().unwrap_err();
         assert!(err.contains("stepz"), "{err}");
+    }
+
+    #[test]
+    fn host_stream_slots_are_a_count_or_all_in_flags_files_and_records() {
+        assert_eq!(StreamSlots::parse("5"), Ok(StreamSlots(Some(5))));
+        assert_eq!(StreamSlots::parse("all"), Ok(StreamSlots(None)));
+        let err = StreamSlots::parse("2").unwrap_err();
+        assert!(err.contains("3 or more"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        let from_file = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            TrainFlags {
+                config: Some(path.clone()),
+                ..TrainFlags::default()
+            }
+            .resolve()
+        };
+        let o = from_file("host_stream_slots = 6\nhost_cell_slots = 1\ndefer_share = 0.25\n");
+        let o = o.unwrap();
+        assert_eq!(o.host_stream_slots, StreamSlots(Some(6)));
+        assert_eq!((o.host_cell_slots, o.defer_share), (1, 0.25));
+        let o = from_file("host_stream_slots = \"all\"\n").unwrap();
+        assert_eq!(o.host_stream_slots, StreamSlots(None));
+        let err = from_file("host_stream_slots = 1\n").unwrap_err();
+        assert!(err.contains("3 or more"), "{err}");
+        // The engine's split by default; a run record keeps what was
+        // chosen, and one written before these options reads as the default.
+        let o = TrainFlags::default().resolve().unwrap();
+        assert_eq!(
+            (o.host_stream_slots.0, o.host_cell_slots, o.defer_share),
+            (EngineConfig::default().host_stream_slots, 0, 0.0)
+        );
+        let chosen = TrainOptions {
+            host_stream_slots: StreamSlots(None),
+            host_cell_slots: 2,
+            ..o.clone()
+        };
+        let text = serde_json::to_string(&chosen).unwrap();
+        assert!(text.contains("\"host_stream_slots\":\"all\""), "{text}");
+        let back: TrainOptions = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, chosen);
+        let mut old: serde_json::Value = serde_json::to_value(&o).unwrap();
+        for key in ["host_stream_slots", "host_cell_slots", "defer_share"] {
+            old.as_object_mut().unwrap().remove(key);
+        }
+        let back: TrainOptions = serde_json::from_value(old).unwrap();
+        assert_eq!(back, o);
     }
 }

@@ -18,6 +18,7 @@ use std::path::Path;
 use strata_tiers::{Dtype, Layout};
 
 use super::options::show_bytes;
+use crate::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
 use crate::lm::LmConfig;
 
 /// Where the experts end up.
@@ -60,8 +61,11 @@ pub struct MemoryPlan {
     /// Host bytes given to expert records.
     pub expert_host_bytes: u64,
     pub host_slots: u64,
-    /// Of `host_slots`, those keeping a record resident for the whole run
-    /// (`EngineConfig::host_stream_slots`); the others stream.
+    /// Of `host_slots`, those split into compute cells
+    /// (`EngineConfig::host_cell_slots`).
+    pub host_cell_slots: u64,
+    /// Of the other host slots, those keeping a record resident for the
+    /// whole run (`EngineConfig::host_stream_slots`); the rest stream.
     pub host_kept: u64,
     pub ssd_bytes: u64,
     pub ssd_free_bytes: Option<u64>,
@@ -80,6 +84,10 @@ pub struct PlanInput<'a> {
     pub host_mem: u64,
     /// Where the store will be (for its file system's free space).
     pub store_dir: Option<&'a Path>,
+    /// `EngineConfig::host_stream_slots` and `host_cell_slots`: how the
+    /// host slots split where records stream.
+    pub host_stream_slots: Option<usize>,
+    pub host_cell_slots: usize,
 }
 
 /// Bytes one micro-batch keeps for its backward (f32): per layer the
@@ -148,6 +156,22 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         ));
     }
     let host_slots = ((input.host_mem - dense_host) / record).min(experts);
+    let split = EngineConfig {
+        devices,
+        host_stream_slots: input.host_stream_slots,
+        host_cell_slots: input.host_cell_slots,
+        ..EngineConfig::default()
+    };
+    let cell_slots = host_cell_slot_count(&split, host_slots as usize, experts as usize) as u64;
+    let record_slots = host_slots - cell_slots.min(host_slots);
+    if cell_slots > 0 && record_slots < MIN_HOST_STREAM_SLOTS as u64 {
+        return Err(format!(
+            "does not fit: --host-cell-slots {cell_slots} leaves {record_slots} of the {host_slots} \
+             host slots for expert records, and at least {MIN_HOST_STREAM_SLOTS} must hold records \
+             to stream them. Lower --host-cell-slots, or raise --host-mem by {}",
+            show_bytes((MIN_HOST_STREAM_SLOTS as u64 - record_slots) * record)
+        ));
+    }
     // Store file: superblocks and maps, then two copies of each record;
     // plus two dense checkpoint files (params and moments) during a commit.
     let ssd = layout.data_offset() + 2 * experts * record + 2 * 12 * dense;
@@ -187,14 +211,8 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         dense_host_bytes: dense_host,
         expert_host_bytes: host_slots * record,
         host_slots,
-        host_kept: crate::engine::host_kept_count(
-            &crate::engine::EngineConfig {
-                devices,
-                ..crate::engine::EngineConfig::default()
-            },
-            host_slots as usize,
-            experts as usize,
-        ) as u64,
+        host_cell_slots: cell_slots,
+        host_kept: host_kept_count(&split, record_slots as usize, experts as usize) as u64,
         ssd_bytes: ssd,
         ssd_free_bytes: ssd_free,
     })
@@ -257,9 +275,18 @@ impl MemoryPlan {
             show_bytes(self.expert_device_bytes),
             self.device_slots
         );
-        let kept = match self.host_kept {
-            0 => String::new(),
-            n => format!(" ({n} kept resident, {} streaming)", self.host_slots - n),
+        let record_slots = self.host_slots - self.host_cell_slots;
+        let mut split = Vec::new();
+        if self.host_kept > 0 {
+            split.push(format!("{} kept resident", self.host_kept));
+            split.push(format!("{} streaming", record_slots - self.host_kept));
+        }
+        if self.host_cell_slots > 0 {
+            split.push(format!("{} in compute cells", self.host_cell_slots));
+        }
+        let kept = match split.is_empty() {
+            true => String::new(),
+            false => format!(" ({})", split.join(", ")),
         };
         let _ = writeln!(
             s,
@@ -294,7 +321,51 @@ mod tests {
             device_mem,
             host_mem,
             store_dir: None,
+            host_stream_slots: EngineConfig::default().host_stream_slots,
+            host_cell_slots: 0,
         }
+    }
+
+    #[test]
+    fn the_host_slots_split_into_kept_streaming_and_cells() {
+        let m = LmConfig::preset("tiny").unwrap();
+        let p = plan(&input(&m, 1 << 30, 1 << 30)).unwrap();
+        let record = p.expert_host_bytes / p.host_slots;
+        let six = p.dense_host_bytes + 6 * record;
+        let with = |stream: Option<usize>, cells: usize| {
+            plan(&PlanInput {
+                host_stream_slots: stream,
+                host_cell_slots: cells,
+                ..input(&m, 1 << 30, six)
+            })
+        };
+        let p = with(Some(4), 1).unwrap();
+        assert_eq!((p.host_slots, p.host_cell_slots, p.host_kept), (6, 1, 1));
+        assert!(
+            p.describe()
+                .contains("(1 kept resident, 4 streaming, 1 in compute cells)"),
+            "{}",
+            p.describe()
+        );
+        let p = with(None, 2).unwrap();
+        assert_eq!((p.host_cell_slots, p.host_kept), (2, 0));
+        assert!(
+            p.describe().contains("(2 in compute cells)"),
+            "{}",
+            p.describe()
+        );
+        let err = with(Some(4), 4).unwrap_err();
+        assert!(
+            err.contains("--host-cell-slots 4 leaves 2 of the 6 host slots"),
+            "{err}"
+        );
+        // Where every record fits, nothing streams and nothing is split.
+        let p = plan(&PlanInput {
+            host_cell_slots: 3,
+            ..input(&m, 1 << 30, 1 << 30)
+        })
+        .unwrap();
+        assert_eq!((p.host_cell_slots, p.host_kept), (0, 0));
     }
 
     #[test]
