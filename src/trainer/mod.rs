@@ -308,12 +308,16 @@ pub fn run(
             0 => String::new(),
             n => format!(", and {n} compute cells"),
         };
+        let kept = match engine.host_kept() {
+            0 => "none stays resident, all stream from the SSD".to_string(),
+            n => format!(
+                "{n} stay resident, the others stream from the SSD through {} slots",
+                engine.host_slots() - n
+            ),
+        };
         say(format!(
-            "  host memory: {} expert records; {} stay resident, the others stream from the SSD \
-             through {} slots{cells}",
-            engine.host_slots(),
-            engine.host_kept(),
-            engine.host_slots() - engine.host_kept()
+            "  host memory: {} expert records; {kept}{cells}",
+            engine.host_slots()
         ));
     }
     if engine.deferred_updates() > 0 {
