@@ -13,6 +13,13 @@ use strata_tiers::Dtype;
 
 const STEPS: usize = 20;
 
+/// The learning rate of step `s`: one that changes every step, as a
+/// schedule's does, never above `hyper().lr`, so that an update applied
+/// with another step's rate (a held one, say) shows.
+fn lr_of_step(s: usize) -> f32 {
+    hyper().lr * (1 + s % 4) as f32 / 4.0
+}
+
 /// Every parameter of the engine after training, flattened.
 fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
     let keeps = config.host_stream_slots == Some(3) && config.host_cell_slots == 0;
@@ -28,6 +35,7 @@ fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32
     }
     let mut demotions = 0;
     for s in 0..STEPS {
+        engine.set_lr(lr_of_step(s)).unwrap();
         let m = engine.step(&batch(model, s)).unwrap();
         demotions += m.host_demotions;
         // The SSD's busy time is the union of its I/O calls within the step.
@@ -51,6 +59,7 @@ fn train_engine(model: &ModelConfig, config: EngineConfig) -> (Vec<f32>, Vec<f32
 fn train_reference(model: &ModelConfig, micro_batches: usize) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
     let mut r = ReferenceTrainer::new(model.clone(), hyper()).unwrap();
     for s in 0..STEPS {
+        r.hyper.lr = lr_of_step(s);
         r.step(&batch(model, s), micro_batches).unwrap();
     }
     let experts = r
