@@ -354,6 +354,38 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
     assert_eq!(plain.last_loss, split.last_loss);
     assert_eq!(plain.last_eval_loss, split.last_eval_loss);
     assert!(plain_params == split_params, "the params differ");
+
+    // A run stopped after its first step and resumed under another split
+    // (the flags are taken on --resume) ends on the same bits as well.
+    let out = dir.path().join("resumed");
+    let first = TrainFlags {
+        host_cell_slots: Some(1),
+        ..flags_holding(&out, 6)
+    };
+    let stopped = trainer::run(
+        &first,
+        Source::Finetune(model.clone()),
+        &AtomicBool::new(true),
+    )
+    .unwrap();
+    assert!(stopped.interrupted && stopped.steps == 1, "{stopped:?}");
+    let again = TrainFlags {
+        resume: true,
+        host_stream_slots: Some(trainer::StreamSlots(Some(3))),
+        host_cell_slots: Some(0),
+        defer_share: Some(1.0),
+        ..flags_holding(&out, 6)
+    };
+    let resumed = trainer::run(&again, Source::Scratch, &AtomicBool::new(false)).unwrap();
+    assert_eq!(
+        (resumed.plan.host_kept, resumed.plan.host_cell_slots),
+        (3, 0)
+    );
+    assert_eq!(resumed.last_loss, plain.last_loss);
+    assert!(
+        run_params(&out, &config) == plain_params,
+        "the params differ"
+    );
 }
 
 /// `--devices 2` (one micro-batch each) trains the model one device

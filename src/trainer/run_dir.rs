@@ -24,8 +24,10 @@ pub(super) fn store_path(out: &Path) -> PathBuf {
     out.join("experts.strata")
 }
 
-/// `--resume`: the saved options, with `--steps`, `--export`, `--quiet`
-/// and `--timeline-step` taken from the command line when given.
+/// `--resume`: the saved options, with `--steps`, `--export`, `--quiet`,
+/// `--timeline-step` and the host tier's split (`--host-stream-slots`,
+/// `--host-cell-slots`, `--defer-share`, which change no result) taken
+/// from the command line when given.
 pub(super) fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source), String> {
     let out = flags.resolve()?.out;
     let path = out.join("run.json");
@@ -44,6 +46,11 @@ pub(super) fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source
     if flags.export.is_some() {
         o.export = flags.export.clone();
     }
+    if let Some(stream) = flags.host_stream_slots {
+        o.host_stream_slots = stream;
+    }
+    o.host_cell_slots = flags.host_cell_slots.unwrap_or(o.host_cell_slots);
+    o.defer_share = flags.defer_share.unwrap_or(o.defer_share);
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;
