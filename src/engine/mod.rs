@@ -142,6 +142,8 @@ impl Engine {
     }
 
     /// The learning rate of the updates from the next step on (schedules).
+    /// Updates of earlier steps still held (deferred to the next forward)
+    /// keep the rate of the step that computed their gradients.
     pub fn set_lr(&mut self, lr: f32) -> Result<(), EngineError> {
         let hyper = AdamWHyper {
             lr,
