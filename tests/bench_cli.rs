@@ -1,7 +1,8 @@
 //! `strata bench …` through the binary: `overlap`'s JSON lines, its
 //! refusal of a directory that is not there, `step`'s refusal of a token
-//! count, its table's line on the host tier and its timelines, and a quiet
-//! exit when the reader of stdout goes away.
+//! count, its table's line on the host tier and its timelines, its
+//! `--compute-threads`, and a quiet exit when the reader of stdout goes
+//! away.
 
 use std::process::{Command, Stdio};
 
@@ -33,6 +34,62 @@ fn bench_overlap_prints_three_arms_and_a_summary() {
     assert!(lines[3]["both_over_bound"].as_f64().unwrap() > 0.0);
     assert!(lines[2]["io_s"].as_f64().unwrap() > 0.0);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// `bench step --compute-threads 1` computes every run on one thread,
+/// says so in its summary, and reaches the losses of the run over every
+/// core (the splits share out rows, never change a sum); 0 is refused.
+#[test]
+fn bench_step_computes_on_the_threads_it_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |threads: Option<&str>| {
+        let mut cmd = strata_bin();
+        // GEMMs of 512 × 128 × 256: large enough to be split over cores.
+        cmd.args(["bench", "step", "--json", "--layers", "2", "--experts", "4"])
+            .args(["--d-model", "128", "--d-ff", "256", "--tokens", "512"])
+            .args(["--rounds", "1", "--steps", "2", "--host-fraction", "0.5"])
+            .arg("--dir")
+            .arg(dir.path());
+        if let Some(n) = threads {
+            cmd.args(["--compute-threads", n]);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        let summary: serde_json::Value = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|l| l["run"] == "summary")
+            .unwrap();
+        let mut losses: Vec<String> = err
+            .lines()
+            .filter_map(|l| {
+                Some(format!(
+                    "{} {}",
+                    l.split(" step ").next()?,
+                    l.split("loss ").nth(1)?
+                ))
+            })
+            .collect();
+        losses.sort();
+        assert_eq!(losses.len(), 4 * 3, "{err}");
+        (summary, losses)
+    };
+    let (one, one_losses) = run(Some("1"));
+    assert_eq!(one["compute_threads"], 1);
+    let cores = one["machine_cores"].as_u64().unwrap();
+    let (all, all_losses) = run(None);
+    assert_eq!(all["compute_threads"].as_u64(), Some(cores));
+    assert_eq!(one_losses, all_losses);
+
+    let out = strata_bin()
+        .args(["bench", "step", "--compute-threads", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--compute-threads 0: "), "{err}");
 }
 
 #[test]

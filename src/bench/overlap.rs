@@ -6,8 +6,8 @@
 //!   read (checksums verified as they arrive) and written back, through the
 //!   SSD tier's own engine (io_uring, O_DIRECT), on one thread as the
 //!   prefetch thread does;
-//! - `compute`: the cpu backend's expert GEMMs, split over every core as
-//!   the engine splits them, sized in an untimed first pass to last as long
+//! - `compute`: the cpu backend's expert GEMMs, split over every core (or
+//!   `--compute-threads`) as the engine splits them, sized in an untimed first pass to last as long
 //!   as `io` alone (the balanced case, where the overlap matters most), or
 //!   `compute_over_io` times as long;
 //! - `both`: the two at once.
@@ -80,7 +80,10 @@ pub struct OverlapRecord {
     /// system refused O_DIRECT).
     pub direct: bool,
     pub engine: &'static str,
-    pub cores: usize,
+    /// Threads the compute arm's GEMMs split over
+    /// ([`crate::set_compute_threads`]), of `machine_cores`.
+    pub compute_threads: usize,
+    pub machine_cores: usize,
 }
 
 /// What the three arms say together.
@@ -377,7 +380,8 @@ fn run_on(
                 gemm_calls: if arm == Arm::Io { 0 } else { calls },
                 direct,
                 engine: io.store.engine(),
-                cores: crate::parallel::cores(),
+                compute_threads: crate::parallel::cores(),
+                machine_cores: crate::parallel::machine_cores(),
             }
         })
         .collect();

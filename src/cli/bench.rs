@@ -110,6 +110,12 @@ pub struct StepArgs {
     /// engine's default is 0).
     #[arg(long, default_value_t = crate::bench::step::BENCH_DEFERRED_SHARE, value_name = "SHARE")]
     pub defer_share: f64,
+    /// Threads the cpu backend's expert and dense compute split over
+    /// (default: every core). Fewer leave the other cores to the SSD
+    /// tier's I/O and the optimizer, as a GPU leaves them all; every run
+    /// uses the same count, and no result changes by a bit.
+    #[arg(long, value_name = "N")]
+    pub compute_threads: Option<usize>,
     /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
@@ -152,6 +158,10 @@ pub struct OverlapArgs {
     /// Rounds in which the three arms take turns.
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
+    /// Threads the compute arm's GEMMs split over (default: every core);
+    /// fewer leave cores to the I/O.
+    #[arg(long, value_name = "N")]
+    pub compute_threads: Option<usize>,
     /// How long the compute arm lasts, as a multiple of the I/O arm (1: balanced).
     #[arg(long, default_value_t = 1.0)]
     pub compute_over_io: f64,
@@ -247,7 +257,7 @@ pub struct OptimArgs {
 }
 
 fn default_threads() -> usize {
-    crate::parallel::cores()
+    crate::parallel::machine_cores()
 }
 
 fn parse_kernel(name: &str) -> Result<Kernel, String> {
@@ -348,6 +358,7 @@ fn bench_placement(args: PlacementArgs) -> Result<(), CliError> {
 
 fn bench_step(args: StepArgs) -> Result<(), CliError> {
     require_dir(&args.dir)?;
+    set_compute_threads(args.compute_threads)?;
     if !(args.host_fraction > 0.0 && args.host_fraction <= 1.0) {
         return Err("--host-fraction must be in (0, 1]".into());
     }
@@ -394,8 +405,19 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
     step_table::print(&records, &summary)
 }
 
+/// `--compute-threads`, where given: fixed before anything computes.
+fn set_compute_threads(threads: Option<usize>) -> Result<(), CliError> {
+    match threads {
+        Some(n) => {
+            crate::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}").into())
+        }
+        None => Ok(()),
+    }
+}
+
 fn bench_overlap(args: OverlapArgs) -> Result<(), CliError> {
     require_dir(&args.dir)?;
+    set_compute_threads(args.compute_threads)?;
     let config = bench::overlap::OverlapBenchConfig {
         dir: args.dir,
         record_mib: args.record_mib,
@@ -443,6 +465,15 @@ fn bench_overlap(args: OverlapArgs) -> Result<(), CliError> {
             .collect::<Vec<_>>()
             .join(" ")
     )?;
+    if let Some(r) = records.first() {
+        if r.compute_threads < r.machine_cores {
+            writeln!(
+                out,
+                "the GEMMs split over {} of the {} cores (--compute-threads)",
+                r.compute_threads, r.machine_cores
+            )?;
+        }
+    }
     writeln!(
         out,
         "beside each other the I/O ran {:.2}x and the GEMMs {:.2}x their time alone",

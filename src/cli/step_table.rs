@@ -116,7 +116,7 @@ pub(super) fn print(
             counts.join(", ")
         )?;
     } else {
-        let cores = crate::parallel::cores() as f64;
+        let cores = crate::parallel::machine_cores() as f64;
         let noisy: Vec<String> = records
             .iter()
             .filter(|r| r.quiet_steps == 0)
@@ -162,6 +162,15 @@ pub(super) fn print(
         list(&summary.expert_wise_over_naive_by_round),
         list(&summary.expert_wise_over_bound_by_round)
     )?;
+    if summary.compute_threads < summary.machine_cores
+        && summary.modeled_device_gflop_per_s.is_none()
+    {
+        writeln!(
+            out,
+            "the cpu backend computed on {} of the {} cores (--compute-threads), every run alike",
+            summary.compute_threads, summary.machine_cores
+        )?;
+    }
     if let Some(balance) = &summary.balance {
         let tried: Vec<String> = balance
             .compute_only_s

@@ -155,7 +155,7 @@ impl Default for EngineConfig {
             store_path: None,
             device_budget_bytes: 1 << 30,
             host_budget_bytes: 4 << 30,
-            optimizer_threads: crate::parallel::cores(),
+            optimizer_threads: crate::parallel::machine_cores(),
             schedule: ScheduleKind::ExpertWise,
             hyper: AdamWHyper::default(),
             compute_dtype: Dtype::F32,

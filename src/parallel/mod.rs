@@ -11,14 +11,43 @@ pub(crate) use pool::WorkerPool;
 
 /// The cores this process may use, asked once. std answers afresh on
 /// every call from the affinity mask and the cgroup quota files (about
-/// 40 µs on the development machine), and the GEMMs, attention and
-/// activation passes ask before every split: in the default `train` run
-/// that was 13 % of the main thread's time. A quota changed while the
-/// process runs is not seen; splits only change how work is shared out,
+/// 40 µs on the development machine). A quota changed while the process
+/// runs is not seen.
+pub fn machine_cores() -> usize {
+    static MACHINE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MACHINE.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+static COMPUTE_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// The threads the cpu backend's GEMMs, attention and activation passes
+/// split their work over: [`set_compute_threads`]'s count, else
+/// [`machine_cores`]. The splits ask before every piece of work, hence
+/// the count is fixed once. Splits only change how work is shared out,
 /// never a result.
 pub(crate) fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    *COMPUTE_THREADS.get_or_init(machine_cores)
+}
+
+/// Fixes, for the rest of the process, how many threads the cpu backend's
+/// compute splits over (the caller's and `n - 1` pooled workers), before
+/// the first split asks. Fewer than the machine's cores leave the others
+/// to the SSD tier's I/O and the optimizer, as a GPU leaves every core;
+/// no result changes by a bit. The CUDA backend's kernels do not use
+/// them. Refused (with the count in force) once a split has fixed another
+/// count, or for 0.
+pub fn set_compute_threads(n: usize) -> Result<(), String> {
+    if n == 0 {
+        return Err("the compute threads must be at least 1".into());
+    }
+    let fixed = *COMPUTE_THREADS.get_or_init(|| n);
+    if fixed != n {
+        return Err(format!(
+            "the compute threads are already {fixed} in this process (set before the first \
+             engine or computation; it cannot change once one has run)"
+        ));
+    }
+    Ok(())
 }
 
 /// Runs every job, the first on this thread and the others on the

@@ -237,7 +237,7 @@ impl TrainFlags {
             None => TrainFlags::default(),
         };
         let cli = self;
-        let threads = crate::parallel::cores();
+        let threads = crate::parallel::machine_cores();
         Ok(TrainOptions {
             preset: pick!(cli, file, preset, "tiny".into()),
             experts: cli.experts.or(file.experts),

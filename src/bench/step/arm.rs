@@ -222,7 +222,7 @@ impl Arm {
     /// Wall times of the timed steps that lost at most `QUIET_STEAL_SHARE`
     /// of the machine (all of them where steal is not reported).
     fn quiet_walls(&self) -> Vec<std::time::Duration> {
-        let cores = crate::parallel::cores() as f64;
+        let cores = crate::parallel::machine_cores() as f64;
         self.metrics
             .iter()
             .zip(&self.steal)

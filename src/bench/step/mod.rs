@@ -382,6 +382,8 @@ fn run_rounds(
         rounds: config.rounds,
         tokens: config.tokens,
         modeled_device_gflop_per_s: config.modeled_device_flops.map(|r| r / 1e9),
+        compute_threads: crate::parallel::cores(),
+        machine_cores: crate::parallel::machine_cores(),
         balance,
         expert_wise_over_naive,
         expert_wise_over_bound,
