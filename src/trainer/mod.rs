@@ -215,6 +215,9 @@ pub fn run(
         (flags.resolve()?, source)
     };
     validate_options(&o)?;
+    if let Some(n) = o.compute_threads {
+        crate::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
+    }
     let record_path = o.out.join("run.json");
     if !o.resume && record_path.exists() {
         return Err(format!(
@@ -300,6 +303,12 @@ pub fn run(
     } else {
         create_run(&o, &source, &config, &lm, engine_config, imported)?
     };
+    if let Some(n) = o.compute_threads {
+        say(format!(
+            "  compute: the cpu backend splits over {n} of the {} cores",
+            crate::machine_cores()
+        ));
+    }
     for note in engine.notes() {
         say(format!("note: {note}"));
     }

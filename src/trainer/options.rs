@@ -85,6 +85,11 @@ pub struct TrainFlags {
     /// Threads of the CPU optimizer.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Threads the cpu backend's compute (GEMMs, attention, activations)
+    /// splits over (default: every core); fewer leave cores to the SSD
+    /// tier's I/O and the optimizer. Changes no result.
+    #[arg(long, value_name = "N")]
+    pub compute_threads: Option<usize>,
     /// Where records stream from the SSD: the host slots they stream
     /// through (at least 3), the others keeping a record resident for the
     /// whole run; `all`: keep none (default 4).
@@ -148,6 +153,9 @@ pub struct TrainOptions {
     pub host_mem: u64,
     pub compute_dtype: String,
     pub threads: usize,
+    /// None: every core (`crate::machine_cores`).
+    #[serde(default)]
+    pub compute_threads: Option<usize>,
     #[serde(default = "default_stream_slots")]
     pub host_stream_slots: StreamSlots,
     #[serde(default)]
@@ -260,6 +268,7 @@ impl TrainFlags {
             host_mem: parse_bytes(&pick!(cli, file, host_mem, "4GiB".into()))?,
             compute_dtype: pick!(cli, file, compute_dtype, "bf16".into()),
             threads: pick!(cli, file, threads, threads),
+            compute_threads: cli.compute_threads.or(file.compute_threads),
             host_stream_slots: pick!(cli, file, host_stream_slots, default_stream_slots()),
             host_cell_slots: pick!(cli, file, host_cell_slots, 0),
             defer_share: pick!(cli, file, defer_share, 0.0),
@@ -367,9 +376,12 @@ mod tests {
             }
             .resolve()
         };
-        let o = from_file("host_stream_slots = 6\nhost_cell_slots = 1\ndefer_share = 0.25\n");
+        let o = from_file(
+            "host_stream_slots = 6\nhost_cell_slots = 1\ndefer_share = 0.25\ncompute_threads = 1\n",
+        );
         let o = o.unwrap();
         assert_eq!(o.host_stream_slots, StreamSlots(Some(6)));
+        assert_eq!(o.compute_threads, Some(1));
         assert_eq!((o.host_cell_slots, o.defer_share), (1, 0.25));
         let o = from_file("host_stream_slots = \"all\"\n").unwrap();
         assert_eq!(o.host_stream_slots, StreamSlots(None));
@@ -392,7 +404,12 @@ mod tests {
         let back: TrainOptions = serde_json::from_str(&text).unwrap();
         assert_eq!(back, chosen);
         let mut old: serde_json::Value = serde_json::to_value(&o).unwrap();
-        for key in ["host_stream_slots", "host_cell_slots", "defer_share"] {
+        for key in [
+            "host_stream_slots",
+            "host_cell_slots",
+            "defer_share",
+            "compute_threads",
+        ] {
             old.as_object_mut().unwrap().remove(key);
         }
         let back: TrainOptions = serde_json::from_value(old).unwrap();

@@ -51,6 +51,10 @@ pub(super) fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source
     }
     o.host_cell_slots = flags.host_cell_slots.unwrap_or(o.host_cell_slots);
     o.defer_share = flags.defer_share.unwrap_or(o.defer_share);
+    o.threads = flags.threads.unwrap_or(o.threads);
+    if flags.compute_threads.is_some() {
+        o.compute_threads = flags.compute_threads;
+    }
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;
