@@ -355,12 +355,13 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
     assert_eq!(plain.last_eval_loss, split.last_eval_loss);
     assert!(plain_params == split_params, "the params differ");
 
-    // A run stopped after its first step and resumed under another split
-    // (the flags are taken on --resume) ends on the same bits as well.
-    let out = dir.path().join("resumed");
+    // A run stopped after its first step, its directory moved, and
+    // resumed there under another split (the flags are taken on
+    // --resume) ends on the same bits as well.
+    let before_move = dir.path().join("before-move");
     let first = TrainFlags {
         host_cell_slots: Some(1),
-        ..flags_holding(&out, 6)
+        ..flags_holding(&before_move, 6)
     };
     let stopped = trainer::run(
         &first,
@@ -369,6 +370,8 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
     )
     .unwrap();
     assert!(stopped.interrupted && stopped.steps == 1, "{stopped:?}");
+    let out = dir.path().join("resumed");
+    std::fs::rename(&before_move, &out).unwrap();
     let again = TrainFlags {
         resume: true,
         host_stream_slots: Some(trainer::StreamSlots(Some(3))),
@@ -386,6 +389,13 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
         run_params(&out, &config) == plain_params,
         "the params differ"
     );
+    // The record now holds what the run went on with, for the next --resume.
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    let options = &record["options"];
+    assert_eq!(options["out"].as_str(), out.to_str());
+    assert_eq!(options["host_stream_slots"], 3);
+    assert_eq!(options["defer_share"], 1.0);
 }
 
 /// `--devices 2` (one micro-batch each) trains the model one device

@@ -30,8 +30,13 @@ pub fn read_config(dir: &Path) -> Result<LmConfig, String> {
         ));
     }
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "cannot read {}: {e} (--model takes a Hugging Face model directory: \
+                 config.json and safetensors)",
+            path.display()
+        )
+    })?;
     LmConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 

@@ -30,7 +30,7 @@ use crate::lm::{LmConfig, MixtralLm};
 pub use options::{StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 pub use run_dir::export_run;
-use run_dir::{create_run, resume_options, store_path};
+use run_dir::{create_run, resume_options, store_path, update_record};
 
 use crate::backend::BackendKind;
 
@@ -299,6 +299,7 @@ pub fn run(
         let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
         data.skip_batches(engine.steps())
             .map_err(|e| e.to_string())?;
+        update_record(&o)?;
         engine
     } else {
         create_run(&o, &source, &config, &lm, engine_config, imported)?

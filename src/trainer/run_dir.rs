@@ -25,21 +25,18 @@ pub(super) fn store_path(out: &Path) -> PathBuf {
 }
 
 /// `--resume`: the saved options, with `--steps`, `--export`, `--quiet`,
-/// `--timeline-step` and the host tier's split (`--host-stream-slots`,
-/// `--host-cell-slots`, `--defer-share`, which change no result) taken
-/// from the command line when given.
+/// `--timeline-step`, the thread counts and the host tier's split
+/// (`--host-stream-slots`, `--host-cell-slots`, `--defer-share`, which
+/// change no result) taken from the command line when given.
 pub(super) fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source), String> {
     let out = flags.resolve()?.out;
-    let path = out.join("run.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        format!(
-            "cannot resume: {} is not readable ({e}); is --out the run's directory?",
-            path.display()
-        )
-    })?;
-    let record: RunRecord =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut o = record.options;
+    let record = read_record(&out, "resume", "--out")?;
+    // The directory given now, not the one recorded: a run directory may
+    // have been moved, or --out be relative to another working directory.
+    let mut o = TrainOptions {
+        out,
+        ..record.options
+    };
     if let Some(steps) = flags.steps {
         o.steps = steps;
     }
@@ -61,13 +58,51 @@ pub(super) fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source
     Ok((o, record.source))
 }
 
+/// Replaces `DIR/run.json` whole (a crash leaves the old or the new).
+fn write_record(dir: &Path, record: &RunRecord) -> Result<(), String> {
+    let text = serde_json::to_string_pretty(record).expect("plain JSON");
+    let tmp = dir.join(".run.json.partial");
+    std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, dir.join("run.json")))
+        .map_err(|e| format!("cannot write the run record in {}: {e}", dir.display()))
+}
+
+/// A resumed run's record: the options it goes on with (the directory it
+/// is in now, `--steps`, `--export`, the threads and the split given on
+/// the command line), so that the next `--resume` takes them.
+pub(super) fn update_record(o: &TrainOptions) -> Result<(), String> {
+    let record = read_record(&o.out, "resume", "--out")?;
+    let options = TrainOptions {
+        resume: false,
+        ..o.clone()
+    };
+    write_record(&o.out, &RunRecord { options, ..record })
+}
+
+/// `DIR/run.json`; where it cannot be read, the error says what could not
+/// `verb` and which `flag` named the directory.
+fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> {
+    let path = dir.join("run.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "cannot {verb}: {} is not readable ({e}); is {flag} the run's directory?",
+            path.display()
+        )
+    })?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 /// `strata export`: the run's last checkpoint as a Hugging Face model.
 pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>, String> {
-    let flags = TrainFlags {
-        out: Some(run_dir.to_path_buf()),
-        ..TrainFlags::default()
-    };
-    let (o, source) = resume_options(&flags)?;
+    let record = read_record(run_dir, "export", "--run")?;
+    let (o, source) = (
+        TrainOptions {
+            out: run_dir.to_path_buf(),
+            resume: true,
+            ..record.options
+        },
+        record.source,
+    );
     let tok = tokenizer_for(&o, &source)?;
     let config = model_config(&o, &source, &tok)?;
     let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
@@ -142,13 +177,8 @@ pub(super) fn create_run(
             }
         };
         std::fs::write(o.out.join("config.json"), config.to_hf_json())
-            .and_then(|()| {
-                let text = serde_json::to_string_pretty(&record).expect("plain JSON");
-                let tmp = o.out.join(".run.json.partial");
-                std::fs::write(&tmp, text)?;
-                std::fs::rename(&tmp, o.out.join("run.json"))
-            })
-            .map_err(|e| format!("cannot write the run record in {}: {e}", o.out.display()))?;
+            .map_err(|e| format!("cannot write config.json in {}: {e}", o.out.display()))?;
+        write_record(&o.out, &record)?;
         Ok(engine)
     })();
     if result.is_err() {
