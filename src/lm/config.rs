@@ -236,7 +236,9 @@ impl LmConfig {
         Ok(config)
     }
 
-    /// A Mixtral `config.json` for this shape (what `export` writes).
+    /// A Mixtral `config.json` for this shape (what `export` writes, and
+    /// a run directory keeps): `from_hf_json` reads it back to the same
+    /// config, but for the seed, which is strata's own.
     pub fn to_hf_json(&self) -> String {
         let value = json!({
             "architectures": ["MixtralForCausalLM"],
@@ -250,11 +252,13 @@ impl LmConfig {
             "head_dim": self.head_dim,
             "num_local_experts": self.experts,
             "num_experts_per_tok": self.top_k,
+            "norm_topk_prob": self.renormalize,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_seq,
             "router_aux_loss_coef": self.aux_loss_coef,
+            "router_z_loss_coef": self.z_loss_coef,
             "hidden_act": "silu",
             "torch_dtype": "float32",
             "sliding_window": null,
@@ -319,4 +323,29 @@ fn refuse_unsupported(map: &Map<String, Value>, model_type: &str) -> Result<(), 
         return refuse("attention_bias", "the attention projections have no bias");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_written_config_reads_back_the_same() {
+        for preset in ["tiny", "small", "moe-s"] {
+            let config = LmConfig::preset(preset).unwrap();
+            let back = LmConfig::from_hf_json(&config.to_hf_json()).unwrap();
+            assert_eq!(back, LmConfig { seed: 0, ..config });
+        }
+        let odd = LmConfig {
+            renormalize: false,
+            z_loss_coef: 1e-3,
+            aux_loss_coef: 0.02,
+            tie_embeddings: true,
+            rope_theta: 1e6,
+            rms_eps: 1e-6,
+            seed: 0,
+            ..LmConfig::preset("tiny").unwrap()
+        };
+        assert_eq!(LmConfig::from_hf_json(&odd.to_hf_json()).unwrap(), odd);
+    }
 }

@@ -14,7 +14,7 @@ use strata_tiers::{record_mut, Dtype, ExpertStore, Parts};
 use crate::lm::{LmConfig, MixtralLm};
 
 /// Files copied along with the weights when present.
-const SIDE_FILES: &[&str] = &[
+pub(super) const SIDE_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",

@@ -30,7 +30,7 @@ use crate::lm::{LmConfig, MixtralLm};
 pub use options::{StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 pub use run_dir::export_run;
-use run_dir::{create_run, resume_options, store_path, update_record};
+use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles};
 
 use crate::backend::BackendKind;
 
@@ -209,10 +209,10 @@ pub fn run(
     source: Source,
     interrupt: &AtomicBool,
 ) -> Result<RunSummary, String> {
-    let (o, source) = if flags.resume {
+    let (o, source, files) = if flags.resume {
         resume_options(flags)?
     } else {
-        (flags.resolve()?, source)
+        (flags.resolve()?, source, ModelFiles::Source)
     };
     validate_options(&o)?;
     if let Some(n) = o.compute_threads {
@@ -226,8 +226,7 @@ pub fn run(
         ));
     }
     // Everything that can be refused is checked before anything is written.
-    let tok = tokenizer_for(&o, &source)?;
-    let config = model_config(&o, &source, &tok)?;
+    let (tok, config) = files.read(&o, &source)?;
     let plan = plan_for(&o, &config)?;
     let lm = MixtralLm::new(config.clone()).map_err(|e| e.to_string())?;
     let mut data = Dataset::open(
@@ -461,9 +460,11 @@ pub fn run(
         return Ok(summary);
     }
     if let Some(dir) = &o.export {
-        let source_dir = match &source {
-            Source::Finetune(d) => Some(d.as_path()),
-            Source::Scratch => None,
+        // A new run's directory keeps the side files from its start.
+        let source_dir = if o.resume {
+            files.side_files_dir(&o, &source)
+        } else {
+            Some(o.out.as_path())
         };
         say(format!("exporting to {}", dir.display()));
         summary.exported = hf::export(

@@ -1,5 +1,9 @@
 //! The run directory (`--out`): its record `run.json`, created with the
-//! store on a new run and read back on `--resume` and by `strata export`.
+//! store on a new run and read back on `--resume` and by `strata export`,
+//! and the model files a resume or an export needs (`config.json`, the
+//! tokenizer and a fine-tune's other side files), copied there, so that
+//! neither depends on the model directory or the `--tokenizer` file it
+//! started from.
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +13,7 @@ use strata_tiers::{ExpertStore, Layout};
 
 use super::{hf, model_config, parse_dtype, tokenizer_for, Source, TrainFlags, TrainOptions};
 use crate::engine::{Engine, EngineConfig};
+use crate::lm::data::Tokenizer;
 use crate::lm::{LmConfig, MixtralLm};
 
 /// What `run.json` holds.
@@ -18,6 +23,80 @@ struct RunRecord {
     source: Source,
     /// The model's `config.json` text.
     model: String,
+    /// What the directory keeps of the model's files; absent from a record
+    /// written before it kept them, whose resume reads the source again.
+    #[serde(default)]
+    kept: Option<KeptFiles>,
+}
+
+/// The model files a run directory holds beside its record.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+struct KeptFiles {
+    /// `tokenizer.json`: the run's data was tokenized with it (else bytes).
+    tokenizer: bool,
+}
+
+/// Where a run's model config, tokenizer and side files are read from.
+#[derive(Clone, Debug)]
+pub(super) enum ModelFiles {
+    /// The run directory: the record's config (`from_hf_json` of what
+    /// `to_hf_json` wrote, the seed being the options'), and
+    /// `tokenizer.json` there where `tokenizer` (else bytes).
+    RunDir { config: LmConfig, tokenizer: bool },
+    /// The source: the preset or the model directory, and `--tokenizer`.
+    Source,
+}
+
+impl ModelFiles {
+    /// The tokenizer and the model config of the run `o` in `source`.
+    pub(super) fn read(
+        &self,
+        o: &TrainOptions,
+        source: &Source,
+    ) -> Result<(Tokenizer, LmConfig), String> {
+        match self {
+            ModelFiles::RunDir { config, tokenizer } => {
+                let tok = if *tokenizer {
+                    let path = o.out.join("tokenizer.json");
+                    if !path.is_file() {
+                        return Err(format!(
+                            "{} is missing: the run's data was tokenized with it; put it back \
+                             (a copy of the tokenizer the run started with)",
+                            path.display()
+                        ));
+                    }
+                    Tokenizer::from_file(&path).map_err(|e| format!("{}: {e}", path.display()))?
+                } else {
+                    Tokenizer::Bytes
+                };
+                let config = LmConfig {
+                    seed: o.seed,
+                    ..config.clone()
+                };
+                Ok((tok, config))
+            }
+            ModelFiles::Source => {
+                let tok = tokenizer_for(o, source)?;
+                let config = model_config(o, source, &tok)?;
+                Ok((tok, config))
+            }
+        }
+    }
+
+    /// Where an export finds the side files to copy: the run directory
+    /// once it keeps them (every new run), else a fine-tune's model
+    /// directory.
+    pub(super) fn side_files_dir<'a>(
+        &self,
+        o: &'a TrainOptions,
+        source: &'a Source,
+    ) -> Option<&'a Path> {
+        match (self, source) {
+            (ModelFiles::RunDir { .. }, _) => Some(&o.out),
+            (ModelFiles::Source, Source::Finetune(dir)) => Some(dir),
+            (ModelFiles::Source, Source::Scratch) => None,
+        }
+    }
 }
 
 pub(super) fn store_path(out: &Path) -> PathBuf {
@@ -28,9 +107,12 @@ pub(super) fn store_path(out: &Path) -> PathBuf {
 /// `--timeline-step`, the thread counts and the host tier's split
 /// (`--host-stream-slots`, `--host-cell-slots`, `--defer-share`, which
 /// change no result) taken from the command line when given.
-pub(super) fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source), String> {
+pub(super) fn resume_options(
+    flags: &TrainFlags,
+) -> Result<(TrainOptions, Source, ModelFiles), String> {
     let out = flags.resolve()?.out;
     let record = read_record(&out, "resume", "--out")?;
+    let files = record.model_files()?;
     // The directory given now, not the one recorded: a run directory may
     // have been moved, or --out be relative to another working directory.
     let mut o = TrainOptions {
@@ -55,7 +137,20 @@ pub(super) fn resume_options(flags: &TrainFlags) -> Result<(TrainOptions, Source
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;
-    Ok((o, record.source))
+    Ok((o, record.source, files))
+}
+
+impl RunRecord {
+    fn model_files(&self) -> Result<ModelFiles, String> {
+        Ok(match self.kept {
+            Some(kept) => ModelFiles::RunDir {
+                config: LmConfig::from_hf_json(&self.model)
+                    .map_err(|e| format!("run.json's model: {e}"))?,
+                tokenizer: kept.tokenizer,
+            },
+            None => ModelFiles::Source,
+        })
+    }
 }
 
 /// Replaces `DIR/run.json` whole (a crash leaves the old or the new).
@@ -79,6 +174,44 @@ pub(super) fn update_record(o: &TrainOptions) -> Result<(), String> {
     write_record(&o.out, &RunRecord { options, ..record })
 }
 
+/// Copies into the new run's directory the tokenizer it uses (`--tokenizer`,
+/// else a fine-tune's `tokenizer.json`) and a fine-tune's other side files;
+/// says whether there was a tokenizer to copy.
+fn keep_model_files(o: &TrainOptions, source: &Source) -> Result<bool, String> {
+    let model_dir = match source {
+        Source::Finetune(dir) => Some(dir.as_path()),
+        Source::Scratch => None,
+    };
+    let tokenizer = o.tokenizer.clone().or_else(|| {
+        model_dir
+            .map(|d| d.join("tokenizer.json"))
+            .filter(|p| p.is_file())
+    });
+    let mut copies: Vec<(PathBuf, &str)> = tokenizer
+        .iter()
+        .map(|from| (from.clone(), "tokenizer.json"))
+        .collect();
+    if let Some(dir) = model_dir {
+        copies.extend(
+            hf::SIDE_FILES
+                .iter()
+                .filter(|name| **name != "tokenizer.json")
+                .map(|name| (dir.join(name), *name))
+                .filter(|(from, _)| from.is_file()),
+        );
+    }
+    for (from, name) in copies {
+        let to = o.out.join(name);
+        // A file given from inside the run directory is there already.
+        let same = from.canonicalize().ok() == to.canonicalize().ok() && to.exists();
+        if !same {
+            std::fs::copy(&from, &to)
+                .map_err(|e| format!("cannot copy {} to {}: {e}", from.display(), to.display()))?;
+        }
+    }
+    Ok(tokenizer.is_some())
+}
+
 /// `DIR/run.json`; where it cannot be read, the error says what could not
 /// `verb` and which `flag` named the directory.
 fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> {
@@ -95,6 +228,7 @@ fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> 
 /// `strata export`: the run's last checkpoint as a Hugging Face model.
 pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>, String> {
     let record = read_record(run_dir, "export", "--run")?;
+    let files = record.model_files()?;
     let (o, source) = (
         TrainOptions {
             out: run_dir.to_path_buf(),
@@ -103,8 +237,7 @@ pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>
         },
         record.source,
     );
-    let tok = tokenizer_for(&o, &source)?;
-    let config = model_config(&o, &source, &tok)?;
+    let (_, config) = files.read(&o, &source)?;
     let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
     let engine_config = EngineConfig {
         store_path: Some(store_path(run_dir)),
@@ -121,10 +254,7 @@ pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>
         ..EngineConfig::default()
     };
     let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
-    let source_dir = match &source {
-        Source::Finetune(d) => Some(d.as_path()),
-        Source::Scratch => None,
-    };
+    let source_dir = files.side_files_dir(&o, &source);
     hf::export(
         to,
         &lm,
@@ -150,10 +280,12 @@ pub(super) fn create_run(
     std::fs::create_dir_all(&o.out)
         .map_err(|e| format!("cannot create {}: {e}", o.out.display()))?;
     let result = (|| {
+        let tokenizer = keep_model_files(o, source)?;
         let record = RunRecord {
             options: o.clone(),
             source: source.clone(),
             model: config.to_hf_json(),
+            kept: Some(KeptFiles { tokenizer }),
         };
         let engine = match imported {
             None => Engine::new_network(lm, engine_config).map_err(|e| e.to_string())?,

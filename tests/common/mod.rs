@@ -4,6 +4,8 @@
 // Each test binary uses its own subset.
 #![allow(dead_code)]
 
+pub mod tiny_lm;
+
 use strata::math::ExpertKind;
 use strata::model::{fill_uniform, Batch, ModelConfig};
 use strata_optim::AdamWHyper;
