@@ -428,6 +428,15 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
         &["finetune", "--out", o, "--model", model.to_str().unwrap()],
         "olmoe",
     );
+    let m = model.to_str().unwrap();
+    refused(
+        &["finetune", "--out", m, "--model", m],
+        "is the model directory",
+    );
+    refused(
+        &["finetune", "--out", o, "--model", m, "--export", m],
+        "--export",
+    );
     let mut config: serde_json::Value = serde_json::from_str(&tiny_config().to_hf_json()).unwrap();
     config["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
     std::fs::write(model.join("config.json"), config.to_string()).unwrap();

@@ -202,6 +202,32 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
     Ok(())
 }
 
+/// Refuses a fine-tune whose `--out` (a new run) or `--export` is its
+/// model directory: the run would replace the model's config.json, the
+/// export its weights.
+fn refuse_writing_into(model_dir: &Path, o: &TrainOptions) -> Result<(), String> {
+    let model = match model_dir.canonicalize() {
+        Ok(model) => model,
+        Err(_) => return Ok(()), // not there: nothing to overwrite
+    };
+    let is_model = |p: &Path| p.canonicalize().is_ok_and(|p| p == model);
+    if !o.resume && is_model(&o.out) {
+        return Err(format!(
+            "--out {} is the model directory: the run writes its store and config.json \
+             there; choose another --out",
+            o.out.display()
+        ));
+    }
+    if let Some(export) = o.export.as_deref().filter(|e| is_model(e)) {
+        return Err(format!(
+            "--export {} is the model directory: the export would replace its weights; \
+             choose another --export",
+            export.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Trains (or fine-tunes, or resumes) as `flags` say. `interrupt` set
 /// means: checkpoint after the current step and stop.
 pub fn run(
@@ -217,6 +243,9 @@ pub fn run(
     validate_options(&o)?;
     if let Some(n) = o.compute_threads {
         crate::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
+    }
+    if let Source::Finetune(model_dir) = &source {
+        refuse_writing_into(model_dir, &o)?;
     }
     let record_path = o.out.join("run.json");
     if !o.resume && record_path.exists() {
