@@ -83,12 +83,18 @@ fn parse_dtype(name: &str) -> Result<Dtype, String> {
 
 /// The tokenizer: `--tokenizer`, else the model directory's
 /// `tokenizer.json`, else bytes.
-fn tokenizer_for(o: &TrainOptions, source: &Source) -> Result<Tokenizer, String> {
+/// The tokenizer file a new run uses: `--tokenizer`, else a fine-tune's
+/// `tokenizer.json`; none means bytes.
+fn tokenizer_path(o: &TrainOptions, source: &Source) -> Option<PathBuf> {
     let from_model = match source {
         Source::Finetune(dir) => Some(dir.join("tokenizer.json")).filter(|p| p.is_file()),
         Source::Scratch => None,
     };
-    match o.tokenizer.clone().or(from_model) {
+    o.tokenizer.clone().or(from_model)
+}
+
+fn tokenizer_for(o: &TrainOptions, source: &Source) -> Result<Tokenizer, String> {
+    match tokenizer_path(o, source) {
         Some(path) => {
             if !path.is_file() {
                 return Err(format!("tokenizer file {} does not exist", path.display()));

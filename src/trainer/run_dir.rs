@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 use strata_tiers::io::FileOptions;
 use strata_tiers::{ExpertStore, Layout};
 
-use super::{hf, model_config, parse_dtype, tokenizer_for, Source, TrainFlags, TrainOptions};
+use super::{
+    hf, model_config, parse_dtype, tokenizer_for, tokenizer_path, Source, TrainFlags, TrainOptions,
+};
 use crate::engine::{Engine, EngineConfig};
 use crate::lm::data::Tokenizer;
 use crate::lm::{LmConfig, MixtralLm};
@@ -182,11 +184,7 @@ fn keep_model_files(o: &TrainOptions, source: &Source) -> Result<bool, String> {
         Source::Finetune(dir) => Some(dir.as_path()),
         Source::Scratch => None,
     };
-    let tokenizer = o.tokenizer.clone().or_else(|| {
-        model_dir
-            .map(|d| d.join("tokenizer.json"))
-            .filter(|p| p.is_file())
-    });
+    let tokenizer = tokenizer_path(o, source);
     let mut copies: Vec<(PathBuf, &str)> = tokenizer
         .iter()
         .map(|from| (from.clone(), "tokenizer.json"))
@@ -308,7 +306,7 @@ pub(super) fn create_run(
                 Engine::open_imported(lm, engine_config, dense).map_err(|e| e.to_string())?
             }
         };
-        std::fs::write(o.out.join("config.json"), config.to_hf_json())
+        std::fs::write(o.out.join("config.json"), &record.model)
             .map_err(|e| format!("cannot write config.json in {}: {e}", o.out.display()))?;
         write_record(&o.out, &record)?;
         Ok(engine)
