@@ -36,9 +36,10 @@ fn bench_overlap_prints_three_arms_and_a_summary() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
-/// `bench step --compute-threads 1` computes every run on one thread,
-/// says so in its summary, and reaches the losses of the run over every
-/// core (the splits share out rows, never change a sum); 0 is refused.
+/// `bench step` computes every run on every core but one unless told
+/// otherwise (`--compute-threads all`: every core), says so in its
+/// summary, and reaches the same losses either way (the splits share out
+/// rows, never change a sum); 0 and words other than `all` are refused.
 #[test]
 fn bench_step_computes_on_the_threads_it_is_given() {
     let dir = tempfile::tempdir().unwrap();
@@ -76,20 +77,25 @@ fn bench_step_computes_on_the_threads_it_is_given() {
         assert_eq!(losses.len(), 4 * 3, "{err}");
         (summary, losses)
     };
-    let (one, one_losses) = run(Some("1"));
-    assert_eq!(one["compute_threads"], 1);
-    let cores = one["machine_cores"].as_u64().unwrap();
-    let (all, all_losses) = run(None);
+    let (default, default_losses) = run(None);
+    let cores = default["machine_cores"].as_u64().unwrap();
+    assert_eq!(
+        default["compute_threads"].as_u64(),
+        Some(cores.saturating_sub(1).max(1))
+    );
+    let (all, all_losses) = run(Some("all"));
     assert_eq!(all["compute_threads"].as_u64(), Some(cores));
-    assert_eq!(one_losses, all_losses);
+    assert_eq!(default_losses, all_losses);
 
-    let out = strata_bin()
-        .args(["bench", "step", "--compute-threads", "0"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--compute-threads 0: "), "{err}");
+    for (arg, says) in [("0", "--compute-threads 0: "), ("most", "`most`")] {
+        let out = strata_bin()
+            .args(["bench", "step", "--compute-threads", arg])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{err}");
+    }
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! `cli/bench.rs`.
 
 mod bench;
+mod bench_args;
 mod step_table;
 
 use std::io::Write;
@@ -10,7 +11,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-pub use bench::BenchCommand;
+pub use bench_args::BenchCommand;
 
 use crate::trainer::{self, Source, TrainFlags};
 

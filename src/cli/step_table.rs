@@ -167,7 +167,8 @@ pub(super) fn print(
     {
         writeln!(
             out,
-            "the cpu backend computed on {} of the {} cores (--compute-threads), every run alike",
+            "the cpu backend computed on {} of the {} cores (--compute-threads; `all` for every \
+             core), every run alike",
             summary.compute_threads, summary.machine_cores
         )?;
     }

@@ -1,0 +1,280 @@
+//! `strata bench …`'s commands and their arguments, as clap parses them.
+
+use clap::{Args, Subcommand};
+use strata_optim::Kernel;
+
+use crate::bench;
+use crate::trainer::StreamSlots;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// The CPU AdamW step (fp32 and mixed bf16) against the memory-bandwidth ceiling.
+    Optim(OptimArgs),
+    /// Expert record read/write bandwidth through the SSD tier (io_uring and pread).
+    Tiers(TiersArgs),
+    /// Whether this machine can hide SSD traffic behind compute: record I/O alone,
+    /// GEMMs on every core alone, and the two at once.
+    Overlap(OverlapArgs),
+    /// Training steps with experts on SSD: expert-wise vs naive schedule, against
+    /// compute-only and I/O-only runs measured in the same invocation.
+    Step(StepArgs),
+    /// Per-layer expert placement: LPT latency, and load balance of LPT vs round-robin
+    /// under uniform and Zipf token counts.
+    Placement(PlacementArgs),
+    /// Host → GPU expert uploads through the GPU device tier against a plain pinned
+    /// memcpy (needs --features cuda and a GPU).
+    Upload(UploadArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct UploadArgs {
+    /// Timed repetitions per expert size.
+    #[arg(long, default_value_t = 10)]
+    pub reps: usize,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct PlacementArgs {
+    /// Timed placements per (experts, devices) pair.
+    #[arg(long, default_value_t = 20_000)]
+    pub reps: usize,
+    /// Token-count draws per distribution.
+    #[arg(long, default_value_t = 50)]
+    pub trials: usize,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct StepArgs {
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 8)]
+    pub experts: usize,
+    #[arg(long, default_value_t = 512)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub d_ff: usize,
+    #[arg(long, default_value_t = 2)]
+    pub top_k: usize,
+    /// Tokens per step, or `balanced`: the count at which compute-only and
+    /// I/O-only steps take as long, found by timing both first (from 1024).
+    #[arg(long, default_value = "balanced", value_parser = parse_tokens)]
+    pub tokens: StepTokens,
+    /// Experts that fit on the device at once.
+    #[arg(long, default_value_t = 2)]
+    pub device_experts: u64,
+    /// Share of all expert records that fit in host memory (the rest stream from SSD).
+    #[arg(long, default_value_t = 0.25)]
+    pub host_fraction: f64,
+    /// Timed steps per configuration per round (after one warm-up step).
+    #[arg(long, default_value_t = 2)]
+    pub steps: usize,
+    /// Rounds in which the four configurations take turns (each round rotates their order).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Device workers (cpu devices), each with --device-experts slots.
+    #[arg(long, default_value_t = 1)]
+    pub devices: usize,
+    /// Several devices: share of each layer's experts pinned (0: off).
+    #[arg(long, default_value_t = 0.25)]
+    pub pin_fraction: f64,
+    /// Host slots the expert-wise runs stream records through; the others
+    /// keep records resident for the whole run. `all`: keep none.
+    /// [default: 5, one more than the engine's]
+    #[arg(long, value_parser = StreamSlots::parse)]
+    pub host_stream_slots: Option<StreamSlots>,
+    /// Host slots the expert-wise runs split into compute cells, each one
+    /// record's compute part, for experts read for their compute params
+    /// alone; the record slots left keep records first.
+    #[arg(long, default_value_t = crate::bench::step::BENCH_CELL_SLOTS, value_name = "N")]
+    pub host_cell_slots: usize,
+    /// Where records are kept resident, hold the last layer's other
+    /// updates for the next step's forward (`on`) or apply each as its
+    /// backward ends (`off`).
+    #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub defer_updates: bool,
+    /// The share of each other layer's experts whose updates are held for
+    /// the next step's forward too, so that their records are read and
+    /// written in full during the forward (0 to 1; about F / (F + B), the
+    /// forward's part of the compute, balances the passes' disk work; the
+    /// engine's default is 0).
+    #[arg(long, default_value_t = crate::bench::step::BENCH_DEFERRED_SHARE, value_name = "SHARE")]
+    pub defer_share: f64,
+    /// Threads the cpu backend's expert and dense compute split over, or
+    /// `all` (default: every core but one, left to the SSD tier's I/O and
+    /// the optimizer as a GPU leaves them every core; on one core, that
+    /// core). Every run uses the same count, and no result changes by a
+    /// bit.
+    #[arg(long, value_name = "N", value_parser = parse_compute_threads)]
+    pub compute_threads: Option<usize>,
+    /// Expert compute: cpu, or cuda (--features cuda and a GPU per device).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Threads running the experts' AdamW updates (one leaves the other
+    /// cores to the cpu backend's GEMMs).
+    #[arg(long, default_value_t = 1)]
+    pub optimizer_threads: usize,
+    /// Model the device instead of computing the experts: every run but
+    /// the I/O-only one skips the expert GEMMs and waits, asleep, for as
+    /// long as a device at this many GFLOP/s would take. On a machine
+    /// without a GPU it shows what the schedule's overlap gives where
+    /// compute leaves the cores to the I/O and the optimizer, as a GPU's
+    /// does. Its figures are a model's, not a GPU's.
+    #[arg(long, value_name = "GFLOPS")]
+    pub modeled_device_gflops: Option<f64>,
+    /// Directory for the SSD tier's store files.
+    #[arg(long, default_value = "/tmp")]
+    pub dir: std::path::PathBuf,
+    /// Write each run's last timed step as a Chrome trace, `<run>.json` in
+    /// this directory (open it in https://ui.perfetto.dev): every SSD call,
+    /// wait, expert loop and update, on its thread.
+    #[arg(long, value_name = "DIR")]
+    pub timeline: Option<std::path::PathBuf>,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct OverlapArgs {
+    /// Directory on the disk to measure (a scratch store is made and removed there).
+    #[arg(long, default_value = "/tmp")]
+    pub dir: std::path::PathBuf,
+    /// Approximate bytes of one record, in MiB (24: a `bench step` default expert).
+    #[arg(long, default_value_t = 24)]
+    pub record_mib: u64,
+    /// Records in the scratch store; each I/O pass reads and writes them all.
+    #[arg(long, default_value_t = 32)]
+    pub records: u32,
+    /// Rounds in which the three arms take turns.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Threads the compute arm's GEMMs split over, or `all` (default:
+    /// every core); fewer leave cores to the I/O.
+    #[arg(long, value_name = "N", value_parser = parse_compute_threads)]
+    pub compute_threads: Option<usize>,
+    /// How long the compute arm lasts, as a multiple of the I/O arm (1: balanced).
+    #[arg(long, default_value_t = 1.0)]
+    pub compute_over_io: f64,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct TiersArgs {
+    /// Directory on the file system to measure (a scratch file is made and removed there).
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+    /// Approximate bytes of one expert record, in MiB.
+    #[arg(long, default_value_t = 8)]
+    pub record_mib: u64,
+    /// Records in the scratch store.
+    #[arg(long, default_value_t = 128)]
+    pub experts: u32,
+    /// io_uring queue depths to measure, comma-separated.
+    #[arg(long, default_value = "1,4,16,32", value_delimiter = ',')]
+    pub queue_depths: Vec<u32>,
+    /// Read passes over every record.
+    #[arg(long, default_value_t = 2)]
+    pub passes: u32,
+    /// Engines: io_uring, pread (comma-separated).
+    #[arg(long, default_value = "io_uring,pread", value_delimiter = ',', value_parser = parse_engine)]
+    pub engines: Vec<strata_tiers::io::EnginePreference>,
+    /// Keep the last scratch store file (`DIR/strata-bench.store`), e.g. to read it with fio.
+    #[arg(long)]
+    pub keep_file: bool,
+    /// Only read: reuse `DIR/strata-bench.store` left by --keep-file (same --record-mib and --experts).
+    #[arg(long)]
+    pub reuse_file: bool,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `bench step --tokens`: a count, or `balanced`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepTokens {
+    Balanced,
+    Fixed(usize),
+}
+
+fn parse_tokens(value: &str) -> Result<StepTokens, String> {
+    if value == "balanced" {
+        return Ok(StepTokens::Balanced);
+    }
+    match value.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(StepTokens::Fixed(n)),
+        _ => Err(format!(
+            "`{value}` is neither a token count (1 or more) nor `balanced`"
+        )),
+    }
+}
+
+fn parse_on_off(value: &str) -> Result<bool, String> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("`{other}` is neither `on` nor `off`")),
+    }
+}
+
+/// `--compute-threads`: a count, or `all` for every core of the machine.
+fn parse_compute_threads(value: &str) -> Result<usize, String> {
+    match value {
+        "all" => Ok(crate::machine_cores()),
+        n => n
+            .parse()
+            .map_err(|_| format!("`{n}` is neither a thread count nor `all`")),
+    }
+}
+
+fn parse_engine(name: &str) -> Result<strata_tiers::io::EnginePreference, String> {
+    use strata_tiers::io::EnginePreference;
+    match name {
+        "io_uring" | "uring" => Ok(EnginePreference::Uring),
+        "pread" => Ok(EnginePreference::Pread),
+        other => Err(format!("unknown engine `{other}`; one of: io_uring, pread")),
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct OptimArgs {
+    /// Params in the stepped expert (suffixes K, M, G are powers of 2).
+    #[arg(long, default_value = "64M", value_parser = bench::parse_count)]
+    pub params: usize,
+    /// Optimizer threads (and ceiling-sweep threads).
+    #[arg(long, default_value_t = default_threads())]
+    pub threads: usize,
+    /// Timed repetitions (after 2 warm-ups).
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// AdamW kernel: scalar, avx2_fma, avx512, neon (default: the fastest this CPU has).
+    #[arg(long, value_parser = parse_kernel)]
+    pub kernel: Option<Kernel>,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn default_threads() -> usize {
+    crate::parallel::machine_cores()
+}
+
+fn parse_kernel(name: &str) -> Result<Kernel, String> {
+    let kernel = Kernel::from_name(name).ok_or_else(|| {
+        format!("unknown kernel `{name}`; one of: scalar, avx2_fma, avx512, neon")
+    })?;
+    if !kernel.is_supported() {
+        return Err(format!(
+            "this CPU cannot run the `{name}` kernel; the fastest it has is `{}`",
+            Kernel::detect().name()
+        ));
+    }
+    Ok(kernel)
+}
