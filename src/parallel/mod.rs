@@ -36,16 +36,27 @@ pub(crate) fn cores() -> usize {
 /// no result changes by a bit. The CUDA backend's kernels do not use
 /// them. Refused (with the count in force) once a split has fixed another
 /// count, or for 0.
-pub fn set_compute_threads(n: usize) -> Result<(), String> {
+///
+/// ```
+/// // A program that leaves one core to the SSD tier's I/O, first thing:
+/// let threads = strata::machine_cores().saturating_sub(1).max(1);
+/// strata::set_compute_threads(threads).unwrap();
+/// // The count holds for the rest of the process.
+/// assert!(strata::set_compute_threads(threads).is_ok());
+/// assert!(strata::set_compute_threads(threads + 1).is_err());
+/// ```
+pub fn set_compute_threads(n: usize) -> Result<(), crate::EngineError> {
     if n == 0 {
-        return Err("the compute threads must be at least 1".into());
+        return Err(crate::EngineError::Config(
+            "the compute threads must be at least 1".into(),
+        ));
     }
     let fixed = *COMPUTE_THREADS.get_or_init(|| n);
     if fixed != n {
-        return Err(format!(
+        return Err(crate::EngineError::Config(format!(
             "the compute threads are already {fixed} in this process (set before the first \
              engine or computation; it cannot change once one has run)"
-        ));
+        )));
     }
     Ok(())
 }
