@@ -16,4 +16,4 @@ pub mod reference;
 pub mod trainer;
 
 pub use error::EngineError;
-pub use parallel::{machine_cores, set_compute_threads};
+pub use parallel::{machine_cores, set_compute_threads, MAX_THREADS_PER_CORE};

@@ -87,7 +87,12 @@ fn bench_step_computes_on_the_threads_it_is_given() {
     assert_eq!(all["compute_threads"].as_u64(), Some(cores));
     assert_eq!(default_losses, all_losses);
 
-    for (arg, says) in [("0", "--compute-threads 0: "), ("most", "`most`")] {
+    let too_many = (cores * 4 + 1).to_string();
+    for (arg, says) in [
+        ("0", "--compute-threads 0: "),
+        ("most", "`most`"),
+        (too_many.as_str(), "compute threads on a machine of"),
+    ] {
         let out = strata_bin()
             .args(["bench", "step", "--compute-threads", arg])
             .output()

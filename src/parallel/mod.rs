@@ -18,6 +18,10 @@ pub fn machine_cores() -> usize {
     *MACHINE.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+/// The most compute threads [`set_compute_threads`] takes for each of the
+/// machine's cores.
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
 static COMPUTE_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
 /// The threads the cpu backend's GEMMs, attention and activation passes
@@ -35,7 +39,9 @@ pub(crate) fn cores() -> usize {
 /// to the SSD tier's I/O and the optimizer, as a GPU leaves every core;
 /// no result changes by a bit. The CUDA backend's kernels do not use
 /// them. Refused (with the count in force) once a split has fixed another
-/// count, or for 0.
+/// count, for 0, and past [`MAX_THREADS_PER_CORE`] threads a core (the
+/// pool starts its workers at once, and threads beyond the cores only take
+/// turns).
 ///
 /// ```
 /// // A program that leaves one core to the SSD tier's I/O, first thing:
@@ -50,6 +56,14 @@ pub fn set_compute_threads(n: usize) -> Result<(), crate::EngineError> {
         return Err(crate::EngineError::Config(
             "the compute threads must be at least 1".into(),
         ));
+    }
+    let most = machine_cores() * MAX_THREADS_PER_CORE;
+    if n > most {
+        return Err(crate::EngineError::Config(format!(
+            "{n} compute threads on a machine of {} cores: at most {most} ({MAX_THREADS_PER_CORE} \
+             a core); more than the cores only take turns",
+            machine_cores()
+        )));
     }
     let fixed = *COMPUTE_THREADS.get_or_init(|| n);
     if fixed != n {
