@@ -39,7 +39,8 @@ fn bench_overlap_prints_three_arms_and_a_summary() {
 /// `bench step` computes every run on every core but one unless told
 /// otherwise (`--compute-threads all`: every core), says so in its
 /// summary, and reaches the same losses either way (the splits share out
-/// rows, never change a sum); 0 and words other than `all` are refused.
+/// rows, never change a sum); 0, words other than `all` and more than 4
+/// threads a core are refused.
 #[test]
 fn bench_step_computes_on_the_threads_it_is_given() {
     let dir = tempfile::tempdir().unwrap();
@@ -88,13 +89,18 @@ fn bench_step_computes_on_the_threads_it_is_given() {
     assert_eq!(default_losses, all_losses);
 
     let too_many = (cores * 4 + 1).to_string();
-    for (arg, says) in [
-        ("0", "--compute-threads 0: "),
-        ("most", "`most`"),
-        (too_many.as_str(), "compute threads on a machine of"),
+    for (flag, arg, says) in [
+        ("--compute-threads", "0", "--compute-threads 0: "),
+        ("--compute-threads", "most", "`most`"),
+        (
+            "--compute-threads",
+            &too_many,
+            "compute threads on a machine of",
+        ),
+        ("--optimizer-threads", &too_many, "--optimizer-threads"),
     ] {
         let out = strata_bin()
-            .args(["bench", "step", "--compute-threads", arg])
+            .args(["bench", "step", flag, arg])
             .output()
             .unwrap();
         assert!(!out.status.success());

@@ -446,6 +446,10 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
     );
     refused(&["train", "--out", o, "--device-mem", "64KiB"], "short");
     refused(
+        &["train", "--out", o, "--threads", "100000"],
+        "--threads 100000: at most",
+    );
+    refused(
         &["train", "--out", o, "--backend", "tpu"],
         "unknown backend",
     );

@@ -28,7 +28,7 @@ pub use adamw::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 pub use error::OptimError;
 pub use pool::{
     ExpertOptimizer, GradientPolicy, GradientSummary, OptimizerConfig, UpdateReport, UpdateTarget,
-    UpdateViews,
+    UpdateViews, MAX_THREADS_PER_CORE,
 };
 
 /// An opaque expert identity. The engine packs (layer, index) into it.

@@ -69,6 +69,11 @@ pub enum GradientPolicy {
     },
 }
 
+/// The most threads a pool (and the engine's compute split) takes for each
+/// core of the machine: threads past the cores only take turns, and each
+/// costs a stack.
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
 /// Pool configuration; every bound is fixed at construction.
 #[derive(Clone, Debug)]
 pub struct OptimizerConfig {
@@ -154,6 +159,15 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
         let invalid = |s: &str| Err(OptimError::InvalidConfig(s.to_string()));
         if config.threads == 0 {
             return invalid("threads must be at least 1");
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if config.threads > cores * MAX_THREADS_PER_CORE {
+            return Err(OptimError::InvalidConfig(format!(
+                "{} threads on a machine of {cores} cores: at most {} ({MAX_THREADS_PER_CORE} a \
+                 core); threads past the cores only take turns",
+                config.threads,
+                cores * MAX_THREADS_PER_CORE
+            )));
         }
         if config.queue_len_max == 0 {
             return invalid("queue_len_max must be at least 1");

@@ -224,6 +224,15 @@ fn misuse_gets_clear_errors() {
         Err(OptimError::InvalidConfig(_))
     ));
     assert!(ExpertOptimizer::<VecExpert>::new(config(0)).is_err());
+    // Threads past MAX_THREADS_PER_CORE a core are refused before any starts.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let most = cores * strata_optim::MAX_THREADS_PER_CORE;
+    match ExpertOptimizer::<VecExpert>::new(config(most + 1)) {
+        Err(OptimError::InvalidConfig(why)) => {
+            assert!(why.contains(&format!("machine of {cores} cores")), "{why}")
+        }
+        other => panic!("{most} + 1 threads: {:?}", other.map(|_| ())),
+    }
 }
 
 #[test]

@@ -117,7 +117,7 @@ pub struct StepArgs {
     pub backend: String,
     /// Threads running the experts' AdamW updates (one leaves the other
     /// cores to the cpu backend's GEMMs).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = parse_threads)]
     pub optimizer_threads: usize,
     /// Model the device instead of computing the experts: every run but
     /// the I/O-only one skips the expert GEMMs and waits, asleep, for as
@@ -224,6 +224,24 @@ fn parse_on_off(value: &str) -> Result<bool, String> {
     }
 }
 
+/// A thread count, at most [`crate::MAX_THREADS_PER_CORE`] a core (0 is
+/// left to the bench, which names what must be at least 1).
+fn parse_threads(value: &str) -> Result<usize, String> {
+    let n: usize = value
+        .parse()
+        .map_err(|_| format!("`{value}` is not a thread count"))?;
+    let cores = crate::machine_cores();
+    let most = cores * crate::MAX_THREADS_PER_CORE;
+    if n > most {
+        return Err(format!(
+            "at most {most} on this machine of {cores} cores ({} a core; threads past the \
+             cores only take turns)",
+            crate::MAX_THREADS_PER_CORE
+        ));
+    }
+    Ok(n)
+}
+
 /// `--compute-threads`: a count, or `all` for every core of the machine.
 fn parse_compute_threads(value: &str) -> Result<usize, String> {
     match value {
@@ -249,7 +267,7 @@ pub struct OptimArgs {
     #[arg(long, default_value = "64M", value_parser = bench::parse_count)]
     pub params: usize,
     /// Optimizer threads (and ceiling-sweep threads).
-    #[arg(long, default_value_t = default_threads())]
+    #[arg(long, default_value_t = default_threads(), value_parser = parse_threads)]
     pub threads: usize,
     /// Timed repetitions (after 2 warm-ups).
     #[arg(long, default_value_t = 20)]

@@ -19,8 +19,8 @@ pub fn machine_cores() -> usize {
 }
 
 /// The most compute threads [`set_compute_threads`] takes for each of the
-/// machine's cores.
-pub const MAX_THREADS_PER_CORE: usize = 4;
+/// machine's cores, as the optimizer's pool does.
+pub use strata_optim::MAX_THREADS_PER_CORE;
 
 static COMPUTE_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
