@@ -138,15 +138,23 @@ fn bench_output_into_a_closed_pipe_ends_quietly() {
 }
 
 #[test]
-fn bench_step_refuses_a_token_count_it_cannot_run() {
-    for bad in ["0", "many"] {
+fn bench_step_refuses_a_token_count_or_slot_count_it_cannot_run() {
+    for (flag, bad, says) in [
+        ("--tokens", "0", "nor `balanced`"),
+        ("--tokens", "many", "nor `balanced`"),
+        (
+            "--device-experts",
+            "0",
+            "--device-experts must be at least 1",
+        ),
+    ] {
         let out = strata_bin()
-            .args(["bench", "step", "--tokens", bad])
+            .args(["bench", "step", flag, bad])
             .output()
             .unwrap();
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("nor `balanced`"), "{err}");
+        assert!(err.contains(says), "{err}");
     }
 }
 

@@ -114,6 +114,13 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
     if !(args.host_fraction > 0.0 && args.host_fraction <= 1.0) {
         return Err("--host-fraction must be in (0, 1]".into());
     }
+    if args.device_experts == 0 {
+        return Err(
+            "--device-experts must be at least 1: a device computes an expert from a slot \
+             of its own"
+                .into(),
+        );
+    }
     let defaults = bench::step::StepBenchConfig::default();
     let config = bench::step::StepBenchConfig {
         model: crate::model::ModelConfig {
