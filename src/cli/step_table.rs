@@ -189,6 +189,54 @@ pub(super) fn print(
                 .unbracketed
                 .map_or(String::new(), |why| format!(" ({why})"))
         )?;
+        let io_only = records.iter().find(|r| r.run == "io_only");
+        if let Some(drift) = io_only.and_then(|r| balance_drift(r.step_s, balance.io_only_s)) {
+            writeln!(out, "{drift}")?;
+        }
     }
     Ok(())
+}
+
+/// How far the I/O-only step's time in the rounds may stray from the
+/// balance search's before the table says the runs were not balanced.
+const BALANCE_DRIFT_MAX: f64 = 1.25;
+
+/// A line when the I/O-only step took much longer (or shorter) in the
+/// rounds than where the search balanced it: the disk changed speed
+/// between the two, so the runs sat away from the balance, where the
+/// schedules differ least.
+fn balance_drift(rounds_s: f64, searched_s: f64) -> Option<String> {
+    let ratio = rounds_s / searched_s;
+    if !ratio.is_finite() || (1.0 / BALANCE_DRIFT_MAX..=BALANCE_DRIFT_MAX).contains(&ratio) {
+        return None;
+    }
+    Some(format!(
+        "the I/O-only step took {rounds_s:.3} s in the rounds against {searched_s:.3} s in the \
+         balance search ({ratio:.2}x): the disk changed speed, so these runs are {} the \
+         balance; run again, or fix --tokens",
+        if ratio > 1.0 {
+            "I/O-bound, below"
+        } else {
+            "compute-bound, above"
+        }
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::balance_drift;
+
+    #[test]
+    fn a_disk_that_changed_speed_after_the_search_is_named() {
+        assert_eq!(balance_drift(0.50, 0.48), None);
+        assert_eq!(balance_drift(0.40, 0.48), None);
+        let slower = balance_drift(0.793, 0.479).unwrap();
+        assert!(
+            slower.contains("(1.66x)") && slower.contains("I/O-bound"),
+            "{slower}"
+        );
+        let faster = balance_drift(0.30, 0.48).unwrap();
+        assert!(faster.contains("compute-bound"), "{faster}");
+        assert_eq!(balance_drift(0.5, 0.0), None);
+    }
 }
