@@ -10,7 +10,8 @@ use strata_tiers::{Dtype, Timeline};
 
 use crate::backend::BackendKind;
 use crate::engine::{
-    available_host_memory, Engine, EngineConfig, ExpertCompute, HostMemoryPlan, ScheduleKind,
+    available_host_memory, host_cell_slot_count, Engine, EngineConfig, ExpertCompute,
+    HostMemoryPlan, ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
 use crate::math::ExpertKind;
 use crate::model::ModelConfig;
@@ -202,6 +203,7 @@ pub fn run(
         expert_compute,
         ..EngineConfig::default()
     };
+    check_host_cells(config, &base, host_slots as usize, all as usize)?;
     // One scratch directory for the store files (and their dense-state
     // files), removed whole at the end. A run that was killed left its
     // own (gigabytes) behind: those of processes no longer alive go first.
@@ -253,6 +255,32 @@ pub fn run(
     let result = run_rounds(config, runs, &mut progress);
     let _ = std::fs::remove_dir_all(&scratch);
     result
+}
+
+/// The engine's refusal of too few record slots beside the compute cells,
+/// in the bench's own terms: the flags that set them, and the host share
+/// that would do.
+fn check_host_cells(
+    config: &StepBenchConfig,
+    expert_wise: &EngineConfig,
+    host_slots: usize,
+    records: usize,
+) -> Result<(), EngineError> {
+    let cells = host_cell_slot_count(expert_wise, host_slots, records);
+    let left = host_slots.saturating_sub(cells);
+    if cells == 0 || left >= MIN_HOST_STREAM_SLOTS {
+        return Ok(());
+    }
+    // At 1 every record is resident, and no slot is split into cells.
+    let fraction = ((MIN_HOST_STREAM_SLOTS + cells) as f64 / records as f64).min(1.0);
+    Err(EngineError::Config(format!(
+        "--host-fraction {} of the {records} expert records gives {host_slots} host slots, and \
+         --host-cell-slots {cells} leaves {left} of them for records, where at least \
+         {MIN_HOST_STREAM_SLOTS} must hold records to stream them: raise --host-fraction to \
+         {:.2} or more, or give --host-cell-slots 0",
+        config.host_fraction,
+        (fraction * 100.0).ceil() / 100.0
+    )))
 }
 
 /// Removes `strata-bench-step-<pid>` directories under `dir` whose

@@ -42,6 +42,29 @@ fn a_stack_too_big_for_host_memory_is_refused_up_front() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
+/// Too few host slots for the default compute cell and three streaming
+/// record slots: refused in the bench's flags, with a host share that
+/// would do, before any store is written.
+#[test]
+fn too_few_host_slots_beside_the_compute_cells_are_refused_in_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = StepBenchConfig {
+        model: tiny(), // 16 records: a quarter is 4 host slots
+        tokens: 32,
+        balance_tokens: false,
+        host_cell_slots: 2,
+        dir: dir.path().to_path_buf(),
+        ..StepBenchConfig::default()
+    };
+    let err = run(&config, |_| {}).unwrap_err().to_string();
+    assert!(
+        err.contains("--host-cell-slots 2 leaves 2 of them for records"),
+        "{err}"
+    );
+    assert!(err.contains("raise --host-fraction to 0.32 or more"), "{err}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
 #[test]
 fn scratch_left_by_a_dead_run_is_removed_and_a_live_ones_kept() {
     if !std::path::Path::new("/proc/self").exists() {
