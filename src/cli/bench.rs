@@ -114,6 +114,15 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
     if !(args.host_fraction > 0.0 && args.host_fraction <= 1.0) {
         return Err("--host-fraction must be in (0, 1]".into());
     }
+    if let Some(g) = args
+        .modeled_device_gflops
+        .filter(|g| !(g.is_finite() && *g > 0.0))
+    {
+        return Err(format!(
+            "--modeled-device-gflops {g}: give the device's rate, a positive number"
+        )
+        .into());
+    }
     if args.device_experts == 0 {
         return Err(
             "--device-experts must be at least 1: a device computes an expert from a slot \

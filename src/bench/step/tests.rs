@@ -61,7 +61,10 @@ fn too_few_host_slots_beside_the_compute_cells_are_refused_in_flags() {
         err.contains("--host-cell-slots 2 leaves 2 of them for records"),
         "{err}"
     );
-    assert!(err.contains("raise --host-fraction to 0.32 or more"), "{err}");
+    assert!(
+        err.contains("raise --host-fraction to 0.32 or more"),
+        "{err}"
+    );
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
 
