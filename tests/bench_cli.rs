@@ -138,7 +138,7 @@ fn bench_output_into_a_closed_pipe_ends_quietly() {
 }
 
 #[test]
-fn bench_step_refuses_a_token_count_or_slot_count_it_cannot_run() {
+fn bench_step_refuses_counts_and_rates_it_cannot_run() {
     for (flag, bad, says) in [
         ("--tokens", "0", "nor `balanced`"),
         ("--tokens", "many", "nor `balanced`"),
@@ -146,6 +146,11 @@ fn bench_step_refuses_a_token_count_or_slot_count_it_cannot_run() {
             "--device-experts",
             "0",
             "--device-experts must be at least 1",
+        ),
+        (
+            "--modeled-device-gflops",
+            "0",
+            "--modeled-device-gflops 0: ",
         ),
     ] {
         let out = strata_bin()
