@@ -92,11 +92,7 @@ fn bench_step_computes_on_the_threads_it_is_given() {
     for (flag, arg, says) in [
         ("--compute-threads", "0", "--compute-threads 0: "),
         ("--compute-threads", "most", "`most`"),
-        (
-            "--compute-threads",
-            &too_many,
-            "compute threads on a machine of",
-        ),
+        ("--compute-threads", &too_many, "compute threads: at most"),
         ("--optimizer-threads", &too_many, "--optimizer-threads"),
     ] {
         let out = strata_bin()

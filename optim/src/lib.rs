@@ -27,8 +27,8 @@ mod worker;
 pub use adamw::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 pub use error::OptimError;
 pub use pool::{
-    ExpertOptimizer, GradientPolicy, GradientSummary, OptimizerConfig, UpdateReport, UpdateTarget,
-    UpdateViews, MAX_THREADS_PER_CORE,
+    check_thread_count, ExpertOptimizer, GradientPolicy, GradientSummary, OptimizerConfig,
+    UpdateReport, UpdateTarget, UpdateViews, MAX_THREADS_PER_CORE,
 };
 
 /// An opaque expert identity. The engine packs (layer, index) into it.

@@ -74,6 +74,21 @@ pub enum GradientPolicy {
 /// costs a stack.
 pub const MAX_THREADS_PER_CORE: usize = 4;
 
+/// Whether `threads` is within [`MAX_THREADS_PER_CORE`] a core of this
+/// machine; the refusal says the limit and why, for the caller to prefix
+/// with what it counts (`--threads 64: at most 8 on …`).
+pub fn check_thread_count(threads: usize) -> Result<(), String> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let most = cores * MAX_THREADS_PER_CORE;
+    if threads <= most {
+        return Ok(());
+    }
+    Err(format!(
+        "at most {most} on this machine of {cores} cores ({MAX_THREADS_PER_CORE} a core; threads \
+         past the cores only take turns)"
+    ))
+}
+
 /// Pool configuration; every bound is fixed at construction.
 #[derive(Clone, Debug)]
 pub struct OptimizerConfig {
@@ -160,15 +175,8 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
         if config.threads == 0 {
             return invalid("threads must be at least 1");
         }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if config.threads > cores * MAX_THREADS_PER_CORE {
-            return Err(OptimError::InvalidConfig(format!(
-                "{} threads on a machine of {cores} cores: at most {} ({MAX_THREADS_PER_CORE} a \
-                 core); threads past the cores only take turns",
-                config.threads,
-                cores * MAX_THREADS_PER_CORE
-            )));
-        }
+        check_thread_count(config.threads)
+            .map_err(|e| OptimError::InvalidConfig(format!("{} threads: {e}", config.threads)))?;
         if config.queue_len_max == 0 {
             return invalid("queue_len_max must be at least 1");
         }

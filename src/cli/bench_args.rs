@@ -230,15 +230,7 @@ fn parse_threads(value: &str) -> Result<usize, String> {
     let n: usize = value
         .parse()
         .map_err(|_| format!("`{value}` is not a thread count"))?;
-    let cores = crate::machine_cores();
-    let most = cores * crate::MAX_THREADS_PER_CORE;
-    if n > most {
-        return Err(format!(
-            "at most {most} on this machine of {cores} cores ({} a core; threads past the \
-             cores only take turns)",
-            crate::MAX_THREADS_PER_CORE
-        ));
-    }
+    strata_optim::check_thread_count(n)?;
     Ok(n)
 }
 

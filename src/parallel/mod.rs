@@ -57,14 +57,8 @@ pub fn set_compute_threads(n: usize) -> Result<(), crate::EngineError> {
             "the compute threads must be at least 1".into(),
         ));
     }
-    let most = machine_cores() * MAX_THREADS_PER_CORE;
-    if n > most {
-        return Err(crate::EngineError::Config(format!(
-            "{n} compute threads on a machine of {} cores: at most {most} ({MAX_THREADS_PER_CORE} \
-             a core); more than the cores only take turns",
-            machine_cores()
-        )));
-    }
+    strata_optim::check_thread_count(n)
+        .map_err(|e| crate::EngineError::Config(format!("{n} compute threads: {e}")))?;
     let fixed = *COMPUTE_THREADS.get_or_init(|| n);
     if fixed != n {
         return Err(crate::EngineError::Config(format!(

@@ -185,16 +185,8 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
                 .into(),
         );
     }
-    let most_threads = crate::machine_cores() * crate::MAX_THREADS_PER_CORE;
-    if o.threads > most_threads {
-        return Err(format!(
-            "--threads {}: at most {most_threads} on this machine of {} cores ({} a core; \
-             threads past the cores only take turns)",
-            o.threads,
-            crate::machine_cores(),
-            crate::MAX_THREADS_PER_CORE
-        ));
-    }
+    strata_optim::check_thread_count(o.threads)
+        .map_err(|e| format!("--threads {}: {e}", o.threads))?;
     if o.devices * o.micro_batches > o.batch {
         return Err(format!(
             "--devices {} × --micro-batches {} exceeds --batch {} (each device's micro-batch \
