@@ -109,3 +109,34 @@ pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
         .fold(0.0, f32::max)
 }
+
+/// Runs `body` on its own thread and fails the test, naming `what`, if it
+/// has not finished within `bound`: a hang becomes a failure instead of a
+/// stalled suite. (The stuck thread is left behind; the test binary ends
+/// once its other tests have run.) A panic in `body` fails the test too.
+pub fn bounded<T: Send + 'static>(
+    what: &str,
+    bound: std::time::Duration,
+    body: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name(format!("bounded: {what}"))
+        .spawn(move || {
+            let _ = tx.send(body());
+        })
+        .expect("a test thread starts");
+    match rx.recv_timeout(bound) {
+        Ok(value) => {
+            handle.join().expect("the thread sent its result");
+            value
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            // The thread ended without a result: it panicked.
+            std::panic::resume_unwind(handle.join().expect_err("no result, so it panicked"))
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what} did not finish within {bound:?} (the watchdog's bound): it hangs")
+        }
+    }
+}

@@ -29,6 +29,9 @@ pub(crate) fn run(shared: &Shared) {
                 break;
             }
             let (expert, parts) = inner.schedule.upcoming(distance).expect("non-empty");
+            if inner.prefetch_failed.contains(&expert) {
+                continue; // its demand load reads it and reports the error
+            }
             let resident = inner.by_expert.get(&expert).copied();
             if let Some(slot) = resident {
                 let m = inner.slots[slot];
@@ -149,24 +152,30 @@ pub(crate) fn run(shared: &Shared) {
         // upgrade slots are `upgrading`, which gives it their state part.
         let read = unsafe { shared.read_slots(&jobs) }.is_ok();
         inner = shared.lock();
-        for (&(slot, _, _, from_cell), &(_, _, read_parts)) in loads.iter().zip(&jobs) {
+        for (&(slot, expert, _, from_cell), &(_, _, read_parts)) in loads.iter().zip(&jobs) {
             if read {
                 shared.loaded(&mut inner, slot, read_parts);
             } else {
-                // Demand loads retry these and report the error themselves.
+                // Demand loads retry these and report the error themselves;
+                // the prefetcher does not, or it would hold their slots
+                // Loading again and again while the demand load waits.
+                inner.prefetch_failed.insert(expert);
                 shared.abandon(&mut inner, slot);
             }
             if let Some(cell) = from_cell {
                 inner.slots[cell].pins -= 1;
             }
         }
-        for &(slot, _, _) in &upgrades {
+        for &(slot, expert, _) in &upgrades {
             let m = &mut inner.slots[slot];
             m.upgrading = false;
             if read {
                 m.parts = Parts::Full;
                 inner.stats.loads += 1;
                 inner.stats.bytes_read += shared.layout.state_part_bytes();
+                inner.prefetch_failed.remove(&expert);
+            } else {
+                inner.prefetch_failed.insert(expert);
             }
         }
         shared.changed.notify_all();

@@ -190,6 +190,7 @@ impl HostCache {
                 recency: LruCache::unbounded(),
                 schedule: Schedule::default(),
                 keep: HashSet::new(),
+                prefetch_failed: HashSet::new(),
                 stats: CacheStats::default(),
                 stop: false,
             }),

@@ -112,6 +112,11 @@ pub(crate) struct Inner {
     /// Experts kept resident once loaded (at most the slots less
     /// `MIN_STREAMING_SLOTS`).
     pub keep: HashSet<ExpertId>,
+    /// Experts whose last prefetch failed (a damaged record, an I/O
+    /// error): the prefetcher leaves them to demand loads, which report
+    /// the error, instead of retrying them forever. A load that succeeds
+    /// takes its expert off. At most one entry an expert.
+    pub prefetch_failed: HashSet<ExpertId>,
     pub stats: CacheStats,
     pub stop: bool,
 }
@@ -510,6 +515,9 @@ impl Shared {
         meta.state = SlotState::Ready;
         meta.kept = self.kind(slot) == SlotKind::Record
             && meta.expert.is_some_and(|e| inner.keep.contains(&e));
+        if let Some(expert) = meta.expert {
+            inner.prefetch_failed.remove(&expert);
+        }
         let bytes = read.range(&self.layout).len() as u64;
         inner.stats.loads += 1;
         inner.stats.bytes_read += bytes;
