@@ -35,7 +35,7 @@ fn the_trainer_runs_on_the_gpus() {
     {
         2
     } else if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
-        eprintln!("cuda case skipped: {e}");
+        common::cuda_case_skipped(e);
         return;
     } else {
         1
@@ -579,7 +579,7 @@ fn cuda_without_its_libraries_is_refused_naming_them() {
         .map(|d| d.join("libcuda.so"))
         .find(|f| f.exists())
     else {
-        return eprintln!("cuda case skipped: no libcuda.so on LD_LIBRARY_PATH");
+        return common::cuda_case_skipped("no libcuda.so on LD_LIBRARY_PATH");
     };
     let dir = tempfile::tempdir().unwrap();
     let libs = dir.path().join("driver-only");

@@ -158,7 +158,7 @@ mod tests {
     #[test]
     fn the_bench_runs_where_a_cuda_device_answers() {
         if let Err(e) = crate::backend::BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
-            eprintln!("cuda case skipped: {e}");
+            crate::backend::cuda_case_skipped(e);
             return;
         }
         let records = super::run(2, &[1 << 20, 3 << 20], |_| {}).unwrap();

@@ -87,9 +87,18 @@ pub fn batch(model: &ModelConfig, step: usize) -> Batch {
     Batch { inputs, targets }
 }
 
+/// AdamW set so that an update keeps its gradient's scale. ε = 1 is far
+/// above every |g| of these models (≤ 0.05), so m̂ / (√v̂ + ε) ≈ m̂ and a
+/// step is momentum SGD of rate lr: a gradient off by a factor moves the
+/// params by about that factor, and runs that compare params after
+/// training see it. (With the default ε = 1e-8 the update is
+/// ≈ lr · sign(g) whatever the gradient's size, so a gradient counted
+/// twice, or a sum divided wrongly, would not show.) lr = 0.5 moves a
+/// param by 0.5·|g| a step: 1e-4 to 1e-2.
 pub fn hyper() -> AdamWHyper {
     AdamWHyper {
-        lr: 3e-3,
+        lr: 0.5,
+        eps: 1.0,
         ..AdamWHyper::default()
     }
 }
@@ -139,4 +148,20 @@ pub fn bounded<T: Send + 'static>(
             panic!("{what} did not finish within {bound:?} (the watchdog's bound): it hangs")
         }
     }
+}
+
+/// Says why a case that needs CUDA (a GPU, or the CPU model of one, with
+/// NVRTC and ptxas) could not run. Where CUDA is expected, as in CI's
+/// driver-model block, `STRATA_REQUIRE_CUDA=1` makes that a failure
+/// instead of a skip that `cargo test` would show as a pass.
+pub fn case_skipped(case: &str, why: impl std::fmt::Display) {
+    if std::env::var_os("STRATA_REQUIRE_CUDA").is_some_and(|v| v == "1") {
+        panic!("{case} case could not run, and STRATA_REQUIRE_CUDA=1 requires it: {why}");
+    }
+    eprintln!("{case} case skipped: {why}");
+}
+
+/// [`case_skipped`] for a case that needs a CUDA device.
+pub fn cuda_case_skipped(why: impl std::fmt::Display) {
+    case_skipped("cuda", why)
 }

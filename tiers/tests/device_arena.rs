@@ -26,7 +26,7 @@ macro_rules! per_backend {
                 use strata_tiers::device_cuda::{open_gpu, CudaDeviceArena};
                 let body: fn(MakeArena) = $body;
                 match open_gpu(0) {
-                    Err(e) => eprintln!("cuda case skipped: {e}"),
+                    Err(e) => cuda_case_skipped(e),
                     Ok((ctx, info)) => {
                         eprintln!("cuda case on {} ({} bytes)", info.name, info.total_bytes);
                         body(&move |budget, slot| {
@@ -44,7 +44,7 @@ macro_rules! per_backend {
                 use strata_tiers::device_cuda::{open_gpu, CudaDeviceArena};
                 let body: fn(MakeArena) = $body;
                 match open_gpu(0) {
-                    Err(e) => eprintln!("cuda case skipped: {e}"),
+                    Err(e) => cuda_case_skipped(e),
                     Ok((ctx, _)) => body(&move |budget, slot| {
                         let mut arena = CudaDeviceArena::new(ctx.clone(), budget, slot)?;
                         arena.stage_uploads(2)?;
@@ -57,7 +57,7 @@ macro_rules! per_backend {
             #[cfg(not(feature = "cuda"))]
             #[test]
             fn cuda() {
-                eprintln!("cuda case skipped: built without --features cuda");
+                cuda_case_skipped("built without --features cuda");
             }
         }
     };
@@ -142,7 +142,7 @@ per_backend!(bad_requests_are_clear_errors, |make| {
 fn cuda_slots_start_aligned() {
     use strata_tiers::device_cuda::{open_gpu, CudaDeviceArena, SLOT_ALIGN};
     let (ctx, _) = match open_gpu(0) {
-        Err(e) => return eprintln!("cuda case skipped: {e}"),
+        Err(e) => return cuda_case_skipped(e),
         Ok(gpu) => gpu,
     };
     let slot = 3 * 1000 + 2; // bf16 params of an odd-sized expert
@@ -161,7 +161,7 @@ fn cuda_slots_start_aligned() {
 fn a_gpu_past_the_last_is_refused_with_the_count() {
     use strata_tiers::device_cuda::open_gpu;
     if let Err(e) = open_gpu(0) {
-        return eprintln!("cuda case skipped: {e}");
+        return cuda_case_skipped(e);
     }
     let beyond = 64; // more than any machine strata runs on
     let err = open_gpu(beyond).unwrap_err().to_string();
@@ -171,4 +171,16 @@ fn a_gpu_past_the_last_is_refused_with_the_count() {
         )) && err.contains("ask for at most"),
         "{err}"
     );
+}
+
+/// Says why a case that needs CUDA (a GPU, or the CPU model of one, with
+/// NVRTC and ptxas) could not run. Where CUDA is expected, as in CI's
+/// driver-model block, `STRATA_REQUIRE_CUDA=1` makes that a failure
+/// instead of a skip that `cargo test` would show as a pass.
+fn cuda_case_skipped(why: impl std::fmt::Display) {
+    let case = "cuda";
+    if std::env::var_os("STRATA_REQUIRE_CUDA").is_some_and(|v| v == "1") {
+        panic!("{case} case could not run, and STRATA_REQUIRE_CUDA=1 requires it: {why}");
+    }
+    eprintln!("{case} case skipped: {why}");
 }
