@@ -1,7 +1,8 @@
 // A CPU model of the cuBLAS calls strata makes, for tests only (see
 // libcuda.cpp): handles, streams, and cublasGemmEx with bf16 or f32 inputs,
 // f32 output and f32 accumulation in order of the inner index, column-major
-// as cuBLAS defines it.
+// as cuBLAS defines it. A GEMM runs in its handle's stream's turn (the CPU
+// model of the driver runs each stream on a thread of its own).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,15 +15,25 @@ enum : int { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 };
 
 #define API extern "C" __attribute__((visibility("default")))
 
+// In the CPU model of the driver (libcuda.cpp): runs fn(ctx) in `stream`'s turn.
+extern "C" void strata_fake_cuda_enqueue(void* stream, void (*fn)(void*), void* ctx);
+
+struct Handle {
+    void* stream;
+};
+
 API cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
-    *handle = malloc(1);
+    *handle = new Handle{nullptr};
     return CUBLAS_STATUS_SUCCESS;
 }
 API cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
-    free(handle);
+    delete (Handle*)handle;
     return CUBLAS_STATUS_SUCCESS;
 }
-API cublasStatus_t cublasSetStream_v2(cublasHandle_t, void*) { return CUBLAS_STATUS_SUCCESS; }
+API cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, void* stream) {
+    ((Handle*)handle)->stream = stream;
+    return CUBLAS_STATUS_SUCCESS;
+}
 API cublasStatus_t cublasSetMathMode(cublasHandle_t, int) { return CUBLAS_STATUS_SUCCESS; }
 API cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t, void*, size_t) {
     return CUBLAS_STATUS_SUCCESS;
@@ -36,8 +47,37 @@ static float load(const void* base, int type, long index) {
     return f;
 }
 
-API cublasStatus_t cublasGemmEx(cublasHandle_t, int transa, int transb, int m, int n, int k,
-                                const void* alpha, const void* a, int atype, int lda,
+// One GEMM's arguments, copied when it is called (alpha and beta are
+// host scalars, read at the call, as in cuBLAS's host pointer mode).
+struct Gemm {
+    int transa, transb, m, n, k;
+    float alpha, beta;
+    const void *a, *b;
+    int atype, lda, btype, ldb;
+    float* c;
+    int ldc;
+};
+
+static void run_gemm(void* arg) {
+    Gemm* g = (Gemm*)arg;
+    for (int j = 0; j < g->n; ++j) {
+        for (int i = 0; i < g->m; ++i) {
+            float acc = 0.0f;
+            for (int p = 0; p < g->k; ++p) {
+                long ai = g->transa == CUBLAS_OP_N ? i + (long)p * g->lda : p + (long)i * g->lda;
+                long bi = g->transb == CUBLAS_OP_N ? p + (long)j * g->ldb : j + (long)p * g->ldb;
+                acc += load(g->a, g->atype, ai) * load(g->b, g->btype, bi);
+            }
+            float* cij = g->c + i + (long)j * g->ldc;
+            // beta 0: C is not read (it may hold anything), as in cuBLAS.
+            *cij = g->beta == 0.0f ? g->alpha * acc : g->alpha * acc + g->beta * *cij;
+        }
+    }
+    delete g;
+}
+
+API cublasStatus_t cublasGemmEx(cublasHandle_t handle, int transa, int transb, int m, int n,
+                                int k, const void* alpha, const void* a, int atype, int lda,
                                 const void* b, int btype, int ldb, const void* beta, void* c,
                                 int ctype, int ldc, int compute, int) {
     if (ctype != CUDA_R_32F || (atype != CUDA_R_32F && atype != CUDA_R_16BF) ||
@@ -51,20 +91,8 @@ API cublasStatus_t cublasGemmEx(cublasHandle_t, int transa, int transb, int m, i
         lda < 1 || ldb < 1 || ldc < 1)
         return CUBLAS_STATUS_INVALID_VALUE;
     (void)compute;
-    float al = *(const float*)alpha, be = *(const float*)beta;
-    float* out = (float*)c;
-    for (int j = 0; j < n; ++j) {
-        for (int i = 0; i < m; ++i) {
-            float acc = 0.0f;
-            for (int p = 0; p < k; ++p) {
-                long ai = transa == CUBLAS_OP_N ? i + (long)p * lda : p + (long)i * lda;
-                long bi = transb == CUBLAS_OP_N ? p + (long)j * ldb : j + (long)p * ldb;
-                acc += load(a, atype, ai) * load(b, btype, bi);
-            }
-            float* cij = out + i + (long)j * ldc;
-            // beta 0: C is not read (it may hold anything), as in cuBLAS.
-            *cij = be == 0.0f ? al * acc : al * acc + be * *cij;
-        }
-    }
+    Gemm* g = new Gemm{transa, transb, m, n, k, *(const float*)alpha, *(const float*)beta,
+                       a, b, atype, lda, btype, ldb, (float*)c, ldc};
+    strata_fake_cuda_enqueue(((Handle*)handle)->stream, run_gemm, g);
     return CUBLAS_STATUS_SUCCESS;
 }

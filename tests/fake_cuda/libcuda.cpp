@@ -1,15 +1,26 @@
 // A CPU model of the CUDA driver API, for tests only: the subset of
 // libcuda.so that strata (through cudarc) calls, over host memory. Device
-// pointers are host addresses; every stream runs its work at once, in call
-// order, so an event is complete when recorded and waits return at once;
-// kernels run through the kernel emulator (tests/kernel_checks), looked up
-// by name when a module is loaded. It checks strata's use of the API
-// (sizes, arguments, ordering, lifetimes) and the kernels' results; it says
-// nothing of a real GPU's speed or of real asynchrony.
+// pointers are host addresses; every stream runs its work on a thread of
+// its own, in order, after the call that queued it returns (see below), so
+// a missing wait shows; kernels run through the kernel emulator
+// (tests/kernel_checks), looked up by name when a module is loaded. It
+// checks strata's use of the API (sizes, arguments, ordering, lifetimes)
+// and the kernels' results; it says nothing of a real GPU's speed.
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
 
 #include "../kernel_checks/emulator.cpp"
 
@@ -28,6 +39,7 @@ enum : CUresult {
     CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
 };
 
 // Devices the model can offer; each has its own (primary) context.
@@ -42,6 +54,8 @@ static int strata_fake_device_count() {
 static thread_local CUcontext current_context = nullptr;
 
 #define API extern "C" __attribute__((visibility("default")))
+
+static void sync_all_streams();
 
 API CUresult cuInit(unsigned) { return CUDA_SUCCESS; }
 API CUresult cuDriverGetVersion(int* v) {
@@ -85,44 +99,225 @@ API CUresult cuCtxGetCurrent(CUcontext* ctx) {
     *ctx = current_context;
     return CUDA_SUCCESS;
 }
-API CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+API CUresult cuCtxSynchronize() {
+    sync_all_streams();
+    return CUDA_SUCCESS;
+}
 API CUresult cuCtxGetDevice(CUdevice* dev) {
     if (current_context == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *dev = (int)((int*)current_context - strata_fake_contexts);
     return CUDA_SUCCESS;
 }
 
-API CUresult cuStreamCreate(CUstream* stream, unsigned) {
-    *stream = malloc(1);
+// Streams run asynchronously, as a GPU's do: each has a thread that runs
+// its work in order, after the call that queued it has returned. An event
+// is complete once its stream has run everything queued before it was
+// recorded; cuStreamWaitEvent queues a wait for that. So a copy read or a
+// buffer reused before the wait strata owes it sees another value than on
+// the GPU, and a test fails, as it would there. The legacy default stream
+// (a null stream) and the synchronous calls wait for every stream first.
+// A queue holds at most STREAM_QUEUE_MAX items: a full one blocks the
+// caller, as a GPU's launch queue does.
+enum { STREAM_QUEUE_MAX = 4096 };
+
+struct Stream {
+    std::mutex lock;
+    std::condition_variable changed;
+    std::deque<std::function<void()>> queue;
+    uint64_t queued = 0;  // items ever queued
+    uint64_t done = 0;    // items ever finished
+    bool stop = false;
+    std::thread worker;
+};
+
+struct Event {
+    Stream* stream = nullptr;
+    uint64_t ticket = 0;  // complete once stream->done reaches it
+    std::chrono::steady_clock::time_point at;
+};
+
+static std::mutex streams_lock;
+static std::set<Stream*> live_streams;
+
+static void stream_run(Stream* s) {
+    std::unique_lock<std::mutex> g(s->lock);
+    for (;;) {
+        s->changed.wait(g, [s] { return s->stop || !s->queue.empty(); });
+        if (s->queue.empty()) return;  // stopping, and drained
+        std::function<void()> work = std::move(s->queue.front());
+        s->queue.pop_front();
+        g.unlock();
+        work();
+        g.lock();
+        s->done += 1;
+        s->changed.notify_all();
+    }
+}
+
+static void stream_wait_until(Stream* s, uint64_t ticket) {
+    std::unique_lock<std::mutex> g(s->lock);
+    s->changed.wait(g, [s, ticket] { return s->done >= ticket; });
+}
+
+static uint64_t stream_tail(Stream* s) {
+    std::lock_guard<std::mutex> g(s->lock);
+    return s->queued;
+}
+
+static void sync_all_streams() {
+    std::vector<std::pair<Stream*, uint64_t>> tails;
+    {
+        std::lock_guard<std::mutex> g(streams_lock);
+        for (Stream* s : live_streams) tails.push_back({s, stream_tail(s)});
+    }
+    for (auto& t : tails) stream_wait_until(t.first, t.second);
+}
+
+// Runs `work` on `stream` after everything queued there; on the null
+// stream, at once after every stream has drained.
+static void enqueue(CUstream stream, std::function<void()> work) {
+    if (stream == nullptr) {
+        sync_all_streams();
+        work();
+        return;
+    }
+    Stream* s = (Stream*)stream;
+    std::unique_lock<std::mutex> g(s->lock);
+    s->changed.wait(g, [s] { return s->queue.size() < STREAM_QUEUE_MAX; });
+    s->queue.push_back(std::move(work));
+    s->queued += 1;
+    s->changed.notify_all();
+}
+
+// For the CPU model of cuBLAS: runs fn(ctx) on `stream` in order.
+API void strata_fake_cuda_enqueue(CUstream stream, void (*fn)(void*), void* ctx) {
+    enqueue(stream, [fn, ctx] { fn(ctx); });
+}
+
+static CUresult stream_create(CUstream* stream) {
+    Stream* s = new Stream();
+    s->worker = std::thread(stream_run, s);
+    {
+        std::lock_guard<std::mutex> g(streams_lock);
+        live_streams.insert(s);
+    }
+    *stream = s;
     return CUDA_SUCCESS;
 }
+API CUresult cuStreamCreate(CUstream* stream, unsigned) { return stream_create(stream); }
 API CUresult cuStreamCreateWithPriority(CUstream* stream, unsigned, int) {
-    *stream = malloc(1);
-    return CUDA_SUCCESS;
+    return stream_create(stream);
 }
 API CUresult cuStreamDestroy_v2(CUstream stream) {
-    free(stream);
+    // As the driver does: work already queued still runs.
+    Stream* s = (Stream*)stream;
+    {
+        std::lock_guard<std::mutex> g(streams_lock);
+        live_streams.erase(s);
+    }
+    {
+        std::lock_guard<std::mutex> g(s->lock);
+        s->stop = true;
+        s->changed.notify_all();
+    }
+    s->worker.join();
+    delete s;
     return CUDA_SUCCESS;
 }
-API CUresult cuStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
-API CUresult cuStreamQuery(CUstream) { return CUDA_SUCCESS; }
-API CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned) { return CUDA_SUCCESS; }
+API CUresult cuStreamSynchronize(CUstream stream) {
+    if (stream == nullptr) {
+        sync_all_streams();
+    } else {
+        Stream* s = (Stream*)stream;
+        stream_wait_until(s, stream_tail(s));
+    }
+    return CUDA_SUCCESS;
+}
+API CUresult cuStreamQuery(CUstream stream) {
+    if (stream == nullptr) return CUDA_SUCCESS;
+    Stream* s = (Stream*)stream;
+    std::lock_guard<std::mutex> g(s->lock);
+    return s->done >= s->queued ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+API CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned) {
+    Event* e = (Event*)event;
+    Stream* on = e->stream;
+    uint64_t ticket = e->ticket;
+    if (on == nullptr || on == (Stream*)stream) return CUDA_SUCCESS;  // already in order
+    enqueue(stream, [on, ticket] { stream_wait_until(on, ticket); });
+    return CUDA_SUCCESS;
+}
 
 API CUresult cuEventCreate(CUevent* event, unsigned) {
-    *event = malloc(1);
+    Event* e = new Event();
+    e->at = std::chrono::steady_clock::now();
+    *event = e;
     return CUDA_SUCCESS;
 }
 API CUresult cuEventDestroy_v2(CUevent event) {
-    free(event);
+    // The driver frees it once complete; the model waits for that.
+    Event* e = (Event*)event;
+    if (e->stream != nullptr) stream_wait_until(e->stream, e->ticket);
+    delete e;
     return CUDA_SUCCESS;
 }
-API CUresult cuEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
-API CUresult cuEventRecordWithFlags(CUevent, CUstream, unsigned) { return CUDA_SUCCESS; }
-API CUresult cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
-API CUresult cuEventQuery(CUevent) { return CUDA_SUCCESS; }
-API CUresult cuEventElapsedTime(float* ms, CUevent, CUevent) {
-    *ms = 0.0f;
+API CUresult cuEventRecord(CUevent event, CUstream stream) {
+    Event* e = (Event*)event;
+    if (stream == nullptr) {
+        sync_all_streams();
+        e->stream = nullptr;
+        e->at = std::chrono::steady_clock::now();
+        return CUDA_SUCCESS;
+    }
+    Stream* s = (Stream*)stream;
+    enqueue(stream, [e] { e->at = std::chrono::steady_clock::now(); });
+    e->stream = s;
+    e->ticket = stream_tail(s);
     return CUDA_SUCCESS;
+}
+API CUresult cuEventRecordWithFlags(CUevent event, CUstream stream, unsigned) {
+    return cuEventRecord(event, stream);
+}
+API CUresult cuEventSynchronize(CUevent event) {
+    Event* e = (Event*)event;
+    if (e->stream != nullptr) stream_wait_until(e->stream, e->ticket);
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventQuery(CUevent event) {
+    Event* e = (Event*)event;
+    if (e->stream == nullptr) return CUDA_SUCCESS;
+    std::lock_guard<std::mutex> g(e->stream->lock);
+    return e->stream->done >= e->ticket ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+    Event* a = (Event*)start;
+    Event* b = (Event*)end;
+    if (cuEventQuery(start) != CUDA_SUCCESS || cuEventQuery(end) != CUDA_SUCCESS)
+        return CUDA_ERROR_NOT_READY;
+    *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
+    return CUDA_SUCCESS;
+}
+
+// Page-locked host ranges (cuMemHostAlloc, cuMemHostRegister): copies to
+// and from them are asynchronous; to and from pageable memory, the driver
+// stages them and they are synchronous for the host, as CUDA documents.
+static std::mutex pinned_lock;
+static std::map<uintptr_t, size_t> pinned;  // start → bytes
+static bool is_pinned(const void* p, size_t n) {
+    uintptr_t a = (uintptr_t)p;
+    std::lock_guard<std::mutex> g(pinned_lock);
+    auto it = pinned.upper_bound(a);
+    if (it == pinned.begin()) return false;
+    --it;
+    return a >= it->first && a + n <= it->first + it->second;
+}
+static void pin(void* p, size_t n) {
+    std::lock_guard<std::mutex> g(pinned_lock);
+    pinned[(uintptr_t)p] = n;
+}
+static void unpin(void* p) {
+    std::lock_guard<std::mutex> g(pinned_lock);
+    pinned.erase((uintptr_t)p);
 }
 
 static CUresult host_alloc(void** p, size_t bytes) {
@@ -140,55 +335,84 @@ API CUresult cuMemAllocAsync(CUdeviceptr* dptr, size_t bytes, CUstream) {
     return cuMemAlloc_v2(dptr, bytes);
 }
 API CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    sync_all_streams();  // cuMemFree waits for the device, as the driver's
     free((void*)(uintptr_t)dptr);
     return CUDA_SUCCESS;
 }
-API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream) { return cuMemFree_v2(dptr); }
+API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
+    enqueue(stream, [dptr] { free((void*)(uintptr_t)dptr); });
+    return CUDA_SUCCESS;
+}
 API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     *free_bytes = (size_t)8 << 30;
     *total = (size_t)8 << 30;
     return CUDA_SUCCESS;
 }
-API CUresult cuMemsetD8_v2(CUdeviceptr dptr, unsigned char value, size_t n) {
-    memset((void*)(uintptr_t)dptr, value, n);
+API CUresult cuMemsetD8Async(CUdeviceptr dptr, unsigned char value, size_t n, CUstream stream) {
+    enqueue(stream, [=] { memset((void*)(uintptr_t)dptr, value, n); });
     return CUDA_SUCCESS;
 }
-API CUresult cuMemsetD8Async(CUdeviceptr dptr, unsigned char value, size_t n, CUstream) {
-    return cuMemsetD8_v2(dptr, value, n);
+API CUresult cuMemsetD8_v2(CUdeviceptr dptr, unsigned char value, size_t n) {
+    return cuMemsetD8Async(dptr, value, n, nullptr);
+}
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream stream) {
+    if (is_pinned(src, n)) {
+        // Read when the copy runs: the host must leave `src` alone till then.
+        enqueue(stream, [=] { memcpy((void*)(uintptr_t)dst, src, n); });
+    } else {
+        // Staged at once; the stream writes the device copy in its turn.
+        std::shared_ptr<std::vector<char>> staged(new std::vector<char>((const char*)src,
+                                                                       (const char*)src + n));
+        enqueue(stream, [=] { memcpy((void*)(uintptr_t)dst, staged->data(), n); });
+    }
+    return CUDA_SUCCESS;
 }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    sync_all_streams();
     memcpy((void*)(uintptr_t)dst, src, n);
     return CUDA_SUCCESS;
 }
-API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream) {
-    return cuMemcpyHtoD_v2(dst, src, n);
+API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream stream) {
+    enqueue(stream, [=] { memcpy(dst, (const void*)(uintptr_t)src, n); });
+    if (!is_pinned(dst, n)) cuStreamSynchronize(stream);  // pageable: done on return
+    return CUDA_SUCCESS;
 }
 API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+    sync_all_streams();
     memcpy(dst, (const void*)(uintptr_t)src, n);
     return CUDA_SUCCESS;
 }
-API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream) {
-    return cuMemcpyDtoH_v2(dst, src, n);
-}
-API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    enqueue(stream, [=] { memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n); });
     return CUDA_SUCCESS;
 }
-API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
-    return cuMemcpyDtoD_v2(dst, src, n);
+API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    return cuMemcpyDtoDAsync_v2(dst, src, n, nullptr);
 }
-API CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) { return host_alloc(p, bytes); }
-API CUresult cuMemAllocHost_v2(void** p, size_t bytes) { return host_alloc(p, bytes); }
+API CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) {
+    CUresult rc = host_alloc(p, bytes);
+    if (rc == CUDA_SUCCESS) pin(*p, bytes);
+    return rc;
+}
+API CUresult cuMemAllocHost_v2(void** p, size_t bytes) { return cuMemHostAlloc(p, bytes, 0); }
 API CUresult cuMemFreeHost(void* p) {
+    sync_all_streams();
+    unpin(p);
     free(p);
     return CUDA_SUCCESS;
 }
 // Page-locking: refused when STRATA_FAKE_CUDA_REFUSE_PIN is set, as the
 // OS does past the memlock limit (so tests can reach the staging path).
-API CUresult cuMemHostRegister_v2(void*, size_t, unsigned) {
-    return getenv("STRATA_FAKE_CUDA_REFUSE_PIN") ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
+API CUresult cuMemHostRegister_v2(void* p, size_t bytes, unsigned) {
+    if (getenv("STRATA_FAKE_CUDA_REFUSE_PIN")) return CUDA_ERROR_OUT_OF_MEMORY;
+    pin(p, bytes);
+    return CUDA_SUCCESS;
 }
-API CUresult cuMemHostUnregister(void*) { return CUDA_SUCCESS; }
+API CUresult cuMemHostUnregister(void* p) {
+    sync_all_streams();
+    unpin(p);
+    return CUDA_SUCCESS;
+}
 
 // A module is the set of emulated kernels; its PTX (compiled by the real
 // NVRTC) is checked only for being text.
@@ -200,17 +424,19 @@ API CUresult cuModuleLoadData(CUmodule* module, const void* image) {
 }
 API CUresult cuModuleUnload(CUmodule) { return CUDA_SUCCESS; }
 API CUresult cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) {
-    strata_launcher launch = strata_emulated_kernel(name);
-    if (launch == nullptr) return CUDA_ERROR_NOT_FOUND;
-    *f = (CUfunction)launch;
+    strata_binder bind = strata_emulated_binder(name);
+    if (bind == nullptr) return CUDA_ERROR_NOT_FOUND;
+    *f = (CUfunction)bind;
     return CUDA_SUCCESS;
 }
 API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                            unsigned by, unsigned bz, unsigned shared, CUstream, void** params,
-                            void** extra) {
+                            unsigned by, unsigned bz, unsigned shared, CUstream stream,
+                            void** params, void** extra) {
     if (gy != 1 || gz != 1 || by != 1 || bz != 1 || shared != 0 || extra != nullptr)
         return CUDA_ERROR_INVALID_VALUE;
-    ((strata_launcher)f)(gx, bx, params);
+    // The arguments are copied now, as the driver does; the kernel runs in
+    // the stream's turn.
+    enqueue(stream, ((strata_binder)f)(gx, bx, params));
     return CUDA_SUCCESS;
 }
 

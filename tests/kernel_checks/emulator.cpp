@@ -6,6 +6,8 @@
 #include <math.h>
 #include <string.h>
 #include <cstddef>
+#include <functional>
+#include <tuple>
 #include <utility>
 
 struct strata_dim3 {
@@ -41,6 +43,16 @@ static void call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
     kernel(*static_cast<A*>(args[I])...);
 }
 
+template <typename... A, std::size_t... I>
+static std::tuple<A...> bind_values(void** args, std::index_sequence<I...>) {
+    return std::tuple<A...>(*static_cast<A*>(args[I])...);
+}
+
+template <typename... A, std::size_t... I>
+static void fill_pointers(std::tuple<A...>& values, void** ptrs, std::index_sequence<I...>) {
+    ((ptrs[I] = &std::get<I>(values)), ...);
+}
+
 template <typename... A>
 static void launch(void (*kernel)(A...), unsigned grid, unsigned block, void** args) {
     blockDim.x = block;
@@ -53,9 +65,26 @@ static void launch(void (*kernel)(A...), unsigned grid, unsigned block, void** a
     }
 }
 
+// A launch to run later (the CPU model of a CUDA stream): the arguments'
+// values are copied now, as cuLaunchKernel copies them.
+template <typename... A>
+static std::function<void()> bind(void (*kernel)(A...), unsigned grid, unsigned block,
+                                  void** args) {
+    std::tuple<A...> values = bind_values<A...>(args, std::index_sequence_for<A...>{});
+    return [kernel, grid, block, values]() mutable {
+        void* ptrs[sizeof...(A) + 1];
+        fill_pointers(values, ptrs, std::index_sequence_for<A...>{});
+        launch(kernel, grid, block, ptrs);
+    };
+}
+
 #define STRATA_LAUNCHER(name)                                                       \
     extern "C" void strata_launch_##name(unsigned grid, unsigned block, void** args) { \
         launch(name, grid, block, args);                                            \
+    }                                                                               \
+    [[maybe_unused]] static std::function<void()> strata_bind_##name(unsigned grid, unsigned block, \
+                                                    void** args) {                  \
+        return bind(name, grid, block, args);                                       \
     }
 
 STRATA_LAUNCHER(swiglu_forward)
@@ -95,6 +124,29 @@ extern "C" strata_launcher strata_emulated_kernel(const char* name) {
     };
     for (const auto& entry : table) {
         if (strcmp(entry.name, name) == 0) return entry.launch;
+    }
+    return nullptr;
+}
+
+// The binder of kernel `name`, for launches that run later, or null.
+typedef std::function<void()> (*strata_binder)(unsigned, unsigned, void**);
+[[maybe_unused]] static strata_binder strata_emulated_binder(const char* name) {
+    static const struct {
+        const char* name;
+        strata_binder bind;
+    } table[] = {
+#define STRATA_ENTRY(n) {#n, strata_bind_##n},
+        STRATA_ENTRY(swiglu_forward) STRATA_ENTRY(swiglu_backward) STRATA_ENTRY(gelu_forward)
+        STRATA_ENTRY(gelu_backward) STRATA_ENTRY(f32_to_bf16) STRATA_ENTRY(adamw)
+        STRATA_ENTRY(rmsnorm_forward) STRATA_ENTRY(rmsnorm_backward_dx)
+        STRATA_ENTRY(rmsnorm_backward_dg) STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
+        STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
+        STRATA_ENTRY(attention_forward) STRATA_ENTRY(attention_backward_dq)
+        STRATA_ENTRY(attention_backward_dkv)
+#undef STRATA_ENTRY
+    };
+    for (const auto& entry : table) {
+        if (strcmp(entry.name, name) == 0) return entry.bind;
     }
     return nullptr;
 }
