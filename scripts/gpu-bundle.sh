@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 cargo build --release --features cuda
 mkdir -p gpu-bin
 cp target/release/strata gpu-bin/strata
-for t in backend multi_device equivalence trainer; do
-    exe=$(cargo test --release --features cuda --no-run --test "$t" --message-format=json 2>/dev/null \
+for pt in strata:backend strata:multi_device strata:equivalence strata-cli:trainer; do
+    p=${pt%%:*} t=${pt#*:}
+    exe=$(cargo test --release -p "$p" --features cuda --no-run --test "$t" --message-format=json 2>/dev/null \
         | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -81,7 +81,8 @@ tests)
         filter=
         [ "$t" = gpu-bin/test-trainer ] && filter=gpus
         echo "== $t $filter"
-        timeout 240 "$t" $filter --nocapture 2>&1 || { echo "FAILED: $t"; status=1; }
+        STRATA_REQUIRE_CUDA=1 timeout 240 "$t" $filter --nocapture 2>&1 \
+            || { echo "FAILED: $t"; status=1; }
     done > "$out/tests.log"
     grep -E "^== |test result|FAILED|panicked|cuda case|gpu vs cpu|gpu notes" "$out/tests.log"
     if grep -h "cuda case skipped" "$out/tests.log"; then

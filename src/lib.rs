@@ -2,8 +2,6 @@
 //! Mixture-of-Experts models larger than GPU memory.
 
 pub mod backend;
-pub mod bench;
-pub mod cli;
 pub mod comm;
 pub mod engine;
 mod error;
@@ -13,7 +11,6 @@ pub mod model;
 mod parallel;
 pub mod placement;
 pub mod reference;
-pub mod trainer;
 
 pub use error::EngineError;
-pub use parallel::{machine_cores, set_compute_threads, MAX_THREADS_PER_CORE};
+pub use parallel::{compute_threads, machine_cores, set_compute_threads, MAX_THREADS_PER_CORE};

@@ -1,54 +1,21 @@
-//! A damaged store or dense file, read back by a resumed engine and by
-//! `train --resume`: each ends in an error that names what is damaged,
-//! within a bound, never in a hang (every case runs under a watchdog).
+//! A damaged store or dense file, read back by a resumed engine: each ends
+//! in an error that names what is damaged, within a bound, never in a hang
+//! (the store case runs under a watchdog). `train --resume` on a damaged
+//! record: `app/tests/damaged_run.rs`.
 
 mod common;
 
-use std::fs::OpenOptions;
-use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use common::bounded;
-use common::tiny_lm::{small_flags, tiny_config, write_checkpoint};
+use common::tiny_lm::tiny_config;
+use common::{bounded, damage_record, flip_byte};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{MixtralLm, TokenBatch};
-use strata::trainer::{self, Source, TrainFlags};
-use strata_tiers::format::PART_HEADER_BYTES;
-use strata_tiers::io::FileOptions;
-use strata_tiers::{Dtype, ExpertStore};
+use strata_tiers::Dtype;
 
 /// Far above what any case here takes (well under a second each).
 const BOUND: Duration = Duration::from_secs(60);
-
-fn flip_byte(path: &Path, at: u64) {
-    let mut f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut byte = [0u8];
-    f.seek(SeekFrom::Start(at)).unwrap();
-    f.read_exact(&mut byte).unwrap();
-    byte[0] ^= 0x40;
-    f.seek(SeekFrom::Start(at)).unwrap();
-    f.write_all(&byte).unwrap();
-}
-
-/// Flips a byte of `slot`'s compute params in both copies of its record,
-/// so whichever copy is committed is damaged.
-fn damage_record(store: &Path, slot: u64) {
-    let layout = ExpertStore::open(store, None, &FileOptions::default())
-        .unwrap()
-        .layout();
-    for copy in 0..2 {
-        flip_byte(
-            store,
-            layout.record_offset(slot, copy) + PART_HEADER_BYTES as u64 + 5,
-        );
-    }
-}
 
 fn batch(step: u64) -> TokenBatch {
     let seq_len = 8;
@@ -126,34 +93,5 @@ fn a_damaged_dense_file_fails_the_resume_naming_the_file() {
     assert!(
         err.contains("experts.strata.dense-2") && err.contains("checksum mismatch"),
         "{err}"
-    );
-}
-
-#[test]
-fn train_resume_on_a_damaged_record_stops_with_an_error_naming_the_expert() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let model = dir.path().join("model");
-    write_checkpoint(&model, &tiny_config());
-    let first = TrainFlags {
-        steps: Some(2),
-        eval_every: Some(0),
-        ..small_flags(&out)
-    };
-    trainer::run(&first, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
-    damage_record(&out.join("experts.strata"), 0);
-    let again = TrainFlags {
-        resume: true,
-        steps: Some(4),
-        ..small_flags(&out)
-    };
-    let err = bounded("train --resume on a damaged record", BOUND, move || {
-        trainer::run(&again, Source::Scratch, &AtomicBool::new(false))
-            .expect_err("the damaged record is read without an error")
-    });
-    eprintln!("{err}");
-    assert!(
-        err.contains("expert 0.0") && err.contains("checksum"),
-        "the error names neither the expert nor the checksum: {err}"
     );
 }

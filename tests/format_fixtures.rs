@@ -75,7 +75,9 @@ fn state_after_resume(dir: &Path) -> (Vec<f32>, Vec<Vec<f32>>, Vec<u64>, Vec<f32
         experts.push(engine.expert_params(0, e).unwrap());
         steps.push(engine.expert_step(0, e).unwrap());
     }
-    let losses = (2..4).map(|s| engine.step(&batch(s)).unwrap().loss).collect();
+    let losses = (2..4)
+        .map(|s| engine.step(&batch(s)).unwrap().loss)
+        .collect();
     (dense, experts, steps, losses)
 }
 

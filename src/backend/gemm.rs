@@ -41,7 +41,7 @@ fn rows_per_part(rows: usize, parts: usize) -> usize {
 }
 
 /// out (M, N) = x (M, K) · w (N, K)ᵀ
-pub(crate) fn linear_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+pub fn linear_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
     forward_in_parts(out, x, w, m, k, n, threads_for(m * k * n, cores()));
 }
 

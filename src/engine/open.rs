@@ -174,7 +174,8 @@ impl Engine {
         HostMemoryPlan::of(&layout, config).check(memory::available_host_memory())
     }
 
-    pub(crate) fn layout(model: &ModelConfig, config: &EngineConfig) -> Layout {
+    /// The store layout of `model`'s experts under `config`.
+    pub fn layout(model: &ModelConfig, config: &EngineConfig) -> Layout {
         Layout {
             layers: model.layers as u32,
             experts_per_layer: model.experts as u32,

@@ -29,8 +29,14 @@ static COMPUTE_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 /// [`machine_cores`]. The splits ask before every piece of work, hence
 /// the count is fixed once. Splits only change how work is shared out,
 /// never a result.
-pub(crate) fn cores() -> usize {
+/// How many threads the cpu backend's compute splits over: what
+/// [`set_compute_threads`] fixed, else the machine's cores.
+pub fn compute_threads() -> usize {
     *COMPUTE_THREADS.get_or_init(machine_cores)
+}
+
+pub(crate) fn cores() -> usize {
+    compute_threads()
 }
 
 /// Fixes, for the rest of the process, how many threads the cpu backend's

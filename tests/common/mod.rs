@@ -165,3 +165,35 @@ pub fn case_skipped(case: &str, why: impl std::fmt::Display) {
 pub fn cuda_case_skipped(why: impl std::fmt::Display) {
     case_skipped("cuda", why)
 }
+
+/// Flips one bit of the byte at `at` in `path`.
+pub fn flip_byte(path: &std::path::Path, at: u64) {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8];
+    f.seek(SeekFrom::Start(at)).unwrap();
+    f.read_exact(&mut byte).unwrap();
+    byte[0] ^= 0x40;
+    f.seek(SeekFrom::Start(at)).unwrap();
+    f.write_all(&byte).unwrap();
+}
+
+/// Flips a byte of `slot`'s compute params in both copies of its record
+/// in the store file `store`, so whichever copy is committed is damaged.
+pub fn damage_record(store: &std::path::Path, slot: u64) {
+    use strata_tiers::format::PART_HEADER_BYTES;
+    let layout =
+        strata_tiers::ExpertStore::open(store, None, &strata_tiers::io::FileOptions::default())
+            .unwrap()
+            .layout();
+    for copy in 0..2 {
+        flip_byte(
+            store,
+            layout.record_offset(slot, copy) + PART_HEADER_BYTES as u64 + 5,
+        );
+    }
+}

@@ -1,13 +1,12 @@
-//! A tiny Mixtral-layout model for the trainer's tests: its config, a
-//! checkpoint of it written as Hugging Face does, trainer flags that make
-//! its experts stream from the SSD, and a run's params read back.
+//! A tiny Mixtral-layout model: its config, a checkpoint of it written as
+//! Hugging Face does, and a run's params read back. (The trainer flags
+//! that make its experts stream from the SSD are in `app/tests/common`.)
 
 use std::path::Path;
 
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{LmConfig, MixtralLm};
 use strata::model::Network;
-use strata::trainer::{self, TrainFlags};
 use strata_tiers::safetensors_io::{encode_compute, write_safetensors, TensorSpec};
 use strata_tiers::Dtype;
 
@@ -75,51 +74,6 @@ pub fn write_checkpoint(dir: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32
     assert!(files.len() > 2, "the checkpoint is sharded with an index");
     std::fs::write(dir.join("config.json"), config.to_hf_json()).unwrap();
     (dense, experts)
-}
-
-pub fn small_flags(out: &Path) -> TrainFlags {
-    // Room on the device for the dense part, the activations and two
-    // expert slots, and on the host for three of the eight records:
-    // experts stream from the SSD.
-    flags_holding(out, 3)
-}
-
-/// `small_flags` with host memory for `records` of the eight records.
-pub fn flags_holding(out: &Path, records: u64) -> TrainFlags {
-    let config = tiny_config();
-    let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
-        model: &config,
-        compute_dtype: Dtype::Bf16,
-        seq_len: 16,
-        batch: 4,
-        micro_batches: 2,
-        devices: 1,
-        device_mem: 1 << 40,
-        host_mem: 1 << 40,
-        store_dir: None,
-        host_stream_slots: EngineConfig::default().host_stream_slots,
-        host_cell_slots: 0,
-    })
-    .unwrap();
-    let slot = 2 * config.expert_params() as u64;
-    let device = fixed.dense_device_bytes + fixed.activation_bytes + 2 * slot;
-    let record = fixed.expert_host_bytes / fixed.expert_count;
-    let host = fixed.dense_host_bytes + records * record;
-    TrainFlags {
-        out: Some(out.to_path_buf()),
-        steps: Some(6),
-        seq_len: Some(16),
-        batch: Some(4),
-        micro_batches: Some(2),
-        eval_every: Some(3),
-        checkpoint_every: Some(2),
-        device_mem: Some(device.to_string()),
-        host_mem: Some(host.to_string()),
-        threads: Some(2),
-        warmup: Some(2),
-        quiet: true,
-        ..TrainFlags::default()
-    }
 }
 
 /// The params of the run in `out`, read back through a resumed engine.

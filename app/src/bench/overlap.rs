@@ -29,8 +29,8 @@ use strata_tiers::io::{AlignedBuf, FileOptions};
 use strata_tiers::{ExpertStore, Layout, Parts, TierError};
 
 use super::{median, process_usage, stolen_cpu_s};
-use crate::backend::linear_forward;
-use crate::EngineError;
+use strata::backend::linear_forward;
+use strata::EngineError;
 
 /// The GEMM of the compute arm: (M, K) · (N, K)ᵀ, an expert's first
 /// projection at `strata bench step`'s defaults (256 tokens an expert,
@@ -81,7 +81,7 @@ pub struct OverlapRecord {
     pub direct: bool,
     pub engine: &'static str,
     /// Threads the compute arm's GEMMs split over
-    /// ([`crate::set_compute_threads`]), of `machine_cores`.
+    /// ([`strata::set_compute_threads`]), of `machine_cores`.
     pub compute_threads: usize,
     pub machine_cores: usize,
 }
@@ -380,8 +380,8 @@ fn run_on(
                 gemm_calls: if arm == Arm::Io { 0 } else { calls },
                 direct,
                 engine: io.store.engine(),
-                compute_threads: crate::parallel::cores(),
-                machine_cores: crate::parallel::machine_cores(),
+                compute_threads: strata::compute_threads(),
+                machine_cores: strata::machine_cores(),
             }
         })
         .collect();

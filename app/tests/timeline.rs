@@ -8,9 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{batch, hyper, model, record_bytes};
-use strata::bench::step::StepPhases;
 use strata::engine::{Engine, EngineConfig, ScheduleKind};
 use strata::math::ExpertKind;
+use strata_cli::bench::step::StepPhases;
 use strata_tiers::{Dtype, ExpertId, Timeline, TimelineEvent};
 
 fn engine(dir: &std::path::Path, schedule: ScheduleKind, timeline: Arc<Timeline>) -> Engine {

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
 use common::tiny_lm::{flags_holding, run_params, tiny_config, write_checkpoint};
-use strata::trainer::{self, Source, TrainFlags};
+use strata_cli::trainer::{self, Source, TrainFlags};
 
 /// A word-level tokenizer (whitespace-split, unknown words one token) of
 /// a few tokens, within the tiny model's vocabulary.

@@ -7,11 +7,11 @@ use strata_tiers::{Timeline, TimelineEvent};
 
 use super::phases::StepPhases;
 use super::{StepBenchConfig, StepBenchRecord};
-use crate::backend::BackendKind;
 use crate::bench::{process_usage, stolen_cpu_s, Timing};
-use crate::engine::{Engine, ExpertCompute, StepMetrics};
-use crate::model::{fill_uniform, Batch, ModelConfig};
-use crate::EngineError;
+use strata::backend::BackendKind;
+use strata::engine::{Engine, ExpertCompute, StepMetrics};
+use strata::model::{fill_uniform, Batch, ModelConfig};
+use strata::EngineError;
 
 fn batch(model: &ModelConfig, tokens: usize, step: usize) -> Batch {
     let mut inputs = vec![0.0f32; tokens * model.d_model];
@@ -222,7 +222,7 @@ impl Arm {
     /// Wall times of the timed steps that lost at most `QUIET_STEAL_SHARE`
     /// of the machine (all of them where steal is not reported).
     fn quiet_walls(&self) -> Vec<std::time::Duration> {
-        let cores = crate::parallel::machine_cores() as f64;
+        let cores = strata::machine_cores() as f64;
         self.metrics
             .iter()
             .zip(&self.steal)

@@ -11,7 +11,7 @@ use strata_tiers::safetensors_io::{
 };
 use strata_tiers::{record_mut, Dtype, ExpertStore, Parts};
 
-use crate::lm::{LmConfig, MixtralLm};
+use strata::lm::{LmConfig, MixtralLm};
 
 /// Files copied along with the weights when present.
 pub(super) const SIDE_FILES: &[&str] = &[

@@ -102,7 +102,7 @@ fn bench_placement(args: PlacementArgs) -> Result<(), CliError> {
 /// cores' time: with every core computing, the I/O takes it from them);
 /// one on a one-core machine.
 fn step_default_compute_threads() -> usize {
-    crate::machine_cores().saturating_sub(1).max(1)
+    strata::machine_cores().saturating_sub(1).max(1)
 }
 
 fn bench_step(args: StepArgs) -> Result<(), CliError> {
@@ -132,7 +132,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
     }
     let defaults = bench::step::StepBenchConfig::default();
     let config = bench::step::StepBenchConfig {
-        model: crate::model::ModelConfig {
+        model: strata::model::ModelConfig {
             layers: args.layers,
             experts: args.experts,
             d_model: args.d_model,
@@ -157,7 +157,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         host_cell_slots: args.host_cell_slots,
         defer_updates: args.defer_updates,
         deferred_update_share: args.defer_share,
-        backend: crate::backend::BackendKind::parse(&args.backend)?,
+        backend: strata::backend::BackendKind::parse(&args.backend)?,
         modeled_device_flops: args.modeled_device_gflops.map(|g| g * 1e9),
         optimizer_threads: args.optimizer_threads,
         dir: args.dir,
@@ -177,7 +177,7 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
 fn set_compute_threads(threads: Option<usize>) -> Result<(), CliError> {
     match threads {
         Some(n) => {
-            crate::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}").into())
+            strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}").into())
         }
         None => Ok(()),
     }

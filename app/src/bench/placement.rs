@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::Timing;
-use crate::placement::{load_gap, makespan_lower_bound, round_robin_loads, CostModel, LptPlacer};
+use strata::placement::{load_gap, makespan_lower_bound, round_robin_loads, CostModel, LptPlacer};
 
 /// Token counts drawn for one layer.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -8,14 +8,14 @@ use std::sync::Arc;
 
 use strata_tiers::{Dtype, Timeline};
 
-use crate::backend::BackendKind;
-use crate::engine::{
+use strata::backend::BackendKind;
+use strata::engine::{
     available_host_memory, host_cell_slot_count, Engine, EngineConfig, ExpertCompute,
     HostMemoryPlan, ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
-use crate::math::ExpertKind;
-use crate::model::ModelConfig;
-use crate::EngineError;
+use strata::math::ExpertKind;
+use strata::model::ModelConfig;
+use strata::EngineError;
 
 mod arm;
 mod balance;
@@ -410,8 +410,8 @@ fn run_rounds(
         rounds: config.rounds,
         tokens: config.tokens,
         modeled_device_gflop_per_s: config.modeled_device_flops.map(|r| r / 1e9),
-        compute_threads: crate::parallel::cores(),
-        machine_cores: crate::parallel::machine_cores(),
+        compute_threads: strata::compute_threads(),
+        machine_cores: strata::machine_cores(),
         balance,
         expert_wise_over_naive,
         expert_wise_over_bound,

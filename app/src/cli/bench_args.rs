@@ -224,7 +224,7 @@ fn parse_on_off(value: &str) -> Result<bool, String> {
     }
 }
 
-/// A thread count, at most [`crate::MAX_THREADS_PER_CORE`] a core (0 is
+/// A thread count, at most [`strata::MAX_THREADS_PER_CORE`] a core (0 is
 /// left to the bench, which names what must be at least 1).
 fn parse_threads(value: &str) -> Result<usize, String> {
     let n: usize = value
@@ -237,7 +237,7 @@ fn parse_threads(value: &str) -> Result<usize, String> {
 /// `--compute-threads`: a count, or `all` for every core of the machine.
 fn parse_compute_threads(value: &str) -> Result<usize, String> {
     match value {
-        "all" => Ok(crate::machine_cores()),
+        "all" => Ok(strata::machine_cores()),
         n => n
             .parse()
             .map_err(|_| format!("`{n}` is neither a thread count nor `all`")),
@@ -273,7 +273,7 @@ pub struct OptimArgs {
 }
 
 fn default_threads() -> usize {
-    crate::parallel::machine_cores()
+    strata::machine_cores()
 }
 
 fn parse_kernel(name: &str) -> Result<Kernel, String> {

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::arm::Arm;
 use super::StepBenchConfig;
-use crate::EngineError;
+use strata::EngineError;
 
 /// Token counts the search may choose are multiples of this.
 pub const TOKENS_GRAIN: usize = 16;

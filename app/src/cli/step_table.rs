@@ -116,7 +116,7 @@ pub(super) fn print(
             counts.join(", ")
         )?;
     } else {
-        let cores = crate::parallel::machine_cores() as f64;
+        let cores = strata::machine_cores() as f64;
         let noisy: Vec<String> = records
             .iter()
             .filter(|r| r.quiet_steps == 0)

@@ -252,7 +252,7 @@ fn deferred_updates_follow_the_config() {
 #[test]
 fn a_tiny_stack_runs_every_configuration_on_gpus() {
     if let Err(e) = BackendKind::Cuda.check(2, Dtype::Bf16) {
-        crate::backend::cuda_case_skipped(e);
+        crate::bench::cuda_case_skipped(e);
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -2,7 +2,7 @@ use clap::Parser;
 
 fn main() -> std::process::ExitCode {
     keep_freed_memory_in_the_heap();
-    strata::cli::run(strata::cli::Cli::parse())
+    strata_cli::cli::run(strata_cli::cli::Cli::parse())
 }
 
 /// glibc serves each allocation over 128 KiB (at first) with its own mmap

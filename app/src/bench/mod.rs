@@ -95,6 +95,18 @@ pub fn parse_count(text: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("`{text}` is too large"))
 }
 
+/// Says why a case that needs CUDA (a GPU, or the CPU model of one, with
+/// NVRTC and ptxas) could not run. Where CUDA is expected, as in CI's
+/// driver-model block, `STRATA_REQUIRE_CUDA=1` makes that a failure
+/// instead of a skip that `cargo test` would show as a pass.
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) fn cuda_case_skipped(why: impl std::fmt::Display) {
+    if std::env::var_os("STRATA_REQUIRE_CUDA").is_some_and(|v| v == "1") {
+        panic!("cuda case could not run, and STRATA_REQUIRE_CUDA=1 requires it: {why}");
+    }
+    eprintln!("cuda case skipped: {why}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

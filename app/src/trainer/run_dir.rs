@@ -14,9 +14,9 @@ use strata_tiers::{ExpertStore, Layout};
 use super::{
     hf, model_config, parse_dtype, tokenizer_for, tokenizer_path, Source, TrainFlags, TrainOptions,
 };
-use crate::engine::{Engine, EngineConfig};
-use crate::lm::data::Tokenizer;
-use crate::lm::{LmConfig, MixtralLm};
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::data::Tokenizer;
+use strata::lm::{LmConfig, MixtralLm};
 
 /// What `run.json` holds.
 #[derive(Clone, Debug, Serialize, Deserialize)]

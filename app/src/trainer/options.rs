@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{EngineConfig, MIN_HOST_STREAM_SLOTS};
+use strata::engine::{EngineConfig, MIN_HOST_STREAM_SLOTS};
 
 /// Flags of `strata train`, `strata finetune` and `strata plan`. Every
 /// field is optional here so a TOML file can fill what the command line
@@ -153,7 +153,7 @@ pub struct TrainOptions {
     pub host_mem: u64,
     pub compute_dtype: String,
     pub threads: usize,
-    /// None: every core (`crate::machine_cores`).
+    /// None: every core (`strata::machine_cores`).
     #[serde(default)]
     pub compute_threads: Option<usize>,
     #[serde(default = "default_stream_slots")]
@@ -245,7 +245,7 @@ impl TrainFlags {
             None => TrainFlags::default(),
         };
         let cli = self;
-        let threads = crate::parallel::machine_cores();
+        let threads = strata::machine_cores();
         Ok(TrainOptions {
             preset: pick!(cli, file, preset, "tiny".into()),
             experts: cli.experts.or(file.experts),

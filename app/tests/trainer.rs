@@ -14,7 +14,7 @@ use common::max_rel;
 use common::tiny_lm::{flags_holding, run_params, small_flags, tiny_config, write_checkpoint};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{LmConfig, MixtralLm};
-use strata::trainer::{self, hf, Source, TrainFlags};
+use strata_cli::trainer::{self, hf, Source, TrainFlags};
 use strata_tiers::Dtype;
 
 /// The trainer on the GPUs (`--backend cuda --devices 2`, or 1 where only

@@ -24,15 +24,15 @@ use serde::{Deserialize, Serialize};
 use strata_optim::AdamWHyper;
 use strata_tiers::{Dtype, Timeline};
 
-use crate::engine::{Engine, EngineConfig, StepMetrics};
-use crate::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
-use crate::lm::{LmConfig, MixtralLm};
 pub use options::{StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 pub use run_dir::export_run;
 use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles};
+use strata::engine::{Engine, EngineConfig, StepMetrics};
+use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
+use strata::lm::{LmConfig, MixtralLm};
 
-use crate::backend::BackendKind;
+use strata::backend::BackendKind;
 
 /// Where the model comes from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -250,7 +250,7 @@ pub fn run(
     };
     validate_options(&o)?;
     if let Some(n) = o.compute_threads {
-        crate::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
+        strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
     }
     if let Source::Finetune(model_dir) = &source {
         refuse_writing_into(model_dir, &o)?;
@@ -343,7 +343,7 @@ pub fn run(
     if let Some(n) = o.compute_threads {
         say(format!(
             "  compute: the cpu backend splits over {n} of the {} cores",
-            crate::machine_cores()
+            strata::machine_cores()
         ));
     }
     for note in engine.notes() {
@@ -413,7 +413,7 @@ pub fn run(
         exported: Vec::new(),
     };
     let mut rates = Vec::new();
-    let err = |e: crate::EngineError| e.to_string();
+    let err = |e: strata::EngineError| e.to_string();
     for step in start_step + 1..=o.steps {
         let lr = lr_at(&o, step);
         engine.set_lr(lr).map_err(err)?;

@@ -101,7 +101,7 @@ pub struct StepBenchSummary {
     /// modeled device's rate (`StepBenchConfig::modeled_device_flops`).
     pub modeled_device_gflop_per_s: Option<f64>,
     /// Threads the cpu backend's compute split over
-    /// ([`crate::set_compute_threads`]), of `machine_cores`.
+    /// ([`strata::set_compute_threads`]), of `machine_cores`.
     pub compute_threads: usize,
     pub machine_cores: usize,
     /// How `tokens` was found, where it was balanced (`balance_tokens`).

@@ -18,8 +18,8 @@ use std::path::Path;
 use strata_tiers::{Dtype, Layout};
 
 use super::options::show_bytes;
-use crate::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
-use crate::lm::LmConfig;
+use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
+use strata::lm::LmConfig;
 
 /// Where the experts end up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

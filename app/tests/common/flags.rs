@@ -1,0 +1,55 @@
+//! Trainer flags for the tiny model of `tiny_lm` that make its experts
+//! stream from the SSD.
+
+use std::path::Path;
+
+use strata::engine::EngineConfig;
+use strata_cli::trainer::{self, TrainFlags};
+use strata_tiers::Dtype;
+
+use super::tiny_lm::tiny_config;
+
+pub fn small_flags(out: &Path) -> TrainFlags {
+    // Room on the device for the dense part, the activations and two
+    // expert slots, and on the host for three of the eight records:
+    // experts stream from the SSD.
+    flags_holding(out, 3)
+}
+
+/// `small_flags` with host memory for `records` of the eight records.
+pub fn flags_holding(out: &Path, records: u64) -> TrainFlags {
+    let config = tiny_config();
+    let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
+        model: &config,
+        compute_dtype: Dtype::Bf16,
+        seq_len: 16,
+        batch: 4,
+        micro_batches: 2,
+        devices: 1,
+        device_mem: 1 << 40,
+        host_mem: 1 << 40,
+        store_dir: None,
+        host_stream_slots: EngineConfig::default().host_stream_slots,
+        host_cell_slots: 0,
+    })
+    .unwrap();
+    let slot = 2 * config.expert_params() as u64;
+    let device = fixed.dense_device_bytes + fixed.activation_bytes + 2 * slot;
+    let record = fixed.expert_host_bytes / fixed.expert_count;
+    let host = fixed.dense_host_bytes + records * record;
+    TrainFlags {
+        out: Some(out.to_path_buf()),
+        steps: Some(6),
+        seq_len: Some(16),
+        batch: Some(4),
+        micro_batches: Some(2),
+        eval_every: Some(3),
+        checkpoint_every: Some(2),
+        device_mem: Some(device.to_string()),
+        host_mem: Some(host.to_string()),
+        threads: Some(2),
+        warmup: Some(2),
+        quiet: true,
+        ..TrainFlags::default()
+    }
+}

@@ -1,0 +1,18 @@
+//! The engine tests' helpers (`tests/common`, shared as they are), and
+//! trainer flags for the tiny model of `tiny_lm`.
+
+// Each test binary uses its own subset.
+#![allow(dead_code, unused_imports)]
+
+#[path = "../../../tests/common/mod.rs"]
+mod engine;
+mod flags;
+
+pub use engine::*;
+
+/// The tiny model, with the trainer flags that stream its experts from
+/// the SSD.
+pub mod tiny_lm {
+    pub use super::engine::tiny_lm::*;
+    pub use super::flags::{flags_holding, small_flags};
+}
