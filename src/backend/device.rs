@@ -77,6 +77,13 @@ pub trait ExpertDevice: Send {
         false
     }
 
+    /// Whether the time of its expert calls is compute time, which the
+    /// step's metrics report and placement calibrates on. A device that
+    /// skips the GEMMs (`ExpertCompute::Skip`) computes nothing.
+    fn computes(&self) -> bool {
+        true
+    }
+
     /// out (n, D) = expert(x (n, D)) with the params in `params`' slot;
     /// `saved` keeps what this device's backward needs (see
     /// [`Backend::expert_ffn_forward`](crate::backend::Backend::expert_ffn_forward)).

@@ -10,10 +10,12 @@ mod cpu;
 pub mod cuda;
 mod device;
 mod gemm;
+mod modeled;
 
 pub use cpu::CpuBackend;
 pub use device::{CpuExpertDevice, ExpertDevice, SlotParams};
 pub use gemm::linear_forward;
+pub use modeled::{ExpertCompute, ModeledExpertDevice};
 
 use strata_tiers::{Dtype, Layout};
 

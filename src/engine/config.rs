@@ -7,6 +7,7 @@ use strata_optim::AdamWHyper;
 use strata_tiers::{Dtype, Timeline};
 
 use crate::backend::BackendKind;
+pub use crate::backend::ExpertCompute;
 
 /// The fewest host slots `host_stream_slots` may stream through: one
 /// holding the record being updated, one the record being uploaded, one
@@ -32,35 +33,6 @@ impl ScheduleKind {
     /// expert computing and one for the next arriving.
     pub(crate) fn overlaps(self, device_slots: usize) -> bool {
         self == ScheduleKind::ExpertWise && device_slots >= 2
-    }
-}
-
-/// What a device does with an expert's forward and backward.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub enum ExpertCompute {
-    /// Compute them on the backend.
-    #[default]
-    Run,
-    /// Benches only: move experts through the tiers and the optimizer
-    /// exactly as training does, but skip the expert GEMMs (outputs and
-    /// gradients are zero). This is the I/O-only run of `strata bench step`.
-    Skip,
-    /// Benches only: skip the GEMMs as [`ExpertCompute::Skip`] does and
-    /// hold the device's thread, asleep, for as long as a device running
-    /// the expert's FLOPs at `flops_per_s` would take (the forward's
-    /// 2·n·D·F per matrix, the backward's twice that). A model of an
-    /// accelerator for a machine without one: its compute costs the step
-    /// wall time but no host core, as a GPU's does, so the schedule's
-    /// overlap can be studied where the cpu backend's GEMMs would take the
-    /// cores the I/O and the optimizer need.
-    Modeled { flops_per_s: f64 },
-}
-
-impl ExpertCompute {
-    /// Whether the expert GEMMs are skipped (their outputs and gradients
-    /// zero).
-    pub(crate) fn skips_gemms(self) -> bool {
-        self != ExpertCompute::Run
     }
 }
 

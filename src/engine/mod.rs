@@ -166,7 +166,6 @@ impl Engine {
     fn pass_options(&self) -> PassOptions {
         PassOptions {
             recompute_hidden: self.config.recompute_hidden,
-            expert_compute: self.config.expert_compute,
         }
     }
 

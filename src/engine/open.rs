@@ -239,6 +239,8 @@ impl Engine {
                     config
                         .backend
                         .open_device(ordinal, config.device_budget_bytes, &layout)?;
+                let device =
+                    crate::backend::ModeledExpertDevice::wrap(device, config.expert_compute);
                 Ok(DeviceState::new(device, model.layers, model.experts))
             })
             .collect::<Result<Vec<_>, EngineError>>()?;

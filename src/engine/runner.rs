@@ -10,13 +10,13 @@
 //! (`exchange.rs`) drives the same staging and expert passes on tokens
 //! gathered from every device.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use strata_tiers::{CopyEvent, ExpertId, Parts, TimelineSpan};
 
 use super::device::DeviceState;
 use super::shared::SharedExperts;
-use super::{ExpertCompute, ScheduleKind};
+use super::ScheduleKind;
 
 use crate::backend::SlotParams;
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
@@ -27,28 +27,6 @@ use crate::EngineError;
 #[derive(Clone, Copy)]
 pub(crate) struct PassOptions {
     pub recompute_hidden: bool,
-    pub expert_compute: ExpertCompute,
-}
-
-/// With [`ExpertCompute::Modeled`], sleeps for as long as the modeled
-/// device takes for `gemm_passes` passes over the expert's matrices on
-/// `n` rows (the forward 1, the backward 2: its input and weight
-/// gradients), and returns the seconds slept.
-fn modeled_compute(
-    compute: ExpertCompute,
-    kind: crate::math::ExpertKind,
-    n: usize,
-    d: usize,
-    f: usize,
-    gemm_passes: usize,
-) -> f64 {
-    let ExpertCompute::Modeled { flops_per_s } = compute else {
-        return 0.0;
-    };
-    let flops = (gemm_passes * 2 * n * kind.params(d, f)) as f64;
-    let t0 = Instant::now();
-    std::thread::sleep(Duration::from_secs_f64(flops / flops_per_s));
-    t0.elapsed().as_secs_f64()
 }
 
 pub(crate) struct DeviceRunner<'a> {
@@ -209,13 +187,6 @@ impl DeviceRunner<'_> {
         let n = xe.len() / d;
         assert_eq!(ye.len(), n * d);
         self.dev.acc.assignments_computed += n as u64;
-        if self.options.expert_compute.skips_gemms() {
-            crate::parallel::fill_zeros(ye);
-            let kind = self.model.expert_kind;
-            self.dev.acc.expert_compute_s +=
-                modeled_compute(self.options.expert_compute, kind, n, d, f, 1);
-            return Ok(());
-        }
         let t0 = Instant::now();
         let saved = &mut self.dev.saved[layer][expert];
         self.dev
@@ -225,7 +196,9 @@ impl DeviceRunner<'_> {
             saved.a = Vec::new();
             saved.b = Vec::new();
         }
-        self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
+        if self.dev.device.computes() {
+            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
+        }
         Ok(())
     }
 
@@ -247,29 +220,24 @@ impl DeviceRunner<'_> {
         let kind = self.model.expert_kind;
         let n = xe.len() / d;
         let key = self.key(layer, expert);
-        // Overwritten by the backward (or zeroed below when it is skipped).
+        // Overwritten by the backward.
         let mut grad = self.shared.grads.take();
         debug_assert_eq!(grad.len(), params.count);
         assert_eq!(dxe.len(), n * d); // written whole, by the device or here
         self.dev.acc.assignments_computed += n as u64;
-        if self.options.expert_compute.skips_gemms() {
-            crate::parallel::fill_zeros(&mut grad);
-            crate::parallel::fill_zeros(dxe);
-            self.dev.acc.expert_compute_s +=
-                modeled_compute(self.options.expert_compute, kind, n, d, f, 2);
-        } else {
-            let t0 = Instant::now();
-            let saved = &mut self.dev.saved[layer][expert];
-            if self.options.recompute_hidden && !self.dev.device.backward_recomputes() {
-                // The output is written whole and not needed: only `saved`.
-                let mut scratch = self.dev.scratch.take(n * d);
-                let device = &mut self.dev.device;
-                device.expert_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
-                self.dev.scratch.give(scratch);
-            }
-            self.dev
-                .device
-                .expert_backward(kind, dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
+        let t0 = Instant::now();
+        let saved = &mut self.dev.saved[layer][expert];
+        if self.options.recompute_hidden && !self.dev.device.backward_recomputes() {
+            // The output is written whole and not needed: only `saved`.
+            let mut scratch = self.dev.scratch.take(n * d);
+            let device = &mut self.dev.device;
+            device.expert_forward(kind, &mut scratch, saved, xe, params, n, d, f)?;
+            self.dev.scratch.give(scratch);
+        }
+        self.dev
+            .device
+            .expert_backward(kind, dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
+        if self.dev.device.computes() {
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
         self.dev.acc.bytes_device_to_host += 4 * grad.len() as u64;
