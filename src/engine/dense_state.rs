@@ -5,7 +5,7 @@
 //!
 //! Layout (little-endian): magic `STRATADN`, u32 version 1, u64 step,
 //! u64 dense AdamW step, u64 count N, N f32 params, N f32 m, N f32 v,
-//! u32 CRC-32C of everything before it.
+//! u32 CRC-32C of everything before it (`docs/formats.md`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,5 +1,5 @@
 //! The engine: a MoE stack trained expert by expert through the three
-//! tiers (DESIGN.md "The schedule and prefetch", ES-MoE §4.1).
+//! tiers (docs/design.md; ES-MoE §4.1).
 //!
 //! ```
 //! use strata::engine::{Engine, EngineConfig};

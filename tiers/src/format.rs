@@ -1,4 +1,4 @@
-//! The store file format, byte by byte in `tiers/FORMAT.md`. Everything is
+//! The store file format, byte by byte in `docs/formats.md`. Everything is
 //! little-endian and fixed-width; every header carries a CRC-32C.
 //!
 //! ```text

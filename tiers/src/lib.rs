@@ -1,7 +1,7 @@
 //! `strata-tiers`: the three-tier expert store.
 //!
 //! - SSD: [`ExpertStore`], one crash-safe file with a fixed-size, 4096-aligned
-//!   record per expert (format in `tiers/FORMAT.md`), read and written through
+//!   record per expert (format in `docs/formats.md`), read and written through
 //!   io_uring with O_DIRECT, or pread/pwrite where io_uring is refused.
 //! - Host: [`HostCache`], fixed-size slots carved from one allocation sized
 //!   by `host_budget_bytes`, with pin counts, dirty tracking, LRU or
