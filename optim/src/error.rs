@@ -1,6 +1,6 @@
 //! The optimizer's one error type.
 
-use crate::ExpertKey;
+use crate::ExpertId;
 
 /// Everything the optimizer can report. Programmer errors (a step number of
 /// zero, a kernel asked for on the wrong CPU through the raw API) panic;
@@ -18,7 +18,7 @@ pub enum OptimError {
     },
     #[error("expert {key}: {source}")]
     Expert {
-        key: ExpertKey,
+        key: ExpertId,
         #[source]
         source: Box<OptimError>,
     },
@@ -27,9 +27,9 @@ pub enum OptimError {
     #[error("invalid optimizer configuration: {0}")]
     InvalidConfig(String),
     #[error("expert {key} is already submitted and not yet waited for")]
-    AlreadySubmitted { key: ExpertKey },
+    AlreadySubmitted { key: ExpertId },
     #[error("expert {key} was never submitted (or was already waited for)")]
-    NotSubmitted { key: ExpertKey },
+    NotSubmitted { key: ExpertId },
     #[error(
         "{in_flight_max} experts are already in flight; wait for some first or raise in_flight_max"
     )]
@@ -37,9 +37,9 @@ pub enum OptimError {
     #[error(
         "expert {key} waits for the global gradient norm: call finish_gradients() before wait()"
     )]
-    AwaitingGradientNorm { key: ExpertKey },
+    AwaitingGradientNorm { key: ExpertId },
     #[error("the update of expert {key} panicked: {message}")]
-    UpdatePanicked { key: ExpertKey, message: String },
+    UpdatePanicked { key: ExpertId, message: String },
     #[error("an optimizer worker thread panicked: {message}")]
     WorkerPanicked { message: String },
     #[error("the optimizer pool is shut down")]

@@ -3,7 +3,7 @@
 //! moment its gradient lands.
 //!
 //! The crate knows nothing of MoE models: an expert is an opaque
-//! [`ExpertKey`] and a set of buffers ([`UpdateTarget`]).
+//! [`ExpertId`] and a set of buffers ([`UpdateTarget`]).
 //!
 //! ```
 //! use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
@@ -31,12 +31,5 @@ pub use pool::{
     UpdateReport, UpdateTarget, UpdateViews, MAX_THREADS_PER_CORE,
 };
 
-/// An opaque expert identity. The engine packs (layer, index) into it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ExpertKey(pub u64);
-
-impl std::fmt::Display for ExpertKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "#{}", self.0)
-    }
-}
+/// The expert an update belongs to (its layer and index).
+pub use strata_core::ExpertId;

@@ -18,7 +18,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use crate::adamw::{AdamWHyper, CopyOut, GradRef, Kernel};
 use crate::slot::{Phase, Slot};
 use crate::worker::{panic_message, worker_loop, Task};
-use crate::{ExpertKey, OptimError};
+use crate::{ExpertId, OptimError};
 
 /// The buffers of one expert's update, lent to the pool for its duration.
 pub struct UpdateViews<'a> {
@@ -124,7 +124,7 @@ impl Default for OptimizerConfig {
 /// What one update cost.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UpdateReport {
-    pub key: ExpertKey,
+    pub key: ExpertId,
     /// The expert's step counter after this update (unchanged if skipped).
     pub step: u64,
     /// From `submit` (or, under a global-norm policy, from the release) to
@@ -148,7 +148,7 @@ pub struct GradientSummary {
 }
 
 struct Index {
-    by_key: HashMap<ExpertKey, usize>,
+    by_key: HashMap<ExpertId, usize>,
     free: Vec<usize>,
 }
 
@@ -156,7 +156,7 @@ pub(crate) struct Shared<T> {
     pub(crate) slots: Box<[Slot<T>]>,
     index: Mutex<Index>,
     /// Global-norm policy: the slots submitted since the last release.
-    deferred: Mutex<Vec<(ExpertKey, usize)>>,
+    deferred: Mutex<Vec<(ExpertId, usize)>>,
     hyper: Mutex<AdamWHyper>,
     pub(crate) config: OptimizerConfig,
     pub(crate) tasks: Sender<Task>,
@@ -247,7 +247,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
     /// Hands over one expert's buffers for its update and returns at once;
     /// blocks only while the bounded task queue is full. The update runs
     /// with the hyperparameters set now.
-    pub fn submit(&self, key: ExpertKey, target: T) -> Result<(), OptimError> {
+    pub fn submit(&self, key: ExpertId, target: T) -> Result<(), OptimError> {
         self.submit_with(key, target, self.hyper())
     }
 
@@ -256,7 +256,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
     /// those of the step that computed it.
     pub fn submit_with(
         &self,
-        key: ExpertKey,
+        key: ExpertId,
         target: T,
         hyper: AdamWHyper,
     ) -> Result<(), OptimError> {
@@ -300,20 +300,20 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
 
     /// Blocks until `key`'s update is done and returns its buffers. An error
     /// or panic in the update is returned here (the buffers are dropped).
-    pub fn wait(&self, key: ExpertKey) -> Result<(T, UpdateReport), OptimError> {
+    pub fn wait(&self, key: ExpertId) -> Result<(T, UpdateReport), OptimError> {
         self.wait_inner(key, true)
             .map(|done| done.expect("a blocking wait returns an update"))
     }
 
     /// Like `wait`, but returns `Ok(None)` at once if the update is still
     /// queued or running (or waits for the global norm).
-    pub fn try_wait(&self, key: ExpertKey) -> Result<Option<(T, UpdateReport)>, OptimError> {
+    pub fn try_wait(&self, key: ExpertId) -> Result<Option<(T, UpdateReport)>, OptimError> {
         self.wait_inner(key, false)
     }
 
     fn wait_inner(
         &self,
-        key: ExpertKey,
+        key: ExpertId,
         block: bool,
     ) -> Result<Option<(T, UpdateReport)>, OptimError> {
         let shared = &*self.shared;

@@ -6,7 +6,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::adamw::{AdamWHyper, RawStep, StepScalars};
-use crate::{ExpertKey, OptimError};
+use crate::{ExpertId, OptimError};
 
 /// Where an update is. Transitions (each under the slot's lock):
 ///
@@ -27,7 +27,7 @@ pub(crate) enum Phase {
 }
 
 pub(crate) struct SlotState {
-    pub key: ExpertKey,
+    pub key: ExpertId,
     pub phase: Phase,
     /// Set by `finish_gradients` as it takes over a global-norm slot, so a
     /// concurrent `wait` blocks instead of reporting `AwaitingGradientNorm`.
@@ -50,7 +50,7 @@ pub(crate) struct SlotState {
 impl SlotState {
     fn empty() -> Self {
         Self {
-            key: ExpertKey(u64::MAX),
+            key: ExpertId::new(u32::MAX, u32::MAX),
             phase: Phase::Free,
             released: false,
             hyper: AdamWHyper::default(),
@@ -70,7 +70,7 @@ impl SlotState {
     }
 
     /// Resets every field for a new submission of `key`.
-    pub fn claim(&mut self, key: ExpertKey, phase: Phase, hyper: AdamWHyper) {
+    pub fn claim(&mut self, key: ExpertId, phase: Phase, hyper: AdamWHyper) {
         assert_eq!(self.phase, Phase::Free, "claiming a busy slot");
         *self = Self::empty();
         self.key = key;

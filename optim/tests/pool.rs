@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use half::bf16;
 use strata_optim::{
-    adamw_step, AdamWHyper, CopyOut, ExpertKey, ExpertOptimizer, GradRef, GradientPolicy, Kernel,
+    adamw_step, AdamWHyper, CopyOut, ExpertId, ExpertOptimizer, GradRef, GradientPolicy, Kernel,
     OptimError, OptimizerConfig, StepScalars, UpdateTarget, UpdateViews,
 };
 
@@ -107,9 +107,9 @@ fn hundreds_of_experts_from_several_threads_while_others_wait() {
                 // and waits of different experts interleave across threads.
                 let mut later = Vec::new();
                 for i in 0..per_thread {
-                    let key = ExpertKey((t * 1000 + i) as u64);
+                    let key = ExpertId::new(t as u32, i as u32);
                     // Sizes from 1 to ~1000 params: some split, most whole.
-                    let expert = VecExpert::new(1 + (i * 37) % 1000, key.0);
+                    let expert = VecExpert::new(1 + (i * 37) % 1000, (t * 1000 + i) as u64);
                     let expected = expert.stepped_inline(&hyper, 1.0);
                     pool.submit(key, expert).unwrap();
                     if i % 3 == 0 {
@@ -151,17 +151,17 @@ fn each_update_runs_with_the_hyperparameters_it_was_submitted_with() {
         c.stepped_inline(&first, 1.0),
     );
     assert_ne!(want_a, a.stepped_inline(&second, 1.0));
-    pool.submit(ExpertKey(1), a).unwrap();
+    pool.submit(ExpertId::new(0, 1), a).unwrap();
     pool.set_hyper(second).unwrap();
     assert_eq!(pool.hyper(), second);
-    pool.submit(ExpertKey(2), b).unwrap();
-    pool.submit_with(ExpertKey(3), c, first).unwrap();
-    assert_eq!(pool.wait(ExpertKey(1)).unwrap().0, want_a);
-    assert_eq!(pool.wait(ExpertKey(2)).unwrap().0, want_b);
-    assert_eq!(pool.wait(ExpertKey(3)).unwrap().0, want_c);
+    pool.submit(ExpertId::new(0, 2), b).unwrap();
+    pool.submit_with(ExpertId::new(0, 3), c, first).unwrap();
+    assert_eq!(pool.wait(ExpertId::new(0, 1)).unwrap().0, want_a);
+    assert_eq!(pool.wait(ExpertId::new(0, 2)).unwrap().0, want_b);
+    assert_eq!(pool.wait(ExpertId::new(0, 3)).unwrap().0, want_c);
     let bad = AdamWHyper { lr: -1.0, ..first };
     assert!(pool
-        .submit_with(ExpertKey(4), VecExpert::new(8, 4), bad)
+        .submit_with(ExpertId::new(0, 4), VecExpert::new(8, 4), bad)
         .is_err());
     pool.shutdown().unwrap();
 }
@@ -171,19 +171,21 @@ fn a_panicking_update_is_reported_on_wait_and_the_pool_goes_on() {
     let pool = ExpertOptimizer::<VecExpert>::new(config(2)).unwrap();
     let mut broken = VecExpert::new(10, 1);
     broken.panic_in_views = true;
-    pool.submit(ExpertKey(1), broken).unwrap();
-    pool.submit(ExpertKey(2), VecExpert::new(10, 2)).unwrap();
-    match pool.wait(ExpertKey(1)) {
+    pool.submit(ExpertId::new(0, 1), broken).unwrap();
+    pool.submit(ExpertId::new(0, 2), VecExpert::new(10, 2))
+        .unwrap();
+    match pool.wait(ExpertId::new(0, 1)) {
         Err(OptimError::UpdatePanicked { key, message }) => {
-            assert_eq!(key, ExpertKey(1));
+            assert_eq!(key, ExpertId::new(0, 1));
             assert!(message.contains("deliberately broken"), "{message}");
         }
         other => panic!("expected a panic report, got {other:?}"),
     }
-    assert!(pool.wait(ExpertKey(2)).is_ok());
+    assert!(pool.wait(ExpertId::new(0, 2)).is_ok());
     // The key is free again, and the pool still works.
-    pool.submit(ExpertKey(1), VecExpert::new(10, 3)).unwrap();
-    assert!(pool.wait(ExpertKey(1)).is_ok());
+    pool.submit(ExpertId::new(0, 1), VecExpert::new(10, 3))
+        .unwrap();
+    assert!(pool.wait(ExpertId::new(0, 1)).is_ok());
     pool.shutdown().unwrap();
 }
 
@@ -192,11 +194,11 @@ fn a_length_mismatch_is_an_error_naming_the_expert() {
     let pool = ExpertOptimizer::<VecExpert>::new(config(1)).unwrap();
     let mut e = VecExpert::new(10, 1);
     e.v.pop();
-    pool.submit(ExpertKey(7), e).unwrap();
-    let err = pool.wait(ExpertKey(7)).unwrap_err();
+    pool.submit(ExpertId::new(0, 7), e).unwrap();
+    let err = pool.wait(ExpertId::new(0, 7)).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "expert #7: v has 9 elements but params have 10"
+        "expert 0.7: v has 9 elements but params have 10"
     );
 }
 
@@ -206,17 +208,19 @@ fn misuse_gets_clear_errors() {
     c.in_flight_max = 2;
     let pool = ExpertOptimizer::<VecExpert>::new(c).unwrap();
     assert!(matches!(
-        pool.wait(ExpertKey(3)),
+        pool.wait(ExpertId::new(0, 3)),
         Err(OptimError::NotSubmitted { .. })
     ));
-    pool.submit(ExpertKey(1), VecExpert::new(4, 1)).unwrap();
+    pool.submit(ExpertId::new(0, 1), VecExpert::new(4, 1))
+        .unwrap();
     assert!(matches!(
-        pool.submit(ExpertKey(1), VecExpert::new(4, 1)),
+        pool.submit(ExpertId::new(0, 1), VecExpert::new(4, 1)),
         Err(OptimError::AlreadySubmitted { .. })
     ));
-    pool.submit(ExpertKey(2), VecExpert::new(4, 1)).unwrap();
+    pool.submit(ExpertId::new(0, 2), VecExpert::new(4, 1))
+        .unwrap();
     assert!(matches!(
-        pool.submit(ExpertKey(3), VecExpert::new(4, 1)),
+        pool.submit(ExpertId::new(0, 3), VecExpert::new(4, 1)),
         Err(OptimError::InFlightFull { in_flight_max: 2 })
     ));
     assert!(matches!(
@@ -247,10 +251,10 @@ fn a_split_expert_equals_the_same_expert_run_whole() {
     let mut a = VecExpert::new(n, 5);
     let mut b = a.clone();
     for _ in 0..3 {
-        split.submit(ExpertKey(0), a).unwrap();
-        whole.submit(ExpertKey(0), b).unwrap();
-        let (na, ra) = split.wait(ExpertKey(0)).unwrap();
-        let (nb, rb) = whole.wait(ExpertKey(0)).unwrap();
+        split.submit(ExpertId::new(0, 0), a).unwrap();
+        whole.submit(ExpertId::new(0, 0), b).unwrap();
+        let (na, ra) = split.wait(ExpertId::new(0, 0)).unwrap();
+        let (nb, rb) = whole.wait(ExpertId::new(0, 0)).unwrap();
         assert_eq!(ra.chunks, 12);
         assert_eq!(rb.chunks, 1);
         (a, b) = (na, nb);
@@ -285,10 +289,10 @@ fn global_norm_clipping_scales_every_gradient_exactly() {
     let coef = (1.0 / (norm + 1e-6)) as f32;
     // Submitted in reverse order: the sum is still taken in key order.
     for (i, e) in experts.iter().enumerate().rev() {
-        pool.submit(ExpertKey(i as u64), e.clone()).unwrap();
+        pool.submit(ExpertId::new(0, i as u32), e.clone()).unwrap();
     }
     assert!(matches!(
-        pool.wait(ExpertKey(0)),
+        pool.wait(ExpertId::new(0, 0)),
         Err(OptimError::AwaitingGradientNorm { .. })
     ));
     let summary = pool.finish_gradients().unwrap();
@@ -296,7 +300,7 @@ fn global_norm_clipping_scales_every_gradient_exactly() {
     assert!((summary.global_norm - norm).abs() <= 1e-9 * norm);
     assert_eq!(summary.grad_scale, coef);
     for (i, e) in experts.iter().enumerate() {
-        let (got, report) = pool.wait(ExpertKey(i as u64)).unwrap();
+        let (got, report) = pool.wait(ExpertId::new(0, i as u32)).unwrap();
         assert!(!report.skipped);
         assert_eq!(got, e.stepped_inline(&hyper, coef));
     }
@@ -307,10 +311,10 @@ fn global_norm_below_the_clip_leaves_updates_bit_identical() {
     let pool = global_norm_pool(Some(1e9), false);
     let hyper = pool.config().hyper;
     let e = VecExpert::new(300, 9);
-    pool.submit(ExpertKey(0), e.clone()).unwrap();
+    pool.submit(ExpertId::new(0, 0), e.clone()).unwrap();
     assert_eq!(pool.finish_gradients().unwrap().grad_scale, 1.0);
     assert_eq!(
-        pool.wait(ExpertKey(0)).unwrap().0,
+        pool.wait(ExpertId::new(0, 0)).unwrap().0,
         e.stepped_inline(&hyper, 1.0)
     );
 }
@@ -321,13 +325,13 @@ fn a_nonfinite_gradient_skips_the_whole_step() {
     let clean = VecExpert::new(40, 1);
     let mut bad = VecExpert::new(40, 2);
     bad.grad[17] = bf16::INFINITY;
-    pool.submit(ExpertKey(0), clean.clone()).unwrap();
-    pool.submit(ExpertKey(1), bad.clone()).unwrap();
+    pool.submit(ExpertId::new(0, 0), clean.clone()).unwrap();
+    pool.submit(ExpertId::new(0, 1), bad.clone()).unwrap();
     let summary = pool.finish_gradients().unwrap();
     assert!(summary.skipped);
     assert!(!summary.global_norm.is_finite());
     for (key, before) in [(0, clean), (1, bad)] {
-        let (after, report) = pool.wait(ExpertKey(key)).unwrap();
+        let (after, report) = pool.wait(ExpertId::new(0, key)).unwrap();
         assert!(report.skipped);
         assert_eq!(after, before, "a skipped step changes nothing");
         assert_eq!(after.step, 0);

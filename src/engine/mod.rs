@@ -326,7 +326,8 @@ impl Engine {
     /// An expert's AdamW step count.
     pub fn expert_step(&mut self, layer: usize, expert: usize) -> Result<u64, EngineError> {
         self.drain()?;
-        Ok(self.shared.version(layer * self.model.experts + expert))
+        let id = ExpertId::new(layer as u32, expert as u32);
+        Ok(self.shared.version(id.dense_index(self.model.experts)))
     }
 
     pub fn dense_params(&self) -> &[f32] {

@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use strata_tiers::Layout;
+use strata_tiers::{ExpertId, Layout};
 
 use super::exchange::ExchangeRunner;
 use super::runner::DeviceRunner;
@@ -187,10 +187,11 @@ impl Engine {
         }
         for (d, dev) in self.devices.iter_mut().enumerate() {
             let plan = &plan;
-            dev.slots.set_pinned(
-                (0..layers * experts)
-                    .filter(move |&k| plan[k / experts][k % experts] == Some(d as u16)),
-            );
+            dev.slots
+                .set_pinned((0..layers * experts).filter(move |&k| {
+                    let id = ExpertId::from_dense_index(k, experts);
+                    plan[id.layer as usize][id.index as usize] == Some(d as u16)
+                }));
         }
         plan
     }

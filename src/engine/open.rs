@@ -276,7 +276,7 @@ impl Engine {
         // Each expert's step count: its params' version (0 for a new store).
         let steps = (0..model.layers * model.experts)
             .map(|key| {
-                let id = ExpertId::new((key / model.experts) as u32, (key % model.experts) as u32);
+                let id = ExpertId::from_dense_index(key, model.experts);
                 Ok(store.expert_step(id)?.unwrap_or(0))
             })
             .collect::<Result<Vec<u64>, EngineError>>()?;

@@ -60,8 +60,9 @@ struct Staged {
 }
 
 impl DeviceRunner<'_> {
+    /// The table row of `layer`'s `expert` (`ExpertId::dense_index`).
     pub fn key(&self, layer: usize, expert: usize) -> usize {
-        layer * self.model.experts + expert
+        ExpertId::new(layer as u32, expert as u32).dense_index(self.model.experts)
     }
 
     pub fn overlapped(&self) -> bool {

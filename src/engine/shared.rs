@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use strata_optim::{AdamWHyper, ExpertKey, ExpertOptimizer};
+use strata_optim::{AdamWHyper, ExpertOptimizer};
 use strata_tiers::{ExpertId, HostCache, Layout, TierError, Timeline};
 
 use super::grad_buffers::GradBuffers;
@@ -95,11 +95,10 @@ impl SharedExperts {
         self.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The expert of table row `key` (layer-major, as the store numbers
+    /// its slots).
     pub fn expert_id(&self, key: usize) -> ExpertId {
-        ExpertId::new(
-            (key / self.experts_per_layer) as u32,
-            (key % self.experts_per_layer) as u32,
-        )
+        ExpertId::from_dense_index(key, self.experts_per_layer)
     }
 
     pub fn expert_count(&self) -> usize {
@@ -123,7 +122,7 @@ impl SharedExperts {
             book.pending[key] = false;
         }
         let t0 = Instant::now();
-        let (target, _) = self.optimizer.wait(ExpertKey(key as u64))?;
+        let (target, _) = self.optimizer.wait(self.expert_id(key))?;
         self.book().steps[key] = target.step;
         self.grads.give(target.grad);
         Ok(t0.elapsed().as_secs_f64())
@@ -137,7 +136,7 @@ impl SharedExperts {
             if !book.pending[key] {
                 continue;
             }
-            if let Some((target, _)) = self.optimizer.try_wait(ExpertKey(key as u64))? {
+            if let Some((target, _)) = self.optimizer.try_wait(self.expert_id(key))? {
                 book.pending[key] = false;
                 book.steps[key] = target.step;
                 self.grads.give(target.grad);
@@ -179,7 +178,7 @@ impl SharedExperts {
     /// `submit_parked` (see `EngineConfig::defer_last_layer_updates`).
     pub fn defer_updates(&mut self, experts: &[ExpertId]) {
         for e in experts {
-            let key = e.layer as usize * self.experts_per_layer + e.index as usize;
+            let key = e.dense_index(self.experts_per_layer);
             self.defers[key] = true;
         }
     }
@@ -307,8 +306,7 @@ impl SharedExperts {
             timeline: self.timeline.clone(),
             started: None,
         };
-        self.optimizer
-            .submit_with(ExpertKey(key as u64), target, hyper)?;
+        self.optimizer.submit_with(expert, target, hyper)?;
         self.book().pending[key] = true;
         Ok(stall)
     }

@@ -111,15 +111,12 @@ impl Layout {
                 experts_per_layer: self.experts_per_layer,
             });
         }
-        Ok(id.layer as u64 * self.experts_per_layer as u64 + id.index as u64)
+        Ok(id.dense_index(self.experts_per_layer as usize) as u64)
     }
 
     pub fn expert_at(&self, slot: u64) -> ExpertId {
         assert!(slot < self.expert_count());
-        ExpertId {
-            layer: (slot / self.experts_per_layer as u64) as u32,
-            index: (slot % self.experts_per_layer as u64) as u32,
-        }
+        ExpertId::from_dense_index(slot as usize, self.experts_per_layer as usize)
     }
 
     pub fn compute_payload_bytes(&self) -> u64 {

@@ -45,21 +45,4 @@ pub use record::{compute_bytes, record_mut, Parts, RecordMut};
 pub use store::ExpertStore;
 pub use timeline::{Timeline, TimelineEvent, TimelineRecord, TimelineSpan};
 
-/// An expert's address: its MoE layer and its index within the layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ExpertId {
-    pub layer: u32,
-    pub index: u32,
-}
-
-impl ExpertId {
-    pub fn new(layer: u32, index: u32) -> Self {
-        Self { layer, index }
-    }
-}
-
-impl std::fmt::Display for ExpertId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}", self.layer, self.index)
-    }
-}
+pub use strata_core::ExpertId;

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use serde::Serialize;
 use strata_optim::{
-    CopyOut, ExpertKey, ExpertOptimizer, GradRef, Kernel, OptimError, OptimizerConfig,
-    UpdateTarget, UpdateViews,
+    CopyOut, ExpertId, ExpertOptimizer, GradRef, Kernel, OptimError, OptimizerConfig, UpdateTarget,
+    UpdateViews,
 };
 
 use super::Timing;
@@ -197,7 +197,7 @@ pub fn run(
         config.params
     ));
     let mut expert = BenchExpert::new(config.params);
-    let key = ExpertKey(0);
+    let key = ExpertId::new(0, 0);
     let step_once = |expert: BenchExpert| -> Result<(BenchExpert, Duration), OptimError> {
         let start = Instant::now();
         pool.submit(key, expert)?;
