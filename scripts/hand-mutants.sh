@@ -20,7 +20,7 @@ tests=(oracle_lm equivalence multi_device gradcheck gradcheck_lm)
 
 # name ^ file ^ exact text ^ its replacement
 mutants=(
-    "expert accumulation over micro-batches^src/engine/shared.rs^for_each(|(s, g)| *s += g)^for_each(|(s, g)| *s += 2.0 * g)"
+    "expert accumulation over micro-batches^src/engine/updates.rs^for_each(|(s, g)| *s += g)^for_each(|(s, g)| *s += 2.0 * g)"
     "dense all-reduce over devices^src/comm.rs^for_each(|(b, p)| *b += p)^for_each(|(b, p)| *b += 2.0 * p)"
     "cross-entropy's micro-batch denominator^src/lm/network.rs^&f.targets, v, tokens_total)^&f.targets, v, tokens_total / 2)"
     "aux and z terms' micro-batch share^src/lm/network.rs^let share = 1.0 / micro_batches as f32;^let share = 2.0 / micro_batches as f32;"

@@ -8,12 +8,12 @@
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod device;
+mod expert_device;
 mod gemm;
 mod modeled;
 
 pub use cpu::CpuBackend;
-pub use device::{CpuExpertDevice, ExpertDevice, SlotParams};
+pub use expert_device::{CpuExpertDevice, ExpertDevice, SlotParams};
 pub use gemm::linear_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
 

@@ -11,7 +11,7 @@
 //! the numbers.
 
 use super::access::{placed_schedule, Phase, PlacedLayer};
-use super::runner::{DeviceRunner, Pass};
+use super::pipeline::{DeviceRunner, Pass};
 use crate::comm::Comm;
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ScratchBuf};

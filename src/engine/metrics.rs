@@ -4,7 +4,7 @@
 use serde::Serialize;
 use strata_tiers::CacheStats;
 
-use super::device::Accumulators;
+use super::slot_table::Accumulators;
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct StepMetrics {

@@ -24,16 +24,16 @@
 mod access;
 mod config;
 mod dense_state;
-mod device;
 mod exchange;
 mod grad_buffers;
-mod memory;
+mod host_plan;
 mod metrics;
 mod multi;
 mod open;
-mod runner;
-mod shared;
+mod pipeline;
+mod slot_table;
 mod update;
+mod updates;
 
 use std::sync::Arc;
 
@@ -41,17 +41,17 @@ use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
 pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
-pub use memory::{available_host_memory, HostMemoryPlan};
+pub use host_plan::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 pub use open::{host_cell_slot_count, host_kept_count};
 
 use crate::model::{Batch, DenseKernels, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
-use device::{Accumulators, DeviceState};
 use open::step_schedule;
-use runner::{DeviceRunner, PassOptions};
-use shared::SharedExperts;
+use pipeline::{DeviceRunner, PassOptions};
+use slot_table::{Accumulators, DeviceState};
+use updates::{Held, SharedExperts};
 
 /// A MoE stack whose experts live in the three tiers.
 pub struct Engine {
@@ -308,7 +308,7 @@ impl Engine {
 
     /// Waits for every update in flight.
     pub fn drain(&mut self) -> Result<(), EngineError> {
-        self.shared.submit_parked()?;
+        self.shared.release_held(Held::All)?;
         self.shared.drain()?;
         Ok(())
     }

@@ -17,7 +17,7 @@ use std::time::Instant;
 use strata_tiers::{ExpertId, Layout};
 
 use super::exchange::ExchangeRunner;
-use super::runner::DeviceRunner;
+use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm};
 use crate::model::{ModelConfig, Network};

@@ -12,11 +12,11 @@ use strata_tiers::{
 };
 
 use super::access::access_schedule;
-use super::device::DeviceState;
-use super::shared::SharedExperts;
+use super::slot_table::DeviceState;
+use super::updates::SharedExperts;
 use super::{
-    dense_state, memory, multi, Engine, EngineConfig, ExpertCompute, HostMemoryPlan, ScheduleKind,
-    MIN_HOST_STREAM_SLOTS,
+    dense_state, host_plan, multi, Engine, EngineConfig, ExpertCompute, HostMemoryPlan,
+    ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
 use crate::model::{DenseKernels, ModelConfig, Network};
 use crate::EngineError;
@@ -171,7 +171,7 @@ impl Engine {
                 )));
             }
         }
-        HostMemoryPlan::of(&layout, config).check(memory::available_host_memory())
+        HostMemoryPlan::of(&layout, config).check(host_plan::available_host_memory())
     }
 
     /// The store layout of `model`'s experts under `config`.

@@ -21,7 +21,32 @@ use crate::EngineError;
 /// before it reports the host budget as too small.
 const HOST_SLOT_WAIT: Duration = Duration::from_secs(30);
 
-/// Per expert (key = layer·E + e).
+/// When an expert's complete gradient goes to the optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum When {
+    /// As the schedule says: now on the expert-wise schedule; at the end
+    /// of the backward on the naive one; at the expert's next forward if
+    /// its updates are held (`EngineConfig::deferred_update_share`).
+    Scheduled,
+    /// Now, with the hyperparameters set now.
+    Now,
+}
+
+/// Which held updates [`SharedExperts::release_held`] submits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// Every one: before anything but a forward reads those experts'
+    /// params (a drain, a checkpoint).
+    All,
+    /// `key`'s, if held: just before its forward.
+    Of(usize),
+    /// `key`'s, if held and its full record is already in host memory,
+    /// free to write: an update started ahead of its forward, beside the
+    /// compute before it. It never waits for a load.
+    OfIfReady(usize),
+}
+
+/// Per expert (key = `ExpertId::dense_index`).
 pub(crate) struct UpdateBook {
     /// Its AdamW step count: the version of its params.
     pub steps: Vec<u64>,
@@ -30,11 +55,13 @@ pub(crate) struct UpdateBook {
     /// Gradient summed over the step's earlier micro-batches.
     pub grad_accum: Vec<Option<Vec<f32>>>,
     /// Naive schedule: updates held until the backward pass is over.
-    pub deferred: Vec<(usize, Vec<f32>)>,
-    /// Deferred experts' complete gradients, held until `submit_parked`,
-    /// each with the hyperparameters of the step that computed it (a
-    /// schedule sets the next step's before the held update runs).
-    pub parked: Vec<(usize, Vec<f32>, AdamWHyper)>,
+    pub until_backward_ends: Vec<(usize, Vec<f32>)>,
+    /// The complete gradients of experts whose updates wait for their next
+    /// forward (`EngineConfig::deferred_update_share`), until
+    /// `release_held`, each with the hyperparameters of the step that
+    /// computed it (a schedule sets the next step's before the held
+    /// update runs).
+    pub held: Vec<(usize, Vec<f32>, AdamWHyper)>,
 }
 
 pub(crate) struct SharedExperts {
@@ -83,8 +110,8 @@ impl SharedExperts {
                 steps,
                 pending: vec![false; n],
                 grad_accum: vec![None; n],
-                deferred: Vec::new(),
-                parked: Vec::new(),
+                until_backward_ends: Vec::new(),
+                held: Vec::new(),
             }),
         }
     }
@@ -175,7 +202,7 @@ impl SharedExperts {
     }
 
     /// Holds the updates of `experts` from their backward until
-    /// `submit_parked` (see `EngineConfig::defer_last_layer_updates`).
+    /// `release_held` (see `EngineConfig::defer_last_layer_updates`).
     pub fn defer_updates(&mut self, experts: &[ExpertId]) {
         for e in experts {
             let key = e.dense_index(self.experts_per_layer);
@@ -183,71 +210,65 @@ impl SharedExperts {
         }
     }
 
-    /// Hands an expert's complete gradient to the optimizer (or, on the
-    /// naive schedule, holds it until the backward pass is over, and for an
-    /// expert whose update is deferred, until `submit_parked`); returns
-    /// the seconds spent waiting for host slots held by updates.
-    pub fn submit(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
-        {
+    /// Hands an expert's complete gradient to the optimizer `when` says;
+    /// returns the seconds spent waiting for host slots held by updates.
+    pub fn submit(&self, key: usize, grad: Vec<f32>, when: When) -> Result<f64, EngineError> {
+        if when == When::Scheduled {
             let mut book = self.book();
             if self.schedule == ScheduleKind::Naive {
-                book.deferred.push((key, grad));
+                book.until_backward_ends.push((key, grad));
                 return Ok(0.0);
             }
             if self.defers[key] {
-                book.parked.push((key, grad, self.optimizer.hyper()));
+                book.held.push((key, grad, self.optimizer.hyper()));
                 return Ok(0.0);
             }
         }
-        self.submit_now(key, grad)
+        self.submit_with(key, grad, self.optimizer.hyper())
     }
 
-    /// Submits every held (deferred) update, in the order their gradients
-    /// came; returns the seconds spent waiting for their records. Before
-    /// anything reads those experts' params other than a forward, which
-    /// submits each as it stages it: a drain, a checkpoint.
-    pub fn submit_parked(&self) -> Result<f64, EngineError> {
-        let mut parked = std::mem::take(&mut self.book().parked).into_iter();
-        let mut stall = 0.0;
-        while let Some((key, grad, hyper)) = parked.next() {
-            match self.submit_with(key, grad, hyper) {
-                Ok(waited) => stall += waited,
-                Err(e) => {
-                    // The rest stay held for a later call.
-                    self.book().parked.extend(parked);
-                    return Err(e);
+    /// Submits the held updates `which` names (each with the
+    /// hyperparameters of the step that computed its gradient); returns
+    /// the seconds spent waiting for their records' host slots.
+    pub fn release_held(&self, which: Held) -> Result<f64, EngineError> {
+        let key = match which {
+            Held::All => return self.release_all_held(),
+            Held::Of(key) => key,
+            Held::OfIfReady(key) => {
+                if !self.defers[key] || !self.cache.full_record_ready(self.expert_id(key)) {
+                    return Ok(0.0);
                 }
+                key
             }
-        }
-        Ok(stall)
-    }
-
-    /// Submits `key`'s held update, if there is one; returns the seconds
-    /// spent waiting for its record's host slot.
-    pub fn submit_parked_one(&self, key: usize) -> Result<f64, EngineError> {
+        };
         if !self.defers[key] {
             return Ok(0.0); // nothing to look for, and no lock to take
         }
         let (_, grad, hyper) = {
             let mut book = self.book();
-            match book.parked.iter().position(|(k, ..)| *k == key) {
-                Some(i) => book.parked.swap_remove(i),
+            match book.held.iter().position(|(k, ..)| *k == key) {
+                Some(i) => book.held.swap_remove(i),
                 None => return Ok(0.0),
             }
         };
         self.submit_with(key, grad, hyper)
     }
 
-    /// Submits `key`'s held update if there is one and its full record is
-    /// already in host memory, free to write: an update started ahead of
-    /// its expert's forward, so that it runs beside the compute before it
-    /// instead of stalling the forward. Never waits for a load; the record
-    /// not there, the update waits for `submit_parked_one`.
-    pub fn submit_parked_if_ready(&self, key: usize) -> Result<f64, EngineError> {
-        if !self.defers[key] || !self.cache.full_record_ready(self.expert_id(key)) {
-            return Ok(0.0);
+    /// Every held update, in the order their gradients came.
+    fn release_all_held(&self) -> Result<f64, EngineError> {
+        let mut held = std::mem::take(&mut self.book().held).into_iter();
+        let mut stall = 0.0;
+        while let Some((key, grad, hyper)) = held.next() {
+            match self.submit_with(key, grad, hyper) {
+                Ok(waited) => stall += waited,
+                Err(e) => {
+                    // The rest stay held for a later call.
+                    self.book().held.extend(held);
+                    return Err(e);
+                }
+            }
         }
-        self.submit_parked_one(key)
+        Ok(stall)
     }
 
     /// Experts whose updates wait for the next step's forward.
@@ -280,14 +301,7 @@ impl SharedExperts {
         }
     }
 
-    /// Hands `key`'s gradient to the optimizer now, with the
-    /// hyperparameters set now; returns the seconds spent waiting for its
-    /// record's host slot.
-    pub fn submit_now(&self, key: usize, grad: Vec<f32>) -> Result<f64, EngineError> {
-        self.submit_with(key, grad, self.optimizer.hyper())
-    }
-
-    /// `submit_now`, with `hyper` for this update.
+    /// Hands `key`'s gradient to the optimizer now, with `hyper`.
     fn submit_with(
         &self,
         key: usize,
@@ -322,12 +336,12 @@ impl SharedExperts {
                 .collect()
         };
         for (key, grad) in leftovers {
-            stall += self.submit(key, grad)?;
+            stall += self.submit(key, grad, When::Scheduled)?;
         }
         if self.schedule == ScheduleKind::Naive {
-            let deferred = std::mem::take(&mut self.book().deferred);
-            for (key, grad) in deferred {
-                stall += self.submit_now(key, grad)?;
+            let ended = std::mem::take(&mut self.book().until_backward_ends);
+            for (key, grad) in ended {
+                stall += self.submit(key, grad, When::Now)?;
             }
             self.drain()?;
         }
@@ -339,7 +353,7 @@ impl SharedExperts {
         let mut book = self.book();
         let book = &mut *book;
         let summed = book.grad_accum.iter_mut().filter_map(Option::take);
-        let held = book.deferred.drain(..).map(|(_, g)| g);
+        let held = book.until_backward_ends.drain(..).map(|(_, g)| g);
         summed.chain(held).for_each(|grad| self.grads.give(grad));
     }
 }

@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use strata_tiers::{CopyEvent, ExpertId, Parts, TimelineSpan};
 
-use super::device::DeviceState;
-use super::shared::SharedExperts;
+use super::slot_table::DeviceState;
+use super::updates::{Held, SharedExperts, When};
 use super::ScheduleKind;
 
 use crate::backend::SlotParams;
@@ -85,7 +85,7 @@ impl DeviceRunner<'_> {
         // A deferred update of this expert goes in now, just before its
         // forward, as its record arrives (the forward's tail reads it in
         // full): the update's access is then the one the schedule expects.
-        acc.stall_optimizer_s += shared.submit_parked_one(key)?;
+        acc.stall_optimizer_s += shared.release_held(Held::Of(key))?;
         let t0 = Instant::now();
         let waited = shared.wait_update(key)?;
         acc.stall_optimizer_s += waited;
@@ -155,7 +155,7 @@ impl DeviceRunner<'_> {
                 // one's compute params, and it runs beside this compute.
                 if let (Pass::Forward, Some(&after)) = (pass, order.get(i + 2)) {
                     let key = self.key(layer, after);
-                    self.dev.acc.stall_optimizer_s += shared.submit_parked_if_ready(key)?;
+                    self.dev.acc.stall_optimizer_s += shared.release_held(Held::OfIfReady(key))?;
                 }
             }
             if let Some(upload) = &current.upload {
@@ -244,7 +244,7 @@ impl DeviceRunner<'_> {
         self.dev.acc.bytes_device_to_host += 4 * grad.len() as u64;
         if let Some(grad) = self.shared.accumulate(key, grad, last_micro_batch) {
             self.dev.slots.invalidate(key); // its params are about to change
-            self.dev.acc.stall_optimizer_s += self.shared.submit(key, grad)?;
+            self.dev.acc.stall_optimizer_s += self.shared.submit(key, grad, When::Scheduled)?;
         }
         Ok(())
     }
