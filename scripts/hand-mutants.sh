@@ -29,7 +29,7 @@ mutants=(
     "combine weights' gradient^src/math/permute.rs^dw[r * k + s] = dot;^dw[r * k + s] = dot + dot;"
     "SwiGLU gate's gradient (cpu backend)^src/backend/cpu.rs^da[i] = dh[i] * b[i] *^da[i] = 2.0 * dh[i] * b[i] *"
     "RMSNorm gain's gradient^src/math/mod.rs^block[j] += dy[j] * row[j] * inv;^block[j] += R::from_f64(2.0) * dy[j] * row[j] * inv;"
-    "attention's value gradient^src/lm/attention.rs^*d += p * o;^*d += R::from_f64(2.0) * p * o;"
+    "attention's value gradient^src/math/attention.rs^*d += p * o;^*d += R::from_f64(2.0) * p * o;"
 )
 
 mkdir -p "$work"

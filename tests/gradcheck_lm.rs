@@ -3,8 +3,8 @@
 //! element by element; and the whole Mixtral-architecture network in f32,
 //! tensor by tensor, along each tensor's gradient direction.
 
-use strata::lm::attention::*;
 use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+use strata::math::attention::*;
 use strata::model::{Network, PlainKernels};
 use strata::reference::{MemoryRunner, ReferenceTrainer};
 use strata_optim::AdamWHyper;

@@ -12,7 +12,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::gemm::{linear_backward, linear_forward, Write};
+use super::gemm::{gemm_backward, gemm_forward, Write};
 use super::Backend;
 use crate::math::{gelu, gelu_grad, sigmoid, silu, ExpertKind, ExpertSaved};
 use crate::EngineError;
@@ -126,15 +126,15 @@ pub(crate) fn ffn_forward(
 ) {
     assert_eq!(params.len(), kind.params(d, f));
     saved.a.resize(n * f, 0.0);
-    linear_forward(&mut saved.a, x, &params[..f * d], n, d, f);
+    gemm_forward(&mut saved.a, x, &params[..f * d], n, d, f);
     if kind == ExpertKind::SwiGlu {
         saved.b.resize(n * f, 0.0);
-        linear_forward(&mut saved.b, x, &params[f * d..2 * f * d], n, d, f);
+        gemm_forward(&mut saved.b, x, &params[f * d..2 * f * d], n, d, f);
     } else {
         saved.b.clear();
     }
     hidden_into(kind, saved, &mut scratch.h, None);
-    linear_forward(out, &scratch.h, &params[params.len() - d * f..], n, f, d);
+    gemm_forward(out, &scratch.h, &params[params.len() - d * f..], n, f, d);
 }
 
 /// dx (n, D) = …, dparams += … or = … as `dparams_write` says (dx is
@@ -158,7 +158,7 @@ pub(crate) fn ffn_backward(
     let (dw_in, dw2) = dparams.split_at_mut(split);
     let dh = sized(&mut scratch.dh, n * f);
     let (h, w2) = (&scratch.h, &params[split..]);
-    linear_backward(dh, dw2, [Write::Set, dparams_write], dout, h, w2, n, f, d);
+    gemm_backward(dh, dw2, [Write::Set, dparams_write], dout, h, w2, n, f, d);
     let dh = &*dh;
     let w1 = &params[..f * d];
     let da = sized(&mut scratch.da, n * f);
@@ -179,8 +179,8 @@ pub(crate) fn ffn_backward(
             });
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
             let (da, db, w3) = (&scratch.da, &scratch.db, &params[f * d..2 * f * d]);
-            linear_backward(dx, dw1, [Write::Set, dparams_write], da, x, w1, n, d, f);
-            linear_backward(dx, dw3, [Write::Add, dparams_write], db, x, w3, n, d, f);
+            gemm_backward(dx, dw1, [Write::Set, dparams_write], da, x, w1, n, d, f);
+            gemm_backward(dx, dw3, [Write::Add, dparams_write], db, x, w3, n, d, f);
         }
         ExpertKind::Gelu => {
             let a = &saved.a;
@@ -190,7 +190,7 @@ pub(crate) fn ffn_backward(
                 }
             });
             let writes = [Write::Set, dparams_write];
-            linear_backward(dx, dw_in, writes, &scratch.da, x, w1, n, d, f);
+            gemm_backward(dx, dw_in, writes, &scratch.da, x, w1, n, d, f);
         }
     }
 }
@@ -258,7 +258,7 @@ impl crate::model::DenseKernels for CpuBackend {
         k: usize,
         n: usize,
     ) -> Result<(), EngineError> {
-        linear_forward(out, x, w, m, k, n);
+        gemm_forward(out, x, w, m, k, n);
         Ok(())
     }
 
@@ -273,7 +273,7 @@ impl crate::model::DenseKernels for CpuBackend {
         k: usize,
         n: usize,
     ) -> Result<(), EngineError> {
-        linear_backward(dx, dw, [Write::Add; 2], dout, x, w, m, k, n);
+        gemm_backward(dx, dw, [Write::Add; 2], dout, x, w, m, k, n);
         Ok(())
     }
 }

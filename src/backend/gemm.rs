@@ -41,7 +41,7 @@ fn rows_per_part(rows: usize, parts: usize) -> usize {
 }
 
 /// out (M, N) = x (M, K) · w (N, K)ᵀ
-pub fn linear_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+pub fn gemm_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
     forward_in_parts(out, x, w, m, k, n, threads_for(m * k * n, cores()));
 }
 
@@ -122,7 +122,7 @@ impl Write {
 /// dx (M, K) (+)= dout · w;  dw (N, K) (+)= doutᵀ · x, each added to or
 /// set as `writes` = [dx's, dw's] says.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn linear_backward(
+pub(crate) fn gemm_backward(
     dx: &mut [f32],
     dw: &mut [f32],
     writes: [Write; 2],

@@ -14,7 +14,7 @@ mod modeled;
 
 pub use cpu::CpuBackend;
 pub use expert_device::{CpuExpertDevice, ExpertDevice, SlotParams};
-pub use gemm::linear_forward;
+pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
 
 use strata_tiers::{Dtype, Layout};

@@ -10,10 +10,10 @@
 
 use std::ops::Range;
 
-use super::attention::{
+use super::config::LmConfig;
+use crate::math::attention::{
     embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
 };
-use super::config::LmConfig;
 use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward};
 use crate::model::{
     fill_uniform, moe_backward, moe_forward, DenseKernels, ExpertRunner, Losses, ModelConfig,

@@ -1,4 +1,6 @@
-//! The MoE stack's math, written plainly and generically over f32 and f64:
+//! The plain math every fast path is held to, written generically over
+//! f32 and f64: the MoE stack's ops here, and the language model's
+//! attention, rotary embeddings and embedding in [`attention`]:
 //! mirrored `*_forward` / `*_backward` pairs, row-major, no tiers, no
 //! scheduling. The reference trainer runs these in f32; the gradient tests
 //! run them in f64 against finite differences; the engine's fast paths are
@@ -19,6 +21,7 @@
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
+pub mod attention;
 mod permute;
 mod router;
 

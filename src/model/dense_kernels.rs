@@ -5,7 +5,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use crate::lm::attention::{attention_backward_split, attention_forward_split, AttnShape};
+use crate::math::attention::{attention_backward_split, attention_forward_split, AttnShape};
 use crate::math::{cross_entropy_forward_backward_split, linear_backward, linear_forward};
 use crate::parallel::cores;
 use crate::EngineError;

@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 use std::path::PathBuf;
 
-use strata::lm::attention::AttnShape;
+use strata::math::attention::AttnShape;
 use strata::math::ExpertKind;
 use strata_optim::StepScalars;
 

@@ -10,7 +10,7 @@
 
 pub mod emulator;
 
-use strata::lm::attention::AttnShape;
+use strata::math::attention::AttnShape;
 use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind};
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
@@ -163,7 +163,7 @@ pub fn activations(h: &dyn KernelHost) {
 /// (fused multiply-adds off), so they agree to rounding of the last ulp at
 /// most: 1e-6.
 pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
-    use strata::lm::attention::{rope_backward, rope_forward, RopeTable};
+    use strata::math::attention::{rope_backward, rope_forward, RopeTable};
     use strata::math::{rmsnorm_backward, rmsnorm_forward};
     let (t, d) = (33, 64);
     let (x, g, dout) = (f32s(t * d, 20, 2.0), f32s(d, 21, 1.0), f32s(t * d, 22, 1.0));
@@ -254,7 +254,7 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
 /// Causal attention with grouped kv heads: the same sums in the same order
 /// as the cpu, with expf in the softmax: 1e-5.
 pub fn attention(h: &dyn KernelHost) {
-    use strata::lm::attention::{attention_backward, attention_forward};
+    use strata::math::attention::{attention_backward, attention_forward};
     let shape = AttnShape {
         seqs: 2,
         seq_len: 13,

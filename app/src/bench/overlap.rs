@@ -29,7 +29,7 @@ use strata_tiers::io::{AlignedBuf, FileOptions};
 use strata_tiers::{ExpertStore, Layout, Parts, TierError};
 
 use super::{median, process_usage, stolen_cpu_s};
-use strata::backend::linear_forward;
+use strata::backend::gemm_forward;
 use strata::EngineError;
 
 /// The GEMM of the compute arm: (M, K) · (N, K)ᵀ, an expert's first
@@ -159,7 +159,7 @@ impl GemmWork {
     fn run(&mut self, calls: usize) -> f64 {
         let t0 = Instant::now();
         for _ in 0..calls {
-            linear_forward(&mut self.out, &self.x, &self.w, GEMM_M, GEMM_K, GEMM_N);
+            gemm_forward(&mut self.out, &self.x, &self.w, GEMM_M, GEMM_K, GEMM_N);
         }
         t0.elapsed().as_secs_f64()
     }

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKern
 
 use super::expert::GradStart;
 use super::{gpu_error, CudaBackend};
-use crate::lm::attention::AttnShape;
+use crate::math::attention::AttnShape;
 use crate::EngineError;
 
 pub(super) struct DenseFunctions {
@@ -305,7 +305,7 @@ impl CudaBackend {
         Ok(h)
     }
 
-    /// `lm::attention::attention_forward` on the GPU, into `out` and
+    /// `math::attention::attention_forward` on the GPU, into `out` and
     /// `probs`.
     pub fn attention_forward_host(
         &self,
@@ -346,7 +346,7 @@ impl CudaBackend {
         self.download(&probs, probs_host)
     }
 
-    /// `lm::attention::attention_backward` on the GPU: dq, dk, dv accumulate.
+    /// `math::attention::attention_backward` on the GPU: dq, dk, dv accumulate.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward_host(
         &self,

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::expert::GradStart;
 use super::{CudaBackend, Shape};
-use crate::lm::attention::AttnShape;
+use crate::math::attention::AttnShape;
 use crate::model::DenseKernels;
 use crate::EngineError;
 
