@@ -119,7 +119,11 @@ impl From<std::io::Error> for CliError {
 fn train(flags: TrainFlags, source: Source) -> Result<ExitCode, CliError> {
     let interrupt = trainer::interrupt::install();
     let summary = trainer::run(&flags, source, interrupt)?;
-    Ok(if summary.interrupted {
+    Ok(if summary.stdout_closed {
+        // `strata train | head`: the reader has what it wanted, and the
+        // run is checkpointed.
+        ExitCode::SUCCESS
+    } else if summary.interrupted {
         ExitCode::from(130)
     } else {
         ExitCode::SUCCESS

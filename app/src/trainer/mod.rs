@@ -27,7 +27,7 @@ use strata_tiers::{Dtype, Timeline};
 pub use options::{StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 pub use run_dir::export_run;
-use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles};
+use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles, RunLock};
 use strata::engine::{Engine, EngineConfig, StepMetrics};
 use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use strata::lm::{LmConfig, MixtralLm};
@@ -55,7 +55,12 @@ pub struct RunSummary {
     pub last_eval_loss: Option<f32>,
     /// Median over the steps run.
     pub tokens_per_s: f64,
+    /// Stopped early, with a checkpoint: on Ctrl-C or SIGTERM, or when
+    /// standard output was closed under the run.
     pub interrupted: bool,
+    /// Standard output was closed (`strata train | head`): the run
+    /// checkpointed and stopped, and printed nothing more.
+    pub stdout_closed: bool,
     pub exported: Vec<PathBuf>,
 }
 
@@ -255,6 +260,25 @@ pub fn run(
     if let Source::Finetune(model_dir) = &source {
         refuse_writing_into(model_dir, &o)?;
     }
+    // One process at a time in a run directory: a second is refused
+    // before it reads or writes anything there.
+    let lock = RunLock::take(&o.out)?;
+    let result = run_locked(o, source, files, interrupt, lock.created());
+    if result.is_err() {
+        lock.remove_if_unused();
+    }
+    result
+}
+
+/// [`run`] once the run directory is locked for this process
+/// (`created_out`: the lock made it).
+fn run_locked(
+    o: TrainOptions,
+    source: Source,
+    files: ModelFiles,
+    interrupt: &AtomicBool,
+    created_out: bool,
+) -> Result<RunSummary, String> {
     let record_path = o.out.join("run.json");
     if !o.resume && record_path.exists() {
         return Err(format!(
@@ -308,9 +332,16 @@ pub fn run(
         deferred_update_share: o.defer_share,
         ..EngineConfig::default()
     };
+    // A closed stdout (`strata train | head`) is no reason to lose the
+    // run, nor to go on with no one reading: the run checkpoints after the
+    // step in progress and stops, as on Ctrl-C.
+    let stdout_closed = AtomicBool::new(false);
     let say = |line: String| {
-        if !o.quiet || !line.starts_with("  ") {
-            println!("{line}");
+        if (!o.quiet || !line.starts_with("  "))
+            && writeln!(std::io::stdout().lock(), "{line}").is_err()
+        {
+            stdout_closed.store(true, Ordering::SeqCst);
+            interrupt.store(true, Ordering::SeqCst);
         }
     };
     say(format!(
@@ -338,7 +369,15 @@ pub fn run(
         update_record(&o)?;
         engine
     } else {
-        create_run(&o, &source, &config, &lm, engine_config, imported)?
+        create_run(
+            &o,
+            &source,
+            &config,
+            &lm,
+            engine_config,
+            imported,
+            created_out,
+        )?
     };
     if let Some(n) = o.compute_threads {
         say(format!(
@@ -410,6 +449,7 @@ pub fn run(
         last_eval_loss: None,
         tokens_per_s: 0.0,
         interrupted: false,
+        stdout_closed: false,
         exported: Vec::new(),
     };
     let mut rates = Vec::new();
@@ -489,11 +529,17 @@ pub fn run(
     rates.sort_by(f64::total_cmp);
     summary.tokens_per_s = rates.get(rates.len() / 2).copied().unwrap_or(0.0);
     if summary.interrupted {
-        say(format!(
+        let line = format!(
             "interrupted: checkpoint written at step {}; continue with --resume --out {}",
             summary.steps,
             o.out.display()
-        ));
+        );
+        summary.stdout_closed = stdout_closed.load(Ordering::SeqCst);
+        if summary.stdout_closed {
+            let _ = writeln!(std::io::stderr(), "stdout was closed; {line}");
+        } else {
+            say(line);
+        }
         return Ok(summary);
     }
     if let Some(dir) = &o.export {

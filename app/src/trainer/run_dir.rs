@@ -5,6 +5,7 @@
 //! neither depends on the model directory or the `--tokenizer` file it
 //! started from.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -273,10 +274,8 @@ pub(super) fn create_run(
     lm: &MixtralLm,
     engine_config: EngineConfig,
     imported: Option<(strata_tiers::safetensors_io::Checkpoint, Vec<f32>)>,
+    created: bool,
 ) -> Result<Engine, String> {
-    let created = !o.out.exists();
-    std::fs::create_dir_all(&o.out)
-        .map_err(|e| format!("cannot create {}: {e}", o.out.display()))?;
     let result = (|| {
         let tokenizer = keep_model_files(o, source)?;
         let record = RunRecord {
@@ -298,7 +297,12 @@ pub(super) fn create_run(
                 {
                     let store = ExpertStore::create(&path, layout, &FileOptions::default())
                         .map_err(|e| e.to_string())?;
-                    println!("importing {} experts …", layout.expert_count());
+                    // A closed stdout is seen by the trainer's next line.
+                    let _ = writeln!(
+                        std::io::stdout(),
+                        "importing {} experts …",
+                        layout.expert_count()
+                    );
                     let bar = indicatif::ProgressBar::new(layout.expert_count());
                     hf::import_store(&ckpt, config, &store, |done, _| bar.set_position(done))?;
                     bar.finish_and_clear();
@@ -319,4 +323,75 @@ pub(super) fn create_run(
         }
     }
     result
+}
+
+/// The run directory, locked for this process: `.lock` in it, held with an
+/// exclusive lock for as long as the value lives. The OS drops the lock
+/// when the process ends, however it ends, so a crash leaves no stale lock.
+pub(crate) struct RunLock {
+    dir: PathBuf,
+    file: std::fs::File,
+    /// This process made the directory.
+    created: bool,
+}
+
+impl RunLock {
+    /// Creates `dir` if needed and locks it, or says which process holds
+    /// it.
+    pub fn take(dir: &Path) -> Result<RunLock, String> {
+        let created = !dir.exists();
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let path = dir.join(".lock");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => {
+                // Who holds it, for the message of the next one to try.
+                let _ = file.set_len(0);
+                let _ = writeln!(file, "{}", std::process::id());
+                Ok(RunLock {
+                    dir: dir.to_path_buf(),
+                    file,
+                    created,
+                })
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                let holder = match holder.trim() {
+                    "" => "another strata process".to_string(),
+                    pid => format!("another strata process (pid {pid})"),
+                };
+                Err(format!(
+                    "{} is in use: {holder} is training there. Wait for it to finish (Ctrl-C or \
+                     SIGTERM stops it with a checkpoint), or choose another --out",
+                    dir.display()
+                ))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                Err(format!("cannot lock {}: {e}", path.display()))
+            }
+        }
+    }
+
+    pub fn created(&self) -> bool {
+        self.created
+    }
+
+    /// After a failed start: the directory this process made goes again
+    /// if nothing but the lock was written to it.
+    pub fn remove_if_unused(self) {
+        let only_the_lock = std::fs::read_dir(&self.dir)
+            .map(|entries| entries.flatten().all(|e| e.file_name() == ".lock"))
+            .unwrap_or(false);
+        if self.created && only_the_lock {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+        drop(self.file);
+    }
 }

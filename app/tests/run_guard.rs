@@ -1,0 +1,200 @@
+//! A run is never lost to what happens around it: SIGTERM checkpoints as
+//! Ctrl-C does; a closed stdout (`strata train | head`) checkpoints and
+//! stops quietly; a second process in the same run directory is refused
+//! before it touches anything, and two fresh runs started together leave
+//! one whole run. Every wait here is bounded.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::bounded;
+
+const BOUND: Duration = Duration::from_secs(120);
+
+fn strata() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+/// A small run that streams its experts from the SSD; `steps` of them.
+fn args(out: &Path, steps: u64) -> Vec<String> {
+    [
+        "train",
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        &steps.to_string(),
+        "--seq-len",
+        "16",
+        "--batch",
+        "4",
+        "--checkpoint-every",
+        "0",
+        "--eval-every",
+        "0",
+        "--device-mem",
+        "2MiB",
+        "--host-mem",
+        "1536KiB",
+        "--threads",
+        "2",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// Steps recorded in metrics.jsonl (a line each; checkpoints have their own).
+fn steps_written(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |t| {
+        t.lines().filter(|l| !l.contains("\"checkpoint\"")).count()
+    })
+}
+
+fn checkpoints(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .map(|t| t.matches("\"checkpoint\":true").count())
+        .unwrap_or(0)
+}
+
+fn wait_for_steps(out: &Path, n: usize) {
+    let deadline = Instant::now() + BOUND;
+    while steps_written(out) < n {
+        assert!(Instant::now() < deadline, "no {n} steps within {BOUND:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn signal(child: &std::process::Child, signal: libc::c_int) {
+    // SAFETY: kill(2) on our own child's pid, which has not been reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+}
+
+fn finish(child: std::process::Child) -> Output {
+    bounded("the strata process", BOUND, move || {
+        child.wait_with_output().unwrap()
+    })
+}
+
+/// `--resume` goes on from the checkpoint: the run was not lost.
+fn resumes(out: &Path) {
+    let mut a = args(out, 0);
+    a.push("--resume".into());
+    let at = a.iter().position(|s| s == "--steps").unwrap();
+    a.remove(at);
+    a.remove(at);
+    a.extend(["--steps".to_string(), format!("{}", steps_written(out) + 2)]);
+    let output = strata().args(&a).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn sigterm_checkpoints_and_exits_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let child = strata()
+        .args(args(&out, 100_000))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_steps(&out, 3);
+    signal(&child, libc::SIGTERM);
+    let output = finish(child);
+    assert_eq!(output.status.code(), Some(130), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stdout).contains("--resume"));
+    assert_eq!(checkpoints(&out), 1);
+    resumes(&out);
+}
+
+#[test]
+fn a_closed_stdout_checkpoints_and_stops_without_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut child = strata()
+        .args(args(&out, 100_000))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read the first line, then close the pipe, as `head -1` does.
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("strata train"), "{first}");
+    let output = finish(child);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("stdout was closed"), "{stderr}");
+    assert_eq!(checkpoints(&out), 1, "{stderr}");
+    resumes(&out);
+}
+
+#[test]
+fn a_second_process_in_a_run_directory_is_refused_and_touches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let first = strata()
+        .args(args(&out, 100_000))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for_steps(&out, 2);
+    let store = std::fs::metadata(out.join("experts.strata")).unwrap().len();
+    for extra in [vec![], vec!["--resume".to_string()]] {
+        let mut a = args(&out, 5);
+        a.extend(extra);
+        let output = strata().args(&a).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(
+            stderr.contains("is in use") && stderr.contains(&format!("pid {}", first.id())),
+            "{stderr}"
+        );
+    }
+    assert_eq!(
+        std::fs::metadata(out.join("experts.strata")).unwrap().len(),
+        store
+    );
+    signal(&first, libc::SIGINT);
+    let output = finish(first);
+    assert_eq!(output.status.code(), Some(130));
+    assert_eq!(checkpoints(&out), 1);
+    resumes(&out);
+}
+
+#[test]
+fn two_fresh_runs_started_together_leave_one_whole_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let children: Vec<_> = (0..2)
+        .map(|_| {
+            strata()
+                .args(args(&out, 6))
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> = children.into_iter().map(finish).collect();
+    let won = outputs.iter().filter(|o| o.status.success()).count();
+    assert_eq!(won, 1, "{outputs:?}");
+    let lost = outputs.iter().find(|o| !o.status.success()).unwrap();
+    let why = String::from_utf8_lossy(&lost.stderr);
+    assert!(
+        why.contains("is in use") || why.contains("already holds a run"),
+        "{why}"
+    );
+    // The winner's run is whole: its record, its store, its six steps.
+    assert!(out.join("run.json").exists() && out.join("experts.strata").exists());
+    assert_eq!(steps_written(&out), 6);
+    resumes(&out);
+}
