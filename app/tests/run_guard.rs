@@ -94,8 +94,19 @@ fn resumes(out: &Path) {
     );
 }
 
+/// The params of the run in `out`, read back through a resumed engine.
+fn params(out: &Path) -> Vec<f32> {
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let config = strata::lm::LmConfig::from_hf_json(&text).unwrap();
+    let (dense, experts) = common::tiny_lm::run_params(out, &config);
+    dense
+        .into_iter()
+        .chain(experts.into_iter().flatten())
+        .collect()
+}
+
 #[test]
-fn sigterm_checkpoints_and_exits_130() {
+fn sigterm_checkpoints_exits_143_and_resumes_bit_identically() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let child = strata()
@@ -106,10 +117,29 @@ fn sigterm_checkpoints_and_exits_130() {
     wait_for_steps(&out, 3);
     signal(&child, libc::SIGTERM);
     let output = finish(child);
-    assert_eq!(output.status.code(), Some(130), "{output:?}");
+    assert_eq!(output.status.code(), Some(143), "{output:?}");
     assert!(String::from_utf8_lossy(&output.stdout).contains("--resume"));
     assert_eq!(checkpoints(&out), 1);
     resumes(&out);
+    // Against a run that never stopped, over as many steps.
+    let steps = steps_written(&out) as u64;
+    let straight = dir.path().join("straight");
+    let done = strata().args(args(&straight, steps)).output().unwrap();
+    assert!(done.status.success());
+    assert!(params(&out) == params(&straight), "the params differ");
+}
+
+#[test]
+fn a_timeline_step_out_of_range_is_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut a = args(&out, 3);
+    a.extend(["--timeline-step".to_string(), "99".to_string()]);
+    let output = strata().args(&a).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--timeline-step 99"), "{stderr}");
+    assert!(!out.exists(), "the refused run left {}", out.display());
 }
 
 #[test]
@@ -155,7 +185,7 @@ fn a_second_process_in_a_run_directory_is_refused_and_touches_nothing() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success());
         assert!(
-            stderr.contains("is in use") && stderr.contains(&format!("pid {}", first.id())),
+            stderr.contains("is in use") && stderr.contains(&format!("pid {} on ", first.id())),
             "{stderr}"
         );
     }

@@ -124,7 +124,7 @@ fn train(flags: TrainFlags, source: Source) -> Result<ExitCode, CliError> {
         // run is checkpointed.
         ExitCode::SUCCESS
     } else if summary.interrupted {
-        ExitCode::from(130)
+        ExitCode::from(trainer::interrupt::exit_status())
     } else {
         ExitCode::SUCCESS
     })

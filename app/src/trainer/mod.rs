@@ -192,6 +192,17 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
     }
     strata_optim::check_thread_count(o.threads)
         .map_err(|e| format!("--threads {}: {e}", o.threads))?;
+    // A new run goes from step 1 (a resumed one is checked once its step
+    // is known, before it trains).
+    if let Some(n) = o
+        .timeline_step
+        .filter(|n| !o.resume && !(1..=o.steps).contains(n))
+    {
+        return Err(format!(
+            "--timeline-step {n}: this run goes from step 1 to {}; ask for one of those",
+            o.steps
+        ));
+    }
     if o.devices * o.micro_batches > o.batch {
         return Err(format!(
             "--devices {} × --micro-batches {} exceeds --batch {} (each device's micro-batch \

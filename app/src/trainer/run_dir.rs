@@ -353,8 +353,11 @@ impl RunLock {
         match file.try_lock() {
             Ok(()) => {
                 // Who holds it, for the message of the next one to try.
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_default();
                 let _ = file.set_len(0);
-                let _ = writeln!(file, "{}", std::process::id());
+                let _ = writeln!(file, "pid {} on {host}", std::process::id());
                 Ok(RunLock {
                     dir: dir.to_path_buf(),
                     file,
@@ -365,7 +368,7 @@ impl RunLock {
                 let holder = std::fs::read_to_string(&path).unwrap_or_default();
                 let holder = match holder.trim() {
                     "" => "another strata process".to_string(),
-                    pid => format!("another strata process (pid {pid})"),
+                    who => format!("another strata process ({who})"),
                 };
                 Err(format!(
                     "{} is in use: {holder} is training there. Wait for it to finish (Ctrl-C or \
