@@ -95,3 +95,128 @@ fn a_damaged_dense_file_fails_the_resume_naming_the_file() {
         "{err}"
     );
 }
+
+/// Trains four steps into `store`, committing at steps 2 and 4.
+fn store_with_two_checkpoints(store: &Path) {
+    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let mut engine = Engine::new_network(&lm, engine_config(store.to_path_buf())).unwrap();
+    for s in 0..4 {
+        engine.step_network(&lm, &batch(s)).unwrap();
+        if s % 2 == 1 {
+            engine.checkpoint().unwrap();
+        }
+    }
+}
+
+/// Which superblock copy (0: A, 1: B) holds the newest generation, and
+/// that generation.
+fn newest_superblock(store: &Path) -> (u64, u64) {
+    use strata_tiers::format::{Superblock, BLOCK_BYTES};
+    let bytes = std::fs::read(store).unwrap();
+    (0..2u64)
+        .filter_map(|which| {
+            let at = which as usize * BLOCK_BYTES;
+            Superblock::decode(&bytes[at..at + BLOCK_BYTES])
+                .unwrap()
+                .map(|sb| (which, sb.generation))
+        })
+        .max_by_key(|&(_, generation)| generation)
+        .unwrap()
+}
+
+/// Resumes `store`, says what it noted, and takes one more step.
+fn resume_and_step(store: &Path) -> (u64, Vec<String>) {
+    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let mut engine = Engine::resume_network(&lm, engine_config(store.to_path_buf()))
+        .unwrap_or_else(|e| panic!("the fallback does not resume: {e}"));
+    let at = engine.steps();
+    engine.step_network(&lm, &batch(at)).unwrap();
+    (at, engine.notes().to_vec())
+}
+
+#[test]
+fn a_damaged_newest_superblock_falls_back_to_the_previous_checkpoint_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("experts.strata");
+    store_with_two_checkpoints(&store);
+    let (which, _) = newest_superblock(&store);
+    // The committed step's field, inside the checksummed bytes.
+    flip_byte(&store, which * 4096 + 24);
+    let (at, notes) = resume_and_step(&store);
+    assert_eq!(at, 2, "{notes:?}");
+    let said = notes.join("\n");
+    let copy = ["A", "B"][which as usize];
+    assert!(
+        said.contains(&format!("superblock {copy} is damaged")),
+        "{said}"
+    );
+    assert!(said.contains("checkpoint at step 2"), "{said}");
+}
+
+#[test]
+fn a_damaged_newest_copy_map_falls_back_to_the_previous_checkpoint_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("experts.strata");
+    store_with_two_checkpoints(&store);
+    let (which, generation) = newest_superblock(&store);
+    let layout = strata_tiers::ExpertStore::open(&store, None, &Default::default())
+        .unwrap()
+        .layout();
+    flip_byte(&store, layout.map_offset(which as usize) + 3);
+    let (at, notes) = resume_and_step(&store);
+    assert_eq!(at, 2, "{notes:?}");
+    let said = notes.join("\n");
+    assert!(
+        said.contains(&format!(
+            "copy map of generation {generation} (checkpoint at step 4)"
+        )),
+        "{said}"
+    );
+    assert!(said.contains("previous checkpoint, at step 2"), "{said}");
+}
+
+#[test]
+fn both_superblocks_damaged_is_an_error_that_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("experts.strata");
+    store_with_two_checkpoints(&store);
+    flip_byte(&store, 24);
+    flip_byte(&store, 4096 + 24);
+    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let err = Engine::resume_network(&lm, engine_config(store))
+        .err()
+        .expect("a store with no intact superblock opens")
+        .to_string();
+    assert!(err.contains("neither superblock is intact"), "{err}");
+}
+
+#[test]
+fn a_damaged_state_part_fails_the_update_naming_the_expert() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("experts.strata");
+    trained_store(&store);
+    let layout = strata_tiers::ExpertStore::open(&store, None, &Default::default())
+        .unwrap()
+        .layout();
+    let state = layout.compute_part_bytes() + strata_tiers::format::PART_HEADER_BYTES as u64 + 5;
+    for copy in 0..2 {
+        flip_byte(&store, layout.record_offset(1, copy) + state);
+    }
+    let err = bounded("a step on a damaged state part", BOUND, move || {
+        let lm = MixtralLm::new(tiny_config()).unwrap();
+        let mut engine = Engine::resume_network(&lm, engine_config(store)).unwrap();
+        let mut last = Ok(());
+        for s in 2..5 {
+            last = engine.step_network(&lm, &batch(s)).map(|_| ());
+            if last.is_err() {
+                break;
+            }
+        }
+        last.expect_err("a damaged state part is read without an error")
+            .to_string()
+    });
+    assert!(
+        err.contains("expert 0.1") && err.contains("checksum"),
+        "the error names neither the expert nor the checksum: {err}"
+    );
+}

@@ -106,8 +106,8 @@ pub(crate) fn read(store: &Path, step: u64, count: usize) -> Result<DenseState, 
     })
 }
 
-/// Removes the dense files of steps other than `keep`.
-pub(crate) fn remove_others(store: &Path, keep: u64) {
+/// Removes the dense files of steps other than those in `keep`.
+pub(crate) fn remove_others(store: &Path, keep: &[u64]) {
     let Some(dir) = store.parent() else { return };
     let Some(prefix) = store
         .file_name()
@@ -128,7 +128,7 @@ pub(crate) fn remove_others(store: &Path, keep: u64) {
             .strip_prefix(&prefix)
             .and_then(|s| s.parse::<u64>().ok())
         {
-            if step != keep {
+            if !keep.contains(&step) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }

@@ -350,7 +350,8 @@ impl Engine {
 
     /// A full checkpoint at `self.steps()`: the dense state file first, then
     /// every expert, committed by the store. A crash at any point leaves
-    /// the previous checkpoint resumable. Needs a `store_path`.
+    /// the previous checkpoint resumable, and the previous checkpoint's
+    /// dense file is kept until the next one commits. Needs a `store_path`.
     pub fn checkpoint(&mut self) -> Result<(), EngineError> {
         let Some(path) = self.config.store_path.clone() else {
             return Err(EngineError::Config(
@@ -358,6 +359,10 @@ impl Engine {
             ));
         };
         self.drain()?;
+        // Kept until the next commit: should this commit's superblock or
+        // copy map be damaged later, the store opens the previous one,
+        // and its dense state is still here.
+        let previous = self.shared.cache.store().committed_step();
         dense_state::write(
             &path,
             &dense_state::DenseState {
@@ -369,7 +374,7 @@ impl Engine {
             },
         )?;
         self.shared.cache.checkpoint(self.step)?;
-        dense_state::remove_others(&path, self.step);
+        dense_state::remove_others(&path, &[previous, self.step]);
         Ok(())
     }
 }

@@ -72,7 +72,7 @@ impl ExpertStore {
         layout.validate()?;
         let opened = open_file(path, true, options)?;
         let mut store = Self::create_on(opened.device, layout)?;
-        store.notes = opened.notes;
+        store.notes.splice(0..0, opened.notes);
         store.path = Some(path.to_path_buf());
         Ok(store)
     }
@@ -91,7 +91,7 @@ impl ExpertStore {
         }
         let opened = open_file(path, false, options)?;
         let mut store = Self::open_on(opened.device, expected)?;
-        store.notes = opened.notes;
+        store.notes.splice(0..0, opened.notes);
         store.path = Some(path.to_path_buf());
         Ok(store)
     }
@@ -156,14 +156,28 @@ impl ExpertStore {
                 "no strata superblock (wrong magic); is this a store file?".to_string(),
             ));
         }
-        let mut candidates: Vec<Superblock> = [&b[..BLOCK_BYTES], &b[BLOCK_BYTES..]]
+        // A copy with the magic but no intact checksum was damaged, or torn
+        // by a crash while it was written: the other one is opened, and
+        // the store says so.
+        let mut notes = Vec::new();
+        let mut candidates = Vec::new();
+        for (which, block) in ["A", "B"]
             .into_iter()
-            .map(Superblock::decode)
-            .collect::<Result<Vec<_>, _>>()?
-            .into_iter()
-            .flatten()
-            .collect();
+            .zip([&b[..BLOCK_BYTES], &b[BLOCK_BYTES..]])
+        {
+            match Superblock::decode(block)? {
+                Some(sb) => candidates.push(sb),
+                None if magic_ok(block) => notes.push(format!(
+                    "superblock {which} is damaged (or was torn by a crash while it was \
+                     written); it is not used"
+                )),
+                None => {}
+            }
+        }
         candidates.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
+        let newest = candidates
+            .first()
+            .map(|sb| (sb.generation, sb.committed_step));
         for sb in candidates {
             let layout = sb.layout;
             if len < layout.file_bytes() {
@@ -178,7 +192,14 @@ impl ExpertStore {
                 layout.map_offset((sb.generation % 2) as usize),
             )?;
             if crc(map.as_slice()) != sb.map_crc {
-                continue; // a map overwritten by a later, uncommitted checkpoint
+                // A map overwritten by a later, uncommitted checkpoint, or
+                // damaged.
+                notes.push(format!(
+                    "the copy map of generation {} (checkpoint at step {}) does not match its \
+                     checksum; it is not used",
+                    sb.generation, sb.committed_step
+                ));
+                continue;
             }
             if let Some(expected) = expected {
                 if expected != layout {
@@ -190,6 +211,17 @@ impl ExpertStore {
             }
             let count = layout.expert_count() as usize;
             let committed = decode_map(map.as_slice(), count)?;
+            if !notes.is_empty() {
+                let newer = newest.filter(|&(generation, _)| generation > sb.generation);
+                notes.push(match newer {
+                    Some((_, step)) => format!(
+                        "opened the previous checkpoint, at step {} (the newest, at step {step}, \
+                         is unreadable)",
+                        sb.committed_step
+                    ),
+                    None => format!("opened the checkpoint at step {}", sb.committed_step),
+                });
+            }
             return Ok(Self {
                 device,
                 layout,
@@ -199,7 +231,7 @@ impl ExpertStore {
                     pending: vec![None; count],
                 }),
                 latch: Mutex::new(None),
-                notes: Vec::new(),
+                notes,
                 path: None,
                 busy: BusyClock::default(),
                 turn: Mutex::new(()),
