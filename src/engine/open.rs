@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use strata_optim::{ExpertOptimizer, Kernel, OptimizerConfig};
+use strata_tiers::encode_compute;
 use strata_tiers::io::{AlignedBuf, FileOptions, MemFile};
-use strata_tiers::safetensors_io::encode_compute;
 use strata_tiers::{
     record_mut, EvictionPolicy, ExpertId, ExpertStore, HostCache, HostCacheConfig, Layout, Parts,
 };

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod data;
 pub mod network;
+pub mod safetensors_io;
 
 pub use config::{LmConfig, PRESETS};
 pub use network::{DenseTensor, MixtralLm, TokenBatch};

@@ -5,9 +5,10 @@
 use std::path::Path;
 
 use strata::engine::{Engine, EngineConfig};
+use strata::lm::safetensors_io::{write_safetensors, TensorSpec};
 use strata::lm::{LmConfig, MixtralLm};
 use strata::model::Network;
-use strata_tiers::safetensors_io::{encode_compute, write_safetensors, TensorSpec};
+use strata_tiers::encode_compute;
 use strata_tiers::Dtype;
 
 pub fn tiny_config() -> LmConfig {

@@ -26,7 +26,6 @@ pub mod format;
 pub mod io;
 mod prefetch;
 mod record;
-pub mod safetensors_io;
 mod schedule;
 mod store;
 pub mod timeline;
@@ -41,7 +40,7 @@ pub use device::{
 };
 pub use error::{Part, TierError};
 pub use format::{Dtype, Layout};
-pub use record::{compute_bytes, record_mut, Parts, RecordMut};
+pub use record::{compute_bytes, encode_compute, record_mut, Parts, RecordMut};
 pub use store::ExpertStore;
 pub use timeline::{Timeline, TimelineEvent, TimelineRecord, TimelineSpan};
 

@@ -1,7 +1,9 @@
 //! Typed views of one record held in a 4096-aligned host buffer, laid out
 //! exactly as on disk (see `format.rs`).
 
-use crate::format::{Layout, PART_HEADER_BYTES};
+use half::{bf16, f16};
+
+use crate::format::{Dtype, Layout, PART_HEADER_BYTES};
 use crate::TierError;
 
 /// Which parts of a record a reader needs.
@@ -97,6 +99,27 @@ pub fn record_mut<'a>(layout: &Layout, buf: &'a mut [u8]) -> Result<RecordMut<'a
         m,
         v,
     })
+}
+
+/// Writes `values` in the store's compute dtype (little-endian) into `out`.
+pub fn encode_compute(dtype: Dtype, values: &[f32], out: &mut [u8]) {
+    match dtype {
+        Dtype::F32 => {
+            for (c, v) in out.chunks_exact_mut(4).zip(values) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Dtype::Bf16 => {
+            for (c, v) in out.chunks_exact_mut(2).zip(values) {
+                c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        Dtype::F16 => {
+            for (c, v) in out.chunks_exact_mut(2).zip(values) {
+                c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
+        }
+    }
 }
 
 #[cfg(test)]

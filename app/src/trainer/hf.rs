@@ -4,11 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-use strata_tiers::io::AlignedBuf;
-use strata_tiers::safetensors_io::{
-    encode_compute, expert_tensor_specs, import_experts, write_safetensors, Checkpoint,
-    ExpertNaming, ExpertShape, TensorSpec,
+use strata::lm::safetensors_io::{
+    expert_tensor_specs, import_experts, write_safetensors, Checkpoint, ExpertNaming, ExpertShape,
+    TensorSpec,
 };
+use strata_tiers::encode_compute;
+use strata_tiers::io::AlignedBuf;
 use strata_tiers::{record_mut, Dtype, ExpertStore, Parts};
 
 use strata::lm::{LmConfig, MixtralLm};

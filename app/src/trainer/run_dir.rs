@@ -273,7 +273,7 @@ pub(super) fn create_run(
     config: &LmConfig,
     lm: &MixtralLm,
     engine_config: EngineConfig,
-    imported: Option<(strata_tiers::safetensors_io::Checkpoint, Vec<f32>)>,
+    imported: Option<(strata::lm::safetensors_io::Checkpoint, Vec<f32>)>,
     created: bool,
 ) -> Result<Engine, String> {
     let result = (|| {

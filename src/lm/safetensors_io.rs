@@ -15,10 +15,8 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
-use crate::format::Dtype;
-use crate::io::AlignedBuf;
-use crate::record::record_mut;
-use crate::{ExpertId, ExpertStore, TierError};
+use strata_tiers::io::AlignedBuf;
+use strata_tiers::{encode_compute, record_mut, Dtype, ExpertId, ExpertStore, TierError};
 
 /// How a checkpoint names its experts' matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,27 +235,6 @@ impl Checkpoint {
             }
         }
         Ok(())
-    }
-}
-
-/// Writes `values` in the store's compute dtype (little-endian) into `out`.
-pub fn encode_compute(dtype: Dtype, values: &[f32], out: &mut [u8]) {
-    match dtype {
-        Dtype::F32 => {
-            for (c, v) in out.chunks_exact_mut(4).zip(values) {
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        Dtype::Bf16 => {
-            for (c, v) in out.chunks_exact_mut(2).zip(values) {
-                c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
-            }
-        }
-        Dtype::F16 => {
-            for (c, v) in out.chunks_exact_mut(2).zip(values) {
-                c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
-            }
-        }
     }
 }
 
@@ -487,7 +464,7 @@ pub fn export_experts(
         if loaded != Some(slot) {
             store.read(
                 layout.expert_at(slot),
-                crate::Parts::Full,
+                strata_tiers::Parts::Full,
                 record.as_mut_slice(),
             )?;
             loaded = Some(slot);

@@ -4,11 +4,11 @@
 use std::path::Path;
 
 use half::bf16;
-use strata_tiers::io::{AlignedBuf, MemFile};
-use strata_tiers::safetensors_io::{
+use strata::lm::safetensors_io::{
     export_experts, import_experts, write_safetensors, Checkpoint, ExpertNaming, ExpertShape,
     TensorSpec,
 };
+use strata_tiers::io::{AlignedBuf, MemFile};
 use strata_tiers::{record_mut, Dtype, ExpertId, ExpertStore, Layout, Parts, TierError};
 
 const SHAPE: ExpertShape = ExpertShape {
