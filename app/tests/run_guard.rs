@@ -67,9 +67,13 @@ fn wait_for_steps(out: &Path, n: usize) {
     }
 }
 
-fn signal(child: &std::process::Child, signal: libc::c_int) {
-    // SAFETY: kill(2) on our own child's pid, which has not been reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+/// Sends `signal` (`INT`, `TERM`) to our own child, not yet reaped.
+fn signal(child: &std::process::Child, signal: &str) {
+    let sent = Command::new("kill")
+        .args([format!("-{signal}"), child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
 }
 
 fn finish(child: std::process::Child) -> Output {
@@ -115,7 +119,7 @@ fn sigterm_checkpoints_exits_143_and_resumes_bit_identically() {
         .spawn()
         .unwrap();
     wait_for_steps(&out, 3);
-    signal(&child, libc::SIGTERM);
+    signal(&child, "TERM");
     let output = finish(child);
     assert_eq!(output.status.code(), Some(143), "{output:?}");
     assert!(String::from_utf8_lossy(&output.stdout).contains("--resume"));
@@ -193,7 +197,7 @@ fn a_second_process_in_a_run_directory_is_refused_and_touches_nothing() {
         std::fs::metadata(out.join("experts.strata")).unwrap().len(),
         store
     );
-    signal(&first, libc::SIGINT);
+    signal(&first, "INT");
     let output = finish(first);
     assert_eq!(output.status.code(), Some(130));
     assert_eq!(checkpoints(&out), 1);

@@ -555,8 +555,12 @@ fn ctrl_c_checkpoints_and_exits_130() {
         assert!(Instant::now() < deadline, "no steps within 120 s");
         std::thread::sleep(Duration::from_millis(5));
     }
-    // SAFETY: kill(2) on our own child's pid, which has not been reaped.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    // Our own child, not yet reaped.
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
     let output = child.wait_with_output().unwrap();
     assert_eq!(output.status.code(), Some(130));
     let stdout = String::from_utf8_lossy(&output.stdout);

@@ -44,23 +44,7 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// What this process has used so far, every thread: (CPU seconds, user
-/// and system; minor page faults), from `getrusage`; `None` if the call
-/// fails.
-pub(crate) fn process_usage() -> Option<(f64, f64)> {
-    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage only writes the struct it is given, which lives
-    // for the call.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
-        return None;
-    }
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    Some((
-        secs(usage.ru_utime) + secs(usage.ru_stime),
-        usage.ru_minflt as f64,
-    ))
-}
+pub(crate) use crate::sys::process_usage;
 
 /// CPU seconds stolen from this (virtual) machine so far, all cores
 /// together: the `steal` column of /proc/stat's first line; `None` where
@@ -74,9 +58,7 @@ pub(crate) fn stolen_cpu_s() -> Option<f64> {
         .nth(8)?
         .parse()
         .ok()?;
-    // SAFETY: sysconf only reads a configuration value.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (hz > 0).then(|| ticks / hz as f64)
+    Some(ticks / crate::sys::clock_ticks_per_second()?)
 }
 
 /// Parses a count with an optional binary suffix: `1000`, `64K`, `64M`, `1G`.

@@ -31,17 +31,6 @@ pub fn exit_status() -> u8 {
 /// Installs the handler for SIGINT and SIGTERM and returns the flag it
 /// sets.
 pub fn install() -> &'static AtomicBool {
-    for signal in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: `action` is fully initialized (zeroed, then the handler
-        // and flags set) before sigaction reads it; the handler only
-        // stores to an atomic, which is async-signal-safe.
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_stop_signal as *const () as libc::sighandler_t;
-            action.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
-            libc::sigemptyset(&mut action.sa_mask);
-            libc::sigaction(signal, &action, std::ptr::null_mut());
-        }
-    }
+    crate::sys::on_signals_once(&[libc::SIGINT, libc::SIGTERM], on_stop_signal);
     &STOP_ASKED
 }

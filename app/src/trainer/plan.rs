@@ -221,22 +221,10 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
 /// Free bytes of the file system holding `dir` (or its nearest existing
 /// ancestor).
 pub fn free_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
     let mut at = Some(dir);
     while let Some(p) = at {
         if p.exists() {
-            let c = std::ffi::CString::new(p.as_os_str().as_bytes()).ok()?;
-            let mut s = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-            // SAFETY: `c` is a NUL-terminated path and `s` points to
-            // writable storage of the struct statvfs fills.
-            let rc = unsafe { libc::statvfs(c.as_ptr(), s.as_mut_ptr()) };
-            if rc != 0 {
-                return None;
-            }
-            // SAFETY: statvfs returned 0, so it initialized `s`.
-            let s = unsafe { s.assume_init() };
-            #[allow(clippy::unnecessary_cast)] // u32 on some targets
-            return Some(s.f_bavail as u64 * s.f_frsize as u64);
+            return crate::sys::file_system_free_bytes(p);
         }
         at = p.parent().filter(|q| !q.as_os_str().is_empty());
         if at.is_none() && p.is_relative() {

@@ -1,0 +1,95 @@
+//! Every libc call of the `strata` command, each behind a safe function:
+//! the rest of the crate calls these and holds no `unsafe` of its own for
+//! the OS (the CUDA bench and the SIMD bandwidth sweep keep theirs, in
+//! `bench/upload.rs` and `bench/optim.rs`).
+
+use std::path::Path;
+
+/// Free bytes of the file system holding `path` (which must exist), from
+/// statvfs; `None` if the call fails.
+pub fn file_system_free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut s = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `s` points to writable
+    // storage of the struct statvfs fills.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), s.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it initialized `s`.
+    let s = unsafe { s.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // u32 on some targets
+    Some(s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+/// What this process has used so far, every thread: (CPU seconds, user
+/// and system; minor page faults), from getrusage; `None` if the call
+/// fails.
+pub fn process_usage() -> Option<(f64, f64)> {
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given, which lives
+    // for the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return None;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Some((
+        secs(usage.ru_utime) + secs(usage.ru_stime),
+        usage.ru_minflt as f64,
+    ))
+}
+
+/// The kernel's clock ticks a second (the unit of /proc/stat), if known.
+pub fn clock_ticks_per_second() -> Option<f64> {
+    // SAFETY: sysconf only reads a configuration value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then_some(hz as f64)
+}
+
+/// Installs `handler` for each of `signals`, reset to the default after
+/// its first delivery (so a second signal acts as if none were installed).
+/// The handler must be async-signal-safe (store to an atomic, no more).
+pub fn on_signals_once(signals: &[libc::c_int], handler: extern "C" fn(libc::c_int)) {
+    for &signal in signals {
+        // SAFETY: `action` is fully initialized (zeroed, then the handler
+        // and flags set) before sigaction reads it; the caller's handler
+        // is async-signal-safe.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = handler as *const () as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// glibc serves each allocation over 128 KiB (at first) with its own mmap
+/// and hands freed memory at the top of a heap back to the kernel, so the
+/// buffers a training step frees and allocates again every step come back
+/// as fresh pages, each a page fault and a page clear: 1 000–1 300 a step
+/// in `strata train`'s default run, a sixth of its CPU time in the kernel.
+/// Allocations come from the heap instead (up to 32 MiB, glibc's largest
+/// threshold, and beyond it too, with mmap turned off: a model's logits,
+/// (tokens, vocabulary) floats, pass 32 MiB at a few hundred tokens), and
+/// up to 256 MiB of free heap is kept for reuse. (Process-wide, so the
+/// binary sets it, not the library: an embedding program may do the
+/// same.) The host tier's and devices' large aligned buffers are mappings
+/// of their own, made without malloc, so this leaves them as they are.
+/// Call it first thing in `main`, before any other thread exists.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn keep_freed_memory_in_the_heap() {
+    // SAFETY: mallopt only changes malloc's parameters, and runs before
+    // any other thread exists (the caller's contract); a value it refuses
+    // leaves the default in place.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn keep_freed_memory_in_the_heap() {}
