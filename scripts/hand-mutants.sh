@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Hand-made mutants of the gradient paths: each scales one gradient by 2
-# (or halves a denominator) in one place, and the script lists the default
-# tests that fail on it. A mutant no test kills is a hole in the suite.
+# (or halves a denominator) in one place, or turns RoPE the other way in
+# both passes (which keeps norms, position 0 and the backward's transpose
+# intact), and the script lists the default tests that fail on it. A
+# mutant no test kills is a hole in the suite.
 # docs/testing.md records the last run.
 #
 #   scripts/hand-mutants.sh            # every mutant
@@ -30,6 +32,7 @@ mutants=(
     "SwiGLU gate's gradient (cpu backend)^src/backend/cpu.rs^da[i] = dh[i] * b[i] *^da[i] = 2.0 * dh[i] * b[i] *"
     "RMSNorm gain's gradient^src/math/mod.rs^block[j] += dy[j] * row[j] * inv;^block[j] += R::from_f64(2.0) * dy[j] * row[j] * inv;"
     "attention's value gradient^src/math/attention.rs^*d += p * o;^*d += R::from_f64(2.0) * p * o;"
+    "RoPE turned the other way (forward and backward alike)^src/math/attention.rs^let s = if transpose {^let s = if !transpose {"
 )
 
 mkdir -p "$work"

@@ -86,7 +86,7 @@ pub trait ExpertDevice: Send {
 
     /// out (n, D) = expert(x (n, D)) with the params in `params`' slot;
     /// `saved` keeps what this device's backward needs (see
-    /// [`Backend::expert_ffn_forward`](crate::backend::Backend::expert_ffn_forward)).
+    /// [`CpuBackend::expert_ffn_forward`](crate::backend::CpuBackend::expert_ffn_forward)).
     #[allow(clippy::too_many_arguments)]
     fn expert_forward(
         &mut self,

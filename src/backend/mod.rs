@@ -1,9 +1,12 @@
-//! Compute backends. A [`Backend`] is the dense math of expert compute
-//! (the GEMMs and activations of an expert FFN) on host slices; an
-//! [`ExpertDevice`] is what the engine drives: a device tier
-//! (`strata_tiers::DeviceArena`) and the expert FFN computed from the
-//! params in one of its slots. The `cpu` backend runs everywhere and runs
-//! every test.
+//! Compute backends. An [`ExpertDevice`] is the one seam the engine
+//! drives: a device tier (`strata_tiers::DeviceArena`) and the expert FFN
+//! computed from the params in one of its slots, with the dense layers'
+//! kernels beside it ([`DenseKernels`](crate::model::DenseKernels)). Its
+//! implementations: the cpu device ([`CpuExpertDevice`]), the GPU
+//! (`cuda::CudaExpertDevice`) and the modeled device of the benches
+//! ([`ModeledExpertDevice`]). [`CpuBackend`] and `cuda::CudaBackend` also
+//! offer the expert FFN on host slices, which the tests hold to the plain
+//! math. The `cpu` backend runs everywhere and runs every test.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -19,46 +22,7 @@ pub use modeled::{ExpertCompute, ModeledExpertDevice};
 
 use strata_tiers::{Dtype, Layout};
 
-use crate::math::{ExpertKind, ExpertSaved};
 use crate::EngineError;
-
-/// The calls the engine makes on a device.
-pub trait Backend: Send {
-    fn name(&self) -> &'static str;
-
-    /// out (n, D) = expert(x (n, D)); `saved` keeps what the backward needs
-    /// from this backend: the pre-activations on the cpu, nothing on a GPU
-    /// (its backward recomputes them from x rather than move them), so
-    /// `saved` goes back to the backend that filled it.
-    #[allow(clippy::too_many_arguments)]
-    fn expert_ffn_forward(
-        &self,
-        kind: ExpertKind,
-        out: &mut [f32],
-        saved: &mut ExpertSaved<f32>,
-        x: &[f32],
-        params: &[f32],
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError>;
-
-    /// dx (n, D) = …, dparams += … (dx is overwritten).
-    #[allow(clippy::too_many_arguments)]
-    fn expert_ffn_backward(
-        &self,
-        kind: ExpertKind,
-        dx: &mut [f32],
-        dparams: &mut [f32],
-        dout: &[f32],
-        saved: &ExpertSaved<f32>,
-        x: &[f32],
-        params: &[f32],
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError>;
-}
 
 /// Which backend computes the experts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The expert FFN on the GPU (SwiGLU and GELU, forward and backward):
 //! cuBLAS bf16 GEMMs with f32 accumulation and the activation kernels,
 //! reading the expert's bf16 weights at a device address. Two callers:
-//! the host-slice [`Backend`] (params uploaded per call, what the tests
+//! the host-slice `CudaBackend::expert_ffn_forward` / `_backward` (params uploaded per call, what the tests
 //! compare with the CPU math) and [`CudaExpertDevice`], the engine's device,
 //! whose weights are already in a slot of its GPU device tier.
 //!
@@ -21,7 +21,7 @@ use super::{gpu_error, CudaBackend, Shape};
 
 /// The experts' GEMM inputs: bf16.
 const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
-use crate::backend::{Backend, ExpertDevice, SlotParams};
+use crate::backend::{ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -214,12 +214,15 @@ impl CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
-    fn name(&self) -> &'static str {
+/// The expert FFN on host slices (params and activations in host memory),
+/// which the tests hold to the plain math.
+impl CudaBackend {
+    pub fn name(&self) -> &'static str {
         "cuda"
     }
 
-    fn expert_ffn_forward(
+    #[allow(clippy::too_many_arguments)]
+    pub fn expert_ffn_forward(
         &self,
         kind: ExpertKind,
         out: &mut [f32],
@@ -239,7 +242,8 @@ impl Backend for CudaBackend {
         unsafe { self.ffn_forward(kind, out, saved, x, w, n, d, f) }
     }
 
-    fn expert_ffn_backward(
+    #[allow(clippy::too_many_arguments)]
+    pub fn expert_ffn_backward(
         &self,
         kind: ExpertKind,
         dx: &mut [f32],

@@ -2,8 +2,9 @@
 //! accumulation, NVRTC-compiled kernels for the rest (`kernels.cu`, each
 //! mirroring a CPU function), on one compute stream of the GPU.
 //!
-//! The expert FFN (`expert.rs`) runs here two ways: as a [`Backend`](crate::backend::Backend) on
-//! host slices, and as the engine's [`super::ExpertDevice`]
+//! The expert FFN (`expert.rs`) runs here two ways: on host slices
+//! ([`CudaBackend::expert_ffn_forward`], what the tests compare with the
+//! plain math), and as the engine's [`super::ExpertDevice`]
 //! ([`CudaExpertDevice`]), reading each expert's bf16 params in place from
 //! its slot of the GPU device tier. The dense layers' GEMMs run here too
 //! (`linear.rs`, f32, operands uploaded per call); their other kernels
