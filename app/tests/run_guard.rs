@@ -232,3 +232,60 @@ fn two_fresh_runs_started_together_leave_one_whole_run() {
     assert_eq!(steps_written(&out), 6);
     resumes(&out);
 }
+
+/// The step numbers of metrics.jsonl's step lines, in file order.
+fn step_numbers(out: &Path) -> Vec<u64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"loss\""))
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["step"].as_u64().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn after_a_kill_and_a_torn_line_a_resumed_run_records_each_step_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut a = args(&out, 100_000);
+    let at = a.iter().position(|s| s == "--checkpoint-every").unwrap();
+    a[at + 1] = "3".into();
+    let mut child = strata().args(&a).stdout(Stdio::null()).spawn().unwrap();
+    // Past a checkpoint, and steps beyond it that the resume redoes.
+    let deadline = Instant::now() + BOUND;
+    while checkpoints(&out) < 1 || steps_written(&out) < 5 {
+        assert!(
+            Instant::now() < deadline,
+            "no checkpoint and 5 steps within {BOUND:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    // A line torn by the kill (or a full disk).
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(out.join("metrics.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"{\"step\":99,\"lo").unwrap();
+    drop(f);
+    let target = steps_written(&out) as u64 + 3;
+    let mut again = args(&out, target);
+    again.push("--resume".into());
+    let output = strata().args(&again).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let steps = step_numbers(&out);
+    assert_eq!(steps, (1..=target).collect::<Vec<u64>>());
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(
+        text.ends_with('\n') && !text.contains("\"lo\n"),
+        "a torn line is left"
+    );
+}

@@ -11,6 +11,7 @@
 
 pub mod hf;
 pub mod interrupt;
+mod metrics_log;
 pub mod options;
 pub mod plan;
 mod run_dir;
@@ -24,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use strata_optim::AdamWHyper;
 use strata_tiers::{Dtype, Timeline};
 
+use metrics_log::MetricsLog;
 pub use options::{StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 pub use run_dir::export_run;
@@ -443,12 +445,7 @@ fn run_locked(
         ));
     }
     let eval = data.eval_batches();
-    let metrics_path = o.out.join("metrics.jsonl");
-    let mut metrics_file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .map_err(|e| format!("cannot open {}: {e}", metrics_path.display()))?;
+    let mut metrics_log = MetricsLog::open(&o.out.join("metrics.jsonl"), start_step)?;
     let bar = progress_bar(&o, start_step);
     let log_every = (o.steps / 20).max(1);
     let mut summary = RunSummary {
@@ -490,7 +487,7 @@ fn run_locked(
         summary.first_loss.get_or_insert(m.loss);
         summary.last_loss = Some(m.loss);
         summary.steps = step;
-        write_metrics(&mut metrics_file, &m, lr)?;
+        metrics_log.append(&metrics_line(&m, lr))?;
         bar.set_position(step);
         bar.set_message(status(&m));
         let mut line = None;
@@ -501,8 +498,7 @@ fn run_locked(
             }
             let loss = (sum / eval.len() as f64) as f32;
             summary.last_eval_loss = Some(loss);
-            writeln!(metrics_file, "{{\"step\":{step},\"eval_loss\":{loss}}}")
-                .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
+            metrics_log.append(&format!("{{\"step\":{step},\"eval_loss\":{loss}}}"))?;
             line = Some(format!(
                 "  step {step:>6}  loss {:.4}  eval {loss:.4}  {}",
                 m.loss,
@@ -525,8 +521,7 @@ fn run_locked(
         let interrupted = interrupt.load(Ordering::SeqCst);
         if interrupted || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) {
             engine.checkpoint().map_err(err)?;
-            writeln!(metrics_file, "{{\"step\":{step},\"checkpoint\":true}}")
-                .map_err(|e| format!("cannot write {}: {e}", metrics_path.display()))?;
+            metrics_log.append(&format!("{{\"step\":{step},\"checkpoint\":true}}"))?;
         }
         if interrupted {
             summary.interrupted = true;
@@ -606,10 +601,11 @@ fn unused_split(o: &TrainOptions, cells: usize, deferred: usize) -> Vec<String> 
     notes
 }
 
-fn write_metrics(file: &mut std::fs::File, m: &StepMetrics, lr: f32) -> Result<(), String> {
+/// A step's line of metrics.jsonl: its metrics and learning rate.
+fn metrics_line(m: &StepMetrics, lr: f32) -> String {
     let mut value = serde_json::to_value(m).expect("metrics serialize");
     value["lr"] = serde_json::json!(lr);
-    writeln!(file, "{value}").map_err(|e| format!("cannot write metrics: {e}"))
+    value.to_string()
 }
 
 /// tokens/s, the share of the step stalled on each tier, and the share
