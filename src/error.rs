@@ -20,4 +20,11 @@ pub enum EngineError {
     Comm(#[from] crate::comm::CommError),
     #[error("device {device}: {why}")]
     Device { device: usize, why: String },
+    /// A file of the engine's own (a dense-state file) that cannot be read
+    /// or written, or is damaged: names the file and what is wrong.
+    #[error("{}: {why}", path.display())]
+    File {
+        path: std::path::PathBuf,
+        why: String,
+    },
 }

@@ -661,3 +661,32 @@ fn timeline_step_writes_that_steps_chrome_trace() {
         "--timeline-step 2: this run goes from step 4 to 4",
     );
 }
+
+/// A fine-tune says so on its first line (not "strata train").
+#[test]
+fn a_fine_tune_names_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &tiny_config());
+    let out = dir.path().join("run");
+    let output = strata_bin()
+        .args(["finetune", "--model", model.to_str().unwrap()])
+        .args([
+            "--out",
+            out.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--seq-len",
+            "8",
+        ])
+        .args(["--batch", "2", "--eval-every", "0", "--quiet"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.starts_with("strata finetune: "), "{stdout}");
+}

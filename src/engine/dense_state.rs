@@ -30,7 +30,10 @@ pub(crate) fn path_for(store: &Path, step: u64) -> PathBuf {
 }
 
 fn io_error(path: &Path, e: std::io::Error) -> EngineError {
-    EngineError::Config(format!("{}: {e}", path.display()))
+    EngineError::File {
+        path: path.to_path_buf(),
+        why: e.to_string(),
+    }
 }
 
 pub(crate) fn write(store: &Path, state: &DenseState) -> Result<(), EngineError> {
@@ -63,13 +66,14 @@ pub(crate) fn write(store: &Path, state: &DenseState) -> Result<(), EngineError>
 
 pub(crate) fn read(store: &Path, step: u64, count: usize) -> Result<DenseState, EngineError> {
     let path = path_for(store, step);
-    let bytes = std::fs::read(&path).map_err(|e| {
-        EngineError::Config(format!(
-            "{}: {e}; the store's committed step {step} needs its dense-state file",
-            path.display()
-        ))
+    let bytes = std::fs::read(&path).map_err(|e| EngineError::File {
+        path: path.clone(),
+        why: format!("{e}; the store's committed step {step} needs its dense-state file"),
     })?;
-    let bad = |why: &str| EngineError::Config(format!("{}: {why}", path.display()));
+    let bad = |why: &str| EngineError::File {
+        path: path.clone(),
+        why: why.to_string(),
+    };
     let expected_len = 36 + 12 * count + 4;
     if bytes.len() != expected_len {
         return Err(bad(&format!(

@@ -165,6 +165,13 @@ impl DocumentReader {
                 return Err(EngineError::Config("no data files were given".into()));
             }
             for p in paths {
+                if p.is_dir() {
+                    return Err(EngineError::Config(format!(
+                        "data path {} is a directory: give its .txt or .jsonl files \
+                         (--data DIR/*.jsonl)",
+                        p.display()
+                    )));
+                }
                 if !p.is_file() {
                     return Err(EngineError::Config(format!(
                         "data file {} does not exist (give a .txt or .jsonl file)",
@@ -570,5 +577,12 @@ mod tests {
         };
         let err = Dataset::open(config, Tokenizer::Bytes).err().unwrap();
         assert!(err.to_string().contains("does not exist"), "{err}");
+        // A directory is not a missing file: the message says what to give.
+        let config = DataConfig {
+            corpus: Corpus::Files(vec![dir.path().to_path_buf()]),
+            ..DataConfig::default()
+        };
+        let err = Dataset::open(config, Tokenizer::Bytes).err().unwrap();
+        assert!(err.to_string().contains("is a directory"), "{err}");
     }
 }

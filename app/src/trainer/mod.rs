@@ -359,7 +359,11 @@ fn run_locked(
     };
     say(format!(
         "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}",
-        if o.resume { "resume" } else { "train" },
+        match (&source, o.resume) {
+            (_, true) => "resume",
+            (Source::Finetune(_), false) => "finetune",
+            (Source::Scratch, false) => "train",
+        },
         match &source {
             Source::Scratch => format!("preset {}", o.preset),
             Source::Finetune(d) => d.display().to_string(),

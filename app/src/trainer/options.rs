@@ -115,7 +115,8 @@ pub struct TrainFlags {
     #[arg(long)]
     #[serde(skip)]
     pub resume: bool,
-    /// No progress bar (log lines only).
+    /// No progress bar and no per-step lines: the run's header, its notes
+    /// and its summary only (metrics.jsonl still has every step).
     #[arg(long)]
     #[serde(skip)]
     pub quiet: bool,
