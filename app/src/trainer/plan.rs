@@ -175,28 +175,35 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     // Store file: superblocks and maps, then two copies of each record;
     // plus two dense checkpoint files (params and moments) during a commit.
     let ssd = layout.data_offset() + 2 * experts * record + 2 * 12 * dense;
+    // A store that is already there (a resume) needs only what it lacks.
+    let existing = input
+        .store_dir
+        .and_then(|d| std::fs::metadata(d.join("experts.strata")).ok())
+        .map_or(0, |m| m.len());
     let ssd_free = input.store_dir.and_then(free_bytes);
     if let Some(free) = ssd_free {
-        if free < ssd {
+        if free < ssd.saturating_sub(existing) {
             return Err(format!(
-                "does not fit: the store needs {} on disk but {} has {} free: {} short. \
-                 Choose another --out",
-                show_bytes(ssd),
+                "does not fit: the store needs {} more on disk but {} has {} free: {} short. \
+                 Free space there, or (for a new run) choose another --out",
+                show_bytes(ssd.saturating_sub(existing)),
                 input
                     .store_dir
                     .map(|p| p.display().to_string())
                     .unwrap_or_default(),
                 show_bytes(free),
-                show_bytes(ssd - free),
+                show_bytes(ssd.saturating_sub(existing) - free),
             ));
         }
     }
-    let mode = if device_slots == experts {
-        OffloadMode::AllOnDevice
-    } else if host_slots == experts {
-        OffloadMode::HostOffload
-    } else {
+    // Records that do not all fit in host memory stream from the SSD for
+    // their updates, however many experts the device holds.
+    let mode = if host_slots < experts {
         OffloadMode::HostAndSsd
+    } else if device_slots == experts {
+        OffloadMode::AllOnDevice
+    } else {
+        OffloadMode::HostOffload
     };
     Ok(MemoryPlan {
         mode,
@@ -380,6 +387,13 @@ mod tests {
         assert_eq!(p.host_kept, p.host_slots - 4);
         let kept = format!("({} kept resident, 4 streaming)", p.host_kept);
         assert!(p.describe().contains(&kept), "{}", p.describe());
+        // Every expert on the device, but not every record in host memory:
+        // the records stream from the SSD for their updates, and the mode
+        // says so.
+        let few_records = p.dense_host_bytes + 5 * (1 << 20);
+        let p = plan(&input(&m, 1 << 30, few_records)).unwrap();
+        assert_eq!(p.device_slots, p.expert_count);
+        assert_eq!(p.mode, OffloadMode::HostAndSsd, "{}", p.describe());
         let host_mem = p.dense_host_bytes + 5 * (1 << 20);
         let two = |device_mem, host_mem| {
             plan(&PlanInput {
