@@ -377,7 +377,20 @@ impl RunLock {
                 ))
             }
             Err(std::fs::TryLockError::Error(e)) => {
-                Err(format!("cannot lock {}: {e}", path.display()))
+                // A file system without locks (some network ones): the run
+                // goes on, and says it is not guarded.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "note: {} cannot be locked ({e}); make sure no other strata process \
+                     trains in {}",
+                    path.display(),
+                    dir.display()
+                );
+                Ok(RunLock {
+                    dir: dir.to_path_buf(),
+                    file,
+                    created,
+                })
             }
         }
     }
