@@ -352,6 +352,10 @@ mod tests {
         });
         assert!(matches!(out[0], Err(CommError::OutOfStep { peer: 1, .. })));
         assert!(matches!(out[1], Err(CommError::OutOfStep { peer: 0, .. })));
+        // Each names what arrived instead.
+        let said = |r: &Result<(), CommError>| r.as_ref().unwrap_err().to_string();
+        assert!(said(&out[0]).contains("sent f32 values"), "{}", said(&out[0]));
+        assert!(said(&out[1]).contains("sent u32 values"), "{}", said(&out[1]));
     }
 
     #[test]
