@@ -354,8 +354,16 @@ mod tests {
         assert!(matches!(out[1], Err(CommError::OutOfStep { peer: 0, .. })));
         // Each names what arrived instead.
         let said = |r: &Result<(), CommError>| r.as_ref().unwrap_err().to_string();
-        assert!(said(&out[0]).contains("sent f32 values"), "{}", said(&out[0]));
-        assert!(said(&out[1]).contains("sent u32 values"), "{}", said(&out[1]));
+        assert!(
+            said(&out[0]).contains("sent f32 values"),
+            "{}",
+            said(&out[0])
+        );
+        assert!(
+            said(&out[1]).contains("sent u32 values"),
+            "{}",
+            said(&out[1])
+        );
     }
 
     #[test]
