@@ -34,6 +34,7 @@ mod pipeline;
 mod slot_table;
 mod update;
 mod updates;
+mod verify;
 
 use std::sync::Arc;
 
@@ -44,6 +45,7 @@ pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOT
 pub use host_plan::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 pub use open::{host_cell_slot_count, host_kept_count};
+pub use verify::{verify_checkpoint, CheckpointReport};
 
 use crate::model::{Batch, DenseKernels, ModelConfig, Network};
 use crate::placement::CostModel;

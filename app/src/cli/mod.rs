@@ -36,6 +36,9 @@ pub enum Command {
     Plan(PlanArgs),
     /// Write a run's model as safetensors in the Hugging Face layout.
     Export(ExportArgs),
+    /// Check a run's checkpoint without training: every expert record and
+    /// the dense state; names what is damaged (exit status 1).
+    Verify(VerifyArgs),
     /// Performance measurements (JSON lines with --json).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -70,6 +73,13 @@ pub struct ExportArgs {
     /// Tensor precision: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+}
+
+#[derive(Args, Debug)]
+pub struct VerifyArgs {
+    /// The run directory (a train or finetune --out).
+    #[arg(long)]
+    pub run: PathBuf,
 }
 
 /// Runs the parsed command; errors are printed as one line on stderr.
@@ -146,5 +156,45 @@ fn execute(cli: Cli) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(command) => bench::execute(command).map(|()| ExitCode::SUCCESS),
+        Command::Verify(args) => verify(&args.run),
     }
+}
+
+fn verify(run: &std::path::Path) -> Result<ExitCode, CliError> {
+    let report = trainer::verify_run(run)?;
+    let mut out = std::io::stdout().lock();
+    for note in &report.notes {
+        writeln!(out, "note: {note}")?;
+    }
+    for (_, why) in &report.damaged_experts {
+        writeln!(out, "damaged: {why}")?;
+    }
+    if let Some(why) = &report.damaged_dense {
+        writeln!(out, "damaged: {why}")?;
+    }
+    if report.intact() {
+        writeln!(
+            out,
+            "{}: the checkpoint at step {} is intact ({} expert records and the dense state)",
+            run.display(),
+            report.step,
+            report.experts
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    writeln!(
+        out,
+        "{}: the checkpoint at step {} is damaged ({} of {} expert records{}); the run cannot \
+         resume from it: restore the run directory from a copy, or start the run again",
+        run.display(),
+        report.step,
+        report.damaged_experts.len(),
+        report.experts,
+        if report.damaged_dense.is_some() {
+            ", and the dense state"
+        } else {
+            ""
+        }
+    )?;
+    Ok(ExitCode::FAILURE)
 }

@@ -225,6 +225,26 @@ fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> 
 }
 
 /// `strata export`: the run's last checkpoint as a Hugging Face model.
+/// Checks the run in `run_dir` without training: its store's committed
+/// checkpoint, record by record, and the dense state beside it
+/// (`strata verify`).
+pub fn verify_run(run_dir: &Path) -> Result<strata::engine::CheckpointReport, String> {
+    let record = read_record(run_dir, "verify", "--run")?;
+    let files = record.model_files()?;
+    let (o, source) = (
+        TrainOptions {
+            out: run_dir.to_path_buf(),
+            resume: true,
+            ..record.options
+        },
+        record.source,
+    );
+    let (_, config) = files.read(&o, &source)?;
+    let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
+    strata::engine::verify_checkpoint(&store_path(run_dir), lm.config().dense_params())
+        .map_err(|e| format!("{}: {e}", store_path(run_dir).display()))
+}
+
 pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>, String> {
     let record = read_record(run_dir, "export", "--run")?;
     let files = record.model_files()?;
