@@ -40,6 +40,20 @@ fn engine_config(store: PathBuf) -> EngineConfig {
     }
 }
 
+/// Resumes `store` and steps until a step fails (its first read of the
+/// damaged `what` may come in the first step or a later one), under the
+/// watchdog; the error's text.
+fn first_step_error(store: PathBuf, what: &'static str) -> String {
+    bounded(&format!("steps on {what}"), BOUND, move || {
+        let lm = MixtralLm::new(tiny_config()).unwrap();
+        let mut engine = Engine::resume_network(&lm, engine_config(store)).unwrap();
+        let failed = (2..5).find_map(|s| engine.step_network(&lm, &batch(s)).err());
+        failed
+            .unwrap_or_else(|| panic!("{what} is read without an error"))
+            .to_string()
+    })
+}
+
 /// Trains two steps into `store` and commits them.
 fn trained_store(store: &Path) {
     let lm = MixtralLm::new(tiny_config()).unwrap();
@@ -56,21 +70,7 @@ fn a_damaged_record_fails_the_resumed_engine_s_step_naming_the_expert() {
     let store = dir.path().join("experts.strata");
     trained_store(&store);
     damage_record(&store, 0);
-    let err = bounded("a step on a damaged record", BOUND, move || {
-        let lm = MixtralLm::new(tiny_config()).unwrap();
-        let mut engine = Engine::resume_network(&lm, engine_config(store)).unwrap();
-        let mut last = Ok(());
-        // Its first read may come in the first step or the next.
-        for s in 2..5 {
-            last = engine.step_network(&lm, &batch(s)).map(|_| ());
-            if last.is_err() {
-                break;
-            }
-        }
-        last.expect_err("a damaged record is read without an error")
-            .to_string()
-    });
-    eprintln!("{err}");
+    let err = first_step_error(store, "a damaged record");
     assert!(
         err.contains("expert 0.0") && err.contains("checksum"),
         "the error names neither the expert nor the checksum: {err}"
@@ -202,19 +202,7 @@ fn a_damaged_state_part_fails_the_update_naming_the_expert() {
     for copy in 0..2 {
         flip_byte(&store, layout.record_offset(1, copy) + state);
     }
-    let err = bounded("a step on a damaged state part", BOUND, move || {
-        let lm = MixtralLm::new(tiny_config()).unwrap();
-        let mut engine = Engine::resume_network(&lm, engine_config(store)).unwrap();
-        let mut last = Ok(());
-        for s in 2..5 {
-            last = engine.step_network(&lm, &batch(s)).map(|_| ());
-            if last.is_err() {
-                break;
-            }
-        }
-        last.expect_err("a damaged state part is read without an error")
-            .to_string()
-    });
+    let err = first_step_error(store, "a damaged state part");
     assert!(
         err.contains("expert 0.1") && err.contains("checksum"),
         "the error names neither the expert nor the checksum: {err}"

@@ -207,14 +207,13 @@ fn case(backend: BackendKind, top_k: usize, micro_batches: usize, kind: ExpertKi
             BackendKind::Cpu => 1e-6,
             BackendKind::Cuda => 1e-2,
         };
-        let loss_tolerance = tolerance;
         assert_eq!(
             got.2, ref_steps,
             "{name}: per-expert step counts differ from the reference"
         );
         for (s, (a, b)) in got.3.iter().zip(&ref_losses).enumerate() {
             assert!(
-                (a - b).abs() <= loss_tolerance * b.abs(),
+                (a - b).abs() <= tolerance * b.abs(),
                 "{name}: step {s}'s loss {a} against the reference's {b}"
             );
         }

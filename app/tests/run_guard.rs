@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::bounded;
+use common::{bounded, signal};
 
 const BOUND: Duration = Duration::from_secs(120);
 
@@ -67,15 +67,6 @@ fn wait_for_steps(out: &Path, n: usize) {
     }
 }
 
-/// Sends `signal` (`INT`, `TERM`) to our own child, not yet reaped.
-fn signal(child: &std::process::Child, signal: &str) {
-    let sent = Command::new("kill")
-        .args([format!("-{signal}"), child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-}
-
 fn finish(child: std::process::Child) -> Output {
     bounded("the strata process", BOUND, move || {
         child.wait_with_output().unwrap()
@@ -84,12 +75,8 @@ fn finish(child: std::process::Child) -> Output {
 
 /// `--resume` goes on from the checkpoint: the run was not lost.
 fn resumes(out: &Path) {
-    let mut a = args(out, 0);
+    let mut a = args(out, steps_written(out) as u64 + 2);
     a.push("--resume".into());
-    let at = a.iter().position(|s| s == "--steps").unwrap();
-    a.remove(at);
-    a.remove(at);
-    a.extend(["--steps".to_string(), format!("{}", steps_written(out) + 2)]);
     let output = strata().args(&a).output().unwrap();
     assert!(
         output.status.success(),

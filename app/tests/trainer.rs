@@ -555,12 +555,7 @@ fn ctrl_c_checkpoints_and_exits_130() {
         assert!(Instant::now() < deadline, "no steps within 120 s");
         std::thread::sleep(Duration::from_millis(5));
     }
-    // Our own child, not yet reaped.
-    let sent = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
+    common::signal(&child, "INT");
     let output = child.wait_with_output().unwrap();
     assert_eq!(output.status.code(), Some(130));
     let stdout = String::from_utf8_lossy(&output.stdout);

@@ -15,7 +15,7 @@
 //! A spawn costs tens of microseconds, so calls under `PARALLEL_MIN_MACS`
 //! multiply-adds stay on the calling thread.
 
-use crate::parallel::{cores, run_all};
+use crate::parallel::{compute_threads, run_all};
 
 /// Below this many multiply-adds (about 0.3 ms on one core) a GEMM is not
 /// split.
@@ -42,7 +42,15 @@ fn rows_per_part(rows: usize, parts: usize) -> usize {
 
 /// out (M, N) = x (M, K) · w (N, K)ᵀ
 pub fn gemm_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
-    forward_in_parts(out, x, w, m, k, n, threads_for(m * k * n, cores()));
+    forward_in_parts(
+        out,
+        x,
+        w,
+        m,
+        k,
+        n,
+        threads_for(m * k * n, compute_threads()),
+    );
 }
 
 fn forward_in_parts(
@@ -133,7 +141,7 @@ pub(crate) fn gemm_backward(
     k: usize,
     n: usize,
 ) {
-    let parts = threads_for(2 * m * k * n, cores());
+    let parts = threads_for(2 * m * k * n, compute_threads());
     backward_in_parts(dx, dw, writes, dout, x, w, m, k, n, parts);
 }
 

@@ -231,18 +231,16 @@ impl SharedExperts {
     /// hyperparameters of the step that computed its gradient); returns
     /// the seconds spent waiting for their records' host slots.
     pub fn release_held(&self, which: Held) -> Result<f64, EngineError> {
-        let key = match which {
+        let (key, only_if_ready) = match which {
             Held::All => return self.release_all_held(),
-            Held::Of(key) => key,
-            Held::OfIfReady(key) => {
-                if !self.defers[key] || !self.cache.full_record_ready(self.expert_id(key)) {
-                    return Ok(0.0);
-                }
-                key
-            }
+            Held::Of(key) => (key, false),
+            Held::OfIfReady(key) => (key, true),
         };
         if !self.defers[key] {
             return Ok(0.0); // nothing to look for, and no lock to take
+        }
+        if only_if_ready && !self.cache.full_record_ready(self.expert_id(key)) {
+            return Ok(0.0);
         }
         let (_, grad, hyper) = {
             let mut book = self.book();

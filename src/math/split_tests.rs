@@ -3,7 +3,7 @@
 //! to be split on a machine of two cores or more.
 
 use super::*;
-use crate::parallel::{cores, rows_per_job};
+use crate::parallel::{compute_threads, rows_per_job};
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut v = vec![0.0f32; n];
@@ -25,7 +25,7 @@ fn linear_passes_match_one_thread_loops_bit_for_bit() {
     let (m, k) = (700, 512);
     for n in [8, 13, 3] {
         assert!(
-            cores() < 2 || splits(m, k * n),
+            compute_threads() < 2 || splits(m, k * n),
             "m {m} k {k} n {n} is not split"
         );
         let (x, w, dout) = (values(m * k, 1), values(n * k, 2), values(m * n, 3));
@@ -63,7 +63,7 @@ fn linear_passes_match_one_thread_loops_bit_for_bit() {
 #[test]
 fn rmsnorm_matches_one_thread_loops_bit_for_bit() {
     let (t, d) = (900, 512);
-    assert!(cores() < 2 || (splits(t, d) && splits(d, t)));
+    assert!(compute_threads() < 2 || (splits(t, d) && splits(d, t)));
     let (x, g, dout) = (values(t * d, 6), values(d, 7), values(t * d, 8));
     let (mut out, mut inv) = (vec![0.0f32; t * d], vec![0.0f32; t]);
     rmsnorm_forward(&mut out, &mut inv, &x, &g, t, d, 1e-5);
@@ -107,7 +107,7 @@ fn rmsnorm_matches_one_thread_loops_bit_for_bit() {
 #[test]
 fn permutation_passes_match_one_thread_loops_bit_for_bit() {
     let (t, k, d, experts) = (1600, 2, 512, 4);
-    assert!(cores() < 2 || splits(t, k * d));
+    assert!(compute_threads() < 2 || splits(t, k * d));
     let choice: Vec<u32> = (0..t * k).map(|a| (a % experts) as u32).collect();
     let perm = Permutation::from_routing(&choice, experts);
     let (per, weights, dy) = (values(t * k * d, 11), values(t * k, 12), values(t * d, 13));
@@ -183,7 +183,7 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
     let mut back = vec![0.0f32; t * k * d];
     for e in 0..experts {
         let rows = perm.rows(e);
-        assert!(cores() < 2 || splits(rows.len(), d), "expert {e}");
+        assert!(compute_threads() < 2 || splits(rows.len(), d), "expert {e}");
         let mut xe = vec![0.0f32; rows.len() * d];
         gather_forward(&mut xe, &x, rows, k, d);
         for (r, &a) in rows.iter().enumerate() {

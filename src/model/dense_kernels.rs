@@ -7,7 +7,7 @@
 
 use crate::math::attention::{attention_backward_split, attention_forward_split, AttnShape};
 use crate::math::{cross_entropy_forward_backward_split, linear_backward, linear_forward};
-use crate::parallel::cores;
+use crate::parallel::compute_threads;
 use crate::EngineError;
 
 /// The dense layers' heavy kernels: the linear layers' GEMM (plain loops
@@ -66,7 +66,7 @@ pub trait DenseKernels {
         v: &[f32],
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        attention_forward_split(out, probs, q, k, v, shape, cores());
+        attention_forward_split(out, probs, q, k, v, shape, compute_threads());
         Ok(())
     }
 
@@ -85,7 +85,7 @@ pub trait DenseKernels {
         v: &[f32],
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        attention_backward_split(dq, dk, dv, dout, probs, q, k, v, shape, cores());
+        attention_backward_split(dq, dk, dv, dout, probs, q, k, v, shape, compute_threads());
         Ok(())
     }
 
@@ -105,7 +105,7 @@ pub trait DenseKernels {
             targets,
             v,
             denominator,
-            cores(),
+            compute_threads(),
         ))
     }
 }

@@ -29,14 +29,8 @@ static COMPUTE_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 /// [`machine_cores`]. The splits ask before every piece of work, hence
 /// the count is fixed once. Splits only change how work is shared out,
 /// never a result.
-/// How many threads the cpu backend's compute splits over: what
-/// [`set_compute_threads`] fixed, else the machine's cores.
 pub fn compute_threads() -> usize {
     *COMPUTE_THREADS.get_or_init(machine_cores)
-}
-
-pub(crate) fn cores() -> usize {
-    compute_threads()
 }
 
 /// Fixes, for the rest of the process, how many threads the cpu backend's
@@ -95,7 +89,7 @@ pub(crate) const MIN_JOB_WORK: usize = 1 << 17;
 /// shared out: all on the calling thread when the whole is small, else an
 /// even share over the cores.
 pub(crate) fn rows_per_job(rows: usize, work_per_row: usize) -> usize {
-    let jobs = (rows.saturating_mul(work_per_row) / MIN_JOB_WORK).clamp(1, cores());
+    let jobs = (rows.saturating_mul(work_per_row) / MIN_JOB_WORK).clamp(1, compute_threads());
     rows.div_ceil(jobs).max(1)
 }
 
@@ -179,7 +173,7 @@ mod tests {
         run_all(hits.iter_mut().map(|h| move || *h += 1).collect());
         assert_eq!(hits, vec![1; 5]);
         run_all(Vec::<fn()>::new());
-        assert!(cores() >= 1);
+        assert!(compute_threads() >= 1);
     }
 
     #[test]
@@ -220,6 +214,6 @@ mod tests {
                 .all(|(r, row)| row.iter().all(|&v| v == r as u32)));
         }
         assert_eq!(rows_per_job(10, 1), 10); // small: one job
-        assert!(rows_per_job(1 << 20, 1 << 10) < 1 << 20 || cores() == 1);
+        assert!(rows_per_job(1 << 20, 1 << 10) < 1 << 20 || compute_threads() == 1);
     }
 }

@@ -16,3 +16,12 @@ pub mod tiny_lm {
     pub use super::engine::tiny_lm::*;
     pub use super::flags::{flags_holding, small_flags};
 }
+
+/// Sends `signal` (`INT`, `TERM`) to our own child, not yet reaped.
+pub fn signal(child: &std::process::Child, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([format!("-{signal}"), child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}

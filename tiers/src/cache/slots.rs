@@ -515,7 +515,8 @@ impl Shared {
         meta.state = SlotState::Ready;
         meta.kept = self.kind(slot) == SlotKind::Record
             && meta.expert.is_some_and(|e| inner.keep.contains(&e));
-        if let Some(expert) = meta.expert {
+        // Nearly always empty: no hash on the common path.
+        if let Some(expert) = meta.expert.filter(|_| !inner.prefetch_failed.is_empty()) {
             inner.prefetch_failed.remove(&expert);
         }
         let bytes = read.range(&self.layout).len() as u64;
