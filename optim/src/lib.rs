@@ -21,10 +21,9 @@
 mod adamw;
 mod error;
 mod pool;
-mod slot;
 mod worker;
 
-pub use adamw::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
+pub use adamw::{adamw_step, memory_sweep, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 pub use error::OptimError;
 pub use pool::{
     check_thread_count, ExpertOptimizer, GradientPolicy, GradientSummary, OptimizerConfig,

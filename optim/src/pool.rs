@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use crate::adamw::{AdamWHyper, CopyOut, GradRef, Kernel};
-use crate::slot::{Phase, Slot};
 use crate::worker::{panic_message, worker_loop, Task};
+use crate::worker::{Phase, Slot};
 use crate::{ExpertId, OptimError};
 
 /// The buffers of one expert's update, lent to the pool for its duration.
@@ -284,10 +284,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
             } else {
                 Phase::Queued
             };
-            state.claim(key, phase, hyper);
-            // SAFETY: (1) of target_mut: this thread claimed the Free slot
-            // under its lock, and no task naming it has been sent yet.
-            unsafe { *slot.target_mut() = Some(target) };
+            state.claim(key, phase, hyper, target);
         }
         let task = if deferred {
             lock(&shared.deferred).push((key, slot_index));
@@ -343,11 +340,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
             }
             // A bounded wait, so a worker that died outside catch_unwind is
             // noticed (above) instead of hanging this thread.
-            state = slot
-                .done
-                .wait_timeout(state, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            state = state.wait_timeout(Duration::from_millis(100));
         }
         let report = UpdateReport {
             key,
@@ -360,10 +353,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
             skipped: state.skipped,
         };
         let error = state.error.take();
-        // SAFETY: (3) of target_mut: the phase is Done and this thread holds
-        // the lock; it sets Free below before anyone else can claim it.
-        let target = unsafe { slot.target_mut().take() };
-        state.phase = Phase::Free;
+        let target = state.release();
         drop(state);
         {
             let mut index = lock(&shared.index);
@@ -410,11 +400,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
                         message: "while gradient norms were computed".to_string(),
                     });
                 }
-                state = slot
-                    .done
-                    .wait_timeout(state, Duration::from_millis(100))
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                state = state.wait_timeout(Duration::from_millis(100));
             }
             if state.phase == Phase::Done {
                 let cause = state
@@ -454,7 +440,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
                 }
                 state.skipped = true;
                 state.finish();
-                slot.done.notify_all();
+                state.notify();
                 continue;
             }
             state.grad_scale = grad_scale;

@@ -115,58 +115,9 @@ fn ceiling_sweep(e: &mut BenchExpert, threads: usize) {
             .zip(e.v.chunks_mut(chunk))
             .zip(e.grad_f32.chunks(chunk));
         for (((p, m), v), g) in parts {
-            scope.spawn(move || sweep_best(p, m, v, g));
+            scope.spawn(move || strata_optim::memory_sweep(p, m, v, g));
         }
     });
-}
-
-/// The sweep compiled for the widest vectors this CPU has, as `membw.c` is
-/// compiled with `-march=native`: the ceiling must not be held back by
-/// baseline (SSE2) code generation.
-fn sweep_best(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F was detected on this CPU just above.
-            return unsafe { sweep_avx512(p, m, v, g) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 was detected on this CPU just above.
-            return unsafe { sweep_avx2(p, m, v, g) };
-        }
-    }
-    sweep(p, m, v, g)
-}
-
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sweep_avx512(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-    sweep(p, m, v, g)
-}
-
-/// # Safety
-/// The CPU has AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn sweep_avx2(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-    sweep(p, m, v, g)
-}
-
-/// `rmw4r3w` of `shared/bench/membw.c`: trivial math, AdamW's memory traffic.
-#[inline(always)]
-fn sweep(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) {
-    const B1: f32 = 0.9;
-    const B2: f32 = 0.999;
-    const K: f32 = -1e-7;
-    for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-        let mi = *m * B1 + g;
-        let vi = *v * B2 + g * g;
-        *m = mi;
-        *v = vi;
-        *p += K * (mi + vi);
-    }
 }
 
 fn timed(f: impl FnOnce()) -> Duration {
