@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use strata_tiers::io::HostRegion;
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
 use super::cpu::{ffn_backward, ffn_forward, for_parts, FfnScratch};
@@ -50,11 +51,9 @@ pub trait ExpertDevice: Send {
     /// (a GPU registers it with its driver, for every GPU at once). Returns
     /// why not when refused; then every device is told to
     /// [`ExpertDevice::stage_uploads`]. The cpu device has nothing to do.
-    ///
-    /// # Safety
-    /// `ptr..ptr + len` is one live allocation that outlives this device.
-    unsafe fn page_lock_host_region(&mut self, ptr: *mut u8, len: usize) -> Option<String> {
-        let _ = (ptr, len);
+    /// The device keeps the region's memory mapped while it holds it.
+    fn page_lock_host_region(&mut self, region: &HostRegion) -> Option<String> {
+        let _ = region;
         None
     }
 

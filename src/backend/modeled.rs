@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use strata_tiers::io::HostRegion;
 use strata_tiers::DeviceArena;
 
 use super::{ExpertDevice, SlotParams};
@@ -81,9 +82,8 @@ impl ExpertDevice for ModeledExpertDevice {
         self.inner.arena()
     }
 
-    unsafe fn page_lock_host_region(&mut self, ptr: *mut u8, len: usize) -> Option<String> {
-        // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.inner.page_lock_host_region(ptr, len) }
+    fn page_lock_host_region(&mut self, region: &HostRegion) -> Option<String> {
+        self.inner.page_lock_host_region(region)
     }
 
     fn dense_kernels(&self) -> Arc<dyn DenseKernels + Send + Sync> {

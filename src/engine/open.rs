@@ -245,10 +245,7 @@ impl Engine {
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
         let mut notes = store.notes().to_vec();
-        let (region, region_len) = cache.region_ptr_len();
-        // SAFETY: the region lives as long as the cache, which `shared`
-        // holds; the engine drops `devices` first (field order).
-        if let Some(why) = unsafe { devices[0].device.page_lock_host_region(region, region_len) } {
+        if let Some(why) = devices[0].device.page_lock_host_region(cache.region()) {
             for dev in devices.iter_mut() {
                 dev.device.stage_uploads()?;
             }

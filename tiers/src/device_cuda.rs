@@ -28,7 +28,7 @@ use crate::TierError;
 
 mod pinned;
 
-pub use pinned::{register_host, HostRegistration};
+pub use pinned::{register_host, HostRegistration, PlainCopy};
 use pinned::{StageJob, Stager};
 
 /// The GPU a context was opened on.

@@ -17,7 +17,7 @@ use crate::format::{
     crc, decode_map, encode_map, Dtype, Layout, MapEntry, PartHeader, Superblock, BLOCK_BYTES,
     NEVER_WRITTEN, PART_HEADER_BYTES,
 };
-use crate::io::{open_file, AlignedBuf, FileOptions, ReadOp, RecordDevice, WriteOp};
+use crate::io::{open_file, AlignedBuf, FileOptions, HostRegion, ReadOp, RecordDevice, WriteOp};
 use crate::record::Parts;
 use crate::verify::{ChunkVerifier, PartsCheck};
 use crate::{ExpertId, TierError};
@@ -268,14 +268,10 @@ impl ExpertStore {
     /// Registers a host region with the I/O engine (io_uring fixed buffers)
     /// so reads into and writes from it skip per-operation page pinning.
     /// Returns whether it was registered (only io_uring does; a refusal, e.g.
-    /// by the memlock limit, just leaves I/O unregistered).
-    ///
-    /// # Safety
-    /// The region stays allocated until `unregister_host_region` is called
-    /// or the store is dropped.
-    pub unsafe fn register_host_region(&self, ptr: *mut u8, len: usize) -> bool {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.device.register_buffers(ptr, len) }
+    /// by the memlock limit, just leaves I/O unregistered). The engine keeps
+    /// the region's memory mapped until `unregister_host_region` or drop.
+    pub fn register_host_region(&self, region: &HostRegion) -> bool {
+        self.device.register_buffers(region)
     }
 
     pub fn unregister_host_region(&self) {

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use serde::Serialize;
-use strata_tiers::io::{AlignedBuf, FileOptions};
+use strata_tiers::io::{FileOptions, HostRegion};
 use strata_tiers::{ExpertStore, Layout, Parts, TierError};
 
 use super::{median, process_usage, stolen_cpu_s};
@@ -174,7 +174,7 @@ impl GemmWork {
 struct ScratchIo {
     store: ExpertStore,
     layout: Layout,
-    region: AlignedBuf,
+    region: HostRegion,
 }
 
 impl Drop for ScratchIo {
@@ -187,16 +187,13 @@ impl ScratchIo {
     /// Creates the store in `dir` and writes (and commits) every record once.
     fn create(config: &OverlapBenchConfig, path: &std::path::Path) -> Result<Self, TierError> {
         let layout = super::tiers::scratch_layout(config.record_mib, config.records);
-        let mut region = super::tiers::scratch_region(
+        let region = super::tiers::scratch_region(
             layout,
             "one buffer per record; use fewer --records or a smaller --record-mib",
         )?;
         let store = ExpertStore::create(path, layout, &FileOptions::default())?;
         // Registered with io_uring, as the host tier's slots are.
-        // SAFETY: `region` is dropped after `store` (field order below) and
-        // `Drop` unregisters it first, so the memory outlives the
-        // registration.
-        unsafe { store.register_host_region(region.as_mut_slice().as_mut_ptr(), region.len()) };
+        store.register_host_region(&region);
         let mut io = Self {
             store,
             layout,

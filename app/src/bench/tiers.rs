@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
-use strata_tiers::io::{AlignedBuf, EnginePreference, FileOptions};
+use strata_tiers::io::{AlignedBuf, EnginePreference, FileOptions, HostRegion};
 use strata_tiers::{Dtype, ExpertStore, Layout, Parts, TierError};
 
 /// Host memory the bench may fill with record buffers.
@@ -79,7 +79,7 @@ pub(crate) fn scratch_layout(record_mib: u64, records: u32) -> Layout {
 /// io_uring as the host tier's pool is), filled with a byte pattern;
 /// refused beyond `BUFFER_BYTES_MAX`, with `why` naming the options that
 /// shrink it.
-pub(crate) fn scratch_region(layout: Layout, why: &'static str) -> Result<AlignedBuf, TierError> {
+pub(crate) fn scratch_region(layout: Layout, why: &'static str) -> Result<HostRegion, TierError> {
     let buffer_bytes = layout.record_bytes() * layout.expert_count();
     if buffer_bytes > BUFFER_BYTES_MAX {
         return Err(TierError::BudgetTooSmall {
@@ -89,7 +89,7 @@ pub(crate) fn scratch_region(layout: Layout, why: &'static str) -> Result<Aligne
             why,
         });
     }
-    let mut region = AlignedBuf::zeroed(buffer_bytes as usize);
+    let mut region = HostRegion::new(AlignedBuf::zeroed(buffer_bytes as usize), false, None);
     region
         .as_mut_slice()
         .iter_mut()
@@ -156,17 +156,14 @@ fn bench_one(
     depth: usize,
     passes: u32,
     reuse: bool,
-    region: &mut AlignedBuf,
+    region: &mut HostRegion,
 ) -> Result<Vec<TiersBenchRecord>, TierError> {
     let store = if reuse {
         ExpertStore::open(path, Some(layout), options)?
     } else {
         ExpertStore::create(path, layout, options)?
     };
-    // SAFETY: `region` outlives `store` (it is borrowed for this whole
-    // function, and the store is dropped at its end); unregistered below.
-    let registered =
-        unsafe { store.register_host_region(region.as_mut_slice().as_mut_ptr(), region.len()) };
+    let registered = store.register_host_region(region);
     let result = bench_store(&store, layout, depth, passes, reuse, region, registered);
     store.unregister_host_region();
     result
@@ -178,7 +175,7 @@ fn bench_store(
     depth: usize,
     passes: u32,
     reuse: bool,
-    region: &mut AlignedBuf,
+    region: &mut HostRegion,
     registered: bool,
 ) -> Result<Vec<TiersBenchRecord>, TierError> {
     let direct = store.notes().iter().all(|n| !n.contains("O_DIRECT"));
@@ -235,7 +232,7 @@ fn bench_store(
 fn write_all(
     store: &ExpertStore,
     layout: Layout,
-    region: &mut AlignedBuf,
+    region: &mut HostRegion,
     record: &dyn Fn(&'static str, f64, f64, u64) -> TiersBenchRecord,
 ) -> Result<TiersBenchRecord, TierError> {
     let record_bytes = layout.record_bytes();

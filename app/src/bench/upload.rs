@@ -52,38 +52,29 @@ pub fn run(
     use std::sync::Arc;
     use std::time::Instant;
 
-    use cudarc::driver::result;
-    use strata_tiers::device_cuda::{open_gpu, register_host, CudaDeviceArena};
-    use strata_tiers::io::AlignedBuf;
+    use strata_tiers::device_cuda::{open_gpu, register_host, CudaDeviceArena, PlainCopy};
+    use strata_tiers::io::{AlignedBuf, HostRegion, SharedRegion};
     use strata_tiers::{DeviceArena, HostBytes};
 
     use super::Timing;
 
-    /// One host buffer lent to many uploads.
-    struct Lent(Arc<AlignedBuf>);
+    /// One host source lent to many uploads.
+    struct Lent(Arc<SharedRegion>);
     impl HostBytes for Lent {
         fn bytes(&self) -> &[u8] {
             self.0.as_slice()
         }
     }
+    let shared = |bytes: usize| {
+        Arc::new(HostRegion::new(AlignedBuf::zeroed(bytes), false, None).into_shared())
+    };
 
     if reps == 0 || sizes.is_empty() {
         return Err("--reps and the sizes must be at least 1".into());
     }
     let (ctx, info) = open_gpu(0).map_err(|e| e.to_string())?;
     progress(&format!("{} ({} bytes)", info.name, info.total_bytes));
-    let err = |what: &str, e: cudarc::driver::DriverError| format!("{what}: {e}");
-    let plain_bytes = 256usize << 20;
-    ctx.bind_to_thread().map_err(|e| err("binding", e))?;
-    let stream = ctx.new_stream().map_err(|e| err("a stream", e))?;
-    // SAFETY: pinned host and device allocations of `plain_bytes`, freed
-    // at the end of this function after the stream is idle.
-    let host =
-        unsafe { result::malloc_host(plain_bytes, 0) }.map_err(|e| err("pinned host memory", e))?;
-    // SAFETY: as above.
-    let dev = unsafe { result::malloc_sync(plain_bytes) }.map_err(|e| err("device memory", e))?;
-    // SAFETY: `host` holds `plain_bytes` bytes until freed below.
-    let host_slice = unsafe { std::slice::from_raw_parts(host as *const u8, plain_bytes) };
+    let plain = PlainCopy::new(&ctx, 256 << 20).map_err(|e| e.to_string())?;
     let mut records = Vec::new();
     for &size in sizes {
         let arena = CudaDeviceArena::new(Arc::clone(&ctx), 4 * size as u64, size)
@@ -91,19 +82,17 @@ pub fn run(
         let mut staged_arena = CudaDeviceArena::new(Arc::clone(&ctx), 4 * size as u64, size)
             .map_err(|e| e.to_string())?;
         staged_arena.stage_uploads(2).map_err(|e| e.to_string())?;
-        let pageable = Arc::new(AlignedBuf::zeroed(size));
-        let experts = (plain_bytes / size).clamp(4, 64);
-        let src = Arc::new(AlignedBuf::zeroed(size));
-        // SAFETY: `src` is one allocation of `size` bytes, alive until
-        // after `registration` is dropped at the end of this iteration.
-        let registration = unsafe { register_host(&ctx, src.as_slice().as_ptr().cast_mut(), size) };
+        let pageable = shared(size);
+        let experts = (plain.bytes() / size).clamp(4, 64);
+        let src = shared(size);
+        let registration = register_host(&ctx, src.lease());
         if let Err(e) = &registration {
             progress(&e.to_string());
         }
         let mut upload = Vec::with_capacity(reps);
         let mut staged = Vec::with_capacity(reps);
-        let mut plain = Vec::with_capacity(reps);
-        let time_uploads = |arena: &CudaDeviceArena, src: &Arc<AlignedBuf>| {
+        let mut plain_times = Vec::with_capacity(reps);
+        let time_uploads = |arena: &CudaDeviceArena, src: &Arc<SharedRegion>| {
             let t0 = Instant::now();
             let events = (0..experts)
                 .map(|i| arena.upload_htod(i % 4, Box::new(Lent(Arc::clone(src)))))
@@ -118,14 +107,11 @@ pub fn run(
             upload.push(time_uploads(&arena, &src)?);
             staged.push(time_uploads(&staged_arena, &pageable)?);
             let t0 = Instant::now();
-            // SAFETY: `dev` and `host_slice` hold `plain_bytes` bytes.
-            unsafe { result::memcpy_htod_async(dev, host_slice, stream.cu_stream()) }
-                .map_err(|e| err("the plain copy", e))?;
-            stream.synchronize().map_err(|e| err("the plain copy", e))?;
-            plain.push(t0.elapsed());
+            plain.run().map_err(|e| e.to_string())?;
+            plain_times.push(t0.elapsed());
         }
         let up = (experts * size) as f64 / Timing::of(&upload).median_s / 1e9;
-        let pl = plain_bytes as f64 / Timing::of(&plain).median_s / 1e9;
+        let pl = plain.bytes() as f64 / Timing::of(&plain_times).median_s / 1e9;
         let st = (experts * size) as f64 / Timing::of(&staged).median_s / 1e9;
         records.push(UploadRecord {
             bench: "upload",
@@ -134,7 +120,7 @@ pub fn run(
             experts,
             upload_gb_per_s: up,
             plain_gb_per_s: pl,
-            plain_bytes,
+            plain_bytes: plain.bytes(),
             ratio: up / pl,
             page_locked: registration.is_ok(),
             staged_gb_per_s: st,
@@ -142,11 +128,6 @@ pub fn run(
         drop(arena);
         drop(staged_arena);
         drop(registration);
-    }
-    // SAFETY: allocated above; the stream is idle.
-    unsafe {
-        let _ = result::free_sync(dev);
-        let _ = result::free_host(host);
     }
     Ok(records)
 }

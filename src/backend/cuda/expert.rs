@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DriverError};
 use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration};
+use strata_tiers::io::HostRegion;
 use strata_tiers::{DeviceArena, Dtype, Layout};
 
 use super::{gpu_error, CudaBackend, Shape};
@@ -349,10 +350,8 @@ impl ExpertDevice for CudaExpertDevice {
         self.backend.clone()
     }
 
-    unsafe fn page_lock_host_region(&mut self, ptr: *mut u8, len: usize) -> Option<String> {
-        // SAFETY: the caller's contract: one live allocation outliving this
-        // device, which holds (and so drops) the registration.
-        match unsafe { register_host(self.backend.context(), ptr, len) } {
+    fn page_lock_host_region(&mut self, region: &HostRegion) -> Option<String> {
+        match register_host(self.backend.context(), region.lease()) {
             Ok(registration) => {
                 self.host_region = Some(registration);
                 None

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use lru::LruCache;
 
-use crate::io::{HostAllocator, PageAllocator};
+use crate::io::{HostAllocator, HostRegion, PageAllocator};
 use crate::record::Parts;
 use crate::schedule::Schedule;
 use crate::store::ExpertStore;
@@ -168,9 +168,7 @@ impl HostCache {
         let region = config
             .allocator
             .allocate(record_slots * slot_bytes as usize + cells * cell_bytes as usize)?;
-        // SAFETY: the region lives in `Shared`, whose Drop unregisters it
-        // before the region itself is dropped.
-        let registered = unsafe { store.register_host_region(region.as_ptr(), region.len()) };
+        let registered = store.register_host_region(&region);
         let shared = Arc::new(Shared {
             store,
             region,
@@ -239,9 +237,9 @@ impl HostCache {
         self.shared.region.page_locked
     }
 
-    /// The host region, for registering it with an I/O or GPU driver.
-    pub fn region_ptr_len(&self) -> (*mut u8, usize) {
-        (self.shared.region.as_ptr(), self.shared.region.len())
+    /// The host region, for registering it with a GPU driver.
+    pub fn region(&self) -> &HostRegion {
+        &self.shared.region
     }
 
     /// The order compute will ask for experts, repeated every step.

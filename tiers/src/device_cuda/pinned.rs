@@ -12,6 +12,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
 use super::{copy_error, Pending, COMPLETIONS_MAX};
 use crate::device::{CopyEvent, HostBytes};
+use crate::io::RegionLease;
 use crate::TierError;
 
 /// Page-locked host memory from the driver (cuMemHostAlloc), zeroed at
@@ -196,31 +197,29 @@ impl Stager {
     }
 }
 
-/// A host range registered with the driver as page-locked; unregistered on
-/// drop (which must come before the memory is freed).
+/// A host region registered with the driver as page-locked; unregistered
+/// on drop, before the lease it holds lets the memory go.
 pub struct HostRegistration {
     ctx: Arc<CudaContext>,
     ptr: *mut c_void,
+    _lease: RegionLease,
 }
 
 // SAFETY: the pointer is only handed back to the driver on drop.
 unsafe impl Send for HostRegistration {}
 
-/// Page-locks `len` bytes at `ptr` (e.g. the host tier's slot region,
-/// `HostCache::region_ptr_len`). When the OS refuses (the memlock limit),
-/// the error names the limit; copies from unregistered memory still work.
-///
-/// # Safety
-/// `ptr..ptr + len` must be one live allocation that outlives the returned
-/// registration.
-pub unsafe fn register_host(
+/// Page-locks the leased region (the host tier's slot region,
+/// `HostCache::region`). When the OS refuses (the memlock limit), the error
+/// names the limit; copies from unregistered memory still work.
+pub fn register_host(
     ctx: &Arc<CudaContext>,
-    ptr: *mut u8,
-    len: usize,
+    lease: RegionLease,
 ) -> Result<HostRegistration, TierError> {
+    let (ptr, len) = (lease.as_ptr(), lease.len());
     ctx.bind_to_thread()
         .map_err(|e| copy_error("binding the CUDA context", e))?;
-    // SAFETY: the caller guarantees the range is one live allocation.
+    // SAFETY: the range is one live allocation, kept mapped by the lease
+    // the registration holds until it is unregistered.
     let rc =
         unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) };
     if rc != sys::CUresult::CUDA_SUCCESS {
@@ -245,6 +244,7 @@ pub unsafe fn register_host(
     Ok(HostRegistration {
         ctx: Arc::clone(ctx),
         ptr: ptr.cast(),
+        _lease: lease,
     })
 }
 
@@ -253,6 +253,77 @@ impl Drop for HostRegistration {
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: registered in `register_host`, unregistered once.
             let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
+        }
+    }
+}
+
+/// A page-locked host buffer and a device buffer of the same size: the plain
+/// host → device copy that `strata bench upload` measures the tier's
+/// uploads against.
+pub struct PlainCopy {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    host: *mut c_void,
+    dev: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl PlainCopy {
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, TierError> {
+        ctx.bind_to_thread()
+            .map_err(|e| copy_error("binding the CUDA context", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| copy_error("creating a stream", e))?;
+        // SAFETY: a fresh page-locked allocation of `bytes`, freed in Drop.
+        let host = unsafe { result::malloc_host(bytes, 0) }
+            .map_err(|e| copy_error("allocating page-locked host memory", e))?;
+        // SAFETY: a fresh device allocation of `bytes`, freed in Drop.
+        let dev = match unsafe { result::malloc_sync(bytes) } {
+            Ok(dev) => dev,
+            Err(e) => {
+                // SAFETY: allocated just above, never used.
+                let _ = unsafe { result::free_host(host) };
+                return Err(copy_error("allocating device memory", e));
+            }
+        };
+        Ok(Self {
+            ctx: Arc::clone(ctx),
+            stream,
+            host,
+            dev,
+            bytes,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies the whole buffer host → device and waits for it.
+    pub fn run(&self) -> Result<(), TierError> {
+        // SAFETY: `host` holds `bytes` bytes until Drop, and nothing writes
+        // them (they are only ever copied from).
+        let src = unsafe { std::slice::from_raw_parts(self.host as *const u8, self.bytes) };
+        // SAFETY: `dev` holds `bytes` bytes; the copy is waited for below,
+        // before `src` can go.
+        unsafe { result::memcpy_htod_async(self.dev, src, self.stream.cu_stream()) }
+            .map_err(|e| copy_error("the plain copy", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| copy_error("the plain copy", e))
+    }
+}
+
+impl Drop for PlainCopy {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated in `new`, freed once; the stream is idle.
+            unsafe {
+                let _ = result::free_sync(self.dev);
+                let _ = result::free_host(self.host);
+            }
         }
     }
 }

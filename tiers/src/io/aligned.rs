@@ -6,6 +6,7 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use crate::format::BLOCK_BYTES;
 use crate::TierError;
@@ -118,45 +119,106 @@ fn map_huge(len: usize) -> Option<NonNull<u8>> {
 
 /// One large host allocation. How it was obtained (plain pages, or pages
 /// a GPU driver has locked) is the allocator's business.
+///
+/// The region is the one handle through which its bytes are read and
+/// written. Whoever registers it with a driver (io_uring's fixed buffers,
+/// CUDA's page-locking) takes a [`RegionLease`] instead: the lease keeps the
+/// memory mapped for as long as the registration lives, and gives no access.
 pub struct HostRegion {
-    buf: AlignedBuf,
+    memory: Arc<RegionMemory>,
     /// Whether the allocator page-locked it (reported, not relied on).
     pub page_locked: bool,
-    /// Called before the memory is freed (a driver's unregister).
-    on_drop: Option<Box<dyn FnOnce(*mut u8, usize) + Send + Sync>>,
 }
 
-impl HostRegion {
-    pub fn new(
-        buf: AlignedBuf,
-        page_locked: bool,
-        on_drop: Option<Box<dyn FnOnce(*mut u8, usize) + Send + Sync>>,
-    ) -> Self {
-        Self {
-            buf,
-            page_locked,
-            on_drop,
-        }
-    }
+/// A callback run before a region's memory is freed (a driver's unregister).
+pub type OnRegionDrop = Box<dyn FnOnce(*mut u8, usize) + Send + Sync>;
 
-    pub fn len(&self) -> usize {
-        self.buf.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.buf.is_empty()
-    }
-
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.buf.ptr.as_ptr()
-    }
+struct RegionMemory {
+    buf: AlignedBuf,
+    on_drop: Option<OnRegionDrop>,
 }
 
-impl Drop for HostRegion {
+impl Drop for RegionMemory {
     fn drop(&mut self) {
         if let Some(f) = self.on_drop.take() {
             f(self.buf.ptr.as_ptr(), self.buf.len);
         }
+    }
+}
+
+/// Keeps a [`HostRegion`]'s memory mapped while a driver holds it
+/// registered. It reads no byte and writes none: its address and length
+/// are for the driver's registration call.
+#[derive(Clone)]
+pub struct RegionLease(Arc<RegionMemory>);
+
+impl RegionLease {
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.0.buf.ptr.as_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.buf.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.buf.len == 0
+    }
+}
+
+impl HostRegion {
+    pub fn new(buf: AlignedBuf, page_locked: bool, on_drop: Option<OnRegionDrop>) -> Self {
+        Self {
+            memory: Arc::new(RegionMemory { buf, on_drop }),
+            page_locked,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.memory.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.memory.buf.is_empty()
+    }
+
+    /// The start of the memory, for carving it into slots.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.memory.buf.ptr.as_ptr()
+    }
+
+    /// The whole region, to read and write.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let (ptr, len) = (self.as_ptr(), self.len());
+        // SAFETY: the memory is valid for `len` initialized bytes while the
+        // Arc lives, and `&mut self` makes this access exclusive: a region
+        // is never cloned, and leases give no access to the bytes.
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    }
+
+    /// A lease that keeps this memory mapped for a driver's registration.
+    pub fn lease(&self) -> RegionLease {
+        RegionLease(Arc::clone(&self.memory))
+    }
+
+    /// Gives up writing: the region becomes read-only bytes that can be
+    /// shared (e.g. one source lent to many uploads).
+    pub fn into_shared(self) -> SharedRegion {
+        SharedRegion(self.memory)
+    }
+}
+
+/// A [`HostRegion`] nobody writes any more: its bytes can be read through
+/// any number of shared references, and leased like a region's.
+pub struct SharedRegion(Arc<RegionMemory>);
+
+impl SharedRegion {
+    pub fn as_slice(&self) -> &[u8] {
+        self.0.buf.as_slice()
+    }
+
+    pub fn lease(&self) -> RegionLease {
+        RegionLease(Arc::clone(&self.0))
     }
 }
 

@@ -10,7 +10,9 @@ mod uring;
 
 use std::path::Path;
 
-pub use aligned::{AlignedBuf, HostAllocator, HostRegion, PageAllocator};
+pub use aligned::{
+    AlignedBuf, HostAllocator, HostRegion, OnRegionDrop, PageAllocator, RegionLease, SharedRegion,
+};
 pub use faulty::{FaultPlan, FaultyFile};
 pub use mem::MemFile;
 pub use pread::PreadFile;
@@ -66,15 +68,12 @@ pub trait RecordDevice: Send + Sync {
             .try_for_each(|(i, op)| on_complete(i, op.buf))
     }
 
-    /// Registers `[ptr, ptr + len)` with the engine (io_uring fixed
-    /// buffers), so I/O into it skips per-operation page pinning. Returns
-    /// whether the engine registered it; engines without the notion do not.
-    ///
-    /// # Safety
-    /// The memory stays allocated until `unregister_buffers` is called or
-    /// the device is dropped.
-    unsafe fn register_buffers(&self, ptr: *mut u8, len: usize) -> bool {
-        let _ = (ptr, len);
+    /// Registers `region` with the engine (io_uring fixed buffers), so
+    /// I/O into it skips per-operation page pinning. Returns whether the
+    /// engine registered it; engines without the notion do not. The engine
+    /// holds a lease on the region until `unregister_buffers` or its drop.
+    fn register_buffers(&self, region: &HostRegion) -> bool {
+        let _ = region;
         false
     }
 

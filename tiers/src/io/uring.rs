@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use io_uring::{opcode, types, IoUring};
 
-use super::{OnReadComplete, ReadOp, RecordDevice, WriteOp};
+use super::{HostRegion, OnReadComplete, ReadOp, RecordDevice, RegionLease, WriteOp};
 use crate::TierError;
 
 /// Resubmissions of one op after EINTR / EAGAIN / a short transfer. Each
@@ -25,6 +25,8 @@ struct Ring {
     ring: IoUring,
     /// Registered fixed buffers: (start address, length).
     fixed: Vec<(usize, usize)>,
+    /// Keeps the registered region mapped while the kernel holds it.
+    lease: Option<RegionLease>,
     /// Bytes done and retries so far, per op of the current batch.
     progress: Vec<(usize, u32)>,
     /// Ops to resubmit (transient error or short transfer).
@@ -65,6 +67,7 @@ impl UringFile {
             ring: Mutex::new(Ring {
                 ring,
                 fixed: Vec::new(),
+                lease: None,
                 progress: Vec::with_capacity(depth as usize * 4),
                 queue: Vec::with_capacity(depth as usize),
                 completed: Vec::with_capacity(depth as usize),
@@ -88,31 +91,32 @@ impl UringFile {
         self.depth
     }
 
-    /// Registers `[ptr, ptr + len)` as fixed buffers, so reads and writes
-    /// into it skip the kernel's per-op page pinning.
-    ///
-    /// # Safety
-    /// The memory stays allocated, and is not unmapped, for as long as this
-    /// `UringFile` lives.
-    pub unsafe fn register_region(&self, ptr: *mut u8, len: usize) -> std::io::Result<()> {
+    /// Registers `region` as fixed buffers, so reads and writes into it
+    /// skip the kernel's per-op page pinning. The ring holds a lease on the
+    /// region until it is unregistered, so the memory outlives the
+    /// registration.
+    pub fn register_region(&self, region: &HostRegion) -> std::io::Result<()> {
+        let lease = region.lease();
+        let (ptr, len) = (lease.as_ptr(), lease.len());
         let mut iovecs = Vec::new();
         let mut at = 0;
         while at < len {
             let n = (len - at).min(FIXED_BUFFER_BYTES_MAX);
             iovecs.push(libc::iovec {
-                // SAFETY: at < len, so the pointer stays inside the region.
-                iov_base: unsafe { ptr.add(at) }.cast(),
+                iov_base: ptr.wrapping_add(at).cast(),
                 iov_len: n,
             });
             at += n;
         }
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the caller keeps the region alive while the ring lives.
+        // SAFETY: every iovec lies inside the region, whose lease the ring
+        // keeps (below) until the buffers are unregistered.
         unsafe { ring.ring.submitter().register_buffers(&iovecs)? };
         ring.fixed = iovecs
             .iter()
             .map(|v| (v.iov_base as usize, v.iov_len))
             .collect();
+        ring.lease = Some(lease);
         Ok(())
     }
 
@@ -140,6 +144,7 @@ impl UringFile {
             queue,
             completed,
             reaped,
+            lease: _,
         } = &mut *guard;
         let fixed = &*fixed;
         progress.clear();
@@ -316,11 +321,9 @@ impl RecordDevice for UringFile {
         self.run(true, &raw, &mut |_, _| Ok(()))
     }
 
-    unsafe fn register_buffers(&self, ptr: *mut u8, len: usize) -> bool {
+    fn register_buffers(&self, region: &HostRegion) -> bool {
         self.unregister_buffers();
-        // SAFETY: forwarded: the caller keeps the region alive until
-        // unregister_buffers or drop.
-        unsafe { self.register_region(ptr, len) }.is_ok()
+        self.register_region(region).is_ok()
     }
 
     fn unregister_buffers(&self) {
@@ -329,6 +332,7 @@ impl RecordDevice for UringFile {
             let _ = ring.ring.submitter().unregister_buffers();
             ring.fixed.clear();
         }
+        ring.lease = None;
     }
 
     fn sync(&self) -> Result<(), TierError> {
