@@ -262,3 +262,45 @@ fn wrong_shapes_and_dtypes_are_clear_errors() {
     let err = Checkpoint::open(empty.path()).err().unwrap();
     assert!(err.to_string().contains("no *.safetensors"), "{err}");
 }
+
+/// A shard cut short (an interrupted download) or one that is not a
+/// safetensors file at all is refused when the checkpoint is opened, naming
+/// the file and what is wrong, before any expert is imported.
+#[test]
+fn truncated_and_foreign_shards_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), ExpertNaming::Mixtral, 1 << 30, None);
+    let shard = dir.path().join("model.safetensors");
+    let full = std::fs::metadata(&shard).unwrap().len();
+
+    // Cut inside the tensor data: the tensors past the cut are named.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(full - 10)
+        .unwrap();
+    let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    assert!(err.contains("lies past the end of the file"), "{err}");
+    assert!(err.contains("truncated download"), "{err}");
+
+    // Cut inside the header.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(20)
+        .unwrap();
+    let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+    assert!(err.contains("its header claims"), "{err}");
+
+    // Something else under the name.
+    std::fs::write(&shard, b"<html>rate limited</html>").unwrap();
+    let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    assert!(err.contains("not a safetensors file"), "{err}");
+    std::fs::write(&shard, b"tiny").unwrap();
+    let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+    assert!(err.contains("only 4 bytes"), "{err}");
+}

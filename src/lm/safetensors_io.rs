@@ -1,6 +1,7 @@
 //! Import experts from Hugging Face safetensors checkpoints into a store,
-//! and export them back, one expert at a time: files are memory-mapped and
-//! the store is written record by record, so the model is never held in RAM.
+//! and export them back, one expert at a time: each tensor is read from its
+//! file by position and the store is written record by record, so the model
+//! is never held in RAM.
 //!
 //! An expert's params in a record are its three SwiGLU matrices, each
 //! row-major in its Hugging Face shape, concatenated:
@@ -9,11 +10,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
-use memmap2::Mmap;
-use safetensors::{Dtype as StDtype, SafeTensors};
+use safetensors::tensor::Metadata;
+use safetensors::Dtype as StDtype;
 
 use strata_tiers::io::AlignedBuf;
 use strata_tiers::{encode_compute, record_mut, Dtype, ExpertId, ExpertStore, TierError};
@@ -59,15 +61,39 @@ struct TensorLocation {
     file: usize,
     dtype: StDtype,
     shape: Vec<usize>,
-    /// Byte range within the mapped file.
-    start: usize,
-    end: usize,
+    /// Byte range within the file.
+    start: u64,
+    end: u64,
 }
 
-/// The memory-mapped files of one checkpoint and where each tensor lives.
+/// The open files of one checkpoint and where each tensor lives.
 pub struct Checkpoint {
-    maps: Vec<(PathBuf, Mmap)>,
+    files: Vec<(PathBuf, File)>,
     where_is: HashMap<String, TensorLocation>,
+}
+
+/// The largest header a safetensors file may have (the format's own limit).
+const HEADER_BYTES_MAX: u64 = 100 << 20;
+
+/// Reads a safetensors file's header: where its data starts, and its
+/// tensors. The error says what is wrong with the file.
+fn read_header(file: &File, file_len: u64) -> Result<(u64, Metadata), String> {
+    let mut len = [0u8; 8];
+    file.read_exact_at(&mut len, 0)
+        .map_err(|_| format!("only {file_len} bytes: not a safetensors file"))?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > HEADER_BYTES_MAX || 8 + header_len > file_len {
+        return Err(format!(
+            "its header claims {header_len} bytes of a {file_len}-byte file: not a safetensors \
+             file, or a truncated one"
+        ));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact_at(&mut header, 8)
+        .map_err(|e| format!("reading its header: {e}"))?;
+    let metadata = serde_json::from_slice::<Metadata>(&header)
+        .map_err(|e| format!("its header is not a valid safetensors header: {e}"))?;
+    Ok((8 + header_len, metadata))
 }
 
 fn import_err(message: String) -> TierError {
@@ -121,45 +147,43 @@ impl Checkpoint {
                 dir.display()
             )));
         }
-        let mut maps = Vec::with_capacity(files.len());
+        let mut opened = Vec::with_capacity(files.len());
         let mut where_is = HashMap::new();
         for path in files {
-            let file = File::open(&path).map_err(|e| TierError::File {
+            let file_err = |e| TierError::File {
                 path: path.clone(),
                 source: e,
-            })?;
-            // SAFETY: the file is mapped read-only; a concurrent truncation
-            // by another process would be a misuse we cannot prevent (as
-            // with every mmap-based safetensors loader).
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| TierError::File {
-                path: path.clone(),
-                source: e,
-            })?;
-            let (header_bytes, metadata) = SafeTensors::read_metadata(&map[..])
-                .map_err(|e| import_err(format!("{}: {e}", path.display())))?;
-            let data_start = 8 + header_bytes;
+            };
+            let file = File::open(&path).map_err(file_err)?;
+            let file_len = file.metadata().map_err(file_err)?.len();
+            let (data_start, metadata) = read_header(&file, file_len)
+                .map_err(|why| import_err(format!("{}: {why}", path.display())))?;
             for (name, info) in metadata.tensors() {
                 let (start, end) = info.data_offsets;
-                if data_start + end > map.len() || start > end {
+                if start > end || data_start + end as u64 > file_len {
                     return Err(import_err(format!(
-                        "{}: {name} lies past the end of the file (truncated download?)",
+                        "{}: {name} lies past the end of the file ({file_len} bytes; a truncated \
+                         download? fetch the file again)",
                         path.display()
                     )));
                 }
                 where_is.insert(
                     name,
                     TensorLocation {
-                        file: maps.len(),
+                        file: opened.len(),
                         dtype: info.dtype,
                         shape: info.shape.clone(),
-                        start: data_start + start,
-                        end: data_start + end,
+                        start: data_start + start as u64,
+                        end: data_start + end as u64,
                     },
                 );
             }
-            maps.push((path, map));
+            opened.push((path, file));
         }
-        Ok(Self { maps, where_is })
+        Ok(Self {
+            files: opened,
+            where_is,
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -199,7 +223,13 @@ impl Checkpoint {
         }
         let n: usize = shape.iter().product();
         assert_eq!(out.len(), n, "output sized for the shape");
-        let data = &self.maps[at.file].1[at.start..at.end];
+        let (path, file) = &self.files[at.file];
+        let mut data = vec![0u8; (at.end - at.start) as usize];
+        file.read_exact_at(&mut data, at.start)
+            .map_err(|e| TierError::File {
+                path: path.clone(),
+                source: e,
+            })?;
         let element_bytes = match at.dtype {
             StDtype::F32 => 4,
             StDtype::BF16 | StDtype::F16 => 2,
