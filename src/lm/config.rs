@@ -181,6 +181,7 @@ impl LmConfig {
             .ok_or_else(|| EngineError::Config("config.json is not a JSON object".into()))?;
         let model_type = map.get("model_type").and_then(Value::as_str).unwrap_or("");
         refuse_unsupported(map, model_type)?;
+        let family = FamilyDefaults::of(model_type);
         let int = |key: &str| -> Result<usize, EngineError> {
             map.get(key)
                 .and_then(Value::as_u64)
@@ -218,7 +219,7 @@ impl LmConfig {
                 .get("norm_topk_prob")
                 .and_then(Value::as_bool)
                 .unwrap_or(true),
-            rope_theta: float("rope_theta", 10_000.0),
+            rope_theta: rope_theta(map, family.rope_theta)?,
             rms_eps: float("rms_norm_eps", 1e-5),
             tie_embeddings: map
                 .get("tie_word_embeddings")
@@ -227,8 +228,13 @@ impl LmConfig {
             max_seq: map
                 .get("max_position_embeddings")
                 .and_then(Value::as_u64)
-                .map_or(4096, |v| v as usize),
-            aux_loss_coef: float("router_aux_loss_coef", 0.01) as f32,
+                .map_or(family.max_positions, |v| v as usize),
+            // The family's own rule: the load-balancing term is part of
+            // the training loss only with `output_router_logits`.
+            aux_loss_coef: match map.get("output_router_logits").and_then(Value::as_bool) {
+                Some(true) => float("router_aux_loss_coef", family.aux_loss_coef) as f32,
+                _ => 0.0,
+            },
             z_loss_coef: float("router_z_loss_coef", 0.0) as f32,
             seed: 0,
         };
@@ -254,9 +260,11 @@ impl LmConfig {
             "num_experts_per_tok": self.top_k,
             "norm_topk_prob": self.renormalize,
             "rope_theta": self.rope_theta,
+            "rope_parameters": { "rope_type": "default", "rope_theta": self.rope_theta },
             "rms_norm_eps": self.rms_eps,
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_seq,
+            "output_router_logits": self.aux_loss_coef != 0.0,
             "router_aux_loss_coef": self.aux_loss_coef,
             "router_z_loss_coef": self.z_loss_coef,
             "hidden_act": "silu",
@@ -266,6 +274,61 @@ impl LmConfig {
         });
         serde_json::to_string_pretty(&value).expect("plain JSON")
     }
+}
+
+/// A model family's defaults for keys a `config.json` may leave out (its
+/// transformers configuration class's own defaults).
+struct FamilyDefaults {
+    rope_theta: f64,
+    aux_loss_coef: f64,
+    max_positions: usize,
+}
+
+impl FamilyDefaults {
+    fn of(model_type: &str) -> Self {
+        assert_eq!(
+            model_type, "mixtral",
+            "refuse_unsupported admits Mixtral alone"
+        );
+        // transformers' MixtralConfig.
+        FamilyDefaults {
+            rope_theta: 1e6,
+            aux_loss_coef: 0.001,
+            max_positions: 4096 * 32,
+        }
+    }
+}
+
+/// The RoPE base, from either layout transformers writes: a top-level
+/// `rope_theta` (transformers 4), or `rope_parameters` (transformers ≥ 5,
+/// which holds `rope_theta` and `rope_type`); the family's default where
+/// neither has it. A `rope_type` other than "default" is refused by name.
+fn rope_theta(map: &Map<String, Value>, default: f64) -> Result<f64, EngineError> {
+    let Some(params) = map.get("rope_parameters").filter(|v| !v.is_null()) else {
+        return Ok(map
+            .get("rope_theta")
+            .and_then(Value::as_f64)
+            .unwrap_or(default));
+    };
+    let params = params.as_object().ok_or_else(|| {
+        EngineError::Config(format!(
+            "config.json: rope_parameters = {params} is not an object"
+        ))
+    })?;
+    match params.get("rope_type").and_then(Value::as_str) {
+        None | Some("default") => {}
+        Some(other) => {
+            return Err(EngineError::Config(format!(
+                "config.json: rope_parameters.rope_type = {other:?} is not supported: \
+                 strata implements the default (unscaled) rotary embedding only"
+            )))
+        }
+    }
+    Ok(params
+        .get("rope_theta")
+        .and_then(Value::as_f64)
+        .or_else(|| map.get("rope_theta").and_then(Value::as_f64))
+        .unwrap_or(default))
 }
 
 /// Architectures and keys whose values change the computation in ways
@@ -316,7 +379,13 @@ fn refuse_unsupported(map: &Map<String, Value>, model_type: &str) -> Result<(), 
     if truthy("sliding_window") {
         return refuse("sliding_window", "attention is full causal attention");
     }
-    if truthy("rope_scaling") {
+    // transformers 4 names a scaled RoPE under `rope_scaling`; an object
+    // that asks for the default rotation is the plain one.
+    let default_rope = |v: &Value| {
+        let kind = v.get("rope_type").or_else(|| v.get("type"));
+        kind.and_then(Value::as_str) == Some("default")
+    };
+    if truthy("rope_scaling") && !map.get("rope_scaling").is_some_and(default_rope) {
         return refuse("rope_scaling", "rotary embeddings are unscaled");
     }
     if truthy("attention_bias") {
@@ -347,5 +416,62 @@ mod tests {
             ..LmConfig::preset("tiny").unwrap()
         };
         assert_eq!(LmConfig::from_hf_json(&odd.to_hf_json()).unwrap(), odd);
+    }
+
+    /// The tiny preset's config.json, edited: `drop` keys removed, `set`
+    /// keys replaced.
+    fn edited(drop: &[&str], set: Value) -> Result<LmConfig, EngineError> {
+        let text = LmConfig::preset("tiny").unwrap().to_hf_json();
+        let mut value: Value = serde_json::from_str(&text).unwrap();
+        let map = value.as_object_mut().unwrap();
+        for key in drop {
+            map.remove(*key);
+        }
+        for (key, v) in set.as_object().unwrap() {
+            map.insert(key.clone(), v.clone());
+        }
+        LmConfig::from_hf_json(&value.to_string())
+    }
+
+    #[test]
+    fn the_rope_base_is_read_from_either_layout_with_the_family_default() {
+        let both = ["rope_theta", "rope_parameters"];
+        // transformers ≥ 5.
+        let v5 = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}});
+        assert_eq!(edited(&["rope_theta"], v5).unwrap().rope_theta, 5e5);
+        // transformers 4.
+        let v4 = json!({"rope_theta": 2e4});
+        assert_eq!(edited(&["rope_parameters"], v4).unwrap().rope_theta, 2e4);
+        // Neither: MixtralConfig's default, not 1e4.
+        assert_eq!(edited(&both, json!({})).unwrap().rope_theta, 1e6);
+        let no_theta = json!({"rope_parameters": {"rope_type": "default"}});
+        assert_eq!(edited(&both, no_theta).unwrap().rope_theta, 1e6);
+        // A scaled rotation is refused by name, in either layout.
+        let yarn =
+            json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}});
+        let err = edited(&[], yarn).unwrap_err().to_string();
+        assert!(
+            err.contains("rope_parameters.rope_type = \"yarn\""),
+            "{err}"
+        );
+        let linear = json!({"rope_scaling": {"type": "linear", "factor": 2.0}});
+        let err = edited(&[], linear).unwrap_err().to_string();
+        assert!(err.contains("rope_scaling"), "{err}");
+        let plain = json!({"rope_scaling": {"rope_type": "default"}});
+        assert_eq!(edited(&[], plain).unwrap().rope_theta, 1e4);
+    }
+
+    #[test]
+    fn the_load_balancing_term_follows_output_router_logits() {
+        let keys = ["output_router_logits", "router_aux_loss_coef"];
+        // A Hub config without the flag trains on cross-entropy alone.
+        assert_eq!(edited(&keys, json!({})).unwrap().aux_loss_coef, 0.0);
+        let off = json!({"output_router_logits": false, "router_aux_loss_coef": 0.02});
+        assert_eq!(edited(&[], off).unwrap().aux_loss_coef, 0.0);
+        // With it: the config's coefficient, or MixtralConfig's 0.001.
+        let on = json!({"output_router_logits": true});
+        assert_eq!(edited(&keys, on).unwrap().aux_loss_coef, 0.001);
+        let on = json!({"output_router_logits": true, "router_aux_loss_coef": 0.02});
+        assert_eq!(edited(&[], on).unwrap().aux_loss_coef, 0.02);
     }
 }
