@@ -399,16 +399,11 @@ impl ExpertStore {
             (result, verify_error)
         } else {
             std::thread::scope(|scope| {
-                let (tx, rx) = crossbeam_channel::bounded::<(usize, usize, usize)>(ops.len());
+                let (tx, rx) = crossbeam_channel::bounded::<(usize, &[u8])>(ops.len());
                 let owner = &owner;
                 let verifier = scope.spawn(move || {
                     let mut verifier = ChunkVerifier::new(checks, owner);
-                    for (i, addr, len) in rx.iter() {
-                        // SAFETY: op i has completed, so nothing writes its
-                        // buffer any more; the buffer is lent to read_many
-                        // for this whole call, and this thread is joined
-                        // before read_many returns.
-                        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                    for (i, bytes) in rx.iter() {
                         verifier.arrived(i, bytes);
                     }
                     verifier.into_error()
@@ -416,7 +411,7 @@ impl ExpertStore {
                 let in_flight = self.in_flight();
                 let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
                     // The channel holds every op, so this never blocks.
-                    let _ = tx.send((i, bytes.as_ptr() as usize, bytes.len()));
+                    let _ = tx.send((i, bytes));
                     Ok(())
                 });
                 drop(in_flight);

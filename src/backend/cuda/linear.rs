@@ -7,16 +7,13 @@
 //! updates (`weights.rs`); activations are uploaded per call and results
 //! downloaded, as the activations still live on the host.
 
-use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::CudaSlice;
 
 use super::expert::GradStart;
 use super::{CudaBackend, Shape};
 use crate::math::attention::AttnShape;
 use crate::model::DenseKernels;
 use crate::EngineError;
-
-const F32: cudaDataType = cudaDataType::CUDA_R_32F;
 
 impl DenseKernels for CudaBackend {
     fn forward(
@@ -32,11 +29,7 @@ impl DenseKernels for CudaBackend {
         self.bind()?;
         let (dx, dw) = (self.upload(x)?, self.weight(w)?);
         let mut dout = self.zeros(m * n)?;
-        let (w_ptr, _read) = dw.device_ptr(&self.stream);
-        // SAFETY: `dw` holds the n·k f32 weights and lives (unwritten: a
-        // cached weight changes only by being replaced) past the product,
-        // which the download below waits for.
-        unsafe { self.linear_forward(&mut dout, &dx, w_ptr, Shape { m, k, n }, F32)? };
+        self.linear_forward_f32(&mut dout, &dx, &dw, Shape { m, k, n })?;
         self.download(&dout, out)
     }
 
@@ -60,18 +53,14 @@ impl DenseKernels for CudaBackend {
         // host at `grads_flush`), or, for any other slice, into what it
         // held, uploaded and downloaded here.
         let mut ddx = self.upload(dx)?;
-        let (w_ptr, _read) = dwin.device_ptr(&self.stream);
         let shape = Shape { m, k, n };
         let mut grads = self.grads.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(acc) = grads.accumulator(dw, |len| self.zeros(len))? {
-            // SAFETY: as in the forward; `acc` holds n·k f32 (its slice's
-            // length) and is only reached through this lock.
-            unsafe { self.linear_backward(&mut ddx, acc, &ddout, &dxin, w_ptr, shape, F32)? };
+            self.linear_backward_f32(&mut ddx, acc, &ddout, &dxin, &dwin, shape)?;
         } else {
             drop(grads);
             let mut ddw = self.upload(dw)?;
-            // SAFETY: as in the forward.
-            unsafe { self.linear_backward(&mut ddx, &mut ddw, &ddout, &dxin, w_ptr, shape, F32)? };
+            self.linear_backward_f32(&mut ddx, &mut ddw, &ddout, &dxin, &dwin, shape)?;
             self.download(&ddw, dw)?;
         }
         self.download(&ddx, dx)

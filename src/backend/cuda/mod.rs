@@ -117,6 +117,8 @@ struct Shape {
     n: usize,
 }
 
+const F32: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_32F;
+
 impl CudaBackend {
     /// Opens GPU `ordinal` and compiles the kernels; says why when there is
     /// no GPU.
@@ -267,6 +269,38 @@ impl CudaBackend {
             )
         }
         .map_err(|e| gpu_error("cublasGemmEx", e))
+    }
+
+    /// [`Self::linear_forward`] in f32, the weights in a device slice.
+    fn linear_forward_f32(
+        &self,
+        out: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        s: Shape,
+    ) -> Result<(), EngineError> {
+        assert_eq!(w.len(), s.n * s.k);
+        let (w_ptr, _read) = w.device_ptr(&self.stream);
+        // SAFETY: `w` holds N·K f32. It is borrowed until the product is
+        // enqueued on this stream, and its read guard records that use, so
+        // a later write to it from any stream waits for the product.
+        unsafe { self.linear_forward(out, x, w_ptr, s, F32) }
+    }
+
+    /// [`Self::linear_backward`] in f32, the weights in a device slice.
+    fn linear_backward_f32(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dw: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        s: Shape,
+    ) -> Result<(), EngineError> {
+        assert_eq!(w.len(), s.n * s.k);
+        let (w_ptr, _read) = w.device_ptr(&self.stream);
+        // SAFETY: as in `linear_forward_f32`.
+        unsafe { self.linear_backward(dx, dw, dout, x, w_ptr, s, F32) }
     }
 
     /// out (M, N) = x (M, K) · w (N, K)ᵀ, `x` and the weights at `w` of

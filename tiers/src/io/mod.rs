@@ -20,13 +20,23 @@ pub use uring::UringFile;
 
 use crate::TierError;
 
-/// Called with each completed read's index and bytes (see `read_batch_each`).
-pub type OnReadComplete<'a> = dyn FnMut(usize, &[u8]) -> Result<(), TierError> + 'a;
+/// Called with each completed read's index and bytes (see `read_batch_each`):
+/// the bytes are the op's buffer itself, lent for the buffer's whole
+/// lifetime `'b`.
+pub type OnReadComplete<'a, 'b> = dyn FnMut(usize, &'b [u8]) -> Result<(), TierError> + 'a;
 
 /// One read: fill `buf` from `offset`.
 pub struct ReadOp<'a> {
     pub offset: u64,
     pub buf: &'a mut [u8],
+}
+
+impl<'b> ReadOp<'b> {
+    /// Moves the (read) buffer out as shared bytes, leaving an empty one.
+    pub fn take_bytes(&mut self) -> &'b [u8] {
+        let buf: &'b mut [u8] = std::mem::take(&mut self.buf);
+        buf
+    }
 }
 
 /// One write: `buf` to `offset`.
@@ -57,15 +67,20 @@ pub trait RecordDevice: Send + Sync {
     /// bytes have all arrived (while later ops are still in flight, where the
     /// engine overlaps them), so checking one record overlaps reading the
     /// next. An error from `on_complete` ends the batch with that error.
-    fn read_batch_each(
+    ///
+    /// Each completed op's buffer moves out to `on_complete` (as shared
+    /// bytes, for the buffer's whole lifetime, so another thread may go on
+    /// checking it after the call returns); the op is left with an empty
+    /// buffer.
+    fn read_batch_each<'b>(
         &self,
-        ops: &mut [ReadOp<'_>],
-        on_complete: &mut OnReadComplete<'_>,
+        ops: &mut [ReadOp<'b>],
+        on_complete: &mut OnReadComplete<'_, 'b>,
     ) -> Result<(), TierError> {
         self.read_batch(ops)?;
-        ops.iter()
+        ops.iter_mut()
             .enumerate()
-            .try_for_each(|(i, op)| on_complete(i, op.buf))
+            .try_for_each(|(i, op)| on_complete(i, op.take_bytes()))
     }
 
     /// Registers `region` with the engine (io_uring fixed buffers), so

@@ -67,21 +67,26 @@ impl RecordDevice for PreadFile {
     }
 
     fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Result<(), TierError> {
-        self.read_batch_each(ops, &mut |_, _| Ok(()))
+        for op in ops.iter_mut() {
+            self.file
+                .read_exact_at(op.buf, op.offset)
+                .map_err(|e| TierError::io("read", op.offset, e))?;
+        }
+        Ok(())
     }
 
     /// One op after another, each handed to `on_complete` as soon as it
     /// has been read (so checking it overlaps reading the next).
-    fn read_batch_each(
+    fn read_batch_each<'b>(
         &self,
-        ops: &mut [ReadOp<'_>],
-        on_complete: &mut OnReadComplete<'_>,
+        ops: &mut [ReadOp<'b>],
+        on_complete: &mut OnReadComplete<'_, 'b>,
     ) -> Result<(), TierError> {
         for (i, op) in ops.iter_mut().enumerate() {
             self.file
                 .read_exact_at(op.buf, op.offset)
                 .map_err(|e| TierError::io("read", op.offset, e))?;
-            on_complete(i, op.buf)?;
+            on_complete(i, op.take_bytes())?;
         }
         Ok(())
     }

@@ -133,7 +133,7 @@ impl UringFile {
         &self,
         write: bool,
         ops: &[(u64, *mut u8, usize)],
-        on_complete: &mut OnReadComplete<'_>,
+        on_complete: &mut dyn FnMut(usize) -> Result<(), TierError>,
     ) -> Result<(), TierError> {
         let op_name = if write { "write" } else { "read" };
         let mut guard = self.ring.lock().unwrap_or_else(|e| e.into_inner());
@@ -261,12 +261,7 @@ impl UringFile {
                 if first_error.is_some() {
                     break;
                 }
-                let (_, ptr, len) = ops[i];
-                // SAFETY: op i's completion has been reaped, so the kernel
-                // no longer writes its buffer, which the caller lends us for
-                // this whole call; nothing else aliases it meanwhile.
-                let bytes = unsafe { std::slice::from_raw_parts(ptr.cast_const(), len) };
-                if let Err(e) = on_complete(i, bytes) {
+                if let Err(e) = on_complete(i) {
                     first_error = Some(e);
                 }
             }
@@ -297,19 +292,21 @@ impl RecordDevice for UringFile {
             .iter_mut()
             .map(|op| (op.offset, op.buf.as_mut_ptr(), op.buf.len()))
             .collect();
-        self.run(false, &raw, &mut |_, _| Ok(()))
+        self.run(false, &raw, &mut |_| Ok(()))
     }
 
-    fn read_batch_each(
+    fn read_batch_each<'b>(
         &self,
-        ops: &mut [ReadOp<'_>],
-        on_complete: &mut OnReadComplete<'_>,
+        ops: &mut [ReadOp<'b>],
+        on_complete: &mut OnReadComplete<'_, 'b>,
     ) -> Result<(), TierError> {
         let raw: Vec<(u64, *mut u8, usize)> = ops
             .iter_mut()
             .map(|op| (op.offset, op.buf.as_mut_ptr(), op.buf.len()))
             .collect();
-        self.run(false, &raw, on_complete)
+        // Op i's completion has been reaped when this is called, so the
+        // kernel no longer writes its buffer, which moves out to the caller.
+        self.run(false, &raw, &mut |i| on_complete(i, ops[i].take_bytes()))
     }
 
     fn write_batch(&self, ops: &[WriteOp<'_>]) -> Result<(), TierError> {
@@ -318,7 +315,7 @@ impl RecordDevice for UringFile {
             .iter()
             .map(|op| (op.offset, op.buf.as_ptr().cast_mut(), op.buf.len()))
             .collect();
-        self.run(true, &raw, &mut |_, _| Ok(()))
+        self.run(true, &raw, &mut |_| Ok(()))
     }
 
     fn register_buffers(&self, region: &HostRegion) -> bool {
