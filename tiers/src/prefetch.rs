@@ -10,8 +10,20 @@
 //! record slot holds one needed sooner, it moves a clean one that is next
 //! read for its compute params alone into a compute cell.
 
-use crate::cache::{Shared, SlotKind, SlotState};
+use crate::cache::{Owned, Pinned, ReadInto, Shared, SlotKind, SlotState, Upgrading, WriteFrom};
 use crate::record::Parts;
+use crate::ExpertId;
+
+/// One load the prefetcher planned: the slot it holds, what it reads,
+/// where the compute part comes from if a cell holds it, and the old record
+/// to write back first.
+struct Load {
+    slot: Owned,
+    expert: ExpertId,
+    parts: Parts,
+    from_cell: Option<Pinned>,
+    write_back: Option<(ExpertId, u64)>,
+}
 
 pub(crate) fn run(shared: &Shared) {
     let mut inner = shared.lock();
@@ -19,9 +31,8 @@ pub(crate) fn run(shared: &Shared) {
         if inner.stop {
             return;
         }
-        let mut loads = Vec::new();
-        let mut write_backs = Vec::new();
-        let mut upgrades = Vec::new();
+        let mut loads: Vec<Load> = Vec::new();
+        let mut upgrades: Vec<(Upgrading, ExpertId)> = Vec::new();
         let mut demotion = None;
         let ahead = shared.ahead_max.min(inner.schedule.len());
         for distance in 0..ahead {
@@ -38,8 +49,7 @@ pub(crate) fn run(shared: &Shared) {
                 if shared.kind(slot) == SlotKind::Record {
                     let needs_state = parts == Parts::Full && m.parts == Parts::Compute;
                     if m.state == SlotState::Ready && needs_state && !m.upgrading && !m.writer {
-                        inner.slots[slot].upgrading = true;
-                        upgrades.push((slot, expert, Parts::State));
+                        upgrades.push((shared.begin_upgrade(&mut inner, slot), expert));
                     }
                     continue;
                 }
@@ -71,26 +81,30 @@ pub(crate) fn run(shared: &Shared) {
             };
             // From a cell, only the state part is read: the compute part
             // is copied over from the cell, pinned until then.
-            let from_cell = resident.inspect(|&cell| {
-                inner.slots[cell].pins += 1;
+            let from_cell = resident.map(|cell| {
+                let pin = shared.pin(&mut inner, cell);
                 shared.leave_cell(&mut inner, cell);
+                pin
             });
-            if let Some(job) = shared.claim(&mut inner, victim, expert, parts) {
-                write_backs.push(job);
-            }
-            loads.push((victim, expert, parts, from_cell));
+            let (slot, write_back) = shared.claim(&mut inner, victim, expert, parts);
+            loads.push(Load {
+                slot,
+                expert,
+                parts,
+                from_cell,
+                write_back,
+            });
         }
-        if let Some(demotion) = &demotion {
+        let demoted = demotion.is_some();
+        if let Some(demotion) = demotion {
             drop(inner);
-            // SAFETY: `plan_demotion` pinned the record slot and set the
-            // cell Loading for this thread; it is finished just below.
-            unsafe { shared.copy_compute(demotion.expert, demotion.from, demotion.to) };
+            shared.copy_compute(demotion.expert, &demotion.from, &demotion.to);
             inner = shared.lock();
             shared.finish_demotion(&mut inner, demotion);
             shared.changed.notify_all();
         }
         if loads.is_empty() && upgrades.is_empty() {
-            if demotion.is_some() {
+            if demoted {
                 continue; // a record slot is free now: plan its load
             }
             // Nothing to load: write back what will be evicted dirty
@@ -101,9 +115,7 @@ pub(crate) fn run(shared: &Shared) {
                 continue;
             }
             drop(inner);
-            // SAFETY: `claim_early_write_backs` set these slots
-            // `writing_back` for this thread.
-            let written = unsafe { shared.write_back(&early) };
+            let written = shared.write_back(early);
             inner = shared.lock();
             if written.is_err() {
                 // The store has latched the error, and the next load
@@ -115,64 +127,69 @@ pub(crate) fn run(shared: &Shared) {
         }
         drop(inner);
 
-        // SAFETY: every write-back slot was set Evicting for this thread by
-        // `claim` above.
-        let written = write_backs.is_empty() || unsafe { shared.write_slots(&write_backs) }.is_ok();
+        let write_backs: Vec<_> = loads
+            .iter()
+            .filter_map(|l| {
+                let (old, step) = l.write_back?;
+                Some((WriteFrom::Owned(&l.slot), old, step))
+            })
+            .collect();
+        let written = write_backs.is_empty() || shared.write_slots(&write_backs).is_ok();
+        drop(write_backs);
         inner = shared.lock();
-        for &(slot, _, _) in &write_backs {
-            if written {
-                shared.evicted(&mut inner, slot);
-            } else {
-                // The store has latched the error; demand loads report it.
-                shared.abandon(&mut inner, slot);
-                for l in loads.iter().filter(|l| l.0 == slot) {
-                    if let Some(cell) = l.3 {
-                        inner.slots[cell].pins -= 1;
+        let mut ready = Vec::with_capacity(loads.len());
+        for load in loads {
+            match (load.write_back, written) {
+                (None, _) => ready.push(load),
+                (Some(_), true) => {
+                    shared.evicted(&mut inner, &load.slot);
+                    ready.push(load);
+                }
+                (Some(_), false) => {
+                    // The store has latched the error; demand loads report it.
+                    shared.abandon(&mut inner, load.slot);
+                    if let Some(pin) = load.from_cell {
+                        shared.unpin(&mut inner, pin);
                     }
                 }
-                loads.retain(|l| l.0 != slot);
             }
         }
         drop(inner);
 
-        let mut jobs = Vec::with_capacity(loads.len() + upgrades.len());
-        for &(slot, expert, parts, from_cell) in &loads {
-            match from_cell {
+        let mut jobs = Vec::with_capacity(ready.len() + upgrades.len());
+        for load in &ready {
+            match &load.from_cell {
                 Some(cell) => {
-                    // SAFETY: the cell is pinned by this thread and the
-                    // slot Loading for it.
-                    unsafe { shared.copy_compute(expert, cell, slot) };
-                    jobs.push((slot, expert, Parts::State));
+                    shared.copy_compute(load.expert, cell, &load.slot);
+                    jobs.push((ReadInto::Owned(&load.slot), load.expert, Parts::State));
                 }
-                None => jobs.push((slot, expert, parts)),
+                None => jobs.push((ReadInto::Owned(&load.slot), load.expert, load.parts)),
             }
         }
-        jobs.extend_from_slice(&upgrades);
-        // SAFETY: load slots are Loading for this thread (claim/evicted);
-        // upgrade slots are `upgrading`, which gives it their state part.
-        let read = unsafe { shared.read_slots(&jobs) }.is_ok();
+        for (upgrade, expert) in &upgrades {
+            jobs.push((ReadInto::Upgrading(upgrade), *expert, Parts::State));
+        }
+        let read = shared.read_slots(&jobs).is_ok();
+        let read_parts: Vec<Parts> = jobs.iter().map(|j| j.2).collect();
+        drop(jobs);
         inner = shared.lock();
-        for (&(slot, expert, _, from_cell), &(_, _, read_parts)) in loads.iter().zip(&jobs) {
+        for (load, read_parts) in ready.into_iter().zip(read_parts) {
             if read {
-                shared.loaded(&mut inner, slot, read_parts);
+                shared.loaded(&mut inner, load.slot, read_parts);
             } else {
                 // Demand loads retry these and report the error themselves;
                 // the prefetcher does not, or it would hold their slots
                 // Loading again and again while the demand load waits.
-                inner.prefetch_failed.insert(expert);
-                shared.abandon(&mut inner, slot);
+                inner.prefetch_failed.insert(load.expert);
+                shared.abandon(&mut inner, load.slot);
             }
-            if let Some(cell) = from_cell {
-                inner.slots[cell].pins -= 1;
+            if let Some(pin) = load.from_cell {
+                shared.unpin(&mut inner, pin);
             }
         }
-        for &(slot, expert, _) in &upgrades {
-            let m = &mut inner.slots[slot];
-            m.upgrading = false;
+        for (upgrade, expert) in upgrades {
+            shared.end_upgrade(&mut inner, upgrade, read);
             if read {
-                m.parts = Parts::Full;
-                inner.stats.loads += 1;
-                inner.stats.bytes_read += shared.layout.state_part_bytes();
                 inner.prefetch_failed.remove(&expert);
             } else {
                 inner.prefetch_failed.insert(expert);

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::slots::{Pinned, Writing};
 use super::Shared;
 use crate::format::PART_HEADER_BYTES;
 use crate::record::{Parts, RecordMut};
@@ -14,7 +15,8 @@ use crate::ExpertId;
 /// its optimizer state). Dropping it unpins.
 pub struct ReadGuard {
     pub(super) shared: Arc<Shared>,
-    pub(super) slot: usize,
+    /// `None` only while dropping.
+    pub(super) pin: Option<Pinned>,
     pub(super) expert: ExpertId,
     pub(super) parts: Parts,
 }
@@ -31,12 +33,12 @@ impl ReadGuard {
     /// The compute params, in the store's dtype, as little-endian bytes.
     pub fn compute(&self) -> &[u8] {
         let n = self.shared.layout.compute_payload_bytes() as usize;
-        // SAFETY: a pin gives shared access to the payloads; writers and
-        // loads of this slot wait for pins to drop.
-        unsafe {
-            self.shared
-                .bytes(self.slot, PART_HEADER_BYTES..PART_HEADER_BYTES + n)
-        }
+        self.shared
+            .pinned_bytes(self.pinned(), PART_HEADER_BYTES..PART_HEADER_BYTES + n)
+    }
+
+    fn pinned(&self) -> &Pinned {
+        self.pin.as_ref().expect("a live guard holds its pin")
     }
 
     /// Master params, m and v (only for a `Parts::Full` guard).
@@ -47,8 +49,8 @@ impl ReadGuard {
         let layout = &self.shared.layout;
         let at = layout.compute_part_bytes() as usize + PART_HEADER_BYTES;
         let n = layout.params_per_expert as usize;
-        // SAFETY: as in `compute`; a Full pin means the state part is loaded.
-        let bytes = unsafe { self.shared.bytes(self.slot, at..at + 12 * n) };
+        // A Full pin means the state part is loaded.
+        let bytes = self.shared.pinned_bytes(self.pinned(), at..at + 12 * n);
         let floats: &[f32] = bytemuck::cast_slice(bytes);
         Some((&floats[..n], &floats[n..2 * n], &floats[2 * n..]))
     }
@@ -56,22 +58,19 @@ impl ReadGuard {
 
 impl Drop for ReadGuard {
     fn drop(&mut self) {
-        let mut inner = self.shared.lock();
-        let m = &mut inner.slots[self.slot];
-        assert!(m.pins > 0, "unpinning an unpinned slot");
-        m.pins -= 1;
-        drop(inner);
-        self.shared.changed.notify_all();
+        if let Some(pin) = self.pin.take() {
+            self.shared.unpin(&mut self.shared.lock(), pin);
+            self.shared.changed.notify_all();
+        }
     }
 }
 
 /// An exclusive pin of one expert's full record.
 pub struct WriteGuard {
     pub(super) shared: Arc<Shared>,
-    pub(super) slot: usize,
+    /// `None` once `seal` has handed the slot back.
+    pub(super) writer: Option<Writing>,
     pub(super) expert: ExpertId,
-    /// `seal` has handed the slot back.
-    pub(super) sealed: bool,
 }
 
 impl WriteGuard {
@@ -84,20 +83,23 @@ impl WriteGuard {
     /// # Panics
     /// After `seal`, which gave the slot back.
     pub fn record_mut(&mut self) -> RecordMut<'_> {
-        assert!(!self.sealed, "a sealed WriteGuard no longer holds its slot");
-        let end = self.shared.layout.record_bytes() as usize;
-        // SAFETY: the writer flag gives this guard every payload; headers
-        // are only touched by write-backs, which skip written slots.
-        let bytes = unsafe { self.shared.bytes_mut(self.slot, 0..end) };
+        let writer = self
+            .writer
+            .as_mut()
+            .expect("a sealed WriteGuard no longer holds its slot");
+        let bytes = self.shared.written_bytes(writer);
         crate::record::record_mut(&self.shared.layout, bytes).expect("a slot holds a full record")
     }
 
     /// Records that the slot now differs from the store; it is written back
     /// (with `step` in its headers) before eviction and at `flush`.
     pub fn mark_dirty(&mut self, step: u64) {
-        assert!(!self.sealed, "a sealed WriteGuard no longer holds its slot");
+        let writer = self
+            .writer
+            .as_ref()
+            .expect("a sealed WriteGuard no longer holds its slot");
         let mut inner = self.shared.lock();
-        let m = &mut inner.slots[self.slot];
+        let m = &mut inner.slots[writer.slot()];
         m.dirty = Some(step);
         m.stamped = None;
     }
@@ -113,36 +115,24 @@ impl WriteGuard {
     /// flush, which checksums what it writes: a record updated every step
     /// is checksummed once a flush, not once a step.
     pub fn seal(&mut self, step: u64) {
-        assert!(!self.sealed, "a WriteGuard is sealed once");
+        let mut writer = self.writer.take().expect("a WriteGuard is sealed once");
         let stamp_now = self.shared.evicts;
         if stamp_now {
-            // SAFETY: the writer flag gives this guard the whole slot,
-            // headers included: write-backs skip written slots
-            // (`evictable`, `flush`).
-            unsafe { self.shared.stamp(self.slot, self.expert, step) };
+            self.shared.stamp_written(&mut writer, self.expert, step);
         }
-        let mut inner = self.shared.lock();
-        let m = &mut inner.slots[self.slot];
-        assert!(m.writer, "sealing a slot without its writer");
-        m.dirty = Some(step);
-        m.stamped = stamp_now.then_some(step);
-        m.writer = false;
-        drop(inner);
-        self.sealed = true;
+        let sealed = Some((step, stamp_now));
+        self.shared
+            .release_writer(&mut self.shared.lock(), writer, sealed);
         self.shared.changed.notify_all();
     }
 }
 
 impl Drop for WriteGuard {
     fn drop(&mut self) {
-        if self.sealed {
-            return;
+        if let Some(writer) = self.writer.take() {
+            self.shared
+                .release_writer(&mut self.shared.lock(), writer, None);
+            self.shared.changed.notify_all();
         }
-        let mut inner = self.shared.lock();
-        let m = &mut inner.slots[self.slot];
-        assert!(m.writer, "releasing a slot without its writer");
-        m.writer = false;
-        drop(inner);
-        self.shared.changed.notify_all();
     }
 }

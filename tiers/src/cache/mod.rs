@@ -20,6 +20,11 @@
 //!   and reads the payloads; read guards go on (they never see headers);
 //! - a demotion: the prefetcher pins the record slot (a reader's share)
 //!   and owns the `Loading` cell it copies the compute part into.
+//!
+//! Each of these holds is a value (`Owned`, `Pinned`, `Upgrading`,
+//! `WritingBack`, `Writing`: `slots.rs`), made where the lock sets it and
+//! given back where the lock clears it; `slots/memory.rs` reaches a slot's
+//! bytes only through one, and is the only code that touches them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -38,8 +43,10 @@ mod guards;
 mod slots;
 
 pub use guards::{ReadGuard, WriteGuard};
-use slots::{expert_detail, Inner, SlotMeta};
-pub(crate) use slots::{Shared, SlotKind, SlotState};
+use slots::{expert_detail, Inner, SlotMeta, Writing};
+pub(crate) use slots::{
+    Owned, Pinned, ReadInto, Shared, SlotKind, SlotState, Upgrading, WriteFrom,
+};
 
 /// Slots `HostCache::keep_resident` leaves to stream records through: one
 /// for the record being updated and one for the next arriving, at least.
@@ -310,10 +317,12 @@ impl HostCache {
         pin_wait: Duration,
     ) -> Result<ReadGuard, TierError> {
         assert_ne!(parts, Parts::State, "acquire Compute or Full");
-        let slot = self.acquire_slot(expert, parts, false, pin_wait)?;
+        let Acquired::Pin(pin) = self.acquire_slot(expert, parts, false, pin_wait)? else {
+            unreachable!("a reader is given a pin")
+        };
         Ok(ReadGuard {
             shared: Arc::clone(&self.shared),
-            slot,
+            pin: Some(pin),
             expert,
             parts,
         })
@@ -330,12 +339,14 @@ impl HostCache {
         expert: ExpertId,
         pin_wait: Duration,
     ) -> Result<WriteGuard, TierError> {
-        let slot = self.acquire_slot(expert, Parts::Full, true, pin_wait)?;
+        let Acquired::Writer(writer) = self.acquire_slot(expert, Parts::Full, true, pin_wait)?
+        else {
+            unreachable!("a writer is given the writer's hold")
+        };
         Ok(WriteGuard {
             shared: Arc::clone(&self.shared),
-            slot,
+            writer: Some(writer),
             expert,
-            sealed: false,
         })
     }
 
@@ -345,7 +356,7 @@ impl HostCache {
         parts: Parts,
         write: bool,
         pin_wait: Duration,
-    ) -> Result<usize, TierError> {
+    ) -> Result<Acquired, TierError> {
         let shared = &*self.shared;
         shared.layout.slot_of(expert)?;
         let start = Instant::now();
@@ -365,12 +376,10 @@ impl HostCache {
                     // matches the store) and only its state part is read;
                     // else it is read whole once one is (below).
                     let place = shared.choose_victim(&inner, None, SlotKind::Record);
-                    if place.is_some() {
-                        inner.slots[slot].pins += 1;
-                    }
+                    let from_cell = place.map(|_| shared.pin(&mut inner, slot));
                     shared.leave_cell(&mut inner, slot);
                     if let Some(victim) = place {
-                        inner = self.load_here(inner, victim, expert, Parts::Full, Some(slot))?;
+                        inner = self.load_here(inner, victim, expert, Parts::Full, from_cell)?;
                         loaded = true;
                     }
                     continue;
@@ -381,28 +390,21 @@ impl HostCache {
                     continue;
                 }
                 if parts == Parts::Full && m.parts == Parts::Compute {
-                    inner.slots[slot].upgrading = true;
+                    let upgrade = shared.begin_upgrade(&mut inner, slot);
                     drop(inner);
-                    // SAFETY: `upgrading` gives this thread the state part;
-                    // compute readers keep to the compute part.
-                    let result = unsafe { shared.read_slots(&[(slot, expert, Parts::State)]) };
+                    let result =
+                        shared.read_slots(&[(ReadInto::Upgrading(&upgrade), expert, Parts::State)]);
                     inner = shared.lock();
-                    inner.slots[slot].upgrading = false;
+                    shared.end_upgrade(&mut inner, upgrade, result.is_ok());
                     shared.changed.notify_all();
                     result?;
-                    inner.slots[slot].parts = Parts::Full;
-                    inner.stats.loads += 1;
-                    inner.stats.bytes_read += Parts::State.range(&shared.layout).len() as u64;
                     loaded = true;
                     continue;
                 }
-                let m = &mut inner.slots[slot];
-                if write {
-                    m.writer = true;
-                    m.stamped = None; // the payloads are about to change
-                } else {
-                    m.pins += 1;
-                }
+                let held = match write {
+                    true => Acquired::Writer(shared.take_writer(&mut inner, slot)),
+                    false => Acquired::Pin(shared.pin(&mut inner, slot)),
+                };
                 inner.recency.put(slot, ());
                 let window = shared.ahead_max.max(1) * 4;
                 inner.schedule.advance(expert, window);
@@ -423,7 +425,7 @@ impl HostCache {
                 }
                 drop(inner);
                 shared.changed.notify_all();
-                return Ok(slot);
+                return Ok(held);
             }
             // Not resident: load it here.
             let Some(victim) = shared.choose_place(&inner, expert, parts, None) else {
@@ -461,37 +463,43 @@ impl HostCache {
     }
 
     /// Gives `victim` to `expert` and loads its `parts` on this thread,
-    /// writing the slot's dirty record back first. With `from_cell` (a
-    /// cell this thread pinned, holding the expert's compute part), that
-    /// part is copied from the cell and only the state part is read; the
-    /// pin ends here.
+    /// writing the slot's dirty record back first. With `from_cell` (a pin
+    /// of the cell holding the expert's compute part), that part is copied
+    /// from the cell and only the state part is read; the pin ends here.
     fn load_here<'a>(
         &'a self,
         mut inner: MutexGuard<'a, Inner>,
         victim: usize,
         expert: ExpertId,
         parts: Parts,
-        from_cell: Option<usize>,
+        from_cell: Option<Pinned>,
     ) -> Result<MutexGuard<'a, Inner>, TierError> {
         let shared = &*self.shared;
-        let write_back = shared.claim(&mut inner, victim, expert, parts);
+        let (owned, write_back) = shared.claim(&mut inner, victim, expert, parts);
         drop(inner);
-        let result = load_now(shared, victim, expert, parts, write_back, from_cell);
+        let result = load_now(
+            shared,
+            &owned,
+            expert,
+            parts,
+            write_back,
+            from_cell.as_ref(),
+        );
         let mut inner = shared.lock();
-        if let Some(cell) = from_cell {
-            inner.slots[cell].pins -= 1;
+        if let Some(pin) = from_cell {
+            shared.unpin(&mut inner, pin);
         }
         shared.changed.notify_all();
         match result {
             Ok(read) => {
                 if write_back.is_some() {
-                    shared.evicted(&mut inner, victim);
+                    shared.evicted(&mut inner, &owned);
                 }
-                shared.loaded(&mut inner, victim, read);
+                shared.loaded(&mut inner, owned, read);
                 Ok(inner)
             }
             Err(e) => {
-                shared.abandon(&mut inner, victim);
+                shared.abandon(&mut inner, owned);
                 Err(e)
             }
         }
@@ -501,29 +509,8 @@ impl HostCache {
     /// if a dirty expert is still held by a `WriteGuard`.
     pub fn flush(&self) -> Result<(), TierError> {
         let shared = &*self.shared;
-        let mut inner = shared.lock();
-        loop {
-            let transient = inner.slots.iter().any(|m| {
-                matches!(m.state, SlotState::Loading | SlotState::Evicting) || m.writing_back
-            });
-            if !transient {
-                break;
-            }
-            inner = shared.wait(inner);
-        }
-        let mut jobs = Vec::new();
-        for (slot, m) in inner.slots.iter_mut().enumerate() {
-            if let (Some(expert), Some(step)) = (m.expert, m.dirty) {
-                if m.writer {
-                    return Err(TierError::DirtyExpertHeld { expert });
-                }
-                m.writing_back = true;
-                jobs.push((slot, expert, step));
-            }
-        }
-        drop(inner);
-        // SAFETY: each job's slot was set `writing_back` above.
-        unsafe { shared.write_back(&jobs) }
+        let jobs = shared.begin_flush(shared.lock())?;
+        shared.write_back(jobs)
     }
 
     /// `flush`, then commit the store's checkpoint `step` (durable on return).
@@ -568,33 +555,34 @@ impl HostCache {
     }
 }
 
+/// What `acquire_slot` hands its caller: a reader's pin or the writer's hold.
+enum Acquired {
+    Pin(Pinned),
+    Writer(Writing),
+}
+
 /// Writes back (if needed) and loads one slot, on the calling thread:
 /// `parts`, or its state part after copying the compute part from
 /// `from_cell`. Returns the parts read from the store.
 fn load_now(
     shared: &Shared,
-    slot: usize,
+    slot: &Owned,
     expert: ExpertId,
     parts: Parts,
-    write_back: Option<(usize, ExpertId, u64)>,
-    from_cell: Option<usize>,
+    write_back: Option<(ExpertId, u64)>,
+    from_cell: Option<&Pinned>,
 ) -> Result<Parts, TierError> {
-    if let Some(job) = write_back {
-        // SAFETY: the slot is Evicting for this thread (claim).
-        unsafe { shared.write_slots(&[job])? };
+    if let Some((old, step)) = write_back {
+        shared.write_slots(&[(WriteFrom::Owned(slot), old, step)])?;
     }
     let read = match from_cell {
         Some(cell) => {
-            // SAFETY: the caller pinned the cell (shared reads of its
-            // compute part) and the slot is Loading for this thread.
-            unsafe { shared.copy_compute(expert, cell, slot) };
+            shared.copy_compute(expert, cell, slot);
             Parts::State
         }
         None => parts,
     };
-    // SAFETY: the slot is Loading for this thread (claim, or evicted after
-    // the write-back above).
-    unsafe { shared.read_slots(&[(slot, expert, read)])? };
+    shared.read_slots(&[(ReadInto::Owned(slot), expert, read)])?;
     Ok(read)
 }
 

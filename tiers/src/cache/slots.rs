@@ -1,8 +1,9 @@
 //! The host tier's slot bookkeeping: each slot's state ([`SlotMeta`]),
-//! the tables under the one mutex ([`Inner`]), and [`Shared`], which owns
-//! the slot memory and hands out byte ranges of it under the protocol in
-//! the parent module's docs, reads and writes slots through the store, and
-//! chooses, claims and releases slots (eviction).
+//! the tables under the one mutex ([`Inner`]), the holds of the protocol in
+//! the parent module's docs as values ([`Owned`], [`Pinned`], …), and
+//! [`Shared`], which owns the slot memory (`memory.rs`: the only code that
+//! touches it, through those holds), and chooses, claims and releases
+//! slots (eviction).
 //!
 //! Slots `0..record_slots` hold a whole record each; the rest are compute
 //! cells, each the size of one record's compute part, which hold an
@@ -15,15 +16,18 @@ use std::time::Duration;
 use lru::LruCache;
 
 use super::{CacheStats, EvictionPolicy};
-use crate::format::{Layout, PART_HEADER_BYTES};
+use crate::format::Layout;
 use crate::io::HostRegion;
 use crate::record::Parts;
 use crate::schedule::Schedule;
-use crate::store::{stamp_headers, ExpertStore};
-use crate::timeline::{Timeline, TimelineSpan};
+use crate::store::ExpertStore;
+use crate::timeline::Timeline;
 use crate::{ExpertId, TierError};
 
 mod cells;
+mod memory;
+
+pub(crate) use memory::{ReadInto, WriteFrom};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SlotState {
@@ -130,6 +134,44 @@ pub(crate) enum SlotKind {
     Cell,
 }
 
+/// The slot protocol's holds (`cache` module docs) as values. Each is made
+/// only by the function here that sets its state under the lock, and ended
+/// by the one that clears it; `memory.rs` reaches a slot's bytes only
+/// through one. None is `Clone`.
+///
+/// The whole slot, for the thread loading it (`Loading`) or writing its
+/// old record back before loading it (`Evicting`).
+pub(crate) struct Owned {
+    slot: usize,
+}
+
+/// One of a slot's pins: shared reads of its payloads.
+pub(crate) struct Pinned {
+    slot: usize,
+}
+
+/// A slot's state part, for the thread reading it in (`upgrading`).
+pub(crate) struct Upgrading {
+    slot: usize,
+}
+
+/// A slot's headers and reads of its payloads, for the thread writing it
+/// back in place (`writing_back`).
+pub(crate) struct WritingBack {
+    slot: usize,
+}
+
+/// A slot's payloads and headers, for its one writer (`writer`).
+pub(crate) struct Writing {
+    slot: usize,
+}
+
+impl Writing {
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+}
+
 pub(crate) struct Shared {
     pub store: Arc<ExpertStore>,
     pub(super) region: HostRegion,
@@ -160,12 +202,6 @@ impl Drop for Shared {
         }
     }
 }
-
-// SAFETY: slot memory is only reached through the protocol in the `cache`
-// module docs, every step of which is ordered by the `inner` mutex.
-unsafe impl Sync for Shared {}
-// SAFETY: the region is a plain owned allocation.
-unsafe impl Send for Shared {}
 
 impl Shared {
     pub fn registered(&self) -> bool {
@@ -208,126 +244,6 @@ impl Shared {
         }
     }
 
-    fn slot_ptr(&self, slot: usize) -> *mut u8 {
-        let offset = match self.kind(slot) {
-            SlotKind::Record => slot * self.slot_bytes,
-            SlotKind::Cell => {
-                self.record_slots * self.slot_bytes + (slot - self.record_slots) * self.cell_bytes
-            }
-        };
-        assert!(offset + self.size_of(slot) <= self.region.len());
-        // SAFETY: in bounds of the region (asserted above).
-        unsafe { self.region.as_ptr().add(offset) }
-    }
-
-    /// A byte range of a slot.
-    ///
-    /// # Safety
-    /// The caller holds the access the slot protocol (`cache` module docs) gives for
-    /// exactly this range, and no `&mut` to it exists meanwhile.
-    pub unsafe fn bytes(&self, slot: usize, range: std::ops::Range<usize>) -> &[u8] {
-        assert!(range.end <= self.size_of(slot));
-        // SAFETY: in bounds (asserted); aliasing is the caller's contract.
-        unsafe { std::slice::from_raw_parts(self.slot_ptr(slot).add(range.start), range.len()) }
-    }
-
-    /// A mutable byte range of a slot.
-    ///
-    /// # Safety
-    /// The caller owns exactly this range under the slot protocol (`cache` module docs):
-    /// no other reference to it exists while the result lives.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn bytes_mut(&self, slot: usize, range: std::ops::Range<usize>) -> &mut [u8] {
-        assert!(range.end <= self.size_of(slot));
-        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(slot).add(range.start), range.len()) }
-    }
-
-    /// The timeline an SSD call of `jobs` is recorded on (none for no jobs).
-    fn timeline_for<T>(&self, jobs: &[T]) -> Option<&Timeline> {
-        self.timeline.as_deref().filter(|_| !jobs.is_empty())
-    }
-
-    /// Reads `jobs` (slot, expert, parts) into their slots in one batch.
-    ///
-    /// # Safety
-    /// Each slot is in a state that gives the caller its `parts` range
-    /// (Loading for a whole load, `upgrading` for the state part).
-    pub unsafe fn read_slots(&self, jobs: &[(usize, ExpertId, Parts)]) -> Result<(), TierError> {
-        let mut requests: Vec<(ExpertId, Parts, &mut [u8])> = jobs
-            .iter()
-            .map(|&(slot, expert, parts)| {
-                // SAFETY: the caller owns this slot's `parts` range.
-                let buf = unsafe { self.bytes_mut(slot, parts.range(&self.layout)) };
-                (expert, parts, buf)
-            })
-            .collect();
-        let _span = TimelineSpan::start(self.timeline_for(jobs), "ssd", "read").with_detail(|| {
-            let each = jobs.iter().map(|&(_, e, parts)| expert_detail(e, parts));
-            each.collect::<Vec<_>>().join(", ")
-        });
-        self.store.read_many(&mut requests).map(|_| ())
-    }
-
-    /// Stamps headers and writes `jobs` (slot, expert, step) back.
-    ///
-    /// # Safety
-    /// Each slot is `writing_back` or `Evicting` for the caller: it owns the
-    /// two header ranges and may read the payloads.
-    pub unsafe fn write_slots(&self, jobs: &[(usize, ExpertId, u64)]) -> Result<(), TierError> {
-        let end = self.layout.record_bytes() as usize;
-        let _span =
-            TimelineSpan::start(self.timeline_for(jobs), "ssd", "write").with_detail(|| {
-                let each = jobs.iter().map(|&(_, e, _)| e.to_string());
-                each.collect::<Vec<_>>().join(", ")
-            });
-        let stamped: Vec<bool> = {
-            let inner = self.lock();
-            jobs.iter()
-                .map(|&(slot, _, step)| inner.slots[slot].stamped == Some(step))
-                .collect()
-        };
-        for (&(slot, expert, step), stamped) in jobs.iter().zip(stamped) {
-            if !stamped {
-                // SAFETY: the caller owns the headers and may read the
-                // payloads (this function's contract).
-                unsafe { self.stamp(slot, expert, step) };
-            }
-        }
-        let records: Vec<(ExpertId, u64, &[u8])> = jobs
-            .iter()
-            // SAFETY: the whole record is only read from here on.
-            .map(|&(slot, expert, step)| (expert, step, unsafe { self.bytes(slot, 0..end) }))
-            .collect();
-        self.store.write_stamped(&records)
-    }
-
-    /// Writes dirty slots back in place, as they stay resident: `jobs`
-    /// (slot, expert, step) are slots this thread set `writing_back`; each
-    /// is clean afterwards unless it changed meanwhile. Wakes waiters.
-    ///
-    /// # Safety
-    /// Each job's slot is `writing_back` for the caller.
-    pub unsafe fn write_back(&self, jobs: &[(usize, ExpertId, u64)]) -> Result<(), TierError> {
-        // SAFETY: forwarded: the caller owns the headers as `writing_back`.
-        let result = unsafe { self.write_slots(jobs) };
-        let mut inner = self.lock();
-        for &(slot, _, step) in jobs {
-            let m = &mut inner.slots[slot];
-            m.writing_back = false;
-            if result.is_ok() && m.dirty == Some(step) {
-                m.dirty = None;
-            }
-        }
-        if result.is_ok() {
-            inner.stats.write_backs += jobs.len() as u64;
-            inner.stats.bytes_written += jobs.len() as u64 * self.layout.record_bytes();
-        }
-        drop(inner);
-        self.changed.notify_all();
-        result
-    }
-
     /// Dirty slots to write back ahead of their eviction, while the
     /// prefetcher has nothing to load: those whose expert the schedule next
     /// reads (a compute access, or none) rather than updates, so a record
@@ -339,7 +255,7 @@ impl Shared {
         &self,
         inner: &mut Inner,
         max: usize,
-    ) -> Vec<(usize, ExpertId, u64)> {
+    ) -> Vec<(WritingBack, ExpertId, u64)> {
         if !self.evicts {
             return Vec::new(); // nothing is ever evicted: flushes write
         }
@@ -364,36 +280,91 @@ impl Shared {
             .into_iter()
             .map(|(_, slot, expert, step)| {
                 inner.slots[slot].writing_back = true;
-                (slot, expert, step)
+                (WritingBack { slot }, expert, step)
             })
             .collect()
     }
 
-    /// Checksums `slot`'s payloads into its two headers as `expert`'s
-    /// record of `step`.
-    ///
-    /// # Safety
-    /// The caller owns the slot's two header ranges and may read its
-    /// payloads (no one writes them meanwhile).
-    pub(super) unsafe fn stamp(&self, slot: usize, expert: ExpertId, step: u64) {
-        let cpb = self.layout.compute_part_bytes() as usize;
-        let end = self.layout.record_bytes() as usize;
-        // SAFETY: headers are owned by the caller; payloads are only read
-        // (readers may share them); the ranges are disjoint.
-        unsafe {
-            let compute_header = self.bytes_mut(slot, 0..PART_HEADER_BYTES);
-            let compute_payload = self.bytes(slot, PART_HEADER_BYTES..cpb);
-            let state_header = self.bytes_mut(slot, cpb..cpb + PART_HEADER_BYTES);
-            let state_payload = self.bytes(slot, cpb + PART_HEADER_BYTES..end);
-            stamp_headers(
-                &self.layout,
-                expert,
-                step,
-                compute_header,
-                compute_payload,
-                state_header,
-                state_payload,
-            );
+    /// Every dirty slot, set `writing_back` for a flush on this thread, once
+    /// no load, eviction or write-back is under way. Fails if a dirty
+    /// expert is held by a writer.
+    pub fn begin_flush<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+    ) -> Result<Vec<(WritingBack, ExpertId, u64)>, TierError> {
+        loop {
+            let transient = inner.slots.iter().any(|m| {
+                matches!(m.state, SlotState::Loading | SlotState::Evicting) || m.writing_back
+            });
+            if !transient {
+                break;
+            }
+            inner = self.wait(inner);
+        }
+        if let Some(m) = inner.slots.iter().find(|m| m.dirty.is_some() && m.writer) {
+            let expert = m.expert.expect("a dirty slot holds an expert");
+            return Err(TierError::DirtyExpertHeld { expert });
+        }
+        let mut jobs = Vec::new();
+        for (slot, m) in inner.slots.iter_mut().enumerate() {
+            if let (Some(expert), Some(step)) = (m.expert, m.dirty) {
+                m.writing_back = true;
+                jobs.push((WritingBack { slot }, expert, step));
+            }
+        }
+        Ok(jobs)
+    }
+
+    /// Sets a ready slot `upgrading`: this thread reads its state part in.
+    pub fn begin_upgrade(&self, inner: &mut Inner, slot: usize) -> Upgrading {
+        let m = &mut inner.slots[slot];
+        assert!(m.state == SlotState::Ready && !m.upgrading && !m.writer);
+        m.upgrading = true;
+        Upgrading { slot }
+    }
+
+    /// Ends an upgrade; with `read`, the slot now holds its full record.
+    pub fn end_upgrade(&self, inner: &mut Inner, hold: Upgrading, read: bool) {
+        let m = &mut inner.slots[hold.slot];
+        m.upgrading = false;
+        if read {
+            m.parts = Parts::Full;
+            inner.stats.loads += 1;
+            inner.stats.bytes_read += self.layout.state_part_bytes();
+        }
+    }
+
+    /// Pins a slot: shared reads of its payloads until `unpin`.
+    pub fn pin(&self, inner: &mut Inner, slot: usize) -> Pinned {
+        inner.slots[slot].pins += 1;
+        Pinned { slot }
+    }
+
+    pub fn unpin(&self, inner: &mut Inner, pin: Pinned) {
+        let m = &mut inner.slots[pin.slot];
+        assert!(m.pins > 0, "unpinning an unpinned slot");
+        m.pins -= 1;
+    }
+
+    /// Makes this thread the slot's one writer (its payloads are about to
+    /// change, so its stamp is stale).
+    pub fn take_writer(&self, inner: &mut Inner, slot: usize) -> Writing {
+        let m = &mut inner.slots[slot];
+        assert!(!m.writer && m.pins == 0, "taking a busy slot's writer");
+        m.writer = true;
+        m.stamped = None;
+        Writing { slot }
+    }
+
+    /// Ends a writer's hold; with `sealed`, as `expert`'s record of that
+    /// step (dirty, and stamped if `stamped`).
+    pub fn release_writer(&self, inner: &mut Inner, writer: Writing, sealed: Option<(u64, bool)>) {
+        let m = &mut inner.slots[writer.slot];
+        assert!(m.writer, "releasing a slot without its writer");
+        m.writer = false;
+        if let Some((step, stamped)) = sealed {
+            m.dirty = Some(step);
+            m.stamped = stamped.then_some(step);
         }
     }
 
@@ -449,14 +420,15 @@ impl Shared {
 
     /// Gives `slot` to `expert`: `Loading` if it can be read at once, or
     /// `Evicting` (with `expert` incoming) if its dirty contents must be
-    /// written back first. Returns the write-back job, if any.
+    /// written back first. Returns the hold and the write-back job (the
+    /// old expert and its step), if any.
     pub fn claim(
         &self,
         inner: &mut Inner,
         slot: usize,
         expert: ExpertId,
         parts: Parts,
-    ) -> Option<(usize, ExpertId, u64)> {
+    ) -> (Owned, Option<(ExpertId, u64)>) {
         let old = inner.slots[slot];
         assert!(old.evictable(), "claiming a busy slot");
         assert!(
@@ -476,7 +448,7 @@ impl Shared {
             (Some(prev), Some(step)) => {
                 meta.state = SlotState::Evicting;
                 meta.incoming = Some(expert);
-                Some((slot, prev, step))
+                (Owned { slot }, Some((prev, step)))
             }
             _ => {
                 *meta = SlotMeta {
@@ -485,13 +457,14 @@ impl Shared {
                     parts,
                     ..SlotMeta::EMPTY
                 };
-                None
+                (Owned { slot }, None)
             }
         }
     }
 
     /// After a write-back: the slot now belongs to its incoming expert.
-    pub fn evicted(&self, inner: &mut Inner, slot: usize) {
+    pub fn evicted(&self, inner: &mut Inner, hold: &Owned) {
+        let slot = hold.slot;
         let meta = inner.slots[slot];
         assert_eq!(meta.state, SlotState::Evicting);
         let prev = meta.expert.expect("an evicting slot holds an expert");
@@ -509,7 +482,8 @@ impl Shared {
     /// After a load that read `read` (the parts claimed, or their state
     /// part where the compute part was copied from a cell): the slot is
     /// ready.
-    pub fn loaded(&self, inner: &mut Inner, slot: usize, read: Parts) {
+    pub fn loaded(&self, inner: &mut Inner, hold: Owned, read: Parts) {
+        let slot = hold.slot;
         let meta = &mut inner.slots[slot];
         assert_eq!(meta.state, SlotState::Loading);
         meta.state = SlotState::Ready;
@@ -526,7 +500,8 @@ impl Shared {
     }
 
     /// After a failed load or write-back: the slot is empty again.
-    pub fn abandon(&self, inner: &mut Inner, slot: usize) {
+    pub fn abandon(&self, inner: &mut Inner, hold: Owned) {
+        let slot = hold.slot;
         let meta = inner.slots[slot];
         for e in [meta.expert, meta.incoming].into_iter().flatten() {
             if inner.by_expert.get(&e) == Some(&slot) {

@@ -2,17 +2,16 @@
 //! record's compute part moves into a cell (a demotion) to free its
 //! record slot, or an expert leaves its cell for a record slot.
 
-use super::{Inner, Shared, SlotKind, SlotMeta, SlotState};
+use super::{Inner, Owned, Pinned, Shared, SlotKind, SlotMeta, SlotState};
 use crate::record::Parts;
-use crate::timeline::TimelineSpan;
 use crate::ExpertId;
 
-/// A record's compute part on its way from a record slot to a compute
-/// cell (`Shared::plan_demotion`).
+/// A record's compute part on its way from a record slot (pinned) to a
+/// compute cell (loading) (`Shared::plan_demotion`).
 pub(crate) struct Demotion {
     pub expert: ExpertId,
-    pub from: usize,
-    pub to: usize,
+    pub from: Pinned,
+    pub to: Owned,
 }
 
 impl Shared {
@@ -89,48 +88,35 @@ impl Shared {
             state: SlotState::Loading,
             ..SlotMeta::EMPTY
         };
-        inner.slots[from].pins += 1;
-        Some(Demotion { expert, from, to })
-    }
-
-    /// Copies `expert`'s compute part (header and payload) from slot `from`
-    /// to slot `to`: a record's into a cell (a demotion), or a cell's into
-    /// a record slot whose state part is then read.
-    ///
-    /// # Safety
-    /// The caller holds a pin of `from` (shared reads of its compute part)
-    /// and `to` is `Loading` for it.
-    pub unsafe fn copy_compute(&self, expert: ExpertId, from: usize, to: usize) {
-        let _span = TimelineSpan::start(self.timeline.as_deref(), "host", "copy compute part")
-            .with_detail(|| expert.to_string());
-        let part = Parts::Compute.range(&self.layout);
-        // SAFETY: the pin gives shared reads of `from`'s compute part; the
-        // Loading slot is the caller's alone.
-        unsafe {
-            let source = self.bytes(from, part.clone());
-            self.bytes_mut(to, part).copy_from_slice(source);
-        }
+        let from = self.pin(inner, from);
+        Some(Demotion {
+            expert,
+            from,
+            to: Owned { slot: to },
+        })
     }
 
     /// Ends a demotion: the expert now reads from its cell and the record
     /// slot is empty, unless the record was pinned, written or changed
     /// meanwhile, in which case it stays and the cell is emptied.
-    pub fn finish_demotion(&self, inner: &mut Inner, demotion: &Demotion) -> bool {
-        let m = &mut inner.slots[demotion.from];
+    pub fn finish_demotion(&self, inner: &mut Inner, demotion: Demotion) -> bool {
+        let Demotion { expert, from, to } = demotion;
+        let (from, to) = (from.slot, to.slot);
+        let m = &mut inner.slots[from];
         m.pins -= 1;
         let intact = m.state == SlotState::Ready
-            && m.expert == Some(demotion.expert)
+            && m.expert == Some(expert)
             && m.evictable()
             && m.dirty.is_none();
         if !intact {
-            inner.slots[demotion.to] = SlotMeta::EMPTY;
+            inner.slots[to] = SlotMeta::EMPTY;
             return false;
         }
-        inner.slots[demotion.from] = SlotMeta::EMPTY;
-        inner.recency.pop(&demotion.from);
-        inner.by_expert.insert(demotion.expert, demotion.to);
-        inner.slots[demotion.to].state = SlotState::Ready;
-        inner.recency.put(demotion.to, ());
+        inner.slots[from] = SlotMeta::EMPTY;
+        inner.recency.pop(&from);
+        inner.by_expert.insert(expert, to);
+        inner.slots[to].state = SlotState::Ready;
+        inner.recency.put(to, ());
         inner.stats.demotions += 1;
         true
     }
