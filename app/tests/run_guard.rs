@@ -180,6 +180,22 @@ fn a_second_process_in_a_run_directory_is_refused_and_touches_nothing() {
             "{stderr}"
         );
     }
+    // Nor can an export or a verify read the store while it commits.
+    let to = dir.path().join("exported");
+    let export = [
+        "export",
+        "--run",
+        out.to_str().unwrap(),
+        "--to",
+        to.to_str().unwrap(),
+    ];
+    for command in [&export[..], &["verify", "--run", out.to_str().unwrap()][..]] {
+        let output = strata().args(command).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{command:?}");
+        assert!(stderr.contains("is in use"), "{command:?}: {stderr}");
+    }
+    assert!(!to.exists());
     assert_eq!(
         std::fs::metadata(out.join("experts.strata")).unwrap().len(),
         store

@@ -19,7 +19,8 @@ pub struct TrainFlags {
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Model shape when training from scratch: tiny, small, moe-s, moe-m, moe-l.
+    /// Model shape when training from scratch: tiny, small, moe-s, moe-m,
+    /// moe-l (default tiny).
     #[arg(long)]
     pub preset: Option<String>,
     /// Number of experts a MoE layer (overrides the preset).
@@ -31,58 +32,60 @@ pub struct TrainFlags {
     /// A Hugging Face tokenizer.json (default: the model directory's, else bytes).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Run directory: store, checkpoints, metrics.
+    /// Run directory: store, checkpoints, metrics (default runs/default).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Optimizer steps in all.
+    /// Optimizer steps in all (default 300).
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Tokens a sequence.
+    /// Tokens a sequence (default 64).
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Sequences a step.
+    /// Sequences a step (default 16).
     #[arg(long)]
     pub batch: Option<usize>,
-    /// Micro-batches a step (gradient accumulation).
+    /// Micro-batches a step, for gradient accumulation (default 1).
     #[arg(long)]
     pub micro_batches: Option<usize>,
     /// Device workers (cpu devices), each with --device-mem; every step's
-    /// sequences are shared out among them and experts placed per layer.
+    /// sequences are shared out among them and experts placed per layer
+    /// (default 1).
     #[arg(long)]
     pub devices: Option<usize>,
     /// Expert compute: cpu, or cuda (a strata built with --features cuda and
-    /// an NVIDIA GPU per device).
+    /// an NVIDIA GPU per device) (default cpu).
     #[arg(long)]
     pub backend: Option<String>,
-    /// Peak learning rate.
+    /// Peak learning rate (default 0.003).
     #[arg(long)]
     pub lr: Option<f32>,
-    /// Linear warmup steps before the cosine decay.
+    /// Linear warmup steps before the cosine decay (default 20).
     #[arg(long)]
     pub warmup: Option<u64>,
-    /// The cosine decays to lr × this at the last step.
+    /// The cosine decays to lr × this at the last step (default 0.1).
     #[arg(long)]
     pub min_lr_ratio: Option<f32>,
     /// Decoupled AdamW weight decay (params −= lr × this × params, as torch's
     /// AdamW), on every parameter, norms and embeddings included (default 0).
     #[arg(long)]
     pub weight_decay: Option<f32>,
-    /// Held-out loss every N steps (0: never).
+    /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
-    /// Checkpoint every N steps (0: only at the end and on Ctrl-C).
+    /// Checkpoint every N steps, 0 for only at the end and on a signal
+    /// (default 100).
     #[arg(long)]
     pub checkpoint_every: Option<u64>,
-    /// Device memory for the model, e.g. 2GiB.
+    /// Device memory for the model, e.g. 2GiB (default 1GiB).
     #[arg(long)]
     pub device_mem: Option<String>,
-    /// Host memory for expert records, e.g. 8GiB.
+    /// Host memory for expert records, e.g. 8GiB (default 4GiB).
     #[arg(long)]
     pub host_mem: Option<String>,
-    /// Precision of the experts' compute copy: bf16, f16 or f32.
+    /// Precision of the experts' compute copy: bf16, f16 or f32 (default bf16).
     #[arg(long)]
     pub compute_dtype: Option<String>,
-    /// Threads of the CPU optimizer.
+    /// Threads of the CPU optimizer (default: one a core).
     #[arg(long)]
     pub threads: Option<usize>,
     /// Threads the cpu backend's compute (GEMMs, attention, activations)
@@ -105,7 +108,7 @@ pub struct TrainFlags {
     /// writes their records (0 to 1, default 0).
     #[arg(long, value_name = "SHARE")]
     pub defer_share: Option<f64>,
-    /// Seed of the initialization and of the data order.
+    /// Seed of the initialization and of the data order (default 0).
     #[arg(long)]
     pub seed: Option<u64>,
     /// Write the trained model here at the end (safetensors, Hugging Face layout).
@@ -118,7 +121,7 @@ pub struct TrainFlags {
     /// No progress bar and no per-step lines: the run's header, its notes
     /// and its summary only (metrics.jsonl still has every step).
     #[arg(long)]
-    #[serde(skip)]
+    #[serde(default)]
     pub quiet: bool,
     /// Record step N's timeline (every SSD call, wait, expert loop and
     /// update, on its thread) and write it to --out as
@@ -276,7 +279,7 @@ impl TrainFlags {
             seed: pick!(cli, file, seed, 0),
             export: cli.export.clone().or(file.export.clone()),
             resume: cli.resume,
-            quiet: cli.quiet,
+            quiet: cli.quiet || file.quiet,
             timeline_step: cli.timeline_step,
         })
     }
@@ -359,6 +362,9 @@ mod tests {
         std::fs::write(&path, "stepz = 7\n").unwrap();
         let err = flags.resolve().unwrap_err();
         assert!(err.contains("stepz"), "{err}");
+        // `quiet` is a key like any other flag.
+        std::fs::write(&path, "quiet = true\n").unwrap();
+        assert!(flags.resolve().unwrap().quiet);
     }
 
     #[test]
@@ -415,5 +421,41 @@ mod tests {
         }
         let back: TrainOptions = serde_json::from_value(old).unwrap();
         assert_eq!(back, o);
+    }
+
+    /// Every "(default X)" in the flags' help is the default: giving X
+    /// resolves to the same options as giving nothing.
+    #[test]
+    fn the_defaults_the_help_states_are_the_defaults() {
+        use clap::{CommandFactory, FromArgMatches};
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            flags: TrainFlags,
+        }
+        let none = TrainFlags::default().resolve().unwrap();
+        let mut checked = 0;
+        for arg in Wrap::command().get_arguments() {
+            let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+            let Some(stated) = help
+                .split("(default ")
+                .nth(1)
+                .and_then(|rest| rest.split(')').next())
+            else {
+                continue;
+            };
+            let flag = format!("--{}", arg.get_long().unwrap());
+            let matches = Wrap::command()
+                .try_get_matches_from(["strata", flag.as_str(), stated])
+                .unwrap_or_else(|e| panic!("{flag} {stated}: {e}"));
+            let given = Wrap::from_arg_matches(&matches).unwrap().flags.resolve();
+            assert_eq!(
+                given.unwrap(),
+                none,
+                "{flag}'s help says (default {stated})"
+            );
+            checked += 1;
+        }
+        assert!(checked >= 20, "only {checked} flags state a default");
     }
 }

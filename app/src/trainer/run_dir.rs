@@ -230,6 +230,8 @@ fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> 
 /// (`strata verify`).
 pub fn verify_run(run_dir: &Path) -> Result<strata::engine::CheckpointReport, String> {
     let record = read_record(run_dir, "verify", "--run")?;
+    // Not while a trainer commits checkpoints there.
+    let _lock = RunLock::take(run_dir)?;
     let files = record.model_files()?;
     let (o, source) = (
         TrainOptions {
@@ -247,6 +249,9 @@ pub fn verify_run(run_dir: &Path) -> Result<strata::engine::CheckpointReport, St
 
 pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>, String> {
     let record = read_record(run_dir, "export", "--run")?;
+    // Not while a trainer commits checkpoints there, and one export of a
+    // run at a time.
+    let _lock = RunLock::take(run_dir)?;
     let files = record.model_files()?;
     let (o, source) = (
         TrainOptions {
@@ -391,8 +396,9 @@ impl RunLock {
                     who => format!("another strata process ({who})"),
                 };
                 Err(format!(
-                    "{} is in use: {holder} is training there. Wait for it to finish (Ctrl-C or \
-                     SIGTERM stops it with a checkpoint), or choose another --out",
+                    "{} is in use: {holder} is training or exporting there. Wait for it to \
+                     finish (Ctrl-C or SIGTERM stops a run with a checkpoint), or choose another \
+                     run directory",
                     dir.display()
                 ))
             }
