@@ -5,7 +5,10 @@
 //! byte.) A change that alters either file fails here: either it is a
 //! mistake, or it is a new format version, which bumps the version number,
 //! keeps reading version 1 (this test stays), and adds its own fixtures
-//! (`cargo test --test format_fixtures -- --ignored` writes them).
+//! (`cargo test --test format_fixtures -- --ignored` writes them). A change
+//! of the arithmetic that leaves the format alone (the values in the files
+//! differ, not their layout) rewrites these fixtures, and says so in its
+//! commit.
 
 use std::path::{Path, PathBuf};
 

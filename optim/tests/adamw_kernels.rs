@@ -199,14 +199,16 @@ fn bf16_copy_of_nan_is_a_quiet_nan_in_every_variant() {
     }
 }
 
-/// torch.optim.AdamW written out in f64.
+/// torch.optim.AdamW written out in f64, its hyper-parameters the
+/// decimals written for them (torch's are Python floats).
 fn reference_f64(hyper: &AdamWHyper, init: &[f32], grads: &[Vec<f32>]) -> Vec<f64> {
+    let decimal = |x: f32| x.to_string().parse::<f64>().unwrap();
     let (lr, b1, b2, eps, wd) = (
-        hyper.lr as f64,
-        hyper.beta1 as f64,
-        hyper.beta2 as f64,
+        decimal(hyper.lr),
+        decimal(hyper.beta1),
+        decimal(hyper.beta2),
         hyper.eps as f64,
-        hyper.weight_decay as f64,
+        decimal(hyper.weight_decay),
     );
     let mut p: Vec<f64> = init.iter().map(|&x| x as f64).collect();
     let mut m = vec![0.0f64; p.len()];
@@ -308,4 +310,38 @@ fn detect_picks_a_supported_kernel() {
     let k = Kernel::detect();
     assert!(k.is_supported());
     assert_eq!(Kernel::from_name(k.name()), Some(k));
+}
+
+/// The hyper-parameters are the decimals written for them, as torch's
+/// Python floats are: 1 − β2 is torch's 0.001 (not 1 − f32(0.999) =
+/// 0.00099998713…), so one step from zero moments leaves exactly torch's
+/// v = 0.001·g² and m = 0.1·g.
+#[test]
+fn one_minus_beta_is_formed_from_the_decimal_as_torch_does() {
+    let hyper = AdamWHyper::default();
+    let s = StepScalars::new(&hyper, 1, 1.0);
+    assert_eq!(s.one_minus_beta2, 0.001f32);
+    assert_eq!(s.one_minus_beta1, 0.1f32);
+    // torch: step_size = lr / (1 − 0.9¹) in f64, then an f32 scalar.
+    assert_eq!(s.neg_step_size, -(1e-3f64 / (1.0 - 0.9f64)) as f32);
+    assert_eq!(s.inv_sqrt_bias2, (1.0 / (1.0 - 0.999f64).sqrt()) as f32);
+    let (p, m, v) = (vec![1.0f32; 3], vec![0.0f32; 3], vec![0.0f32; 3]);
+    let g = [1.0f32, -2.0, 0.5];
+    for kernel in Kernel::supported() {
+        let (mut p, mut m, mut v) = (p.clone(), m.clone(), v.clone());
+        adamw_step(
+            kernel,
+            &s,
+            &mut p,
+            &mut m,
+            &mut v,
+            GradRef::F32(&g),
+            CopyOut::None,
+        )
+        .unwrap();
+        for i in 0..3 {
+            assert_eq!(v[i], 0.001f32 * g[i] * g[i], "{kernel:?} v[{i}]");
+            assert_eq!(m[i], 0.1f32 * g[i], "{kernel:?} m[{i}]");
+        }
+    }
 }

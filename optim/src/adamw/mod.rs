@@ -94,24 +94,41 @@ pub struct StepScalars {
 impl StepScalars {
     /// Constants for step `t` (t ≥ 1). `grad_scale` multiplies every gradient
     /// element first (global-norm clipping, accumulation averaging); 1.0 is exact.
+    ///
+    /// Each hyper-parameter is taken as the decimal written for it (`0.999`,
+    /// not the f32 nearest it, 0.99900001287…), as torch takes its Python
+    /// floats: 1 − β, the bias corrections and the step size are formed
+    /// from those decimals in f64 and rounded once to f32. So 1 − β2 is
+    /// exactly torch's 0.001, where 1 − f32(0.999) would put every second
+    /// moment 1.3e-5 (relative) below torch's.
     pub fn new(hyper: &AdamWHyper, t: u64, grad_scale: f32) -> Self {
         assert!(t >= 1, "AdamW step numbers start at 1");
-        // Bias corrections in f64, then rounded once to f32.
+        let (lr, beta1, beta2) = (
+            decimal(hyper.lr),
+            decimal(hyper.beta1),
+            decimal(hyper.beta2),
+        );
         let t = t as f64;
-        let bias1 = 1.0 - (hyper.beta1 as f64).powf(t);
-        let bias2 = 1.0 - (hyper.beta2 as f64).powf(t);
+        let bias1 = 1.0 - beta1.powf(t);
+        let bias2 = 1.0 - beta2.powf(t);
         Self {
             grad_scale,
-            neg_lr_wd: -(hyper.lr as f64 * hyper.weight_decay as f64) as f32,
+            neg_lr_wd: -(lr * decimal(hyper.weight_decay)) as f32,
             beta1: hyper.beta1,
-            one_minus_beta1: (1.0 - hyper.beta1 as f64) as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
             beta2: hyper.beta2,
-            one_minus_beta2: (1.0 - hyper.beta2 as f64) as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
             inv_sqrt_bias2: (1.0 / bias2.sqrt()) as f32,
             eps: hyper.eps,
-            neg_step_size: -(hyper.lr as f64 / bias1) as f32,
+            neg_step_size: -(lr / bias1) as f32,
         }
     }
+}
+
+/// The shortest decimal that reads back as `x` (Rust prints an f32 that
+/// way), as f64: the value a user wrote for a hyper-parameter.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// A gradient in any of the precisions the device hands back.
