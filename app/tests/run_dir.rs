@@ -87,3 +87,63 @@ fn a_finetune_resumes_and_exports_without_its_model_directory() {
     let err = resume(7).unwrap_err();
     assert!(err.contains("tokenizer.json is missing"), "{err}");
 }
+
+/// A copied run directory, resumed, never writes the original's export: an
+/// `--export` outside the run directory is left until named again, one
+/// inside it moves with the copy.
+#[test]
+fn a_copied_run_does_not_export_over_the_original_run_s_export() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &tiny_config());
+    let copy_dir = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_file() {
+                std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+            }
+        }
+    };
+    let resume = |out: &Path| {
+        let flags = TrainFlags {
+            resume: true,
+            steps: Some(3),
+            ..flags_holding(out, 6)
+        };
+        trainer::run(&flags, Source::Scratch, &AtomicBool::new(false)).unwrap();
+    };
+    let outside = dir.path().join("exported");
+    for (run, export) in [("a", outside.clone()), ("b", dir.path().join("b/model"))] {
+        let original = dir.path().join(run);
+        let flags = TrainFlags {
+            steps: Some(2),
+            export: Some(export.clone()),
+            ..flags_holding(&original, 6)
+        };
+        trainer::run(
+            &flags,
+            Source::Finetune(model.clone()),
+            &AtomicBool::new(false),
+        )
+        .unwrap();
+        assert!(export.join("config.json").is_file());
+        std::fs::remove_dir_all(&export).unwrap();
+        let copy = dir.path().join(format!("{run}-copy"));
+        copy_dir(&original, &copy);
+        resume(&copy);
+        assert!(
+            !export.exists(),
+            "the copy of run {run} wrote the original's export"
+        );
+        if run == "b" {
+            assert!(
+                copy.join("model/config.json").is_file(),
+                "the inside export moves"
+            );
+        }
+    }
+    // In place, the recorded export stands.
+    resume(&dir.path().join("a"));
+    assert!(outside.join("config.json").is_file());
+}

@@ -116,6 +116,7 @@ pub(super) fn resume_options(
     let out = flags.resolve()?.out;
     let record = read_record(&out, "resume", "--out")?;
     let files = record.model_files()?;
+    let recorded_out = record.options.out.clone();
     // The directory given now, not the one recorded: a run directory may
     // have been moved, or --out be relative to another working directory.
     let mut o = TrainOptions {
@@ -127,6 +128,8 @@ pub(super) fn resume_options(
     }
     if flags.export.is_some() {
         o.export = flags.export.clone();
+    } else if let Some(export) = o.export.take() {
+        o.export = follow_export(&recorded_out, &o.out, export);
     }
     if let Some(stream) = flags.host_stream_slots {
         o.host_stream_slots = stream;
@@ -141,6 +144,32 @@ pub(super) fn resume_options(
     o.timeline_step = flags.timeline_step;
     o.resume = true;
     Ok((o, record.source, files))
+}
+
+/// The recorded `--export` of a run resumed from `now`, recorded in `was`.
+/// In place, it stands. Moved (or copied), an export inside the run
+/// directory moves with it; one outside is not written by this copy unless
+/// named again, so that a copy never overwrites the original's export.
+fn follow_export(was: &Path, now: &Path, export: PathBuf) -> Option<PathBuf> {
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    if same(was, now) {
+        return Some(export);
+    }
+    if let Ok(inside) = export.strip_prefix(was) {
+        return Some(now.join(inside));
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "note: this run was recorded in {} and is resumed from {}: its --export {} is not \
+         written by this copy; give --export again to write it",
+        was.display(),
+        now.display(),
+        export.display()
+    );
+    None
 }
 
 impl RunRecord {
