@@ -180,15 +180,10 @@ pub fn plan_command(flags: &TrainFlags, model: Option<&Path>) -> Result<MemoryPl
 }
 
 fn validate_options(o: &TrainOptions) -> Result<(), String> {
-    if o.steps == 0
-        || o.batch == 0
-        || o.seq_len == 0
-        || o.micro_batches == 0
-        || o.threads == 0
-        || o.devices == 0
-    {
+    // --steps 0 is legitimate: a fine-tune that only imports and exports.
+    if o.batch == 0 || o.seq_len == 0 || o.micro_batches == 0 || o.threads == 0 || o.devices == 0 {
         return Err(
-            "--steps, --batch, --seq-len, --micro-batches, --devices and --threads must be at least 1"
+            "--batch, --seq-len, --micro-batches, --devices and --threads must be at least 1"
                 .into(),
         );
     }
@@ -216,8 +211,9 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
         .map_err(|e| format!("--backend: {e}"))?
         .check(o.devices, parse_dtype(&o.compute_dtype)?)
         .map_err(|e| format!("--backend {}: {e}", o.backend))?;
-    if !(o.lr > 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
-        return Err("--lr must be positive and --min-lr-ratio in [0, 1]".into());
+    // --lr 0 is legitimate: a frozen evaluation (nothing changes).
+    if !(o.lr >= 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
+        return Err("--lr must be 0 or more and --min-lr-ratio in [0, 1]".into());
     }
     if !(0.0..=1.0).contains(&o.defer_share) {
         return Err(format!(
