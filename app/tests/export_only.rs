@@ -69,3 +69,80 @@ fn steps_0_exports_the_imported_model_and_lr_0_changes_nothing() {
     );
     assert!(again == imported, "the export differs from the source");
 }
+
+/// The dtype of every tensor in the safetensors files of `dir`.
+fn tensor_dtypes(dir: &std::path::Path) -> std::collections::BTreeSet<String> {
+    let mut found = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        for (name, info) in header.as_object().unwrap() {
+            if name != "__metadata__" {
+                found.insert(info["dtype"].as_str().unwrap().to_string());
+            }
+        }
+    }
+    found
+}
+
+/// An export keeps the source's config.json, every key of it (token ids,
+/// coefficients as written), and its precision, unless told another.
+#[test]
+fn an_export_keeps_the_source_config_and_precision() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &config);
+    let path = model.join("config.json");
+    let mut source: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let extra = serde_json::json!({
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+        "output_router_logits": true, "router_aux_loss_coef": 0.02,
+        "initializer_range": 0.02, "use_cache": true
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        source[k] = v.clone();
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(&source).unwrap()).unwrap();
+
+    let out = dir.path().join("run");
+    let export = dir.path().join("exported");
+    let flags = TrainFlags {
+        steps: Some(1),
+        eval_every: Some(0),
+        export: Some(export.clone()),
+        ..flags_holding(&out, 6)
+    };
+    trainer::run(
+        &flags,
+        Source::Finetune(model.clone()),
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        written, source,
+        "the exported config.json differs from the source's"
+    );
+    assert_eq!(tensor_dtypes(&export), ["BF16".to_string()].into());
+
+    // `strata export`: the same by default, another precision when asked.
+    let again = dir.path().join("again");
+    trainer::export_run(&out, &again, None).unwrap();
+    assert_eq!(tensor_dtypes(&again), ["BF16".to_string()].into());
+    let wide = dir.path().join("wide");
+    trainer::export_run(&out, &wide, Some("f32")).unwrap();
+    assert_eq!(tensor_dtypes(&wide), ["F32".to_string()].into());
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(wide.join("config.json")).unwrap()).unwrap();
+    assert_eq!(written["torch_dtype"], "float32");
+    assert_eq!(written["eos_token_id"], 2);
+}

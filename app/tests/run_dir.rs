@@ -73,7 +73,7 @@ fn a_finetune_resumes_and_exports_without_its_model_directory() {
     );
 
     let export = dir.path().join("export");
-    trainer::export_run(&stopped, &export, "f32").unwrap();
+    trainer::export_run(&stopped, &export, Some("f32")).unwrap();
     assert_eq!(
         std::fs::read_to_string(export.join("generation_config.json")).unwrap(),
         generation

@@ -265,8 +265,8 @@ impl LmConfig {
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_seq,
             "output_router_logits": self.aux_loss_coef != 0.0,
-            "router_aux_loss_coef": self.aux_loss_coef,
-            "router_z_loss_coef": self.z_loss_coef,
+            "router_aux_loss_coef": decimal(self.aux_loss_coef),
+            "router_z_loss_coef": decimal(self.z_loss_coef),
             "hidden_act": "silu",
             "torch_dtype": "float32",
             "sliding_window": null,
@@ -274,6 +274,12 @@ impl LmConfig {
         });
         serde_json::to_string_pretty(&value).expect("plain JSON")
     }
+}
+
+/// The shortest decimal that reads back as `x`, as f64: `0.01`, not
+/// 0.009999999776482582, in a written config.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// A model family's defaults for keys a `config.json` may leave out (its

@@ -70,9 +70,10 @@ pub struct ExportArgs {
     /// Where to write config.json and the safetensors.
     #[arg(long)]
     pub to: PathBuf,
-    /// Tensor precision: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// Tensor precision: f32, bf16 or f16 (default: the source checkpoint's,
+    /// as its config.json declares it; f32 for a model trained from scratch).
+    #[arg(long)]
+    pub dtype: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -150,7 +151,7 @@ fn execute(cli: Cli) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Export(args) => {
-            let files = trainer::export_run(&args.run, &args.to, &args.dtype)?;
+            let files = trainer::export_run(&args.run, &args.to, args.dtype.as_deref())?;
             let (count, to) = (files.len(), args.to.display());
             writeln!(std::io::stdout(), "wrote {count} files to {to}")?;
             Ok(ExitCode::SUCCESS)

@@ -151,7 +151,11 @@ pub fn export(
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         Ok(path)
     };
-    files.push(write("config.json", config.to_hf_json().as_bytes())?);
+    let kept = source_dir.and_then(|d| std::fs::read_to_string(d.join("config.json")).ok());
+    files.push(write(
+        "config.json",
+        export_config(config, kept.as_deref(), dtype).as_bytes(),
+    )?);
     if let Some(src) = source_dir {
         for name in SIDE_FILES {
             let from = src.join(name);
@@ -163,4 +167,56 @@ pub fn export(
         }
     }
     Ok(files)
+}
+
+/// transformers' name of a tensor precision (`torch_dtype`).
+fn torch_dtype(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::F32 => "float32",
+        Dtype::Bf16 => "bfloat16",
+        Dtype::F16 => "float16",
+    }
+}
+
+/// The precision a model's `config.json` declares for its weights
+/// (`torch_dtype`, or transformers 5's `dtype`); f32 where it names none.
+pub fn declared_dtype(config_json: Option<&str>) -> Dtype {
+    let value: Option<serde_json::Value> = config_json.and_then(|t| serde_json::from_str(t).ok());
+    let name = value.as_ref().and_then(|v| {
+        v.get("torch_dtype")
+            .or_else(|| v.get("dtype"))
+            .and_then(serde_json::Value::as_str)
+    });
+    match name {
+        Some("bfloat16") => Dtype::Bf16,
+        Some("float16") => Dtype::F16,
+        _ => Dtype::F32,
+    }
+}
+
+/// The exported `config.json`: the source's own (`kept`, the run
+/// directory's copy) with every key it had, where it describes this very
+/// model, only its precision set to the export's; else strata's own.
+pub fn export_config(config: &LmConfig, kept: Option<&str>, dtype: Dtype) -> String {
+    let same_model = |text: &str| {
+        LmConfig::from_hf_json(text).is_ok_and(|c| {
+            c == LmConfig {
+                seed: 0,
+                ..config.clone()
+            }
+        })
+    };
+    let mut value: serde_json::Value = match kept.filter(|t| same_model(t)) {
+        Some(text) => serde_json::from_str(text).expect("parsed just above"),
+        None => serde_json::from_str(&config.to_hf_json()).expect("plain JSON"),
+    };
+    if let Some(map) = value.as_object_mut() {
+        let key = if map.contains_key("dtype") && !map.contains_key("torch_dtype") {
+            "dtype"
+        } else {
+            "torch_dtype"
+        };
+        map.insert(key.into(), torch_dtype(dtype).into());
+    }
+    serde_json::to_string_pretty(&value).expect("plain JSON")
 }

@@ -438,7 +438,9 @@ fn run_locked(
             o.steps
         ));
     }
-    if start_step >= o.steps {
+    if o.steps == 0 {
+        say("--steps 0: nothing to train".to_string());
+    } else if start_step >= o.steps {
         say(format!(
             "the run is already at step {start_step} of {}",
             o.steps
@@ -561,7 +563,7 @@ fn run_locked(
             &lm,
             engine.dense_params(),
             engine.store(),
-            Dtype::F32,
+            run_dir::export_dtype(None, &o.out)?,
             2 << 30,
             source_dir,
         )?;

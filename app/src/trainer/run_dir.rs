@@ -240,6 +240,30 @@ fn keep_model_files(o: &TrainOptions, source: &Source) -> Result<bool, String> {
     Ok(tokenizer.is_some())
 }
 
+/// The export's precision: `given` (f32, bf16 or f16), else what the run's
+/// kept `config.json` declares.
+pub(super) fn export_dtype(
+    given: Option<&str>,
+    run_dir: &Path,
+) -> Result<strata_tiers::Dtype, String> {
+    match given {
+        Some(name) => parse_dtype(name).map_err(|e| e.replace("--compute-dtype", "--dtype")),
+        None => {
+            let kept = std::fs::read_to_string(run_dir.join("config.json")).ok();
+            Ok(hf::declared_dtype(kept.as_deref()))
+        }
+    }
+}
+
+/// A fine-tune's source `config.json`, verbatim: the run directory keeps
+/// it, every key included, for `--resume` and for the export's config.
+fn source_config_text(source: &Source) -> Option<String> {
+    match source {
+        Source::Finetune(dir) => std::fs::read_to_string(dir.join("config.json")).ok(),
+        Source::Scratch => None,
+    }
+}
+
 /// `DIR/run.json`; where it cannot be read, the error says what could not
 /// `verb` and which `flag` named the directory.
 fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> {
@@ -276,7 +300,9 @@ pub fn verify_run(run_dir: &Path) -> Result<strata::engine::CheckpointReport, St
         .map_err(|e| format!("{}: {e}", store_path(run_dir).display()))
 }
 
-pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>, String> {
+/// `dtype` None: the precision the source declares (`torch_dtype`), f32 for
+/// a model trained from scratch.
+pub fn export_run(run_dir: &Path, to: &Path, dtype: Option<&str>) -> Result<Vec<PathBuf>, String> {
     let record = read_record(run_dir, "export", "--run")?;
     // Not while a trainer commits checkpoints there, and one export of a
     // run at a time.
@@ -313,7 +339,7 @@ pub fn export_run(run_dir: &Path, to: &Path, dtype: &str) -> Result<Vec<PathBuf>
         &lm,
         engine.dense_params(),
         engine.store(),
-        parse_dtype(dtype)?,
+        export_dtype(dtype, run_dir)?,
         2 << 30,
         source_dir,
     )
@@ -335,7 +361,7 @@ pub(super) fn create_run(
         let record = RunRecord {
             options: o.clone(),
             source: source.clone(),
-            model: config.to_hf_json(),
+            model: source_config_text(source).unwrap_or_else(|| config.to_hf_json()),
             kept: Some(KeptFiles { tokenizer }),
         };
         let engine = match imported {
