@@ -28,6 +28,7 @@ mod prefetch;
 mod record;
 mod schedule;
 mod store;
+mod sys;
 pub mod timeline;
 mod verify;
 

@@ -223,19 +223,7 @@ pub fn register_host(
     let rc =
         unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) };
     if rc != sys::CUresult::CUDA_SUCCESS {
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes the struct it is given.
-        let known = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0;
-        let limit = if !known {
-            "unknown".to_string()
-        } else if limit.rlim_cur == libc::RLIM_INFINITY {
-            "unlimited".to_string()
-        } else {
-            format!("{} bytes", limit.rlim_cur)
-        };
+        let limit = crate::sys::memlock_limit();
         return Err(TierError::DeviceCopy(format!(
             "the OS refused to page-lock {len} bytes of host memory ({rc:?}; memlock limit \
              {limit}, see `ulimit -l`)"

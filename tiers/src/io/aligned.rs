@@ -33,7 +33,7 @@ impl AlignedBuf {
         let len = len.max(1).div_ceil(BLOCK_BYTES) * BLOCK_BYTES;
         let layout = Layout::from_size_align(len, BLOCK_BYTES).expect("valid layout");
         let ptr = if len >= HUGE_PAGE_BYTES {
-            map_huge(len)
+            crate::sys::map_huge(len, HUGE_PAGE_BYTES)
         } else {
             // SAFETY: the layout has a non-zero size (len ≥ 4096).
             NonNull::new(unsafe { alloc_zeroed(layout) })
@@ -67,54 +67,13 @@ impl Drop for AlignedBuf {
             // SAFETY: `zeroed` took [ptr, ptr + len) from `map_huge`, which
             // mapped exactly that; nothing else unmaps it, and it is unmapped
             // once, here.
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+            unsafe { crate::sys::unmap(self.ptr, self.len) };
         } else {
             let layout = Layout::from_size_align(self.len, BLOCK_BYTES).expect("valid layout");
             // SAFETY: allocated in `zeroed` with this exact layout, freed once.
             unsafe { dealloc(self.ptr.as_ptr(), layout) }
         }
     }
-}
-
-/// Maps `len` zeroed bytes (a multiple of 4096) at a 2 MiB boundary and
-/// asks the kernel to back them with transparent huge pages. On a virtual
-/// machine, memory reached through 4 KiB pages pays two-level page walks
-/// on every TLB miss, for the CPU and for the host's disk DMA alike.
-/// `None` if the mapping fails; a refused `madvise` (THP off) leaves plain
-/// pages.
-fn map_huge(len: usize) -> Option<NonNull<u8>> {
-    let span = len + HUGE_PAGE_BYTES;
-    // SAFETY: an anonymous private mapping at an address of the kernel's
-    // choosing touches no existing memory.
-    let raw = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            span,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if raw == libc::MAP_FAILED {
-        return None;
-    }
-    let start = raw as usize;
-    let aligned = start.next_multiple_of(HUGE_PAGE_BYTES);
-    let head = aligned - start;
-    let tail = span - head - len;
-    // SAFETY: [start, aligned) and [aligned + len, start + span) lie inside
-    // the mapping just made and outside the part kept.
-    unsafe {
-        if head > 0 {
-            libc::munmap(raw, head);
-        }
-        if tail > 0 {
-            libc::munmap((aligned + len) as *mut libc::c_void, tail);
-        }
-        libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-    }
-    NonNull::new(aligned as *mut u8)
 }
 
 /// One large host allocation. How it was obtained (plain pages, or pages

@@ -47,13 +47,15 @@ pub struct UringFile {
 /// A line saying why io_uring was not used, naming the likely cause.
 pub(crate) fn refusal_note(e: &std::io::Error) -> String {
     let cause = match e.raw_os_error() {
-        Some(libc::EPERM) => {
-            "not permitted: a seccomp filter (containers often block io_uring) or \
-             sysctl kernel.io_uring_disabled"
-        }
-        Some(libc::ENOSYS) => "this kernel has no io_uring (Linux 5.1+ needed)",
-        Some(libc::ENOMEM) => "not enough locked memory for the ring (ulimit -l)",
-        _ => "refused by the kernel",
+        Some(libc::EPERM) => "not permitted: a seccomp filter (containers often block io_uring) \
+                              or sysctl kernel.io_uring_disabled"
+            .to_string(),
+        Some(libc::ENOSYS) => "this kernel has no io_uring (Linux 5.1+ needed)".to_string(),
+        Some(libc::ENOMEM) => format!(
+            "not enough locked memory for the ring (memlock limit {}, see `ulimit -l`)",
+            crate::sys::memlock_limit()
+        ),
+        _ => "refused by the kernel".to_string(),
     };
     format!("io_uring unavailable ({e}: {cause}); using pread/pwrite")
 }
