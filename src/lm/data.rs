@@ -16,6 +16,10 @@ use crate::EngineError;
 pub enum Tokenizer {
     /// One token per UTF-8 byte, plus an end-of-document token (256).
     Bytes,
+    /// One token per UTF-8 byte and no end-of-document token, for a model
+    /// whose vocabulary is the 256 bytes alone: documents follow one
+    /// another unmarked.
+    BytesOnly,
     /// A Hugging Face `tokenizer.json`.
     Hf(Box<tokenizers::Tokenizer>, u32),
 }
@@ -42,23 +46,35 @@ impl Tokenizer {
         Ok(Tokenizer::Hf(Box::new(tok), eos))
     }
 
+    /// Bytes for a model of `vocab` tokens with no tokenizer of its own:
+    /// with an end-of-document token where the vocabulary has room for it.
+    pub fn bytes_for(vocab: usize) -> Tokenizer {
+        match vocab {
+            256 => Tokenizer::BytesOnly,
+            _ => Tokenizer::Bytes,
+        }
+    }
+
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Bytes => 257,
+            Tokenizer::BytesOnly => 256,
             Tokenizer::Hf(t, _) => t.get_vocab_size(true),
         }
     }
 
-    pub fn eos(&self) -> u32 {
+    /// The token that ends a document, if the tokenizer has one.
+    pub fn eos(&self) -> Option<u32> {
         match self {
-            Tokenizer::Bytes => 256,
-            Tokenizer::Hf(_, eos) => *eos,
+            Tokenizer::Bytes => Some(256),
+            Tokenizer::BytesOnly => None,
+            Tokenizer::Hf(_, eos) => Some(*eos),
         }
     }
 
     pub fn encode(&self, text: &str, out: &mut Vec<u32>) -> Result<(), EngineError> {
         match self {
-            Tokenizer::Bytes => out.extend(text.bytes().map(u32::from)),
+            Tokenizer::Bytes | Tokenizer::BytesOnly => out.extend(text.bytes().map(u32::from)),
             Tokenizer::Hf(t, _) => {
                 let enc = t
                     .encode(text, false)
@@ -72,7 +88,7 @@ impl Tokenizer {
     /// Text for display (the byte tokenizer shows its end token as ⏎).
     pub fn decode(&self, ids: &[u32]) -> String {
         match self {
-            Tokenizer::Bytes => {
+            Tokenizer::Bytes | Tokenizer::BytesOnly => {
                 let bytes: Vec<u8> = ids
                     .iter()
                     .map(|&i| if i < 256 { i as u8 } else { b'|' })
@@ -281,8 +297,8 @@ impl SequenceReader {
                 None => return Ok(None),
                 Some((text, ends)) => {
                     tok.encode(&text, &mut self.pending)?;
-                    if ends {
-                        self.pending.push(tok.eos());
+                    if let Some(eos) = tok.eos().filter(|_| ends) {
+                        self.pending.push(eos);
                     }
                 }
             }
@@ -468,6 +484,24 @@ mod tests {
         assert!(text.contains('='), "{text}");
     }
 
+    /// A model of 256 tokens reads bytes with no end-of-document token;
+    /// otherwise documents end with token 256.
+    #[test]
+    fn bytes_have_an_end_token_only_where_the_vocabulary_has_room() {
+        assert_eq!(Tokenizer::bytes_for(256).vocab_size(), 256);
+        assert_eq!(Tokenizer::bytes_for(32_000).vocab_size(), 257);
+        for (vocab, end_seen) in [(256, false), (300, true)] {
+            let mut ds = Dataset::open(builtin(32), Tokenizer::bytes_for(vocab)).unwrap();
+            let mut ends = false;
+            for _ in 0..20 {
+                let batch = ds.next_batch().unwrap();
+                assert!(batch.tokens.iter().all(|&t| (t as usize) < vocab.min(257)));
+                ends |= batch.tokens.contains(&256);
+            }
+            assert_eq!(ends, end_seen, "vocab {vocab}");
+        }
+    }
+
     #[test]
     fn skipping_resumes_the_same_stream() {
         let mut a = Dataset::open(builtin(16), Tokenizer::Bytes).unwrap();
@@ -550,7 +584,7 @@ mod tests {
         });
         std::fs::write(&path, json.to_string()).unwrap();
         let tok = Tokenizer::from_file(&path).unwrap();
-        assert_eq!((tok.vocab_size(), tok.eos()), (4, 2));
+        assert_eq!((tok.vocab_size(), tok.eos()), (4, Some(2)));
         let mut ids = Vec::new();
         tok.encode("a b zz a", &mut ids).unwrap();
         assert_eq!(ids, [0, 1, 3, 0]);

@@ -108,7 +108,11 @@ fn tokenizer_for(o: &TrainOptions, source: &Source) -> Result<Tokenizer, String>
             }
             Tokenizer::from_file(&path).map_err(|e| e.to_string())
         }
-        None => Ok(Tokenizer::Bytes),
+        // Bytes, with an end-of-document token where the model has room.
+        None => match source {
+            Source::Finetune(dir) => Ok(Tokenizer::bytes_for(hf::read_config(dir)?.vocab)),
+            Source::Scratch => Ok(Tokenizer::Bytes),
+        },
     }
 }
 

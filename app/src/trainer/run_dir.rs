@@ -70,7 +70,7 @@ impl ModelFiles {
                     }
                     Tokenizer::from_file(&path).map_err(|e| format!("{}: {e}", path.display()))?
                 } else {
-                    Tokenizer::Bytes
+                    Tokenizer::bytes_for(config.vocab)
                 };
                 let config = LmConfig {
                     seed: o.seed,

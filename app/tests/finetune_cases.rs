@@ -1,6 +1,7 @@
-//! `--steps 0` (a fine-tune that only imports and exports) and `--lr 0` (a
-//! frozen evaluation) are legitimate runs: both run, neither changes a
-//! parameter, and the export of either re-imports to the source's values.
+//! Fine-tunes at the edges a user meets: `--steps 0` (import and export
+//! only) and `--lr 0` (a frozen evaluation), which change no parameter; an
+//! export that keeps the source's config.json and precision; and a model of
+//! 256 tokens without a tokenizer of its own.
 
 mod common;
 
@@ -145,4 +146,33 @@ fn an_export_keeps_the_source_config_and_precision() {
         serde_json::from_str(&std::fs::read_to_string(wide.join("config.json")).unwrap()).unwrap();
     assert_eq!(written["torch_dtype"], "float32");
     assert_eq!(written["eos_token_id"], 2);
+}
+
+/// A checkpoint whose vocabulary is the 256 bytes alone, with no
+/// tokenizer.json, fine-tunes on bytes without an end-of-document token
+/// (which it has no id for), and resumes the same way.
+#[test]
+fn a_256_token_model_without_a_tokenizer_fine_tunes_on_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = strata::lm::LmConfig {
+        vocab: 256,
+        ..tiny_config()
+    };
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &config);
+    let out = dir.path().join("run");
+    let flags = TrainFlags {
+        steps: Some(2),
+        eval_every: Some(0),
+        ..flags_holding(&out, 6)
+    };
+    let done = trainer::run(&flags, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
+    assert!(done.last_loss.is_some_and(f32::is_finite));
+    let more = TrainFlags {
+        resume: true,
+        steps: Some(3),
+        ..flags
+    };
+    let resumed = trainer::run(&more, Source::Scratch, &AtomicBool::new(false)).unwrap();
+    assert_eq!(resumed.steps, 3);
 }
