@@ -229,6 +229,52 @@ fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: us
     );
 }
 
+/// `Engine::forward`'s logits and target log-probabilities against the
+/// oracle's forward: the same bound as the loss (48 rows of ≤ 48-term
+/// sums, ~1e-6 relative).
+#[test]
+fn the_forward_s_logits_match_the_oracle() {
+    let c = lm(2, true, false);
+    let lm = MixtralLm::new(c.clone()).unwrap();
+    let mut engine = Engine::new_network(&lm, engine_config(1, 1)).unwrap();
+    let params = params_of(&lm, &mut engine);
+    let (seqs, seq_len) = (3, 8);
+    let batch = TokenBatch {
+        seq_len,
+        tokens: tokens(c.vocab, seqs, seq_len, 29),
+    };
+    let out = engine.forward(&lm, &batch).unwrap();
+    assert_eq!((out.tokens(), out.width), (seqs * seq_len, c.vocab));
+    let part = Part {
+        seq_len,
+        tokens: batch.tokens.clone(),
+    };
+    let want = oracle::logits(&shape_of(&c), &params, &part);
+    let diff: f64 = out
+        .logits
+        .iter()
+        .zip(&want)
+        .map(|(&a, b)| (a as f64 - b).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|b| b * b).sum();
+    let rel = (diff / norm).sqrt();
+    eprintln!("logits vs oracle: {rel:.2e} norm-wise relative");
+    assert!(
+        rel < LOSS_TOLERANCE,
+        "logits differ from the oracle's by {rel:e}"
+    );
+    for (i, (&lp, &target)) in out.target_log_probs().iter().zip(&out.targets).enumerate() {
+        let row = &want[i * c.vocab..(i + 1) * c.vocab];
+        let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+        let expected = row[target as usize] - lse;
+        assert!(
+            (lp as f64 - expected).abs() < 1e-5,
+            "token {i}: {lp} vs {expected}"
+        );
+    }
+}
+
 #[test]
 fn one_device_top2_resident() {
     let c = lm(2, true, false);

@@ -47,7 +47,7 @@ pub use metrics::StepMetrics;
 pub use open::{host_cell_slot_count, host_kept_count};
 pub use verify::{verify_checkpoint, CheckpointReport};
 
-use crate::model::{Batch, DenseKernels, ModelConfig, Network};
+use crate::model::{Batch, DenseKernels, Evaluation, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 use open::step_schedule;
@@ -182,6 +182,32 @@ impl Engine {
     /// on the first device. The prefetch schedule restarts at the next
     /// step's forward.
     pub fn evaluate<N: Network>(&mut self, net: &N, batch: &N::Batch) -> Result<f32, EngineError> {
+        Ok(self.forward(net, batch)?.loss)
+    }
+
+    /// The forward pass of `batch` alone: every token's logits (and its
+    /// target, and their mean cross-entropy); nothing is updated. For a
+    /// language model, token i of sequence s is row `s · seq_len + i`, its
+    /// logits predicting token i + 1.
+    ///
+    /// ```
+    /// use strata::engine::{Engine, EngineConfig};
+    /// use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+    ///
+    /// let lm = MixtralLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
+    /// let mut engine = Engine::new_network(&lm, EngineConfig::default()).unwrap();
+    /// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5] };
+    /// let out = engine.forward(&lm, &batch).unwrap();
+    /// assert_eq!((out.tokens(), out.width), (4, lm.config().vocab));
+    /// let log_probs = out.target_log_probs();
+    /// let mean = -log_probs.iter().map(|&l| l as f64).sum::<f64>() / 4.0;
+    /// assert!((mean as f32 - out.loss).abs() < 1e-4);
+    /// ```
+    pub fn forward<N: Network>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+    ) -> Result<Evaluation, EngineError> {
         self.check_network(net)?;
         net.validate_batch(batch)?;
         self.reset_counters();
@@ -192,7 +218,7 @@ impl Engine {
             dev: &mut self.devices[0],
             options,
         };
-        let loss = net.forward_loss(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
+        let out = net.forward_eval(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
         let order = step_schedule(
             &self.model,
             &self.config,
@@ -200,7 +226,7 @@ impl Engine {
             &self.shared.cache,
         );
         self.shared.cache.set_schedule(order);
-        loss
+        out
     }
 
     /// One training step of any [`Network`] built on this engine's MoE

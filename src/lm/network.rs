@@ -16,8 +16,8 @@ use crate::math::attention::{
 };
 use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward};
 use crate::model::{
-    fill_uniform, moe_backward, moe_forward, DenseKernels, ExpertRunner, Losses, ModelConfig,
-    MoeSaved, Network,
+    fill_uniform, moe_backward, moe_forward, DenseKernels, Evaluation, ExpertRunner, Losses,
+    ModelConfig, MoeSaved, Network,
 };
 use crate::EngineError;
 
@@ -481,20 +481,21 @@ impl Network for MixtralLm {
         })
     }
 
-    fn forward_loss(
+    fn forward_eval(
         &self,
         dense: &[f32],
         batch: &TokenBatch,
         runner: &mut dyn ExpertRunner,
         kernels: &dyn DenseKernels,
-    ) -> Result<f32, EngineError> {
+    ) -> Result<Evaluation, EngineError> {
         let f = self.forward(dense, batch, runner, kernels)?;
-        let t = f.targets.len();
-        Ok(cross_entropy_loss(
-            &f.logits,
-            &f.targets,
-            self.config.vocab,
-            t,
-        ))
+        let (t, v) = (f.targets.len(), self.config.vocab);
+        let loss = cross_entropy_loss(&f.logits, &f.targets, v, t);
+        Ok(Evaluation {
+            logits: f.logits,
+            targets: f.targets,
+            width: v,
+            loss,
+        })
     }
 }

@@ -310,14 +310,58 @@ pub trait Network {
         runner: &mut dyn ExpertRunner,
         kernels: &dyn DenseKernels,
     ) -> Result<Losses, EngineError>;
-    /// The mean cross-entropy of `batch`, forward only (evaluation).
+    /// The forward pass alone (evaluation): every token's logits and
+    /// target, and their mean cross-entropy.
+    fn forward_eval(
+        &self,
+        dense: &[f32],
+        batch: &Self::Batch,
+        runner: &mut dyn ExpertRunner,
+        kernels: &dyn DenseKernels,
+    ) -> Result<Evaluation, EngineError>;
+
+    /// The mean cross-entropy of `batch`, forward only.
     fn forward_loss(
         &self,
         dense: &[f32],
         batch: &Self::Batch,
         runner: &mut dyn ExpertRunner,
         kernels: &dyn DenseKernels,
-    ) -> Result<f32, EngineError>;
+    ) -> Result<f32, EngineError> {
+        Ok(self.forward_eval(dense, batch, runner, kernels)?.loss)
+    }
+}
+
+/// What a forward pass gives back: for each of its `tokens` (rows in the
+/// batch's order), `width` logits and the target, and the mean
+/// cross-entropy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Evaluation {
+    /// (tokens, width), row-major.
+    pub logits: Vec<f32>,
+    pub targets: Vec<u32>,
+    pub width: usize,
+    pub loss: f32,
+}
+
+impl Evaluation {
+    pub fn tokens(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// Each token's log-probability of its target: log softmax(logits)[target],
+    /// in f64 and rounded once.
+    pub fn target_log_probs(&self) -> Vec<f32> {
+        self.logits
+            .chunks_exact(self.width)
+            .zip(&self.targets)
+            .map(|(row, &target)| {
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+                let sum: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+                (row[target as usize] as f64 - max - sum.ln()) as f32
+            })
+            .collect()
+    }
 }
 
 /// What a MoE layer's forward keeps for its backward.
@@ -497,13 +541,13 @@ impl Network for ModelConfig {
         )
     }
 
-    fn forward_loss(
+    fn forward_eval(
         &self,
         dense: &[f32],
         batch: &Batch,
         runner: &mut dyn ExpertRunner,
         kernels: &dyn DenseKernels,
-    ) -> Result<f32, EngineError> {
+    ) -> Result<Evaluation, EngineError> {
         let (t, d, v) = (batch.tokens(), self.d_model, self.classes);
         let (h, saved, _, _) = stack_forward(self, dense, batch, runner)?;
         let mut logits = vec![0.0f32; t * v];
@@ -514,7 +558,13 @@ impl Network for ModelConfig {
                 runner.give_buffer(buf);
             }
         }
-        Ok(cross_entropy_loss(&logits, &batch.targets, v, t))
+        let loss = cross_entropy_loss(&logits, &batch.targets, v, t);
+        Ok(Evaluation {
+            logits,
+            targets: batch.targets.clone(),
+            width: v,
+            loss,
+        })
     }
 }
 

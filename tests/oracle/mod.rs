@@ -180,6 +180,12 @@ pub struct Losses {
     pub routing_margin: f64,
 }
 
+/// The logits (T, V) of one part's forward, row i predicting token i + 1.
+pub fn logits(s: &Shape, p: &Params, part: &Part) -> Vec<f64> {
+    let t = part.seqs() * part.seq_len;
+    forward(s, p, part, t).logits
+}
+
 /// The loss of a step of `parts` and, with `grads`, its gradient.
 pub fn step(s: &Shape, p: &Params, parts: &[Part], mut grads: Option<&mut Params>) -> Losses {
     let t_total: usize = parts.iter().map(|x| x.seqs() * x.seq_len).sum();
