@@ -349,7 +349,7 @@ impl Evaluation {
         self.targets.len()
     }
 
-    /// Each token's log-probability of its target: log softmax(logits)[target],
+    /// Each token's log-probability of its target: `log_softmax(logits)[target]`,
     /// in f64 and rounded once.
     pub fn target_log_probs(&self) -> Vec<f32> {
         self.logits
