@@ -30,7 +30,7 @@ mod oracle;
 
 use oracle::{Expert, Params, Part, Shape};
 use strata::engine::{Engine, EngineConfig};
-use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+use strata::lm::{AuxLoss, LmConfig, MixtralLm, TokenBatch};
 use strata::model::Network;
 use strata_optim::AdamWHyper;
 use strata_tiers::Dtype;
@@ -57,6 +57,7 @@ fn lm(top_k: usize, renormalize: bool, tied: bool) -> LmConfig {
         tie_embeddings: tied,
         max_seq: 32,
         aux_loss_coef: 0.05,
+        aux_loss: AuxLoss::PerLayer,
         z_loss_coef: 0.01,
         seed: 3,
     }
@@ -78,6 +79,7 @@ fn shape_of(c: &LmConfig) -> Shape {
         eps: c.rms_eps,
         tied: c.tie_embeddings,
         aux_coef: c.aux_loss_coef as f64,
+        aux_all_layers: c.aux_loss == AuxLoss::AllLayers,
         z_coef: c.z_loss_coef as f64,
     }
 }
@@ -297,6 +299,25 @@ fn micro_batches_top1_tied_streaming_from_the_ssd() {
     case("two micro-batches, top-1, tied, SSD", &c, config, 4, 12);
 }
 
+/// transformers' load-balancing loss (one term over all layers' router
+/// logits, `AuxLoss::AllLayers`, what a Hub config trains with), on two
+/// devices × two micro-batches, each part taking its own term.
+#[test]
+fn all_layers_aux_two_devices_two_micro_batches() {
+    let c = LmConfig {
+        aux_loss: AuxLoss::AllLayers,
+        aux_loss_coef: 0.5,
+        ..lm(2, true, false)
+    };
+    case(
+        "all-layers aux, two devices × two micro-batches",
+        &c,
+        engine_config(2, 2),
+        4,
+        12,
+    );
+}
+
 #[test]
 fn two_devices_two_micro_batches_top2() {
     let c = lm(2, true, false);
@@ -312,8 +333,13 @@ fn two_devices_two_micro_batches_top2() {
 /// loss, which this one is away from a routing tie (the margin is checked).
 #[test]
 fn the_oracle_backward_matches_its_own_central_differences() {
-    for (top_k, renormalize, tied) in [(2, true, false), (1, false, true)] {
+    for (top_k, renormalize, tied, aux_loss) in [
+        (2, true, false, AuxLoss::PerLayer),
+        (1, false, true, AuxLoss::PerLayer),
+        (2, true, false, AuxLoss::AllLayers),
+    ] {
         let c = LmConfig {
+            aux_loss,
             vocab: 12,
             d_model: 8,
             heads: 2,

@@ -30,9 +30,26 @@ pub struct LmConfig {
     /// Longest sequence the model is meant for (`max_position_embeddings`).
     pub max_seq: usize,
     pub aux_loss_coef: f32,
+    /// Which load-balancing loss `aux_loss_coef` weighs.
+    pub aux_loss: AuxLoss,
     pub z_loss_coef: f32,
     /// Seed of the deterministic initialization.
     pub seed: u64,
+}
+
+/// The load-balancing loss, E · Σ_e f_e · P_e (f_e: the share of
+/// assignments expert e took, P_e: its mean router probability), in one of
+/// two forms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuxLoss {
+    /// strata's own (its presets): one Switch Transformer loss a layer,
+    /// f_e over that layer's T·k assignments, summed over the layers.
+    PerLayer,
+    /// transformers' (Mixtral, Qwen-MoE, OLMoE): one loss over every sparse
+    /// layer's router logits concatenated (cross-layer terms included),
+    /// f_e = assignments / (L·T), not divided by k. What a model read from
+    /// a Hub `config.json` trains with.
+    AllLayers,
 }
 
 impl Default for LmConfig {
@@ -65,6 +82,7 @@ impl LmConfig {
             tie_embeddings: false,
             max_seq: 256,
             aux_loss_coef: 0.01,
+            aux_loss: AuxLoss::PerLayer,
             z_loss_coef: 0.0,
             seed: 0,
         };
@@ -235,6 +253,12 @@ impl LmConfig {
                 Some(true) => float("router_aux_loss_coef", family.aux_loss_coef) as f32,
                 _ => 0.0,
             },
+            // transformers' form, unless the config is strata's own (a run
+            // directory's, or an export of a model trained from scratch).
+            aux_loss: match map.get(STRATA_AUX_LOSS_KEY).and_then(Value::as_str) {
+                Some("per_layer") => AuxLoss::PerLayer,
+                _ => AuxLoss::AllLayers,
+            },
             z_loss_coef: float("router_z_loss_coef", 0.0) as f32,
             seed: 0,
         };
@@ -265,6 +289,10 @@ impl LmConfig {
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_seq,
             "output_router_logits": self.aux_loss_coef != 0.0,
+            STRATA_AUX_LOSS_KEY: match self.aux_loss {
+                AuxLoss::PerLayer => "per_layer",
+                AuxLoss::AllLayers => "all_layers",
+            },
             "router_aux_loss_coef": decimal(self.aux_loss_coef),
             "router_z_loss_coef": decimal(self.z_loss_coef),
             "hidden_act": "silu",
@@ -275,6 +303,10 @@ impl LmConfig {
         serde_json::to_string_pretty(&value).expect("plain JSON")
     }
 }
+
+/// The key under which a written config names strata's load-balancing
+/// form (transformers ignores it and computes its own, `AuxLoss::AllLayers`).
+const STRATA_AUX_LOSS_KEY: &str = "strata_aux_loss";
 
 /// The shortest decimal that reads back as `x`, as f64: `0.01`, not
 /// 0.009999999776482582, in a written config.
@@ -479,5 +511,12 @@ mod tests {
         assert_eq!(edited(&keys, on).unwrap().aux_loss_coef, 0.001);
         let on = json!({"output_router_logits": true, "router_aux_loss_coef": 0.02});
         assert_eq!(edited(&[], on).unwrap().aux_loss_coef, 0.02);
+        // A Hub config trains transformers' form of the term; strata's own
+        // configs name theirs.
+        assert_eq!(
+            edited(&["strata_aux_loss"], json!({})).unwrap().aux_loss,
+            AuxLoss::AllLayers
+        );
+        assert_eq!(edited(&[], json!({})).unwrap().aux_loss, AuxLoss::PerLayer);
     }
 }

@@ -9,5 +9,5 @@ pub mod data;
 pub mod network;
 pub mod safetensors_io;
 
-pub use config::{LmConfig, PRESETS};
+pub use config::{AuxLoss, LmConfig, PRESETS};
 pub use network::{DenseTensor, MixtralLm, TokenBatch};

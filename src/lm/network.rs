@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use super::config::LmConfig;
+use super::config::{AuxLoss, LmConfig};
 use crate::math::attention::{
     embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
 };
@@ -245,6 +245,9 @@ impl MixtralLm {
                 moe,
             });
         }
+        if c.aux_loss == AuxLoss::AllLayers {
+            aux = all_layers_aux(&mut layers, c.experts, t);
+        }
         let mut nf = vec![0.0f32; t * d];
         let mut invf = vec![0.0f32; t];
         let gf = &dense[self.final_norm.clone()];
@@ -285,6 +288,38 @@ impl MixtralLm {
         }
         p
     }
+}
+
+/// transformers' load-balancing loss over every layer's routing at once:
+/// E · Σ_e (C_e / N) · (S_e / N), with C_e the assignments expert e took
+/// and S_e its router probabilities summed over all L layers and T tokens,
+/// N = L·T. Sets each layer's `aux_grad` to ∂aux/∂p = E · C_e / N², the
+/// same for every layer and token, and returns the loss. Sums in f64.
+fn all_layers_aux(layers: &mut [LayerSaved], experts: usize, t: usize) -> f32 {
+    let n = (layers.len() * t) as f64;
+    let mut assigned = vec![0.0f64; experts];
+    let mut prob = vec![0.0f64; experts];
+    for layer in layers.iter() {
+        let routing = &layer.moe.routing;
+        for (e, &count) in routing.counts.iter().enumerate() {
+            assigned[e] += count as f64;
+        }
+        for row in routing.probs.chunks_exact(experts) {
+            for (e, &p) in row.iter().enumerate() {
+                prob[e] += p as f64;
+            }
+        }
+    }
+    let e = experts as f64;
+    let aux = e
+        * (0..experts)
+            .map(|j| (assigned[j] / n) * (prob[j] / n))
+            .sum::<f64>();
+    let grad: Vec<f32> = assigned.iter().map(|&c| (e * c / (n * n)) as f32).collect();
+    for layer in layers.iter_mut() {
+        layer.moe.routing.aux_grad = Some(grad.clone());
+    }
+    aux as f32
 }
 
 impl Network for MixtralLm {

@@ -32,6 +32,10 @@ pub struct Routing<R> {
     pub aux_loss: R,
     /// Router z-loss: mean_t lse_t²
     pub z_loss: R,
+    /// ∂aux/∂p_te, the same for every token t, where the network takes the
+    /// load-balancing loss over several layers at once (`lm::AuxLoss`);
+    /// `None` (as `router_forward` leaves it): this layer's own `aux_loss`.
+    pub aux_grad: Option<Vec<R>>,
 }
 
 /// logits (T, E) = x (T, D) · wr (E, D)ᵀ; softmax; top-k; losses.
@@ -92,6 +96,7 @@ pub fn router_forward<R: Real>(
         aux += frac * (mean_p / tf);
     }
     routing.aux_loss = R::from_f64(e as f64) * aux;
+    routing.aux_grad = None;
 }
 
 /// The indices of the `out.len()` largest values, best first; ties go to
@@ -159,10 +164,19 @@ pub fn router_backward<R: Real>(
                 dprobs[i * e + ex] += dw[s];
             }
         }
-        // aux = E Σ_e f_e (1/T) Σ_t p_te  ⇒  ∂/∂p_te = E f_e / T
-        for j in 0..e {
-            let frac = R::from_f64(routing.counts[j] as f64 / (t * k) as f64);
-            dprobs[i * e + j] += daux * R::from_f64(e as f64) * frac / tf;
+        match &routing.aux_grad {
+            Some(grad) => {
+                for j in 0..e {
+                    dprobs[i * e + j] += daux * grad[j];
+                }
+            }
+            // aux = E Σ_e f_e (1/T) Σ_t p_te  ⇒  ∂/∂p_te = E f_e / T
+            None => {
+                for j in 0..e {
+                    let frac = R::from_f64(routing.counts[j] as f64 / (t * k) as f64);
+                    dprobs[i * e + j] += daux * R::from_f64(e as f64) * frac / tf;
+                }
+            }
         }
     }
     let mut dlogits = vec![R::zero(); t * e];

@@ -41,6 +41,12 @@ pub struct Shape {
     pub eps: f64,
     pub tied: bool,
     pub aux_coef: f64,
+    /// transformers' load-balancing loss: one term over every layer's
+    /// router probabilities concatenated, E · Σ_e (C_e / N) · (S_e / N), C_e
+    /// the assignments to e and S_e its probabilities summed over the L
+    /// layers and T tokens, N = L·T. Otherwise one Switch loss a layer,
+    /// summed.
+    pub aux_all_layers: bool,
     pub z_coef: f64,
 }
 
@@ -197,7 +203,11 @@ pub fn step(s: &Shape, p: &Params, parts: &[Part], mut grads: Option<&mut Params
     for part in parts {
         let tape = forward(s, p, part, t_total);
         sum.ce += tape.ce;
-        sum.aux += share * tape.layers.iter().map(|l| l.moe.aux).sum::<f64>();
+        sum.aux += share
+            * match s.aux_all_layers {
+                true => all_layers_aux(s, &tape),
+                false => tape.layers.iter().map(|l| l.moe.aux).sum::<f64>(),
+            };
         sum.z += share * tape.layers.iter().map(|l| l.moe.z).sum::<f64>();
         sum.routing_margin = sum.routing_margin.min(tape.margin);
         if let Some(g) = grads.as_deref_mut() {
@@ -206,6 +216,24 @@ pub fn step(s: &Shape, p: &Params, parts: &[Part], mut grads: Option<&mut Params
     }
     sum.total = sum.ce + s.aux_coef * sum.aux + s.z_coef * sum.z;
     sum
+}
+
+/// transformers' `load_balancing_loss_func` on one part's concatenated
+/// router probabilities (see `Shape::aux_all_layers`).
+fn all_layers_aux(s: &Shape, tape: &Tape) -> f64 {
+    let e = s.experts;
+    let n = (tape.layers.len() * tape.inputs.len()) as f64;
+    let mut total = 0.0;
+    for c in 0..e {
+        let assigned: f64 = tape.layers.iter().map(|l| l.moe.counts[c] as f64).sum();
+        let prob: f64 = tape
+            .layers
+            .iter()
+            .map(|l| l.moe.probs.iter().skip(c).step_by(e).sum::<f64>())
+            .sum();
+        total += (assigned / n) * (prob / n);
+    }
+    e as f64 * total
 }
 
 struct MoeTape {
@@ -399,6 +427,17 @@ fn backward(
     let (d, v) = (s.d, s.vocab);
     let t = tape.inputs.len();
     let (qw, kw) = (s.heads * s.hd, s.kv_heads * s.hd);
+    // With the all-layers aux: ∂aux/∂p_{l,i,e} = E · C_e / N², for every
+    // layer l and token i (C_e: assignments to e over all layers).
+    let all_layers: Option<Vec<f64>> = s.aux_all_layers.then(|| {
+        let n = (tape.layers.len() * t) as f64;
+        (0..s.experts)
+            .map(|c| {
+                let assigned: f64 = tape.layers.iter().map(|l| l.moe.counts[c] as f64).sum();
+                s.experts as f64 * assigned / (n * n)
+            })
+            .collect()
+    });
     // CE = Σ_rows (lse − logit_target) / T_total
     let mut dlogits = vec![0.0; t * v];
     for i in 0..t {
@@ -441,7 +480,18 @@ fn backward(
         let (lp, lg) = (&p.layers[l], &mut g.layers[l]);
         // h = h_mid + MoE(norm2(h_mid))
         let mut dn2 = vec![0.0; t * d];
-        moe_backward(s, lp, lg, &mut dn2, &dh, &lt.n2, &lt.moe, t, share);
+        moe_backward(
+            s,
+            lp,
+            lg,
+            &mut dn2,
+            &dh,
+            &lt.n2,
+            &lt.moe,
+            t,
+            share,
+            &all_layers,
+        );
         rmsnorm_back(
             &mut dh,
             &mut lg.moe_norm,
@@ -507,6 +557,7 @@ fn moe_backward(
     tape: &MoeTape,
     t: usize,
     share: f64,
+    all_layers: &Option<Vec<f64>>,
 ) {
     let (d, e, k, f) = (s.d, s.experts, s.top_k, s.ff);
     let mut dlogits = vec![0.0; t * e];
@@ -549,10 +600,14 @@ fn moe_backward(
                 dp[chosen[slot]] += dw[slot];
             }
         }
-        // aux = E Σ_e f_e (1/T) Σ_i p_ie, with f_e held constant
+        // aux = E Σ_e f_e (1/T) Σ_i p_ie, with f_e held constant (or the
+        // all-layers form's derivative)
         for c in 0..e {
-            let f_c = tape.counts[c] as f64 / (t * k) as f64;
-            dp[c] += share * s.aux_coef * e as f64 * f_c / t as f64;
+            let daux = match all_layers {
+                Some(g) => g[c],
+                None => e as f64 * (tape.counts[c] as f64 / (t * k) as f64) / t as f64,
+            };
+            dp[c] += share * s.aux_coef * daux;
         }
         let dl = softmax_back(pi, &dp);
         for c in 0..e {
