@@ -28,6 +28,7 @@ mutants=(
     "aux and z terms' micro-batch share^src/lm/network.rs^let share = 1.0 / micro_batches as f32;^let share = 2.0 / micro_batches as f32;"
     "aux term in the router's backward^src/math/router.rs^+= daux * R::from_f64(e as f64)^+= R::from_f64(2.0) * daux * R::from_f64(e as f64)"
     "z term in the router's backward^src/math/router.rs^let zscale = dz * R::from_f64(2.0)^let zscale = dz * R::from_f64(4.0)"
+    "all-layers aux term's gradient^src/lm/network.rs^(e * c / (n * n)) as f32^(2.0 * e * c / (n * n)) as f32"
     "combine weights' gradient^src/math/permute.rs^dw[r * k + s] = dot;^dw[r * k + s] = dot + dot;"
     "SwiGLU gate's gradient (cpu backend)^src/backend/cpu.rs^da[i] = dh[i] * b[i] *^da[i] = 2.0 * dh[i] * b[i] *"
     "RMSNorm gain's gradient^src/math/mod.rs^block[j] += dy[j] * row[j] * inv;^block[j] += R::from_f64(2.0) * dy[j] * row[j] * inv;"
@@ -37,7 +38,7 @@ mutants=(
 
 mkdir -p "$work"
 rm -rf "$work/tree" && mkdir -p "$work/tree"
-tar -C "$src" --exclude=./target --exclude=./.git -cf - . | tar -C "$work/tree" -xf -
+tar -C "$src" --exclude=./target --exclude=./.git --exclude=./fuzz/target --exclude=./fuzz/corpus --exclude=./fuzz/artifacts -cf - . | tar -C "$work/tree" -xf -
 export CARGO_TARGET_DIR="$work/target"
 cd "$work/tree"
 args=()
