@@ -10,6 +10,10 @@ pub enum EngineError {
     Config(String),
     #[error("invalid batch: {0}")]
     Batch(String),
+    /// Training data that cannot be read, or is not what its name says
+    /// (the message names the file, and the line where there is one).
+    #[error("{0}")]
+    Data(String),
     #[error("the loss is {loss}: training diverged (lower the learning rate, or check the data)")]
     NonFiniteLoss { loss: f32 },
     #[error(transparent)]

@@ -227,7 +227,7 @@ impl DocumentReader {
                     return Ok(None);
                 };
                 let file = File::open(path).map_err(|e| {
-                    EngineError::Config(format!("cannot open {}: {e}", path.display()))
+                    EngineError::Data(format!("cannot open {}: {e}", path.display()))
                 })?;
                 let jsonl = path.extension().is_some_and(|e| e == "jsonl");
                 self.lines = Some((BufReader::new(file).lines(), jsonl, path.clone()));
@@ -244,7 +244,7 @@ impl DocumentReader {
                     }
                 }
                 Some(Err(e)) => {
-                    return Err(EngineError::Config(format!(
+                    return Err(EngineError::Data(format!(
                         "{}: read failed: {e}",
                         path.display()
                     )))
@@ -258,14 +258,14 @@ impl DocumentReader {
                         continue;
                     }
                     let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
-                        EngineError::Config(format!(
+                        EngineError::Data(format!(
                             "{}:{}: not a JSON object: {e}",
                             path.display(),
                             self.line_no
                         ))
                     })?;
                     let Some(text) = v.get("text").and_then(|t| t.as_str()) else {
-                        return Err(EngineError::Config(format!(
+                        return Err(EngineError::Data(format!(
                             "{}:{}: no string \"text\" field",
                             path.display(),
                             self.line_no
@@ -569,6 +569,8 @@ mod tests {
         };
         let err = Dataset::open(config, Tokenizer::Bytes).err().unwrap();
         assert!(err.to_string().contains("b.jsonl:2"), "{err}");
+        // A data error is not a configuration error.
+        assert!(!err.to_string().contains("invalid configuration"), "{err}");
     }
 
     #[test]
