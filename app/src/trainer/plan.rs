@@ -439,6 +439,39 @@ mod tests {
         assert!(err.contains("--host-mem") && err.contains("short"), "{err}");
     }
 
+    /// A new run needs the whole store on disk; a resume only what its
+    /// store lacks, and the refusal says so (a resume is not told to choose
+    /// another --out).
+    #[test]
+    fn a_resume_needs_only_the_disk_its_store_lacks() {
+        // moe-l with 256 experts a layer: a store of about 5 TB.
+        let m = LmConfig {
+            experts: 256,
+            ..LmConfig::preset("moe-l").unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let full = plan(&input(&m, 1 << 40, 1 << 43)).unwrap().ssd_bytes;
+        let free = free_bytes(dir.path()).unwrap();
+        assert!(full > free, "{free} bytes free hold the whole store");
+        let here = PlanInput {
+            store_dir: Some(dir.path()),
+            ..input(&m, 1 << 40, 1 << 43)
+        };
+        let err = plan(&here).unwrap_err();
+        assert!(err.contains("more on disk"), "{err}");
+        assert!(
+            err.contains("Free space there, or (for a new run)"),
+            "{err}"
+        );
+        // The store of a run being resumed (sparse: its length is what counts).
+        std::fs::File::create(dir.path().join("experts.strata"))
+            .unwrap()
+            .set_len(full)
+            .unwrap();
+        let p = plan(&here).unwrap();
+        assert_eq!(p.ssd_bytes, full);
+    }
+
     #[test]
     fn the_free_space_of_a_real_directory_is_known() {
         let dir = tempfile::tempdir().unwrap();
