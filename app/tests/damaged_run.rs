@@ -234,6 +234,13 @@ fn a_byte_flipped_in_each_region_is_named_and_nothing_hangs() {
                     // newest one is noted, and the previous checkpoint
                     // (whose dense file is kept) stands in.
                     assert_eq!(code, Some(0), "{what}: {said}");
+                    if args[0] == "train" {
+                        // --quiet: the header, the notes and the summary; no
+                        // step lines.
+                        assert!(said.contains("strata resume: "), "{what}: {said}");
+                        assert!(said.contains("done: step 3"), "{what}: {said}");
+                        assert!(!said.contains("  step "), "{what}: {said}");
+                    }
                     if said.contains("note:") {
                         assert!(said.contains(&region[..region.len() - 2]), "{what}: {said}");
                     }
