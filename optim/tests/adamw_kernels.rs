@@ -292,6 +292,21 @@ fn length_mismatches_are_errors_naming_the_buffer() {
     )
     .unwrap_err();
     assert_eq!(err.to_string(), "v has 7 elements but params have 8");
+    // The copy is checked too: a short one would be written past its end.
+    let mut v = vec![0.0f32; 8];
+    let mut copy = vec![half::bf16::ZERO; 5];
+    let err = adamw_step(
+        Kernel::Scalar,
+        &s,
+        &mut p,
+        &mut m,
+        &mut v,
+        GradRef::F32(&g),
+        CopyOut::Bf16(&mut copy),
+    )
+    .unwrap_err();
+    assert_eq!(err.to_string(), "copy has 5 elements but params have 8");
+    assert!(GradRef::F32(&[]).is_empty() && !GradRef::F32(&g).is_empty());
 }
 
 #[test]
@@ -303,6 +318,25 @@ fn hyper_validation_names_the_bad_value() {
     let err = bad.validate().unwrap_err();
     assert!(err.to_string().contains("beta2 = 1"), "{err}");
     assert!(AdamWHyper::default().validate().is_ok());
+    // Finite but negative, and not finite: each refused, by name.
+    for (name, value) in [
+        ("eps", -1.0),
+        ("eps", f32::INFINITY),
+        ("weight_decay", -1.0),
+    ] {
+        let bad = match name {
+            "eps" => AdamWHyper {
+                eps: value,
+                ..AdamWHyper::default()
+            },
+            _ => AdamWHyper {
+                weight_decay: value,
+                ..AdamWHyper::default()
+            },
+        };
+        let err = bad.validate().unwrap_err();
+        assert!(err.to_string().contains(name), "{name} = {value}: {err}");
+    }
 }
 
 #[test]
@@ -310,6 +344,23 @@ fn detect_picks_a_supported_kernel() {
     let k = Kernel::detect();
     assert!(k.is_supported());
     assert_eq!(Kernel::from_name(k.name()), Some(k));
+    // Every test over `Kernel::supported()` runs the oracle and, where the
+    // CPU has them, the SIMD variants: none is skipped by a wrong answer.
+    let supported: Vec<Kernel> = Kernel::supported().collect();
+    assert!(supported.contains(&Kernel::Scalar) && supported.contains(&k));
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+        assert_eq!(Kernel::Avx2Fma.is_supported(), avx2);
+        assert_eq!(Kernel::Avx512.is_supported(), has!("avx512f"));
+        assert!(!Kernel::Neon.is_supported());
+    }
+    #[cfg(target_arch = "aarch64")]
+    assert_eq!(
+        Kernel::Neon.is_supported(),
+        std::arch::is_aarch64_feature_detected!("neon")
+    );
 }
 
 /// The hyper-parameters are the decimals written for them, as torch's
