@@ -14,18 +14,27 @@ use strata_cli::trainer::{self, Source, TrainFlags};
 /// Far above what the case takes (well under a second).
 const BOUND: Duration = Duration::from_secs(60);
 
+/// `dir/run`: the tiny checkpoint (written to `dir/model`) fine-tuned for
+/// two steps with experts streaming from the SSD.
+fn finetuned_run(dir: &std::path::Path, checkpoint_every: Option<u64>) -> std::path::PathBuf {
+    let out = dir.join("run");
+    let model = dir.join("model");
+    write_checkpoint(&model, &tiny_config());
+    let base = small_flags(&out);
+    let flags = TrainFlags {
+        steps: Some(2),
+        eval_every: Some(0),
+        checkpoint_every: checkpoint_every.or(base.checkpoint_every),
+        ..base
+    };
+    trainer::run(&flags, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
+    out
+}
+
 #[test]
 fn train_resume_on_a_damaged_record_stops_with_an_error_naming_the_expert() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let model = dir.path().join("model");
-    write_checkpoint(&model, &tiny_config());
-    let first = TrainFlags {
-        steps: Some(2),
-        eval_every: Some(0),
-        ..small_flags(&out)
-    };
-    trainer::run(&first, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
+    let out = finetuned_run(dir.path(), None);
     damage_record(&out.join("experts.strata"), 0);
     let again = TrainFlags {
         resume: true,
@@ -58,15 +67,7 @@ fn verify(out: &std::path::Path) -> (Option<i32>, String) {
 #[test]
 fn verify_says_an_intact_run_is_intact_and_names_what_is_damaged() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let model = dir.path().join("model");
-    write_checkpoint(&model, &tiny_config());
-    let first = TrainFlags {
-        steps: Some(2),
-        eval_every: Some(0),
-        ..small_flags(&out)
-    };
-    trainer::run(&first, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
+    let out = finetuned_run(dir.path(), None);
     let (code, said) = verify(&out);
     assert_eq!(code, Some(0), "{said}");
     assert!(
@@ -153,16 +154,7 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
 fn a_byte_flipped_in_each_region_is_named_and_nothing_hangs() {
     use strata_tiers::format::PART_HEADER_BYTES;
     let dir = tempfile::tempdir().unwrap();
-    let run = dir.path().join("run");
-    let model = dir.path().join("model");
-    write_checkpoint(&model, &tiny_config());
-    let first = TrainFlags {
-        steps: Some(2),
-        eval_every: Some(0),
-        checkpoint_every: Some(1),
-        ..small_flags(&run)
-    };
-    trainer::run(&first, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
+    let run = finetuned_run(dir.path(), Some(1));
     let store = run.join("experts.strata");
     let layout =
         strata_tiers::ExpertStore::open(&store, None, &strata_tiers::io::FileOptions::default())

@@ -25,6 +25,17 @@ struct Load {
     write_back: Option<(ExpertId, u64)>,
 }
 
+impl Load {
+    /// The parts read from the store: from a cell, the compute part is
+    /// copied over and the state part alone is read.
+    fn reads(&self) -> Parts {
+        match self.from_cell {
+            Some(_) => Parts::State,
+            None => self.parts,
+        }
+    }
+}
+
 pub(crate) fn run(shared: &Shared) {
     let mut inner = shared.lock();
     loop {
@@ -158,24 +169,21 @@ pub(crate) fn run(shared: &Shared) {
 
         let mut jobs = Vec::with_capacity(ready.len() + upgrades.len());
         for load in &ready {
-            match &load.from_cell {
-                Some(cell) => {
-                    shared.copy_compute(load.expert, cell, &load.slot);
-                    jobs.push((ReadInto::Owned(&load.slot), load.expert, Parts::State));
-                }
-                None => jobs.push((ReadInto::Owned(&load.slot), load.expert, load.parts)),
+            if let Some(cell) = &load.from_cell {
+                shared.copy_compute(load.expert, cell, &load.slot);
             }
+            jobs.push((ReadInto::Owned(&load.slot), load.expert, load.reads()));
         }
         for (upgrade, expert) in &upgrades {
             jobs.push((ReadInto::Upgrading(upgrade), *expert, Parts::State));
         }
         let read = shared.read_slots(&jobs).is_ok();
-        let read_parts: Vec<Parts> = jobs.iter().map(|j| j.2).collect();
         drop(jobs);
         inner = shared.lock();
-        for (load, read_parts) in ready.into_iter().zip(read_parts) {
+        for load in ready {
             if read {
-                shared.loaded(&mut inner, load.slot, read_parts);
+                let reads = load.reads();
+                shared.loaded(&mut inner, load.slot, reads);
             } else {
                 // Demand loads retry these and report the error themselves;
                 // the prefetcher does not, or it would hold their slots

@@ -277,47 +277,57 @@ fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> 
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// `strata export`: the run's last checkpoint as a Hugging Face model.
+/// A finished or stopped run, opened to be read (`strata verify`, `strata
+/// export`): locked, so no trainer commits to its store meanwhile and no
+/// other reader runs, with its options, source, model files and model.
+struct OpenedRun {
+    _lock: RunLock,
+    options: TrainOptions,
+    source: Source,
+    files: ModelFiles,
+    lm: MixtralLm,
+}
+
+fn open_run(run_dir: &Path, verb: &str) -> Result<OpenedRun, String> {
+    let record = read_record(run_dir, verb, "--run")?;
+    let lock = RunLock::take(run_dir)?;
+    let files = record.model_files()?;
+    let options = TrainOptions {
+        out: run_dir.to_path_buf(),
+        resume: true,
+        ..record.options
+    };
+    let (_, config) = files.read(&options, &record.source)?;
+    let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
+    Ok(OpenedRun {
+        _lock: lock,
+        options,
+        source: record.source,
+        files,
+        lm,
+    })
+}
+
 /// Checks the run in `run_dir` without training: its store's committed
 /// checkpoint, record by record, and the dense state beside it
 /// (`strata verify`).
 pub fn verify_run(run_dir: &Path) -> Result<strata::engine::CheckpointReport, String> {
-    let record = read_record(run_dir, "verify", "--run")?;
-    // Not while a trainer commits checkpoints there.
-    let _lock = RunLock::take(run_dir)?;
-    let files = record.model_files()?;
-    let (o, source) = (
-        TrainOptions {
-            out: run_dir.to_path_buf(),
-            resume: true,
-            ..record.options
-        },
-        record.source,
-    );
-    let (_, config) = files.read(&o, &source)?;
-    let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
-    strata::engine::verify_checkpoint(&store_path(run_dir), lm.config().dense_params())
+    let run = open_run(run_dir, "verify")?;
+    strata::engine::verify_checkpoint(&store_path(run_dir), run.lm.config().dense_params())
         .map_err(|e| format!("{}: {e}", store_path(run_dir).display()))
 }
 
+/// `strata export`: the run's last checkpoint as a Hugging Face model.
 /// `dtype` None: the precision the source declares (`torch_dtype`), f32 for
 /// a model trained from scratch.
 pub fn export_run(run_dir: &Path, to: &Path, dtype: Option<&str>) -> Result<Vec<PathBuf>, String> {
-    let record = read_record(run_dir, "export", "--run")?;
-    // Not while a trainer commits checkpoints there, and one export of a
-    // run at a time.
-    let _lock = RunLock::take(run_dir)?;
-    let files = record.model_files()?;
-    let (o, source) = (
-        TrainOptions {
-            out: run_dir.to_path_buf(),
-            resume: true,
-            ..record.options
-        },
-        record.source,
-    );
-    let (_, config) = files.read(&o, &source)?;
-    let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
+    let OpenedRun {
+        _lock,
+        options: o,
+        source,
+        files,
+        lm,
+    } = open_run(run_dir, "export")?;
     let engine_config = EngineConfig {
         store_path: Some(store_path(run_dir)),
         device_budget_bytes: 2 * lm.config().expert_params() as u64 * 4,
