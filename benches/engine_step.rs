@@ -6,10 +6,10 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use strata::engine::{Engine, EngineConfig};
-use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+use strata::lm::{LmConfig, MoeLm, TokenBatch};
 
 fn step(c: &mut Criterion) {
-    let lm = MixtralLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
+    let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
     let batch = TokenBatch {
         seq_len: 32,
         tokens: (0..8 * 33u32).map(|i| (i * 37 + 11) % 256).collect(),

@@ -6,10 +6,10 @@
 //!
 //! ```no_run
 //! use strata::engine::{Engine, EngineConfig};
-//! use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+//! use strata::lm::{LmConfig, MoeLm, TokenBatch};
 //!
 //! fn main() -> Result<(), strata::EngineError> {
-//!     let lm = MixtralLm::new(LmConfig::preset("tiny")?)?;
+//!     let lm = MoeLm::new(LmConfig::preset("tiny")?)?;
 //!     let mut engine = Engine::new_network(&lm, EngineConfig {
 //!         store_path: Some("/nvme/experts.strata".into()), // the SSD tier (None: in memory)
 //!         device_budget_bytes: 64 << 20,                   // expert slots on the device
@@ -27,9 +27,9 @@
 //!
 //! ```
 //! use strata::engine::{Engine, EngineConfig};
-//! use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+//! use strata::lm::{LmConfig, MoeLm, TokenBatch};
 //!
-//! let lm = MixtralLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
+//! let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
 //! let mut engine = Engine::new_network(&lm, EngineConfig {
 //!     device_budget_bytes: 64 << 20,
 //!     host_budget_bytes: 256 << 20,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::tiny_lm::tiny_config;
 use common::{bounded, damage_record, flip_byte};
 use strata::engine::{Engine, EngineConfig};
-use strata::lm::{MixtralLm, TokenBatch};
+use strata::lm::{MoeLm, TokenBatch};
 use strata_tiers::Dtype;
 
 /// Far above what any case here takes (well under a second each).
@@ -45,7 +45,7 @@ fn engine_config(store: PathBuf) -> EngineConfig {
 /// watchdog; the error's text.
 fn first_step_error(store: PathBuf, what: &'static str) -> String {
     bounded(&format!("steps on {what}"), BOUND, move || {
-        let lm = MixtralLm::new(tiny_config()).unwrap();
+        let lm = MoeLm::new(tiny_config()).unwrap();
         let mut engine = Engine::resume_network(&lm, engine_config(store)).unwrap();
         let failed = (2..5).find_map(|s| engine.step_network(&lm, &batch(s)).err());
         failed
@@ -56,7 +56,7 @@ fn first_step_error(store: PathBuf, what: &'static str) -> String {
 
 /// Trains two steps into `store` and commits them.
 fn trained_store(store: &Path) {
-    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let lm = MoeLm::new(tiny_config()).unwrap();
     let mut engine = Engine::new_network(&lm, engine_config(store.to_path_buf())).unwrap();
     for s in 0..2 {
         engine.step_network(&lm, &batch(s)).unwrap();
@@ -85,7 +85,7 @@ fn a_damaged_dense_file_fails_the_resume_naming_the_file() {
     let dense = dir.path().join("experts.strata.dense-2");
     let len = std::fs::metadata(&dense).unwrap().len();
     flip_byte(&dense, len / 2);
-    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let lm = MoeLm::new(tiny_config()).unwrap();
     let err = Engine::resume_network(&lm, engine_config(store))
         .err()
         .expect("a damaged dense file is read without an error")
@@ -98,7 +98,7 @@ fn a_damaged_dense_file_fails_the_resume_naming_the_file() {
 
 /// Trains four steps into `store`, committing at steps 2 and 4.
 fn store_with_two_checkpoints(store: &Path) {
-    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let lm = MoeLm::new(tiny_config()).unwrap();
     let mut engine = Engine::new_network(&lm, engine_config(store.to_path_buf())).unwrap();
     for s in 0..4 {
         engine.step_network(&lm, &batch(s)).unwrap();
@@ -126,7 +126,7 @@ fn newest_superblock(store: &Path) -> (u64, u64) {
 
 /// Resumes `store`, says what it noted, and takes one more step.
 fn resume_and_step(store: &Path) -> (u64, Vec<String>) {
-    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let lm = MoeLm::new(tiny_config()).unwrap();
     let mut engine = Engine::resume_network(&lm, engine_config(store.to_path_buf()))
         .unwrap_or_else(|e| panic!("the fallback does not resume: {e}"));
     let at = engine.steps();
@@ -182,7 +182,7 @@ fn both_superblocks_damaged_is_an_error_that_says_so() {
     store_with_two_checkpoints(&store);
     flip_byte(&store, 24);
     flip_byte(&store, 4096 + 24);
-    let lm = MixtralLm::new(tiny_config()).unwrap();
+    let lm = MoeLm::new(tiny_config()).unwrap();
     let err = Engine::resume_network(&lm, engine_config(store))
         .err()
         .expect("a store with no intact superblock opens")

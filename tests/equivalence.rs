@@ -327,9 +327,13 @@ fn the_loss_falls() {
 /// learning rate that changes every step.
 #[test]
 fn the_language_model_matches_the_reference_and_ignores_the_tiers() {
-    use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+    use strata::lm::{Family, LmConfig, MoeLm, TokenBatch};
     use strata::model::Network;
-    let lm = MixtralLm::new(LmConfig {
+    let lm = MoeLm::new(LmConfig {
+        family: Family::Mixtral,
+        clip_qkv: None,
+        qkv_bias: false,
+        shared_expert_ff: 0,
         vocab: 40,
         d_model: 16,
         layers: 2,

@@ -3,7 +3,7 @@
 //! element by element; and the whole Mixtral-architecture network in f32,
 //! tensor by tensor, along each tensor's gradient direction.
 
-use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+use strata::lm::{Family, LmConfig, MoeLm, TokenBatch};
 use strata::math::attention::*;
 use strata::model::{Network, PlainKernels};
 use strata::reference::{MemoryRunner, ReferenceTrainer};
@@ -86,8 +86,12 @@ fn embedding_gradient_matches_finite_differences() {
     });
 }
 
-fn tiny_lm(tie: bool) -> MixtralLm {
-    MixtralLm::new(LmConfig {
+fn tiny_lm(tie: bool) -> MoeLm {
+    MoeLm::new(LmConfig {
+        family: Family::Mixtral,
+        clip_qkv: None,
+        qkv_bias: false,
+        shared_expert_ff: 0,
         vocab: 13,
         d_model: 8,
         layers: 2,

@@ -30,7 +30,7 @@ mod oracle;
 
 use oracle::{Expert, Params, Part, Shape};
 use strata::engine::{Engine, EngineConfig};
-use strata::lm::{AuxLoss, LmConfig, MixtralLm, TokenBatch};
+use strata::lm::{AuxLoss, Family, LmConfig, MoeLm, TokenBatch};
 use strata::model::Network;
 use strata_optim::AdamWHyper;
 use strata_tiers::Dtype;
@@ -42,6 +42,10 @@ const LOSS_TOLERANCE: f64 = 1e-5;
 
 fn lm(top_k: usize, renormalize: bool, tied: bool) -> LmConfig {
     LmConfig {
+        family: Family::Mixtral,
+        clip_qkv: None,
+        qkv_bias: false,
+        shared_expert_ff: 0,
         vocab: 48,
         d_model: 16,
         layers: 2,
@@ -93,7 +97,7 @@ fn tokens(vocab: usize, seqs: usize, seq_len: usize, seed: u64) -> Vec<u32> {
 }
 
 /// The engine's parameters as the oracle's, by Hugging Face name.
-fn params_of(lm: &MixtralLm, engine: &mut Engine) -> Params {
+fn params_of(lm: &MoeLm, engine: &mut Engine) -> Params {
     let c = lm.config();
     let shape = shape_of(c);
     let mut p = Params::zeros(&shape);
@@ -152,7 +156,7 @@ fn engine_config(devices: usize, micro_batches: usize) -> EngineConfig {
 /// update against the one the oracle's gradient gives.
 fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: usize) {
     let parts = config.devices * config.micro_batches;
-    let lm = MixtralLm::new(c.clone()).unwrap();
+    let lm = MoeLm::new(c.clone()).unwrap();
     let mut engine = Engine::new_network(&lm, config).unwrap();
     let before = params_of(&lm, &mut engine);
     let batch = TokenBatch {
@@ -237,7 +241,7 @@ fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: us
 #[test]
 fn the_forward_s_logits_match_the_oracle() {
     let c = lm(2, true, false);
-    let lm = MixtralLm::new(c.clone()).unwrap();
+    let lm = MoeLm::new(c.clone()).unwrap();
     let mut engine = Engine::new_network(&lm, engine_config(1, 1)).unwrap();
     let params = params_of(&lm, &mut engine);
     let (seqs, seq_len) = (3, 8);

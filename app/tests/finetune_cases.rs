@@ -7,7 +7,9 @@ mod common;
 
 use std::sync::atomic::AtomicBool;
 
-use common::tiny_lm::{flags_holding, run_params, tiny_config, write_checkpoint};
+use common::tiny_lm::{
+    flags_holding, flags_holding_for, run_params, tiny_config, write_checkpoint,
+};
 use strata_cli::trainer::{self, Source, TrainFlags};
 
 #[test]
@@ -175,4 +177,64 @@ fn a_256_token_model_without_a_tokenizer_fine_tunes_on_bytes() {
     };
     let resumed = trainer::run(&more, Source::Scratch, &AtomicBool::new(false)).unwrap();
     assert_eq!(resumed.steps, 3);
+}
+
+/// A Qwen3-MoE checkpoint as transformers writes it (the parity fixture:
+/// per-head q/k norms, head_dim × heads ≠ hidden_size, `mlp.experts.E.*`
+/// names) fine-tunes with its experts streaming from the SSD, its loss
+/// falls, and its export has the source's tensor names and config, and
+/// holds the run's parameters.
+#[test]
+fn a_qwen3_moe_checkpoint_fine_tunes_from_the_ssd_and_exports_in_its_layout() {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hf/qwen3_moe/model");
+    let config = strata::lm::hub::read_config(&model).unwrap();
+    assert_eq!(config.family, strata::lm::Family::Qwen3Moe);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let export = dir.path().join("exported");
+    let flags = TrainFlags {
+        steps: Some(12),
+        lr: Some(3e-3),
+        eval_every: Some(0),
+        export: Some(export.clone()),
+        // Host memory for 2 of the 8 records: the rest stream.
+        ..flags_holding_for(&config, &out, 2)
+    };
+    let done = trainer::run(
+        &flags,
+        Source::Finetune(model.clone()),
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    let (first, last) = (done.first_loss.unwrap(), done.last_loss.unwrap());
+    assert!(last < first - 0.5, "the loss went from {first} to {last}");
+    assert!(
+        done.plan.describe().contains("SSD"),
+        "{}",
+        done.plan.describe()
+    );
+    let names = |dir: &std::path::Path| {
+        let ckpt = strata::lm::safetensors_io::Checkpoint::open(dir).unwrap();
+        let mut names: Vec<String> = ckpt.tensor_names().map(str::to_string).collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&export), names(&model));
+    let read = |dir: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+    };
+    assert_eq!(read(&export), read(&model));
+    // The export, imported again, holds what the run trained.
+    let again = dir.path().join("again");
+    let flags = TrainFlags {
+        steps: Some(0),
+        eval_every: Some(0),
+        ..flags_holding_for(&config, &again, 2)
+    };
+    trainer::run(&flags, Source::Finetune(export), &AtomicBool::new(false)).unwrap();
+    assert!(
+        run_params(&again, &config) == run_params(&out, &config),
+        "the export differs from the run"
+    );
 }

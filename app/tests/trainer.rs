@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::max_rel;
 use common::tiny_lm::{flags_holding, run_params, small_flags, tiny_config, write_checkpoint};
 use strata::engine::{Engine, EngineConfig};
-use strata::lm::{LmConfig, MixtralLm};
+use strata::lm::{LmConfig, MoeLm};
 use strata_cli::trainer::{self, hf, Source, TrainFlags};
 use strata_tiers::Dtype;
 
@@ -113,7 +113,7 @@ fn finetune_through_ssd_offload_exports_and_reimports() {
             ..config.clone()
         }
     );
-    let lm = MixtralLm::new(config.clone()).unwrap();
+    let lm = MoeLm::new(config.clone()).unwrap();
     let (ckpt, exported_dense) = hf::read_dense(&export, &lm).unwrap();
     assert_eq!(exported_dense, dense);
     let (d, f) = (config.d_model, config.d_ff);
@@ -421,12 +421,16 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
         &["finetune", "--out", o, "--model", "/no/such/model"],
         "does not exist",
     );
-    let model = dir.path().join("olmoe");
+    let model = dir.path().join("hub-model");
     std::fs::create_dir_all(&model).unwrap();
-    std::fs::write(model.join("config.json"), "{\"model_type\": \"olmoe\"}").unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        "{\"model_type\": \"deepseek_v3\"}",
+    )
+    .unwrap();
     refused(
         &["finetune", "--out", o, "--model", model.to_str().unwrap()],
-        "olmoe",
+        "model_type \"deepseek_v3\" is not supported",
     );
     let m = model.to_str().unwrap();
     refused(

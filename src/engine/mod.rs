@@ -192,9 +192,9 @@ impl Engine {
     ///
     /// ```
     /// use strata::engine::{Engine, EngineConfig};
-    /// use strata::lm::{LmConfig, MixtralLm, TokenBatch};
+    /// use strata::lm::{LmConfig, MoeLm, TokenBatch};
     ///
-    /// let lm = MixtralLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
+    /// let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
     /// let mut engine = Engine::new_network(&lm, EngineConfig::default()).unwrap();
     /// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5] };
     /// let out = engine.forward(&lm, &batch).unwrap();

@@ -184,7 +184,7 @@ impl Engine {
         }
     }
 
-    fn file_options(config: &EngineConfig) -> FileOptions {
+    pub(crate) fn file_options(config: &EngineConfig) -> FileOptions {
         FileOptions {
             queue_depth: config.io_queue_depth,
             ..FileOptions::default()

@@ -1,16 +1,21 @@
 //! The language model's shape: presets, and Hugging Face `config.json`
-//! read and written with Mixtral's keys (OLMoE's and Qwen2-MoE's where
-//! they differ; what strata cannot compute is refused by name).
+//! read and written in the keys of each family strata trains (Mixtral,
+//! Qwen3-MoE, OLMoE, Qwen2-MoE); what strata cannot compute is refused by
+//! name.
 
 use serde_json::{json, Map, Value};
 
+use super::safetensors_io::ExpertNaming;
 use crate::math::ExpertKind;
 use crate::model::ModelConfig;
 use crate::EngineError;
 
-/// A decoder-only MoE transformer with the Mixtral architecture.
+/// A decoder-only MoE transformer of one of the [`Family`]s.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LmConfig {
+    /// Which Hub family the model is: its tensor names, its `config.json`
+    /// keys, and whether its attention normalizes q and k.
+    pub family: Family,
     pub vocab: usize,
     pub d_model: usize,
     pub layers: usize,
@@ -33,8 +38,105 @@ pub struct LmConfig {
     /// Which load-balancing loss `aux_loss_coef` weighs.
     pub aux_loss: AuxLoss,
     pub z_loss_coef: f32,
+    /// OLMoE's `clip_qkv`: q, k and v are clamped to ±this after their
+    /// projections (and q, k after their norms).
+    pub clip_qkv: Option<f32>,
+    /// The q, k and v projections have biases (Qwen2-MoE's `qkv_bias`).
+    pub qkv_bias: bool,
+    /// The hidden width of a shared expert that every token goes through
+    /// beside its routed ones, behind a sigmoid gate (Qwen2-MoE's
+    /// `shared_expert_intermediate_size`); 0: none. A dense tensor, it
+    /// stays on the device with the other dense params.
+    pub shared_expert_ff: usize,
     /// Seed of the deterministic initialization.
     pub seed: u64,
+}
+
+/// The Hub families strata trains. All are decoder-only transformers with
+/// RMSNorm, rotary embeddings, grouped-query attention and SwiGLU experts
+/// behind a softmax top-k router, and every layer an MoE layer; they
+/// differ in names, in the attention's q/k normalization and biases, and
+/// in Qwen2-MoE's shared expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `mixtral`: `block_sparse_moe.{gate, experts.E.w1/w3/w2}`.
+    Mixtral,
+    /// `qwen3_moe`: an RMSNorm on each head of q and k before RoPE, an
+    /// explicit `head_dim`, the experts' width `moe_intermediate_size`.
+    Qwen3Moe,
+    /// `olmoe`: an RMSNorm over the whole q and k projections before the
+    /// head split, optional `clip_qkv`.
+    Olmoe,
+    /// `qwen2_moe`: q/k/v biases, and a gated shared expert in every MoE
+    /// block.
+    Qwen2Moe,
+}
+
+/// How a family's attention normalizes q and k before RoPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// One gain of `head_dim` shared by every head (Qwen3-MoE).
+    PerHead,
+    /// One gain over the whole projection, `heads · head_dim` (OLMoE).
+    Whole,
+}
+
+impl Family {
+    /// transformers' `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Olmoe => "olmoe",
+            Family::Qwen2Moe => "qwen2_moe",
+        }
+    }
+
+    fn from_model_type(model_type: &str) -> Option<Self> {
+        [
+            Family::Mixtral,
+            Family::Qwen3Moe,
+            Family::Olmoe,
+            Family::Qwen2Moe,
+        ]
+        .into_iter()
+        .find(|f| f.model_type() == model_type)
+    }
+
+    /// transformers' class of the causal LM (`architectures`).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Family::Olmoe => "OlmoeForCausalLM",
+            Family::Qwen2Moe => "Qwen2MoeForCausalLM",
+        }
+    }
+
+    pub fn qk_norm(self) -> QkNorm {
+        match self {
+            Family::Mixtral | Family::Qwen2Moe => QkNorm::None,
+            Family::Qwen3Moe => QkNorm::PerHead,
+            Family::Olmoe => QkNorm::Whole,
+        }
+    }
+
+    /// The MoE block's name inside a layer.
+    pub fn moe_block(self) -> &'static str {
+        match self {
+            Family::Mixtral => "block_sparse_moe",
+            Family::Qwen3Moe | Family::Olmoe | Family::Qwen2Moe => "mlp",
+        }
+    }
+
+    /// How its checkpoints name the experts' tensors.
+    pub fn expert_naming(self) -> ExpertNaming {
+        match self {
+            Family::Mixtral => ExpertNaming::Mixtral,
+            Family::Qwen3Moe | Family::Olmoe | Family::Qwen2Moe => ExpertNaming::QwenOlmoe,
+        }
+    }
 }
 
 /// The load-balancing loss, E · Σ_e f_e · P_e (f_e: the share of
@@ -67,6 +169,7 @@ impl LmConfig {
     /// shapes, vocabulary 51 200, top-1, 8 experts by default).
     pub fn preset(name: &str) -> Result<Self, EngineError> {
         let base = LmConfig {
+            family: Family::Mixtral,
             vocab: 256,
             d_model: 64,
             layers: 2,
@@ -84,6 +187,9 @@ impl LmConfig {
             aux_loss_coef: 0.01,
             aux_loss: AuxLoss::PerLayer,
             z_loss_coef: 0.0,
+            clip_qkv: None,
+            qkv_bias: false,
+            shared_expert_ff: 0,
             seed: 0,
         };
         let paper = |layers, d_model: usize, d_ff, heads: usize| LmConfig {
@@ -142,6 +248,27 @@ impl LmConfig {
         if !(self.rope_theta > 0.0 && self.rms_eps >= 0.0) {
             return bad("rope_theta must be positive and rms_norm_eps non-negative".into());
         }
+        if let Some(clip) = self.clip_qkv {
+            if self.family != Family::Olmoe || !(clip > 0.0 && clip.is_finite()) {
+                return bad(format!(
+                    "clip_qkv {clip} is OLMoE's, and must be positive and finite there"
+                ));
+            }
+        }
+        if (self.qkv_bias || self.shared_expert_ff > 0) && self.family != Family::Qwen2Moe {
+            return bad(
+                "q/k/v biases and a shared expert are Qwen2-MoE's (qkv_bias, \
+                 shared_expert_intermediate_size)"
+                    .into(),
+            );
+        }
+        if self.family == Family::Olmoe && self.heads * self.head_dim != self.d_model {
+            return bad(format!(
+                "OLMoE's q norm spans hidden_size {}, so num_attention_heads {} × head_dim {} \
+                 must equal it",
+                self.d_model, self.heads, self.head_dim
+            ));
+        }
         self.moe().validate()
     }
 
@@ -170,9 +297,39 @@ impl LmConfig {
         self.d_model * (2 * q + 2 * kv)
     }
 
+    /// The q and k norms' gains of one layer.
+    pub fn qk_norm_params(&self) -> usize {
+        match self.family.qk_norm() {
+            QkNorm::None => 0,
+            QkNorm::PerHead => 2 * self.head_dim,
+            QkNorm::Whole => (self.heads + self.kv_heads) * self.head_dim,
+        }
+    }
+
+    /// The q, k and v biases of one layer.
+    pub fn qkv_bias_params(&self) -> usize {
+        match self.qkv_bias {
+            true => (self.heads + 2 * self.kv_heads) * self.head_dim,
+            false => 0,
+        }
+    }
+
+    /// The shared expert of one layer, with its gate.
+    pub fn shared_expert_params(&self) -> usize {
+        match self.shared_expert_ff {
+            0 => 0,
+            f => 3 * self.d_model * f + self.d_model,
+        }
+    }
+
     /// Everything but the experts.
     pub fn dense_params(&self) -> usize {
-        let per_layer = 2 * self.d_model + self.attention_params() + self.experts * self.d_model;
+        let per_layer = 2 * self.d_model
+            + self.attention_params()
+            + self.qkv_bias_params()
+            + self.qk_norm_params()
+            + self.shared_expert_params()
+            + self.experts * self.d_model;
         let head = if self.tie_embeddings {
             0
         } else {
@@ -198,8 +355,9 @@ impl LmConfig {
             .as_object()
             .ok_or_else(|| EngineError::Config("config.json is not a JSON object".into()))?;
         let model_type = map.get("model_type").and_then(Value::as_str).unwrap_or("");
-        refuse_unsupported(map, model_type)?;
-        let family = FamilyDefaults::of(model_type);
+        let family = Family::from_model_type(model_type).ok_or_else(|| unsupported_family(map))?;
+        refuse_unsupported(map, family)?;
+        let defaults = FamilyDefaults::of(family);
         let int = |key: &str| -> Result<usize, EngineError> {
             map.get(key)
                 .and_then(Value::as_u64)
@@ -210,8 +368,22 @@ impl LmConfig {
                     ))
                 })
         };
+        // The first of several names a key goes by (transformers maps
+        // num_experts and num_local_experts onto each other).
+        let int_of = |keys: &[&str]| -> Result<usize, EngineError> {
+            match keys
+                .iter()
+                .find(|k| map.get(**k).is_some_and(|v| !v.is_null()))
+            {
+                Some(key) => int(key),
+                None => int(keys[0]),
+            }
+        };
         let float = |key: &str, default: f64| -> f64 {
             map.get(key).and_then(Value::as_f64).unwrap_or(default)
+        };
+        let flag = |key: &str, default: bool| -> bool {
+            map.get(key).and_then(Value::as_bool).unwrap_or(default)
         };
         let d_model = int("hidden_size")?;
         let heads = int("num_attention_heads")?;
@@ -221,6 +393,7 @@ impl LmConfig {
             None => 0,
         };
         let config = LmConfig {
+            family,
             vocab: int("vocab_size")?,
             d_model,
             layers: int("num_hidden_layers")?,
@@ -230,28 +403,27 @@ impl LmConfig {
                 .and_then(Value::as_u64)
                 .map_or(heads, |v| v as usize),
             head_dim,
-            d_ff: int("intermediate_size")?,
-            experts: int("num_local_experts")?,
+            d_ff: match family {
+                Family::Qwen3Moe | Family::Qwen2Moe => int("moe_intermediate_size")?,
+                Family::Mixtral | Family::Olmoe => int("intermediate_size")?,
+            },
+            experts: int_of(&["num_experts", "num_local_experts"])?,
             top_k: int("num_experts_per_tok")?,
-            renormalize: map
-                .get("norm_topk_prob")
-                .and_then(Value::as_bool)
-                .unwrap_or(true),
-            rope_theta: rope_theta(map, family.rope_theta)?,
-            rms_eps: float("rms_norm_eps", 1e-5),
-            tie_embeddings: map
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
+            // Mixtral renormalizes its top-k weights (transformers' class
+            // has no key for it; strata's own configs write one).
+            renormalize: flag("norm_topk_prob", family == Family::Mixtral),
+            rope_theta: rope_theta(map, defaults.rope_theta)?,
+            rms_eps: float("rms_norm_eps", defaults.rms_eps),
+            tie_embeddings: flag("tie_word_embeddings", false),
             max_seq: map
                 .get("max_position_embeddings")
                 .and_then(Value::as_u64)
-                .map_or(family.max_positions, |v| v as usize),
+                .map_or(defaults.max_positions, |v| v as usize),
             // The family's own rule: the load-balancing term is part of
             // the training loss only with `output_router_logits`.
-            aux_loss_coef: match map.get("output_router_logits").and_then(Value::as_bool) {
-                Some(true) => float("router_aux_loss_coef", family.aux_loss_coef) as f32,
-                _ => 0.0,
+            aux_loss_coef: match flag("output_router_logits", false) {
+                true => float("router_aux_loss_coef", defaults.aux_loss_coef) as f32,
+                false => 0.0,
             },
             // transformers' form, unless the config is strata's own (a run
             // directory's, or an export of a model trained from scratch).
@@ -260,19 +432,34 @@ impl LmConfig {
                 _ => AuxLoss::AllLayers,
             },
             z_loss_coef: float("router_z_loss_coef", 0.0) as f32,
+            clip_qkv: match family {
+                Family::Olmoe => map
+                    .get("clip_qkv")
+                    .and_then(Value::as_f64)
+                    .map(|c| c as f32),
+                _ => None,
+            },
+            // Qwen2MoeConfig's qkv_bias defaults to true (transformers 4
+            // had no key, and always a bias).
+            qkv_bias: family == Family::Qwen2Moe && flag("qkv_bias", true),
+            shared_expert_ff: match family {
+                Family::Qwen2Moe => int("shared_expert_intermediate_size")?,
+                _ => 0,
+            },
             seed: 0,
         };
         config.validate()?;
         Ok(config)
     }
 
-    /// A Mixtral `config.json` for this shape (what `export` writes, and
-    /// a run directory keeps): `from_hf_json` reads it back to the same
+    /// A `config.json` for this shape in its family's keys (what
+    /// `export` writes for a model without a source config, and what a
+    /// run directory keeps): `from_hf_json` reads it back to the same
     /// config, but for the seed, which is strata's own.
     pub fn to_hf_json(&self) -> String {
-        let value = json!({
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
+        let mut value = json!({
+            "architectures": [self.family.architecture()],
+            "model_type": self.family.model_type(),
             "vocab_size": self.vocab,
             "hidden_size": self.d_model,
             "intermediate_size": self.d_ff,
@@ -280,7 +467,6 @@ impl LmConfig {
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
             "head_dim": self.head_dim,
-            "num_local_experts": self.experts,
             "num_experts_per_tok": self.top_k,
             "norm_topk_prob": self.renormalize,
             "rope_theta": self.rope_theta,
@@ -297,9 +483,46 @@ impl LmConfig {
             "router_z_loss_coef": decimal(self.z_loss_coef),
             "hidden_act": "silu",
             "torch_dtype": "float32",
-            "sliding_window": null,
+            "attention_bias": false,
             "attention_dropout": 0.0,
         });
+        let map = value.as_object_mut().expect("an object");
+        let mut set = |key: &str, v: Value| {
+            map.insert(key.into(), v);
+        };
+        match self.family {
+            Family::Mixtral => {
+                set("num_local_experts", self.experts.into());
+                set("sliding_window", Value::Null);
+            }
+            Family::Qwen3Moe => {
+                set("num_experts", self.experts.into());
+                set("moe_intermediate_size", self.d_ff.into());
+                set("decoder_sparse_step", 1.into());
+                set("mlp_only_layers", json!([]));
+                set("use_sliding_window", false.into());
+                set("sliding_window", Value::Null);
+            }
+            Family::Olmoe => {
+                set("num_experts", self.experts.into());
+                set("clip_qkv", self.clip_qkv.map(decimal).into());
+            }
+            Family::Qwen2Moe => {
+                set("num_experts", self.experts.into());
+                set("moe_intermediate_size", self.d_ff.into());
+                set(
+                    "shared_expert_intermediate_size",
+                    self.shared_expert_ff.into(),
+                );
+                set("qkv_bias", self.qkv_bias.into());
+                set("decoder_sparse_step", 1.into());
+                set("mlp_only_layers", json!([]));
+                set("use_sliding_window", false.into());
+                set("sliding_window", Value::Null);
+                // Its biases are named by qkv_bias.
+                map.remove("attention_bias");
+            }
+        }
         serde_json::to_string_pretty(&value).expect("plain JSON")
     }
 }
@@ -318,21 +541,35 @@ fn decimal(x: f32) -> f64 {
 /// transformers configuration class's own defaults).
 struct FamilyDefaults {
     rope_theta: f64,
+    rms_eps: f64,
     aux_loss_coef: f64,
     max_positions: usize,
 }
 
 impl FamilyDefaults {
-    fn of(model_type: &str) -> Self {
-        assert_eq!(
-            model_type, "mixtral",
-            "refuse_unsupported admits Mixtral alone"
-        );
-        // transformers' MixtralConfig.
-        FamilyDefaults {
-            rope_theta: 1e6,
-            aux_loss_coef: 0.001,
-            max_positions: 4096 * 32,
+    fn of(family: Family) -> Self {
+        match family {
+            // MixtralConfig.
+            Family::Mixtral => FamilyDefaults {
+                rope_theta: 1e6,
+                rms_eps: 1e-5,
+                aux_loss_coef: 0.001,
+                max_positions: 4096 * 32,
+            },
+            // Qwen3MoeConfig, Qwen2MoeConfig.
+            Family::Qwen3Moe | Family::Qwen2Moe => FamilyDefaults {
+                rope_theta: 1e4,
+                rms_eps: 1e-6,
+                aux_loss_coef: 0.001,
+                max_positions: 32_768,
+            },
+            // OlmoeConfig.
+            Family::Olmoe => FamilyDefaults {
+                rope_theta: 1e4,
+                rms_eps: 1e-5,
+                aux_loss_coef: 0.01,
+                max_positions: 4096,
+            },
         }
     }
 }
@@ -369,35 +606,28 @@ fn rope_theta(map: &Map<String, Value>, default: f64) -> Result<f64, EngineError
         .unwrap_or(default))
 }
 
-/// Architectures and keys whose values change the computation in ways
-/// strata does not model, refused by name.
-fn refuse_unsupported(map: &Map<String, Value>, model_type: &str) -> Result<(), EngineError> {
-    match model_type {
-        "mixtral" => {}
-        "olmoe" => {
-            return Err(EngineError::Config(
-                "config.json: model_type \"olmoe\" is not supported: its attention \
-                 normalizes q and k (q_norm, k_norm), which strata does not model; \
-                 its experts alone can be imported with strata_tiers::import_experts"
-                    .into(),
-            ))
+/// The refusal of a `model_type` strata does not train, naming what in it
+/// strata lacks where that is known.
+fn unsupported_family(map: &Map<String, Value>) -> EngineError {
+    let model_type = map.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let why = match model_type {
+        "deepseek_v2" | "deepseek_v3" => {
+            "its attention is multi-head latent attention (kv_lora_rank), \
+             which strata does not model; "
         }
-        "qwen2_moe" => {
-            return Err(EngineError::Config(
-                "config.json: model_type \"qwen2_moe\" is not supported: its attention \
-                 has q/k/v biases and its MoE layers a shared expert \
-                 (shared_expert_intermediate_size), which strata does not model; \
-                 its experts alone can be imported with strata_tiers::import_experts"
-                    .into(),
-            ))
-        }
-        other => {
-            return Err(EngineError::Config(format!(
-                "config.json: model_type {other:?} is not supported (strata trains \
-                 the Mixtral architecture, model_type \"mixtral\")"
-            )))
-        }
-    }
+        _ => "",
+    };
+    EngineError::Config(format!(
+        "config.json: model_type {model_type:?} is not supported: {why}strata trains \
+         model_type \"mixtral\", \"qwen3_moe\", \"olmoe\" and \"qwen2_moe\"; the experts of a \
+         Mixtral-, Qwen- or OLMoE-named checkpoint alone can be imported with \
+         strata::lm::safetensors_io::import_experts"
+    ))
+}
+
+/// Keys whose values change the computation in ways strata does not model,
+/// refused by name.
+fn refuse_unsupported(map: &Map<String, Value>, family: Family) -> Result<(), EngineError> {
     let refuse = |key: &str, why: &str| {
         Err(EngineError::Config(format!(
             "config.json: {key} = {} is not supported: {why}",
@@ -414,8 +644,43 @@ fn refuse_unsupported(map: &Map<String, Value>, model_type: &str) -> Result<(), 
             return refuse("hidden_act", "the experts are SwiGLU (silu)");
         }
     }
-    if truthy("sliding_window") {
-        return refuse("sliding_window", "attention is full causal attention");
+    // Qwen3-MoE's config names a window that applies only with
+    // use_sliding_window.
+    let qwen = matches!(family, Family::Qwen3Moe | Family::Qwen2Moe);
+    let key = match qwen {
+        true => "use_sliding_window",
+        false => "sliding_window",
+    };
+    if truthy(key) {
+        return refuse(key, "attention is full causal attention");
+    }
+    if truthy("kv_lora_rank") {
+        return refuse(
+            "kv_lora_rank",
+            "multi-head latent attention is not modelled",
+        );
+    }
+    if family == Family::Qwen3Moe {
+        if map
+            .get("mlp_only_layers")
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty())
+        {
+            return refuse(
+                "mlp_only_layers",
+                "every layer must be an MoE layer (dense MLP layers are not modelled yet)",
+            );
+        }
+        if map
+            .get("decoder_sparse_step")
+            .and_then(Value::as_u64)
+            .is_some_and(|s| s != 1)
+        {
+            return refuse(
+                "decoder_sparse_step",
+                "every layer must be an MoE layer (dense MLP layers are not modelled yet)",
+            );
+        }
     }
     // transformers 4 names a scaled RoPE under `rope_scaling`; an object
     // that asks for the default rotation is the plain one.
@@ -426,7 +691,7 @@ fn refuse_unsupported(map: &Map<String, Value>, model_type: &str) -> Result<(), 
     if truthy("rope_scaling") && !map.get("rope_scaling").is_some_and(default_rope) {
         return refuse("rope_scaling", "rotary embeddings are unscaled");
     }
-    if truthy("attention_bias") {
+    if family != Family::Qwen2Moe && truthy("attention_bias") {
         return refuse("attention_bias", "the attention projections have no bias");
     }
     Ok(())
@@ -518,5 +783,147 @@ mod tests {
             AuxLoss::AllLayers
         );
         assert_eq!(edited(&[], json!({})).unwrap().aux_loss, AuxLoss::PerLayer);
+    }
+
+    /// A Hub config of `family` (the keys its transformers class writes),
+    /// tiny.
+    fn hub_config(model_type: &str, set: Value) -> Result<LmConfig, EngineError> {
+        let mut value = json!({
+            "model_type": model_type,
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts_per_tok": 2,
+        });
+        for (key, v) in set.as_object().unwrap() {
+            value[key] = v.clone();
+        }
+        LmConfig::from_hf_json(&value.to_string())
+    }
+
+    #[test]
+    fn qwen3_moe_configs_are_read_with_their_own_keys_and_defaults() {
+        let c = hub_config(
+            "qwen3_moe",
+            json!({"num_experts": 8, "moe_intermediate_size": 24, "head_dim": 16,
+                   "use_sliding_window": false, "sliding_window": 4096,
+                   "mlp_only_layers": [], "decoder_sparse_step": 1}),
+        )
+        .unwrap();
+        assert_eq!(c.family, Family::Qwen3Moe);
+        assert_eq!((c.experts, c.d_ff, c.head_dim), (8, 24, 16));
+        // Qwen3MoeConfig's defaults: no renormalization, θ 1e4, ε 1e-6.
+        assert!(!c.renormalize);
+        assert_eq!((c.rope_theta, c.rms_eps, c.max_seq), (1e4, 1e-6, 32_768));
+        assert_eq!(c.family.qk_norm(), QkNorm::PerHead);
+        // transformers 5 writes num_local_experts for it.
+        let c5 = hub_config(
+            "qwen3_moe",
+            json!({"num_local_experts": 8, "moe_intermediate_size": 24, "norm_topk_prob": true}),
+        )
+        .unwrap();
+        assert!(c5.renormalize && c5.experts == 8);
+        let base = json!({"num_experts": 8, "moe_intermediate_size": 24});
+        for (key, value) in [
+            ("use_sliding_window", json!(true)),
+            ("mlp_only_layers", json!([0])),
+            ("decoder_sparse_step", json!(2)),
+        ] {
+            let mut set = base.clone();
+            set[key] = value;
+            let err = hub_config("qwen3_moe", set).unwrap_err().to_string();
+            assert!(err.contains(&format!("config.json: {key} = ")), "{err}");
+        }
+        let written = LmConfig { seed: 0, ..c };
+        assert_eq!(
+            LmConfig::from_hf_json(&written.to_hf_json()).unwrap(),
+            written
+        );
+    }
+
+    #[test]
+    fn olmoe_configs_are_read_with_their_own_keys_and_defaults() {
+        let c = hub_config("olmoe", json!({"num_experts": 8, "clip_qkv": 8.0})).unwrap();
+        assert_eq!(c.family, Family::Olmoe);
+        assert_eq!((c.experts, c.d_ff, c.clip_qkv), (8, 48, Some(8.0)));
+        assert!(!c.renormalize);
+        assert_eq!((c.rope_theta, c.rms_eps, c.max_seq), (1e4, 1e-5, 4096));
+        assert_eq!(c.family.qk_norm(), QkNorm::Whole);
+        // OlmoeConfig's aux coefficient is 0.01.
+        let on = json!({"num_experts": 8, "output_router_logits": true});
+        assert_eq!(hub_config("olmoe", on).unwrap().aux_loss_coef, 0.01);
+        let written = LmConfig { seed: 0, ..c };
+        assert_eq!(
+            LmConfig::from_hf_json(&written.to_hf_json()).unwrap(),
+            written
+        );
+        // Its q norm spans hidden_size: heads × head_dim must equal it.
+        let err = hub_config("olmoe", json!({"num_experts": 8, "head_dim": 16}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("OLMoE's q norm spans hidden_size 32"), "{err}");
+        // clip_qkv is OLMoE's alone.
+        let mixtral = LmConfig {
+            clip_qkv: Some(1.0),
+            ..LmConfig::preset("tiny").unwrap()
+        };
+        assert!(mixtral
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("clip_qkv"));
+    }
+
+    #[test]
+    fn qwen2_moe_configs_are_read_with_biases_and_a_shared_expert() {
+        let keys = json!({"num_experts": 8, "moe_intermediate_size": 24,
+                          "shared_expert_intermediate_size": 40});
+        let c = hub_config("qwen2_moe", keys.clone()).unwrap();
+        assert_eq!(c.family, Family::Qwen2Moe);
+        assert_eq!((c.d_ff, c.shared_expert_ff, c.qkv_bias), (24, 40, true));
+        assert_eq!(c.family.qk_norm(), QkNorm::None);
+        let (d, q, kv) = (32, 32, 16);
+        assert_eq!(c.qkv_bias_params(), q + 2 * kv);
+        assert_eq!(c.shared_expert_params(), 3 * d * 40 + d);
+        let written = LmConfig { seed: 0, ..c };
+        assert_eq!(
+            LmConfig::from_hf_json(&written.to_hf_json()).unwrap(),
+            written
+        );
+        let mut no_bias = keys.clone();
+        no_bias["qkv_bias"] = json!(false);
+        assert!(!hub_config("qwen2_moe", no_bias).unwrap().qkv_bias);
+        let err = hub_config(
+            "qwen2_moe",
+            json!({"num_experts": 8, "moe_intermediate_size": 24}),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("shared_expert_intermediate_size"), "{err}");
+        // Biases and a shared expert are Qwen2-MoE's alone.
+        let mixtral = LmConfig {
+            shared_expert_ff: 8,
+            ..LmConfig::preset("tiny").unwrap()
+        };
+        assert!(mixtral.validate().is_err());
+    }
+
+    #[test]
+    fn unsupported_families_and_attention_are_refused_by_name() {
+        let err = hub_config("deepseek_v3", json!({}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kv_lora_rank"), "{err}");
+        let err = hub_config("llama", json!({})).unwrap_err().to_string();
+        assert!(
+            err.contains("model_type \"llama\" is not supported"),
+            "{err}"
+        );
+        let mla = json!({"num_experts": 8, "kv_lora_rank": 512});
+        let err = hub_config("olmoe", mla).unwrap_err().to_string();
+        assert!(err.contains("config.json: kv_lora_rank = 512"), "{err}");
     }
 }

@@ -1,13 +1,17 @@
 //! The language model people train and fine-tune: a decoder-only MoE
-//! transformer with the Mixtral architecture ([`MixtralLm`]), its
-//! configuration ([`LmConfig`], presets and Hugging Face `config.json`)
-//! and its data ([`data`]). Its attention math is in
+//! transformer of the Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE family ([`MoeLm`]),
+//! its configuration ([`LmConfig`], presets and Hugging Face
+//! `config.json`), a Hub model directory read in ([`hub`]) and its data
+//! ([`data`]). Its attention math is in
 //! [`math::attention`](crate::math::attention), with the other plain ops.
 
 pub mod config;
 pub mod data;
+pub mod hub;
 pub mod network;
+mod qkv;
 pub mod safetensors_io;
+mod shared_expert;
 
-pub use config::{AuxLoss, LmConfig, PRESETS};
-pub use network::{DenseTensor, MixtralLm, TokenBatch};
+pub use config::{AuxLoss, Family, LmConfig, QkNorm, PRESETS};
+pub use network::{DenseTensor, MoeLm, TokenBatch};

@@ -1,19 +1,21 @@
-//! The Mixtral-architecture language model as a [`Network`]: token
-//! embedding; per layer `h ← h + Attn(RMSNorm(h))`, `h ← h + MoE(RMSNorm(h))`
-//! with causal grouped-query attention and rotary embeddings; final
-//! RMSNorm; LM head (tied to the embedding or not); next-token
-//! cross-entropy. The dense params are one flat vector whose tensors
-//! carry their Hugging Face names (see [`MixtralLm::tensors`]).
+//! The MoE language model of every family strata trains, as a
+//! [`Network`]: token embedding; per layer `h ← h + Attn(RMSNorm(h))`,
+//! `h ← h + MoE(RMSNorm(h))` with causal grouped-query attention and rotary
+//! embeddings (q, k and v as each family forms them: `qkv`) and, in
+//! Qwen2-MoE, a gated shared expert beside the routed ones
+//! (`shared_expert`); final RMSNorm; LM head (tied to the embedding or not);
+//! next-token cross-entropy. The dense params are one flat vector whose
+//! tensors carry their Hugging Face names (see [`MoeLm::tensors`]).
 
 // Numeric code takes its shapes as arguments, as llm.c does.
 #![allow(clippy::too_many_arguments)]
 
 use std::ops::Range;
 
-use super::config::{AuxLoss, LmConfig};
-use crate::math::attention::{
-    embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
-};
+use super::config::{AuxLoss, LmConfig, QkNorm};
+use super::qkv::{self, Qkv, QkvRanges};
+use super::shared_expert::{self, SharedRanges, SharedSaved};
+use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
 use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward};
 use crate::model::{
     fill_uniform, moe_backward, moe_forward, DenseKernels, Evaluation, ExpertRunner, Losses,
@@ -33,12 +35,11 @@ pub struct DenseTensor {
 #[derive(Clone, Debug)]
 struct LayerRanges {
     attn_norm: Range<usize>,
-    wq: Range<usize>,
-    wk: Range<usize>,
-    wv: Range<usize>,
+    qkv: QkvRanges,
     wo: Range<usize>,
     moe_norm: Range<usize>,
     router: Range<usize>,
+    shared: Option<SharedRanges>,
 }
 
 /// A batch of B sequences of S + 1 tokens: position i predicts i + 1.
@@ -66,9 +67,10 @@ impl TokenBatch {
     }
 }
 
-/// The Mixtral-architecture LM.
+/// The MoE language model (Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE, by its config's
+/// [`Family`](super::Family)).
 #[derive(Clone, Debug)]
-pub struct MixtralLm {
+pub struct MoeLm {
     config: LmConfig,
     moe: ModelConfig,
     tensors: Vec<DenseTensor>,
@@ -84,16 +86,14 @@ struct LayerSaved {
     h_in: Vec<f32>,
     n1: Vec<f32>,
     inv1: Vec<f32>,
-    /// q, k after rotation; v
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    qkv: Qkv,
     probs: Vec<f32>,
     attn: Vec<f32>,
     h_mid: Vec<f32>,
     n2: Vec<f32>,
     inv2: Vec<f32>,
     moe: MoeSaved,
+    shared: Option<SharedSaved>,
 }
 
 struct Forward {
@@ -110,7 +110,7 @@ struct Forward {
     z: f32,
 }
 
-impl MixtralLm {
+impl MoeLm {
     pub fn new(config: LmConfig) -> Result<Self, EngineError> {
         config.validate()?;
         let (d, v, e) = (config.d_model, config.vocab, config.experts);
@@ -133,16 +133,52 @@ impl MixtralLm {
         };
         let embed = push("model.embed_tokens.weight".into(), vec![v, d]);
         let mut layers = Vec::with_capacity(config.layers);
+        let moe_block = config.family.moe_block();
+        let (q_norm, k_norm) = match config.family.qk_norm() {
+            QkNorm::None => (0, 0),
+            QkNorm::PerHead => (config.head_dim, config.head_dim),
+            QkNorm::Whole => (q, kv),
+        };
+        let fs = config.shared_expert_ff;
         for l in 0..config.layers {
             let p = format!("model.layers.{l}");
+            let attn_norm = push(format!("{p}.input_layernorm.weight"), vec![d]);
+            let wq = push(format!("{p}.self_attn.q_proj.weight"), vec![q, d]);
+            let wk = push(format!("{p}.self_attn.k_proj.weight"), vec![kv, d]);
+            let wv = push(format!("{p}.self_attn.v_proj.weight"), vec![kv, d]);
+            let wo = push(format!("{p}.self_attn.o_proj.weight"), vec![d, q]);
+            let bias = config.qkv_bias.then(|| {
+                [("q", q), ("k", kv), ("v", kv)]
+                    .map(|(w, n)| push(format!("{p}.self_attn.{w}_proj.bias"), vec![n]))
+            });
+            let norm = (q_norm > 0).then(|| {
+                [("q", q_norm), ("k", k_norm)]
+                    .map(|(w, n)| push(format!("{p}.self_attn.{w}_norm.weight"), vec![n]))
+            });
+            let moe_norm = push(format!("{p}.post_attention_layernorm.weight"), vec![d]);
+            let router = push(format!("{p}.{moe_block}.gate.weight"), vec![e, d]);
+            let shared = (fs > 0).then(|| {
+                let w = format!("{p}.{moe_block}.shared_expert");
+                SharedRanges {
+                    gate: push(format!("{w}.gate_proj.weight"), vec![fs, d]),
+                    up: push(format!("{w}.up_proj.weight"), vec![fs, d]),
+                    down: push(format!("{w}.down_proj.weight"), vec![d, fs]),
+                    scale: push(format!("{w}_gate.weight"), vec![1, d]),
+                }
+            });
             layers.push(LayerRanges {
-                attn_norm: push(format!("{p}.input_layernorm.weight"), vec![d]),
-                wq: push(format!("{p}.self_attn.q_proj.weight"), vec![q, d]),
-                wk: push(format!("{p}.self_attn.k_proj.weight"), vec![kv, d]),
-                wv: push(format!("{p}.self_attn.v_proj.weight"), vec![kv, d]),
-                wo: push(format!("{p}.self_attn.o_proj.weight"), vec![d, q]),
-                moe_norm: push(format!("{p}.post_attention_layernorm.weight"), vec![d]),
-                router: push(format!("{p}.block_sparse_moe.gate.weight"), vec![e, d]),
+                attn_norm,
+                qkv: QkvRanges {
+                    wq,
+                    wk,
+                    wv,
+                    bias,
+                    norm,
+                },
+                wo,
+                moe_norm,
+                router,
+                shared,
             });
         }
         let final_norm = push("model.norm.weight".into(), vec![d]);
@@ -194,7 +230,7 @@ impl MixtralLm {
         let (inputs, targets) = batch.inputs_targets();
         let t = inputs.len();
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
-        let (qw, kw) = (shape.q_width(), shape.kv_width());
+        let qw = shape.q_width();
         let rope = RopeTable::<f32>::new(batch.seq_len, c.head_dim, c.rope_theta);
         let mut h = vec![0.0f32; t * d];
         embedding_forward(&mut h, &dense[self.embed.clone()], &inputs, d);
@@ -205,17 +241,10 @@ impl MixtralLm {
             let mut inv1 = vec![0.0f32; t];
             let g1 = &dense[r.attn_norm.clone()];
             rmsnorm_forward(&mut n1, &mut inv1, &h, g1, t, d, c.rms_eps);
-            let mut q = vec![0.0f32; t * qw];
-            let mut k = vec![0.0f32; t * kw];
-            let mut vv = vec![0.0f32; t * kw];
-            kernels.forward(&mut q, &n1, &dense[r.wq.clone()], t, d, qw)?;
-            kernels.forward(&mut k, &n1, &dense[r.wk.clone()], t, d, kw)?;
-            kernels.forward(&mut vv, &n1, &dense[r.wv.clone()], t, d, kw)?;
-            rope_forward(&mut q, &rope, batch.seq_len, c.heads);
-            rope_forward(&mut k, &rope, batch.seq_len, c.kv_heads);
+            let qkv = qkv::forward(c, dense, &r.qkv, &n1, &shape, &rope, kernels)?;
             let mut attn = vec![0.0f32; t * qw];
             let mut probs = vec![0.0f32; shape.probs_len()];
-            kernels.attention_forward(&mut attn, &mut probs, &q, &k, &vv, &shape)?;
+            kernels.attention_forward(&mut attn, &mut probs, &qkv.q, &qkv.k, &qkv.v, &shape)?;
             let mut o = vec![0.0f32; t * d];
             kernels.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d)?;
             let h_in = h.clone();
@@ -224,7 +253,16 @@ impl MixtralLm {
             let mut inv2 = vec![0.0f32; t];
             let g2 = &dense[r.moe_norm.clone()];
             rmsnorm_forward(&mut n2, &mut inv2, &h, g2, t, d, c.rms_eps);
-            let (y, moe) = moe_forward(&self.moe, l, &dense[r.router.clone()], &n2, t, runner)?;
+            let (mut y, moe) = moe_forward(&self.moe, l, &dense[r.router.clone()], &n2, t, runner)?;
+            let shared = match &r.shared {
+                Some(sr) => {
+                    let f = c.shared_expert_ff;
+                    Some(shared_expert::forward(
+                        dense, sr, &n2, &mut y, t, d, f, kernels,
+                    )?)
+                }
+                None => None,
+            };
             let h_mid = h.clone();
             h.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
             runner.give_buffer(y);
@@ -234,15 +272,14 @@ impl MixtralLm {
                 h_in,
                 n1,
                 inv1,
-                q,
-                k,
-                v: vv,
+                qkv,
                 probs,
                 attn,
                 h_mid,
                 n2,
                 inv2,
                 moe,
+                shared,
             });
         }
         if c.aux_loss == AuxLoss::AllLayers {
@@ -322,7 +359,7 @@ fn all_layers_aux(layers: &mut [LayerSaved], experts: usize, t: usize) -> f32 {
     aux as f32
 }
 
-impl Network for MixtralLm {
+impl Network for MoeLm {
     type Batch = TokenBatch;
 
     fn moe(&self) -> &ModelConfig {
@@ -452,6 +489,12 @@ impl Network for MixtralLm {
                 runner,
                 last_micro_batch,
             )?;
+            if let (Some(sr), Some(saved)) = (&r.shared, &s.shared) {
+                let f = c.shared_expert_ff;
+                shared_expert::backward(
+                    dense, dense_grad, sr, saved, &s.n2, &mut dn2, &dh, t, d, f, kernels,
+                )?;
+            }
             rmsnorm_backward(
                 &mut dh,
                 &mut dense_grad[r.moe_norm.clone()],
@@ -477,24 +520,24 @@ impl Network for MixtralLm {
             let mut dq = vec![0.0f32; t * qw];
             let mut dk = vec![0.0f32; t * kw];
             let mut dv = vec![0.0f32; t * kw];
+            let qkv = &s.qkv;
             kernels.attention_backward(
-                &mut dq, &mut dk, &mut dv, &dattn, &s.probs, &s.q, &s.k, &s.v, &shape,
+                &mut dq, &mut dk, &mut dv, &dattn, &s.probs, &qkv.q, &qkv.k, &qkv.v, &shape,
             )?;
-            rope_backward(&mut dq, rope, batch.seq_len, c.heads);
-            rope_backward(&mut dk, rope, batch.seq_len, c.kv_heads);
             let mut dn1 = vec![0.0f32; t * d];
-            for (w, dw, width) in [(&r.wq, &dq, qw), (&r.wk, &dk, kw), (&r.wv, &dv, kw)] {
-                kernels.backward(
-                    &mut dn1,
-                    &mut dense_grad[w.clone()],
-                    dw,
-                    &s.n1,
-                    &dense[w.clone()],
-                    t,
-                    d,
-                    width,
-                )?;
-            }
+            qkv::backward(
+                c,
+                dense,
+                dense_grad,
+                &r.qkv,
+                qkv,
+                &s.n1,
+                &mut dn1,
+                [dq, dk, dv],
+                &shape,
+                rope,
+                kernels,
+            )?;
             rmsnorm_backward(
                 &mut dh,
                 &mut dense_grad[r.attn_norm.clone()],
@@ -531,6 +574,7 @@ impl Network for MixtralLm {
             targets: f.targets,
             width: v,
             loss,
+            aux_loss: f.aux,
         })
     }
 }

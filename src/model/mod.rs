@@ -333,15 +333,19 @@ pub trait Network {
 }
 
 /// What a forward pass gives back: for each of its `tokens` (rows in the
-/// batch's order), `width` logits and the target, and the mean
-/// cross-entropy.
+/// batch's order), `width` logits and the target, the mean cross-entropy,
+/// and the load-balancing loss.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Evaluation {
     /// (tokens, width), row-major.
     pub logits: Vec<f32>,
     pub targets: Vec<u32>,
     pub width: usize,
+    /// The mean cross-entropy.
     pub loss: f32,
+    /// The load-balancing loss of the batch, before its coefficient (the
+    /// training loss adds `aux_loss_coef` times it).
+    pub aux_loss: f32,
 }
 
 impl Evaluation {
@@ -549,7 +553,7 @@ impl Network for ModelConfig {
         kernels: &dyn DenseKernels,
     ) -> Result<Evaluation, EngineError> {
         let (t, d, v) = (batch.tokens(), self.d_model, self.classes);
-        let (h, saved, _, _) = stack_forward(self, dense, batch, runner)?;
+        let (h, saved, aux_loss, _) = stack_forward(self, dense, batch, runner)?;
         let mut logits = vec![0.0f32; t * v];
         kernels.forward(&mut logits, &h, &dense[self.head_range()], t, d, v)?;
         runner.give_buffer(h);
@@ -564,6 +568,7 @@ impl Network for ModelConfig {
             targets: batch.targets.clone(),
             width: v,
             loss,
+            aux_loss,
         })
     }
 }

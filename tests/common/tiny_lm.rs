@@ -6,13 +6,17 @@ use std::path::Path;
 
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::safetensors_io::{write_safetensors, TensorSpec};
-use strata::lm::{LmConfig, MixtralLm};
+use strata::lm::{Family, LmConfig, MoeLm};
 use strata::model::Network;
 use strata_tiers::encode_compute;
 use strata_tiers::Dtype;
 
 pub fn tiny_config() -> LmConfig {
     LmConfig {
+        family: Family::Mixtral,
+        clip_qkv: None,
+        qkv_bias: false,
+        shared_expert_ff: 0,
         vocab: 260,
         d_model: 16,
         layers: 2,
@@ -32,7 +36,7 @@ pub fn tiny_config() -> LmConfig {
 /// of at most 64 KiB (so there is an index), f32.
 pub fn write_checkpoint(dir: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
     std::fs::create_dir_all(dir).unwrap();
-    let lm = MixtralLm::new(config.clone()).unwrap();
+    let lm = MoeLm::new(config.clone()).unwrap();
     let dense = lm.init_dense();
     let moe = lm.moe().clone();
     let (d, f) = (config.d_model, config.d_ff);
@@ -79,7 +83,7 @@ pub fn write_checkpoint(dir: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32
 
 /// The params of the run in `out`, read back through a resumed engine.
 pub fn run_params(out: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let lm = MixtralLm::new(config.clone()).unwrap();
+    let lm = MoeLm::new(config.clone()).unwrap();
     let mut engine = Engine::resume_network(
         &lm,
         EngineConfig {

@@ -28,9 +28,9 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Train a Mixtral-architecture MoE language model from scratch (built-in data by default).
+    /// Train an MoE language model (Mixtral architecture) from scratch (built-in data by default).
     Train(TrainFlags),
-    /// Fine-tune a Hugging Face Mixtral-layout checkpoint (config.json + safetensors).
+    /// Fine-tune a Hugging Face checkpoint: Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE (config.json + safetensors).
     Finetune(FinetuneArgs),
     /// Print the bytes each tier needs and the offloading mode, or why it cannot fit.
     Plan(PlanArgs),

@@ -4,15 +4,15 @@
 
 use std::path::{Path, PathBuf};
 
+use strata::lm::hub;
 use strata::lm::safetensors_io::{
-    expert_tensor_specs, import_experts, write_safetensors, Checkpoint, ExpertNaming, ExpertShape,
-    TensorSpec,
+    expert_tensor_specs, write_safetensors, Checkpoint, ExpertShape, TensorSpec,
 };
 use strata_tiers::encode_compute;
 use strata_tiers::io::AlignedBuf;
 use strata_tiers::{record_mut, Dtype, ExpertStore, Parts};
 
-use strata::lm::{LmConfig, MixtralLm};
+use strata::lm::{LmConfig, MoeLm};
 
 /// Files copied along with the weights when present.
 pub(super) const SIDE_FILES: &[&str] = &[
@@ -24,52 +24,13 @@ pub(super) const SIDE_FILES: &[&str] = &[
 
 /// Reads `DIR/config.json`.
 pub fn read_config(dir: &Path) -> Result<LmConfig, String> {
-    if !dir.is_dir() {
-        return Err(format!(
-            "model directory {} does not exist (give a directory with config.json and safetensors)",
-            dir.display()
-        ));
-    }
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        format!(
-            "cannot read {}: {e} (--model takes a Hugging Face model directory: \
-                 config.json and safetensors)",
-            path.display()
-        )
-    })?;
-    LmConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", path.display()))
+    hub::read_config(dir).map_err(|e| e.to_string())
 }
 
 /// Opens the checkpoint's safetensors and reads every dense tensor,
 /// checking names and shapes before anything is written.
-pub fn read_dense(dir: &Path, lm: &MixtralLm) -> Result<(Checkpoint, Vec<f32>), String> {
-    let ckpt = Checkpoint::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let missing: Vec<&str> = lm
-        .tensors()
-        .iter()
-        .map(|t| t.name.as_str())
-        .filter(|n| !ckpt.contains(n))
-        .collect();
-    if !missing.is_empty() {
-        return Err(format!(
-            "{}: {} dense tensors are missing from the checkpoint, e.g. {}",
-            dir.display(),
-            missing.len(),
-            missing
-                .iter()
-                .take(3)
-                .copied()
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    let mut dense = vec![0.0f32; lm.config().dense_params()];
-    for t in lm.tensors() {
-        ckpt.read_f32(&t.name, &t.shape, &mut dense[t.range.clone()])
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    Ok((ckpt, dense))
+pub fn read_dense(dir: &Path, lm: &MoeLm) -> Result<(Checkpoint, Vec<f32>), String> {
+    hub::read_dense(dir, lm).map_err(|e| e.to_string())
 }
 
 /// Imports the checkpoint's experts into `store` (step 0, committed).
@@ -79,12 +40,7 @@ pub fn import_store(
     store: &ExpertStore,
     progress: impl FnMut(u64, u64),
 ) -> Result<(), String> {
-    let shape = ExpertShape {
-        d_model: config.d_model,
-        d_ff: config.d_ff,
-    };
-    import_experts(ckpt, ExpertNaming::Mixtral, shape, store, 0, progress)
-        .map_err(|e| e.to_string())
+    hub::import_store(ckpt, config, store, progress).map_err(|e| e.to_string())
 }
 
 /// Writes the model — dense params from `dense`, experts' master params
@@ -93,7 +49,7 @@ pub fn import_store(
 /// Everything is written under temporary names and renamed at the end.
 pub fn export(
     dir: &Path,
-    lm: &MixtralLm,
+    lm: &MoeLm,
     dense: &[f32],
     store: &ExpertStore,
     dtype: Dtype,
@@ -118,7 +74,7 @@ pub fn export(
     let dense_count = specs.len();
     specs.extend(expert_tensor_specs(
         store,
-        ExpertNaming::Mixtral,
+        config.family.expert_naming(),
         shape,
         dtype,
     ));

@@ -1,5 +1,5 @@
 //! The trainer: `strata train` (from scratch) and `strata finetune`
-//! (from a Hugging Face checkpoint) of the Mixtral-architecture LM, with
+//! (from a Hugging Face checkpoint) of the MoE language model (`strata::lm`), with
 //! warmup + cosine learning rate, gradient accumulation, held-out loss,
 //! checkpoints (every N steps, at the end and on Ctrl-C), resume, export,
 //! a progress bar and JSON-lines metrics.
@@ -32,7 +32,7 @@ use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles,
 pub use run_dir::{export_run, verify_run};
 use strata::engine::{Engine, EngineConfig, StepMetrics};
 use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
-use strata::lm::{LmConfig, MixtralLm};
+use strata::lm::{LmConfig, MoeLm};
 
 use strata::backend::BackendKind;
 
@@ -302,7 +302,7 @@ fn run_locked(
     // Everything that can be refused is checked before anything is written.
     let (tok, config) = files.read(&o, &source)?;
     let plan = plan_for(&o, &config)?;
-    let lm = MixtralLm::new(config.clone()).map_err(|e| e.to_string())?;
+    let lm = MoeLm::new(config.clone()).map_err(|e| e.to_string())?;
     let mut data = Dataset::open(
         DataConfig {
             corpus: if o.data.is_empty() {

@@ -19,7 +19,7 @@ use strata_tiers::{Dtype, Layout};
 
 use super::options::show_bytes;
 use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
-use strata::lm::LmConfig;
+use strata::lm::{LmConfig, QkNorm};
 
 /// Where the experts end up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,13 +94,24 @@ pub struct PlanInput<'a> {
 /// residual stream and norms (5·D), q/k/v and the attention output,
 /// the attention probabilities (H·S² a sequence), the router's outputs,
 /// each assignment's expert output (K·D) and hidden activations (2·K·F);
-/// then the logits and their gradient (2·V).
+/// q and k before their norms, q/k/v before a clamp, and a shared
+/// expert's activations (3·F_s + D + 1) where the family has them; then
+/// the logits and their gradient (2·V).
 pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
     let (d, k, f) = (m.d_model as u64, m.top_k as u64, m.d_ff as u64);
     let q = (m.heads * m.head_dim) as u64;
     let kv = (m.kv_heads * m.head_dim) as u64;
-    let per_token = 5 * d + 2 * q + 2 * kv + 2 * m.experts as u64 + k * d + 2 * k * f;
+    let mut per_token = 5 * d + 2 * q + 2 * kv + 2 * m.experts as u64 + k * d + 2 * k * f;
+    if m.family.qk_norm() != QkNorm::None {
+        per_token += q + kv + m.heads as u64 + m.kv_heads as u64;
+    }
+    if m.clip_qkv.is_some() {
+        per_token += q + 2 * kv;
+    }
+    if m.shared_expert_ff > 0 {
+        per_token += 3 * m.shared_expert_ff as u64 + d + 1;
+    }
     let probs = (seqs * m.heads * seq_len * seq_len) as u64;
     4 * (m.layers as u64 * (t * per_token + probs) + 2 * t * m.vocab as u64)
 }

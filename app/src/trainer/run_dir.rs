@@ -17,7 +17,7 @@ use super::{
 };
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::data::Tokenizer;
-use strata::lm::{LmConfig, MixtralLm};
+use strata::lm::{LmConfig, MoeLm};
 
 /// What `run.json` holds.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -285,7 +285,7 @@ struct OpenedRun {
     options: TrainOptions,
     source: Source,
     files: ModelFiles,
-    lm: MixtralLm,
+    lm: MoeLm,
 }
 
 fn open_run(run_dir: &Path, verb: &str) -> Result<OpenedRun, String> {
@@ -298,7 +298,7 @@ fn open_run(run_dir: &Path, verb: &str) -> Result<OpenedRun, String> {
         ..record.options
     };
     let (_, config) = files.read(&options, &record.source)?;
-    let lm = MixtralLm::new(config).map_err(|e| e.to_string())?;
+    let lm = MoeLm::new(config).map_err(|e| e.to_string())?;
     Ok(OpenedRun {
         _lock: lock,
         options,
@@ -361,7 +361,7 @@ pub(super) fn create_run(
     o: &TrainOptions,
     source: &Source,
     config: &LmConfig,
-    lm: &MixtralLm,
+    lm: &MoeLm,
     engine_config: EngineConfig,
     imported: Option<(strata::lm::safetensors_io::Checkpoint, Vec<f32>)>,
     created: bool,

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use strata::engine::EngineConfig;
+use strata::lm::LmConfig;
 use strata_cli::trainer::{self, TrainFlags};
 use strata_tiers::Dtype;
 
@@ -18,9 +19,13 @@ pub fn small_flags(out: &Path) -> TrainFlags {
 
 /// `small_flags` with host memory for `records` of the eight records.
 pub fn flags_holding(out: &Path, records: u64) -> TrainFlags {
-    let config = tiny_config();
+    flags_holding_for(&tiny_config(), out, records)
+}
+
+/// Flags for `config` with host memory for `records` of its expert records.
+pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFlags {
     let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
-        model: &config,
+        model: config,
         compute_dtype: Dtype::Bf16,
         seq_len: 16,
         batch: 4,

@@ -1,0 +1,268 @@
+//! strata against transformers itself, the second, external oracle: for
+//! each family a tiny checkpoint in its Hub layout, written by
+//! transformers' `save_pretrained` in f32 and in bf16, and what
+//! transformers computed on it for one batch (`tests/fixtures/hf/`, made
+//! by `scripts/hf-fixtures/run.sh`). strata opens the directory as a user
+//! would (`hub::open_engine`), and is compared on:
+//! - the logits, to 1e-4 (absolute; they are O(1));
+//! - the cross-entropy and the load-balancing loss, to 1e-5 relative;
+//! - every tensor's gradient of CE + router_aux_loss_coef · aux, to
+//!   1e-4 · max|ref| + 1e-6, element by element.
+//!
+//! Both sides compute in f32 on the same values (the bf16 cases hold
+//! bf16 weights, which transformers computed on in f32, as strata does
+//! after importing them), so the differences are f32 rounding in sums of
+//! at most 256 terms, in different orders: ~1e-6 relative.
+//!
+//! The gradient is read through the update, with AdamW set so that its
+//! first step keeps the gradient's scale (as in `oracle_lm`): β1 = β2 = 0,
+//! ε = 1, no weight decay, so Δ = −lr · g / (|g| + 1) and
+//! g = x / (1 − |x|) with x = −Δ / lr. lr = 64 keeps the rounding of a
+//! parameter (|p| ≤ 2, 1.2e-7) below 2e-9 of a gradient.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use strata::engine::EngineConfig;
+use strata::lm::safetensors_io::Checkpoint;
+use strata::lm::{hub, Family, MoeLm, TokenBatch};
+use strata_core::ExpertId;
+use strata_optim::AdamWHyper;
+use strata_tiers::Dtype;
+
+const LR: f32 = 64.0;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf")
+}
+
+struct Reference {
+    tokens: Vec<u32>,
+    seq_len: usize,
+    ce: f64,
+    aux: f64,
+    loss: f64,
+    checkpoint: Checkpoint,
+}
+
+impl Reference {
+    fn read(case: &Path) -> Self {
+        let dir = case.join("reference");
+        let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+        let meta: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let float = |k: &str| meta[k].as_f64().unwrap();
+        Reference {
+            tokens: meta["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect(),
+            seq_len: meta["seq_len"].as_u64().unwrap() as usize,
+            ce: float("ce"),
+            aux: float("aux"),
+            loss: float("loss"),
+            checkpoint: Checkpoint::open(&dir).unwrap(),
+        }
+    }
+
+    fn tensor(&self, name: &str, shape: &[usize]) -> Vec<f32> {
+        let mut out = vec![0.0f32; shape.iter().product()];
+        self.checkpoint.read_f32(name, shape, &mut out).unwrap();
+        out
+    }
+}
+
+fn engine_config(store: &Path) -> EngineConfig {
+    EngineConfig {
+        hyper: AdamWHyper {
+            lr: LR,
+            beta1: 0.0,
+            beta2: 0.0,
+            eps: 1.0,
+            weight_decay: 0.0,
+        },
+        compute_dtype: Dtype::F32,
+        optimizer_threads: 2,
+        device_budget_bytes: 1 << 24,
+        host_budget_bytes: 1 << 26,
+        store_path: Some(store.to_path_buf()),
+        ..EngineConfig::default()
+    }
+}
+
+/// The gradient an update `after − before` came from (see the header).
+fn gradient_of(before: &[f32], after: &[f32]) -> Vec<f64> {
+    before
+        .iter()
+        .zip(after)
+        .map(|(&b, &a)| {
+            let x = -(a as f64 - b as f64) / LR as f64;
+            x / (1.0 - x.abs())
+        })
+        .collect()
+}
+
+/// Element by element, |got − want| ≤ 1e-4 · max|want| + 1e-6; returns
+/// the worst difference relative to max|want|.
+fn compare(case: &str, tensor: &str, got: &[f64], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{case}: {tensor}");
+    let scale = want.iter().fold(0.0f64, |m, &w| m.max((w as f64).abs()));
+    let bound = 1e-4 * scale + 1e-6;
+    let mut worst = 0.0f64;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let diff = (g - w as f64).abs();
+        assert!(
+            diff <= bound,
+            "{case}: {tensor}[{i}] is {g:e}, transformers' {w:e} (bound {bound:e})"
+        );
+        worst = worst.max(diff / scale.max(1e-30));
+    }
+    worst
+}
+
+fn case(name: &str, family: Family) {
+    let case = fixtures().join(name);
+    let reference = Reference::read(&case);
+    let dir = tempfile::tempdir().unwrap();
+    let (lm, mut engine) = hub::open_engine(
+        &case.join("model"),
+        engine_config(&dir.path().join("experts.store")),
+        |_, _| {},
+    )
+    .unwrap();
+    let c = lm.config().clone();
+    assert_eq!(c.family, family, "{name}");
+    let batch = TokenBatch {
+        seq_len: reference.seq_len,
+        tokens: reference.tokens.clone(),
+    };
+
+    // Forward: logits, cross-entropy, load-balancing loss.
+    let out = engine.forward(&lm, &batch).unwrap();
+    let seqs = batch.sequences();
+    let logits = reference.tensor("logits", &[seqs, reference.seq_len, c.vocab]);
+    let worst_logit = out
+        .logits
+        .iter()
+        .zip(&logits)
+        .map(|(&a, &b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        worst_logit < 1e-4,
+        "{name}: logits differ by up to {worst_logit:e}"
+    );
+    let rel = |got: f64, want: f64| (got - want).abs() / want.abs();
+    let (ce_err, aux_err) = (
+        rel(out.loss as f64, reference.ce),
+        rel(out.aux_loss as f64, reference.aux),
+    );
+    assert!(ce_err < 1e-5, "{name}: CE {} vs {}", out.loss, reference.ce);
+    assert!(
+        aux_err < 1e-5,
+        "{name}: aux {} vs {}",
+        out.aux_loss,
+        reference.aux
+    );
+
+    // One step: the loss, then every tensor's gradient.
+    let dense_before = engine.dense_params().to_vec();
+    let experts_before = expert_params(&lm, &mut engine);
+    let metrics = engine.step_network(&lm, &batch).unwrap();
+    let loss_err = rel(metrics.loss as f64, reference.loss);
+    assert!(
+        loss_err < 1e-5,
+        "{name}: loss {} vs {}",
+        metrics.loss,
+        reference.loss
+    );
+    let dense_after = engine.dense_params().to_vec();
+    let mut worst = (0.0f64, String::new());
+    let mut track = |tensor: &str, w: f64| {
+        if w > worst.0 {
+            worst = (w, tensor.to_string());
+        }
+    };
+    for t in lm.tensors() {
+        let got = gradient_of(
+            &dense_before[t.range.clone()],
+            &dense_after[t.range.clone()],
+        );
+        let want = reference.tensor(&format!("grad.{}", t.name), &t.shape);
+        track(&t.name, compare(name, &t.name, &got, &want));
+    }
+    let experts_after = expert_params(&lm, &mut engine);
+    let (d, f) = (c.d_model, c.d_ff);
+    let naming = c.family.expert_naming();
+    for ((id, before), (_, after)) in experts_before.iter().zip(&experts_after) {
+        let got = gradient_of(before, after);
+        // The documented layout: gate (F, D) | up (F, D) | down (D, F).
+        let parts = [
+            (0..f * d, [f, d]),
+            (f * d..2 * f * d, [f, d]),
+            (2 * f * d..3 * f * d, [d, f]),
+        ];
+        for (tensor, (range, shape)) in naming.names(*id).iter().zip(parts) {
+            let want = reference.tensor(&format!("grad.{tensor}"), &shape);
+            track(tensor, compare(name, tensor, &got[range], &want));
+        }
+    }
+    eprintln!(
+        "{name}: logits within {worst_logit:.1e}, CE {ce_err:.1e}, aux {aux_err:.1e}, \
+         loss {loss_err:.1e} (relative); worst gradient {:.1e} of its tensor's max ({})",
+        worst.0, worst.1
+    );
+}
+
+fn expert_params(lm: &MoeLm, engine: &mut strata::engine::Engine) -> Vec<(ExpertId, Vec<f32>)> {
+    let c = lm.config();
+    let mut out = Vec::new();
+    for l in 0..c.layers {
+        for e in 0..c.experts {
+            let id = ExpertId::new(l as u32, e as u32);
+            out.push((id, engine.expert_params(l, e).unwrap()));
+        }
+    }
+    out
+}
+
+#[test]
+fn mixtral_matches_transformers() {
+    case("mixtral", Family::Mixtral);
+}
+
+#[test]
+fn mixtral_from_bf16_shards_matches_transformers() {
+    case("mixtral-bf16", Family::Mixtral);
+}
+
+#[test]
+fn qwen3_moe_matches_transformers() {
+    case("qwen3_moe", Family::Qwen3Moe);
+}
+
+#[test]
+fn qwen3_moe_from_bf16_shards_matches_transformers() {
+    case("qwen3_moe-bf16", Family::Qwen3Moe);
+}
+
+#[test]
+fn olmoe_matches_transformers() {
+    case("olmoe", Family::Olmoe);
+}
+
+#[test]
+fn olmoe_from_bf16_shards_matches_transformers() {
+    case("olmoe-bf16", Family::Olmoe);
+}
+
+#[test]
+fn qwen2_moe_matches_transformers() {
+    case("qwen2_moe", Family::Qwen2Moe);
+}
+
+#[test]
+fn qwen2_moe_from_bf16_shards_matches_transformers() {
+    case("qwen2_moe-bf16", Family::Qwen2Moe);
+}
