@@ -38,6 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &TokenBatch {
                 seq_len: tokens.len(),
                 tokens: row,
+                loss_mask: None,
             },
         )
     };

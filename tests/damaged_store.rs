@@ -22,7 +22,11 @@ fn batch(step: u64) -> TokenBatch {
     let tokens = (0..4 * (seq_len as u64 + 1))
         .map(|i| ((i * 37 + step * 11) % 200) as u32)
         .collect();
-    TokenBatch { seq_len, tokens }
+    TokenBatch {
+        seq_len,
+        tokens,
+        loss_mask: None,
+    }
 }
 
 /// Room for two of the eight records: every step streams from the store.

@@ -327,13 +327,9 @@ fn the_loss_falls() {
 /// learning rate that changes every step.
 #[test]
 fn the_language_model_matches_the_reference_and_ignores_the_tiers() {
-    use strata::lm::{Family, LmConfig, MoeLm, TokenBatch};
+    use strata::lm::{LmConfig, MoeLm, TokenBatch};
     use strata::model::Network;
     let lm = MoeLm::new(LmConfig {
-        family: Family::Mixtral,
-        clip_qkv: None,
-        qkv_bias: false,
-        shared_expert_ff: 0,
         vocab: 40,
         d_model: 16,
         layers: 2,
@@ -353,6 +349,7 @@ fn the_language_model_matches_the_reference_and_ignores_the_tiers() {
         tokens: (0..4 * 13u64)
             .map(|i| ((i * 7 + s * 3) % 40) as u32)
             .collect(),
+        loss_mask: None,
     };
     let steps = 10;
     let mut reference = ReferenceTrainer::new_network(&lm, hyper()).unwrap();

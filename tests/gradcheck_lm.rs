@@ -3,7 +3,7 @@
 //! element by element; and the whole Mixtral-architecture network in f32,
 //! tensor by tensor, along each tensor's gradient direction.
 
-use strata::lm::{Family, LmConfig, MoeLm, TokenBatch};
+use strata::lm::{LmConfig, MoeLm, TokenBatch};
 use strata::math::attention::*;
 use strata::model::{Network, PlainKernels};
 use strata::reference::{MemoryRunner, ReferenceTrainer};
@@ -88,10 +88,6 @@ fn embedding_gradient_matches_finite_differences() {
 
 fn tiny_lm(tie: bool) -> MoeLm {
     MoeLm::new(LmConfig {
-        family: Family::Mixtral,
-        clip_qkv: None,
-        qkv_bias: false,
-        shared_expert_ff: 0,
         vocab: 13,
         d_model: 8,
         layers: 2,
@@ -114,6 +110,7 @@ fn batch() -> TokenBatch {
     TokenBatch {
         seq_len: 6,
         tokens: (0..14).map(|i| (i * 7 + 3) % 13).collect(),
+        loss_mask: None,
     }
 }
 

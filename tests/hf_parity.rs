@@ -137,6 +137,7 @@ fn case(name: &str, family: Family) {
     let batch = TokenBatch {
         seq_len: reference.seq_len,
         tokens: reference.tokens.clone(),
+        loss_mask: None,
     };
 
     // Forward: logits, cross-entropy, load-balancing loss.

@@ -162,6 +162,7 @@ fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: us
     let batch = TokenBatch {
         seq_len,
         tokens: tokens(c.vocab, seqs, seq_len, 17),
+        loss_mask: None,
     };
     let metrics = engine.step_network(&lm, &batch).unwrap();
     let after = params_of(&lm, &mut engine);
@@ -248,6 +249,7 @@ fn the_forward_s_logits_match_the_oracle() {
     let batch = TokenBatch {
         seq_len,
         tokens: tokens(c.vocab, seqs, seq_len, 29),
+        loss_mask: None,
     };
     let out = engine.forward(&lm, &batch).unwrap();
     assert_eq!((out.tokens(), out.width), (seqs * seq_len, c.vocab));

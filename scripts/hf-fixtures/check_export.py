@@ -3,8 +3,8 @@ model directory, typically a strata export:
 
     scripts/hf-fixtures/check_export.py EXPORTED_DIR [NEW_TOKENS]
 
-Runs `cargo run --release --example hub_greedy` on the directory and a
-fixed prompt, loads the same directory with transformers'
+Runs `cargo run --release --example hub_greedy` (or the binary named by
+HUB_GREEDY) on the directory and a fixed prompt, loads the same directory with transformers'
 AutoModelForCausalLM.from_pretrained (float32, eager attention), and
 checks that the prompt's logits agree within 1e-4 and that the greedy
 continuations are the same tokens. Exits 1 otherwise.
@@ -29,9 +29,11 @@ def main():
     model.eval()
     vocab = model.config.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(12)]
+    # HUB_GREEDY names a built example binary; else cargo builds it.
+    command = os.environ.get("HUB_GREEDY", "").split() or [
+        "cargo", "run", "-q", "--release", "--example", "hub_greedy", "--"]
     run = subprocess.run(
-        ["cargo", "run", "-q", "--release", "--example", "hub_greedy", "--",
-         model_dir, str(new)] + [str(t) for t in prompt],
+        command + [model_dir, str(new)] + [str(t) for t in prompt],
         cwd=ROOT, check=True, capture_output=True, text=True)
     strata = json.loads(run.stdout)
     with torch.no_grad():

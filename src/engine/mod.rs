@@ -196,7 +196,7 @@ impl Engine {
     ///
     /// let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
     /// let mut engine = Engine::new_network(&lm, EngineConfig::default()).unwrap();
-    /// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5] };
+    /// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5], loss_mask: None };
     /// let out = engine.forward(&lm, &batch).unwrap();
     /// assert_eq!((out.tokens(), out.width), (4, lm.config().vocab));
     /// let log_probs = out.target_log_probs();
@@ -281,7 +281,7 @@ impl Engine {
         let ssd_busy_s = self.shared.cache.store().take_busy().as_secs_f64();
         let metrics = metrics::gather(
             self.step,
-            tokens_total,
+            net.processed_tokens(batch),
             loss,
             start.elapsed().as_secs_f64(),
             &stats,

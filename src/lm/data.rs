@@ -422,6 +422,7 @@ impl Dataset {
         Ok(TokenBatch {
             seq_len: self.config.seq_len,
             tokens,
+            loss_mask: None,
         })
     }
 
@@ -449,6 +450,7 @@ impl Dataset {
             .map(|c| TokenBatch {
                 seq_len: self.config.seq_len,
                 tokens: c.concat(),
+                loss_mask: None,
             })
             .collect()
     }

@@ -16,7 +16,7 @@ use super::config::{AuxLoss, LmConfig, QkNorm};
 use super::qkv::{self, Qkv, QkvRanges};
 use super::shared_expert::{self, SharedRanges, SharedSaved};
 use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
-use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward};
+use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward, IGNORED_TARGET};
 use crate::model::{
     fill_uniform, moe_backward, moe_forward, DenseKernels, Evaluation, ExpertRunner, Losses,
     ModelConfig, MoeSaved, Network,
@@ -48,6 +48,11 @@ pub struct TokenBatch {
     pub seq_len: usize,
     /// (B, S + 1) token ids.
     pub tokens: Vec<u32>,
+    /// (B, S + 1): whether each token, as the target of the one before
+    /// it, carries loss (an instruction example's response does, its
+    /// prompt does not; a row's first token is no target). `None`: every
+    /// target does.
+    pub loss_mask: Option<Vec<bool>>,
 }
 
 impl TokenBatch {
@@ -55,13 +60,35 @@ impl TokenBatch {
         self.tokens.len() / (self.seq_len + 1)
     }
 
+    /// Targets that carry loss.
+    pub fn loss_tokens(&self) -> usize {
+        match &self.loss_mask {
+            None => self.sequences() * self.seq_len,
+            Some(mask) => mask
+                .chunks_exact(self.seq_len + 1)
+                .map(|row| row[1..].iter().filter(|&&m| m).count())
+                .sum(),
+        }
+    }
+
+    /// The inputs, and the targets with [`IGNORED_TARGET`] where the mask
+    /// says no loss.
     fn inputs_targets(&self) -> (Vec<u32>, Vec<u32>) {
         let s = self.seq_len;
         let mut inputs = Vec::with_capacity(self.sequences() * s);
         let mut targets = Vec::with_capacity(self.sequences() * s);
-        for row in self.tokens.chunks_exact(s + 1) {
+        for (r, row) in self.tokens.chunks_exact(s + 1).enumerate() {
             inputs.extend_from_slice(&row[..s]);
-            targets.extend_from_slice(&row[1..]);
+            match &self.loss_mask {
+                None => targets.extend_from_slice(&row[1..]),
+                Some(mask) => {
+                    let counts = &mask[r * (s + 1) + 1..(r + 1) * (s + 1)];
+                    targets.extend(row[1..].iter().zip(counts).map(|(&t, &c)| match c {
+                        true => t,
+                        false => IGNORED_TARGET,
+                    }));
+                }
+            }
         }
         (inputs, targets)
     }
@@ -402,10 +429,23 @@ impl Network for MoeLm {
                 self.config.vocab
             )));
         }
+        if let Some(mask) = &batch.loss_mask {
+            if mask.len() != batch.tokens.len() {
+                return Err(EngineError::Batch(format!(
+                    "the loss mask has {} entries for {} tokens",
+                    mask.len(),
+                    batch.tokens.len()
+                )));
+            }
+        }
         Ok(())
     }
 
     fn batch_tokens(&self, batch: &TokenBatch) -> usize {
+        batch.loss_tokens()
+    }
+
+    fn processed_tokens(&self, batch: &TokenBatch) -> usize {
         batch.sequences() * batch.seq_len
     }
 
@@ -413,9 +453,13 @@ impl Network for MoeLm {
         let (b, row) = (batch.sequences(), batch.seq_len + 1);
         let n = n.clamp(1, b.max(1));
         (0..n)
-            .map(|i| TokenBatch {
-                seq_len: batch.seq_len,
-                tokens: batch.tokens[i * b / n * row..(i + 1) * b / n * row].to_vec(),
+            .map(|i| {
+                let rows = i * b / n * row..(i + 1) * b / n * row;
+                TokenBatch {
+                    seq_len: batch.seq_len,
+                    tokens: batch.tokens[rows.clone()].to_vec(),
+                    loss_mask: batch.loss_mask.as_ref().map(|m| m[rows].to_vec()),
+                }
             })
             .collect()
     }
@@ -567,8 +611,9 @@ impl Network for MoeLm {
         kernels: &dyn DenseKernels,
     ) -> Result<Evaluation, EngineError> {
         let f = self.forward(dense, batch, runner, kernels)?;
-        let (t, v) = (f.targets.len(), self.config.vocab);
-        let loss = cross_entropy_loss(&f.logits, &f.targets, v, t);
+        let v = self.config.vocab;
+        let counted = f.targets.iter().filter(|&&x| x != IGNORED_TARGET).count();
+        let loss = cross_entropy_loss(&f.logits, &f.targets, v, counted.max(1));
         Ok(Evaluation {
             logits: f.logits,
             targets: f.targets,

@@ -434,6 +434,11 @@ pub fn rmsnorm_backward<R: Real>(
     });
 }
 
+/// A target that carries no loss (a prompt token of an instruction
+/// example): its row adds nothing to the cross-entropy and its d logits
+/// are zero. transformers writes it as -100.
+pub const IGNORED_TARGET: u32 = u32::MAX;
+
 /// Cross-entropy summed over rows and divided by `denominator`, forward
 /// only (evaluation): the same value `cross_entropy_forward_backward`
 /// returns, without its gradient.
@@ -446,6 +451,9 @@ pub fn cross_entropy_loss<R: Real>(
     let scale = R::one() / R::from_f64(denominator as f64);
     let mut loss = R::zero();
     for (i, &target) in targets.iter().enumerate() {
+        if target == IGNORED_TARGET {
+            continue;
+        }
         let row = &logits[i * v..(i + 1) * v];
         loss += (log_sum_exp(row) - row[target as usize]) * scale;
     }
@@ -511,6 +519,11 @@ fn cross_entropy_rows<R: Real>(
     scale: R,
 ) {
     for (i, &target) in targets.iter().enumerate() {
+        if target == IGNORED_TARGET {
+            shares[i] = R::zero();
+            dlogits[i * v..(i + 1) * v].fill(R::zero());
+            continue;
+        }
         let row = &logits[i * v..(i + 1) * v];
         let lse = log_sum_exp(row);
         let target = target as usize;

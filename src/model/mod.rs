@@ -294,6 +294,11 @@ pub trait Network {
     fn validate_batch(&self, batch: &Self::Batch) -> Result<(), EngineError>;
     /// Tokens that carry a loss (the cross-entropy's denominator).
     fn batch_tokens(&self, batch: &Self::Batch) -> usize;
+    /// Tokens the batch runs through the model (what throughput counts);
+    /// more than `batch_tokens` where some targets carry no loss.
+    fn processed_tokens(&self, batch: &Self::Batch) -> usize {
+        self.batch_tokens(batch)
+    }
     /// Splits into (at most) `n` micro-batches.
     fn split_batch(&self, batch: &Self::Batch, n: usize) -> Vec<Self::Batch>;
     /// Forward, loss and backward of one micro-batch: `dense_grad`
@@ -354,12 +359,16 @@ impl Evaluation {
     }
 
     /// Each token's log-probability of its target: `log_softmax(logits)[target]`,
-    /// in f64 and rounded once.
+    /// in f64 and rounded once; NaN for a target that carries no loss
+    /// ([`IGNORED_TARGET`](crate::math::IGNORED_TARGET)).
     pub fn target_log_probs(&self) -> Vec<f32> {
         self.logits
             .chunks_exact(self.width)
             .zip(&self.targets)
             .map(|(row, &target)| {
+                if target == crate::math::IGNORED_TARGET {
+                    return f32::NAN;
+                }
                 let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
                 let sum: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
                 (row[target as usize] as f64 - max - sum.ln()) as f32

@@ -6,17 +6,13 @@ use std::path::Path;
 
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::safetensors_io::{write_safetensors, TensorSpec};
-use strata::lm::{Family, LmConfig, MoeLm};
+use strata::lm::{LmConfig, MoeLm};
 use strata::model::Network;
 use strata_tiers::encode_compute;
 use strata_tiers::Dtype;
 
 pub fn tiny_config() -> LmConfig {
     LmConfig {
-        family: Family::Mixtral,
-        clip_qkv: None,
-        qkv_bias: false,
-        shared_expert_ff: 0,
         vocab: 260,
         d_model: 16,
         layers: 2,

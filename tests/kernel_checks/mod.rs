@@ -207,14 +207,21 @@ pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
 pub fn loss_router_and_permutation(h: &dyn KernelHost) {
     use strata::math::{
         cross_entropy_forward_backward, gather_forward, linear_forward, router_forward,
-        scatter_to_assignments, Permutation, RouterConfig, Routing,
+        scatter_to_assignments, Permutation, RouterConfig, Routing, IGNORED_TARGET,
     };
     let (t, v) = (29, 50);
     let logits = f32s(t * v, 30, 4.0);
-    let targets: Vec<u32> = (0..t).map(|i| (i * 7 % v) as u32).collect();
+    // Two rows carry no loss (prompt tokens): zero d logits, no share.
+    let targets: Vec<u32> = (0..t)
+        .map(|i| match i {
+            3 | 10 => IGNORED_TARGET,
+            _ => (i * 7 % v) as u32,
+        })
+        .collect();
     let mut dl = vec![0.0; t * v];
     let loss = cross_entropy_forward_backward(&mut dl, &logits, &targets, v, 40);
-    let mut hdl = vec![0.0; t * v];
+    assert!(dl[3 * v..4 * v].iter().all(|&g| g == 0.0));
+    let mut hdl = vec![7.0; t * v];
     let hloss = h.cross_entropy(&mut hdl, &logits, &targets, v, 40);
     assert!(
         (hloss - loss).abs() < 1e-5 * loss.abs().max(1.0),

@@ -149,12 +149,18 @@ extern "C" __global__ void rope(float* x, const float* cos_table, const float* s
 }
 
 // math::cross_entropy_forward_backward, one thread a row: each row's loss
-// share (summed on the host in row order) and d logits.
+// share (summed on the host in row order) and d logits. A row whose target
+// is math::IGNORED_TARGET (0xFFFFFFFF) adds nothing and has zero d logits.
 extern "C" __global__ void cross_entropy(const float* logits, const unsigned* targets,
                                          float* dlogits, float* row_loss, unsigned t, unsigned v,
                                          float scale) {
     unsigned i = strata_index();
     if (i >= t) return;
+    if (targets[i] == 0xFFFFFFFFu) {
+        row_loss[i] = 0.0f;
+        for (unsigned j = 0; j < v; ++j) dlogits[(unsigned long long)i * v + j] = 0.0f;
+        return;
+    }
     const float* row = logits + (unsigned long long)i * v;
     float max = row[0];
     for (unsigned j = 1; j < v; ++j) if (row[j] > max) max = row[j];

@@ -1,0 +1,117 @@
+//! Targets that carry no loss (the prompt of an instruction example): the
+//! cross-entropy is the mean over the targets that do, and a masked
+//! target changes nothing — not the loss, not a gradient, not a bit of
+//! the parameters after a step, with micro-batches or without.
+
+mod common;
+
+use common::tiny_lm::tiny_config;
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::{MoeLm, TokenBatch};
+use strata_tiers::Dtype;
+
+const SEQ: usize = 10;
+
+fn config(micro_batches: usize) -> EngineConfig {
+    EngineConfig {
+        hyper: common::hyper(),
+        micro_batches,
+        compute_dtype: Dtype::F32,
+        optimizer_threads: 2,
+        ..EngineConfig::default()
+    }
+}
+
+/// Four rows; in each, the first half of the targets is a prompt (no
+/// loss) and the rest a response. `last` is every row's final token: a
+/// target only, never an input.
+fn batch(last: u32, masked: bool) -> TokenBatch {
+    let mut tokens = Vec::new();
+    let mut mask = Vec::new();
+    for r in 0..4u32 {
+        for i in 0..=SEQ as u32 {
+            tokens.push(if i == SEQ as u32 {
+                last
+            } else {
+                (r * 31 + i * 7 + 5) % 250
+            });
+            // The final token is masked too, so that it changes nothing.
+            mask.push(i > SEQ as u32 / 2 && i < SEQ as u32);
+        }
+    }
+    TokenBatch {
+        seq_len: SEQ,
+        tokens,
+        loss_mask: masked.then_some(mask),
+    }
+}
+
+#[test]
+fn the_loss_is_the_mean_over_the_targets_that_carry_it() {
+    let lm = MoeLm::new(tiny_config()).unwrap();
+    let mut engine = Engine::new_network(&lm, config(1)).unwrap();
+    let masked = batch(9, true);
+    let plain = batch(9, false);
+    assert_eq!(masked.loss_tokens(), 4 * (SEQ / 2 - 1));
+    let all = engine.forward(&lm, &plain).unwrap();
+    let log_probs = all.target_log_probs();
+    let mask = masked.loss_mask.as_ref().unwrap();
+    let counted: Vec<f64> = mask
+        .chunks_exact(SEQ + 1)
+        .flat_map(|row| row[1..].to_vec())
+        .zip(&log_probs)
+        .filter(|(m, _)| *m)
+        .map(|(_, &l)| l as f64)
+        .collect();
+    let want = -counted.iter().sum::<f64>() / counted.len() as f64;
+    let out = engine.forward(&lm, &masked).unwrap();
+    assert!(
+        (out.loss as f64 - want).abs() < 1e-5 * want,
+        "{} vs {want}",
+        out.loss
+    );
+    // A masked target has no log-probability to report.
+    let reported = out.target_log_probs();
+    assert!(reported[0].is_nan() && !reported[SEQ / 2 + 1].is_nan());
+    // The step's loss is the same cross-entropy, plus the aux term.
+    let metrics = engine.step_network(&lm, &masked).unwrap();
+    let aux = lm.config().aux_loss_coef * out.aux_loss;
+    assert!(
+        (metrics.loss - (out.loss + aux)).abs() < 1e-5,
+        "{} vs {} + {aux}",
+        metrics.loss,
+        out.loss
+    );
+    // Throughput counts every token run, not only those with loss.
+    assert_eq!(metrics.tokens, 4 * SEQ);
+}
+
+#[test]
+fn a_masked_target_changes_no_bit() {
+    let lm = MoeLm::new(tiny_config()).unwrap();
+    for micro_batches in [1, 2] {
+        let run = |last: u32| {
+            let mut engine = Engine::new_network(&lm, config(micro_batches)).unwrap();
+            let mut losses = Vec::new();
+            for _ in 0..2 {
+                losses.push(engine.step_network(&lm, &batch(last, true)).unwrap().loss);
+            }
+            let mut params = engine.dense_params().to_vec();
+            for l in 0..lm.config().layers {
+                for e in 0..lm.config().experts {
+                    params.extend(engine.expert_params(l, e).unwrap());
+                }
+            }
+            (losses, params)
+        };
+        let (a, b) = (run(3), run(200));
+        assert_eq!(a.0, b.0, "micro-batches {micro_batches}: losses");
+        assert!(a.1 == b.1, "micro-batches {micro_batches}: params differ");
+        // Unmasked, the same change moves the loss.
+        let lm_engine = |last| {
+            let mut engine = Engine::new_network(&lm, config(micro_batches)).unwrap();
+            engine.step_network(&lm, &batch(last, false)).unwrap().loss
+        };
+        assert_ne!(lm_engine(3), lm_engine(200));
+    }
+}
