@@ -238,3 +238,67 @@ fn a_qwen3_moe_checkpoint_fine_tunes_from_the_ssd_and_exports_in_its_layout() {
         "the export differs from the run"
     );
 }
+
+/// A Qwen3-MoE checkpoint fine-tunes on conversations rendered through its
+/// own chat template (a ChatML one, in its tokenizer_config.json), with
+/// its experts streaming from the SSD: the loss (on the assistant's turns
+/// alone; `lm::data` and `tests/loss_mask.rs` test the mask) falls, and
+/// the export carries the template along.
+#[test]
+fn a_qwen3_moe_checkpoint_fine_tunes_on_chat_data() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hf/qwen3_moe/model");
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let from = entry.unwrap().path();
+        std::fs::copy(&from, model.join(from.file_name().unwrap())).unwrap();
+    }
+    let chatml = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content.strip() \
+                  + '<|im_end|>\\n' }}{% endfor %}";
+    let tokenizer_config = serde_json::json!({"chat_template": chatml, "eos_token": "<|im_end|>"});
+    std::fs::write(
+        model.join("tokenizer_config.json"),
+        tokenizer_config.to_string(),
+    )
+    .unwrap();
+    let data = dir.path().join("chat.jsonl");
+    let lines: Vec<String> = (0..400u32)
+        .map(|i| {
+            let (a, b) = (i * 7 % 50, i * 13 % 50);
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("{a}+{b}?")},
+                {"role": "assistant", "content": format!(" {} ", a + b)},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let config = strata::lm::hub::read_config(&model).unwrap();
+    let out = dir.path().join("run");
+    let export = dir.path().join("exported");
+    let flags = TrainFlags {
+        steps: Some(30),
+        lr: Some(3e-3),
+        eval_every: Some(0),
+        data: Some(vec![data]),
+        export: Some(export.clone()),
+        ..flags_holding_for(&config, &out, 2)
+    };
+    trainer::run(&flags, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
+    // A batch of packed conversations holds few answer tokens, so one
+    // step's loss is noisy: compare the first ten steps with the last ten.
+    let losses: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("loss").and_then(serde_json::Value::as_f64))
+        .collect();
+    assert_eq!(losses.len(), 30);
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+    let (first, last) = (mean(&losses[..10]), mean(&losses[20..]));
+    eprintln!("chat fine-tune: mean loss {first:.3} over steps 1-10, {last:.3} over 21-30");
+    assert!(last < first - 1.0, "the loss went from {first} to {last}");
+    assert!(export.join("tokenizer_config.json").is_file());
+}

@@ -1,14 +1,21 @@
-//! Training data: plain-text or JSONL (`text` field) files, streamed line
-//! by line, tokenized, packed into fixed-length sequences, split into a
-//! held-out eval set and a training stream shuffled through a bounded
-//! buffer — all deterministic from a seed, so a resumed run sees the same
-//! batches as an uninterrupted one. A built-in corpus (arithmetic) lets
-//! `strata train` run with no download.
+//! Training data: plain-text or JSONL files, streamed line by line,
+//! tokenized, packed into fixed-length sequences, split into a held-out
+//! eval set and a training stream shuffled through a bounded buffer — all
+//! deterministic from a seed, so a resumed run sees the same batches as an
+//! uninterrupted one. A JSONL line is a document of `text`, a `prompt` and
+//! its `completion`, or a conversation (`messages`, through the model's
+//! chat template, [`chat`](super::chat)); in the last two only the
+//! completion and the assistant's turns carry loss (the sequences' loss
+//! masks). A built-in corpus (arithmetic) lets `strata train` run with no
+//! download.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
+use std::ops::Range;
+
+use super::chat::{prompt_completion, ChatTemplate, TrainedText};
 use super::network::TokenBatch;
 use crate::EngineError;
 
@@ -85,6 +92,32 @@ impl Tokenizer {
         Ok(())
     }
 
+    /// Encodes `text`, and for each token whether it starts inside one of
+    /// the `trained` byte ranges.
+    fn encode_masked(
+        &self,
+        text: &str,
+        trained: &[Range<usize>],
+        ids: &mut Vec<u32>,
+        mask: &mut Vec<bool>,
+    ) -> Result<(), EngineError> {
+        let inside = |at: usize| trained.iter().any(|r| r.contains(&at));
+        match self {
+            Tokenizer::Bytes | Tokenizer::BytesOnly => {
+                ids.extend(text.bytes().map(u32::from));
+                mask.extend((0..text.len()).map(inside));
+            }
+            Tokenizer::Hf(t, _) => {
+                let enc = t
+                    .encode(text, false)
+                    .map_err(|e| EngineError::Config(format!("tokenizing failed: {e}")))?;
+                ids.extend_from_slice(enc.get_ids());
+                mask.extend(enc.get_offsets().iter().map(|&(start, _)| inside(start)));
+            }
+        }
+        Ok(())
+    }
+
     /// Text for display (the byte tokenizer shows its end token as ⏎).
     pub fn decode(&self, ids: &[u32]) -> String {
         match self {
@@ -105,8 +138,9 @@ impl Tokenizer {
 pub enum Corpus {
     /// Generated arithmetic ("417+96=513"), one problem a document.
     Builtin { documents: usize },
-    /// Files: `.jsonl` (one JSON object a line, its `text` field a
-    /// document) or anything else as plain text (one document a file).
+    /// Files: `.jsonl` (one JSON object a line: a `text` field, `prompt`
+    /// and `completion`, or `messages`) or anything else as plain text (one
+    /// document a file).
     Files(Vec<PathBuf>),
 }
 
@@ -125,6 +159,8 @@ pub struct DataConfig {
     pub eval_seqs_max: usize,
     /// Training sequences shuffled at once.
     pub shuffle_buffer: usize,
+    /// The template `messages` lines are rendered through (the model's).
+    pub chat_template: Option<ChatTemplate>,
 }
 
 impl Default for DataConfig {
@@ -137,6 +173,35 @@ impl Default for DataConfig {
             eval_every: 50,
             eval_seqs_max: 64,
             shuffle_buffer: 4096,
+            chat_template: None,
+        }
+    }
+}
+
+/// One document: its text, the byte ranges of it that carry loss (`None`:
+/// all of it), and whether it ends here (a plain-text file is handed out
+/// a line at a time, and ends with the file).
+struct Document {
+    text: String,
+    trained: Option<Vec<Range<usize>>>,
+    ends: bool,
+}
+
+impl Document {
+    fn whole(text: String, ends: bool) -> Self {
+        Document {
+            text,
+            trained: None,
+            ends,
+        }
+    }
+
+    /// The end-of-document token carries loss where the text's end does
+    /// (a completion's end: the model learns to stop).
+    fn end_trained(&self) -> bool {
+        match &self.trained {
+            None => true,
+            Some(ranges) => ranges.iter().any(|r| r.end == self.text.len()),
         }
     }
 }
@@ -172,10 +237,15 @@ struct DocumentReader {
     file_index: usize,
     lines: Option<(std::io::Lines<BufReader<File>>, bool, PathBuf)>,
     line_no: u64,
+    chat_template: Option<ChatTemplate>,
 }
 
 impl DocumentReader {
-    fn new(corpus: Corpus, seed: u64) -> Result<Self, EngineError> {
+    fn new(
+        corpus: Corpus,
+        seed: u64,
+        chat_template: Option<ChatTemplate>,
+    ) -> Result<Self, EngineError> {
         if let Corpus::Files(paths) = &corpus {
             if paths.is_empty() {
                 return Err(EngineError::Config("no data files were given".into()));
@@ -203,13 +273,14 @@ impl DocumentReader {
             file_index: 0,
             lines: None,
             line_no: 0,
+            chat_template,
         })
     }
 
     /// The next document, or `None` at the end of the corpus. A plain-text
     /// file is read line by line and handed out a line at a time with its
     /// newline; the end of the file ends the document.
-    fn next(&mut self) -> Result<Option<(String, bool)>, EngineError> {
+    fn next(&mut self) -> Result<Option<Document>, EngineError> {
         let paths = match &self.corpus {
             Corpus::Builtin { documents } => {
                 if self.next_builtin >= *documents as u64 {
@@ -217,7 +288,7 @@ impl DocumentReader {
                 }
                 self.next_builtin += 1;
                 let doc = builtin_document(self.seed, self.next_builtin - 1);
-                return Ok(Some((doc, true)));
+                return Ok(Some(Document::whole(doc, true)));
             }
             Corpus::Files(paths) => paths.clone(),
         };
@@ -240,7 +311,7 @@ impl DocumentReader {
                     self.lines = None;
                     self.file_index += 1;
                     if !jsonl {
-                        return Ok(Some((String::new(), true)));
+                        return Ok(Some(Document::whole(String::new(), true)));
                     }
                 }
                 Some(Err(e)) => {
@@ -252,7 +323,7 @@ impl DocumentReader {
                 Some(Ok(line)) => {
                     self.line_no += 1;
                     if !jsonl {
-                        return Ok(Some((line + "\n", false)));
+                        return Ok(Some(Document::whole(line + "\n", false)));
                     }
                     if line.trim().is_empty() {
                         continue;
@@ -264,46 +335,102 @@ impl DocumentReader {
                             self.line_no
                         ))
                     })?;
-                    let Some(text) = v.get("text").and_then(|t| t.as_str()) else {
-                        return Err(EngineError::Data(format!(
-                            "{}:{}: no string \"text\" field",
-                            path.display(),
-                            self.line_no
-                        )));
+                    let at = |why: String| {
+                        EngineError::Data(format!("{}:{}: {why}", path.display(), self.line_no))
                     };
-                    return Ok(Some((text.to_string(), true)));
+                    let doc = jsonl_document(&v, self.chat_template.as_ref()).map_err(at)?;
+                    return Ok(Some(doc));
                 }
             }
         }
     }
 }
 
+/// One JSONL line's document: `text` (all of it trains), `prompt` and
+/// `completion` (the completion trains), or `messages` (through the chat
+/// template; the assistant's turns train).
+fn jsonl_document(
+    v: &serde_json::Value,
+    chat_template: Option<&ChatTemplate>,
+) -> Result<Document, String> {
+    let field = |k: &str| v.get(k).and_then(|t| t.as_str());
+    let trained = |t: TrainedText| Document {
+        text: t.text,
+        trained: Some(t.trained),
+        ends: true,
+    };
+    if let Some(text) = field("text") {
+        return Ok(Document::whole(text.to_string(), true));
+    }
+    if let (Some(prompt), Some(completion)) = (field("prompt"), field("completion")) {
+        return Ok(trained(prompt_completion(prompt, completion)));
+    }
+    if let Some(messages) = v.get("messages") {
+        let Some(template) = chat_template else {
+            return Err(
+                "a \"messages\" line needs the model's chat template, and the \
+                        tokenizer's directory has none (chat_template.jinja, or \
+                        chat_template in tokenizer_config.json)"
+                    .into(),
+            );
+        };
+        return template.render(messages).map(trained);
+    }
+    Err("no string \"text\" field, no \"prompt\" and \"completion\", no \"messages\"".into())
+}
+
 /// Packed sequences of seq_len + 1 tokens in corpus order, end-of-document
-/// tokens between documents; a partial last sequence is dropped.
+/// tokens between documents; a partial last sequence is dropped. Each
+/// token carries whether it is a target with loss.
 struct SequenceReader {
     docs: DocumentReader,
     pending: Vec<u32>,
+    /// Beside `pending`: each token carries loss.
+    pending_mask: Vec<bool>,
     at: usize,
     seq_len: usize,
 }
 
+/// One packed sequence and, where some of its targets carry no loss, its
+/// loss mask.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Sequence {
+    tokens: Vec<u32>,
+    mask: Option<Vec<bool>>,
+}
+
 impl SequenceReader {
-    fn next(&mut self, tok: &Tokenizer) -> Result<Option<Vec<u32>>, EngineError> {
+    fn next(&mut self, tok: &Tokenizer) -> Result<Option<Sequence>, EngineError> {
         let need = self.seq_len + 1;
         while self.pending.len() - self.at < need {
             self.pending.drain(..self.at);
+            self.pending_mask.drain(..self.at);
             self.at = 0;
-            match self.docs.next()? {
-                None => return Ok(None),
-                Some((text, ends)) => {
-                    tok.encode(&text, &mut self.pending)?;
-                    if let Some(eos) = tok.eos().filter(|_| ends) {
-                        self.pending.push(eos);
-                    }
+            let Some(doc) = self.docs.next()? else {
+                return Ok(None);
+            };
+            match &doc.trained {
+                None => {
+                    let before = self.pending.len();
+                    tok.encode(&doc.text, &mut self.pending)?;
+                    let added = self.pending.len() - before;
+                    self.pending_mask.extend(std::iter::repeat_n(true, added));
+                }
+                Some(ranges) => {
+                    tok.encode_masked(&doc.text, ranges, &mut self.pending, &mut self.pending_mask)?
                 }
             }
+            if let Some(eos) = tok.eos().filter(|_| doc.ends) {
+                self.pending.push(eos);
+                self.pending_mask.push(doc.end_trained());
+            }
         }
-        let seq = self.pending[self.at..self.at + need].to_vec();
+        let range = self.at..self.at + need;
+        let mask = &self.pending_mask[range.clone()];
+        let seq = Sequence {
+            tokens: self.pending[range].to_vec(),
+            mask: mask[1..].contains(&false).then(|| mask.to_vec()),
+        };
         self.at += need;
         Ok(Some(seq))
     }
@@ -317,9 +444,9 @@ pub struct Dataset {
     /// Sequence index in corpus order of the reader's next one.
     index: u64,
     epoch: u64,
-    buffer: Vec<Vec<u32>>,
+    buffer: Vec<Sequence>,
     rng: u64,
-    eval: Vec<Vec<u32>>,
+    eval: Vec<Sequence>,
     batches: u64,
 }
 
@@ -365,8 +492,13 @@ impl Dataset {
 
     fn reader(config: &DataConfig) -> Result<SequenceReader, EngineError> {
         Ok(SequenceReader {
-            docs: DocumentReader::new(config.corpus.clone(), config.seed)?,
+            docs: DocumentReader::new(
+                config.corpus.clone(),
+                config.seed,
+                config.chat_template.clone(),
+            )?,
             pending: Vec::new(),
+            pending_mask: Vec::new(),
             at: 0,
             seq_len: config.seq_len,
         })
@@ -397,7 +529,7 @@ impl Dataset {
         Ok(())
     }
 
-    fn next_sequence(&mut self) -> Result<Vec<u32>, EngineError> {
+    fn next_sequence(&mut self) -> Result<Sequence, EngineError> {
         if self.buffer.is_empty() {
             // A new epoch: the stream starts over.
             self.epoch += 1;
@@ -414,16 +546,11 @@ impl Dataset {
 
     /// The next training batch.
     pub fn next_batch(&mut self) -> Result<TokenBatch, EngineError> {
-        let mut tokens = Vec::with_capacity(self.config.batch_seqs * (self.config.seq_len + 1));
-        for _ in 0..self.config.batch_seqs {
-            tokens.extend(self.next_sequence()?);
-        }
+        let seqs: Vec<Sequence> = (0..self.config.batch_seqs)
+            .map(|_| self.next_sequence())
+            .collect::<Result<_, _>>()?;
         self.batches += 1;
-        Ok(TokenBatch {
-            seq_len: self.config.seq_len,
-            tokens,
-            loss_mask: None,
-        })
+        Ok(batch_of(self.config.seq_len, &seqs))
     }
 
     /// Batches handed out so far.
@@ -447,12 +574,27 @@ impl Dataset {
     pub fn eval_batches(&self) -> Vec<TokenBatch> {
         self.eval
             .chunks(self.config.batch_seqs)
-            .map(|c| TokenBatch {
-                seq_len: self.config.seq_len,
-                tokens: c.concat(),
-                loss_mask: None,
+            .map(|c| batch_of(self.config.seq_len, c))
+            .collect()
+    }
+}
+
+/// Sequences as one batch, with a loss mask where any of them has one.
+fn batch_of(seq_len: usize, seqs: &[Sequence]) -> TokenBatch {
+    let tokens = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+    let masked = seqs.iter().any(|s| s.mask.is_some());
+    let loss_mask = masked.then(|| {
+        seqs.iter()
+            .flat_map(|s| match &s.mask {
+                Some(m) => m.clone(),
+                None => vec![true; s.tokens.len()],
             })
             .collect()
+    });
+    TokenBatch {
+        seq_len,
+        tokens,
+        loss_mask,
     }
 }
 
@@ -622,5 +764,71 @@ mod tests {
         };
         let err = Dataset::open(config, Tokenizer::Bytes).err().unwrap();
         assert!(err.to_string().contains("is a directory"), "{err}");
+    }
+
+    /// Instruction data: a prompt/completion pair trains its completion and
+    /// its end token; a conversation, its assistant turns; plain text, all.
+    #[test]
+    fn instruction_lines_carry_loss_on_the_answers_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let jsonl = dir.path().join("sft.jsonl");
+        let lines = [
+            r#"{"prompt": "Q:2+2=", "completion": "4"}"#,
+            r#"{"messages": [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}"#,
+            r#"{"text": "xy"}"#,
+        ];
+        std::fs::write(&jsonl, lines.join("\n")).unwrap();
+        let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}";
+        let config = DataConfig {
+            corpus: Corpus::Files(vec![jsonl.clone()]),
+            seq_len: 41,
+            batch_seqs: 1,
+            eval_every: 0,
+            shuffle_buffer: 1,
+            chat_template: Some(ChatTemplate::new(template, "", "</s>").unwrap()),
+            ..DataConfig::default()
+        };
+        let mut ds = Dataset::open(config.clone(), Tokenizer::Bytes).unwrap();
+        let b = ds.next_batch().unwrap();
+        let mask = b.loss_mask.as_ref().expect("a loss mask");
+        let trained: String = b
+            .tokens
+            .iter()
+            .zip(mask)
+            .filter(|(_, &m)| m)
+            .map(|(&t, _)| if t < 256 { t as u8 as char } else { '#' })
+            .collect();
+        // The completion and its end token (#); the assistant's turn with
+        // the template's end of turn (the tokenizer's end token), and the
+        // document's end token, since the turn ends the text; all of the
+        // plain text and its end token. Prompts, user turns and markup:
+        // nothing.
+        assert_eq!(trained, "4#6</s>#xy#");
+        assert_eq!(b.loss_tokens(), trained.len());
+        // Without a template, a conversation is refused, naming the line.
+        let no_template = DataConfig {
+            chat_template: None,
+            ..config
+        };
+        let err = Dataset::open(no_template, Tokenizer::Bytes).err().unwrap();
+        assert!(
+            err.to_string()
+                .contains("sft.jsonl:2: a \"messages\" line needs"),
+            "{err}"
+        );
+        // Plain text alone has no mask at all.
+        std::fs::write(&jsonl, r#"{"text": "hello world, hello"}"#).unwrap();
+        let plain = DataConfig {
+            corpus: Corpus::Files(vec![jsonl]),
+            seq_len: 8,
+            batch_seqs: 1,
+            eval_every: 0,
+            ..DataConfig::default()
+        };
+        let b = Dataset::open(plain, Tokenizer::Bytes)
+            .unwrap()
+            .next_batch()
+            .unwrap();
+        assert_eq!(b.loss_mask, None);
     }
 }

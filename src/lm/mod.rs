@@ -5,6 +5,7 @@
 //! ([`data`]). Its attention math is in
 //! [`math::attention`](crate::math::attention), with the other plain ops.
 
+pub mod chat;
 pub mod config;
 pub mod data;
 pub mod hub;

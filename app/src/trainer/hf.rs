@@ -18,6 +18,7 @@ use strata::lm::{LmConfig, MoeLm};
 pub(super) const SIDE_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "generation_config.json",
 ];

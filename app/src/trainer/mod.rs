@@ -313,6 +313,7 @@ fn run_locked(
             seq_len: o.seq_len,
             batch_seqs: o.batch,
             seed: o.seed,
+            chat_template: files.chat_template(&o, &source)?,
             ..DataConfig::default()
         },
         tok,

@@ -16,6 +16,7 @@ use super::{
     hf, model_config, parse_dtype, tokenizer_for, tokenizer_path, Source, TrainFlags, TrainOptions,
 };
 use strata::engine::{Engine, EngineConfig};
+use strata::lm::chat::ChatTemplate;
 use strata::lm::data::Tokenizer;
 use strata::lm::{LmConfig, MoeLm};
 
@@ -83,6 +84,28 @@ impl ModelFiles {
                 let config = model_config(o, source, &tok)?;
                 Ok((tok, config))
             }
+        }
+    }
+
+    /// The chat template `messages` data is rendered through: the one in
+    /// the directory the tokenizer comes from (the run directory once it
+    /// keeps the files, else the model directory or `--tokenizer`'s).
+    pub(super) fn chat_template(
+        &self,
+        o: &TrainOptions,
+        source: &Source,
+    ) -> Result<Option<ChatTemplate>, String> {
+        let dir = match self {
+            ModelFiles::RunDir { .. } => Some(o.out.clone()),
+            ModelFiles::Source => match (&o.tokenizer, source) {
+                (Some(file), _) => file.parent().map(Path::to_path_buf),
+                (None, Source::Finetune(dir)) => Some(dir.clone()),
+                (None, Source::Scratch) => None,
+            },
+        };
+        match dir {
+            Some(dir) => ChatTemplate::from_dir(&dir).map_err(|e| e.to_string()),
+            None => Ok(None),
         }
     }
 
