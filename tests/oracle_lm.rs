@@ -29,7 +29,7 @@ mod common;
 mod oracle;
 
 use oracle::{Expert, Params, Part, Shape};
-use strata::engine::{Engine, EngineConfig};
+use strata::engine::{Engine, EngineConfig, Gradients};
 use strata::lm::{AuxLoss, Family, LmConfig, MoeLm, TokenBatch};
 use strata::model::Network;
 use strata_optim::AdamWHyper;
@@ -164,8 +164,15 @@ fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: us
         tokens: tokens(c.vocab, seqs, seq_len, 17),
         loss_mask: None,
     };
+    // The gradient-only pass first: it must leave everything as it was.
+    let direct = engine.gradients(&lm, &batch).unwrap();
+    assert!(
+        params_of(&lm, &mut engine).named() == before.named(),
+        "{name}: gradients() moved a parameter"
+    );
     let metrics = engine.step_network(&lm, &batch).unwrap();
     let after = params_of(&lm, &mut engine);
+    assert_eq!(direct.loss, metrics.loss, "{name}: the two passes' losses");
 
     let shape = shape_of(c);
     // The engine splits sequences into parts as evenly as it can, in order.
@@ -195,6 +202,7 @@ fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: us
         "{name}: loss off by {loss_err:e}"
     );
 
+    check_direct_gradients(name, &lm, &direct, &grads);
     let (b, a, g) = (before.named(), after.named(), grads.named());
     let mut worst = (0.0f64, String::new());
     let mut untouched = 0;
@@ -234,6 +242,63 @@ fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: us
         worst.0,
         worst.1
     );
+}
+
+/// `Engine::gradients` tensor by tensor against the oracle's gradient, with
+/// the bound of the update's comparison.
+fn check_direct_gradients(name: &str, lm: &MoeLm, direct: &Gradients, oracle: &Params) {
+    let c = lm.config();
+    let (d, f) = (c.d_model, c.d_ff);
+    let mut engine: Vec<(String, Vec<f64>)> = lm
+        .tensors()
+        .iter()
+        .map(|t| {
+            let g = direct.dense[t.range.clone()].iter().map(|&x| x as f64);
+            (t.name.clone(), g.collect())
+        })
+        .collect();
+    for (l, layer) in direct.experts.iter().enumerate() {
+        for (e, grad) in layer.iter().enumerate() {
+            let g: Vec<f64> = match grad {
+                Some(g) => g.iter().map(|&x| x as f64).collect(),
+                None => vec![0.0; 3 * d * f],
+            };
+            let q = format!("model.layers.{l}.block_sparse_moe.experts.{e}");
+            for (w, part) in ["w1", "w3", "w2"].iter().zip(g.chunks_exact(d * f)) {
+                engine.push((format!("{q}.{w}"), part.to_vec()));
+            }
+        }
+    }
+    let want = oracle.named();
+    assert_eq!(engine.len(), want.len(), "{name}: tensor count");
+    let mut worst = 0.0f64;
+    for (tensor, w) in &want {
+        let (_, got) = engine
+            .iter()
+            .find(|(n, _)| n == tensor)
+            .unwrap_or_else(|| panic!("{name}: no gradient for {tensor}"));
+        let norm = w.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let diff = got
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        if norm == 0.0 {
+            assert_eq!(
+                diff, 0.0,
+                "{name}: {tensor} has a gradient the oracle has not"
+            );
+            continue;
+        }
+        let rel = diff / norm;
+        assert!(
+            rel < GRAD_TOLERANCE,
+            "{name}: {tensor}: gradients() is {rel:e} off"
+        );
+        worst = worst.max(rel);
+    }
+    eprintln!("{name}: gradients() within {worst:.2e} of the oracle, tensor by tensor");
 }
 
 /// `Engine::forward`'s logits and target log-probabilities against the

@@ -26,6 +26,7 @@ mod config;
 mod dense_state;
 mod exchange;
 mod grad_buffers;
+mod gradients;
 mod host_plan;
 mod metrics;
 mod multi;
@@ -42,6 +43,7 @@ use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
 pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
+pub use gradients::Gradients;
 pub use host_plan::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 pub use open::{host_cell_slot_count, host_kept_count};

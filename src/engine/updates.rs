@@ -62,6 +62,9 @@ pub(crate) struct UpdateBook {
     /// computed it (a schedule sets the next step's before the held
     /// update runs).
     pub held: Vec<(usize, Vec<f32>, AdamWHyper)>,
+    /// While a gradient-only pass runs (`Engine::gradients`): each
+    /// expert's complete gradient, kept instead of submitted.
+    pub collected: Option<Vec<Option<Vec<f32>>>>,
 }
 
 pub(crate) struct SharedExperts {
@@ -112,6 +115,7 @@ impl SharedExperts {
                 grad_accum: vec![None; n],
                 until_backward_ends: Vec::new(),
                 held: Vec::new(),
+                collected: None,
             }),
         }
     }
@@ -213,6 +217,10 @@ impl SharedExperts {
     /// Hands an expert's complete gradient to the optimizer `when` says;
     /// returns the seconds spent waiting for host slots held by updates.
     pub fn submit(&self, key: usize, grad: Vec<f32>, when: When) -> Result<f64, EngineError> {
+        if let Some(collected) = self.book().collected.as_mut() {
+            collected[key] = Some(grad);
+            return Ok(0.0);
+        }
         if when == When::Scheduled {
             let mut book = self.book();
             if self.schedule == ScheduleKind::Naive {
@@ -346,6 +354,18 @@ impl SharedExperts {
         Ok(stall)
     }
 
+    /// From now on, complete expert gradients are kept, not submitted.
+    pub fn collect_gradients(&self) {
+        let n = self.expert_count();
+        self.book().collected = Some(vec![None; n]);
+    }
+
+    /// The gradients kept since `collect_gradients` (`None`: an expert no
+    /// token reached); submitting resumes.
+    pub fn take_collected(&self) -> Vec<Option<Vec<f32>>> {
+        self.book().collected.take().unwrap_or_default()
+    }
+
     /// A failed step leaves no partial gradient behind for the next.
     pub fn discard_partial(&self) {
         let mut book = self.book();
@@ -353,5 +373,6 @@ impl SharedExperts {
         let summed = book.grad_accum.iter_mut().filter_map(Option::take);
         let held = book.until_backward_ends.drain(..).map(|(_, g)| g);
         summed.chain(held).for_each(|grad| self.grads.give(grad));
+        book.collected = None;
     }
 }
