@@ -16,7 +16,7 @@
 //!         host_budget_bytes: 256 << 20,                    // expert records in host memory
 //!         ..EngineConfig::default()
 //!     })?;
-//!     let batch = TokenBatch { seq_len: 16, tokens: vec![1; 4 * 17], loss_mask: None };
+//!     let batch = TokenBatch { seq_len: 16, tokens: vec![1; 4 * 17], loss_mask: None, doc_starts: None };
 //!     let metrics = engine.step_network(&lm, &batch)?;     // one optimizer step
 //!     println!("{}", metrics.to_json());                   // loss, stalls per tier, bytes moved
 //!     engine.checkpoint()                                   // durable; Engine::resume_network reopens it
@@ -36,7 +36,7 @@
 //!     ..EngineConfig::default()
 //! })
 //! .unwrap();
-//! let batch = TokenBatch { seq_len: 16, tokens: vec![1; 4 * 17], loss_mask: None };
+//! let batch = TokenBatch { seq_len: 16, tokens: vec![1; 4 * 17], loss_mask: None, doc_starts: None };
 //! let metrics = engine.step_network(&lm, &batch).unwrap();
 //! assert!(metrics.loss.is_finite());
 //! ```

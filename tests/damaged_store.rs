@@ -26,6 +26,7 @@ fn batch(step: u64) -> TokenBatch {
         seq_len,
         tokens,
         loss_mask: None,
+        doc_starts: None,
     }
 }
 

@@ -350,6 +350,7 @@ fn the_language_model_matches_the_reference_and_ignores_the_tiers() {
             .map(|i| ((i * 7 + s * 3) % 40) as u32)
             .collect(),
         loss_mask: None,
+        doc_starts: None,
     };
     let steps = 10;
     let mut reference = ReferenceTrainer::new_network(&lm, hyper()).unwrap();

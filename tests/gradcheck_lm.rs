@@ -41,6 +41,56 @@ fn rope_gradients_match_finite_differences() {
     assert!((norm(&y) - norm(&x)).abs() < 1e-9);
 }
 
+/// Documents packed apart: the second sequence holds two, the second of
+/// which begins at position 3. The backward reads only the saved
+/// probabilities (zero across documents), and is still the derivative.
+#[test]
+fn attention_within_documents_matches_finite_differences() {
+    let shape = AttnShape {
+        seq_len: 5,
+        ..SHAPE
+    };
+    let t = shape.tokens();
+    let starts: Vec<u32> = (0..t as u32)
+        .map(|i| if i >= 5 + 3 { 3 } else { 0 })
+        .collect();
+    let q = values(t * shape.q_width(), 13, 1.0);
+    let k = values(t * shape.kv_width(), 14, 1.0);
+    let v = values(t * shape.kv_width(), 15, 1.0);
+    let c = values(t * shape.q_width(), 16, 1.0);
+    let run = |q: &[f64], k: &[f64], v: &[f64]| {
+        let mut out = vec![0.0; t * shape.q_width()];
+        let mut probs = vec![0.0; shape.probs_len()];
+        attention_forward(&mut out, &mut probs, q, k, v, Some(&starts), &shape);
+        (out, probs)
+    };
+    let (out, probs) = run(&q, &k, &v);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    attention_backward(&mut dq, &mut dk, &mut dv, &c, &probs, &q, &k, &v, &shape);
+    check("attention dq, documents", &q, &dq, |q| {
+        dot(&run(q, &k, &v).0, &c)
+    });
+    check("attention dk, documents", &k, &dk, |k| {
+        dot(&run(&q, k, &v).0, &c)
+    });
+    check("attention dv, documents", &v, &dv, |v| {
+        dot(&run(&q, &k, v).0, &c)
+    });
+    // The second document's first token attends to itself alone, as it
+    // would at the start of a sequence of its own.
+    let (s, qw) = (shape.seq_len, shape.q_width());
+    for h in 0..shape.heads {
+        let row = &probs[((shape.heads + h) * s + 3) * s..][..s];
+        assert_eq!(row, &[0.0, 0.0, 0.0, 1.0, 0.0][..]);
+    }
+    let g = |h: usize| h / (shape.heads / shape.kv_heads) * shape.head_dim;
+    for h in 0..shape.heads {
+        let o = &out[(5 + 3) * qw + h * shape.head_dim..][..shape.head_dim];
+        let kv = &v[(5 + 3) * shape.kv_width() + g(h)..][..shape.head_dim];
+        assert_eq!(o, kv);
+    }
+}
+
 #[test]
 fn attention_gradients_match_finite_differences() {
     let t = SHAPE.tokens();
@@ -51,7 +101,7 @@ fn attention_gradients_match_finite_differences() {
     let run = |q: &[f64], k: &[f64], v: &[f64]| {
         let mut out = vec![0.0; t * SHAPE.q_width()];
         let mut probs = vec![0.0; SHAPE.probs_len()];
-        attention_forward(&mut out, &mut probs, q, k, v, &SHAPE);
+        attention_forward(&mut out, &mut probs, q, k, v, None, &SHAPE);
         (out, probs)
     };
     let (_, probs) = run(&q, &k, &v);
@@ -111,6 +161,7 @@ fn batch() -> TokenBatch {
         seq_len: 6,
         tokens: (0..14).map(|i| (i * 7 + 3) % 13).collect(),
         loss_mask: None,
+        doc_starts: None,
     }
 }
 

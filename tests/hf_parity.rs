@@ -113,6 +113,7 @@ fn case(name: &str, family: Family) {
         seq_len: reference.seq_len,
         tokens: reference.tokens.clone(),
         loss_mask: None,
+        doc_starts: None,
     };
 
     // Forward: logits, cross-entropy, load-balancing loss.

@@ -43,6 +43,7 @@ fn batch(last: u32, masked: bool) -> TokenBatch {
         seq_len: SEQ,
         tokens,
         loss_mask: masked.then_some(mask),
+        doc_starts: None,
     }
 }
 
@@ -114,4 +115,65 @@ fn a_masked_target_changes_no_bit() {
         };
         assert_ne!(lm_engine(3), lm_engine(200));
     }
+}
+
+/// Two documents packed apart in one row give each document's logits as
+/// it would alone (RoPE is relative, so only rounding differs), and the
+/// first token of the second is no target of the first.
+#[test]
+fn documents_packed_apart_match_each_document_alone() {
+    let lm = MoeLm::new(tiny_config()).unwrap();
+    let mut engine = Engine::new_network(&lm, config(1)).unwrap();
+    let a: Vec<u32> = vec![11, 42, 7, 99, 3];
+    let b: Vec<u32> = vec![200, 5, 61, 17, 8, 150];
+    let alone = |engine: &mut Engine, doc: &[u32]| {
+        let batch = TokenBatch {
+            seq_len: doc.len() - 1,
+            tokens: doc.to_vec(),
+            loss_mask: None,
+            doc_starts: None,
+        };
+        engine.forward(&lm, &batch).unwrap()
+    };
+    let (ea, eb) = (alone(&mut engine, &a), alone(&mut engine, &b));
+    let tokens: Vec<u32> = a.iter().chain(&b).copied().collect();
+    let mut starts = vec![false; tokens.len()];
+    starts[a.len()] = true;
+    let mut mask = vec![true; tokens.len()];
+    mask[a.len()] = false;
+    let packed = TokenBatch {
+        seq_len: tokens.len() - 1,
+        tokens,
+        loss_mask: Some(mask),
+        doc_starts: Some(starts),
+    };
+    let ep = engine.forward(&lm, &packed).unwrap();
+    let v = ep.width;
+    let worst = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let rows = |e: &strata::model::Evaluation, from: usize, n: usize| {
+        e.logits[from * v..(from + n) * v].to_vec()
+    };
+    let (na, nb) = (a.len() - 1, b.len() - 1);
+    assert!(worst(&rows(&ep, 0, na), &ea.logits) < 1e-5);
+    let db = worst(&rows(&ep, a.len(), nb), &eb.logits);
+    assert!(db < 1e-4, "the second document's logits differ by {db}");
+    // The loss is the mean over both documents' own targets.
+    let want = (ea.loss as f64 * na as f64 + eb.loss as f64 * nb as f64) / (na + nb) as f64;
+    assert!(
+        (ep.loss as f64 - want).abs() < 1e-5,
+        "{} vs {want}",
+        ep.loss
+    );
+    // Without doc_starts, the second document sees the first.
+    let across = TokenBatch {
+        doc_starts: None,
+        ..packed
+    };
+    let ex = engine.forward(&lm, &across).unwrap();
+    assert!(worst(&rows(&ex, a.len(), nb), &eb.logits) > 1e-3);
 }

@@ -163,6 +163,7 @@ fn case(name: &str, c: &LmConfig, config: EngineConfig, seqs: usize, seq_len: us
         seq_len,
         tokens: tokens(c.vocab, seqs, seq_len, 17),
         loss_mask: None,
+        doc_starts: None,
     };
     // The gradient-only pass first: it must leave everything as it was.
     let direct = engine.gradients(&lm, &batch).unwrap();
@@ -315,6 +316,7 @@ fn the_forward_s_logits_match_the_oracle() {
         seq_len,
         tokens: tokens(c.vocab, seqs, seq_len, 29),
         loss_mask: None,
+        doc_starts: None,
     };
     let out = engine.forward(&lm, &batch).unwrap();
     assert_eq!((out.tokens(), out.width), (seqs * seq_len, c.vocab));

@@ -43,7 +43,7 @@ impl Engine {
     ///
     /// let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
     /// let mut engine = Engine::new_network(&lm, EngineConfig::default()).unwrap();
-    /// let batch = TokenBatch { seq_len: 4, tokens: vec![5, 6, 7, 8, 9], loss_mask: None };
+    /// let batch = TokenBatch { seq_len: 4, tokens: vec![5, 6, 7, 8, 9], loss_mask: None, doc_starts: None };
     /// let before = engine.dense_params().to_vec();
     /// let grads = engine.gradients(&lm, &batch).unwrap();
     /// let wq = grads.dense_tensor(&lm, "model.layers.0.self_attn.q_proj.weight").unwrap();

@@ -198,7 +198,7 @@ impl Engine {
     ///
     /// let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
     /// let mut engine = Engine::new_network(&lm, EngineConfig::default()).unwrap();
-    /// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5], loss_mask: None };
+    /// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5], loss_mask: None, doc_starts: None };
     /// let out = engine.forward(&lm, &batch).unwrap();
     /// assert_eq!((out.tokens(), out.width), (4, lm.config().vocab));
     /// let log_probs = out.target_log_probs();

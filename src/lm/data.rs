@@ -161,6 +161,11 @@ pub struct DataConfig {
     pub shuffle_buffer: usize,
     /// The template `messages` lines are rendered through (the model's).
     pub chat_template: Option<ChatTemplate>,
+    /// Documents packed into one sequence are kept apart: each attends
+    /// only to itself, and the first token of one is no target of the
+    /// last token of the one before (`TokenBatch::doc_starts`). Without
+    /// it, a sequence is one stream, as in pretraining.
+    pub documents_apart: bool,
 }
 
 impl Default for DataConfig {
@@ -174,6 +179,7 @@ impl Default for DataConfig {
             eval_seqs_max: 64,
             shuffle_buffer: 4096,
             chat_template: None,
+            documents_apart: false,
         }
     }
 }
@@ -387,8 +393,13 @@ struct SequenceReader {
     pending: Vec<u32>,
     /// Beside `pending`: each token carries loss.
     pending_mask: Vec<bool>,
+    /// Beside `pending`: each token begins a document.
+    pending_starts: Vec<bool>,
     at: usize,
     seq_len: usize,
+    documents_apart: bool,
+    /// The last document read ended (the next one begins a document).
+    doc_ended: bool,
 }
 
 /// One packed sequence and, where some of its targets carry no loss, its
@@ -397,6 +408,8 @@ struct SequenceReader {
 struct Sequence {
     tokens: Vec<u32>,
     mask: Option<Vec<bool>>,
+    /// Where documents begin, when documents are kept apart.
+    starts: Option<Vec<bool>>,
 }
 
 impl SequenceReader {
@@ -405,10 +418,12 @@ impl SequenceReader {
         while self.pending.len() - self.at < need {
             self.pending.drain(..self.at);
             self.pending_mask.drain(..self.at);
+            self.pending_starts.drain(..self.at);
             self.at = 0;
             let Some(doc) = self.docs.next()? else {
                 return Ok(None);
             };
+            let first = self.pending.len();
             match &doc.trained {
                 None => {
                     let before = self.pending.len();
@@ -424,12 +439,26 @@ impl SequenceReader {
                 self.pending.push(eos);
                 self.pending_mask.push(doc.end_trained());
             }
+            let added = self.pending.len() - first;
+            self.pending_starts
+                .extend(std::iter::repeat_n(false, added));
+            if self.documents_apart && self.doc_ended && added > 0 {
+                // Its first token is no target of the document before.
+                self.pending_starts[first] = true;
+                self.pending_mask[first] = false;
+            }
+            if added > 0 {
+                self.doc_ended = doc.ends;
+            }
         }
         let range = self.at..self.at + need;
         let mask = &self.pending_mask[range.clone()];
         let seq = Sequence {
-            tokens: self.pending[range].to_vec(),
+            tokens: self.pending[range.clone()].to_vec(),
             mask: mask[1..].contains(&false).then(|| mask.to_vec()),
+            starts: self
+                .documents_apart
+                .then(|| self.pending_starts[range].to_vec()),
         };
         self.at += need;
         Ok(Some(seq))
@@ -499,8 +528,11 @@ impl Dataset {
             )?,
             pending: Vec::new(),
             pending_mask: Vec::new(),
+            pending_starts: Vec::new(),
             at: 0,
             seq_len: config.seq_len,
+            documents_apart: config.documents_apart,
+            doc_ended: true,
         })
     }
 
@@ -591,10 +623,17 @@ fn batch_of(seq_len: usize, seqs: &[Sequence]) -> TokenBatch {
             })
             .collect()
     });
+    let apart = seqs.iter().all(|s| s.starts.is_some());
+    let doc_starts = apart.then(|| {
+        seqs.iter()
+            .flat_map(|s| s.starts.clone().unwrap_or_default())
+            .collect()
+    });
     TokenBatch {
         seq_len,
         tokens,
         loss_mask,
+        doc_starts,
     }
 }
 
@@ -830,5 +869,32 @@ mod tests {
             .next_batch()
             .unwrap();
         assert_eq!(b.loss_mask, None);
+    }
+
+    /// Documents kept apart: each begins where `doc_starts` says, and its
+    /// first token is no target of the document before it.
+    #[test]
+    fn documents_kept_apart_are_marked_where_they_begin() {
+        let dir = tempfile::tempdir().unwrap();
+        let jsonl = dir.path().join("docs.jsonl");
+        std::fs::write(&jsonl, "{\"text\": \"abc\"}\n{\"text\": \"de\"}\n").unwrap();
+        let config = DataConfig {
+            corpus: Corpus::Files(vec![jsonl]),
+            seq_len: 6,
+            batch_seqs: 1,
+            eval_every: 0,
+            documents_apart: true,
+            ..DataConfig::default()
+        };
+        let b = Dataset::open(config, Tokenizer::Bytes)
+            .unwrap()
+            .next_batch()
+            .unwrap();
+        // a b c ⏎ d e ⏎: the second document begins at 4.
+        assert_eq!(b.tokens, [97, 98, 99, 256, 100, 101, 256]);
+        let starts = b.doc_starts.expect("documents apart");
+        assert_eq!(starts, [true, false, false, false, true, false, false]);
+        let mask = b.loss_mask.expect("the second document's first token");
+        assert_eq!(mask, [false, true, true, true, false, true, true]);
     }
 }

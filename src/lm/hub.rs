@@ -111,7 +111,7 @@ pub fn import_store(
 /// };
 /// let dir = std::path::Path::new("Qwen3-30B-A3B");
 /// let (lm, mut engine) = hub::open_engine(dir, config, |_, _| {}).unwrap();
-/// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5], loss_mask: None };
+/// let batch = TokenBatch { seq_len: 4, tokens: vec![1, 2, 3, 4, 5], loss_mask: None, doc_starts: None };
 /// let metrics = engine.step_network(&lm, &batch).unwrap();
 /// println!("loss {}", metrics.loss);
 /// ```

@@ -53,6 +53,10 @@ pub struct TokenBatch {
     /// prompt does not; a row's first token is no target). `None`: every
     /// target does.
     pub loss_mask: Option<Vec<bool>>,
+    /// (B, S + 1): whether each token begins a document that attends only
+    /// to itself (documents packed apart). `None`: the tokens of a row
+    /// attend to every earlier token of the row.
+    pub doc_starts: Option<Vec<bool>>,
 }
 
 impl TokenBatch {
@@ -69,6 +73,24 @@ impl TokenBatch {
                 .map(|row| row[1..].iter().filter(|&&m| m).count())
                 .sum(),
         }
+    }
+
+    /// For each input token (T of them), the position in its row where its
+    /// document begins; `None` without `doc_starts`.
+    fn attention_starts(&self) -> Option<Vec<u32>> {
+        let starts = self.doc_starts.as_ref()?;
+        let s = self.seq_len;
+        let mut out = Vec::with_capacity(self.sequences() * s);
+        for row in starts.chunks_exact(s + 1) {
+            let mut first = 0u32;
+            for (i, &begins) in row[..s].iter().enumerate() {
+                if begins {
+                    first = i as u32;
+                }
+                out.push(first);
+            }
+        }
+        Some(out)
     }
 
     /// The inputs, and the targets with [`IGNORED_TARGET`] where the mask
@@ -258,6 +280,7 @@ impl MoeLm {
         let t = inputs.len();
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
         let qw = shape.q_width();
+        let starts = batch.attention_starts();
         let rope = RopeTable::<f32>::new(batch.seq_len, c.head_dim, c.rope_theta);
         let mut h = vec![0.0f32; t * d];
         embedding_forward(&mut h, &dense[self.embed.clone()], &inputs, d);
@@ -271,7 +294,15 @@ impl MoeLm {
             let qkv = qkv::forward(c, dense, &r.qkv, &n1, &shape, &rope, kernels)?;
             let mut attn = vec![0.0f32; t * qw];
             let mut probs = vec![0.0f32; shape.probs_len()];
-            kernels.attention_forward(&mut attn, &mut probs, &qkv.q, &qkv.k, &qkv.v, &shape)?;
+            kernels.attention_forward(
+                &mut attn,
+                &mut probs,
+                &qkv.q,
+                &qkv.k,
+                &qkv.v,
+                starts.as_deref(),
+                &shape,
+            )?;
             let mut o = vec![0.0f32; t * d];
             kernels.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d)?;
             let h_in = h.clone();
@@ -429,11 +460,14 @@ impl Network for MoeLm {
                 self.config.vocab
             )));
         }
-        if let Some(mask) = &batch.loss_mask {
-            if mask.len() != batch.tokens.len() {
+        for (what, flags) in [
+            ("loss mask", &batch.loss_mask),
+            ("document starts", &batch.doc_starts),
+        ] {
+            if let Some(flags) = flags.as_ref().filter(|f| f.len() != batch.tokens.len()) {
                 return Err(EngineError::Batch(format!(
-                    "the loss mask has {} entries for {} tokens",
-                    mask.len(),
+                    "the {what} has {} entries for {} tokens",
+                    flags.len(),
                     batch.tokens.len()
                 )));
             }
@@ -458,7 +492,8 @@ impl Network for MoeLm {
                 TokenBatch {
                     seq_len: batch.seq_len,
                     tokens: batch.tokens[rows.clone()].to_vec(),
-                    loss_mask: batch.loss_mask.as_ref().map(|m| m[rows].to_vec()),
+                    loss_mask: batch.loss_mask.as_ref().map(|m| m[rows.clone()].to_vec()),
+                    doc_starts: batch.doc_starts.as_ref().map(|m| m[rows].to_vec()),
                 }
             })
             .collect()

@@ -135,12 +135,19 @@ fn dot<R: Real>(a: &[R], b: &[R]) -> R {
 
 /// out (T, H·hd) = softmax(q kᵀ / √hd, causal) v per sequence and head;
 /// saves the probabilities (B, H, S, S; zero above the diagonal).
+///
+/// `starts` (T entries), where sequences pack several documents: for each
+/// token, the position in its sequence where its document begins. A token
+/// attends to the tokens of its own document only; the probabilities of
+/// the others stay zero, so [`attention_backward`], which reads them,
+/// needs no starts. `None`: one document a sequence.
 pub fn attention_forward<R: Real>(
     out: &mut [R],
     probs: &mut [R],
     q: &[R],
     k: &[R],
     v: &[R],
+    starts: Option<&[u32]>,
     shape: &AttnShape,
 ) {
     let AttnShape {
@@ -160,11 +167,12 @@ pub fn attention_forward<R: Real>(
             let g = h / group;
             for i in 0..s {
                 let ti = b * s + i;
+                let first = starts.map_or(0, |st| st[ti] as usize).min(i);
                 let qi = &q[ti * qw + h * hd..ti * qw + (h + 1) * hd];
                 let row =
                     &mut probs[((b * heads + h) * s + i) * s..((b * heads + h) * s + i + 1) * s];
                 let mut max = R::from_f64(f64::NEG_INFINITY);
-                for j in 0..=i {
+                for j in first..=i {
                     let tj = b * s + j;
                     let kj = &k[tj * kw + g * hd..tj * kw + (g + 1) * hd];
                     row[j] = dot(qi, kj) * scale;
@@ -173,15 +181,15 @@ pub fn attention_forward<R: Real>(
                     }
                 }
                 let mut sum = R::zero();
-                for j in 0..=i {
+                for j in first..=i {
                     row[j] = (row[j] - max).exp();
                     sum += row[j];
                 }
-                for j in 0..=i {
+                for j in first..=i {
                     row[j] = row[j] / sum;
                 }
                 let oi = &mut out[ti * qw + h * hd..ti * qw + (h + 1) * hd];
-                for j in 0..=i {
+                for j in first..=i {
                     let tj = b * s + j;
                     let vj = &v[tj * kw + g * hd..tj * kw + (g + 1) * hd];
                     let p = row[j];
@@ -287,12 +295,13 @@ pub fn attention_forward_split<R: Real>(
     q: &[R],
     k: &[R],
     v: &[R],
+    starts: Option<&[u32]>,
     shape: &AttnShape,
     threads: usize,
 ) {
     let per = seqs_per_part(shape, threads);
     if per >= shape.seqs {
-        return attention_forward(out, probs, q, k, v, shape);
+        return attention_forward(out, probs, q, k, v, starts, shape);
     }
     let (s, qw, kw) = (shape.seq_len, shape.q_width(), shape.kv_width());
     let probs_per_seq = shape.heads * s * s;
@@ -301,12 +310,15 @@ pub fn attention_forward_split<R: Real>(
         .zip(probs.chunks_mut(per * probs_per_seq))
         .zip(q.chunks(per * s * qw))
         .zip(k.chunks(per * s * kw).zip(v.chunks(per * s * kw)))
-        .map(|(((out, probs), q), (k, v))| {
+        .enumerate()
+        .map(|(i, (((out, probs), q), (k, v)))| {
             let part = AttnShape {
                 seqs: q.len() / (s * qw),
                 ..*shape
             };
-            move || attention_forward(out, probs, q, k, v, &part)
+            let tokens = i * per * s..i * per * s + part.tokens();
+            let starts = starts.map(|st| &st[tokens]);
+            move || attention_forward(out, probs, q, k, v, starts, &part)
         })
         .collect();
     crate::parallel::run_all(jobs);
@@ -412,9 +424,12 @@ mod tests {
         let (t, qw, kw) = (shape.tokens(), shape.q_width(), shape.kv_width());
         let (q, k, v) = (filled(t * qw, 1), filled(t * kw, 2), filled(t * kw, 3));
         let dout = filled(t * qw, 4);
+        // Documents of 20 tokens, packed.
+        let doc_starts: Vec<u32> = (0..t).map(|i| ((i % 64) / 20 * 20) as u32).collect();
+        let starts = Some(&doc_starts[..]);
         let serial = {
             let (mut out, mut probs) = (vec![0.0; t * qw], vec![0.0; shape.probs_len()]);
-            attention_forward(&mut out, &mut probs, &q, &k, &v, &shape);
+            attention_forward(&mut out, &mut probs, &q, &k, &v, starts, &shape);
             let (mut dq, mut dk, mut dv) =
                 (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
             attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
@@ -422,7 +437,7 @@ mod tests {
         };
         for threads in [2, 3, 8] {
             let (mut out, mut probs) = (vec![0.0; t * qw], vec![0.0; shape.probs_len()]);
-            attention_forward_split(&mut out, &mut probs, &q, &k, &v, &shape, threads);
+            attention_forward_split(&mut out, &mut probs, &q, &k, &v, starts, &shape, threads);
             let (mut dq, mut dk, mut dv) =
                 (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
             attention_backward_split(

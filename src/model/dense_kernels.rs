@@ -55,8 +55,11 @@ pub trait DenseKernels {
         Ok(())
     }
 
-    /// out (T, H·hd) = causal attention of q, k, v; `probs` (B, H, S, S)
-    /// keeps the probabilities for the backward.
+    /// out (T, H·hd) = causal attention of q, k, v, each token within its
+    /// document where `starts` says where documents begin (see
+    /// [`attention_forward`](crate::math::attention::attention_forward));
+    /// `probs` (B, H, S, S) keeps the probabilities for the backward.
+    #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
         out: &mut [f32],
@@ -64,9 +67,10 @@ pub trait DenseKernels {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        attention_forward_split(out, probs, q, k, v, shape, compute_threads());
+        attention_forward_split(out, probs, q, k, v, starts, shape, compute_threads());
         Ok(())
     }
 

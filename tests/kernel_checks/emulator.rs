@@ -368,17 +368,18 @@ impl KernelHost for KernelEmulator {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: &[u32],
         shape: &AttnShape,
     ) -> (Vec<f32>, Vec<f32>) {
         let t = shape.tokens();
         assert!(q.len() == t * shape.q_width() && k.len() == t * shape.kv_width());
-        assert_eq!(v.len(), k.len());
+        assert!(v.len() == k.len() && starts.len() == t);
         let mut out = vec![0.0f32; t * shape.q_width()];
         let mut probs = vec![0.0f32; shape.probs_len()];
-        let (pq, pk, pv) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
+        let (pq, pk, pv, ps) = (q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr());
         let (po, pp) = (out.as_mut_ptr(), probs.as_mut_ptr());
         let dims = dims(shape);
-        let mut args = vec![arg(&pq), arg(&pk), arg(&pv), arg(&po), arg(&pp)];
+        let mut args = vec![arg(&pq), arg(&pk), arg(&pv), arg(&ps), arg(&po), arg(&pp)];
         args.extend(dims.iter().map(arg));
         self.launch(
             "attention_forward",

@@ -95,6 +95,7 @@ pub trait KernelHost {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: &[u32],
         shape: &AttnShape,
     ) -> (Vec<f32>, Vec<f32>);
     fn attention_backward(
@@ -274,12 +275,19 @@ pub fn attention(h: &dyn KernelHost) {
     let k = f32s(t * shape.kv_width(), 41, 1.0);
     let v = f32s(t * shape.kv_width(), 42, 1.0);
     let dout = f32s(t * shape.q_width(), 43, 1.0);
+    // Two documents packed apart in the second sequence, one in the first.
+    let starts: Vec<u32> = (0..t).map(|i| if i >= 13 + 5 { 5 } else { 0 }).collect();
+    for starts in [vec![0; t], starts] {
+        let mut out = vec![0.0; t * shape.q_width()];
+        let mut probs = vec![0.0; shape.probs_len()];
+        attention_forward(&mut out, &mut probs, &q, &k, &v, Some(&starts), &shape);
+        let (hout, hprobs) = h.attention_forward(&q, &k, &v, &starts, &shape);
+        assert!(worst(&hout, &out) < 1e-5, "out {}", worst(&hout, &out));
+        assert!(worst(&hprobs, &probs) < 1e-5);
+    }
     let mut out = vec![0.0; t * shape.q_width()];
     let mut probs = vec![0.0; shape.probs_len()];
-    attention_forward(&mut out, &mut probs, &q, &k, &v, &shape);
-    let (hout, hprobs) = h.attention_forward(&q, &k, &v, &shape);
-    assert!(worst(&hout, &out) < 1e-5, "out {}", worst(&hout, &out));
-    assert!(worst(&hprobs, &probs) < 1e-5);
+    attention_forward(&mut out, &mut probs, &q, &k, &v, None, &shape);
     let (mut dq, mut dk, mut dv) = (vec![0.1; q.len()], vec![0.2; k.len()], vec![0.3; v.len()]);
     let (mut hdq, mut hdk, mut hdv) = (dq.clone(), dk.clone(), dv.clone());
     attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
@@ -431,11 +439,12 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: &[u32],
         shape: &AttnShape,
     ) -> (Vec<f32>, Vec<f32>) {
         let mut out = vec![0.0; shape.tokens() * shape.q_width()];
         let mut probs = vec![0.0; shape.probs_len()];
-        self.attention_forward_host(&mut out, &mut probs, q, k, v, shape)
+        self.attention_forward_host(&mut out, &mut probs, q, k, v, Some(starts), shape)
             .unwrap();
         (out, probs)
     }

@@ -26,7 +26,7 @@ use strata_optim::AdamWHyper;
 use strata_tiers::{Dtype, Timeline};
 
 use metrics_log::MetricsLog;
-pub use options::{StreamSlots, TrainFlags, TrainOptions};
+pub use options::{Packing, StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles, RunLock};
 pub use run_dir::{export_run, verify_run};
@@ -261,11 +261,18 @@ pub fn run(
     source: Source,
     interrupt: &AtomicBool,
 ) -> Result<RunSummary, String> {
-    let (o, source, files) = if flags.resume {
+    let (mut o, source, files) = if flags.resume {
         resume_options(flags)?
     } else {
         (flags.resolve()?, source, ModelFiles::Source)
     };
+    if !o.resume {
+        // A fine-tune keeps its documents apart; pretraining packs a stream.
+        o.packing.get_or_insert(match source {
+            Source::Finetune(_) => Packing::Apart,
+            Source::Scratch => Packing::Stream,
+        });
+    }
     validate_options(&o)?;
     if let Some(n) = o.compute_threads {
         strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
@@ -314,6 +321,7 @@ fn run_locked(
             batch_seqs: o.batch,
             seed: o.seed,
             chat_template: files.chat_template(&o, &source)?,
+            documents_apart: o.packing == Some(Packing::Apart),
             ..DataConfig::default()
         },
         tok,

@@ -108,6 +108,12 @@ pub struct TrainFlags {
     /// writes their records (0 to 1, default 0).
     #[arg(long, value_name = "SHARE")]
     pub defer_share: Option<f64>,
+    /// How documents share a sequence: `apart` (each attends only to
+    /// itself, its first token no target of the one before: fine-tuning on
+    /// instruction data) or `stream` (one stream, as in pretraining).
+    /// Defaults: apart for finetune, stream for train.
+    #[arg(long, value_enum)]
+    pub packing: Option<Packing>,
     /// Seed of the initialization and of the data order (default 0).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -166,6 +172,10 @@ pub struct TrainOptions {
     pub host_cell_slots: usize,
     #[serde(default)]
     pub defer_share: f64,
+    /// Set when a run starts (the mode's default where not given); a run
+    /// recorded before the option packed as one stream.
+    #[serde(default)]
+    pub packing: Option<Packing>,
     pub seed: u64,
     pub export: Option<PathBuf>,
     pub resume: bool,
@@ -185,6 +195,16 @@ fn cpu() -> String {
 
 fn default_stream_slots() -> StreamSlots {
     StreamSlots(EngineConfig::default().host_stream_slots)
+}
+
+/// `--packing`: how documents share a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Packing {
+    /// Each document attends only to itself (`DataConfig::documents_apart`).
+    Apart,
+    /// One stream of tokens.
+    Stream,
 }
 
 /// `--host-stream-slots`: a slot count, or `all` (`None`: keep no record
@@ -276,6 +296,7 @@ impl TrainFlags {
             host_stream_slots: pick!(cli, file, host_stream_slots, default_stream_slots()),
             host_cell_slots: pick!(cli, file, host_cell_slots, 0),
             defer_share: pick!(cli, file, defer_share, 0.0),
+            packing: cli.packing.or(file.packing),
             seed: pick!(cli, file, seed, 0),
             export: cli.export.clone().or(file.export.clone()),
             resume: cli.resume,

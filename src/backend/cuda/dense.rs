@@ -307,6 +307,7 @@ impl CudaBackend {
 
     /// `math::attention::attention_forward` on the GPU, into `out` and
     /// `probs`.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_forward_host(
         &self,
         out_host: &mut [f32],
@@ -314,10 +315,21 @@ impl CudaBackend {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         self.bind()?;
         let (dq, dk, dv) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
+        // One document a sequence: every token's starts at 0.
+        let zeros;
+        let starts = match starts {
+            Some(s) => s,
+            None => {
+                zeros = vec![0u32; shape.tokens()];
+                &zeros
+            }
+        };
+        let dstarts = self.upload_u32(starts)?;
         let mut out = self.zeros(shape.tokens() * shape.q_width())?;
         let mut probs = self.zeros(shape.probs_len())?;
         let dims = [
@@ -333,13 +345,14 @@ impl CudaBackend {
             .arg(&dq)
             .arg(&dk)
             .arg(&dv)
+            .arg(&dstarts)
             .arg(&mut out)
             .arg(&mut probs);
         for x in &dims {
             launch.arg(x);
         }
-        // SAFETY: q and out hold T·H·hd f32, k and v T·KV·hd, probs
-        // B·H·S·S (zeroed); one thread a (sequence, head, query).
+        // SAFETY: q and out hold T·H·hd f32, k and v T·KV·hd, starts T u32,
+        // probs B·H·S·S (zeroed); one thread a (sequence, head, query).
         unsafe { launch.launch(threads(shape.seqs * shape.heads * shape.seq_len)) }
             .map_err(|e| gpu_error("attention_forward", e))?;
         self.download(&out, out_host)?;

@@ -228,12 +228,13 @@ extern "C" __global__ void scatter_rows(const float* src, const unsigned* assign
 }
 
 // lm::attention::attention_forward, one thread a (sequence, head, query):
-// causal softmax(q kᵀ / √hd) v with grouped kv heads; saves the
-// probabilities (zero above the diagonal: the buffer starts zeroed).
+// causal softmax(q kᵀ / √hd) v with grouped kv heads, each query over the
+// keys of its own document (from starts[ti]); saves the probabilities
+// (zero elsewhere: the buffer starts zeroed).
 extern "C" __global__ void attention_forward(const float* q, const float* k, const float* v,
-                                             float* out, float* probs, unsigned seqs,
-                                             unsigned s, unsigned heads, unsigned kv_heads,
-                                             unsigned hd) {
+                                             const unsigned* starts, float* out, float* probs,
+                                             unsigned seqs, unsigned s, unsigned heads,
+                                             unsigned kv_heads, unsigned hd) {
     unsigned idx = strata_index();
     if (idx >= seqs * heads * s) return;
     unsigned i = idx % s, h = (idx / s) % heads, b = idx / (s * heads);
@@ -241,10 +242,11 @@ extern "C" __global__ void attention_forward(const float* q, const float* k, con
     unsigned qw = heads * hd, kw = kv_heads * hd;
     float scale = 1.0f / sqrtf((float)hd);
     unsigned long long ti = (unsigned long long)b * s + i;
+    unsigned first = starts[ti] < i ? starts[ti] : i;
     const float* qi = q + ti * qw + h * hd;
     float* row = probs + (((unsigned long long)b * heads + h) * s + i) * s;
     float max = __int_as_float(0xff800000);
-    for (unsigned j = 0; j <= i; ++j) {
+    for (unsigned j = first; j <= i; ++j) {
         const float* kj = k + ((unsigned long long)b * s + j) * kw + g * hd;
         float dot = 0.0f;
         for (unsigned c = 0; c < hd; ++c) dot += qi[c] * kj[c];
@@ -252,14 +254,14 @@ extern "C" __global__ void attention_forward(const float* q, const float* k, con
         if (row[j] > max) max = row[j];
     }
     float sum = 0.0f;
-    for (unsigned j = 0; j <= i; ++j) {
+    for (unsigned j = first; j <= i; ++j) {
         row[j] = expf(row[j] - max);
         sum += row[j];
     }
-    for (unsigned j = 0; j <= i; ++j) row[j] = row[j] / sum;
+    for (unsigned j = first; j <= i; ++j) row[j] = row[j] / sum;
     float* oi = out + ti * qw + h * hd;
     for (unsigned c = 0; c < hd; ++c) oi[c] = 0.0f;
-    for (unsigned j = 0; j <= i; ++j) {
+    for (unsigned j = first; j <= i; ++j) {
         const float* vj = v + ((unsigned long long)b * s + j) * kw + g * hd;
         for (unsigned c = 0; c < hd; ++c) oi[c] += row[j] * vj[c];
     }

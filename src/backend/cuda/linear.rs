@@ -105,9 +105,10 @@ impl DenseKernels for CudaBackend {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        self.attention_forward_host(out, probs, q, k, v, shape)
+        self.attention_forward_host(out, probs, q, k, v, starts, shape)
     }
 
     fn attention_backward(
