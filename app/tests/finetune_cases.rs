@@ -302,3 +302,42 @@ fn a_qwen3_moe_checkpoint_fine_tunes_on_chat_data() {
     assert!(last < first - 1.0, "the loss went from {first} to {last}");
     assert!(export.join("tokenizer_config.json").is_file());
 }
+
+/// `--clip-grad-norm` (TRL's max_grad_norm): the run clips, and
+/// metrics.jsonl reports each step's global norm before clipping; a bound
+/// that is not positive is refused.
+#[test]
+fn clip_grad_norm_clips_and_reports_the_norm() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &config);
+    let out = dir.path().join("run");
+    let flags = TrainFlags {
+        steps: Some(3),
+        eval_every: Some(0),
+        clip_grad_norm: Some(0.5),
+        ..flags_holding(&out, 6)
+    };
+    trainer::run(
+        &flags,
+        Source::Finetune(model.clone()),
+        &AtomicBool::new(false),
+    )
+    .unwrap();
+    let norms: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["grad_norm"].as_f64())
+        .collect();
+    assert_eq!(norms.len(), 3);
+    assert!(norms.iter().all(|n| n.is_finite() && *n > 0.0), "{norms:?}");
+    let bad = TrainFlags {
+        clip_grad_norm: Some(0.0),
+        out: Some(dir.path().join("bad")),
+        ..flags
+    };
+    let err = trainer::run(&bad, Source::Finetune(model), &AtomicBool::new(false)).unwrap_err();
+    assert!(err.contains("--clip-grad-norm 0"), "{err}");
+}

@@ -46,6 +46,13 @@ pub struct EngineConfig {
     pub optimizer_threads: usize,
     pub schedule: ScheduleKind,
     pub hyper: AdamWHyper,
+    /// Clip the global gradient norm (every dense and expert gradient of
+    /// the step, together) to this, as `torch.nn.utils.clip_grad_norm_`:
+    /// each gradient times min(1, max / (norm + 1e-6)). The norm is known
+    /// only once the backward ends, so this needs the naive schedule,
+    /// which holds every expert's gradient until then (the host memory
+    /// plan counts them). `None` (the default): no clipping.
+    pub clip_grad_norm: Option<f32>,
     /// Precision of the compute params that travel to the device.
     pub compute_dtype: Dtype,
     /// Micro-batches per step (gradient accumulation).
@@ -130,6 +137,7 @@ impl Default for EngineConfig {
             optimizer_threads: crate::parallel::machine_cores(),
             schedule: ScheduleKind::ExpertWise,
             hyper: AdamWHyper::default(),
+            clip_grad_norm: None,
             compute_dtype: Dtype::F32,
             micro_batches: 1,
             recompute_hidden: false,

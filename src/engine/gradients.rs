@@ -68,7 +68,7 @@ impl Engine {
             self.passes_devices(net, batch, tokens_total)
         };
         // The gradients of experts only earlier micro-batches reached.
-        let result = result.and_then(|r| self.shared.finish_step().map(|_| r));
+        let result = result.and_then(|r| self.shared.finish_step(None).map(|_| r));
         let (loss, dense) = match result {
             Ok(r) => r,
             Err(e) => {

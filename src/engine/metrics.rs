@@ -43,6 +43,9 @@ pub struct StepMetrics {
     pub assignments_per_device: Vec<u64>,
     /// Per device: seconds in expert GEMMs.
     pub expert_compute_s_per_device: Vec<f64>,
+    /// The global gradient norm, before clipping, where the step clips it
+    /// (`EngineConfig::clip_grad_norm`).
+    pub grad_norm: Option<f64>,
 }
 
 impl StepMetrics {
@@ -111,5 +114,6 @@ pub(crate) fn gather<'a>(
         tokens_per_expert,
         assignments_per_device: devices.iter().map(|a| a.assignments_computed).collect(),
         expert_compute_s_per_device: devices.iter().map(|a| a.expert_compute_s).collect(),
+        grad_norm: None,
     }
 }

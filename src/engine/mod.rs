@@ -55,7 +55,7 @@ use crate::EngineError;
 use open::step_schedule;
 use pipeline::{DeviceRunner, PassOptions};
 use slot_table::{Accumulators, DeviceState};
-use updates::{Held, SharedExperts};
+use updates::{ClipInput, Held, SharedExperts};
 
 /// A MoE stack whose experts live in the three tiers.
 pub struct Engine {
@@ -253,14 +253,21 @@ impl Engine {
         } else {
             self.passes_devices(net, batch, tokens_total)
         };
-        let (loss, dense_grad) = match result {
+        let (loss, mut dense_grad) = match result {
             Ok(r) => r,
             Err(e) => {
                 self.shared.discard_partial();
                 return Err(e);
             }
         };
-        let finish_stall = self.shared.finish_step()?;
+        let clip = self.config.clip_grad_norm.map(|max_norm| ClipInput {
+            max_norm,
+            dense_norm_sq: dense_grad.iter().map(|&g| g as f64 * g as f64).sum(),
+        });
+        let (finish_stall, clipped) = self.shared.finish_step(clip)?;
+        if let Some(c) = clipped.filter(|c| c.scale < 1.0) {
+            dense_grad.iter_mut().for_each(|g| *g *= c.scale);
+        }
         self.devices[0].acc.stall_optimizer_s += finish_stall;
         self.dense_step += 1;
         let s = StepScalars::new(&self.config.hyper, self.dense_step, 1.0);
@@ -281,7 +288,7 @@ impl Engine {
         self.step += 1;
         let stats = self.shared.cache.take_stats();
         let ssd_busy_s = self.shared.cache.store().take_busy().as_secs_f64();
-        let metrics = metrics::gather(
+        let mut metrics = metrics::gather(
             self.step,
             net.processed_tokens(batch),
             loss,
@@ -290,6 +297,7 @@ impl Engine {
             ssd_busy_s,
             self.devices.iter().map(|d| &d.acc),
         );
+        metrics.grad_norm = clipped.map(|c| c.norm);
         if self.devices.len() > 1 {
             self.recalibrate(&metrics);
         }

@@ -151,6 +151,20 @@ impl Engine {
                  them: split fewer slots into compute cells or raise host_budget_bytes"
             )));
         }
+        if let Some(max) = config.clip_grad_norm {
+            if !(max.is_finite() && max > 0.0) {
+                return Err(EngineError::Config(format!(
+                    "clip_grad_norm = {max} must be a positive number"
+                )));
+            }
+            if config.schedule != ScheduleKind::Naive {
+                return Err(EngineError::Config(
+                    "clip_grad_norm needs ScheduleKind::Naive: the global norm is known only \
+                     when the backward ends, so every expert's update waits for it"
+                        .into(),
+                ));
+            }
+        }
         if !(0.0..=1.0).contains(&config.pin_fraction) {
             return Err(EngineError::Config(format!(
                 "pin_fraction = {} must be between 0 and 1",

@@ -32,6 +32,43 @@ pub(crate) enum When {
     Now,
 }
 
+/// What clipping the global gradient norm needs from the dense side.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClipInput {
+    pub max_norm: f32,
+    /// Σ g² over the dense gradient, in f64.
+    pub dense_norm_sq: f64,
+}
+
+/// The global norm and the factor every gradient was multiplied by.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Clipped {
+    pub norm: f64,
+    pub scale: f32,
+}
+
+impl ClipInput {
+    /// Sums the experts' squares in key order (so the norm does not depend
+    /// on which device finished first), and scales every expert gradient
+    /// by min(1, max / (norm + 1e-6)), as torch's clip_grad_norm_.
+    fn apply(self, experts: &mut [(usize, Vec<f32>)]) -> Clipped {
+        experts.sort_unstable_by_key(|(key, _)| *key);
+        let experts_sq: f64 = experts
+            .iter()
+            .map(|(_, g)| g.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
+            .sum();
+        let norm = (self.dense_norm_sq + experts_sq).sqrt();
+        let coef = self.max_norm as f64 / (norm + 1e-6);
+        let scale = if coef < 1.0 { coef as f32 } else { 1.0 };
+        if scale < 1.0 {
+            for (_, g) in experts.iter_mut() {
+                g.iter_mut().for_each(|x| *x *= scale);
+            }
+        }
+        Clipped { norm, scale }
+    }
+}
+
 /// Which held updates [`SharedExperts::release_held`] submits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Held {
@@ -332,8 +369,13 @@ impl SharedExperts {
     }
 
     /// The end of a step's backward: experts touched only by earlier
-    /// micro-batches, then (naive schedule) every held update.
-    pub fn finish_step(&self) -> Result<f64, EngineError> {
+    /// micro-batches, then (naive schedule) every held update, each
+    /// gradient clipped with the dense one's where `clip` says. Returns the
+    /// seconds stalled and the clipping (`None` without `clip`).
+    pub fn finish_step(
+        &self,
+        clip: Option<ClipInput>,
+    ) -> Result<(f64, Option<Clipped>), EngineError> {
         let mut stall = 0.0;
         let leftovers: Vec<(usize, Vec<f32>)> = {
             let mut book = self.book();
@@ -344,14 +386,19 @@ impl SharedExperts {
         for (key, grad) in leftovers {
             stall += self.submit(key, grad, When::Scheduled)?;
         }
+        let mut clipped = None;
         if self.schedule == ScheduleKind::Naive {
-            let ended = std::mem::take(&mut self.book().until_backward_ends);
+            let mut ended = std::mem::take(&mut self.book().until_backward_ends);
+            if let Some(clip) = clip {
+                let c = clip.apply(&mut ended);
+                clipped = Some(c);
+            }
             for (key, grad) in ended {
                 stall += self.submit(key, grad, When::Now)?;
             }
             self.drain()?;
         }
-        Ok(stall)
+        Ok((stall, clipped))
     }
 
     /// From now on, complete expert gradients are kept, not submitted.

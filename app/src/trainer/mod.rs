@@ -30,7 +30,7 @@ pub use options::{Packing, StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles, RunLock};
 pub use run_dir::{export_run, verify_run};
-use strata::engine::{Engine, EngineConfig, StepMetrics};
+use strata::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
 use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use strata::lm::{LmConfig, MoeLm};
 
@@ -204,6 +204,11 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
             o.steps
         ));
     }
+    if let Some(max) = o.clip_grad_norm.filter(|m| !(m.is_finite() && *m > 0.0)) {
+        return Err(format!(
+            "--clip-grad-norm {max}: give a positive bound (1.0 is TRL's max_grad_norm)"
+        ));
+    }
     if o.devices * o.micro_batches > o.batch {
         return Err(format!(
             "--devices {} × --micro-batches {} exceeds --batch {} (each device's micro-batch \
@@ -352,6 +357,12 @@ fn run_locked(
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,
         deferred_update_share: o.defer_share,
+        // The global norm is known when the backward ends.
+        clip_grad_norm: o.clip_grad_norm,
+        schedule: match o.clip_grad_norm {
+            Some(_) => ScheduleKind::Naive,
+            None => ScheduleKind::ExpertWise,
+        },
         ..EngineConfig::default()
     };
     // A closed stdout (`strata train | head`) is no reason to lose the

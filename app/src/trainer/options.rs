@@ -69,6 +69,13 @@ pub struct TrainFlags {
     /// AdamW), on every parameter, norms and embeddings included (default 0).
     #[arg(long)]
     pub weight_decay: Option<f32>,
+    /// Clip the global gradient norm to this, as torch's clip_grad_norm_
+    /// (TRL's max_grad_norm). The norm is known when the backward ends, so
+    /// every expert's update waits for it (the naive schedule), and every
+    /// expert gradient of a step is held in host memory until then. Off
+    /// unless given.
+    #[arg(long, value_name = "MAX")]
+    pub clip_grad_norm: Option<f32>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -157,6 +164,8 @@ pub struct TrainOptions {
     pub warmup: u64,
     pub min_lr_ratio: f32,
     pub weight_decay: f32,
+    #[serde(default)]
+    pub clip_grad_norm: Option<f32>,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -286,6 +295,7 @@ impl TrainFlags {
             warmup: pick!(cli, file, warmup, 20),
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),
             weight_decay: pick!(cli, file, weight_decay, 0.0),
+            clip_grad_norm: cli.clip_grad_norm.or(file.clip_grad_norm),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,
