@@ -14,6 +14,7 @@ fn step(c: &mut Criterion) {
         seq_len: 32,
         tokens: (0..8 * 33u32).map(|i| (i * 37 + 11) % 256).collect(),
         loss_mask: None,
+        doc_starts: None,
     };
     let tokens = 8 * 32;
     let dir = tempfile::tempdir().unwrap();

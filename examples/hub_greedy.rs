@@ -39,6 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 seq_len: tokens.len(),
                 tokens: row,
                 loss_mask: None,
+                doc_starts: None,
             },
         )
     };
