@@ -615,6 +615,12 @@ fn unsupported_family(map: &Map<String, Value>) -> EngineError {
             "its attention is multi-head latent attention (kv_lora_rank), \
              which strata does not model; "
         }
+        "glm4_moe" => {
+            "its router scores experts with a sigmoid and a correction bias \
+             (e_score_correction_bias) in groups (n_group, topk_group), its first \
+             layers are dense (first_k_dense_replace) and its rotary embedding \
+             partial (partial_rotary_factor), which strata does not model yet; "
+        }
         _ => "",
     };
     EngineError::Config(format!(
