@@ -301,6 +301,18 @@ fn a_qwen3_moe_checkpoint_fine_tunes_on_chat_data() {
     eprintln!("chat fine-tune: mean loss {first:.3} over steps 1-10, {last:.3} over 21-30");
     assert!(last < first - 1.0, "the loss went from {first} to {last}");
     assert!(export.join("tokenizer_config.json").is_file());
+    // A resume renders the conversations through the template the run
+    // keeps, and packs them apart as the run did.
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(record["options"]["packing"], "apart");
+    let more = TrainFlags {
+        resume: true,
+        steps: Some(32),
+        ..flags
+    };
+    let resumed = trainer::run(&more, Source::Scratch, &AtomicBool::new(false)).unwrap();
+    assert_eq!(resumed.steps, 32);
 }
 
 /// `--clip-grad-norm` (TRL's max_grad_norm): the run clips, and
