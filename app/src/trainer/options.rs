@@ -210,9 +210,9 @@ fn default_stream_slots() -> StreamSlots {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Packing {
-    /// Each document attends only to itself (`DataConfig::documents_apart`).
+    /// Each document attends only to itself.
     Apart,
-    /// One stream of tokens.
+    /// One stream of tokens, across documents.
     Stream,
 }
 
