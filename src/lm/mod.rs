@@ -8,11 +8,13 @@
 pub mod chat;
 pub mod config;
 pub mod data;
+mod hf_config;
 pub mod hub;
 pub mod network;
 mod qkv;
 pub mod safetensors_io;
 mod shared_expert;
+mod tokenizer;
 
 pub use config::{AuxLoss, Family, LmConfig, QkNorm, PRESETS};
 pub use network::{DenseTensor, MoeLm, TokenBatch};
