@@ -12,8 +12,12 @@
 //! (inside its surrounding white space) is wrapped in two private-use
 //! markers before rendering; the markers are taken out afterwards, and the
 //! text between them, with the end of turn that follows it where it is the
-//! tokenizer's end token, trains. A template that cuts into the content
-//! itself (not only its white space) is refused, naming the template.
+//! tokenizer's end token, trains. A `<think>…</think>` reasoning block at
+//! the start of the content is marked apart, so that a template that moves
+//! it out of the content (Qwen3's) or drops it (for earlier turns) keeps
+//! the markers balanced; reasoning that stays in the text trains with its
+//! answer. A template that cuts into the content itself (not only its
+//! white space) is refused, naming the template.
 
 use std::ops::Range;
 use std::path::Path;
@@ -25,6 +29,11 @@ use crate::EngineError;
 
 const OPEN: char = '\u{F8F0}';
 const CLOSE: char = '\u{F8F1}';
+/// Around a turn's reasoning (`<think>…</think>`), which a template may
+/// move out of the content or drop.
+const OPEN_REASONING: char = '\u{F8F2}';
+const CLOSE_REASONING: char = '\u{F8F3}';
+const MARKERS: [char; 4] = [OPEN, CLOSE, OPEN_REASONING, CLOSE_REASONING];
 
 /// A chat template with the special tokens it refers to.
 #[derive(Clone, Debug, PartialEq)]
@@ -144,17 +153,14 @@ impl ChatTemplate {
             let (Some(role), Some(content)) = (role, content) else {
                 return Err("a message without a string \"role\" and \"content\"".into());
             };
-            if content.contains([OPEN, CLOSE]) {
-                return Err("a message holds U+F8F0 or U+F8F1, which strata reserves".into());
+            if content.contains(MARKERS) {
+                return Err(
+                    "a message holds one of U+F8F0 to U+F8F3, which strata reserves".into(),
+                );
             }
             let mut m = m.clone();
             if role == "assistant" {
-                // Inside the surrounding white space, so that a template's
-                // strip() still sees it.
-                let core = content.trim();
-                let lead = &content[..content.len() - content.trim_start().len()];
-                let trail = &content[content.trim_end().len()..];
-                m["content"] = Value::String(format!("{lead}{OPEN}{core}{CLOSE}{trail}"));
+                m["content"] = Value::String(mark_assistant(content));
             }
             marked.push(m);
         }
@@ -180,13 +186,23 @@ impl ChatTemplate {
         let mut trained = Vec::new();
         let mut open: Option<usize> = None;
         let mut rest = rendered;
-        while let Some(i) = rest.find([OPEN, CLOSE]) {
+        // Where the reasoning kept in the text began, if it still waits
+        // for its turn's answer: the two train as one span, the markup
+        // between them (`</think>`) included.
+        let mut reasoning: Option<usize> = None;
+        let mut reasoning_open: Option<usize> = None;
+        while let Some(i) = rest.find(MARKERS) {
             text.push_str(&rest[..i]);
             let c = rest[i..].chars().next().expect("found");
             rest = &rest[i + c.len_utf8()..];
-            match (c, open) {
-                (OPEN, None) => open = Some(text.len()),
-                (CLOSE, Some(start)) => {
+            match (c, open, reasoning_open) {
+                (OPEN_REASONING, None, None) => reasoning_open = Some(text.len()),
+                (CLOSE_REASONING, None, Some(start)) => {
+                    reasoning = Some(start);
+                    reasoning_open = None;
+                }
+                (OPEN, None, None) => open = Some(reasoning.take().unwrap_or(text.len())),
+                (CLOSE, Some(start), None) => {
                     let mut end = text.len();
                     let eos = self.eos_token.as_str();
                     let gap = rest.len() - rest.trim_start().len();
@@ -206,7 +222,7 @@ impl ChatTemplate {
                 }
             }
         }
-        if open.is_some() {
+        if open.is_some() || reasoning_open.is_some() || reasoning.is_some() {
             return Err(format!(
                 "{}: the template cut an assistant message's content",
                 self.origin
@@ -214,6 +230,32 @@ impl ChatTemplate {
         }
         text.push_str(rest);
         Ok(TrainedText { text, trained })
+    }
+}
+
+/// An assistant's content with its markers, inside the surrounding white
+/// space (so that a template's strip() still sees it): the answer between
+/// `OPEN` and `CLOSE`; a `<think>…</think>` reasoning block before it
+/// between the reasoning markers, inside its tags, so that a template that
+/// splits the reasoning out of the content (Qwen3's) carries the markers
+/// along, or drops them with it.
+fn mark_assistant(content: &str) -> String {
+    let wrap = |text: &str, open: char, close: char| {
+        let core = text.trim();
+        let lead = &text[..text.len() - text.trim_start().len()];
+        let trail = &text[text.trim_end().len()..];
+        format!("{lead}{open}{core}{close}{trail}")
+    };
+    let split = content
+        .split_once("</think>")
+        .and_then(|(head, answer)| Some((head.split_once("<think>")?, answer)));
+    match split {
+        Some(((before, thought), answer)) if before.trim().is_empty() => format!(
+            "{before}<think>{}</think>{}",
+            wrap(thought, OPEN_REASONING, CLOSE_REASONING),
+            wrap(answer, OPEN, CLOSE)
+        ),
+        _ => wrap(content, OPEN, CLOSE),
     }
 }
 
@@ -305,6 +347,32 @@ mod tests {
             .render(&json!([{"role": "assistant", "content": "long answer"}]))
             .unwrap_err();
         assert!(err.contains("cut an assistant message"), "{err}");
+    }
+
+    /// A template that moves a turn's `<think>` reasoning out of its
+    /// content, keeps it for the last turn and drops it for earlier ones
+    /// (as Qwen3's does): the kept reasoning trains with its answer, the
+    /// `</think>` between them included.
+    #[test]
+    fn reasoning_a_template_keeps_trains_with_its_answer() {
+        let template = "{% for m in messages %}{% if m.role == 'assistant' %}\
+            {% set c = m.content %}{% set r = '' %}\
+            {% if '</think>' in c %}{% set r = c.split('</think>')[0].split('<think>')[-1].strip('\\n') %}\
+            {% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}\
+            {% if loop.last %}{{ '<a><think>' + r + '</think>' + c + '</s>' }}\
+            {% else %}{{ '<a>' + c + '</s>' }}{% endif %}\
+            {% else %}{{ '<u>' + m.content }}{% endif %}{% endfor %}";
+        let template = ChatTemplate::new(template, "", "</s>").unwrap();
+        let t = template
+            .render(&json!([
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "<think>\nr1\n</think>\n\nans1"},
+                {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "<think>\nr2\n</think>\n\nans2"},
+            ]))
+            .unwrap();
+        assert_eq!(t.text, "<u>q1<a>ans1</s><u>q2<a><think>r2</think>ans2</s>");
+        assert_eq!(spans(&t), ["ans1</s>", "r2</think>ans2</s>"]);
     }
 
     #[test]
