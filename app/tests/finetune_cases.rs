@@ -316,8 +316,9 @@ fn a_qwen3_moe_checkpoint_fine_tunes_on_chat_data() {
 }
 
 /// `--clip-grad-norm` (TRL's max_grad_norm): the run clips, and
-/// metrics.jsonl reports each step's global norm before clipping; a bound
-/// that is not positive is refused.
+/// metrics.jsonl reports each step's global norm before clipping (and
+/// `--tensorboard` writes the steps as event files); a bound that is not
+/// positive is refused.
 #[test]
 fn clip_grad_norm_clips_and_reports_the_norm() {
     let dir = tempfile::tempdir().unwrap();
@@ -329,6 +330,7 @@ fn clip_grad_norm_clips_and_reports_the_norm() {
         steps: Some(3),
         eval_every: Some(0),
         clip_grad_norm: Some(0.5),
+        tensorboard: Some(dir.path().join("tb")),
         ..flags_holding(&out, 6)
     };
     trainer::run(
@@ -345,6 +347,14 @@ fn clip_grad_norm_clips_and_reports_the_norm() {
         .collect();
     assert_eq!(norms.len(), 3);
     assert!(norms.iter().all(|n| n.is_finite() && *n > 0.0), "{norms:?}");
+    // The same steps as TensorBoard event files (their format is tested in
+    // the trainer's tensorboard module).
+    let events: Vec<_> = std::fs::read_dir(dir.path().join("tb"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(events.len(), 1);
+    assert!(std::fs::metadata(&events[0]).unwrap().len() > 3 * 100);
     let bad = TrainFlags {
         clip_grad_norm: Some(0.0),
         out: Some(dir.path().join("bad")),

@@ -15,6 +15,7 @@ mod metrics_log;
 pub mod options;
 pub mod plan;
 mod run_dir;
+mod tensorboard;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -472,6 +473,10 @@ fn run_locked(
     }
     let eval = data.eval_batches();
     let mut metrics_log = MetricsLog::open(&o.out.join("metrics.jsonl"), start_step)?;
+    let mut tensorboard = match &o.tensorboard {
+        Some(dir) => Some(tensorboard::EventWriter::create(dir)?),
+        None => None,
+    };
     let bar = progress_bar(&o, start_step);
     let log_every = (o.steps / 20).max(1);
     let mut summary = RunSummary {
@@ -514,6 +519,9 @@ fn run_locked(
         summary.last_loss = Some(m.loss);
         summary.steps = step;
         metrics_log.append(&metrics_line(&m, lr))?;
+        if let Some(tb) = tensorboard.as_mut() {
+            tb.step(step, &m, lr)?;
+        }
         bar.set_position(step);
         bar.set_message(status(&m));
         let mut line = None;
@@ -525,6 +533,9 @@ fn run_locked(
             let loss = (sum / eval.len() as f64) as f32;
             summary.last_eval_loss = Some(loss);
             metrics_log.append(&format!("{{\"step\":{step},\"eval_loss\":{loss}}}"))?;
+            if let Some(tb) = tensorboard.as_mut() {
+                tb.scalars(step, &[("eval/loss", loss)])?;
+            }
             line = Some(format!(
                 "  step {step:>6}  loss {:.4}  eval {loss:.4}  {}",
                 m.loss,

@@ -124,6 +124,11 @@ pub struct TrainFlags {
     /// Seed of the initialization and of the data order (default 0).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Also write the run's scalars (loss, held-out loss, learning rate,
+    /// tokens/s, stalls, gradient norm) to this directory as TensorBoard
+    /// event files, as the run goes (`tensorboard --logdir DIR`).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Write the trained model here at the end (safetensors, Hugging Face layout).
     #[arg(long)]
     pub export: Option<PathBuf>,
@@ -187,6 +192,8 @@ pub struct TrainOptions {
     pub packing: Option<Packing>,
     pub seed: u64,
     pub export: Option<PathBuf>,
+    #[serde(default)]
+    pub tensorboard: Option<PathBuf>,
     pub resume: bool,
     pub quiet: bool,
     /// Command line only: the step whose timeline is written.
@@ -309,6 +316,7 @@ impl TrainFlags {
             packing: cli.packing.or(file.packing),
             seed: pick!(cli, file, seed, 0),
             export: cli.export.clone().or(file.export.clone()),
+            tensorboard: cli.tensorboard.clone().or(file.tensorboard.clone()),
             resume: cli.resume,
             quiet: cli.quiet || file.quiet,
             timeline_step: cli.timeline_step,

@@ -129,7 +129,8 @@ pub(super) fn store_path(out: &Path) -> PathBuf {
     out.join("experts.strata")
 }
 
-/// `--resume`: the saved options, with `--steps`, `--export`, `--quiet`,
+/// `--resume`: the saved options, with `--steps`, `--export`,
+/// `--tensorboard`, `--quiet`,
 /// `--timeline-step`, the thread counts and the host tier's split
 /// (`--host-stream-slots`, `--host-cell-slots`, `--defer-share`, which
 /// change no result) taken from the command line when given.
@@ -162,6 +163,9 @@ pub(super) fn resume_options(
     o.threads = flags.threads.unwrap_or(o.threads);
     if flags.compute_threads.is_some() {
         o.compute_threads = flags.compute_threads;
+    }
+    if flags.tensorboard.is_some() {
+        o.tensorboard = flags.tensorboard.clone();
     }
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
