@@ -37,6 +37,8 @@ struct Reference {
     ce: f64,
     aux: f64,
     loss: f64,
+    /// The loss with one part a sequence (each part's aux term).
+    parts_loss: f64,
     checkpoint: Checkpoint,
 }
 
@@ -57,6 +59,7 @@ impl Reference {
             ce: float("ce"),
             aux: float("aux"),
             loss: float("loss"),
+            parts_loss: meta["parts"]["loss"].as_f64().unwrap(),
             checkpoint: Checkpoint::open(&dir).unwrap(),
         }
     }
@@ -98,15 +101,27 @@ fn compare(case: &str, tensor: &str, got: &[f64], want: &[f32]) -> f64 {
 }
 
 fn case(name: &str, family: Family) {
+    case_on(name, family, 1);
+}
+
+/// With `devices` device workers, each a sequence of the batch (a part),
+/// the load-balancing term is each part's, as transformers computes it on
+/// one DDP rank a sequence: the step's loss and gradients are held to the
+/// fixture's per-part reference (`parts.grad.*`); the forward, one pass
+/// over the batch, to the whole-batch one.
+fn case_on(name: &str, family: Family, devices: usize) {
     let case = fixtures().join(name);
     let reference = Reference::read(&case);
     let dir = tempfile::tempdir().unwrap();
-    let (lm, mut engine) = hub::open_engine(
-        &case.join("model"),
-        engine_config(&dir.path().join("experts.store")),
-        |_, _| {},
-    )
-    .unwrap();
+    let config = EngineConfig {
+        devices,
+        ..engine_config(&dir.path().join("experts.store"))
+    };
+    let (lm, mut engine) = hub::open_engine(&case.join("model"), config, |_, _| {}).unwrap();
+    let (grad_prefix, want_loss) = match devices {
+        1 => ("grad.", reference.loss),
+        _ => ("parts.grad.", reference.parts_loss),
+    };
     let c = lm.config().clone();
     assert_eq!(c.family, family, "{name}");
     let batch = TokenBatch {
@@ -145,12 +160,11 @@ fn case(name: &str, family: Family) {
 
     // Every tensor's gradient, from a gradient-only pass.
     let grads = engine.gradients(&lm, &batch).unwrap();
-    let loss_err = rel(grads.loss as f64, reference.loss);
+    let loss_err = rel(grads.loss as f64, want_loss);
     assert!(
         loss_err < 1e-5,
-        "{name}: loss {} vs {}",
+        "{name}: loss {} vs {want_loss}",
         grads.loss,
-        reference.loss
     );
     let mut worst = (0.0f64, String::new());
     let mut track = |tensor: &str, w: f64| {
@@ -163,7 +177,7 @@ fn case(name: &str, family: Family) {
             .iter()
             .map(|&g| g as f64)
             .collect();
-        let want = reference.tensor(&format!("grad.{}", t.name), &t.shape);
+        let want = reference.tensor(&format!("{grad_prefix}{}", t.name), &t.shape);
         track(&t.name, compare(name, &t.name, &got, &want));
     }
     let (d, f) = (c.d_model, c.d_ff);
@@ -183,7 +197,7 @@ fn case(name: &str, family: Family) {
                 (2 * f * d..3 * f * d, [d, f]),
             ];
             for (tensor, (range, shape)) in naming.names(id).iter().zip(parts) {
-                let want = reference.tensor(&format!("grad.{tensor}"), &shape);
+                let want = reference.tensor(&format!("{grad_prefix}{tensor}"), &shape);
                 track(tensor, compare(name, tensor, &got[range], &want));
             }
         }
@@ -233,4 +247,14 @@ fn qwen2_moe_matches_transformers() {
 #[test]
 fn qwen2_moe_from_bf16_shards_matches_transformers() {
     case("qwen2_moe-bf16", Family::Qwen2Moe);
+}
+
+#[test]
+fn qwen2_moe_on_two_devices_matches_transformers_per_rank() {
+    case_on("qwen2_moe", Family::Qwen2Moe, 2);
+}
+
+#[test]
+fn mixtral_on_two_devices_matches_transformers_per_rank() {
+    case_on("mixtral", Family::Mixtral, 2);
 }

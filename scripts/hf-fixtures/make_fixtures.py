@@ -187,6 +187,18 @@ def make(family, dtype, seed):
     os.makedirs(ref_dir)
     tensors = {f"grad.{k}": v for k, v in grads.items()}
     tensors["logits"] = out.logits.detach().float().contiguous()
+    # The same batch as one part a sequence (gradient accumulation, or one
+    # DDP rank a sequence): the load-balancing term is each part's, averaged.
+    model.zero_grad()
+    outs = [model(input_ids=inputs[i:i + 1], output_router_logits=True) for i in range(SEQS)]
+    logits = torch.cat([o.logits for o in outs])
+    parts_ce = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size),
+                                                 targets.reshape(-1))
+    parts_aux = sum(o.aux_loss for o in outs) / SEQS
+    parts_loss = parts_ce + config.router_aux_loss_coef * parts_aux
+    parts_loss.backward()
+    for k, v in hub_gradients(model, family, config).items():
+        tensors[f"parts.grad.{k}"] = v
     save_file(tensors, os.path.join(ref_dir, "reference.safetensors"))
     meta = {
         "family": family,
@@ -198,6 +210,8 @@ def make(family, dtype, seed):
         "aux": float(aux.detach()),
         "aux_coef": config.router_aux_loss_coef,
         "loss": float(loss.detach()),
+        "parts": {"count": SEQS, "aux": float(parts_aux.detach()),
+                  "loss": float(parts_loss.detach())},
         "routing_margin": margin,
         "transformers": transformers.__version__,
         "torch": torch.__version__.split("+")[0],
