@@ -289,12 +289,7 @@ fn a_qwen3_moe_checkpoint_fine_tunes_on_chat_data() {
     trainer::run(&flags, Source::Finetune(model), &AtomicBool::new(false)).unwrap();
     // A batch of packed conversations holds few answer tokens, so one
     // step's loss is noisy: compare the first ten steps with the last ten.
-    let losses: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v.get("loss").and_then(serde_json::Value::as_f64))
-        .collect();
+    let losses = metric(&out, "loss");
     assert_eq!(losses.len(), 30);
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
     let (first, last) = (mean(&losses[..10]), mean(&losses[20..]));
@@ -339,12 +334,7 @@ fn clip_grad_norm_clips_and_reports_the_norm() {
         &AtomicBool::new(false),
     )
     .unwrap();
-    let norms: Vec<f64> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["grad_norm"].as_f64())
-        .collect();
+    let norms = metric(&out, "grad_norm");
     assert_eq!(norms.len(), 3);
     assert!(norms.iter().all(|n| n.is_finite() && *n > 0.0), "{norms:?}");
     // The same steps as TensorBoard event files (their format is tested in
@@ -362,4 +352,14 @@ fn clip_grad_norm_clips_and_reports_the_norm() {
     };
     let err = trainer::run(&bad, Source::Finetune(model), &AtomicBool::new(false)).unwrap_err();
     assert!(err.contains("--clip-grad-norm 0"), "{err}");
+}
+
+/// `key`'s numbers in the run's metrics.jsonl, line by line.
+fn metric(out: &std::path::Path, key: &str) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get(key).and_then(serde_json::Value::as_f64))
+        .collect()
 }

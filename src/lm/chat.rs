@@ -21,6 +21,7 @@
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde_json::Value;
@@ -35,9 +36,10 @@ const OPEN_REASONING: char = '\u{F8F2}';
 const CLOSE_REASONING: char = '\u{F8F3}';
 const MARKERS: [char; 4] = [OPEN, CLOSE, OPEN_REASONING, CLOSE_REASONING];
 
-/// A chat template with the special tokens it refers to.
-#[derive(Clone, Debug, PartialEq)]
+/// A chat template with the special tokens it refers to, compiled once.
+#[derive(Clone)]
 pub struct ChatTemplate {
+    compiled: Arc<Environment<'static>>,
     source: String,
     bos_token: String,
     eos_token: String,
@@ -52,18 +54,34 @@ pub struct TrainedText {
     pub trained: Vec<Range<usize>>,
 }
 
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The same template and tokens (the compiled form follows from them).
+impl PartialEq for ChatTemplate {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.source, &self.bos_token, &self.eos_token)
+            == (&other.source, &other.bos_token, &other.eos_token)
+    }
+}
+
 impl ChatTemplate {
     /// A template given as its Jinja source, with the special tokens'
     /// texts (`bos_token`, `eos_token`) it may refer to.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, EngineError> {
-        let template = ChatTemplate {
-            source: source.to_string(),
-            bos_token: bos_token.to_string(),
-            eos_token: eos_token.to_string(),
-            origin: "the chat template".into(),
-        };
-        template.environment()?;
-        Ok(template)
+        Self::compile(
+            source.to_string(),
+            bos_token.to_string(),
+            eos_token.to_string(),
+            "the chat template".into(),
+        )
     }
 
     /// The template of a model (or tokenizer) directory:
@@ -111,17 +129,16 @@ impl ChatTemplate {
                 _ => return Ok(None),
             }
         };
-        let template = ChatTemplate {
-            source,
-            bos_token: token("bos_token"),
-            eos_token: token("eos_token"),
-            origin,
-        };
-        template.environment()?;
-        Ok(Some(template))
+        let (bos, eos) = (token("bos_token"), token("eos_token"));
+        Self::compile(source, bos, eos, origin).map(Some)
     }
 
-    fn environment(&self) -> Result<Environment<'static>, EngineError> {
+    fn compile(
+        source: String,
+        bos_token: String,
+        eos_token: String,
+        origin: String,
+    ) -> Result<Self, EngineError> {
         // As transformers renders: blocks trimmed, Python's methods.
         let mut env = Environment::new();
         env.set_trim_blocks(true);
@@ -133,11 +150,15 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_template_owned("chat", self.source.clone())
-            .map_err(|e| {
-                EngineError::Config(format!("{}: not a usable template: {e}", self.origin))
-            })?;
-        Ok(env)
+        env.add_template_owned("chat", source.clone())
+            .map_err(|e| EngineError::Config(format!("{origin}: not a usable template: {e}")))?;
+        Ok(ChatTemplate {
+            compiled: Arc::new(env),
+            source,
+            bos_token,
+            eos_token,
+            origin,
+        })
     }
 
     /// Renders one conversation (`messages`: an array of objects with
@@ -164,8 +185,8 @@ impl ChatTemplate {
             }
             marked.push(m);
         }
-        let env = self.environment().map_err(|e| e.to_string())?;
-        let rendered = env
+        let rendered = self
+            .compiled
             .get_template("chat")
             .and_then(|t| {
                 t.render(context! {
