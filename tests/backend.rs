@@ -387,6 +387,66 @@ fn dense_gemms_on_the_gpu_match_the_cpu() {
     }
 }
 
+/// The LM head and its loss on the GPU in blocks of rows (3 rows, so 10
+/// tokens go in 4 blocks, the last one short; one ignored target) against
+/// the plain sequence of the cpu's GEMM, cross-entropy and GEMM: the same
+/// sums in f32, so 1e-5 norm-wise (the loss to 1e-5 relative). And what
+/// crosses between host and GPU is the rows and targets up, d rows and
+/// the loss shares down, and the head and its gradient (neither of them
+/// slices of registered dense params here): never the logits.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
+    use strata::backend::cuda::CudaBackend;
+    use strata::backend::{BackendKind, CpuBackend};
+    use strata::model::{DenseKernels, HeadShape};
+    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+        common::cuda_case_skipped(e);
+        return;
+    }
+    let gpu = CudaBackend::new(0).unwrap();
+    let (t, d, v) = (10, 24, 41);
+    let s = HeadShape {
+        t,
+        d,
+        v,
+        denominator: 9,
+    };
+    let (x, head) = (f32s(t * d, 60, 1.0), f32s(v * d, 61, 0.3));
+    let mut targets: Vec<u32> = (0..t as u32).map(|i| (i * 7 + 3) % v as u32).collect();
+    targets[4] = strata::math::IGNORED_TARGET;
+    let mut outs = Vec::new();
+    for on_gpu in [true, false] {
+        // dx is overwritten, dhead accumulates into what it held.
+        let (mut dx, mut dhead) = (vec![7.0; t * d], vec![-0.25; v * d]);
+        let before = gpu.pcie_other_bytes();
+        let loss = if on_gpu {
+            gpu.head_loss_in_blocks(&mut dx, &mut dhead, &x, &head, &targets, s, 3)
+        } else {
+            CpuBackend.head_loss(&mut dx, &mut dhead, &x, &head, &targets, s)
+        }
+        .unwrap();
+        if on_gpu {
+            let crossed = gpu.pcie_other_bytes() - before;
+            let expected = 4 * (3 * v * d + 2 * t * d + 2 * t) as u64;
+            assert_eq!(crossed, expected, "bytes between host and GPU");
+        }
+        outs.push((loss, dx, dhead));
+    }
+    let (g, c) = (&outs[0], &outs[1]);
+    assert!(
+        (g.0 - c.0).abs() <= 1e-5 * c.0.abs(),
+        "loss {} vs {}",
+        g.0,
+        c.0
+    );
+    for (what, a, b) in [("dx", &g.1, &c.1), ("dhead", &g.2, &c.2)] {
+        let err = normwise(a, b);
+        eprintln!("cuda head in blocks, {what}: norm-wise error {err:.2e}");
+        assert!(err < 1e-5, "{what}: {err}");
+    }
+}
+
 /// A weight that is a slice of the registered dense params is uploaded
 /// once and read in place until the params change: a GEMM after the host
 /// copy changed (without `weights_changed`) still sees the uploaded
@@ -675,6 +735,53 @@ fn five_engine_steps_on_the_gpu_match_the_cpu() {
         .fold(0.0f32, f32::max);
     eprintln!("gpu vs cpu after 5 steps: losses {gpu_losses:?} vs {cpu_losses:?}, worst param difference {worst:.2e}");
     assert!(worst < 5e-3, "{worst}");
+}
+
+/// `StepMetrics::bytes_pcie_other` counts what crosses between host and
+/// GPU besides expert params and gradients. The GPU step still keeps its
+/// activations on the host, so each step copies at least every dense GEMM
+/// weight up (they changed at the last update) and every activation a
+/// dense GEMM reads; the steady state copies the same bytes every step at
+/// one shape, and the cpu backend copies none.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_step_counts_the_bytes_that_cross_besides_experts() {
+    use common::tiny_lm::tiny_config;
+    use strata::backend::BackendKind;
+    use strata::engine::{Engine, EngineConfig};
+    use strata::lm::{MoeLm, TokenBatch};
+    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+        common::cuda_case_skipped(e);
+        return;
+    }
+    let lm = MoeLm::new(tiny_config()).unwrap();
+    let c = lm.config().clone();
+    let batch = TokenBatch {
+        seq_len: 8,
+        tokens: (0..4 * 9u32).map(|i| (i * 37 + 5) % 250).collect(),
+        loss_mask: None,
+        doc_starts: None,
+    };
+    let run = |backend| {
+        let config = EngineConfig {
+            backend,
+            optimizer_threads: 2,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new_network(&lm, config).unwrap();
+        (0..3)
+            .map(|_| engine.step_network(&lm, &batch).unwrap().bytes_pcie_other)
+            .collect::<Vec<u64>>()
+    };
+    let cpu = run(BackendKind::Cpu);
+    assert_eq!(cpu, vec![0, 0, 0]);
+    let gpu = run(BackendKind::Cuda);
+    let gemm_weights = c.dense_params() - c.vocab * c.d_model; // all but the embedding
+    let tokens = batch.tokens.len() / (batch.seq_len + 1) * batch.seq_len;
+    let floor = 4 * (gemm_weights + tokens * c.d_model) as u64;
+    eprintln!("bytes_pcie_other a step on the gpu: {gpu:?}, at least {floor}");
+    assert!(gpu.iter().all(|&b| b >= floor), "{gpu:?} < {floor}");
+    assert_eq!(gpu[1], gpu[2], "the same step copies the same bytes");
 }
 
 /// `kernels.cu` compiles with NVRTC and its PTX assembles for Hopper

@@ -29,6 +29,10 @@ pub struct StepMetrics {
     pub bytes_host_to_ssd: u64,
     pub bytes_host_to_device: u64,
     pub bytes_device_to_host: u64,
+    /// Every other byte copied between host and device memory this step
+    /// (activations, dense weights and gradients, indices, scalars; all
+    /// devices): 0 on the cpu backend, whose device memory is the host's.
+    pub bytes_pcie_other: u64,
     /// Host-tier acquires served without waiting.
     pub host_hit_rate: f64,
     /// Records whose compute params moved from a host record slot to a
@@ -104,6 +108,7 @@ pub(crate) fn gather<'a>(
         bytes_host_to_ssd: stats.bytes_written,
         bytes_host_to_device: sum(|a| a.bytes_host_to_device),
         bytes_device_to_host: sum(|a| a.bytes_device_to_host),
+        bytes_pcie_other: 0, // the engine's, from its dense kernels
         host_hit_rate: stats.hit_rate(),
         host_demotions: stats.demotions,
         device_hit_rate: if hits + misses == 0 {

@@ -173,6 +173,14 @@ impl Engine {
         }
     }
 
+    /// What every device's dense kernels have copied besides experts.
+    fn pcie_other_bytes(&self) -> u64 {
+        self.dense_kernels
+            .iter()
+            .map(|k| k.pcie_other_bytes())
+            .sum()
+    }
+
     fn reset_counters(&mut self) {
         let (layers, experts) = (self.model.layers, self.model.experts);
         for dev in &mut self.devices {
@@ -247,6 +255,7 @@ impl Engine {
         self.shared.cache.take_stats(); // this step's counters start now
         self.shared.cache.store().take_busy();
         self.reset_counters();
+        let pcie_before = self.pcie_other_bytes();
         let tokens_total = net.batch_tokens(batch);
         let result = if self.devices.len() == 1 {
             self.passes_one_device(net, batch, tokens_total)
@@ -298,6 +307,7 @@ impl Engine {
             self.devices.iter().map(|d| &d.acc),
         );
         metrics.grad_norm = clipped.map(|c| c.norm);
+        metrics.bytes_pcie_other = self.pcie_other_bytes() - pcie_before;
         if self.devices.len() > 1 {
             self.recalibrate(&metrics);
         }

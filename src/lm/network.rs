@@ -18,8 +18,8 @@ use super::shared_expert::{self, SharedRanges, SharedSaved};
 use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
 use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward, IGNORED_TARGET};
 use crate::model::{
-    fill_uniform, moe_backward, moe_forward, DenseKernels, Evaluation, ExpertRunner, Losses,
-    ModelConfig, MoeSaved, Network,
+    fill_uniform, moe_backward, moe_forward, DenseKernels, Evaluation, ExpertRunner, HeadShape,
+    Losses, ModelConfig, MoeSaved, Network,
 };
 use crate::EngineError;
 
@@ -136,7 +136,9 @@ struct LayerSaved {
     n1: Vec<f32>,
     inv1: Vec<f32>,
     qkv: Qkv,
-    probs: Vec<f32>,
+    /// What the attention kernels keep for the backward (the
+    /// probabilities on the cpu, each row's softmax statistics on a GPU).
+    attn_saved: Vec<f32>,
     attn: Vec<f32>,
     h_mid: Vec<f32>,
     n2: Vec<f32>,
@@ -150,9 +152,9 @@ struct Forward {
     targets: Vec<u32>,
     layers: Vec<LayerSaved>,
     h: Vec<f32>,
+    /// The final norm's output, the head's input.
     nf: Vec<f32>,
     invf: Vec<f32>,
-    logits: Vec<f32>,
     /// The rotary table the forward used (the backward's too).
     rope: RopeTable<f32>,
     aux: f32,
@@ -275,7 +277,7 @@ impl MoeLm {
         kernels: &dyn DenseKernels,
     ) -> Result<Forward, EngineError> {
         let c = &self.config;
-        let (d, v) = (c.d_model, c.vocab);
+        let d = c.d_model;
         let (inputs, targets) = batch.inputs_targets();
         let t = inputs.len();
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
@@ -293,10 +295,10 @@ impl MoeLm {
             rmsnorm_forward(&mut n1, &mut inv1, &h, g1, t, d, c.rms_eps);
             let qkv = qkv::forward(c, dense, &r.qkv, &n1, &shape, &rope, kernels)?;
             let mut attn = vec![0.0f32; t * qw];
-            let mut probs = vec![0.0f32; shape.probs_len()];
+            let mut attn_saved = vec![0.0f32; kernels.attention_saved_len(&shape)];
             kernels.attention_forward(
                 &mut attn,
-                &mut probs,
+                &mut attn_saved,
                 &qkv.q,
                 &qkv.k,
                 &qkv.v,
@@ -331,7 +333,7 @@ impl MoeLm {
                 n1,
                 inv1,
                 qkv,
-                probs,
+                attn_saved,
                 attn,
                 h_mid,
                 n2,
@@ -347,8 +349,6 @@ impl MoeLm {
         let mut invf = vec![0.0f32; t];
         let gf = &dense[self.final_norm.clone()];
         rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps);
-        let mut logits = vec![0.0f32; t * v];
-        kernels.forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v)?;
         Ok(Forward {
             inputs,
             targets,
@@ -356,7 +356,6 @@ impl MoeLm {
             h,
             nf,
             invf,
-            logits,
             rope,
             aux,
             z,
@@ -514,28 +513,32 @@ impl Network for MoeLm {
         let (d, v) = (c.d_model, c.vocab);
         let mut f = self.forward(dense, batch, runner, kernels)?;
         let t = f.inputs.len();
-        let mut dlogits = vec![0.0f32; t * v];
-        let ce = kernels.cross_entropy(&mut dlogits, &f.logits, &f.targets, v, tokens_total)?;
+        // The head, its loss and its backward in one (a GPU keeps the
+        // logits on the device, a chunk of rows at a time).
+        let mut dnf = vec![0.0f32; t * d];
+        let ce = kernels.head_loss(
+            &mut dnf,
+            &mut dense_grad[self.head.clone()],
+            &f.nf,
+            &dense[self.head.clone()],
+            &f.targets,
+            HeadShape {
+                t,
+                d,
+                v,
+                denominator: tokens_total,
+            },
+        )?;
         let share = 1.0 / micro_batches as f32;
         let total = ce + share * (c.aux_loss_coef * f.aux + c.z_loss_coef * f.z);
         if !total.is_finite() {
             return Err(EngineError::NonFiniteLoss { loss: total });
         }
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
+        let starts = batch.attention_starts();
         let (qw, kw) = (shape.q_width(), shape.kv_width());
         let rope = &f.rope;
-        // Head and final norm.
-        let mut dnf = vec![0.0f32; t * d];
-        kernels.backward(
-            &mut dnf,
-            &mut dense_grad[self.head.clone()],
-            &dlogits,
-            &f.nf,
-            &dense[self.head.clone()],
-            t,
-            d,
-            v,
-        )?;
+        // Final norm.
         let mut dh = vec![0.0f32; t * d];
         rmsnorm_backward(
             &mut dh,
@@ -601,7 +604,16 @@ impl Network for MoeLm {
             let mut dv = vec![0.0f32; t * kw];
             let qkv = &s.qkv;
             kernels.attention_backward(
-                &mut dq, &mut dk, &mut dv, &dattn, &s.probs, &qkv.q, &qkv.k, &qkv.v, &shape,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &dattn,
+                &s.attn_saved,
+                &qkv.q,
+                &qkv.k,
+                &qkv.v,
+                starts.as_deref(),
+                &shape,
             )?;
             let mut dn1 = vec![0.0f32; t * d];
             qkv::backward(
@@ -646,11 +658,14 @@ impl Network for MoeLm {
         kernels: &dyn DenseKernels,
     ) -> Result<Evaluation, EngineError> {
         let f = self.forward(dense, batch, runner, kernels)?;
-        let v = self.config.vocab;
+        let (d, v) = (self.config.d_model, self.config.vocab);
+        let t = f.targets.len();
+        let mut logits = vec![0.0f32; t * v];
+        kernels.forward(&mut logits, &f.nf, &dense[self.head.clone()], t, d, v)?;
         let counted = f.targets.iter().filter(|&&x| x != IGNORED_TARGET).count();
-        let loss = cross_entropy_loss(&f.logits, &f.targets, v, counted.max(1));
+        let loss = cross_entropy_loss(&logits, &f.targets, v, counted.max(1));
         Ok(Evaluation {
-            logits: f.logits,
+            logits,
             targets: f.targets,
             width: v,
             loss,

@@ -55,27 +55,44 @@ pub trait DenseKernels {
         Ok(())
     }
 
+    /// Bytes this backend copied between host and device memory other
+    /// than expert params and gradients (activations, dense weights and
+    /// their gradients, indices), since it was opened; 0 where compute and
+    /// memory are the host's.
+    fn pcie_other_bytes(&self) -> u64 {
+        0
+    }
+
+    /// The f32 values [`DenseKernels::attention_forward`] keeps for the
+    /// backward at `shape`: here the probabilities (B, H, S, S); a GPU
+    /// keeps each query row's softmax max and sum (2·B·H·S) and
+    /// recomputes the probabilities in its backward.
+    fn attention_saved_len(&self, shape: &AttnShape) -> usize {
+        shape.probs_len()
+    }
+
     /// out (T, H·hd) = causal attention of q, k, v, each token within its
     /// document where `starts` says where documents begin (see
     /// [`attention_forward`](crate::math::attention::attention_forward));
-    /// `probs` (B, H, S, S) keeps the probabilities for the backward.
+    /// `saved` (`attention_saved_len` values) keeps what the backward needs.
     #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
         out: &mut [f32],
-        probs: &mut [f32],
+        saved: &mut [f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
         starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        attention_forward_split(out, probs, q, k, v, starts, shape, compute_threads());
+        attention_forward_split(out, saved, q, k, v, starts, shape, compute_threads());
         Ok(())
     }
 
     /// dq, dk, dv (zeroed by the caller) = the gradients of
-    /// `attention_forward` from dout.
+    /// `attention_forward` from dout, given what it saved and the same
+    /// `starts`.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -83,13 +100,15 @@ pub trait DenseKernels {
         dk: &mut [f32],
         dv: &mut [f32],
         dout: &[f32],
-        probs: &[f32],
+        saved: &[f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        attention_backward_split(dq, dk, dv, dout, probs, q, k, v, shape, compute_threads());
+        let _ = starts; // the probabilities hold the documents' bounds
+        attention_backward_split(dq, dk, dv, dout, saved, q, k, v, shape, compute_threads());
         Ok(())
     }
 
@@ -112,6 +131,43 @@ pub trait DenseKernels {
             compute_threads(),
         ))
     }
+
+    /// A language model's head and loss, forward and backward in one:
+    /// logits (T, V) = x (T, D) · headᵀ, their cross-entropy against
+    /// `targets` as [`DenseKernels::cross_entropy`] computes it (the
+    /// returned loss), dx (T, D) = d logits · head (overwritten) and
+    /// dhead (V, D) += d logitsᵀ · x. Here the plain sequence of those three calls, the
+    /// oracle; a backend may go a block of rows at a time so that the
+    /// (T × V) logits never exist whole, nor leave its device.
+    fn head_loss(
+        &self,
+        dx: &mut [f32],
+        dhead: &mut [f32],
+        x: &[f32],
+        head: &[f32],
+        targets: &[u32],
+        s: HeadShape,
+    ) -> Result<f32, EngineError> {
+        let HeadShape { t, d, v, .. } = s;
+        let mut logits = vec![0.0f32; t * v];
+        self.forward(&mut logits, x, head, t, d, v)?;
+        let mut dlogits = vec![0.0f32; t * v];
+        let loss = self.cross_entropy(&mut dlogits, &logits, targets, v, s.denominator)?;
+        drop(logits);
+        dx.fill(0.0);
+        self.backward(dx, dhead, &dlogits, x, head, t, d, v)?;
+        Ok(loss)
+    }
+}
+
+/// The shape of [`DenseKernels::head_loss`]: T tokens of width D, a
+/// vocabulary of V, the loss summed over rows and divided by `denominator`.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadShape {
+    pub t: usize,
+    pub d: usize,
+    pub v: usize,
+    pub denominator: usize,
 }
 
 /// `math::linear_forward` / `linear_backward`, as written.

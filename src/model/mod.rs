@@ -24,7 +24,7 @@ mod buffer_pool;
 mod dense_kernels;
 
 pub(crate) use buffer_pool::{F32BufferPool, ScratchBuf, ScratchBuffers};
-pub use dense_kernels::{DenseKernels, PlainKernels};
+pub use dense_kernels::{DenseKernels, HeadShape, PlainKernels};
 
 /// The shape and losses of a MoE stack.
 #[derive(Clone, Debug, PartialEq)]

@@ -375,9 +375,9 @@ impl KernelHost for KernelEmulator {
         assert!(q.len() == t * shape.q_width() && k.len() == t * shape.kv_width());
         assert!(v.len() == k.len() && starts.len() == t);
         let mut out = vec![0.0f32; t * shape.q_width()];
-        let mut probs = vec![0.0f32; shape.probs_len()];
+        let mut stats = vec![0.0f32; 2 * shape.seqs * shape.heads * shape.seq_len];
         let (pq, pk, pv, ps) = (q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr());
-        let (po, pp) = (out.as_mut_ptr(), probs.as_mut_ptr());
+        let (po, pp) = (out.as_mut_ptr(), stats.as_mut_ptr());
         let dims = dims(shape);
         let mut args = vec![arg(&pq), arg(&pk), arg(&pv), arg(&ps), arg(&po), arg(&pp)];
         args.extend(dims.iter().map(arg));
@@ -386,7 +386,7 @@ impl KernelHost for KernelEmulator {
             shape.seqs * shape.heads * shape.seq_len,
             &args,
         );
-        (out, probs)
+        (out, stats)
     }
 
     fn attention_backward(
@@ -395,25 +395,22 @@ impl KernelHost for KernelEmulator {
         dk: &mut [f32],
         dv: &mut [f32],
         dout: &[f32],
-        probs: &[f32],
+        stats: &[f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: &[u32],
         shape: &AttnShape,
     ) {
         let t = shape.tokens();
+        let rows = shape.seqs * shape.heads * shape.seq_len;
         assert!(dq.len() == t * shape.q_width() && dout.len() == dq.len() && q.len() == dq.len());
         assert!(dk.len() == t * shape.kv_width() && dv.len() == dk.len());
-        assert!(k.len() == dk.len() && v.len() == dk.len() && probs.len() == shape.probs_len());
-        let rows = shape.seqs * shape.heads * shape.seq_len;
+        assert!(k.len() == dk.len() && v.len() == dk.len() && stats.len() == 2 * rows);
+        assert_eq!(starts.len(), t);
         let mut weighted = vec![0.0f32; rows];
-        let (pdo, pp, pq, pk, pv) = (
-            dout.as_ptr(),
-            probs.as_ptr(),
-            q.as_ptr(),
-            k.as_ptr(),
-            v.as_ptr(),
-        );
+        let [pdo, pst, pq, pk, pv] = [dout, stats, q, k, v].map(|x| x.as_ptr());
+        let ps = starts.as_ptr();
         let (pdq, pdk, pdv, pw) = (
             dq.as_mut_ptr(),
             dk.as_mut_ptr(),
@@ -421,15 +418,26 @@ impl KernelHost for KernelEmulator {
             weighted.as_mut_ptr(),
         );
         let dims = dims(shape);
-        let mut args = vec![arg(&pdo), arg(&pp), arg(&pk), arg(&pv), arg(&pdq), arg(&pw)];
+        let mut args = vec![
+            arg(&pdo),
+            arg(&pst),
+            arg(&pq),
+            arg(&pk),
+            arg(&pv),
+            arg(&ps),
+            arg(&pdq),
+            arg(&pw),
+        ];
         args.extend(dims.iter().map(arg));
         self.launch("attention_backward_dq", rows, &args);
         let pw_in = weighted.as_ptr();
         let mut args = vec![
             arg(&pdo),
-            arg(&pp),
+            arg(&pst),
             arg(&pq),
+            arg(&pk),
             arg(&pv),
+            arg(&ps),
             arg(&pw_in),
             arg(&pdk),
             arg(&pdv),

@@ -98,16 +98,18 @@ pub trait KernelHost {
         starts: &[u32],
         shape: &AttnShape,
     ) -> (Vec<f32>, Vec<f32>);
+    /// From the forward's row statistics and the same `starts`.
     fn attention_backward(
         &self,
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
         dout: &[f32],
-        probs: &[f32],
+        stats: &[f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: &[u32],
         shape: &AttnShape,
     );
 }
@@ -260,7 +262,10 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
 }
 
 /// Causal attention with grouped kv heads: the same sums in the same order
-/// as the cpu, with expf in the softmax: 1e-5.
+/// as the cpu, with expf in the softmax: 1e-5. The kernels keep each
+/// row's softmax max and sum, not the probabilities: the statistics are
+/// checked against the cpu's probabilities (every p_ij recomputed from
+/// them), and the backward, which recomputes them, against the cpu's.
 pub fn attention(h: &dyn KernelHost) {
     use strata::math::attention::{attention_backward, attention_forward};
     let shape = AttnShape {
@@ -270,7 +275,7 @@ pub fn attention(h: &dyn KernelHost) {
         kv_heads: 2,
         head_dim: 8,
     };
-    let t = shape.tokens();
+    let (t, s, hd) = (shape.tokens(), shape.seq_len, shape.head_dim);
     let q = f32s(t * shape.q_width(), 40, 1.0);
     let k = f32s(t * shape.kv_width(), 41, 1.0);
     let v = f32s(t * shape.kv_width(), 42, 1.0);
@@ -281,21 +286,41 @@ pub fn attention(h: &dyn KernelHost) {
         let mut out = vec![0.0; t * shape.q_width()];
         let mut probs = vec![0.0; shape.probs_len()];
         attention_forward(&mut out, &mut probs, &q, &k, &v, Some(&starts), &shape);
-        let (hout, hprobs) = h.attention_forward(&q, &k, &v, &starts, &shape);
+        let (hout, stats) = h.attention_forward(&q, &k, &v, &starts, &shape);
         assert!(worst(&hout, &out) < 1e-5, "out {}", worst(&hout, &out));
-        assert!(worst(&hprobs, &probs) < 1e-5);
-    }
-    let mut out = vec![0.0; t * shape.q_width()];
-    let mut probs = vec![0.0; shape.probs_len()];
-    attention_forward(&mut out, &mut probs, &q, &k, &v, None, &shape);
-    let (mut dq, mut dk, mut dv) = (vec![0.1; q.len()], vec![0.2; k.len()], vec![0.3; v.len()]);
-    let (mut hdq, mut hdk, mut hdv) = (dq.clone(), dk.clone(), dv.clone());
-    attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
-    h.attention_backward(
-        &mut hdq, &mut hdk, &mut hdv, &dout, &probs, &q, &k, &v, &shape,
-    );
-    for (what, a, b) in [("dq", &hdq, &dq), ("dk", &hdk, &dk), ("dv", &hdv, &dv)] {
-        assert!(worst(a, b) < 1e-5, "{what} {}", worst(a, b));
+        // p_ij = exp(q_i·k_j/√hd − max_i) / sum_i where j sees i, else 0.
+        let group = shape.heads / shape.kv_heads;
+        let mut recomputed = vec![0.0f32; probs.len()];
+        for (row, p_row) in recomputed.chunks_exact_mut(s).enumerate() {
+            let (i, head, b) = (row % s, (row / s) % shape.heads, row / (s * shape.heads));
+            let ti = b * s + i;
+            let qi = &q[ti * shape.q_width() + head * hd..][..hd];
+            for (j, p) in p_row
+                .iter_mut()
+                .enumerate()
+                .take(i + 1)
+                .skip(starts[ti] as usize)
+            {
+                let kv = (b * s + j) * shape.kv_width() + head / group * hd;
+                let dot: f32 = qi.iter().zip(&k[kv..kv + hd]).map(|(a, b)| a * b).sum();
+                let score = dot / (hd as f32).sqrt();
+                *p = (score - stats[2 * row]).exp() / stats[2 * row + 1];
+            }
+        }
+        assert!(
+            worst(&recomputed, &probs) < 1e-5,
+            "probabilities {}",
+            worst(&recomputed, &probs)
+        );
+        let (mut dq, mut dk, mut dv) = (vec![0.1; q.len()], vec![0.2; k.len()], vec![0.3; v.len()]);
+        let (mut hdq, mut hdk, mut hdv) = (dq.clone(), dk.clone(), dv.clone());
+        attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
+        h.attention_backward(
+            &mut hdq, &mut hdk, &mut hdv, &dout, &stats, &q, &k, &v, &starts, &shape,
+        );
+        for (what, a, b) in [("dq", &hdq, &dq), ("dk", &hdk, &dk), ("dv", &hdv, &dv)] {
+            assert!(worst(a, b) < 1e-5, "{what} {}", worst(a, b));
+        }
     }
 }
 
@@ -443,10 +468,10 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
         shape: &AttnShape,
     ) -> (Vec<f32>, Vec<f32>) {
         let mut out = vec![0.0; shape.tokens() * shape.q_width()];
-        let mut probs = vec![0.0; shape.probs_len()];
-        self.attention_forward_host(&mut out, &mut probs, q, k, v, Some(starts), shape)
+        let mut stats = vec![0.0; strata::backend::cuda::attention_stats_len(shape)];
+        self.attention_forward_host(&mut out, &mut stats, q, k, v, Some(starts), shape)
             .unwrap();
-        (out, probs)
+        (out, stats)
     }
 
     fn attention_backward(
@@ -455,13 +480,14 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
         dk: &mut [f32],
         dv: &mut [f32],
         dout: &[f32],
-        probs: &[f32],
+        stats: &[f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: &[u32],
         shape: &AttnShape,
     ) {
-        self.attention_backward_host(dq, dk, dv, dout, probs, q, k, v, shape)
+        self.attention_backward_host(dq, dk, dv, dout, stats, q, k, v, Some(starts), shape)
             .unwrap()
     }
 }

@@ -8,9 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::expert::GradStart;
 use super::{gpu_error, CudaBackend};
-use crate::math::attention::AttnShape;
 use crate::EngineError;
 
 pub(super) struct DenseFunctions {
@@ -22,9 +20,9 @@ pub(super) struct DenseFunctions {
     router_top_k: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
-    attention_forward: CudaFunction,
-    attention_backward_dq: CudaFunction,
-    attention_backward_dkv: CudaFunction,
+    pub(super) attention_forward: CudaFunction,
+    pub(super) attention_backward_dq: CudaFunction,
+    pub(super) attention_backward_dkv: CudaFunction,
 }
 
 impl DenseFunctions {
@@ -59,18 +57,20 @@ pub struct RouterOut {
     pub weights: Vec<f32>,
 }
 
-fn threads(n: usize) -> LaunchConfig {
+pub(super) fn threads(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(n as u32)
 }
 
 impl CudaBackend {
-    fn upload_u32(&self, host: &[u32]) -> Result<CudaSlice<u32>, EngineError> {
+    pub(super) fn upload_u32(&self, host: &[u32]) -> Result<CudaSlice<u32>, EngineError> {
+        self.count_pcie_other::<u32>(host.len());
         self.stream
             .clone_htod(host)
             .map_err(|e| gpu_error("an upload", e))
     }
 
     fn download_u32(&self, dev: &CudaSlice<u32>, host: &mut [u32]) -> Result<(), EngineError> {
+        self.count_pcie_other::<u32>(host.len());
         self.stream
             .memcpy_dtoh(dev, host)
             .map_err(|e| gpu_error("a download", e))
@@ -198,24 +198,43 @@ impl CudaBackend {
         self.bind()?;
         let t = targets.len();
         let (dl, dt) = (self.upload(logits)?, self.upload_u32(targets)?);
-        let (mut dd, mut rows) = (self.zeros(t * v)?, self.zeros(t)?);
-        let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
-        let mut launch = self.stream.launch_builder(&self.dense.cross_entropy);
-        launch
-            .arg(&dl)
-            .arg(&dt)
-            .arg(&mut dd)
-            .arg(&mut rows)
-            .arg(&t32)
-            .arg(&v32)
-            .arg(&scale);
-        // SAFETY: logits and dlogits hold t·v f32, targets t u32 (each < v,
-        // as the batch's validation checks), row_loss t; one thread a row.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy", e))?;
+        let mut dd = self.zeros(t * v)?;
+        let rows = self.cross_entropy_rows(&dl, &dt, &mut dd, v, denominator)?;
         self.download(&dd, dlogits)?;
         let mut shares = vec![0.0f32; t];
         self.download(&rows, &mut shares)?;
         Ok(shares.iter().fold(0.0f32, |a, &s| a + s))
+    }
+
+    /// The cross-entropy kernel on logits (T, V) already on the GPU:
+    /// writes d logits and returns each row's loss share (T), which the
+    /// caller sums in row order.
+    pub(super) fn cross_entropy_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        targets: &CudaSlice<u32>,
+        dlogits: &mut CudaSlice<f32>,
+        v: usize,
+        denominator: usize,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let t = targets.len();
+        assert!(logits.len() == t * v && dlogits.len() == t * v);
+        let mut rows = self.zeros(t)?;
+        let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
+        let mut launch = self.stream.launch_builder(&self.dense.cross_entropy);
+        launch
+            .arg(logits)
+            .arg(targets)
+            .arg(dlogits)
+            .arg(&mut rows)
+            .arg(&t32)
+            .arg(&v32)
+            .arg(&scale);
+        // SAFETY: logits and dlogits hold t·v f32 (asserted), targets t u32
+        // (each < v or IGNORED_TARGET, as the batch's validation checks),
+        // rows t; one thread a row.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy", e))?;
+        Ok(rows)
     }
 
     /// The router after its logits (T, E) on the GPU, as
@@ -303,150 +322,5 @@ impl CudaBackend {
         self.download(&rows, &mut h.0)?;
         self.download(&scattered, &mut h.1)?;
         Ok(h)
-    }
-
-    /// `math::attention::attention_forward` on the GPU, into `out` and
-    /// `probs`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_forward_host(
-        &self,
-        out_host: &mut [f32],
-        probs_host: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        starts: Option<&[u32]>,
-        shape: &AttnShape,
-    ) -> Result<(), EngineError> {
-        self.bind()?;
-        let (dq, dk, dv) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
-        // One document a sequence: every token's starts at 0.
-        let zeros;
-        let starts = match starts {
-            Some(s) => s,
-            None => {
-                zeros = vec![0u32; shape.tokens()];
-                &zeros
-            }
-        };
-        let dstarts = self.upload_u32(starts)?;
-        let mut out = self.zeros(shape.tokens() * shape.q_width())?;
-        let mut probs = self.zeros(shape.probs_len())?;
-        let dims = [
-            shape.seqs,
-            shape.seq_len,
-            shape.heads,
-            shape.kv_heads,
-            shape.head_dim,
-        ]
-        .map(|x| x as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.attention_forward);
-        launch
-            .arg(&dq)
-            .arg(&dk)
-            .arg(&dv)
-            .arg(&dstarts)
-            .arg(&mut out)
-            .arg(&mut probs);
-        for x in &dims {
-            launch.arg(x);
-        }
-        // SAFETY: q and out hold T·H·hd f32, k and v T·KV·hd, starts T u32,
-        // probs B·H·S·S (zeroed); one thread a (sequence, head, query).
-        unsafe { launch.launch(threads(shape.seqs * shape.heads * shape.seq_len)) }
-            .map_err(|e| gpu_error("attention_forward", e))?;
-        self.download(&out, out_host)?;
-        self.download(&probs, probs_host)
-    }
-
-    /// `math::attention::attention_backward` on the GPU: dq, dk, dv accumulate.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward_host(
-        &self,
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-        dout: &[f32],
-        probs: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: &AttnShape,
-    ) -> Result<(), EngineError> {
-        let grads = [dq, dk, dv];
-        self.attention_backward_from(grads, dout, probs, q, k, v, shape, GradStart::Held)
-    }
-
-    /// As `attention_backward_host`, the gradients starting from zero on
-    /// the GPU (`GradStart::Zero`: the caller's buffers hold zeros, and
-    /// are not uploaded) or from what they held.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn attention_backward_from(
-        &self,
-        [dq, dk, dv]: [&mut [f32]; 3],
-        dout: &[f32],
-        probs: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: &AttnShape,
-        grad_from: GradStart,
-    ) -> Result<(), EngineError> {
-        self.bind()?;
-        let (ddout, dprobs) = (self.upload(dout)?, self.upload(probs)?);
-        let (dqin, dkin, dvin) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
-        let start = |host: &[f32]| match grad_from {
-            GradStart::Zero => self.zeros(host.len()),
-            GradStart::Held => self.upload(host),
-        };
-        let (mut ddq, mut ddk, mut ddv) = (start(dq)?, start(dk)?, start(dv)?);
-        let rows = shape.seqs * shape.heads * shape.seq_len;
-        let mut weighted = self.zeros(rows)?;
-        let dims = [
-            shape.seqs,
-            shape.seq_len,
-            shape.heads,
-            shape.kv_heads,
-            shape.head_dim,
-        ]
-        .map(|x| x as u32);
-        let mut launch = self
-            .stream
-            .launch_builder(&self.dense.attention_backward_dq);
-        launch
-            .arg(&ddout)
-            .arg(&dprobs)
-            .arg(&dkin)
-            .arg(&dvin)
-            .arg(&mut ddq)
-            .arg(&mut weighted);
-        for x in &dims {
-            launch.arg(x);
-        }
-        // SAFETY: shapes as in the forward; weighted holds B·H·S f32; one
-        // thread a (sequence, head, query).
-        unsafe { launch.launch(threads(rows)) }
-            .map_err(|e| gpu_error("attention_backward_dq", e))?;
-        let mut launch = self
-            .stream
-            .launch_builder(&self.dense.attention_backward_dkv);
-        launch
-            .arg(&ddout)
-            .arg(&dprobs)
-            .arg(&dqin)
-            .arg(&dvin)
-            .arg(&weighted)
-            .arg(&mut ddk)
-            .arg(&mut ddv);
-        for x in &dims {
-            launch.arg(x);
-        }
-        // SAFETY: as above; one thread a (sequence, kv head, key), each
-        // writing only its own key's rows of dk and dv.
-        unsafe { launch.launch(threads(shape.seqs * shape.kv_heads * shape.seq_len)) }
-            .map_err(|e| gpu_error("attention_backward_dkv", e))?;
-        self.download(&ddq, dq)?;
-        self.download(&ddk, dk)?;
-        self.download(&ddv, dv)
     }
 }

@@ -187,7 +187,7 @@ impl CudaBackend {
                     self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)?;
                     self.linear_backward(&mut ddx, &mut dw3, &dbb, &xb, w.w3, up, BF16)?;
                 }
-                self.download(&dw3, &mut dparams[f * d..2 * f * d])?;
+                self.download_expert_grad(&dw3, &mut dparams[f * d..2 * f * d])?;
             }
             _ => {
                 self.elementwise(
@@ -201,8 +201,8 @@ impl CudaBackend {
                 unsafe { self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)? };
             }
         }
-        self.download(&dw1, &mut dparams[..f * d])?;
-        self.download(&dw2, &mut dparams[in_len..])?;
+        self.download_expert_grad(&dw1, &mut dparams[..f * d])?;
+        self.download_expert_grad(&dw2, &mut dparams[in_len..])?;
         self.download(&ddx, dx)?;
         self.stream
             .synchronize()

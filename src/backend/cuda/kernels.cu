@@ -227,12 +227,31 @@ extern "C" __global__ void scatter_rows(const float* src, const unsigned* assign
     dst[(unsigned long long)assignments[r] * d + c] = src[idx];
 }
 
+// Attention keeps O(S) a head for its backward, not the (S x S)
+// probabilities: each query row's softmax max and sum (`stats`, two f32 a
+// row), from which the backward recomputes a probability with the
+// forward's own operations in the forward's order, so bit for bit.
+
+// (q_i . k_j) / sqrt(hd), the products summed in c order.
+__device__ __forceinline__ float strata_attn_score(const float* qi, const float* kj, unsigned hd,
+                                                   float scale) {
+    float dot = 0.0f;
+    for (unsigned c = 0; c < hd; ++c) dot += qi[c] * kj[c];
+    return dot * scale;
+}
+
+// The first key query i of sequence b sees: its document's first token.
+__device__ __forceinline__ unsigned strata_attn_first(const unsigned* starts, unsigned long long ti,
+                                                      unsigned i) {
+    return starts[ti] < i ? starts[ti] : i;
+}
+
 // lm::attention::attention_forward, one thread a (sequence, head, query):
-// causal softmax(q kᵀ / √hd) v with grouped kv heads, each query over the
-// keys of its own document (from starts[ti]); saves the probabilities
-// (zero elsewhere: the buffer starts zeroed).
+// causal softmax(q k^T / sqrt(hd)) v with grouped kv heads, each query over
+// the keys of its own document (from starts[ti]); saves the row's max and
+// sum in stats.
 extern "C" __global__ void attention_forward(const float* q, const float* k, const float* v,
-                                             const unsigned* starts, float* out, float* probs,
+                                             const unsigned* starts, float* out, float* stats,
                                              unsigned seqs, unsigned s, unsigned heads,
                                              unsigned kv_heads, unsigned hd) {
     unsigned idx = strata_index();
@@ -242,35 +261,35 @@ extern "C" __global__ void attention_forward(const float* q, const float* k, con
     unsigned qw = heads * hd, kw = kv_heads * hd;
     float scale = 1.0f / sqrtf((float)hd);
     unsigned long long ti = (unsigned long long)b * s + i;
-    unsigned first = starts[ti] < i ? starts[ti] : i;
+    unsigned first = strata_attn_first(starts, ti, i);
     const float* qi = q + ti * qw + h * hd;
-    float* row = probs + (((unsigned long long)b * heads + h) * s + i) * s;
+    const float* kb = k + (unsigned long long)b * s * kw + g * hd;
+    const float* vb = v + (unsigned long long)b * s * kw + g * hd;
     float max = __int_as_float(0xff800000);
     for (unsigned j = first; j <= i; ++j) {
-        const float* kj = k + ((unsigned long long)b * s + j) * kw + g * hd;
-        float dot = 0.0f;
-        for (unsigned c = 0; c < hd; ++c) dot += qi[c] * kj[c];
-        row[j] = dot * scale;
-        if (row[j] > max) max = row[j];
+        float score = strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale);
+        if (score > max) max = score;
     }
     float sum = 0.0f;
-    for (unsigned j = first; j <= i; ++j) {
-        row[j] = expf(row[j] - max);
-        sum += row[j];
-    }
-    for (unsigned j = first; j <= i; ++j) row[j] = row[j] / sum;
+    for (unsigned j = first; j <= i; ++j)
+        sum += expf(strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale) - max);
+    stats[2ull * idx] = max;
+    stats[2ull * idx + 1] = sum;
     float* oi = out + ti * qw + h * hd;
     for (unsigned c = 0; c < hd; ++c) oi[c] = 0.0f;
     for (unsigned j = first; j <= i; ++j) {
-        const float* vj = v + ((unsigned long long)b * s + j) * kw + g * hd;
-        for (unsigned c = 0; c < hd; ++c) oi[c] += row[j] * vj[c];
+        float p =
+            expf(strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale) - max) / sum;
+        const float* vj = vb + (unsigned long long)j * kw;
+        for (unsigned c = 0; c < hd; ++c) oi[c] += p * vj[c];
     }
 }
 
 // attention_backward's dq (+=), one thread a (sequence, head, query); also
-// writes Σ_j P_ij dP_ij (`weighted`) for the dk/dv kernel.
-extern "C" __global__ void attention_backward_dq(const float* dout, const float* probs,
-                                                 const float* k, const float* v, float* dq,
+// writes sum_j P_ij dP_ij (`weighted`) for the dk/dv kernel.
+extern "C" __global__ void attention_backward_dq(const float* dout, const float* stats,
+                                                 const float* q, const float* k, const float* v,
+                                                 const unsigned* starts, float* dq,
                                                  float* weighted, unsigned seqs, unsigned s,
                                                  unsigned heads, unsigned kv_heads,
                                                  unsigned hd) {
@@ -281,34 +300,42 @@ extern "C" __global__ void attention_backward_dq(const float* dout, const float*
     unsigned qw = heads * hd, kw = kv_heads * hd;
     float scale = 1.0f / sqrtf((float)hd);
     unsigned long long ti = (unsigned long long)b * s + i;
-    const float* row = probs + (((unsigned long long)b * heads + h) * s + i) * s;
+    unsigned first = strata_attn_first(starts, ti, i);
+    float max = stats[2ull * idx], sum = stats[2ull * idx + 1];
+    const float* qi = q + ti * qw + h * hd;
+    const float* kb = k + (unsigned long long)b * s * kw + g * hd;
+    const float* vb = v + (unsigned long long)b * s * kw + g * hd;
     const float* doi = dout + ti * qw + h * hd;
     float w = 0.0f;
-    for (unsigned j = 0; j <= i; ++j) {
-        const float* vj = v + ((unsigned long long)b * s + j) * kw + g * hd;
+    for (unsigned j = first; j <= i; ++j) {
+        const float* vj = vb + (unsigned long long)j * kw;
         float dot = 0.0f;
         for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
-        w += row[j] * dot;
+        float p =
+            expf(strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale) - max) / sum;
+        w += p * dot;
     }
     weighted[idx] = w;
     float* dqi = dq + ti * qw + h * hd;
-    for (unsigned j = 0; j <= i; ++j) {
-        const float* vj = v + ((unsigned long long)b * s + j) * kw + g * hd;
+    for (unsigned j = first; j <= i; ++j) {
+        const float* vj = vb + (unsigned long long)j * kw;
+        const float* kj = kb + (unsigned long long)j * kw;
         float dot = 0.0f;
         for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
-        float ds = row[j] * (dot - w) * scale;
-        const float* kj = k + ((unsigned long long)b * s + j) * kw + g * hd;
+        float p = expf(strata_attn_score(qi, kj, hd, scale) - max) / sum;
+        float ds = p * (dot - w) * scale;
         for (unsigned c = 0; c < hd; ++c) dqi[c] += ds * kj[c];
     }
 }
 
 // attention_backward's dk and dv (+=), one thread a (sequence, kv head,
-// key): the heads of its group, then the queries i ≥ j, in the cpu's order.
-extern "C" __global__ void attention_backward_dkv(const float* dout, const float* probs,
-                                                  const float* q, const float* v,
-                                                  const float* weighted, float* dk, float* dv,
-                                                  unsigned seqs, unsigned s, unsigned heads,
-                                                  unsigned kv_heads, unsigned hd) {
+// key): the heads of its group, then the queries i >= j that see key j, in
+// the cpu's order.
+extern "C" __global__ void attention_backward_dkv(const float* dout, const float* stats,
+                                                  const float* q, const float* k, const float* v,
+                                                  const unsigned* starts, const float* weighted,
+                                                  float* dk, float* dv, unsigned seqs, unsigned s,
+                                                  unsigned heads, unsigned kv_heads, unsigned hd) {
     unsigned idx = strata_index();
     if (idx >= seqs * kv_heads * s) return;
     unsigned j = idx % s, g = (idx / s) % kv_heads, b = idx / (s * kv_heads);
@@ -316,19 +343,23 @@ extern "C" __global__ void attention_backward_dkv(const float* dout, const float
     unsigned qw = heads * hd, kw = kv_heads * hd;
     float scale = 1.0f / sqrtf((float)hd);
     unsigned long long tj = (unsigned long long)b * s + j;
+    const float* kj = k + tj * kw + g * hd;
     const float* vj = v + tj * kw + g * hd;
     float* dkj = dk + tj * kw + g * hd;
     float* dvj = dv + tj * kw + g * hd;
     for (unsigned h = g * group; h < (g + 1) * group; ++h) {
         for (unsigned i = j; i < s; ++i) {
             unsigned long long ti = (unsigned long long)b * s + i;
-            float p = probs[(((unsigned long long)b * heads + h) * s + i) * s + j];
+            if (strata_attn_first(starts, ti, i) > j) continue; // another document
+            unsigned long long row = ((unsigned long long)b * heads + h) * s + i;
+            const float* qi = q + ti * qw + h * hd;
+            float p = expf(strata_attn_score(qi, kj, hd, scale) - stats[2 * row]) /
+                      stats[2 * row + 1];
             const float* doi = dout + ti * qw + h * hd;
             float dot = 0.0f;
             for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
             for (unsigned c = 0; c < hd; ++c) dvj[c] += p * doi[c];
-            float ds = p * (dot - weighted[((unsigned long long)b * heads + h) * s + i]) * scale;
-            const float* qi = q + ti * qw + h * hd;
+            float ds = p * (dot - weighted[row]) * scale;
             for (unsigned c = 0; c < hd; ++c) dkj[c] += ds * qi[c];
         }
     }

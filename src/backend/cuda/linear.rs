@@ -12,7 +12,7 @@ use cudarc::driver::CudaSlice;
 use super::expert::GradStart;
 use super::{CudaBackend, Shape};
 use crate::math::attention::AttnShape;
-use crate::model::DenseKernels;
+use crate::model::{DenseKernels, HeadShape};
 use crate::EngineError;
 
 impl DenseKernels for CudaBackend {
@@ -91,6 +91,23 @@ impl DenseKernels for CudaBackend {
         Ok(())
     }
 
+    fn head_loss(
+        &self,
+        dx: &mut [f32],
+        dhead: &mut [f32],
+        x: &[f32],
+        head: &[f32],
+        targets: &[u32],
+        s: HeadShape,
+    ) -> Result<f32, EngineError> {
+        let block = super::head::head_block_rows(s.v);
+        self.head_loss_in_blocks(dx, dhead, x, head, targets, s, block)
+    }
+
+    fn pcie_other_bytes(&self) -> u64 {
+        CudaBackend::pcie_other_bytes(self)
+    }
+
     fn weights_changed(&self, dense: &[f32]) {
         self.weights
             .lock()
@@ -98,17 +115,21 @@ impl DenseKernels for CudaBackend {
             .reset(dense);
     }
 
+    fn attention_saved_len(&self, shape: &AttnShape) -> usize {
+        super::attention_stats_len(shape)
+    }
+
     fn attention_forward(
         &self,
         out: &mut [f32],
-        probs: &mut [f32],
+        saved: &mut [f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
         starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        self.attention_forward_host(out, probs, q, k, v, starts, shape)
+        self.attention_forward_host(out, saved, q, k, v, starts, shape)
     }
 
     fn attention_backward(
@@ -117,10 +138,11 @@ impl DenseKernels for CudaBackend {
         dk: &mut [f32],
         dv: &mut [f32],
         dout: &[f32],
-        probs: &[f32],
+        saved: &[f32],
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         debug_assert!(
@@ -132,7 +154,8 @@ impl DenseKernels for CudaBackend {
         // The gradients start from zero on the GPU: the zeroed buffers are
         // not uploaded.
         let grads = [dq, dk, dv];
-        self.attention_backward_from(grads, dout, probs, q, k, v, shape, GradStart::Zero)
+        let inputs = [dout, saved, q, k, v];
+        self.attention_backward_from(grads, inputs, starts, shape, GradStart::Zero)
     }
 
     fn cross_entropy(
@@ -150,7 +173,7 @@ impl DenseKernels for CudaBackend {
 impl CudaBackend {
     /// `w` on the GPU: the cached upload when it is a slice of the dense
     /// params registered by `weights_changed`, else a fresh upload.
-    fn weight(&self, w: &[f32]) -> Result<std::sync::Arc<CudaSlice<f32>>, EngineError> {
+    pub(super) fn weight(&self, w: &[f32]) -> Result<std::sync::Arc<CudaSlice<f32>>, EngineError> {
         self.weights
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

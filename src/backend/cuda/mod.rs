@@ -11,13 +11,17 @@
 //! (`dense.rs`) and a dense AdamW are here and tested, while the engine
 //! still runs the rest of the dense layers on the cpu.
 
+mod attention;
 mod dense;
 mod expert;
+mod head;
 mod linear;
 mod weights;
 
+pub use attention::attention_stats_len;
 pub use expert::CudaExpertDevice;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
@@ -106,6 +110,10 @@ pub struct CudaBackend {
     weights: std::sync::Mutex<weights::WeightCache<CudaSlice<f32>>>,
     /// The dense weight gradients summed on the GPU this step.
     grads: std::sync::Mutex<weights::GradCache<CudaSlice<f32>>>,
+    /// Bytes copied between host and GPU other than expert params and
+    /// gradients (activations, dense weights and gradients, indices),
+    /// since the backend was opened.
+    pcie_other: AtomicU64,
     pub info: GpuInfo,
 }
 
@@ -155,6 +163,7 @@ impl CudaBackend {
             dense,
             weights: Default::default(),
             grads: Default::default(),
+            pcie_other: AtomicU64::new(0),
             info,
         })
     }
@@ -167,7 +176,21 @@ impl CudaBackend {
             .map_err(|e| gpu_error("binding the CUDA context", e))
     }
 
+    /// Bytes copied between host and GPU by this backend's own transfers
+    /// (all but the expert params uploaded into the device tier's slots and
+    /// the expert gradients downloaded), since it was opened: the engine's
+    /// `StepMetrics::bytes_pcie_other` is a step's difference.
+    pub fn pcie_other_bytes(&self) -> u64 {
+        self.pcie_other.load(Ordering::Relaxed)
+    }
+
+    fn count_pcie_other<T>(&self, values: usize) {
+        let bytes = (values * std::mem::size_of::<T>()) as u64;
+        self.pcie_other.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     fn upload(&self, host: &[f32]) -> Result<CudaSlice<f32>, EngineError> {
+        self.count_pcie_other::<f32>(host.len());
         self.stream
             .clone_htod(host)
             .map_err(|e| gpu_error("an upload", e))
@@ -180,6 +203,17 @@ impl CudaBackend {
     }
 
     fn download(&self, dev: &CudaSlice<f32>, host: &mut [f32]) -> Result<(), EngineError> {
+        self.count_pcie_other::<f32>(host.len());
+        self.download_expert_grad(dev, host)
+    }
+
+    /// A download the engine counts itself (`bytes_device_to_host`: an
+    /// expert's gradient), so not in [`Self::pcie_other_bytes`].
+    fn download_expert_grad(
+        &self,
+        dev: &CudaSlice<f32>,
+        host: &mut [f32],
+    ) -> Result<(), EngineError> {
         self.stream
             .memcpy_dtoh(dev, host)
             .map_err(|e| gpu_error("a download", e))
