@@ -49,6 +49,14 @@
 #                                disk, at 12288 tokens: set against the
 #                                cuda runs, how far the modeled device
 #                                stands for the GPU
+#   scripts/gpu-check.sh peer [PRESET BATCH SEQ STEPS]...  `strata train
+#                                --backend cuda` and the same model in
+#                                PyTorch + transformers on the same GPU
+#                                (scripts/peer/torch_train.py: bf16
+#                                autocast, fused AdamW), the same tokens a
+#                                step, alternating; by default the tiny
+#                                preset at the trainer's 16 x 64 and moe-s
+#                                at 16 x 512 with every expert resident
 #   scripts/gpu-check.sh cpu [N]  `bench step` as its defaults stand (the
 #                                SSD case on the cpu backend, balanced) on
 #                                this host's cores and disk, which overlap
@@ -184,6 +192,39 @@ modeled)
         cat "$out/bench-step-modeled-$gflops.jsonl"
     done
     ;;
+peer)
+    shift
+    [ $# -eq 0 ] && set -- tiny 16 64 40 moe-s 16 512 10
+    while [ $# -ge 4 ]; do
+        preset=$1 batch=$2 seq=$3 steps=$4
+        shift 4
+        dir=/tmp/peer-$preset
+        rm -rf "$dir"
+        echo "== strata train --backend cuda --preset $preset ($batch x $seq, $steps steps)"
+        timeout 300 gpu-bin/strata train --backend cuda --preset "$preset" --batch "$batch" \
+            --seq-len "$seq" --steps "$steps" --warmup 2 --eval-every 1000 --checkpoint-every 1000 \
+            --device-mem 40GiB --host-mem 64GiB --out "$dir" --quiet \
+            > "$out/peer-strata-$preset.log" 2>&1 || status=1
+        head -3 "$out/peer-strata-$preset.log"
+        python3 - "$dir/metrics.jsonl" "$preset" <<'PY' | tee -a "$out/peer.jsonl"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if "wall_s" in r]
+timed = rows[3:] or rows
+keys = ("compute_s", "stall_upload_s", "stall_ssd_s", "stall_optimizer_s", "bytes_host_to_device",
+        "bytes_device_to_host", "bytes_pcie_other")
+print(json.dumps(dict(impl="strata", preset=sys.argv[2], steps=len(rows), tokens_per_step=rows[-1]["tokens"],
+    tok_s_median=statistics.median(r["tokens"] / r["wall_s"] for r in timed),
+    step_s=[round(r["wall_s"], 4) for r in rows], first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"],
+    **{k: statistics.median(r[k] for r in timed) for k in keys if k in rows[-1]})))
+PY
+        echo "== torch peer --preset $preset"
+        timeout 300 "${PYTHON:-python3}" scripts/peer/torch_train.py --config "$dir/config.json" --batch "$batch" \
+            --seq-len "$seq" --steps "$steps" --warmup-steps 3 \
+            2> "$out/peer-torch-$preset.log" | tail -1 | tee -a "$out/peer.jsonl" || status=1
+        tail -2 "$out/peer-torch-$preset.log"
+    done
+    ;;
 cpu)
     run=${2:-1}
     timeout 400 gpu-bin/strata bench step --json --dir /tmp --timeline "$out/timeline-cpu-$run" \
@@ -194,7 +235,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]|share [N]|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac
