@@ -6,5 +6,6 @@
 
 pub mod bench;
 pub mod cli;
+pub mod plot;
 pub mod sys;
 pub mod trainer;

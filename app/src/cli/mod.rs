@@ -39,6 +39,9 @@ pub enum Command {
     /// Check a run's checkpoint without training: every expert record and
     /// the dense state; names what is damaged (exit status 1).
     Verify(VerifyArgs),
+    /// Draw a run's loss, held-out loss, tokens/s, stalls and learning rate
+    /// into one figure (PNG or SVG); works on a run in progress.
+    Plot(PlotArgs),
     /// Performance measurements (JSON lines with --json).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -74,6 +77,21 @@ pub struct ExportArgs {
     /// as its config.json declares it; f32 for a model trained from scratch).
     #[arg(long)]
     pub dtype: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct PlotArgs {
+    /// The run directory (a train or finetune --out).
+    pub run: PathBuf,
+    /// The figure: a .png or .svg file (default: RUN/plot.png).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Width in pixels.
+    #[arg(long, default_value_t = 1600)]
+    pub width: u32,
+    /// Height in pixels.
+    #[arg(long, default_value_t = 1000)]
+    pub height: u32,
 }
 
 #[derive(Args, Debug)]
@@ -158,6 +176,20 @@ fn execute(cli: Cli) -> Result<ExitCode, CliError> {
         }
         Command::Bench(command) => bench::execute(command).map(|()| ExitCode::SUCCESS),
         Command::Verify(args) => verify(&args.run),
+        Command::Plot(args) => {
+            let size = (args.width, args.height);
+            let plotted = crate::plot::plot_run(&args.run, args.out.as_deref(), size)?;
+            writeln!(
+                std::io::stdout(),
+                "wrote {} ({} × {} pixels): {} steps, {} held-out evaluations",
+                plotted.out.display(),
+                args.width,
+                args.height,
+                plotted.steps,
+                plotted.evals
+            )?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
