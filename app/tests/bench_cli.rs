@@ -220,6 +220,8 @@ fn bench_step_writes_timelines_and_phases() {
         .arg(dir.path())
         .arg("--timeline")
         .arg(&traces)
+        .arg("--plot")
+        .arg(dir.path().join("steps.png"))
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -250,4 +252,28 @@ fn bench_step_writes_timelines_and_phases() {
         // stream three quarters of them.
         assert_eq!(ssd == 0, run == "compute_only", "{run}: {ssd} SSD calls");
     }
+    // `--plot FILE`: the four runs' steps in one figure, a panel each.
+    let png = std::fs::read(dir.path().join("steps.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let dims = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+    assert_eq!(
+        (dims(16), dims(20)),
+        (1600, 300 + 260 * 4),
+        "IHDR width, height"
+    );
+}
+
+/// A figure `--plot` cannot write is refused before the runs start.
+#[test]
+fn bench_step_refuses_a_plot_it_cannot_draw() {
+    let out = strata_bin()
+        .args(["bench", "step", "--plot", "/tmp/steps.gif"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(".png or .svg"),
+        "{err}"
+    );
+    assert!(!err.contains("round 1"), "refused before running: {err}");
 }

@@ -162,8 +162,12 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
         optimizer_threads: args.optimizer_threads,
         dir: args.dir,
         timeline_dir: args.timeline,
+        plot: args.plot,
         ..defaults
     };
+    if let Some(path) = &config.plot {
+        crate::plot::check_figure_path(path)?;
+    }
     let (records, summary) =
         bench::step::run(&config, |line| eprintln!("# {line}")).map_err(|e| e.to_string())?;
     if args.json {

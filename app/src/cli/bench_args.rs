@@ -135,6 +135,11 @@ pub struct StepArgs {
     /// wait, expert loop and update, on its thread.
     #[arg(long, value_name = "DIR")]
     pub timeline: Option<std::path::PathBuf>,
+    /// Draw each run's last timed step into one figure (.png or .svg): a
+    /// panel a run, a lane a thread, every SSD call, wait, expert loop
+    /// and update as a bar in time.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<std::path::PathBuf>,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -13,7 +13,7 @@ use super::RunSeries;
 /// DejaVu Sans (app/assets, with its license), so text renders the same
 /// on a machine without fonts.
 const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
-const FAMILY: &str = "sans-serif";
+pub(super) const FAMILY: &str = "sans-serif";
 
 #[derive(Clone, Copy, Debug)]
 pub enum Format {
@@ -46,7 +46,7 @@ pub fn figure(run: &RunSeries, out: &Path, format: Format, size: (u32, u32)) -> 
     .map_err(failed)
 }
 
-fn register_font() -> Result<(), String> {
+pub(super) fn register_font() -> Result<(), String> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     let ok = *REGISTERED
         .get_or_init(|| plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok());

@@ -7,6 +7,9 @@
 //! left out). PNG or SVG, by the output's extension.
 
 mod draw;
+mod timeline;
+
+pub use timeline::plot_timelines;
 
 use std::path::{Path, PathBuf};
 
@@ -63,6 +66,12 @@ pub fn plot_run(run: &Path, out: Option<&Path>, size: (u32, u32)) -> Result<Plot
         steps: series.steps.len(),
         evals: series.evals.len(),
     })
+}
+
+/// Whether `out` names a figure strata can write (`.png` or `.svg`), so a
+/// command can refuse it before its work rather than after.
+pub fn check_figure_path(out: &Path) -> Result<(), String> {
+    draw::Format::of(out).map(|_| ())
 }
 
 /// Reads a run directory's metrics and options.

@@ -77,6 +77,8 @@ pub struct StepBenchConfig {
     /// (`<run>.json`); `None`: not written. Every run records its steps'
     /// timelines either way, for the records' `phases`.
     pub timeline_dir: Option<PathBuf>,
+    /// Draw every run's last timed step into this figure (.png or .svg).
+    pub plot: Option<PathBuf>,
 }
 
 impl Default for StepBenchConfig {
@@ -112,6 +114,7 @@ impl Default for StepBenchConfig {
             backend: BackendKind::Cpu,
             modeled_device_flops: None,
             timeline_dir: None,
+            plot: None,
         }
     }
 }
@@ -391,6 +394,19 @@ fn run_rounds(
                 path.display()
             ));
         }
+    }
+    if let Some(path) = &config.plot {
+        let runs: Vec<(&str, &[_])> = arms.iter().map(|a| (a.name, a.last_trace())).collect();
+        let title = format!(
+            "bench step: the last timed step of each run, {} tokens, {} layers × {} experts",
+            config.tokens, config.model.layers, config.model.experts
+        );
+        crate::plot::plot_timelines(&runs, &title, path, (1600, 300 + 260 * runs.len() as u32))
+            .map_err(EngineError::Config)?;
+        progress(&format!(
+            "the runs' last timed steps drawn in {}",
+            path.display()
+        ));
     }
     let records: Vec<StepBenchRecord> = arms.iter().map(|a| a.record(config)).collect();
     let (expert_wise_over_naive, expert_wise_over_bound) =
