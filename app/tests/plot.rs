@@ -75,6 +75,7 @@ fn an_svg_of_the_asked_size_names_the_run_and_its_panels() {
     for label in [
         "plot-run",
         "Loss",
+        ">\ntokens\n</text>", // the loss panel's top axis
         "Throughput",
         "Learning rate",
         "preset tiny",

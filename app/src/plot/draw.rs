@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
+use plotters::chart::MeshStyle;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -126,7 +127,7 @@ fn panel<'a, B: DrawingBackend>(
     caption: &str,
     x: std::ops::Range<f64>,
     y: std::ops::Range<f64>,
-    (y_desc, y_label): (&str, fn(&f64) -> String),
+    y_axis: YAxis,
     px: impl Fn(f64) -> u32,
 ) -> Result<
     ChartContext<'a, B, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
@@ -141,18 +142,30 @@ where
         .x_label_area_size(px(44.0))
         .y_label_area_size(px(90.0))
         .build_cartesian_2d(x, y)?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc(y_desc)
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&y_label)
-        .label_style((FAMILY, px(15.0)))
-        .axis_desc_style((FAMILY, px(16.0)))
-        .light_line_style(BLACK.mix(0.05))
-        .draw()?;
+    let mut mesh = chart.configure_mesh();
+    configure(&mut mesh, y_axis, px);
+    mesh.draw()?;
     Ok(chart)
 }
+
+/// A panel's axes: steps along the bottom, `y_desc` and its labels up
+/// the side.
+fn configure<B: DrawingBackend>(
+    mesh: &mut MeshStyle<'_, '_, RangedCoordf64, RangedCoordf64, B>,
+    (y_desc, y_label): YAxis,
+    px: impl Fn(f64) -> u32,
+) {
+    mesh.x_desc("step")
+        .y_desc(y_desc)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(y_label)
+        .label_style((FAMILY, px(15.0)))
+        .axis_desc_style((FAMILY, px(16.0)))
+        .light_line_style(BLACK.mix(0.05));
+}
+
+/// A y axis: its description and how its labels are written.
+type YAxis = (&'static str, &'static dyn Fn(&f64) -> String);
 
 fn legend<'a, B: DrawingBackend + 'a>(
     chart: &mut ChartContext<'a, B, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
@@ -186,7 +199,28 @@ where
             .map(|p| p.loss)
             .chain(run.evals.iter().map(|e| e.1)),
     );
-    let mut chart = panel(area, "Loss", x, y, ("loss", |v| format!("{v:.2}")), px)?;
+    // Tokens seen along the top: steps times the tokens of a step (the
+    // trainer's batch is the same every step).
+    let per_step = run.steps.last().map_or(0.0, |p| p.tokens);
+    let tokens = x.start * per_step..x.end * per_step;
+    let mut chart = ChartBuilder::on(area)
+        .caption("Loss", (FAMILY, px(22.0)))
+        .margin(px(14.0))
+        .x_label_area_size(px(44.0))
+        .top_x_label_area_size(px(40.0))
+        .y_label_area_size(px(90.0))
+        .build_cartesian_2d(x.clone(), y.clone())?
+        .set_secondary_coord(tokens, y);
+    let mut mesh = chart.configure_mesh();
+    configure(&mut mesh, ("loss", &|v| format!("{v:.2}")), px);
+    mesh.draw()?;
+    chart
+        .configure_secondary_axes()
+        .x_desc("tokens")
+        .x_label_formatter(&|t| human(*t))
+        .label_style((FAMILY, px(15.0)))
+        .axis_desc_style((FAMILY, px(16.0)))
+        .draw()?;
     let train = run.steps.iter().map(|p| (p.step as f64, p.loss));
     chart
         .draw_series(LineSeries::new(train, TRAIN.stroke_width(px(2.0))))?
@@ -214,7 +248,7 @@ where
 {
     let rate = |p: &super::StepPoint| p.tokens / p.wall_s.max(1e-9);
     let y = span(run.steps.iter().map(rate).chain([0.0]));
-    let mut chart = panel(area, "Throughput", x, y, ("tokens / s", |v| human(*v)), px)?;
+    let mut chart = panel(area, "Throughput", x, y, ("tokens / s", &|v| human(*v)), px)?;
     let points = run.steps.iter().map(|p| (p.step as f64, rate(p)));
     chart.draw_series(LineSeries::new(points, TRAIN.stroke_width(px(2.0))))?;
     Ok(())
@@ -229,10 +263,7 @@ fn stall_panel<B: DrawingBackend>(
 where
     B::ErrorType: 'static,
 {
-    let y_axis = (
-        "% of the step",
-        (|v: &f64| format!("{v:.0}")) as fn(&f64) -> String,
-    );
+    let y_axis: YAxis = ("% of the step", &|v| format!("{v:.0}"));
     let caption = "Share of each step stalled, stacked";
     let mut chart = panel(area, caption, x, 0.0..100.0, y_axis, px)?;
     // Cumulative shares: SSD, then + uploads, then + optimizer.
@@ -279,7 +310,7 @@ where
         "Learning rate",
         x,
         y,
-        ("lr", |v| format!("{v:.1e}")),
+        ("lr", &|v| format!("{v:.1e}")),
         px,
     )?;
     chart.draw_series(LineSeries::new(points, TRAIN.stroke_width(px(2.0))))?;
