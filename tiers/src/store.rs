@@ -107,7 +107,7 @@ impl ExpertStore {
             };
             count
         ];
-        let store = Self {
+        let mut store = Self {
             device,
             layout,
             meta: Mutex::new(Meta {
@@ -126,13 +126,21 @@ impl ExpertStore {
             busy: BusyClock::default(),
             turn: Mutex::new(()),
         };
-        store.guard("truncate", || {
-            store.device.set_len_bytes(layout.file_bytes())
+        let reserved = store.guard("allocate", || {
+            store.device.reserve_len_bytes(layout.file_bytes())
         })?;
         // Generation 0 commits step 0 with every expert unwritten.
         let mut meta = lock(&store.meta);
         store.commit(&mut meta, 0, 0)?;
         drop(meta);
+        if !reserved {
+            store.notes.push(format!(
+                "the file system cannot reserve the store's {} bytes (fallocate is not \
+                 supported there): they are taken as records are written, so keep that much \
+                 free on it for the whole run",
+                layout.file_bytes()
+            ));
+        }
         Ok(store)
     }
 

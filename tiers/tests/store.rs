@@ -426,6 +426,36 @@ fn real_files_round_trip_through_every_engine() {
     assert!(matches!(missing, Err(TierError::File { .. })));
 }
 
+/// A new store file holds its whole length on disk from the start
+/// (fallocate), through every engine, so that a run cannot find the disk
+/// full in its middle; where the file system cannot reserve it, the store
+/// says so in a note instead.
+#[test]
+fn a_new_store_file_reserves_its_whole_length() {
+    use std::os::unix::fs::MetadataExt;
+    let big = Layout {
+        params_per_expert: 100_000, // 1.4 MB a record, two copies each
+        ..layout()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (name, options) in every_engine() {
+        let path = dir.path().join(format!("{name}.strata"));
+        let store = ExpertStore::create(&path, big, &options).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.len(), big.file_bytes());
+        let unreserved = store.notes().iter().find(|n| n.contains("cannot reserve"));
+        match unreserved {
+            Some(note) => eprintln!("{name}: {note}"),
+            None => assert!(
+                meta.blocks() * 512 >= big.file_bytes(),
+                "{name}: {} of {} bytes on disk",
+                meta.blocks() * 512,
+                big.file_bytes()
+            ),
+        }
+    }
+}
+
 /// The full records of `which`, read in one batch: the batch's result and
 /// the buffers.
 fn read_full_records(

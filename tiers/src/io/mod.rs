@@ -62,6 +62,14 @@ pub trait RecordDevice: Send + Sync {
     fn sync(&self) -> Result<(), TierError>;
     fn len_bytes(&self) -> Result<u64, TierError>;
     fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError>;
+    /// Sets the length to `bytes` with the medium's space for them
+    /// reserved where it can be (a file: fallocate), so that no write
+    /// within that length can find the disk full. Returns false where the
+    /// medium cannot reserve it (the length is then set, and space is
+    /// taken as bytes are written); memory has nothing to reserve.
+    fn reserve_len_bytes(&self, bytes: u64) -> Result<bool, TierError> {
+        self.set_len_bytes(bytes).map(|()| true)
+    }
 
     /// Like `read_batch`, calling `on_complete(i, bytes)` as soon as op i's
     /// bytes have all arrived (while later ops are still in flight, where the
@@ -194,6 +202,29 @@ pub(crate) fn file_len(file: &std::fs::File) -> Result<u64, TierError> {
 pub(crate) fn file_set_len(file: &std::fs::File, bytes: u64) -> Result<(), TierError> {
     file.set_len(bytes)
         .map_err(|e| TierError::io("truncate", bytes, e))
+}
+
+/// `RecordDevice::reserve_len_bytes` for a file: fallocate over its whole
+/// length, or, where the file system cannot (EOPNOTSUPP), the length alone.
+pub(crate) fn file_reserve_len(file: &std::fs::File, bytes: u64) -> Result<bool, TierError> {
+    use std::os::fd::AsRawFd;
+    if bytes == 0 {
+        return file_set_len(file, 0).map(|()| true);
+    }
+    let len = libc::off_t::try_from(bytes)
+        .map_err(|_| TierError::io("fallocate", bytes, std::io::ErrorKind::InvalidInput.into()))?;
+    // SAFETY: the descriptor belongs to `file`, open for the whole call;
+    // fallocate reads no memory of ours.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if rc == 0 {
+        // Also shortens a longer file, as set_len would.
+        return file_set_len(file, bytes).map(|()| true);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => file_set_len(file, bytes).map(|()| false),
+        _ => Err(TierError::io("fallocate", bytes, e)),
+    }
 }
 
 pub(crate) fn file_error(path: &Path, source: std::io::Error) -> TierError {

@@ -111,4 +111,8 @@ impl RecordDevice for PreadFile {
     fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError> {
         super::file_set_len(&self.file, bytes)
     }
+
+    fn reserve_len_bytes(&self, bytes: u64) -> Result<bool, TierError> {
+        super::file_reserve_len(&self.file, bytes)
+    }
 }

@@ -345,4 +345,8 @@ impl RecordDevice for UringFile {
     fn set_len_bytes(&self, bytes: u64) -> Result<(), TierError> {
         super::file_set_len(&self.file, bytes)
     }
+
+    fn reserve_len_bytes(&self, bytes: u64) -> Result<bool, TierError> {
+        super::file_reserve_len(&self.file, bytes)
+    }
 }
