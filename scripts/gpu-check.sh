@@ -56,7 +56,8 @@
 #                                autocast, fused AdamW), the same tokens a
 #                                step, alternating; by default the tiny
 #                                preset at the trainer's 16 x 64 and moe-s
-#                                at 16 x 512 with every expert resident
+#                                at 16 x 512 with every expert resident;
+#                                strata's step 6 recorded as a timeline
 #   scripts/gpu-check.sh cpu [N]  `bench step` as its defaults stand (the
 #                                SSD case on the cpu backend, balanced) on
 #                                this host's cores and disk, which overlap
@@ -199,12 +200,16 @@ peer)
         preset=$1 batch=$2 seq=$3 steps=$4
         shift 4
         dir=/tmp/peer-$preset
+        ts=$((steps < 6 ? steps : 6))
         rm -rf "$dir"
         echo "== strata train --backend cuda --preset $preset ($batch x $seq, $steps steps)"
         timeout 300 gpu-bin/strata train --backend cuda --preset "$preset" --batch "$batch" \
             --seq-len "$seq" --steps "$steps" --warmup 2 --eval-every 1000 --checkpoint-every 1000 \
-            --device-mem 40GiB --host-mem 64GiB --out "$dir" --quiet \
+            --device-mem 40GiB --host-mem 64GiB --out "$dir" --quiet --timeline-step "$ts" \
             > "$out/peer-strata-$preset.log" 2>&1 || status=1
+        # Step 6's timeline (or the last step's): every dense kernel call,
+        # expert loop, wait and update, on its thread (ui.perfetto.dev).
+        cp "$dir/timeline-step-$ts.json" "$out/timeline-$preset.json" 2>/dev/null
         head -3 "$out/peer-strata-$preset.log"
         python3 - "$dir/metrics.jsonl" "$preset" <<'PY' | tee -a "$out/peer.jsonl"
 import json, statistics, sys

@@ -200,3 +200,45 @@ fn held_updates_move_a_layers_state_reads_into_the_forward() {
     // At most the 4 streaming slots' worth come in before the step starts.
     assert!(held.1 .0 >= 4, "held: at least 4 in the forward ({seen:?})");
 }
+
+/// A language model's step records its dense kernels too (category
+/// "dense"): every GEMM, attention each way and the head with its loss, on
+/// the thread that runs them, inside the step.
+#[test]
+fn a_language_model_step_records_its_dense_kernels() {
+    use strata::lm::{LmConfig, MoeLm, TokenBatch};
+    let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
+    let timeline = Arc::new(Timeline::new(4096));
+    let config = EngineConfig {
+        optimizer_threads: 2,
+        timeline: Some(Arc::clone(&timeline)),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new_network(&lm, config).unwrap();
+    let batch = TokenBatch {
+        seq_len: 16,
+        tokens: (0..4 * 17u32).map(|i| (i * 37 + 5) % 250).collect(),
+        loss_mask: None,
+        doc_starts: None,
+    };
+    engine.step_network(&lm, &batch).unwrap();
+    let events = timeline.take().events;
+    let layers = lm.config().layers;
+    let count = |name: &str| named(&events, "dense", name).len();
+    // Per layer: the q, k, v and o projections (the router's small GEMM
+    // is the host's own), and their backwards.
+    assert_eq!(count("gemm"), 4 * layers, "{events:#?}");
+    assert_eq!(count("gemm backward"), 4 * layers);
+    assert_eq!(count("attention"), layers);
+    assert_eq!(count("attention backward"), layers);
+    assert_eq!(count("head and loss"), 1);
+    let step = &named(&events, "step", "step")[0];
+    for e in events.iter().filter(|e| e.category == "dense") {
+        assert!(e.start >= step.start && e.end() <= step.end(), "{e:?}");
+        assert_eq!(e.thread, step.thread);
+    }
+    assert_eq!(
+        named(&events, "dense", "head and loss")[0].detail,
+        "64×64×256"
+    );
+}

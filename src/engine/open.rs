@@ -18,7 +18,7 @@ use super::{
     dense_state, host_plan, multi, Engine, EngineConfig, ExpertCompute, HostMemoryPlan,
     ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
-use crate::model::{DenseKernels, ModelConfig, Network};
+use crate::model::{DenseKernels, ModelConfig, Network, TimedKernels};
 use crate::EngineError;
 
 impl Engine {
@@ -312,8 +312,16 @@ impl Engine {
             slots,
         ));
         let cost = multi::initial_cost(&model, &layout, config.devices);
-        let dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>> =
-            devices.iter().map(|d| d.device.dense_kernels()).collect();
+        let dense_kernels: Vec<Arc<dyn DenseKernels + Send + Sync>> = devices
+            .iter()
+            .map(|d| {
+                let kernels = d.device.dense_kernels();
+                match &config.timeline {
+                    Some(t) => Arc::new(TimedKernels::new(kernels, Arc::clone(t))) as Arc<_>,
+                    None => kernels,
+                }
+            })
+            .collect();
         for kernels in &dense_kernels {
             kernels.weights_changed(&state.params);
         }

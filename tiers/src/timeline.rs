@@ -21,7 +21,8 @@ pub struct TimelineEvent {
     /// The kind of work: `"ssd"` (a batch of reads or writes), `"stall"`
     /// (a thread waiting), `"host"` (a compute part copied between a
     /// record slot and a compute cell), `"experts"` (a layer's expert
-    /// loop), `"step"`.
+    /// loop), `"dense"` (a network's dense kernel: a GEMM, attention, the
+    /// head), `"optimizer"` (an expert's update), `"step"`.
     pub category: &'static str,
     pub name: Cow<'static, str>,
     /// The recording thread's name (its id where it has none).

@@ -14,11 +14,16 @@ use super::draw::{self, Format, FAMILY};
 
 /// The kinds drawn, in the legend's order, with their colours. "step"
 /// spans only set the panel's length.
-const KINDS: [(&str, &str, RGBColor); 5] = [
+const KINDS: [(&str, &str, RGBColor); 6] = [
     (
         "experts",
         "expert loop (layer, pass)",
         RGBColor(31, 119, 180),
+    ),
+    (
+        "dense",
+        "dense kernel (GEMM, attention, head)",
+        RGBColor(23, 190, 207),
     ),
     ("ssd", "SSD reads and writes", RGBColor(255, 127, 14)),
     (
@@ -174,6 +179,7 @@ mod tests {
         let events = [
             event("step", "main", 0, 100),
             event("experts", "main", 5, 40),
+            event("dense", "main", 0, 5),
             event("stall", "main", 45, 10),
             event("experts", "main", 55, 40),
             event("ssd", "prefetch", 0, 60),
@@ -191,7 +197,7 @@ mod tests {
                 .count();
             assert!(n > 200, "{kind}: {n} pixels");
         }
-        let host = KINDS[4].2;
+        let host = KINDS[5].2;
         assert!(!image.contains(&[host.0, host.1, host.2]), "no host copies");
         let svg = dir.path().join("t.svg");
         plot_timelines(&runs, "a step", &svg, (800, 600)).unwrap();
