@@ -7,9 +7,13 @@
 //! plain math), and as the engine's [`super::ExpertDevice`]
 //! ([`CudaExpertDevice`]), reading each expert's bf16 params in place from
 //! its slot of the GPU device tier. The dense layers' GEMMs run here too
-//! (`linear.rs`, f32, operands uploaded per call); their other kernels
-//! (`dense.rs`) and a dense AdamW are here and tested, while the engine
-//! still runs the rest of the dense layers on the cpu.
+//! (`linear.rs`, f32, operands uploaded per call), with causal attention
+//! (`attention.rs`, keeping O(S) a head for its backward) and the
+//! language model's head with its loss (`head.rs`, in blocks of rows, the
+//! logits never leaving the GPU); their other kernels (`dense.rs`) and a
+//! dense AdamW are here and tested, while the engine still runs the rest
+//! of the dense layers on the cpu. Every copy besides expert params and
+//! gradients is counted ([`CudaBackend::pcie_other_bytes`]).
 
 mod attention;
 mod dense;
