@@ -122,3 +122,45 @@ fn what_cannot_be_plotted_is_refused_naming_the_fix() {
     );
     refused(&[run, "--width", "10"], "--width 320–8000");
 }
+
+/// A step's timeline (a Chrome trace as `--timeline-step` writes it) is
+/// drawn too, beside the trace by default.
+#[test]
+fn a_timeline_trace_is_drawn_as_a_figure() {
+    use std::time::Duration;
+    use strata_tiers::TimelineEvent;
+    let event = |category, thread: &str, start_ms, ms| TimelineEvent {
+        category,
+        name: category.into(),
+        thread: thread.into(),
+        start: Duration::from_millis(start_ms),
+        duration: Duration::from_millis(ms),
+        detail: String::new(),
+    };
+    let events = [
+        event("step", "main", 0, 50),
+        event("dense", "main", 0, 20),
+        event("experts", "main", 20, 30),
+        event("optimizer", "strata-adamw-0", 30, 15),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("timeline-step-3.json");
+    strata_tiers::timeline::write_chrome_trace_file(&events, &trace).unwrap();
+    let stdout = ok(&plot(&[
+        trace.to_str().unwrap(),
+        "--width",
+        "700",
+        "--height",
+        "400",
+    ]));
+    assert!(stdout.contains("4 spans on 2 threads"), "{stdout}");
+    let image = image::open(dir.path().join("timeline-step-3.png")).unwrap();
+    assert_eq!((image.width(), image.height()), (700, 400));
+    std::fs::write(&trace, "{\"traceEvents\": 3}").unwrap();
+    let out = plot(&[trace.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("no traceEvents"),
+        "{stderr}"
+    );
+}

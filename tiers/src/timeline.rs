@@ -238,6 +238,58 @@ pub fn write_chrome_trace(events: &[TimelineEvent], out: &mut impl Write) -> std
     out.write_all(b"\n")
 }
 
+/// The categories strata records, as `TimelineEvent::category` holds them.
+const CATEGORIES: [&str; 7] = [
+    "ssd",
+    "stall",
+    "host",
+    "experts",
+    "dense",
+    "optimizer",
+    "step",
+];
+
+/// Reads back a Chrome trace [`write_chrome_trace`] wrote: its complete
+/// events, each on its named thread (a category strata does not record
+/// reads as `"other"`). Errors name what is not such a trace.
+pub fn read_chrome_trace(text: &str) -> Result<Vec<TimelineEvent>, String> {
+    let doc: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let Some(trace) = doc["traceEvents"].as_array() else {
+        return Err("not a Chrome trace: it has no traceEvents".into());
+    };
+    let names: HashMap<u64, String> = trace
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+        .filter_map(|e| Some((e["tid"].as_u64()?, e["args"]["name"].as_str()?.to_string())))
+        .collect();
+    let micros = |v: &serde_json::Value| v.as_f64().filter(|x| x.is_finite() && *x >= 0.0);
+    let mut events = Vec::new();
+    for e in trace.iter().filter(|e| e["ph"] == "X") {
+        let (Some(ts), Some(dur)) = (micros(&e["ts"]), micros(&e["dur"])) else {
+            return Err(format!("an event without a time or duration: {e}"));
+        };
+        let cat = e["cat"].as_str().unwrap_or("");
+        let tid = e["tid"].as_u64().unwrap_or(0);
+        events.push(TimelineEvent {
+            category: CATEGORIES
+                .iter()
+                .find(|&&c| c == cat)
+                .copied()
+                .unwrap_or("other"),
+            name: e["name"].as_str().unwrap_or("").to_string().into(),
+            thread: names
+                .get(&tid)
+                .cloned()
+                .unwrap_or_else(|| format!("thread {tid}")),
+            start: Duration::from_secs_f64(ts / 1e6),
+            duration: Duration::from_secs_f64(dur / 1e6),
+            detail: e["args"]["detail"].as_str().unwrap_or("").to_string(),
+        });
+    }
+    Ok(events)
+}
+
 /// [`write_chrome_trace`] into the file `path` (its folder created if
 /// missing).
 pub fn write_chrome_trace_file(events: &[TimelineEvent], path: &Path) -> std::io::Result<()> {
@@ -262,6 +314,38 @@ mod tests {
             duration: Duration::from_millis(end_ms - start_ms),
             detail: String::new(),
         }
+    }
+
+    #[test]
+    fn a_chrome_trace_reads_back_as_it_was_written() {
+        let timeline = Timeline::new(16);
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("reader".into())
+                .spawn_scoped(scope, || {
+                    let span = TimelineSpan::start(Some(&timeline), "ssd", "read");
+                    drop(span.with_detail(|| "0.1".into()));
+                })
+                .unwrap();
+        });
+        drop(TimelineSpan::start(Some(&timeline), "dense", "gemm"));
+        let events = timeline.take().events;
+        let mut out = Vec::new();
+        write_chrome_trace(&events, &mut out).unwrap();
+        let back = read_chrome_trace(std::str::from_utf8(&out).unwrap()).unwrap();
+        assert_eq!(back.len(), 2);
+        for (a, b) in events.iter().zip(&back) {
+            assert_eq!(
+                (a.category, &a.name, &a.thread, &a.detail),
+                (b.category, &b.name, &b.thread, &b.detail)
+            );
+            let ns = |d: Duration| d.as_nanos() as i128;
+            assert!(
+                (ns(a.start) - ns(b.start)).abs() <= 1
+                    && (ns(a.duration) - ns(b.duration)).abs() <= 1
+            );
+        }
+        assert!(read_chrome_trace("{}").unwrap_err().contains("traceEvents"));
     }
 
     #[test]

@@ -81,9 +81,11 @@ pub struct ExportArgs {
 
 #[derive(Args, Debug)]
 pub struct PlotArgs {
-    /// The run directory (a train or finetune --out).
+    /// The run directory (a train or finetune --out), or a step's timeline
+    /// (a .json Chrome trace from --timeline-step or bench step --timeline).
     pub run: PathBuf,
-    /// The figure: a .png or .svg file (default: RUN/plot.png).
+    /// The figure: a .png or .svg file (default: RUN/plot.png, or the
+    /// timeline's name with .png).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Width in pixels.
@@ -181,12 +183,11 @@ fn execute(cli: Cli) -> Result<ExitCode, CliError> {
             let plotted = crate::plot::plot_run(&args.run, args.out.as_deref(), size)?;
             writeln!(
                 std::io::stdout(),
-                "wrote {} ({} × {} pixels): {} steps, {} held-out evaluations",
+                "wrote {} ({} × {} pixels): {}",
                 plotted.out.display(),
                 args.width,
                 args.height,
-                plotted.steps,
-                plotted.evals
+                plotted.holds
             )?;
             Ok(ExitCode::SUCCESS)
         }

@@ -44,27 +44,60 @@ pub struct RunSeries {
 #[derive(Debug)]
 pub struct Plotted {
     pub out: PathBuf,
-    pub steps: usize,
-    pub evals: usize,
+    /// "59 steps, 1 held-out evaluations"; "189 spans on 9 threads".
+    pub holds: String,
 }
 
 /// Draws `run`'s figure into `out` (`.png` or `.svg`), `size` pixels
-/// (width, height); `out` defaults to `RUN/plot.png`.
+/// (width, height); `out` defaults to `RUN/plot.png`. A `run` that is a
+/// `.json` file is a step's timeline (`strata train --timeline-step`, or
+/// `bench step --timeline`), drawn as `bench step --plot` draws one; its
+/// figure defaults to the trace's name with `.png`.
 pub fn plot_run(run: &Path, out: Option<&Path>, size: (u32, u32)) -> Result<Plotted, String> {
-    let out = out.map_or_else(|| run.join("plot.png"), Path::to_path_buf);
-    let format = draw::Format::of(&out)?;
+    let trace = run.is_file() && run.extension().is_some_and(|e| e == "json");
+    let out = match out {
+        Some(out) => out.to_path_buf(),
+        None if trace => run.with_extension("png"),
+        None => run.join("plot.png"),
+    };
+    draw::Format::of(&out)?;
     let (w, h) = size;
     if !(320..=8000).contains(&w) || !(240..=8000).contains(&h) {
         return Err(format!(
             "a figure of {w} × {h} pixels: give --width 320–8000 and --height 240–8000"
         ));
     }
+    if trace {
+        return plot_trace(run, out, size);
+    }
+    let format = draw::Format::of(&out)?;
     let series = read_run(run)?;
     draw::figure(&series, &out, format, size)?;
     Ok(Plotted {
         out,
-        steps: series.steps.len(),
-        evals: series.evals.len(),
+        holds: format!(
+            "{} steps, {} held-out evaluations",
+            series.steps.len(),
+            series.evals.len()
+        ),
+    })
+}
+
+fn plot_trace(path: &Path, out: PathBuf, size: (u32, u32)) -> Result<Plotted, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the timeline {}: {e}", path.display()))?;
+    let events = strata_tiers::timeline::read_chrome_trace(&text)
+        .map_err(|why| format!("{}: {why}", path.display()))?;
+    let name = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let title = format!("{name}: one step's timeline");
+    plot_timelines(&[(name.as_str(), &events)], &title, &out, size)?;
+    let threads: std::collections::BTreeSet<&str> =
+        events.iter().map(|e| e.thread.as_str()).collect();
+    Ok(Plotted {
+        out,
+        holds: format!("{} spans on {} threads", events.len(), threads.len()),
     })
 }
 
