@@ -203,6 +203,8 @@ where
     // trainer's batch is the same every step).
     let per_step = run.steps.last().map_or(0.0, |p| p.tokens);
     let tokens = x.start * per_step..x.end * per_step;
+    // Built here rather than by `panel`: the secondary axis must exist
+    // before the mesh is drawn, or the step labels are drawn on top too.
     let mut chart = ChartBuilder::on(area)
         .caption("Loss", (FAMILY, px(22.0)))
         .margin(px(14.0))

@@ -60,7 +60,7 @@ pub fn plot_run(run: &Path, out: Option<&Path>, size: (u32, u32)) -> Result<Plot
         None if trace => run.with_extension("png"),
         None => run.join("plot.png"),
     };
-    draw::Format::of(&out)?;
+    let format = draw::Format::of(&out)?;
     let (w, h) = size;
     if !(320..=8000).contains(&w) || !(240..=8000).contains(&h) {
         return Err(format!(
@@ -70,7 +70,6 @@ pub fn plot_run(run: &Path, out: Option<&Path>, size: (u32, u32)) -> Result<Plot
     if trace {
         return plot_trace(run, out, size);
     }
-    let format = draw::Format::of(&out)?;
     let series = read_run(run)?;
     draw::figure(&series, &out, format, size)?;
     Ok(Plotted {
