@@ -291,9 +291,14 @@ fn a_step_that_fails_mid_batch_leaves_no_partial_gradient_behind() {
     let grads = engine.gradients(&failing, &b).unwrap();
     let mut fresh_grads = Engine::new(model(), config()).unwrap();
     let expected_grads = fresh_grads.gradients(&model(), &b).unwrap();
-    assert!(grads == expected_grads, "gradients differ from a fresh engine's");
+    assert!(
+        grads == expected_grads,
+        "gradients differ from a fresh engine's"
+    );
 
-    failing.failed.store(false, std::sync::atomic::Ordering::SeqCst);
+    failing
+        .failed
+        .store(false, std::sync::atomic::Ordering::SeqCst);
     let err = engine.step_network(&failing, &b).unwrap_err();
     assert!(err.to_string().contains("micro-batch failed"), "{err}");
     let metrics = engine.step_network(&failing, &b).unwrap();

@@ -42,28 +42,34 @@ fn gelu_expert_gradients_match_finite_differences() {
     expert_case(ExpertKind::Gelu);
 }
 
-fn router_case(top_k: usize, renormalize: bool) {
+fn router_case(top_k: usize, renormalize: bool, scoring: Scoring) {
     let (t, d, e) = (5, 4, 6);
     let cfg = RouterConfig {
         experts: e,
         top_k,
         renormalize,
+        scoring,
     };
     let x = values(t * d, 11, 1.0);
     let wr = values(e * d, 12, 1.0);
+    let bias = values(e, 14, 0.5);
+    let bias = (scoring != Scoring::Softmax).then_some(&bias[..]);
     let c = values(t * top_k, 13, 1.0);
-    let (alpha, beta) = (0.3, 0.05);
+    let (alpha, beta) = match scoring {
+        Scoring::Softmax => (0.3, 0.05),
+        _ => (0.3, 0.0),
+    };
     let loss = |x: &[f64], wr: &[f64]| {
         let mut r = Routing::default();
-        router_forward(&cfg, &mut r, x, wr, t, d);
+        router_forward(&cfg, &mut r, x, wr, bias, t, d);
         dot(&r.weights, &c) + alpha * r.aux_loss + beta * r.z_loss
     };
     let mut r = Routing::default();
-    router_forward(&cfg, &mut r, &x, &wr, t, d);
+    router_forward(&cfg, &mut r, &x, &wr, bias, t, d);
     let mut dx = vec![0.0; t * d];
     let mut dwr = vec![0.0; e * d];
     router_backward(&cfg, &mut dx, &mut dwr, &c, alpha, beta, &r, &x, &wr, t, d);
-    let name = format!("router k={top_k} renorm={renormalize}");
+    let name = format!("router k={top_k} renorm={renormalize} {scoring:?}");
     check(&format!("{name} dx"), &x, &dx, |x| loss(x, &wr));
     check(&format!("{name} dwr"), &wr, &dwr, |w| loss(&x, w));
 }
@@ -71,8 +77,59 @@ fn router_case(top_k: usize, renormalize: bool) {
 #[test]
 fn router_gradients_match_finite_differences() {
     for (k, renorm) in [(1, false), (2, true), (2, false), (3, true)] {
-        router_case(k, renorm);
+        router_case(k, renorm, Scoring::Softmax);
     }
+}
+
+#[test]
+fn sigmoid_router_gradients_match_finite_differences() {
+    let grouped = |groups, kept_groups, scale| Scoring::SigmoidGrouped {
+        groups,
+        kept_groups,
+        scale,
+    };
+    for (k, renorm, scoring) in [
+        (2, true, grouped(1, 1, 1.0)),
+        (2, true, grouped(3, 2, 2.5)),
+        (1, false, grouped(2, 1, 1.5)),
+        (3, false, grouped(3, 2, 1.0)),
+    ] {
+        router_case(k, renorm, scoring);
+    }
+}
+
+/// The choice of `Scoring::SigmoidGrouped`, worked by hand: biased scores
+/// pick the groups and the experts, the unbiased scores weigh them.
+#[test]
+fn the_sigmoid_router_chooses_by_biased_scores_within_the_best_groups() {
+    let logit = |p: f64| (p / (1.0 - p)).ln();
+    // Six experts in three groups of two; scores σ(logit) as written.
+    let scores = [0.9, 0.1, 0.6, 0.55, 0.7, 0.2];
+    let x = [1.0];
+    let wr: Vec<f64> = scores.iter().map(|&p| logit(p)).collect();
+    let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 0.6];
+    let cfg = RouterConfig {
+        experts: 6,
+        top_k: 2,
+        renormalize: true,
+        scoring: Scoring::SigmoidGrouped {
+            groups: 3,
+            kept_groups: 1,
+            scale: 2.0,
+        },
+    };
+    let mut r = Routing::default();
+    // Group sums of two best biased scores: 1.0, 1.15, 1.5: group 2 wins
+    // by its bias, and within it expert 5 (0.8 biased) then 4 (0.7).
+    router_forward(&cfg, &mut r, &x, &wr, Some(&bias), 1, 1);
+    assert_eq!(r.experts, [5, 4]);
+    let want = [2.0 * 0.2 / 0.9, 2.0 * 0.7 / 0.9];
+    for (w, want) in r.weights.iter().zip(want) {
+        assert!((w - want).abs() < 1e-12, "{:?}", r.weights);
+    }
+    // Without the bias, group 1 (1.15) beats group 0 (1.0) and group 2 (0.9).
+    router_forward(&cfg, &mut r, &x, &wr, None, 1, 1);
+    assert_eq!(r.experts, [2, 3]);
 }
 
 #[test]

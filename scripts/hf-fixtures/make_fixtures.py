@@ -75,15 +75,46 @@ FAMILIES = {
         dict(moe_intermediate_size=24, shared_expert_intermediate_size=40,
              intermediate_size=48, num_experts=4, norm_topk_prob=False, rope_theta=1e4),
     ),
+    # Qwen's dense layers: layers 0 and 2 have a plain MLP of width
+    # intermediate_size, and the load-balancing loss spans layers 1 and 3.
+    "qwen3_moe_dense_layers": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(moe_intermediate_size=24, intermediate_size=40, num_experts=4, head_dim=16,
+             norm_topk_prob=True, rope_theta=1e4, num_hidden_layers=4,
+             mlp_only_layers=[0, 2]),
+    ),
+    # GLM-4.5: sigmoid routing with a correction bias in 2 groups of 4 (one
+    # kept) and scaled weights, a dense first layer, an ungated shared
+    # expert, q/k/v biases, per-head q/k norms, half the head rotated.
+    "glm4_moe": (
+        transformers.Glm4MoeConfig,
+        transformers.Glm4MoeForCausalLM,
+        dict(moe_intermediate_size=24, intermediate_size=40, n_routed_experts=8,
+             n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+             n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+             attention_bias=True, use_qk_norm=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                              "partial_rotary_factor": 0.5}),
+    ),
 }
+# Variants of a family checked in f32 alone (the bf16 import path is the
+# family's own).
+F32_ONLY = ("qwen3_moe_dense_layers",)
+# The families whose routers score by sigmoid with a correction bias.
+SIGMOID = ("glm4_moe",)
 
 
 def fill(model, seed):
     """Weights well away from transformers' tiny init, so that every path
     carries a gradient of some size: matrices N(0, 0.2²) (routers 0.6²),
-    norm gains 1 + N(0, 0.1²), biases N(0, 0.2²)."""
+    norm gains 1 + N(0, 0.1²), biases N(0, 0.2²); a sigmoid router's
+    correction bias (a buffer) N(0, 0.1²)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
@@ -106,13 +137,39 @@ def routing_margin(router_logits, k):
     return worst
 
 
+def sigmoid_routing_margin(model, router_logits, config):
+    """routing_margin for a sigmoid router with a correction bias and
+    groups: the smallest gap, in biased scores, between the last kept and
+    the first dropped group's score, and between the k-th and (k+1)-th
+    expert within the kept groups."""
+    k, groups, kept = config.num_experts_per_tok, config.n_group, config.topk_group
+    biases = [m.e_score_correction_bias for n, m in model.named_modules()
+              if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias")]
+    worst = 1.0
+    for logits, bias in zip(router_logits, biases):
+        choice = torch.sigmoid(logits.detach().double()) + bias.double()
+        per_group = choice.view(-1, groups, choice.shape[-1] // groups)
+        group_scores = per_group.topk(2, dim=-1).values.sum(-1)
+        if kept < groups:
+            top = torch.topk(group_scores, kept + 1, dim=-1).values
+            worst = min(worst, float((top[:, kept - 1] - top[:, kept]).min()))
+        idx = torch.topk(group_scores, kept, dim=-1).indices
+        mask = torch.zeros_like(group_scores).scatter_(1, idx, 1).bool()
+        mask = mask.unsqueeze(-1).expand_as(per_group).reshape(choice.shape)
+        masked = choice.masked_fill(~mask, float("-inf"))
+        top = torch.topk(masked, k + 1, dim=-1).values
+        gaps = top[:, k - 1] - top[:, k]
+        worst = min(worst, float(gaps[torch.isfinite(gaps)].min()) if gaps.isfinite().any() else worst)
+    return worst
+
+
 def hub_gradients(model, family, config):
     """Every parameter's gradient under its Hub name: fused expert tensors
     (transformers 5 keeps each layer's experts as one gate_up_proj and one
     down_proj) are split back into the names save_pretrained writes."""
     out = {}
-    qwen = family in ("qwen3_moe", "qwen2_moe")
-    f = config.moe_intermediate_size if qwen else config.intermediate_size
+    moe_width = family.startswith("qwen") or family in SIGMOID
+    f = config.moe_intermediate_size if moe_width else config.intermediate_size
     for name, p in model.named_parameters():
         g = p.grad.detach().clone().float()
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -138,6 +195,10 @@ def hub_gradients(model, family, config):
             out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = g
         else:
             out[name] = g
+    # A correction bias is a buffer: no gradient, as in strata (zero).
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            out[name] = torch.zeros_like(b).float()
     return out
 
 
@@ -152,7 +213,7 @@ def check_names(model_dir, grads):
 
 def make(family, dtype, seed):
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = model_cls(config).float()
     fill(model, seed)
@@ -162,18 +223,25 @@ def make(family, dtype, seed):
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(b.to(torch.bfloat16).float())
     tokens = torch.randint(0, config.vocab_size, (SEQS, SEQ_LEN + 1),
                            generator=torch.Generator().manual_seed(seed + 1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     model.train()
     out = model(input_ids=inputs, output_router_logits=True)
-    margin = routing_margin(out.router_logits, config.num_experts_per_tok)
+    if family in SIGMOID:
+        margin = sigmoid_routing_margin(model, out.router_logits, config)
+    else:
+        margin = routing_margin(out.router_logits, config.num_experts_per_tok)
     if margin < MIN_MARGIN:
         return False
     ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, config.vocab_size),
                                            targets.reshape(-1))
-    aux = out.aux_loss
-    loss = ce + config.router_aux_loss_coef * aux
+    # GLM-4.5 has no load-balancing loss (its balance is the bias).
+    aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
+    loss = ce + getattr(config, "router_aux_loss_coef", 0.0) * aux
     model.zero_grad()
     loss.backward()
 
@@ -198,8 +266,8 @@ def make(family, dtype, seed):
     logits = torch.cat([o.logits for o in outs])
     parts_ce = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size),
                                                  targets.reshape(-1))
-    parts_aux = sum(o.aux_loss for o in outs) / SEQS
-    parts_loss = parts_ce + config.router_aux_loss_coef * parts_aux
+    parts_aux = sum(o.aux_loss if o.aux_loss is not None else torch.zeros(()) for o in outs) / SEQS
+    parts_loss = parts_ce + getattr(config, "router_aux_loss_coef", 0.0) * parts_aux
     parts_loss.backward()
     if parts:
         for k, v in hub_gradients(model, family, config).items():
@@ -213,7 +281,7 @@ def make(family, dtype, seed):
         "tokens": tokens.reshape(-1).tolist(),
         "ce": float(ce.detach()),
         "aux": float(aux.detach()),
-        "aux_coef": config.router_aux_loss_coef,
+        "aux_coef": getattr(config, "router_aux_loss_coef", 0.0),
         "loss": float(loss.detach()),
         "parts": {"count": SEQS, "aux": float(parts_aux.detach()),
                   "loss": float(parts_loss.detach())} if parts else None,
@@ -233,7 +301,7 @@ def main():
     families = sys.argv[1:] or list(FAMILIES)
     for i, family in enumerate(FAMILIES):
         if family in families:
-            for dtype in ("f32", "bf16"):
+            for dtype in ("f32",) if family in F32_ONLY else ("f32", "bf16"):
                 # The first seed whose routing is clear of ties.
                 seed = 100 + i
                 while not make(family, dtype, seed):

@@ -280,15 +280,19 @@ impl Engine {
         self.devices[0].acc.stall_optimizer_s += finish_stall;
         self.dense_step += 1;
         let s = StepScalars::new(&self.config.hyper, self.dense_step, 1.0);
-        let updated = adamw_step(
-            Kernel::detect(),
-            &s,
-            &mut self.dense,
-            &mut self.dense_m,
-            &mut self.dense_v,
-            GradRef::F32(&dense_grad),
-            CopyOut::None,
-        );
+        // Element by element: the trainable runs step as the whole would.
+        let kernel = Kernel::detect();
+        let updated = trainable_runs(self.dense.len(), &net.frozen_dense()).try_for_each(|r| {
+            adamw_step(
+                kernel,
+                &s,
+                &mut self.dense[r.clone()],
+                &mut self.dense_m[r.clone()],
+                &mut self.dense_v[r.clone()],
+                GradRef::F32(&dense_grad[r]),
+                CopyOut::None,
+            )
+        });
         // Even a failed update may have written some params.
         for kernels in &self.dense_kernels {
             kernels.weights_changed(&self.dense);
@@ -427,6 +431,25 @@ impl Engine {
     }
 }
 
+/// The ranges of `0..len` outside `frozen` (ascending, disjoint), in order.
+fn trainable_runs(
+    len: usize,
+    frozen: &[std::ops::Range<usize>],
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let mut starts = vec![0];
+    let mut ends = Vec::new();
+    for f in frozen {
+        ends.push(f.start);
+        starts.push(f.end);
+    }
+    ends.push(len);
+    starts
+        .into_iter()
+        .zip(ends)
+        .filter(|(a, b)| a < b)
+        .map(|(a, b)| a..b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,5 +482,17 @@ mod tests {
             // within the bound.
             assert_eq!(engine.devices[0].buffers.kept(), 3 * model.layers + 4);
         }
+    }
+
+    #[test]
+    fn trainable_runs_are_the_complement_of_the_frozen_ranges() {
+        let runs = |frozen: &[std::ops::Range<usize>]| {
+            super::trainable_runs(10, frozen).collect::<Vec<_>>()
+        };
+        let one = |r: std::ops::Range<usize>| vec![r];
+        assert_eq!(runs(&[]), one(0..10));
+        assert_eq!(runs(&[2..4, 6..7]), [0..2, 4..6, 7..10]);
+        assert_eq!(runs(&[0..3, 8..10]), one(3..8));
+        assert!(runs(&one(0..10)).is_empty());
     }
 }

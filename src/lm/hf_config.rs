@@ -1,10 +1,11 @@
 //! `config.json` read and written in the keys of each family strata trains
-//! (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE), with each family's
+//! (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5), with each family's
 //! transformers defaults; what strata cannot compute is refused by name.
 
 use serde_json::{json, Map, Value};
 
-use super::config::{AuxLoss, Family, LmConfig};
+use super::config::{AuxLoss, Family, LmConfig, QkNorm};
+use crate::math::Scoring;
 use crate::EngineError;
 
 impl LmConfig {
@@ -65,14 +66,19 @@ impl LmConfig {
                 .map_or(heads, |v| v as usize),
             head_dim,
             d_ff: match family {
-                Family::Qwen3Moe | Family::Qwen2Moe => int("moe_intermediate_size")?,
+                Family::Qwen3Moe | Family::Qwen2Moe | Family::Glm4Moe => {
+                    int("moe_intermediate_size")?
+                }
                 Family::Mixtral | Family::Olmoe => int("intermediate_size")?,
             },
-            experts: int_of(&["num_experts", "num_local_experts"])?,
+            experts: int_of(&["num_experts", "num_local_experts", "n_routed_experts"])?,
             top_k: int("num_experts_per_tok")?,
             // Mixtral renormalizes its top-k weights (transformers' class
             // has no key for it; strata's own configs write one).
-            renormalize: flag("norm_topk_prob", family == Family::Mixtral),
+            renormalize: flag(
+                "norm_topk_prob",
+                matches!(family, Family::Mixtral | Family::Glm4Moe),
+            ),
             rope_theta: rope_theta(map, defaults.rope_theta)?,
             rms_eps: float("rms_norm_eps", defaults.rms_eps),
             tie_embeddings: flag("tie_word_embeddings", false),
@@ -82,7 +88,8 @@ impl LmConfig {
                 .map_or(defaults.max_positions, |v| v as usize),
             // The family's own rule: the load-balancing term is part of
             // the training loss only with `output_router_logits`.
-            aux_loss_coef: match flag("output_router_logits", false) {
+            // (GLM-4.5 has none: its balance is the correction bias.)
+            aux_loss_coef: match flag("output_router_logits", false) && family != Family::Glm4Moe {
                 true => float("router_aux_loss_coef", defaults.aux_loss_coef) as f32,
                 false => 0.0,
             },
@@ -102,12 +109,46 @@ impl LmConfig {
             },
             // Qwen2MoeConfig's qkv_bias defaults to true (transformers 4
             // had no key, and always a bias).
-            qkv_bias: family == Family::Qwen2Moe && flag("qkv_bias", true),
+            qkv_bias: match family {
+                Family::Qwen2Moe => flag("qkv_bias", true),
+                Family::Glm4Moe => flag("attention_bias", false),
+                _ => false,
+            },
             shared_expert_ff: match family {
                 Family::Qwen2Moe => int("shared_expert_intermediate_size")?,
+                Family::Glm4Moe => {
+                    let n = map.get("n_shared_experts").and_then(Value::as_u64);
+                    int("moe_intermediate_size")? * n.unwrap_or(1) as usize
+                }
                 _ => 0,
             },
+            dense_layers: dense_layers(map, family)?,
+            dense_ff: 0,
+            qk_norm: match family {
+                Family::Glm4Moe if flag("use_qk_norm", false) => QkNorm::PerHead,
+                _ => family.qk_norm(),
+            },
+            partial_rotary: match family {
+                Family::Glm4Moe => partial_rotary_factor(map),
+                _ => 1.0,
+            },
+            scoring: match family {
+                Family::Glm4Moe => Scoring::SigmoidGrouped {
+                    groups: map.get("n_group").and_then(Value::as_u64).unwrap_or(1) as usize,
+                    kept_groups: map.get("topk_group").and_then(Value::as_u64).unwrap_or(1)
+                        as usize,
+                    scale: float("routed_scaling_factor", 1.0) as f32,
+                },
+                _ => Scoring::Softmax,
+            },
             seed: 0,
+        };
+        let config = LmConfig {
+            dense_ff: match config.dense_layers.is_empty() {
+                true => 0,
+                false => int("intermediate_size")?,
+            },
+            ..config
         };
         config.validate()?;
         Ok(config)
@@ -118,12 +159,18 @@ impl LmConfig {
     /// run directory keeps): `from_hf_json` reads it back to the same
     /// config, but for the seed, which is strata's own.
     pub fn to_hf_json(&self) -> String {
+        // The Qwen families name the experts' width moe_intermediate_size,
+        // and intermediate_size is their dense layers'.
+        let intermediate_size = match self.dense_ff {
+            0 => self.d_ff,
+            f => f,
+        };
         let mut value = json!({
             "architectures": [self.family.architecture()],
             "model_type": self.family.model_type(),
             "vocab_size": self.vocab,
             "hidden_size": self.d_model,
-            "intermediate_size": self.d_ff,
+            "intermediate_size": intermediate_size,
             "num_hidden_layers": self.layers,
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
@@ -160,7 +207,7 @@ impl LmConfig {
                 set("num_experts", self.experts.into());
                 set("moe_intermediate_size", self.d_ff.into());
                 set("decoder_sparse_step", 1.into());
-                set("mlp_only_layers", json!([]));
+                set("mlp_only_layers", json!(self.dense_layers));
                 set("use_sliding_window", false.into());
                 set("sliding_window", Value::Null);
             }
@@ -177,11 +224,38 @@ impl LmConfig {
                 );
                 set("qkv_bias", self.qkv_bias.into());
                 set("decoder_sparse_step", 1.into());
-                set("mlp_only_layers", json!([]));
+                set("mlp_only_layers", json!(self.dense_layers));
                 set("use_sliding_window", false.into());
                 set("sliding_window", Value::Null);
                 // Its biases are named by qkv_bias.
                 map.remove("attention_bias");
+            }
+            Family::Glm4Moe => {
+                let Scoring::SigmoidGrouped {
+                    groups,
+                    kept_groups,
+                    scale,
+                } = self.scoring
+                else {
+                    unreachable!("a validated GLM-4.5 config routes by sigmoid")
+                };
+                set("n_routed_experts", self.experts.into());
+                set("moe_intermediate_size", self.d_ff.into());
+                set(
+                    "n_shared_experts",
+                    (self.shared_expert_ff / self.d_ff).into(),
+                );
+                set("first_k_dense_replace", self.dense_layers.len().into());
+                set("n_group", groups.into());
+                set("topk_group", kept_groups.into());
+                set("routed_scaling_factor", decimal(scale).into());
+                set("attention_bias", self.qkv_bias.into());
+                set("use_qk_norm", (self.qk_norm == QkNorm::PerHead).into());
+                set(
+                    "rope_parameters",
+                    json!({ "rope_type": "default", "rope_theta": self.rope_theta,
+                            "partial_rotary_factor": self.partial_rotary }),
+                );
             }
         }
         serde_json::to_string_pretty(&value).expect("plain JSON")
@@ -224,6 +298,13 @@ impl FamilyDefaults {
                 aux_loss_coef: 0.001,
                 max_positions: 32_768,
             },
+            // Glm4MoeConfig (it has no load-balancing loss).
+            Family::Glm4Moe => FamilyDefaults {
+                rope_theta: 1e4,
+                rms_eps: 1e-5,
+                aux_loss_coef: 0.0,
+                max_positions: 131_072,
+            },
             // OlmoeConfig.
             Family::Olmoe => FamilyDefaults {
                 rope_theta: 1e4,
@@ -233,6 +314,72 @@ impl FamilyDefaults {
             },
         }
     }
+}
+
+/// The decoder layers whose MLP is dense, by the Qwen families' rule: a
+/// layer has experts unless it is in `mlp_only_layers` or its number,
+/// counted from one, is not a multiple of `decoder_sparse_step` (default
+/// 1). The other families have experts in every layer.
+fn dense_layers(map: &Map<String, Value>, family: Family) -> Result<Vec<usize>, EngineError> {
+    let layers = map
+        .get("num_hidden_layers")
+        .and_then(Value::as_u64)
+        .unwrap_or(0) as usize;
+    if family == Family::Glm4Moe {
+        // GLM-4.5: the first `first_k_dense_replace` (default 1) layers.
+        let first = match map.get("first_k_dense_replace") {
+            None | Some(Value::Null) => 1,
+            Some(v) => v.as_u64().ok_or_else(|| {
+                EngineError::Config(format!(
+                    "config.json: first_k_dense_replace = {v} is not a layer count"
+                ))
+            })? as usize,
+        };
+        return Ok((0..first.min(layers)).collect());
+    }
+    if !matches!(family, Family::Qwen3Moe | Family::Qwen2Moe) {
+        return Ok(Vec::new());
+    }
+    let bad = |key: &str, why: &str| {
+        EngineError::Config(format!("config.json: {key} = {} {why}", map[key]))
+    };
+    let step = match map.get("decoder_sparse_step") {
+        None | Some(Value::Null) => 1,
+        Some(v) => match v.as_u64() {
+            Some(s) if s > 0 => s as usize,
+            _ => return Err(bad("decoder_sparse_step", "is not a positive integer")),
+        },
+    };
+    let mlp_only: Vec<usize> = match map.get("mlp_only_layers") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().map(|l| l as usize))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("mlp_only_layers", "is not a list of layer numbers"))?,
+        Some(_) => return Err(bad("mlp_only_layers", "is not a list of layer numbers")),
+    };
+    if let Some(&l) = mlp_only.iter().find(|&&l| l >= layers) {
+        return Err(bad(
+            "mlp_only_layers",
+            &format!("names layer {l}, past num_hidden_layers {layers}"),
+        ));
+    }
+    Ok((0..layers)
+        .filter(|&l| mlp_only.contains(&l) || !(l + 1).is_multiple_of(step))
+        .collect())
+}
+
+/// GLM-4.5's share of each head that RoPE rotates, `partial_rotary_factor`
+/// in `rope_parameters` (transformers ≥ 5) or at the top level
+/// (transformers 4); its class's default, 0.5, where neither has it.
+fn partial_rotary_factor(map: &Map<String, Value>) -> f64 {
+    let key = "partial_rotary_factor";
+    map.get("rope_parameters")
+        .and_then(|p| p.get(key))
+        .or_else(|| map.get(key))
+        .and_then(Value::as_f64)
+        .unwrap_or(0.5)
 }
 
 /// The RoPE base, from either layout transformers writes: a top-level
@@ -276,17 +423,11 @@ fn unsupported_family(map: &Map<String, Value>) -> EngineError {
             "its attention is multi-head latent attention (kv_lora_rank), \
              which strata does not model; "
         }
-        "glm4_moe" => {
-            "its router scores experts with a sigmoid and a correction bias \
-             (e_score_correction_bias) in groups (n_group, topk_group), its first \
-             layers are dense (first_k_dense_replace) and its rotary embedding \
-             partial (partial_rotary_factor), which strata does not model yet; "
-        }
         _ => "",
     };
     EngineError::Config(format!(
         "config.json: model_type {model_type:?} is not supported: {why}strata trains \
-         model_type \"mixtral\", \"qwen3_moe\", \"olmoe\" and \"qwen2_moe\"; the experts of a \
+         model_type \"mixtral\", \"qwen3_moe\", \"olmoe\", \"qwen2_moe\" and \"glm4_moe\"; the experts of a \
          Mixtral-, Qwen- or OLMoE-named checkpoint alone can be imported with \
          strata::lm::safetensors_io::import_experts"
     ))
@@ -327,28 +468,6 @@ fn refuse_unsupported(map: &Map<String, Value>, family: Family) -> Result<(), En
             "multi-head latent attention is not modelled",
         );
     }
-    if family == Family::Qwen3Moe {
-        if map
-            .get("mlp_only_layers")
-            .and_then(Value::as_array)
-            .is_some_and(|a| !a.is_empty())
-        {
-            return refuse(
-                "mlp_only_layers",
-                "every layer must be an MoE layer (dense MLP layers are not modelled yet)",
-            );
-        }
-        if map
-            .get("decoder_sparse_step")
-            .and_then(Value::as_u64)
-            .is_some_and(|s| s != 1)
-        {
-            return refuse(
-                "decoder_sparse_step",
-                "every layer must be an MoE layer (dense MLP layers are not modelled yet)",
-            );
-        }
-    }
     // transformers 4 names a scaled RoPE under `rope_scaling`; an object
     // that asks for the default rotation is the plain one.
     let default_rope = |v: &Value| {
@@ -358,7 +477,7 @@ fn refuse_unsupported(map: &Map<String, Value>, family: Family) -> Result<(), En
     if truthy("rope_scaling") && !map.get("rope_scaling").is_some_and(default_rope) {
         return refuse("rope_scaling", "rotary embeddings are unscaled");
     }
-    if family != Family::Qwen2Moe && truthy("attention_bias") {
+    if !matches!(family, Family::Qwen2Moe | Family::Glm4Moe) && truthy("attention_bias") {
         return refuse("attention_bias", "the attention projections have no bias");
     }
     Ok(())
@@ -486,7 +605,7 @@ mod tests {
         // Qwen3MoeConfig's defaults: no renormalization, θ 1e4, ε 1e-6.
         assert!(!c.renormalize);
         assert_eq!((c.rope_theta, c.rms_eps, c.max_seq), (1e4, 1e-6, 32_768));
-        assert_eq!(c.family.qk_norm(), QkNorm::PerHead);
+        assert_eq!(c.qk_norm, QkNorm::PerHead);
         // transformers 5 writes num_local_experts for it.
         let c5 = hub_config(
             "qwen3_moe",
@@ -497,8 +616,9 @@ mod tests {
         let base = json!({"num_experts": 8, "moe_intermediate_size": 24});
         for (key, value) in [
             ("use_sliding_window", json!(true)),
-            ("mlp_only_layers", json!([0])),
-            ("decoder_sparse_step", json!(2)),
+            ("mlp_only_layers", json!([2])),
+            ("mlp_only_layers", json!(1)),
+            ("decoder_sparse_step", json!(0)),
         ] {
             let mut set = base.clone();
             set[key] = value;
@@ -513,13 +633,112 @@ mod tests {
     }
 
     #[test]
+    fn glm4_moe_configs_are_read_with_their_own_keys_and_defaults() {
+        let keys = json!({"n_routed_experts": 8, "moe_intermediate_size": 24,
+                          "num_hidden_layers": 3, "n_group": 2, "topk_group": 1,
+                          "routed_scaling_factor": 2.5, "attention_bias": true,
+                          "use_qk_norm": true, "n_shared_experts": 2,
+                          "output_router_logits": true});
+        let c = hub_config("glm4_moe", keys.clone()).unwrap();
+        assert_eq!(c.family, Family::Glm4Moe);
+        assert_eq!((c.experts, c.d_ff, c.shared_expert_ff), (8, 24, 48));
+        // Glm4MoeConfig's defaults: one dense layer, renormalized, half rotated.
+        assert_eq!((c.dense_layers.clone(), c.dense_ff), (vec![0], 48));
+        assert!(c.renormalize && c.qkv_bias);
+        assert_eq!(
+            (c.qk_norm, c.partial_rotary, c.rotary_dim()),
+            (QkNorm::PerHead, 0.5, 4)
+        );
+        assert_eq!(
+            c.scoring,
+            Scoring::SigmoidGrouped {
+                groups: 2,
+                kept_groups: 1,
+                scale: 2.5
+            }
+        );
+        // No load-balancing loss, even with output_router_logits.
+        assert_eq!(c.aux_loss_coef, 0.0);
+        assert_eq!((c.rms_eps, c.max_seq), (1e-5, 131_072));
+        let written = LmConfig { seed: 0, ..c };
+        assert_eq!(
+            LmConfig::from_hf_json(&written.to_hf_json()).unwrap(),
+            written
+        );
+        let mut bad_groups = keys.clone();
+        bad_groups["n_group"] = json!(3);
+        let err = hub_config("glm4_moe", bad_groups).unwrap_err().to_string();
+        assert!(
+            err.contains("n_group = 3 must divide the 8 experts"),
+            "{err}"
+        );
+        let mut mla = keys;
+        mla["kv_lora_rank"] = json!(512);
+        let err = hub_config("glm4_moe", mla).unwrap_err().to_string();
+        assert!(err.contains("config.json: kv_lora_rank = 512"), "{err}");
+    }
+
+    #[test]
+    fn qwen_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step() {
+        let qwen = |family: &str, set: Value| {
+            let mut value = json!({"num_experts": 8, "moe_intermediate_size": 24,
+                                   "shared_expert_intermediate_size": 16,
+                                   "num_hidden_layers": 6});
+            for (key, v) in set.as_object().unwrap() {
+                value[key] = v.clone();
+            }
+            hub_config(family, value)
+        };
+        for family in ["qwen3_moe", "qwen2_moe"] {
+            let c = qwen(family, json!({"mlp_only_layers": [0, 4]})).unwrap();
+            assert_eq!((c.dense_layers.clone(), c.dense_ff), (vec![0, 4], 48));
+            assert_eq!(c.sparse_layers(), [1, 2, 3, 5]);
+            assert_eq!(c.moe().layers, 4);
+            // Layers 2, 4 and 6 (from 1) have experts, but for mlp_only_layers.
+            let c = qwen(
+                family,
+                json!({"decoder_sparse_step": 2, "mlp_only_layers": [3]}),
+            )
+            .unwrap();
+            assert_eq!(c.sparse_layers(), [1, 5]);
+            let lm = crate::lm::MoeLm::new(c.clone()).unwrap();
+            let names: Vec<&str> = lm.tensors().iter().map(|t| t.name.as_str()).collect();
+            assert!(names.contains(&"model.layers.0.mlp.up_proj.weight"));
+            assert!(names.contains(&"model.layers.1.mlp.gate.weight"));
+            assert!(!names.contains(&"model.layers.0.mlp.gate.weight"));
+            assert_eq!(
+                lm.tensors().last().unwrap().range.end,
+                c.dense_params(),
+                "{family}"
+            );
+            let written = LmConfig { seed: 0, ..c };
+            assert_eq!(
+                LmConfig::from_hf_json(&written.to_hf_json()).unwrap(),
+                written
+            );
+            let all_dense = qwen(family, json!({"decoder_sparse_step": 7}));
+            let err = all_dense.unwrap_err().to_string();
+            assert!(
+                err.contains("at least one layer must have experts"),
+                "{err}"
+            );
+        }
+        // The other families' intermediate_size is the experts' width.
+        let m = hub_config(
+            "mixtral",
+            json!({"num_local_experts": 4, "mlp_only_layers": [0]}),
+        );
+        assert!(m.unwrap().dense_layers.is_empty());
+    }
+
+    #[test]
     fn olmoe_configs_are_read_with_their_own_keys_and_defaults() {
         let c = hub_config("olmoe", json!({"num_experts": 8, "clip_qkv": 8.0})).unwrap();
         assert_eq!(c.family, Family::Olmoe);
         assert_eq!((c.experts, c.d_ff, c.clip_qkv), (8, 48, Some(8.0)));
         assert!(!c.renormalize);
         assert_eq!((c.rope_theta, c.rms_eps, c.max_seq), (1e4, 1e-5, 4096));
-        assert_eq!(c.family.qk_norm(), QkNorm::Whole);
+        assert_eq!(c.qk_norm, QkNorm::Whole);
         // OlmoeConfig's aux coefficient is 0.01.
         let on = json!({"num_experts": 8, "output_router_logits": true});
         assert_eq!(hub_config("olmoe", on).unwrap().aux_loss_coef, 0.01);
@@ -552,7 +771,7 @@ mod tests {
         let c = hub_config("qwen2_moe", keys.clone()).unwrap();
         assert_eq!(c.family, Family::Qwen2Moe);
         assert_eq!((c.d_ff, c.shared_expert_ff, c.qkv_bias), (24, 40, true));
-        assert_eq!(c.family.qk_norm(), QkNorm::None);
+        assert_eq!(c.qk_norm, QkNorm::None);
         let (d, q, kv) = (32, 32, 16);
         assert_eq!(c.qkv_bias_params(), q + 2 * kv);
         assert_eq!(c.shared_expert_params(), 3 * d * 40 + d);

@@ -85,14 +85,7 @@ pub fn import_store(
         d_model: config.d_model,
         d_ff: config.d_ff,
     };
-    import_experts(
-        ckpt,
-        config.family.expert_naming(),
-        shape,
-        store,
-        0,
-        progress,
-    )?;
+    import_experts(ckpt, config.expert_names(), shape, store, 0, progress)?;
     Ok(())
 }
 

@@ -1,9 +1,8 @@
 //! The MoE language model of every family strata trains, as a
 //! [`Network`]: token embedding; per layer `h ← h + Attn(RMSNorm(h))`,
 //! `h ← h + MoE(RMSNorm(h))` with causal grouped-query attention and rotary
-//! embeddings (q, k and v as each family forms them: `qkv`) and, in
-//! Qwen2-MoE, a gated shared expert beside the routed ones
-//! (`shared_expert`); final RMSNorm; LM head (tied to the embedding or not);
+//! embeddings (q, k and v as each family forms them: `qkv`), the MoE
+//! block or a dense layer's MLP (`ffn`); final RMSNorm; LM head (tied to the embedding or not);
 //! next-token cross-entropy. The dense params are one flat vector whose
 //! tensors carry their Hugging Face names (see [`MoeLm::tensors`]).
 
@@ -13,13 +12,14 @@
 use std::ops::Range;
 
 use super::config::{AuxLoss, LmConfig, QkNorm};
+use super::ffn::{self, FfnGrads, FfnRanges, FfnSaved};
+use super::mlp::MlpRanges;
 use super::qkv::{self, Qkv, QkvRanges};
-use super::shared_expert::{self, SharedRanges, SharedSaved};
+pub use super::token_batch::TokenBatch;
 use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
-use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward, IGNORED_TARGET};
+use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward, Scoring, IGNORED_TARGET};
 use crate::model::{
-    fill_uniform, moe_backward, moe_forward, DenseKernels, Evaluation, ExpertRunner, HeadShape,
-    Losses, ModelConfig, MoeSaved, Network,
+    fill_uniform, DenseKernels, Evaluation, ExpertRunner, HeadShape, Losses, ModelConfig, Network,
 };
 use crate::EngineError;
 
@@ -38,85 +38,10 @@ struct LayerRanges {
     qkv: QkvRanges,
     wo: Range<usize>,
     moe_norm: Range<usize>,
-    router: Range<usize>,
-    shared: Option<SharedRanges>,
+    ffn: FfnRanges,
 }
 
-/// A batch of B sequences of S + 1 tokens: position i predicts i + 1.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TokenBatch {
-    pub seq_len: usize,
-    /// (B, S + 1) token ids.
-    pub tokens: Vec<u32>,
-    /// (B, S + 1): whether each token, as the target of the one before
-    /// it, carries loss (an instruction example's response does, its
-    /// prompt does not; a row's first token is no target). `None`: every
-    /// target does.
-    pub loss_mask: Option<Vec<bool>>,
-    /// (B, S + 1): whether each token begins a document that attends only
-    /// to itself (documents packed apart). `None`: the tokens of a row
-    /// attend to every earlier token of the row.
-    pub doc_starts: Option<Vec<bool>>,
-}
-
-impl TokenBatch {
-    pub fn sequences(&self) -> usize {
-        self.tokens.len() / (self.seq_len + 1)
-    }
-
-    /// Targets that carry loss.
-    pub fn loss_tokens(&self) -> usize {
-        match &self.loss_mask {
-            None => self.sequences() * self.seq_len,
-            Some(mask) => mask
-                .chunks_exact(self.seq_len + 1)
-                .map(|row| row[1..].iter().filter(|&&m| m).count())
-                .sum(),
-        }
-    }
-
-    /// For each input token (T of them), the position in its row where its
-    /// document begins; `None` without `doc_starts`.
-    fn attention_starts(&self) -> Option<Vec<u32>> {
-        let starts = self.doc_starts.as_ref()?;
-        let s = self.seq_len;
-        let mut out = Vec::with_capacity(self.sequences() * s);
-        for row in starts.chunks_exact(s + 1) {
-            let mut first = 0u32;
-            for (i, &begins) in row[..s].iter().enumerate() {
-                if begins {
-                    first = i as u32;
-                }
-                out.push(first);
-            }
-        }
-        Some(out)
-    }
-
-    /// The inputs, and the targets with [`IGNORED_TARGET`] where the mask
-    /// says no loss.
-    fn inputs_targets(&self) -> (Vec<u32>, Vec<u32>) {
-        let s = self.seq_len;
-        let mut inputs = Vec::with_capacity(self.sequences() * s);
-        let mut targets = Vec::with_capacity(self.sequences() * s);
-        for (r, row) in self.tokens.chunks_exact(s + 1).enumerate() {
-            inputs.extend_from_slice(&row[..s]);
-            match &self.loss_mask {
-                None => targets.extend_from_slice(&row[1..]),
-                Some(mask) => {
-                    let counts = &mask[r * (s + 1) + 1..(r + 1) * (s + 1)];
-                    targets.extend(row[1..].iter().zip(counts).map(|(&t, &c)| match c {
-                        true => t,
-                        false => IGNORED_TARGET,
-                    }));
-                }
-            }
-        }
-        (inputs, targets)
-    }
-}
-
-/// The MoE language model (Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE, by its config's
+/// The MoE language model (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE or GLM-4.5, by its config's
 /// [`Family`](super::Family)).
 #[derive(Clone, Debug)]
 pub struct MoeLm {
@@ -128,6 +53,9 @@ pub struct MoeLm {
     final_norm: Range<usize>,
     /// The embedding's range when tied.
     head: Range<usize>,
+    /// Dense tensors no optimizer step changes (a sigmoid router's
+    /// correction biases), ascending.
+    frozen: Vec<Range<usize>>,
 }
 
 /// What one layer's forward keeps for its backward.
@@ -143,8 +71,7 @@ struct LayerSaved {
     h_mid: Vec<f32>,
     n2: Vec<f32>,
     inv2: Vec<f32>,
-    moe: MoeSaved,
-    shared: Option<SharedSaved>,
+    ffn: FfnSaved,
 }
 
 struct Forward {
@@ -185,12 +112,14 @@ impl MoeLm {
         let embed = push("model.embed_tokens.weight".into(), vec![v, d]);
         let mut layers = Vec::with_capacity(config.layers);
         let moe_block = config.family.moe_block();
-        let (q_norm, k_norm) = match config.family.qk_norm() {
+        let (q_norm, k_norm) = match config.qk_norm {
             QkNorm::None => (0, 0),
             QkNorm::PerHead => (config.head_dim, config.head_dim),
             QkNorm::Whole => (q, kv),
         };
         let fs = config.shared_expert_ff;
+        let mut sparse = 0;
+        let mut frozen = Vec::new();
         for l in 0..config.layers {
             let p = format!("model.layers.{l}");
             let attn_norm = push(format!("{p}.input_layernorm.weight"), vec![d]);
@@ -207,16 +136,41 @@ impl MoeLm {
                     .map(|(w, n)| push(format!("{p}.self_attn.{w}_norm.weight"), vec![n]))
             });
             let moe_norm = push(format!("{p}.post_attention_layernorm.weight"), vec![d]);
-            let router = push(format!("{p}.{moe_block}.gate.weight"), vec![e, d]);
-            let shared = (fs > 0).then(|| {
-                let w = format!("{p}.{moe_block}.shared_expert");
-                SharedRanges {
-                    gate: push(format!("{w}.gate_proj.weight"), vec![fs, d]),
-                    up: push(format!("{w}.up_proj.weight"), vec![fs, d]),
-                    down: push(format!("{w}.down_proj.weight"), vec![d, fs]),
-                    scale: push(format!("{w}_gate.weight"), vec![1, d]),
+            let mlp =
+                |push: &mut dyn FnMut(String, Vec<usize>) -> Range<usize>, w: &str, f| MlpRanges {
+                    gate: push(format!("{w}.gate_proj.weight"), vec![f, d]),
+                    up: push(format!("{w}.up_proj.weight"), vec![f, d]),
+                    down: push(format!("{w}.down_proj.weight"), vec![d, f]),
+                    scale: None,
+                };
+            let ffn = if config.dense_layers.binary_search(&l).is_ok() {
+                FfnRanges::Dense(mlp(&mut push, &format!("{p}.mlp"), config.dense_ff))
+            } else {
+                let router = push(format!("{p}.{moe_block}.gate.weight"), vec![e, d]);
+                let choice_bias = (config.router_bias_params() > 0).then(|| {
+                    let name = format!("{p}.{moe_block}.gate.e_score_correction_bias");
+                    let range = push(name, vec![e]);
+                    frozen.push(range.clone());
+                    range
+                });
+                let (shared_name, gated) = config.family.shared_expert();
+                let shared = (fs > 0).then(|| {
+                    let w = format!("{p}.{moe_block}.{shared_name}");
+                    let r = mlp(&mut push, &w, fs);
+                    MlpRanges {
+                        scale: gated.then(|| push(format!("{w}_gate.weight"), vec![1, d])),
+                        ..r
+                    }
+                });
+                let moe_layer = sparse;
+                sparse += 1;
+                FfnRanges::Sparse {
+                    moe_layer,
+                    router,
+                    choice_bias,
+                    shared,
                 }
-            });
+            };
             layers.push(LayerRanges {
                 attn_norm,
                 qkv: QkvRanges {
@@ -228,8 +182,7 @@ impl MoeLm {
                 },
                 wo,
                 moe_norm,
-                router,
-                shared,
+                ffn,
             });
         }
         let final_norm = push("model.norm.weight".into(), vec![d]);
@@ -247,6 +200,7 @@ impl MoeLm {
             layers,
             final_norm,
             head,
+            frozen,
         })
     }
 
@@ -283,12 +237,13 @@ impl MoeLm {
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
         let qw = shape.q_width();
         let starts = batch.attention_starts();
-        let rope = RopeTable::<f32>::new(batch.seq_len, c.head_dim, c.rope_theta);
+        let rope =
+            RopeTable::<f32>::partial(batch.seq_len, c.head_dim, c.rotary_dim(), c.rope_theta);
         let mut h = vec![0.0f32; t * d];
         embedding_forward(&mut h, &dense[self.embed.clone()], &inputs, d);
         let mut layers = Vec::with_capacity(c.layers);
         let (mut aux, mut z) = (0.0f32, 0.0f32);
-        for (l, r) in self.layers.iter().enumerate() {
+        for r in &self.layers {
             let mut n1 = vec![0.0f32; t * d];
             let mut inv1 = vec![0.0f32; t];
             let g1 = &dense[r.attn_norm.clone()];
@@ -313,21 +268,12 @@ impl MoeLm {
             let mut inv2 = vec![0.0f32; t];
             let g2 = &dense[r.moe_norm.clone()];
             rmsnorm_forward(&mut n2, &mut inv2, &h, g2, t, d, c.rms_eps);
-            let (mut y, moe) = moe_forward(&self.moe, l, &dense[r.router.clone()], &n2, t, runner)?;
-            let shared = match &r.shared {
-                Some(sr) => {
-                    let f = c.shared_expert_ff;
-                    Some(shared_expert::forward(
-                        dense, sr, &n2, &mut y, t, d, f, kernels,
-                    )?)
-                }
-                None => None,
-            };
             let h_mid = h.clone();
-            h.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
-            runner.give_buffer(y);
-            aux += moe.routing.aux_loss;
-            z += moe.routing.z_loss;
+            let ffn = ffn::forward(c, &self.moe, &r.ffn, dense, &n2, &mut h, runner, kernels)?;
+            if let FfnSaved::Sparse { moe, .. } = &ffn {
+                aux += moe.routing.aux_loss;
+                z += moe.routing.z_loss;
+            }
             layers.push(LayerSaved {
                 h_in,
                 n1,
@@ -338,11 +284,14 @@ impl MoeLm {
                 h_mid,
                 n2,
                 inv2,
-                moe,
-                shared,
+                ffn,
             });
         }
-        if c.aux_loss == AuxLoss::AllLayers {
+        if c.scoring != Scoring::Softmax {
+            // GLM-4.5 has no load-balancing loss: its correction bias
+            // balances the experts.
+            aux = 0.0;
+        } else if c.aux_loss == AuxLoss::AllLayers {
             aux = all_layers_aux(&mut layers, c.experts, t);
         }
         let mut nf = vec![0.0f32; t * d];
@@ -363,11 +312,14 @@ impl MoeLm {
     }
 
     /// The initial dense params: norm gains 1; embedding, projections,
-    /// routers and head uniform(±1/√fan_in), each from its own stream.
+    /// routers and head uniform(±1/√fan_in), each from its own stream;
+    /// frozen tensors (correction biases) 0.
     pub fn init_params(&self) -> Vec<f32> {
         let mut p = vec![0.0f32; self.config.dense_params()];
         for (i, t) in self.tensors.iter().enumerate() {
-            if t.shape.len() == 1 {
+            if self.frozen.contains(&t.range) {
+                continue;
+            } else if t.shape.len() == 1 {
                 p[t.range.clone()].fill(1.0);
             } else {
                 let fan_in = t.shape[1] as f32;
@@ -384,17 +336,19 @@ impl MoeLm {
     }
 }
 
-/// transformers' load-balancing loss over every layer's routing at once:
-/// E · Σ_e (C_e / N) · (S_e / N), with C_e the assignments expert e took
-/// and S_e its router probabilities summed over all L layers and T tokens,
-/// N = L·T. Sets each layer's `aux_grad` to ∂aux/∂p = E · C_e / N², the
-/// same for every layer and token, and returns the loss. Sums in f64.
+/// transformers' load-balancing loss over every sparse layer's routing at
+/// once: E · Σ_e (C_e / N) · (S_e / N), with C_e the assignments expert e
+/// took and S_e its router probabilities summed over all L sparse layers
+/// and T tokens, N = L·T. Sets each layer's `aux_grad` to ∂aux/∂p =
+/// E · C_e / N², the same for every layer and token, and returns the loss.
+/// Sums in f64.
 fn all_layers_aux(layers: &mut [LayerSaved], experts: usize, t: usize) -> f32 {
-    let n = (layers.len() * t) as f64;
+    let mut sparse: Vec<_> = layers.iter_mut().filter_map(|l| l.ffn.moe_mut()).collect();
+    let n = (sparse.len() * t) as f64;
     let mut assigned = vec![0.0f64; experts];
     let mut prob = vec![0.0f64; experts];
-    for layer in layers.iter() {
-        let routing = &layer.moe.routing;
+    for moe in sparse.iter() {
+        let routing = &moe.routing;
         for (e, &count) in routing.counts.iter().enumerate() {
             assigned[e] += count as f64;
         }
@@ -410,8 +364,8 @@ fn all_layers_aux(layers: &mut [LayerSaved], experts: usize, t: usize) -> f32 {
             .map(|j| (assigned[j] / n) * (prob[j] / n))
             .sum::<f64>();
     let grad: Vec<f32> = assigned.iter().map(|&c| (e * c / (n * n)) as f32).collect();
-    for layer in layers.iter_mut() {
-        layer.moe.routing.aux_grad = Some(grad.clone());
+    for moe in sparse.iter_mut() {
+        moe.routing.aux_grad = Some(grad.clone());
     }
     aux as f32
 }
@@ -480,6 +434,10 @@ impl Network for MoeLm {
 
     fn processed_tokens(&self, batch: &TokenBatch) -> usize {
         batch.sequences() * batch.seq_len
+    }
+
+    fn frozen_dense(&self) -> Vec<Range<usize>> {
+        self.frozen.clone()
     }
 
     fn split_batch(&self, batch: &TokenBatch, n: usize) -> Vec<TokenBatch> {
@@ -554,29 +512,18 @@ impl Network for MoeLm {
         let dz = c.z_loss_coef * share;
         for (l, r) in self.layers.iter().enumerate().rev() {
             let s = &f.layers[l];
-            // MoE half: h = h_mid + MoE(RMSNorm(h_mid)).
+            // FFN half: h = h_mid + FFN(RMSNorm(h_mid)).
             let mut dn2 = vec![0.0f32; t * d];
-            moe_backward(
-                &self.moe,
-                l,
-                &dense[r.router.clone()],
-                &mut dense_grad[r.router.clone()],
-                &mut dn2,
-                &dh,
-                &s.n2,
-                &s.moe,
-                t,
+            let grads = FfnGrads {
+                dense_grad: &mut dense_grad[..],
+                dn: &mut dn2,
                 daux,
                 dz,
-                runner,
                 last_micro_batch,
+            };
+            ffn::backward(
+                c, &self.moe, &r.ffn, &s.ffn, dense, &s.n2, &dh, grads, runner, kernels,
             )?;
-            if let (Some(sr), Some(saved)) = (&r.shared, &s.shared) {
-                let f = c.shared_expert_ff;
-                shared_expert::backward(
-                    dense, dense_grad, sr, saved, &s.n2, &mut dn2, &dh, t, d, f, kernels,
-                )?;
-            }
             rmsnorm_backward(
                 &mut dh,
                 &mut dense_grad[r.moe_norm.clone()],
@@ -639,7 +586,7 @@ impl Network for MoeLm {
                 t,
                 d,
             );
-            runner.give_buffer(std::mem::take(&mut f.layers[l].moe.expert_out));
+            f.layers[l].ffn.release(runner);
         }
         embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
         Ok(Losses {

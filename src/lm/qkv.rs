@@ -1,6 +1,7 @@
 //! One layer's q, k and v as its attention reads them: the three
-//! projections, then what each family adds before RoPE — Qwen2-MoE's
-//! biases, Qwen3-MoE's per-head and OLMoE's whole-projection RMSNorms of
+//! projections, then what each family adds before RoPE — Qwen2-MoE's and
+//! GLM-4.5's biases, Qwen3-MoE's and GLM-4.5's per-head and OLMoE's
+//! whole-projection RMSNorms of
 //! q and k, OLMoE's clamp (`clip_qkv`) — and their backward.
 
 // Numeric code takes its shapes as arguments, as llm.c does.
@@ -48,7 +49,7 @@ struct NormSaved {
 /// (Qwen3-MoE), or a row a token over the whole projection (OLMoE).
 fn norm_rows(c: &LmConfig, shape: &AttnShape) -> [(usize, usize); 2] {
     let t = shape.seqs * shape.seq_len;
-    match c.family.qk_norm() {
+    match c.qk_norm {
         QkNorm::PerHead => [(t * c.heads, c.head_dim), (t * c.kv_heads, c.head_dim)],
         QkNorm::Whole | QkNorm::None => [(t, shape.q_width()), (t, shape.kv_width())],
     }

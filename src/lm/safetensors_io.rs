@@ -31,14 +31,60 @@ pub enum ExpertNaming {
 }
 
 impl ExpertNaming {
-    /// The names of (gate, up, down) for one expert.
+    /// The names of (gate, up, down) for one expert, where every decoder
+    /// layer has experts (its layer is the decoder layer).
     pub fn names(self, e: ExpertId) -> [String; 3] {
-        let (l, i) = (e.layer, e.index);
+        self.names_in(e.layer as usize, e.index as usize)
+    }
+
+    /// The names of (gate, up, down) for expert `i` of decoder layer `l`.
+    pub fn names_in(self, l: usize, i: usize) -> [String; 3] {
         match self {
             ExpertNaming::Mixtral => ["w1", "w3", "w2"]
                 .map(|w| format!("model.layers.{l}.block_sparse_moe.experts.{i}.{w}.weight")),
             ExpertNaming::QwenOlmoe => ["gate_proj", "up_proj", "down_proj"]
                 .map(|w| format!("model.layers.{l}.mlp.experts.{i}.{w}.weight")),
+        }
+    }
+}
+
+/// The names of a checkpoint's expert tensors: its family's naming, and
+/// the decoder layer of each of the engine's MoE layers where some layers
+/// are dense (have no experts).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertNames {
+    naming: ExpertNaming,
+    /// `sparse_layers[l]`: the decoder layer of MoE layer `l`; `None`:
+    /// every decoder layer has experts.
+    sparse_layers: Option<Vec<usize>>,
+}
+
+impl ExpertNames {
+    /// `naming` where the engine's MoE layer `l` is decoder layer
+    /// `sparse_layers[l]`.
+    pub fn new(naming: ExpertNaming, sparse_layers: Vec<usize>) -> Self {
+        Self {
+            naming,
+            sparse_layers: Some(sparse_layers),
+        }
+    }
+
+    /// The names of (gate, up, down) for one expert.
+    pub fn names(&self, e: ExpertId) -> [String; 3] {
+        let layer = match &self.sparse_layers {
+            Some(layers) => layers[e.layer as usize],
+            None => e.layer as usize,
+        };
+        self.naming.names_in(layer, e.index as usize)
+    }
+}
+
+impl From<ExpertNaming> for ExpertNames {
+    /// Every decoder layer has experts.
+    fn from(naming: ExpertNaming) -> Self {
+        Self {
+            naming,
+            sparse_layers: None,
         }
     }
 }
@@ -273,12 +319,13 @@ impl Checkpoint {
 /// `progress(done, total)` is called after each expert.
 pub fn import_experts(
     checkpoint: &Checkpoint,
-    naming: ExpertNaming,
+    names: impl Into<ExpertNames>,
     shape: ExpertShape,
     store: &ExpertStore,
     step: u64,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<(), TierError> {
+    let names = names.into();
     let layout = store.layout();
     if layout.params_per_expert != shape.params() {
         return Err(import_err(format!(
@@ -291,7 +338,7 @@ pub fn import_experts(
     }
     // Report every missing tensor up front, before anything is written.
     let missing: Vec<String> = (0..layout.expert_count())
-        .flat_map(|slot| naming.names(layout.expert_at(slot)))
+        .flat_map(|slot| names.names(layout.expert_at(slot)))
         .filter(|name| !checkpoint.contains(name))
         .collect();
     if !missing.is_empty() {
@@ -307,7 +354,7 @@ pub fn import_experts(
     let total = layout.expert_count();
     for slot in 0..total {
         let expert = layout.expert_at(slot);
-        let [gate, up, down] = naming.names(expert);
+        let [gate, up, down] = names.names(expert);
         {
             let r = record_mut(&layout, record.as_mut_slice())?;
             let (w1, rest) = r.master.split_at_mut(d * f);
@@ -451,15 +498,16 @@ pub fn write_safetensors(
 /// The expert tensors of a store, named for `naming`, in `dtype`.
 pub fn expert_tensor_specs(
     store: &ExpertStore,
-    naming: ExpertNaming,
+    names: impl Into<ExpertNames>,
     shape: ExpertShape,
     dtype: Dtype,
 ) -> Vec<TensorSpec> {
+    let names = names.into();
     let layout = store.layout();
     let (d, f) = (shape.d_model, shape.d_ff);
     (0..layout.expert_count())
         .flat_map(|slot| {
-            let [gate, up, down] = naming.names(layout.expert_at(slot));
+            let [gate, up, down] = names.names(layout.expert_at(slot));
             [(gate, vec![f, d]), (up, vec![f, d]), (down, vec![d, f])]
         })
         .map(|(name, shape)| TensorSpec { name, dtype, shape })
@@ -470,7 +518,7 @@ pub fn expert_tensor_specs(
 /// safetensors files under `dir`, one expert read at a time.
 pub fn export_experts(
     store: &ExpertStore,
-    naming: ExpertNaming,
+    names: impl Into<ExpertNames>,
     shape: ExpertShape,
     dtype: Dtype,
     dir: &Path,
@@ -484,7 +532,7 @@ pub fn export_experts(
             layout.params_per_expert, shape.d_model, shape.d_ff
         )));
     }
-    let specs = expert_tensor_specs(store, naming, shape, dtype);
+    let specs = expert_tensor_specs(store, names, shape, dtype);
     let (d, f) = (shape.d_model, shape.d_ff);
     let mut record = AlignedBuf::zeroed(layout.record_bytes() as usize);
     let mut loaded: Option<u64> = None;

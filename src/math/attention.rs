@@ -42,29 +42,48 @@ impl AttnShape {
     }
 }
 
-/// cos and sin of position p and frequency i: (S, hd/2) each, Hugging
-/// Face's `rotate_half` convention (pairs i and i + hd/2).
+/// cos and sin of position p and frequency i: (S, r/2) each for a
+/// rotary dimension r (the head's whole dimension, or its first r where
+/// the rotation is partial, GLM-4.5's `partial_rotary_factor`), Hugging
+/// Face's `rotate_half` convention (pairs i and i + r/2 of the first r).
 #[derive(Clone, Debug, Default)]
 pub struct RopeTable<R> {
     pub cos: Vec<R>,
     pub sin: Vec<R>,
     half: usize,
+    head_dim: usize,
 }
 
 impl<R: Real> RopeTable<R> {
+    /// Every dimension of each head rotates.
     pub fn new(seq_len: usize, head_dim: usize, theta: f64) -> Self {
-        let half = head_dim / 2;
+        Self::partial(seq_len, head_dim, head_dim, theta)
+    }
+
+    /// The first `rotary_dim` (even, ≤ `head_dim`) dimensions of each head
+    /// rotate, at frequencies θ^(−2i/rotary_dim); the rest pass through.
+    pub fn partial(seq_len: usize, head_dim: usize, rotary_dim: usize, theta: f64) -> Self {
+        assert!(
+            rotary_dim.is_multiple_of(2) && rotary_dim <= head_dim,
+            "rotary dimension {rotary_dim} of a head of {head_dim}"
+        );
+        let half = rotary_dim / 2;
         let mut cos = Vec::with_capacity(seq_len * half);
         let mut sin = Vec::with_capacity(seq_len * half);
         for p in 0..seq_len {
             for i in 0..half {
-                let inv_freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+                let inv_freq = 1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64);
                 let angle = p as f64 * inv_freq;
                 cos.push(R::from_f64(angle.cos()));
                 sin.push(R::from_f64(angle.sin()));
             }
         }
-        Self { cos, sin, half }
+        Self {
+            cos,
+            sin,
+            half,
+            head_dim,
+        }
     }
 }
 
@@ -85,8 +104,7 @@ fn rope_apply<R: Real>(
     heads: usize,
     transpose: bool,
 ) {
-    let half = table.half;
-    let hd = 2 * half;
+    let (half, hd) = (table.half, table.head_dim);
     let rows = x.len() / (heads * hd);
     for t in 0..rows {
         let p = t % seq_len;

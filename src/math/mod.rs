@@ -29,7 +29,7 @@ pub use permute::{
     combine_backward_weights, combine_forward, gather_backward, gather_forward,
     scatter_to_assignments, AssignmentGrads, Permutation,
 };
-pub use router::{router_backward, router_forward, top_k, RouterConfig, Routing};
+pub use router::{router_backward, router_forward, top_k, RouterConfig, Routing, Scoring};
 
 /// f32 or f64.
 pub trait Real:

@@ -1,4 +1,5 @@
-//! The router: a linear layer d_model → E, softmax, top-k (any k ≥ 1), the
+//! The router: a linear layer d_model → E, softmax (or sigmoid scores with
+//! a correction bias and group-limited choice), top-k (any k ≥ 1), the
 //! optional renormalization of the top-k weights, and the load-balancing
 //! and z losses, with its mirrored backward.
 
@@ -13,14 +14,73 @@ pub struct RouterConfig {
     pub top_k: usize,
     /// Divide the top-k weights by their sum (Mixtral) or not (Switch).
     pub renormalize: bool,
+    pub scoring: Scoring,
+}
+
+/// How the router scores experts and picks a token's k.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum Scoring {
+    /// A softmax over the experts; the k most probable (Mixtral, Qwen,
+    /// OLMoE).
+    #[default]
+    Softmax,
+    /// σ(logit) for each expert (DeepSeek-V3, GLM-4.5). Experts are chosen
+    /// by score plus a per-layer correction bias (a constant: no gradient
+    /// reaches it), among the `kept_groups` of `groups` equal groups of
+    /// experts whose two best biased scores sum highest; the weights are
+    /// the chosen experts' scores (renormalized, plus 1e-20 in the sum,
+    /// where `renormalize`) times `scale`. The router has no z-loss here.
+    SigmoidGrouped {
+        groups: usize,
+        kept_groups: usize,
+        scale: f32,
+    },
+}
+
+impl RouterConfig {
+    /// What is wrong with these settings, if anything.
+    pub fn check(&self) -> Result<(), String> {
+        let (e, k) = (self.experts, self.top_k);
+        if !(1..=e).contains(&k) {
+            return Err(format!(
+                "top_k = {k} must be between 1 and the number of experts ({e})"
+            ));
+        }
+        if let Scoring::SigmoidGrouped {
+            groups,
+            kept_groups,
+            scale,
+        } = self.scoring
+        {
+            if groups == 0 || !e.is_multiple_of(groups) || e / groups < 2 {
+                return Err(format!(
+                    "n_group = {groups} must divide the {e} experts into groups of at least 2"
+                ));
+            }
+            if !(1..=groups).contains(&kept_groups) || kept_groups * (e / groups) < k {
+                return Err(format!(
+                    "topk_group = {kept_groups} must be between 1 and n_group = {groups} \
+                     and keep at least top_k = {k} experts"
+                ));
+            }
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(format!(
+                    "routed_scaling_factor = {scale} must be positive and finite"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What the router decided for a batch, and what its backward needs.
 #[derive(Clone, Debug, Default)]
 pub struct Routing<R> {
-    /// (T, E) softmax probabilities
+    /// (T, E) softmax probabilities (sigmoid scores under
+    /// `Scoring::SigmoidGrouped`)
     pub probs: Vec<R>,
-    /// (T) log-sum-exp of each token's router logits
+    /// (T) log-sum-exp of each token's router logits (0 under
+    /// `Scoring::SigmoidGrouped`)
     pub lse: Vec<R>,
     /// (T, K) chosen experts, best first (ties: lower index first)
     pub experts: Vec<u32>,
@@ -38,17 +98,22 @@ pub struct Routing<R> {
     pub aux_grad: Option<Vec<R>>,
 }
 
-/// logits (T, E) = x (T, D) · wr (E, D)ᵀ; softmax; top-k; losses.
+/// logits (T, E) = x (T, D) · wr (E, D)ᵀ; scores; top-k; losses.
+/// `choice_bias` (E), the correction bias of `Scoring::SigmoidGrouped`
+/// (`None`: zeros), is added to the scores for the choice alone.
 pub fn router_forward<R: Real>(
     cfg: &RouterConfig,
     routing: &mut Routing<R>,
     x: &[R],
     wr: &[R],
+    choice_bias: Option<&[R]>,
     t: usize,
     d: usize,
 ) {
     let (e, k) = (cfg.experts, cfg.top_k);
-    assert!(k >= 1 && k <= e, "top-k {k} of {e} experts");
+    if let Err(why) = cfg.check() {
+        panic!("{why}");
+    }
     let mut logits = vec![R::zero(); t * e];
     linear_forward(&mut logits, x, wr, t, d, e);
     routing.probs.resize(t * e, R::zero());
@@ -60,16 +125,30 @@ pub fn router_forward<R: Real>(
     let mut z = R::zero();
     for i in 0..t {
         let row = &logits[i * e..(i + 1) * e];
-        let lse = log_sum_exp(row);
-        for j in 0..e {
-            routing.probs[i * e + j] = (row[j] - lse).exp();
+        let chosen = &mut routing.experts[i * k..(i + 1) * k];
+        let probs = &mut routing.probs[i * e..(i + 1) * e];
+        match cfg.scoring {
+            Scoring::Softmax => {
+                let lse = log_sum_exp(row);
+                for j in 0..e {
+                    probs[j] = (row[j] - lse).exp();
+                }
+                routing.lse[i] = lse;
+                z += lse * lse;
+                top_k(probs, chosen);
+            }
+            Scoring::SigmoidGrouped {
+                groups,
+                kept_groups,
+                ..
+            } => {
+                for j in 0..e {
+                    probs[j] = R::one() / (R::one() + (-row[j]).exp());
+                }
+                routing.lse[i] = R::zero();
+                grouped_top_k(probs, choice_bias, groups, kept_groups, chosen);
+            }
         }
-        routing.lse[i] = lse;
-        z += lse * lse;
-        top_k(
-            &routing.probs[i * e..(i + 1) * e],
-            &mut routing.experts[i * k..(i + 1) * k],
-        );
         let mut total = R::zero();
         for s in 0..k {
             let ex = routing.experts[i * k + s] as usize;
@@ -78,9 +157,22 @@ pub fn router_forward<R: Real>(
             routing.weights[i * k + s] = p;
             total += p;
         }
-        if cfg.renormalize {
-            for s in 0..k {
-                routing.weights[i * k + s] = routing.weights[i * k + s] / total;
+        let w = &mut routing.weights[i * k..(i + 1) * k];
+        match cfg.scoring {
+            Scoring::Softmax => {
+                if cfg.renormalize {
+                    w.iter_mut().for_each(|w| *w = *w / total);
+                }
+            }
+            Scoring::SigmoidGrouped { scale, .. } => {
+                let scale = R::from_f64(scale as f64);
+                let total = total + R::from_f64(SIGMOID_RENORM_EPS);
+                for w in w.iter_mut() {
+                    if cfg.renormalize {
+                        *w = *w / total;
+                    }
+                    *w *= scale;
+                }
             }
         }
     }
@@ -97,6 +189,45 @@ pub fn router_forward<R: Real>(
     }
     routing.aux_loss = R::from_f64(e as f64) * aux;
     routing.aux_grad = None;
+}
+
+/// What the sigmoid router adds to the chosen scores' sum before dividing
+/// by it (DeepSeek-V3's and GLM-4.5's, in transformers).
+const SIGMOID_RENORM_EPS: f64 = 1e-20;
+
+/// The k experts of `Scoring::SigmoidGrouped`, best first by biased score:
+/// the `kept` groups with the largest sums of their two best biased scores
+/// (ties: the lower group), then the k best biased scores within them.
+fn grouped_top_k<R: Real>(
+    scores: &[R],
+    bias: Option<&[R]>,
+    groups: usize,
+    kept: usize,
+    out: &mut [u32],
+) {
+    let choice: Vec<R> = match bias {
+        Some(b) => scores.iter().zip(b).map(|(&s, &b)| s + b).collect(),
+        None => scores.to_vec(),
+    };
+    let size = choice.len() / groups;
+    let group_scores: Vec<R> = choice
+        .chunks_exact(size)
+        .map(|g| {
+            let mut best = [0u32; 2];
+            top_k(g, &mut best);
+            g[best[0] as usize] + g[best[1] as usize]
+        })
+        .collect();
+    let mut kept_groups = vec![0u32; kept];
+    top_k(&group_scores, &mut kept_groups);
+    let excluded = R::from_f64(f64::NEG_INFINITY);
+    let masked: Vec<R> = (0..choice.len())
+        .map(|j| match kept_groups.contains(&((j / size) as u32)) {
+            true => choice[j],
+            false => excluded,
+        })
+        .collect();
+    top_k(&masked, out);
 }
 
 /// The indices of the `out.len()` largest values, best first; ties go to
@@ -145,9 +276,16 @@ pub fn router_backward<R: Real>(
     for i in 0..t {
         let w = &routing.weights[i * k..(i + 1) * k];
         let dw = &dweights[i * k..(i + 1) * k];
+        let (scale, eps) = match cfg.scoring {
+            Scoring::Softmax => (None, R::zero()),
+            Scoring::SigmoidGrouped { scale, .. } => (
+                Some(R::from_f64(scale as f64)),
+                R::from_f64(SIGMOID_RENORM_EPS),
+            ),
+        };
         if cfg.renormalize {
-            // w_s = p_s / S  ⇒  dp_s = (dw_s − Σ_j dw_j w_j) / S
-            let mut total = R::zero();
+            // w_s = a · p_s / S  ⇒  dp_s = a · (dw_s − Σ_j dw_j w_j / a) / S
+            let mut total = eps;
             let mut dot = R::zero();
             for s in 0..k {
                 let ex = routing.experts[i * k + s] as usize;
@@ -156,12 +294,18 @@ pub fn router_backward<R: Real>(
             }
             for s in 0..k {
                 let ex = routing.experts[i * k + s] as usize;
-                dprobs[i * e + ex] += (dw[s] - dot) / total;
+                dprobs[i * e + ex] += match scale {
+                    None => (dw[s] - dot) / total,
+                    Some(a) => a * (dw[s] - dot / a) / total,
+                };
             }
         } else {
             for s in 0..k {
                 let ex = routing.experts[i * k + s] as usize;
-                dprobs[i * e + ex] += dw[s];
+                dprobs[i * e + ex] += match scale {
+                    None => dw[s],
+                    Some(a) => a * dw[s],
+                };
             }
         }
         match &routing.aux_grad {
@@ -186,6 +330,13 @@ pub fn router_backward<R: Real>(
         let mut dot = R::zero();
         for j in 0..e {
             dot += p[j] * dp[j];
+        }
+        if let Scoring::SigmoidGrouped { .. } = cfg.scoring {
+            // p = σ(logit) ⇒ ∂p/∂logit = p (1 − p)
+            for j in 0..e {
+                dlogits[i * e + j] = dp[j] * p[j] * (R::one() - p[j]);
+            }
+            continue;
         }
         // z = (1/T) Σ lse² ⇒ ∂z/∂logit_tj = (2/T) lse_t p_tj
         let zscale = dz * R::from_f64(2.0) * routing.lse[i] / tf;

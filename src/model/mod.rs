@@ -16,7 +16,7 @@
 use crate::math::{
     combine_backward_weights, combine_forward, cross_entropy_loss, gather_backward,
     rmsnorm_backward, rmsnorm_forward, router_backward, router_forward, AssignmentGrads,
-    ExpertKind, Permutation, RouterConfig, Routing,
+    ExpertKind, Permutation, RouterConfig, Routing, Scoring,
 };
 use crate::EngineError;
 
@@ -45,6 +45,9 @@ pub struct ModelConfig {
     pub aux_loss_coef: f32,
     /// Router z-loss coefficient (0 turns it off).
     pub z_loss_coef: f32,
+    /// How the router scores experts (softmax, or sigmoid with group-limited
+    /// choice).
+    pub scoring: Scoring,
     pub rms_eps: f64,
     /// Seed of the deterministic initialization.
     pub seed: u64,
@@ -63,6 +66,7 @@ impl Default for ModelConfig {
             classes: 64,
             aux_loss_coef: 0.01,
             z_loss_coef: 0.0,
+            scoring: Scoring::Softmax,
             rms_eps: 1e-5,
             seed: 0,
         }
@@ -87,7 +91,13 @@ impl ModelConfig {
         if !(self.aux_loss_coef.is_finite() && self.z_loss_coef.is_finite()) {
             return bad("loss coefficients must be finite".into());
         }
-        Ok(())
+        if self.scoring != Scoring::Softmax && self.z_loss_coef != 0.0 {
+            return bad(format!(
+                "router_z_loss_coef = {}: the z-loss is a softmax router's; a sigmoid router has none",
+                self.z_loss_coef
+            ));
+        }
+        self.router().check().or_else(bad)
     }
 
     pub fn router(&self) -> RouterConfig {
@@ -95,6 +105,7 @@ impl ModelConfig {
             experts: self.experts,
             top_k: self.top_k,
             renormalize: self.renormalize,
+            scoring: self.scoring,
         }
     }
 
@@ -303,6 +314,12 @@ pub trait Network {
     }
     /// Splits into (at most) `n` micro-batches.
     fn split_batch(&self, batch: &Self::Batch, n: usize) -> Vec<Self::Batch>;
+    /// Ranges of the dense vector that no optimizer step changes (buffers,
+    /// such as a sigmoid router's correction bias), ascending and
+    /// disjoint.
+    fn frozen_dense(&self) -> Vec<std::ops::Range<usize>> {
+        Vec::new()
+    }
     /// Forward, loss and backward of one micro-batch: `dense_grad`
     /// accumulates; `tokens_total` and `micro_batches` scale the losses so
     /// micro-batches add up to the full batch.
@@ -391,17 +408,28 @@ pub struct MoeSaved {
 
 /// One MoE layer, forward: router, dropless permutation, experts, and the
 /// weighted combine. `x` (T, D) is the (normed) input; returns y (T, D).
+/// `choice_bias`: the layer's correction bias of a sigmoid router
+/// (`Scoring::SigmoidGrouped`), `None` for zeros.
 pub fn moe_forward(
     model: &ModelConfig,
     layer: usize,
     router_w: &[f32],
+    choice_bias: Option<&[f32]>,
     x: &[f32],
     t: usize,
     runner: &mut dyn ExpertRunner,
 ) -> Result<(Vec<f32>, MoeSaved), EngineError> {
     let (d, k) = (model.d_model, model.top_k);
     let mut s = MoeSaved::default();
-    router_forward(&model.router(), &mut s.routing, x, router_w, t, d);
+    router_forward(
+        &model.router(),
+        &mut s.routing,
+        x,
+        router_w,
+        choice_bias,
+        t,
+        d,
+    );
     s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
     s.expert_out = runner.take_buffer(t * k * d);
     runner.forward_layer(layer, &s.perm, x, &mut s.expert_out)?;
@@ -485,7 +513,7 @@ fn stack_forward(
         let g = &dense[model.norm_range(l)];
         rmsnorm_forward(&mut normed, &mut inv_rms, &h, g, t, d, model.rms_eps);
         let router_w = &dense[model.router_range(l)];
-        let (y, moe) = moe_forward(model, l, router_w, &normed, t, runner)?;
+        let (y, moe) = moe_forward(model, l, router_w, None, &normed, t, runner)?;
         // The residual: this layer's input is kept for its backward, and
         // the next layer's is written beside it (the add writes it whole).
         let h_in = std::mem::replace(&mut h, runner.take_buffer(t * d));

@@ -66,6 +66,7 @@ pub fn model(top_k: usize, kind: ExpertKind) -> ModelConfig {
         classes: 10,
         aux_loss_coef: 0.01,
         z_loss_coef: 0.001,
+        scoring: strata::math::Scoring::Softmax,
         rms_eps: 1e-5,
         seed: 7,
     }

@@ -11,7 +11,7 @@
 pub mod emulator;
 
 use strata::math::attention::AttnShape;
-use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind};
+use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, Scoring};
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
 /// What the router kernel fills (the fields of `math::Routing`).
@@ -238,10 +238,11 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
             experts: e,
             top_k: k,
             renormalize,
+            scoring: Scoring::Softmax,
         };
         let (x, wr) = (f32s(t * d, 31, 1.0), f32s(e * d, 32, 0.5));
         let mut routing = Routing::default();
-        router_forward(&cfg, &mut routing, &x, &wr, t, d);
+        router_forward(&cfg, &mut routing, &x, &wr, None, t, d);
         let mut logits = vec![0.0f32; t * e];
         linear_forward(&mut logits, &x, &wr, t, d, e);
         let got = h.router_top_k(&logits, t, e, k, renormalize);

@@ -13,6 +13,7 @@ use strata_tiers::io::AlignedBuf;
 use strata_tiers::{record_mut, Dtype, ExpertStore, Parts};
 
 use strata::lm::{LmConfig, MoeLm};
+use strata::model::Network;
 
 /// Files copied along with the weights when present.
 pub(super) const SIDE_FILES: &[&str] = &[
@@ -46,8 +47,10 @@ pub fn import_store(
 
 /// Writes the model — dense params from `dense`, experts' master params
 /// from `store` — as safetensors shards of at most `shard_bytes_max` in
-/// `dtype`, with its `config.json` and the side files of `source_dir`.
-/// Everything is written under temporary names and renamed at the end.
+/// `dtype` (frozen tensors, a sigmoid router's correction biases, in f32
+/// as transformers keeps them), with its `config.json` and the side files
+/// of `source_dir`. Everything is written under temporary names and
+/// renamed at the end.
 pub fn export(
     dir: &Path,
     lm: &MoeLm,
@@ -63,19 +66,24 @@ pub fn export(
         d_model: config.d_model,
         d_ff: config.d_ff,
     };
+    let frozen = lm.frozen_dense();
     let mut specs: Vec<TensorSpec> = lm
         .tensors()
         .iter()
         .map(|t| TensorSpec {
             name: t.name.clone(),
-            dtype,
+            dtype: match frozen.contains(&t.range) {
+                true => Dtype::F32,
+                false => dtype,
+            },
             shape: t.shape.clone(),
         })
         .collect();
     let dense_count = specs.len();
+    let specs_dtype: Vec<Dtype> = specs.iter().map(|s| s.dtype).collect();
     specs.extend(expert_tensor_specs(
         store,
-        config.family.expert_naming(),
+        config.expert_names(),
         shape,
         dtype,
     ));
@@ -86,7 +94,7 @@ pub fn export(
     let tensors = lm.tensors();
     let mut files = write_safetensors(dir, &specs, shard_bytes_max, |i, out| {
         if i < dense_count {
-            encode_compute(dtype, &dense[tensors[i].range.clone()], out);
+            encode_compute(specs_dtype[i], &dense[tensors[i].range.clone()], out);
             return Ok(());
         }
         let slot = ((i - dense_count) / 3) as u64;

@@ -92,35 +92,42 @@ pub struct PlanInput<'a> {
 
 /// Bytes one micro-batch keeps for its backward (f32): per layer the
 /// residual stream and norms (5·D), q/k/v and the attention output,
-/// the attention probabilities (H·S² a sequence), the router's outputs,
-/// each assignment's expert output (K·D) and hidden activations (2·K·F);
-/// q and k before their norms, q/k/v before a clamp, and a shared
-/// expert's activations (3·F_s + D + 1) where the family has them; then
-/// the logits and their gradient (2·V).
+/// the attention probabilities (H·S² a sequence); per sparse layer the
+/// router's outputs, each assignment's expert output (K·D) and hidden
+/// activations (2·K·F), and a shared expert's activations (3·F_s + D + 1)
+/// where the family has them; per dense layer its MLP's (3·F_d + D); q and
+/// k before their norms and q/k/v before a clamp where the family has
+/// them; then the logits and their gradient (2·V).
 pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
     let (d, k, f) = (m.d_model as u64, m.top_k as u64, m.d_ff as u64);
     let q = (m.heads * m.head_dim) as u64;
     let kv = (m.kv_heads * m.head_dim) as u64;
-    let mut per_token = 5 * d + 2 * q + 2 * kv + 2 * m.experts as u64 + k * d + 2 * k * f;
-    if m.family.qk_norm() != QkNorm::None {
+    let mut per_token = 5 * d + 2 * q + 2 * kv;
+    if m.qk_norm != QkNorm::None {
         per_token += q + kv + m.heads as u64 + m.kv_heads as u64;
     }
     if m.clip_qkv.is_some() {
         per_token += q + 2 * kv;
     }
+    let mut per_sparse_token = 2 * m.experts as u64 + k * d + 2 * k * f;
     if m.shared_expert_ff > 0 {
-        per_token += 3 * m.shared_expert_ff as u64 + d + 1;
+        per_sparse_token += 3 * m.shared_expert_ff as u64 + d + 1;
     }
+    let per_dense_token = 3 * m.dense_ff as u64 + d;
+    let (dense, sparse) = (m.dense_layers.len() as u64, m.moe().layers as u64);
     let probs = (seqs * m.heads * seq_len * seq_len) as u64;
-    4 * (m.layers as u64 * (t * per_token + probs) + 2 * t * m.vocab as u64)
+    let layers = m.layers as u64 * (t * per_token + probs)
+        + sparse * t * per_sparse_token
+        + dense * t * per_dense_token;
+    4 * (layers + 2 * t * m.vocab as u64)
 }
 
 /// Plans a run, or says what is short and by how much.
 pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let m = input.model;
     let layout = Layout {
-        layers: m.layers as u32,
+        layers: m.moe().layers as u32,
         experts_per_layer: m.experts as u32,
         params_per_expert: m.expert_params() as u64,
         compute_dtype: input.compute_dtype,

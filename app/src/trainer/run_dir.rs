@@ -46,7 +46,10 @@ pub(super) enum ModelFiles {
     /// The run directory: the record's config (`from_hf_json` of what
     /// `to_hf_json` wrote, the seed being the options'), and
     /// `tokenizer.json` there where `tokenizer` (else bytes).
-    RunDir { config: LmConfig, tokenizer: bool },
+    RunDir {
+        config: Box<LmConfig>,
+        tokenizer: bool,
+    },
     /// The source: the preset or the model directory, and `--tokenizer`.
     Source,
 }
@@ -75,7 +78,7 @@ impl ModelFiles {
                 };
                 let config = LmConfig {
                     seed: o.seed,
-                    ..config.clone()
+                    ..(**config).clone()
                 };
                 Ok((tok, config))
             }
@@ -203,8 +206,10 @@ impl RunRecord {
     fn model_files(&self) -> Result<ModelFiles, String> {
         Ok(match self.kept {
             Some(kept) => ModelFiles::RunDir {
-                config: LmConfig::from_hf_json(&self.model)
-                    .map_err(|e| format!("run.json's model: {e}"))?,
+                config: Box::new(
+                    LmConfig::from_hf_json(&self.model)
+                        .map_err(|e| format!("run.json's model: {e}"))?,
+                ),
                 tokenizer: kept.tokenizer,
             },
             None => ModelFiles::Source,
@@ -405,7 +410,7 @@ pub(super) fn create_run(
             None => Engine::new_network(lm, engine_config).map_err(|e| e.to_string())?,
             Some((ckpt, dense)) => {
                 let layout = Layout {
-                    layers: config.layers as u32,
+                    layers: config.moe().layers as u32,
                     experts_per_layer: config.experts as u32,
                     params_per_expert: config.expert_params() as u64,
                     compute_dtype: engine_config.compute_dtype,
