@@ -8,7 +8,7 @@ mod common;
 use std::sync::atomic::AtomicBool;
 
 use common::tiny_lm::{
-    flags_holding, flags_holding_for, run_params, tiny_config, write_checkpoint,
+    flags_holding, flags_holding_for, run_params, run_params_of, tiny_config, write_checkpoint,
 };
 use strata_cli::trainer::{self, Source, TrainFlags};
 
@@ -362,4 +362,54 @@ fn metric(out: &std::path::Path, key: &str) -> Vec<f64> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter_map(|v| v.get(key).and_then(serde_json::Value::as_f64))
         .collect()
+}
+
+/// `--train router,norms`: the routers and norm gains train, and nothing
+/// else moves (experts, attention, embeddings); the run resumes with the
+/// same groups, and a bad group is refused by name.
+#[test]
+fn train_updates_the_groups_it_names_and_nothing_else() {
+    use strata::lm::{MoeLm, TensorGroup};
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    let (dense0, experts0) = write_checkpoint(&model, &config);
+    let out = dir.path().join("run");
+    let flags = |steps| TrainFlags {
+        steps: Some(steps),
+        eval_every: Some(0),
+        train: Some(vec!["router".into(), "norms".into()]),
+        out: Some(out.clone()),
+        ..flags_holding(&out, 6)
+    };
+    let from = Source::Finetune(model.clone());
+    trainer::run(&flags(2), from.clone(), &AtomicBool::new(false)).unwrap();
+    let resumed = TrainFlags {
+        resume: true,
+        ..flags(3)
+    };
+    let summary = trainer::run(&resumed, from.clone(), &AtomicBool::new(false)).unwrap();
+    assert_eq!(summary.steps, 3);
+    let lm = MoeLm::new(config.clone())
+        .unwrap()
+        .with_trained(&[TensorGroup::Router, TensorGroup::Norms]);
+    let (dense, experts) = run_params_of(&out, &lm);
+    assert!(experts == experts0, "a frozen expert moved");
+    for t in lm.tensors() {
+        let (was, now) = (&dense0[t.range.clone()], &dense[t.range.clone()]);
+        match TensorGroup::of_dense(&t.name) {
+            Some(TensorGroup::Router | TensorGroup::Norms) => {
+                assert!(was != now, "{} did not train", t.name)
+            }
+            _ => assert!(was == now, "{} is frozen but moved", t.name),
+        }
+    }
+
+    let bad = TrainFlags {
+        train: Some(vec!["heads".into()]),
+        out: Some(dir.path().join("bad")),
+        ..flags(1)
+    };
+    let err = trainer::run(&bad, from, &AtomicBool::new(false)).unwrap_err();
+    assert!(err.contains("--train: `heads` is not a group"), "{err}");
 }

@@ -53,6 +53,11 @@ pub struct EngineConfig {
     /// which holds every expert's gradient until then (the host memory
     /// plan counts them). `None` (the default): no clipping.
     pub clip_grad_norm: Option<f32>,
+    /// Update the experts (`false`: they are frozen, as the dense tensors
+    /// a network names in `Network::frozen_dense` are: their gradients are
+    /// dropped, no update runs and no record is written back; gradient-only
+    /// passes still report them).
+    pub train_experts: bool,
     /// Precision of the compute params that travel to the device.
     pub compute_dtype: Dtype,
     /// Micro-batches per step (gradient accumulation).
@@ -138,6 +143,7 @@ impl Default for EngineConfig {
             schedule: ScheduleKind::ExpertWise,
             hyper: AdamWHyper::default(),
             clip_grad_norm: None,
+            train_experts: true,
             compute_dtype: Dtype::F32,
             micro_batches: 1,
             recompute_hidden: false,

@@ -3,9 +3,11 @@
 //! (under a temporary name, fsynced, renamed) before the store commits the
 //! same step, so the store's committed step always has its dense file.
 //!
-//! Layout (little-endian): magic `STRATADN`, u32 version 1, u64 step,
-//! u64 dense AdamW step, u64 count N, N f32 params, N f32 m, N f32 v,
-//! u32 CRC-32C of everything before it (`docs/formats.md`).
+//! Layout (little-endian): magic `STRATADN`, u32 version, u64 step,
+//! u64 dense AdamW step, u64 count N, (version 2: u64 count M,) N f32
+//! params, M f32 m, M f32 v, u32 CRC-32C of everything before it
+//! (`docs/formats.md`). The moments are the trainable params' alone, in
+//! order: version 1, written where every param trains, has M = N.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -13,12 +15,15 @@ use std::path::{Path, PathBuf};
 use crate::EngineError;
 
 const MAGIC: &[u8; 8] = b"STRATADN";
-const VERSION: u32 = 1;
+/// Where every param trains; version 2 adds the moments' count.
+const VERSION_ALL_TRAIN: u32 = 1;
+const VERSION: u32 = 2;
 
 pub(crate) struct DenseState {
     pub step: u64,
     pub dense_step: u64,
     pub params: Vec<f32>,
+    /// The trainable params' moments, in order.
     pub m: Vec<f32>,
     pub v: Vec<f32>,
 }
@@ -38,12 +43,20 @@ fn io_error(path: &Path, e: std::io::Error) -> EngineError {
 
 pub(crate) fn write(store: &Path, state: &DenseState) -> Result<(), EngineError> {
     let path = path_for(store, state.step);
-    let mut bytes = Vec::with_capacity(36 + 12 * state.params.len());
+    let (n, m) = (state.params.len(), state.m.len());
+    let version = match m == n {
+        true => VERSION_ALL_TRAIN,
+        false => VERSION,
+    };
+    let mut bytes = Vec::with_capacity(44 + 4 * n + 8 * m);
     bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&VERSION.to_le_bytes());
+    bytes.extend_from_slice(&version.to_le_bytes());
     bytes.extend_from_slice(&state.step.to_le_bytes());
     bytes.extend_from_slice(&state.dense_step.to_le_bytes());
-    bytes.extend_from_slice(&(state.params.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&(n as u64).to_le_bytes());
+    if version == VERSION {
+        bytes.extend_from_slice(&(m as u64).to_le_bytes());
+    }
     for values in [&state.params, &state.m, &state.v] {
         for x in values.iter() {
             bytes.extend_from_slice(&x.to_le_bytes());
@@ -64,7 +77,14 @@ pub(crate) fn write(store: &Path, state: &DenseState) -> Result<(), EngineError>
     Ok(())
 }
 
-pub(crate) fn read(store: &Path, step: u64, count: usize) -> Result<DenseState, EngineError> {
+/// Reads step `step`'s dense file for `count` params of which `trainable`
+/// carry moments (`None`: as many as the file holds).
+pub(crate) fn read(
+    store: &Path,
+    step: u64,
+    count: usize,
+    trainable: Option<usize>,
+) -> Result<DenseState, EngineError> {
     let path = path_for(store, step);
     let bytes = std::fs::read(&path).map_err(|e| EngineError::File {
         path: path.clone(),
@@ -74,10 +94,9 @@ pub(crate) fn read(store: &Path, step: u64, count: usize) -> Result<DenseState, 
         path: path.clone(),
         why: why.to_string(),
     };
-    let expected_len = 36 + 12 * count + 4;
-    if bytes.len() != expected_len {
+    if bytes.len() < 40 {
         return Err(bad(&format!(
-            "{} bytes, {expected_len} expected for this model",
+            "{} bytes: too short for a dense-state file",
             bytes.len()
         )));
     }
@@ -85,28 +104,55 @@ pub(crate) fn read(store: &Path, step: u64, count: usize) -> Result<DenseState, 
     if crc32c::crc32c(body) != u32::from_le_bytes(tail.try_into().expect("4 bytes")) {
         return Err(bad("checksum mismatch (the file is damaged)"));
     }
-    if &body[..8] != MAGIC || body[8..12] != VERSION.to_le_bytes() {
-        return Err(bad("not a strata dense-state file of version 1"));
-    }
     let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
+    let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
+    if &body[..8] != MAGIC || !(version == VERSION_ALL_TRAIN || version == VERSION) {
+        return Err(bad("not a strata dense-state file of version 1 or 2"));
+    }
+    if version == VERSION && body.len() < 44 {
+        return Err(bad("too short for a dense-state file of version 2"));
+    }
+    let (moments, header) = match version {
+        VERSION_ALL_TRAIN => (u64_at(28), 36),
+        _ => (u64_at(36), 44),
+    };
     if u64_at(12) != step || u64_at(28) != count as u64 {
         return Err(bad(
             "step or parameter count differs from the store and model",
         ));
     }
-    let floats = |k: usize| -> Vec<f32> {
-        let at = 36 + 4 * count * k;
-        body[at..at + 4 * count]
+    if moments > count as u64 {
+        return Err(bad(&format!(
+            "Adam moments for {moments} of {count} dense params"
+        )));
+    }
+    let trainable = trainable.unwrap_or(moments as usize);
+    if moments != trainable as u64 {
+        return Err(bad(&format!(
+            "it holds Adam moments for {moments} of the {count} dense params, but {trainable} \
+             train now (the frozen tensors differ from the run's: resume with the same --train)"
+        )));
+    }
+    let expected_len = header + 4 * count + 8 * trainable + 4;
+    if bytes.len() != expected_len {
+        return Err(bad(&format!(
+            "{} bytes, {expected_len} expected for this model",
+            bytes.len()
+        )));
+    }
+    let floats = |at: usize, n: usize| -> Vec<f32> {
+        body[at..at + 4 * n]
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
+    let m_at = header + 4 * count;
     Ok(DenseState {
         step,
         dense_step: u64_at(20),
-        params: floats(0),
-        m: floats(1),
-        v: floats(2),
+        params: floats(header, count),
+        m: floats(m_at, trainable),
+        v: floats(m_at + 4 * trainable, trainable),
     })
 }
 

@@ -72,8 +72,11 @@ pub struct Engine {
     /// memory not page-locked for a GPU).
     notes: Vec<String>,
     dense: Vec<f32>,
+    /// The trainable dense params' moments, in order.
     dense_m: Vec<f32>,
     dense_v: Vec<f32>,
+    /// The network's frozen dense ranges (`Network::frozen_dense`).
+    frozen: Vec<std::ops::Range<usize>>,
     dense_step: u64,
     /// Several devices: the placement's cost model, recalibrated from each
     /// step's measured expert compute.
@@ -162,6 +165,12 @@ impl Engine {
         if net.moe() != &self.model || net.dense_params() != self.dense.len() {
             return Err(EngineError::Config(
                 "the network is not the one this engine was built for".into(),
+            ));
+        }
+        if net.frozen_dense() != self.frozen {
+            return Err(EngineError::Config(
+                "the network freezes other dense tensors than the one this engine was built for"
+                    .into(),
             ));
         }
         Ok(())
@@ -271,7 +280,11 @@ impl Engine {
         };
         let clip = self.config.clip_grad_norm.map(|max_norm| ClipInput {
             max_norm,
-            dense_norm_sq: dense_grad.iter().map(|&g| g as f64 * g as f64).sum(),
+            // Frozen tensors have no gradient, as in torch.
+            dense_norm_sq: trainable_runs(dense_grad.len(), &self.frozen)
+                .flat_map(|r| &dense_grad[r])
+                .map(|&g| g as f64 * g as f64)
+                .sum(),
         });
         let (finish_stall, clipped) = self.shared.finish_step(clip)?;
         if let Some(c) = clipped.filter(|c| c.scale < 1.0) {
@@ -280,15 +293,19 @@ impl Engine {
         self.devices[0].acc.stall_optimizer_s += finish_stall;
         self.dense_step += 1;
         let s = StepScalars::new(&self.config.hyper, self.dense_step, 1.0);
-        // Element by element: the trainable runs step as the whole would.
+        // Element by element: the trainable runs step as the whole would,
+        // each with its moments (kept for the trainable params alone).
         let kernel = Kernel::detect();
-        let updated = trainable_runs(self.dense.len(), &net.frozen_dense()).try_for_each(|r| {
+        let mut at = 0;
+        let updated = trainable_runs(self.dense.len(), &self.frozen).try_for_each(|r| {
+            let moments = at..at + r.len();
+            at += r.len();
             adamw_step(
                 kernel,
                 &s,
                 &mut self.dense[r.clone()],
-                &mut self.dense_m[r.clone()],
-                &mut self.dense_v[r.clone()],
+                &mut self.dense_m[moments.clone()],
+                &mut self.dense_v[moments],
                 GradRef::F32(&dense_grad[r]),
                 CopyOut::None,
             )
@@ -429,6 +446,11 @@ impl Engine {
         dense_state::remove_others(&path, &[previous, self.step]);
         Ok(())
     }
+}
+
+/// How many of `0..len` are outside `frozen` (ascending, disjoint).
+fn trainable_len(len: usize, frozen: &[std::ops::Range<usize>]) -> usize {
+    trainable_runs(len, frozen).map(|r| r.len()).sum()
 }
 
 /// The ranges of `0..len` outside `frozen` (ascending, disjoint), in order.

@@ -13,6 +13,7 @@ use strata_tiers::{
 
 use super::access::access_schedule;
 use super::slot_table::DeviceState;
+use super::trainable_len;
 use super::updates::SharedExperts;
 use super::{
     dense_state, host_plan, multi, Engine, EngineConfig, ExpertCompute, HostMemoryPlan,
@@ -39,21 +40,22 @@ impl Engine {
             None => ExpertStore::create_on(Box::new(MemFile::new()), layout)?,
         };
         write_initial_records(&model, &store)?;
+        let frozen = net.frozen_dense();
         let dense = net.init_dense();
-        let n = dense.len();
+        let m = trainable_len(dense.len(), &frozen);
         let state = dense_state::DenseState {
             step: 0,
             dense_step: 0,
             params: dense,
-            m: vec![0.0; n],
-            v: vec![0.0; n],
+            m: vec![0.0; m],
+            v: vec![0.0; m],
         };
         if let Some(path) = &config.store_path {
             // Step 0 is committed by write_initial_records; give it its
             // dense file so even an untrained store can be resumed.
             dense_state::write(path, &state)?;
         }
-        Self::build(model, config, Arc::new(store), state)
+        Self::build(model, config, Arc::new(store), state, frozen)
     }
 
     /// Reopens the store at `config.store_path` and its dense-state file and
@@ -72,8 +74,10 @@ impl Engine {
         let layout = Self::layout(&model, &config);
         let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
         let step = store.committed_step();
-        let state = dense_state::read(&path, step, net.dense_params())?;
-        Self::build(model, config, Arc::new(store), state)
+        let frozen = net.frozen_dense();
+        let n = net.dense_params();
+        let state = dense_state::read(&path, step, n, Some(trainable_len(n, &frozen)))?;
+        Self::build(model, config, Arc::new(store), state, frozen)
     }
 
     /// Opens a store whose experts were imported (step 0 committed, e.g.
@@ -100,16 +104,17 @@ impl Engine {
         }
         let layout = Self::layout(&model, &config);
         let store = ExpertStore::open(&path, Some(layout), &Self::file_options(&config))?;
-        let n = dense.len();
+        let frozen = net.frozen_dense();
+        let m = trainable_len(dense.len(), &frozen);
         let state = dense_state::DenseState {
             step: store.committed_step(),
             dense_step: 0,
             params: dense,
-            m: vec![0.0; n],
-            v: vec![0.0; n],
+            m: vec![0.0; m],
+            v: vec![0.0; m],
         };
         dense_state::write(&path, &state)?;
-        Self::build(model, config, Arc::new(store), state)
+        Self::build(model, config, Arc::new(store), state, frozen)
     }
 
     fn check(model: &ModelConfig, config: &EngineConfig) -> Result<(), EngineError> {
@@ -210,6 +215,7 @@ impl Engine {
         config: EngineConfig,
         store: Arc<ExpertStore>,
         state: dense_state::DenseState,
+        frozen: Vec<std::ops::Range<usize>>,
     ) -> Result<Self, EngineError> {
         let layout = store.layout();
         // Several devices walk a layer's experts at once, so their accesses
@@ -301,6 +307,7 @@ impl Engine {
             steps,
         );
         shared.timeline = config.timeline.clone();
+        shared.train = config.train_experts;
         // The same set `step_schedule` gives its accesses for.
         let slots = shared.cache.slot_count();
         let overlapped = config.schedule.overlaps(device_slots);
@@ -333,6 +340,7 @@ impl Engine {
             dense: state.params,
             dense_m: state.m,
             dense_v: state.v,
+            frozen,
             dense_step: state.dense_step,
             cost,
             prev_load: None,

@@ -243,7 +243,9 @@ impl DeviceRunner<'_> {
         }
         self.dev.acc.bytes_device_to_host += 4 * grad.len() as u64;
         if let Some(grad) = self.shared.accumulate(key, grad, last_micro_batch) {
-            self.dev.slots.invalidate(key); // its params are about to change
+            if self.shared.train {
+                self.dev.slots.invalidate(key); // its params are about to change
+            }
             self.dev.acc.stall_optimizer_s += self.shared.submit(key, grad, When::Scheduled)?;
         }
         Ok(())

@@ -116,6 +116,9 @@ pub(crate) struct SharedExperts {
     pub grads: GradBuffers,
     /// Where passes and updates are recorded (`EngineConfig::timeline`).
     pub timeline: Option<Arc<Timeline>>,
+    /// Whether experts update (`EngineConfig::train_experts`); frozen
+    /// experts' gradients are dropped at submission.
+    pub train: bool,
     /// Per expert: whether its updates wait for the next step's forward
     /// (set once, before the first step).
     defers: Vec<bool>,
@@ -145,6 +148,7 @@ impl SharedExperts {
             optimizer,
             grads,
             timeline: None,
+            train: true,
             defers: vec![false; n],
             book: Mutex::new(UpdateBook {
                 steps,
@@ -256,6 +260,10 @@ impl SharedExperts {
     pub fn submit(&self, key: usize, grad: Vec<f32>, when: When) -> Result<f64, EngineError> {
         if let Some(collected) = self.book().collected.as_mut() {
             collected[key] = Some(grad);
+            return Ok(0.0);
+        }
+        if !self.train {
+            self.grads.give(grad); // frozen experts
             return Ok(0.0);
         }
         if when == When::Scheduled {

@@ -53,7 +53,7 @@ pub fn verify_checkpoint(
             report.damaged_experts.push((expert, e.to_string()));
         }
     }
-    if let Err(e) = dense_state::read(store, report.step, dense_params) {
+    if let Err(e) = dense_state::read(store, report.step, dense_params, None) {
         report.damaged_dense = Some(e.to_string());
     }
     Ok(report)

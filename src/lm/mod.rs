@@ -9,6 +9,7 @@ pub mod chat;
 pub mod config;
 pub mod data;
 mod ffn;
+pub mod groups;
 mod hf_config;
 pub mod hub;
 mod mlp;
@@ -19,4 +20,5 @@ mod token_batch;
 mod tokenizer;
 
 pub use config::{AuxLoss, Family, LmConfig, QkNorm, PRESETS};
+pub use groups::TensorGroup;
 pub use network::{DenseTensor, MoeLm, TokenBatch};

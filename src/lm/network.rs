@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use super::config::{AuxLoss, LmConfig, QkNorm};
 use super::ffn::{self, FfnGrads, FfnRanges, FfnSaved};
+use super::groups::TensorGroup;
 use super::mlp::MlpRanges;
 use super::qkv::{self, Qkv, QkvRanges};
 pub use super::token_batch::TokenBatch;
@@ -208,6 +209,31 @@ impl MoeLm {
         &self.config
     }
 
+    /// The model with only the dense tensors of `groups` trainable: the
+    /// others, and every buffer, are frozen (`Network::frozen_dense`;
+    /// whether the experts train is the engine's
+    /// `EngineConfig::train_experts`).
+    ///
+    /// ```
+    /// use strata::lm::{LmConfig, MoeLm, TensorGroup};
+    /// use strata::model::Network;
+    ///
+    /// let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
+    /// let lm = lm.with_trained(&[TensorGroup::Experts, TensorGroup::Router]);
+    /// let frozen: usize = lm.frozen_dense().iter().map(|r| r.len()).sum();
+    /// let routers = 2 * 8 * 64; // layers × experts × d_model
+    /// assert_eq!(frozen, lm.config().dense_params() - routers);
+    /// ```
+    pub fn with_trained(mut self, groups: &[TensorGroup]) -> Self {
+        self.frozen = self
+            .tensors
+            .iter()
+            .filter(|t| TensorGroup::of_dense(&t.name).is_none_or(|g| !groups.contains(&g)))
+            .map(|t| t.range.clone())
+            .collect();
+        self
+    }
+
     /// The dense tensors, in vector order, with their Hugging Face names.
     pub fn tensors(&self) -> &[DenseTensor] {
         &self.tensors
@@ -313,12 +339,12 @@ impl MoeLm {
 
     /// The initial dense params: norm gains 1; embedding, projections,
     /// routers and head uniform(±1/√fan_in), each from its own stream;
-    /// frozen tensors (correction biases) 0.
+    /// buffers (correction biases) 0.
     pub fn init_params(&self) -> Vec<f32> {
         let mut p = vec![0.0f32; self.config.dense_params()];
         for (i, t) in self.tensors.iter().enumerate() {
-            if self.frozen.contains(&t.range) {
-                continue;
+            if TensorGroup::of_dense(&t.name).is_none() {
+                continue; // a buffer (a correction bias)
             } else if t.shape.len() == 1 {
                 p[t.range.clone()].fill(1.0);
             } else {

@@ -79,9 +79,15 @@ pub fn write_checkpoint(dir: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32
 
 /// The params of the run in `out`, read back through a resumed engine.
 pub fn run_params(out: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let lm = MoeLm::new(config.clone()).unwrap();
+    run_params_of(out, &MoeLm::new(config.clone()).unwrap())
+}
+
+/// `run_params` for the run of `lm` (its frozen tensors those the run
+/// froze).
+pub fn run_params_of(out: &Path, lm: &MoeLm) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let config = lm.config();
     let mut engine = Engine::resume_network(
-        &lm,
+        lm,
         EngineConfig {
             store_path: Some(out.join("experts.strata")),
             compute_dtype: Dtype::Bf16,

@@ -33,7 +33,8 @@ use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles,
 pub use run_dir::{export_run, verify_run};
 use strata::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
 use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
-use strata::lm::{LmConfig, MoeLm};
+use strata::lm::{LmConfig, MoeLm, TensorGroup};
+use strata::model::Network;
 
 use strata::backend::BackendKind;
 
@@ -158,10 +159,47 @@ fn model_config(o: &TrainOptions, source: &Source, tok: &Tokenizer) -> Result<Lm
     Ok(config)
 }
 
+/// The groups of tensors `--train` names.
+fn trained_groups(o: &TrainOptions) -> Result<Vec<TensorGroup>, String> {
+    let groups = o
+        .train
+        .iter()
+        .map(|g| TensorGroup::parse(g))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("--train: {e}"))?;
+    if groups.is_empty() {
+        return Err(
+            "--train names no group: give some of experts, router, attention, mlp, \
+                    embeddings, norms"
+                .into(),
+        );
+    }
+    Ok(groups)
+}
+
+/// The network of `config`, its dense tensors outside `--train` frozen.
+pub(crate) fn model_for(o: &TrainOptions, config: &LmConfig) -> Result<MoeLm, String> {
+    let groups = trained_groups(o)?;
+    let lm = MoeLm::new(config.clone())
+        .map_err(|e| e.to_string())?
+        .with_trained(&groups);
+    let frozen: usize = lm.frozen_dense().iter().map(|r| r.len()).sum();
+    if frozen == config.dense_params() && !groups.contains(&TensorGroup::Experts) {
+        return Err(format!(
+            "--train {}: this model has no such tensors, so nothing would train",
+            o.train.join(",")
+        ));
+    }
+    Ok(lm)
+}
+
 /// Plans `o` for `config` (no allocation, nothing written).
 pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, String> {
+    let lm = model_for(o, config)?;
+    let frozen_dense = lm.frozen_dense().iter().map(|r| r.len() as u64).sum();
     plan::plan(&PlanInput {
         model: config,
+        frozen_dense,
         compute_dtype: parse_dtype(&o.compute_dtype)?,
         seq_len: o.seq_len,
         batch: o.batch,
@@ -315,7 +353,7 @@ fn run_locked(
     // Everything that can be refused is checked before anything is written.
     let (tok, config) = files.read(&o, &source)?;
     let plan = plan_for(&o, &config)?;
-    let lm = MoeLm::new(config.clone()).map_err(|e| e.to_string())?;
+    let lm = model_for(&o, &config)?;
     let mut data = Dataset::open(
         DataConfig {
             corpus: if o.data.is_empty() {
@@ -360,6 +398,7 @@ fn run_locked(
         deferred_update_share: o.defer_share,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
+        train_experts: trained_groups(&o)?.contains(&TensorGroup::Experts),
         schedule: match o.clip_grad_norm {
             Some(_) => ScheduleKind::Naive,
             None => ScheduleKind::ExpertWise,
@@ -400,6 +439,14 @@ fn run_locked(
         },
         plan.mode.describe()
     ));
+    let trained = trained_groups(&o)?;
+    if TensorGroup::ALL.iter().any(|g| !trained.contains(g)) {
+        say(format!(
+            "training {} alone; the rest is frozen ({:.1}M dense params without moments)",
+            o.train.join(", "),
+            (plan.dense_params - plan.dense_trainable) as f64 / 1e6
+        ));
+    }
     let mut engine = if o.resume {
         let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
         data.skip_batches(engine.steps())

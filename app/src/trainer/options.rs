@@ -76,6 +76,12 @@ pub struct TrainFlags {
     /// unless given.
     #[arg(long, value_name = "MAX")]
     pub clip_grad_norm: Option<f32>,
+    /// What the run updates: a comma-separated list of experts, router,
+    /// attention, mlp (dense layers and shared experts), embeddings
+    /// (with the LM head) and norms (default: all). The others are frozen:
+    /// no update, no Adam moments.
+    #[arg(long, value_delimiter = ',', value_name = "GROUPS")]
+    pub train: Option<Vec<String>>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -171,6 +177,9 @@ pub struct TrainOptions {
     pub weight_decay: f32,
     #[serde(default)]
     pub clip_grad_norm: Option<f32>,
+    /// `--train`'s groups (a run recorded before it trained all).
+    #[serde(default = "all_groups")]
+    pub train: Vec<String>,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -203,6 +212,13 @@ pub struct TrainOptions {
 
 fn one() -> usize {
     1
+}
+
+fn all_groups() -> Vec<String> {
+    strata::lm::TensorGroup::ALL
+        .iter()
+        .map(|g| g.name().to_string())
+        .collect()
 }
 
 fn cpu() -> String {
@@ -303,6 +319,7 @@ impl TrainFlags {
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),
             weight_decay: pick!(cli, file, weight_decay, 0.0),
             clip_grad_norm: cli.clip_grad_norm.or(file.clip_grad_norm),
+            train: pick!(cli, file, train, all_groups()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,

@@ -50,6 +50,8 @@ pub struct MemoryPlan {
     /// Devices; the device figures below are each device's.
     pub devices: u64,
     pub dense_params: u64,
+    /// Of `dense_params`, those with Adam moments (the others are frozen).
+    pub dense_trainable: u64,
     pub expert_count: u64,
     pub expert_params: u64,
     pub dense_device_bytes: u64,
@@ -74,6 +76,9 @@ pub struct MemoryPlan {
 /// The inputs of a plan.
 pub struct PlanInput<'a> {
     pub model: &'a LmConfig,
+    /// Dense params no step changes (`--train` leaves them out, or they
+    /// are buffers): they have no Adam moments.
+    pub frozen_dense: u64,
     pub compute_dtype: Dtype,
     pub seq_len: usize,
     pub batch: usize,
@@ -158,7 +163,8 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     }
     let device_slots = ((input.device_mem - fixed_device) / slot).min(experts);
     let record = layout.record_bytes();
-    let dense_host = 8 * dense;
+    let dense_trainable = dense - input.frozen_dense.min(dense);
+    let dense_host = 8 * dense_trainable;
     let host_min_slots = 2u64.min(experts);
     let need_host = dense_host + host_min_slots * record;
     if input.host_mem < need_host {
@@ -227,6 +233,7 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         mode,
         devices: devices as u64,
         dense_params: dense,
+        dense_trainable,
         expert_count: experts,
         expert_params: m.expert_params() as u64,
         dense_device_bytes: dense_device,
@@ -301,9 +308,17 @@ impl MemoryPlan {
             true => String::new(),
             false => format!(" ({})", split.join(", ")),
         };
+        let frozen = match self.dense_params - self.dense_trainable {
+            0 => String::new(),
+            f => format!(
+                " ({:.1}M dense params frozen: {} less)",
+                f as f64 / 1e6,
+                show_bytes(8 * f)
+            ),
+        };
         let _ = writeln!(
             s,
-            "host:   {} dense moments + {} for {} of {} expert records{kept}",
+            "host:   {} dense moments{frozen} + {} for {} of {} expert records{kept}",
             show_bytes(self.dense_host_bytes),
             show_bytes(self.expert_host_bytes),
             self.host_slots,
@@ -326,6 +341,7 @@ mod tests {
     fn input(m: &LmConfig, device_mem: u64, host_mem: u64) -> PlanInput<'_> {
         PlanInput {
             model: m,
+            frozen_dense: 0,
             compute_dtype: Dtype::Bf16,
             seq_len: 64,
             batch: 8,

@@ -330,7 +330,7 @@ fn open_run(run_dir: &Path, verb: &str) -> Result<OpenedRun, String> {
         ..record.options
     };
     let (_, config) = files.read(&options, &record.source)?;
-    let lm = MoeLm::new(config).map_err(|e| e.to_string())?;
+    let lm = super::model_for(&options, &config)?;
     Ok(OpenedRun {
         _lock: lock,
         options,

@@ -26,6 +26,7 @@ pub fn flags_holding(out: &Path, records: u64) -> TrainFlags {
 pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFlags {
     let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
         model: config,
+        frozen_dense: 0,
         compute_dtype: Dtype::Bf16,
         seq_len: 16,
         batch: 4,
