@@ -442,9 +442,9 @@ fn run_locked(
     let trained = trained_groups(&o)?;
     if TensorGroup::ALL.iter().any(|g| !trained.contains(g)) {
         say(format!(
-            "training {} alone; the rest is frozen ({:.1}M dense params without moments)",
+            "training {} alone; the rest is frozen ({} dense params without moments)",
             o.train.join(", "),
-            (plan.dense_params - plan.dense_trainable) as f64 / 1e6
+            options::show_count(plan.dense_params - plan.dense_trainable)
         ));
     }
     let mut engine = if o.resume {

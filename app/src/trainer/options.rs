@@ -388,9 +388,25 @@ pub fn show_bytes(bytes: u64) -> String {
     }
 }
 
+/// A count of parameters for people: 1.2B, 46.7M, 67.4K, 640.
+pub fn show_count(n: u64) -> String {
+    match n {
+        0..1_000 => n.to_string(),
+        1_000..1_000_000 => format!("{:.1}K", n as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1}M", n as f64 / 1e6),
+        _ => format!("{:.1}B", n as f64 / 1e9),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_read_in_their_unit() {
+        let shown = [640, 67_400, 46_700_000, 1_200_000_000].map(show_count);
+        assert_eq!(shown, ["640", "67.4K", "46.7M", "1.2B"]);
+    }
 
     #[test]
     fn sizes_parse() {

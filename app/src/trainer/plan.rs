@@ -17,7 +17,7 @@ use std::path::Path;
 
 use strata_tiers::{Dtype, Layout};
 
-use super::options::show_bytes;
+use super::options::{show_bytes, show_count};
 use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
 use strata::lm::{LmConfig, QkNorm};
 
@@ -311,8 +311,8 @@ impl MemoryPlan {
         let frozen = match self.dense_params - self.dense_trainable {
             0 => String::new(),
             f => format!(
-                " ({:.1}M dense params frozen: {} less)",
-                f as f64 / 1e6,
+                " ({} dense params frozen: {} less)",
+                show_count(f),
                 show_bytes(8 * f)
             ),
         };
