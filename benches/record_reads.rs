@@ -15,6 +15,7 @@ fn reads(c: &mut Criterion) {
         experts_per_layer: 8,
         params_per_expert: 1 << 20,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     };
     let dir = tempfile::tempdir().unwrap();
     let store = ExpertStore::create(

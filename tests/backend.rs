@@ -250,6 +250,7 @@ fn device_computes_from_its_slots(kind_of_backend: strata::backend::BackendKind)
             experts_per_layer: 2,
             params_per_expert: count as u64,
             compute_dtype: Dtype::Bf16,
+            moments: true,
         };
         let budget = 2 * layout.compute_payload_bytes();
         let mut device = match kind_of_backend.open_device(0, budget, &layout) {
@@ -354,6 +355,7 @@ fn dense_gemms_on_the_gpu_match_the_cpu() {
         experts_per_layer: 1,
         params_per_expert: 64,
         compute_dtype: strata_tiers::Dtype::Bf16,
+        moments: true,
     };
     let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
         Ok(device) => device.dense_kernels(),
@@ -461,6 +463,7 @@ fn dense_weights_stay_on_the_gpu_until_they_change() {
         experts_per_layer: 1,
         params_per_expert: 64,
         compute_dtype: strata_tiers::Dtype::Bf16,
+        moments: true,
     };
     let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
         Ok(device) => device.dense_kernels(),
@@ -509,6 +512,7 @@ fn dense_gradients_sum_on_the_gpu_until_the_flush() {
         experts_per_layer: 1,
         params_per_expert: 64,
         compute_dtype: strata_tiers::Dtype::Bf16,
+        moments: true,
     };
     let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
         Ok(device) => device.dense_kernels(),

@@ -179,6 +179,7 @@ fn compute_cells_that_leave_too_few_record_slots_are_refused() {
         experts_per_layer: model.experts as u32,
         params_per_expert: model.expert_params() as u64,
         compute_dtype: EngineConfig::default().compute_dtype,
+        moments: true,
     };
     // 3 of the 4 records fit; one slot split into cells leaves 2.
     let config = EngineConfig {

@@ -22,6 +22,7 @@ fn layout() -> Layout {
         experts_per_layer: 3,
         params_per_expert: SHAPE.params(),
         compute_dtype: Dtype::Bf16,
+        moments: true,
     }
 }
 

@@ -43,6 +43,7 @@ fn config_streaming(path: std::path::PathBuf, slots: u64, stream: Option<usize>)
         experts_per_layer: m.experts as u32,
         params_per_expert: m.expert_params() as u64,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     }
     .record_bytes();
     EngineConfig {

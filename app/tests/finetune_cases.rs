@@ -365,8 +365,9 @@ fn metric(out: &std::path::Path, key: &str) -> Vec<f64> {
 }
 
 /// `--train router,norms`: the routers and norm gains train, and nothing
-/// else moves (experts, attention, embeddings); the run resumes with the
-/// same groups, and a bad group is refused by name.
+/// else moves (experts, attention, embeddings); the store's records hold
+/// no moments; the run resumes with the same groups, and a bad group is
+/// refused by name.
 #[test]
 fn train_updates_the_groups_it_names_and_nothing_else() {
     use strata::lm::{MoeLm, TensorGroup};
@@ -393,8 +394,18 @@ fn train_updates_the_groups_it_names_and_nothing_else() {
     let lm = MoeLm::new(config.clone())
         .unwrap()
         .with_trained(&[TensorGroup::Router, TensorGroup::Norms]);
-    let (dense, experts) = run_params_of(&out, &lm);
+    let (dense, experts) = run_params_of(&out, &lm, false);
     assert!(experts == experts0, "a frozen expert moved");
+    let store = strata_tiers::ExpertStore::open(
+        &out.join("experts.strata"),
+        None,
+        &strata_tiers::io::FileOptions::default(),
+    )
+    .unwrap();
+    assert!(
+        !store.layout().moments,
+        "frozen experts' records hold moments"
+    );
     for t in lm.tensors() {
         let (was, now) = (&dense0[t.range.clone()], &dense[t.range.clone()]);
         match TensorGroup::of_dense(&t.name) {

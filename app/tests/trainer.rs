@@ -140,6 +140,7 @@ fn finetune_through_ssd_offload_exports_and_reimports() {
         experts_per_layer: config.experts as u32,
         params_per_expert: config.expert_params() as u64,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     };
     let store = strata_tiers::ExpertStore::create(&path, layout, &Default::default()).unwrap();
     hf::import_store(&ckpt, &config, &store, |_, _| {}).unwrap();

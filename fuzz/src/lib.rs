@@ -45,6 +45,7 @@ pub fn seed_layout() -> Layout {
         experts_per_layer: 2,
         params_per_expert: 8,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     }
 }
 

@@ -138,6 +138,7 @@ mod tests {
             experts_per_layer: 4,
             params_per_expert: 1000,
             compute_dtype: Dtype::Bf16,
+            moments: true,
         }
     }
 

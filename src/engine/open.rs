@@ -200,6 +200,8 @@ impl Engine {
             experts_per_layer: model.experts as u32,
             params_per_expert: model.expert_params() as u64,
             compute_dtype: config.compute_dtype,
+            // Frozen experts keep no Adam moments.
+            moments: config.train_experts,
         }
     }
 

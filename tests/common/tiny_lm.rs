@@ -79,12 +79,12 @@ pub fn write_checkpoint(dir: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32
 
 /// The params of the run in `out`, read back through a resumed engine.
 pub fn run_params(out: &Path, config: &LmConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
-    run_params_of(out, &MoeLm::new(config.clone()).unwrap())
+    run_params_of(out, &MoeLm::new(config.clone()).unwrap(), true)
 }
 
 /// `run_params` for the run of `lm` (its frozen tensors those the run
-/// froze).
-pub fn run_params_of(out: &Path, lm: &MoeLm) -> (Vec<f32>, Vec<Vec<f32>>) {
+/// froze) that trained its experts or not.
+pub fn run_params_of(out: &Path, lm: &MoeLm, train_experts: bool) -> (Vec<f32>, Vec<Vec<f32>>) {
     let config = lm.config();
     let mut engine = Engine::resume_network(
         lm,
@@ -94,6 +94,7 @@ pub fn run_params_of(out: &Path, lm: &MoeLm) -> (Vec<f32>, Vec<Vec<f32>>) {
             device_budget_bytes: 1 << 20,
             host_budget_bytes: 4 << 20,
             optimizer_threads: 1,
+            train_experts,
             ..EngineConfig::default()
         },
     )

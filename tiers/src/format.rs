@@ -81,6 +81,10 @@ pub struct Layout {
     pub experts_per_layer: u32,
     pub params_per_expert: u64,
     pub compute_dtype: Dtype,
+    /// The state part holds Adam moments (m, v) beside the f32 master
+    /// params; without them (experts that do not train) it holds the
+    /// master params alone.
+    pub moments: bool,
 }
 
 impl Layout {
@@ -124,7 +128,16 @@ impl Layout {
     }
 
     pub fn state_payload_bytes(&self) -> u64 {
-        self.params_per_expert * 12
+        self.params_per_expert * self.state_floats_per_param()
+    }
+
+    /// f32 values a param keeps in the state part: master, m and v, or the
+    /// master alone without moments.
+    pub fn state_floats_per_param(&self) -> u64 {
+        match self.moments {
+            true => 12,
+            false => 4,
+        }
     }
 
     pub fn compute_part_bytes(&self) -> u64 {
@@ -288,6 +301,9 @@ pub struct Superblock {
     pub map_crc: u32,
 }
 
+/// Superblock byte 49, bit 0: the records hold no Adam moments.
+const FLAG_NO_MOMENTS: u8 = 1;
+
 impl Superblock {
     pub const ENCODED_BYTES: usize = 96;
 
@@ -302,6 +318,10 @@ impl Superblock {
         put_u32(&mut b, 36, self.layout.experts_per_layer);
         put_u64(&mut b, 40, self.layout.params_per_expert);
         b[48] = self.layout.compute_dtype.code();
+        b[49] = match self.layout.moments {
+            true => 0,
+            false => FLAG_NO_MOMENTS,
+        };
         put_u64(&mut b, 56, self.layout.record_bytes());
         put_u64(&mut b, 64, self.layout.map_bytes());
         put_u64(&mut b, 72, self.layout.data_offset());
@@ -330,11 +350,15 @@ impl Superblock {
         }
         let dtype =
             Dtype::from_code(b[48]).ok_or(TierError::CorruptSuperblock("unknown compute dtype"))?;
+        if b[49] & !FLAG_NO_MOMENTS != 0 {
+            return Err(TierError::CorruptSuperblock("unknown layout flags"));
+        }
         let layout = Layout {
             layers: get_u32(b, 32),
             experts_per_layer: get_u32(b, 36),
             params_per_expert: get_u64(b, 40),
             compute_dtype: dtype,
+            moments: b[49] & FLAG_NO_MOMENTS == 0,
         };
         layout
             .validate()
@@ -401,6 +425,7 @@ mod tests {
             experts_per_layer: 5,
             params_per_expert: 1000,
             compute_dtype: Dtype::Bf16,
+            moments: true,
         }
     }
 

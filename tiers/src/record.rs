@@ -46,7 +46,8 @@ impl Parts {
     }
 }
 
-/// The state part, split into its three f32 arrays, and the compute bytes.
+/// The state part, split into its three f32 arrays (m and v empty in a
+/// layout without moments), and the compute bytes.
 pub struct RecordMut<'a> {
     /// Compute params in the store's dtype, as raw little-endian bytes.
     pub compute: &'a mut [u8],
@@ -82,7 +83,8 @@ pub fn record_mut<'a>(layout: &Layout, buf: &'a mut [u8]) -> Result<RecordMut<'a
         [PART_HEADER_BYTES..PART_HEADER_BYTES + layout.compute_payload_bytes() as usize];
     let n = layout.params_per_expert as usize;
     let misalignment = state_part.as_ptr() as usize % 4;
-    let state = &mut state_part[PART_HEADER_BYTES..PART_HEADER_BYTES + 12 * n];
+    let state_len = layout.state_payload_bytes() as usize;
+    let state = &mut state_part[PART_HEADER_BYTES..PART_HEADER_BYTES + state_len];
     // The buffer is 4096-aligned and every offset here is a multiple of 4,
     // so the casts cannot fail on alignment (bytemuck checks anyway).
     let floats: &mut [f32] =
@@ -91,8 +93,9 @@ pub fn record_mut<'a>(layout: &Layout, buf: &'a mut [u8]) -> Result<RecordMut<'a
             expected: 4,
             got: misalignment,
         })?;
+    // Without moments, m and v are empty.
     let (master, rest) = floats.split_at_mut(n);
-    let (m, v) = rest.split_at_mut(n);
+    let (m, v) = rest.split_at_mut(rest.len() / 2);
     Ok(RecordMut {
         compute,
         master,
@@ -135,6 +138,7 @@ mod tests {
             experts_per_layer: 1,
             params_per_expert: 10,
             compute_dtype: Dtype::Bf16,
+            moments: true,
         };
         let mut buf = AlignedBuf::zeroed(layout.record_bytes() as usize);
         {

@@ -204,6 +204,7 @@ mod tests {
             experts_per_layer: 3,
             params_per_expert: 3000,
             compute_dtype: Dtype::Bf16,
+            moments: true,
         }
     }
 

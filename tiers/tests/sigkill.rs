@@ -18,6 +18,7 @@ fn layout() -> Layout {
         experts_per_layer: 4,
         params_per_expert: 64 * 1024,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     }
 }
 

@@ -17,6 +17,7 @@ fn layout() -> Layout {
         experts_per_layer: 3,
         params_per_expert: 1500,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     }
 }
 
@@ -142,6 +143,39 @@ fn records_round_trip_and_only_checkpoints_are_durable() {
         ExpertStore::open_on(Box::new(MemFile::from_bytes(mem.to_bytes())), None).unwrap();
     assert_eq!(reopened.committed_step(), 2);
     check_all(&reopened, |e| if all[..2].contains(&e) { 2 } else { 1 });
+}
+
+/// A store of frozen experts keeps no moments: its records are 8 bytes a
+/// param shorter, round-trip, and reopen as such; a reader expecting
+/// moments is refused.
+#[test]
+fn a_store_without_moments_keeps_master_and_compute_alone() {
+    let frozen = Layout {
+        moments: false,
+        ..layout()
+    };
+    let saved = layout().record_bytes() - frozen.record_bytes();
+    assert!(saved >= 8 * 1500 - 4096, "{saved}");
+    let mut buf = AlignedBuf::zeroed(frozen.record_bytes() as usize);
+    let r = record_mut(&frozen, buf.as_mut_slice()).unwrap();
+    assert_eq!((r.master.len(), r.m.len(), r.v.len()), (1500, 0, 0));
+
+    let mem = Arc::new(MemFile::new());
+    let store = ExpertStore::create_on(Box::new(Shared(mem.clone())), frozen).unwrap();
+    let all = experts(&frozen);
+    write_step(&store, &all, 1).unwrap();
+    store.checkpoint(1).unwrap();
+    let reopened =
+        ExpertStore::open_on(Box::new(MemFile::from_bytes(mem.to_bytes())), None).unwrap();
+    assert_eq!(reopened.layout(), frozen);
+    check_all(&reopened, |_| 1);
+    let err = ExpertStore::open_on(
+        Box::new(MemFile::from_bytes(mem.to_bytes())),
+        Some(layout()),
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("layout"), "{err}");
 }
 
 /// The workload the crash tests cut short: three checkpoints, each
@@ -503,6 +537,7 @@ fn records_longer_than_a_read_chunk_are_checked_across_chunks() {
         // 2 × 200k compute bytes + 12 × 200k state bytes: about 2.8 MB.
         params_per_expert: 200_000,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     };
     let all = experts(&big);
     let dir = tempfile::tempdir().unwrap();

@@ -72,6 +72,7 @@ pub(crate) fn scratch_layout(record_mib: u64, records: u32) -> Layout {
         experts_per_layer: records,
         params_per_expert: params.max(1),
         compute_dtype: Dtype::Bf16,
+        moments: true,
     }
 }
 

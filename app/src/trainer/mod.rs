@@ -177,6 +177,11 @@ fn trained_groups(o: &TrainOptions) -> Result<Vec<TensorGroup>, String> {
     Ok(groups)
 }
 
+/// Whether `--train` names the experts.
+pub(crate) fn trains_experts(o: &TrainOptions) -> Result<bool, String> {
+    Ok(trained_groups(o)?.contains(&TensorGroup::Experts))
+}
+
 /// The network of `config`, its dense tensors outside `--train` frozen.
 pub(crate) fn model_for(o: &TrainOptions, config: &LmConfig) -> Result<MoeLm, String> {
     let groups = trained_groups(o)?;
@@ -200,6 +205,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
     plan::plan(&PlanInput {
         model: config,
         frozen_dense,
+        train_experts: trains_experts(o)?,
         compute_dtype: parse_dtype(&o.compute_dtype)?,
         seq_len: o.seq_len,
         batch: o.batch,
@@ -398,7 +404,7 @@ fn run_locked(
         deferred_update_share: o.defer_share,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
-        train_experts: trained_groups(&o)?.contains(&TensorGroup::Experts),
+        train_experts: trains_experts(&o)?,
         schedule: match o.clip_grad_norm {
             Some(_) => ScheduleKind::Naive,
             None => ScheduleKind::ExpertWise,

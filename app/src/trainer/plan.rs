@@ -71,6 +71,9 @@ pub struct MemoryPlan {
     pub host_kept: u64,
     pub ssd_bytes: u64,
     pub ssd_free_bytes: Option<u64>,
+    /// Store bytes the experts' Adam moments would take were they trained
+    /// (both copies of every record); 0 where they train.
+    pub frozen_expert_moment_bytes: u64,
 }
 
 /// The inputs of a plan.
@@ -79,6 +82,8 @@ pub struct PlanInput<'a> {
     /// Dense params no step changes (`--train` leaves them out, or they
     /// are buffers): they have no Adam moments.
     pub frozen_dense: u64,
+    /// Whether the experts train; frozen, their records hold no moments.
+    pub train_experts: bool,
     pub compute_dtype: Dtype,
     pub seq_len: usize,
     pub batch: usize,
@@ -136,6 +141,7 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         experts_per_layer: m.experts as u32,
         params_per_expert: m.expert_params() as u64,
         compute_dtype: input.compute_dtype,
+        moments: input.train_experts,
     };
     let experts = layout.expert_count();
     let dense = m.dense_params() as u64;
@@ -247,6 +253,10 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         host_kept: host_kept_count(&split, record_slots as usize, experts as usize) as u64,
         ssd_bytes: ssd,
         ssd_free_bytes: ssd_free,
+        frozen_expert_moment_bytes: match input.train_experts {
+            true => 0,
+            false => 2 * experts * 8 * layout.params_per_expert,
+        },
     })
 }
 
@@ -328,7 +338,15 @@ impl MemoryPlan {
             .ssd_free_bytes
             .map(|f| format!(" ({} free)", show_bytes(f)))
             .unwrap_or_default();
-        let _ = writeln!(s, "ssd:    {} store{free}", show_bytes(self.ssd_bytes));
+        let frozen = match self.frozen_expert_moment_bytes {
+            0 => String::new(),
+            b => format!(" (experts frozen: no Adam moments, {} less)", show_bytes(b)),
+        };
+        let _ = writeln!(
+            s,
+            "ssd:    {} store{free}{frozen}",
+            show_bytes(self.ssd_bytes)
+        );
         let _ = write!(s, "mode:   {}", self.mode.describe());
         s
     }
@@ -342,6 +360,7 @@ mod tests {
         PlanInput {
             model: m,
             frozen_dense: 0,
+            train_experts: true,
             compute_dtype: Dtype::Bf16,
             seq_len: 64,
             batch: 8,

@@ -368,9 +368,11 @@ pub fn export_run(run_dir: &Path, to: &Path, dtype: Option<&str>) -> Result<Vec<
             experts_per_layer: 1,
             params_per_expert: lm.config().expert_params() as u64,
             compute_dtype: parse_dtype(&o.compute_dtype)?,
+            moments: super::trains_experts(&o)?,
         }
         .record_bytes(),
         compute_dtype: parse_dtype(&o.compute_dtype)?,
+        train_experts: super::trains_experts(&o)?,
         optimizer_threads: 1,
         ..EngineConfig::default()
     };
@@ -414,6 +416,7 @@ pub(super) fn create_run(
                     experts_per_layer: config.experts as u32,
                     params_per_expert: config.expert_params() as u64,
                     compute_dtype: engine_config.compute_dtype,
+                    moments: engine_config.train_experts,
                 };
                 let path = store_path(&o.out);
                 {

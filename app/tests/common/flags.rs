@@ -27,6 +27,7 @@ pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFl
     let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
         model: config,
         frozen_dense: 0,
+        train_experts: true,
         compute_dtype: Dtype::Bf16,
         seq_len: 16,
         batch: 4,

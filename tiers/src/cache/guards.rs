@@ -50,9 +50,13 @@ impl ReadGuard {
         let at = layout.compute_part_bytes() as usize + PART_HEADER_BYTES;
         let n = layout.params_per_expert as usize;
         // A Full pin means the state part is loaded.
-        let bytes = self.shared.pinned_bytes(self.pinned(), at..at + 12 * n);
+        let len = layout.state_payload_bytes() as usize;
+        let bytes = self.shared.pinned_bytes(self.pinned(), at..at + len);
         let floats: &[f32] = bytemuck::cast_slice(bytes);
-        Some((&floats[..n], &floats[n..2 * n], &floats[2 * n..]))
+        // Without moments, m and v are empty.
+        let (master, moments) = floats.split_at(n);
+        let (m, v) = moments.split_at(moments.len() / 2);
+        Some((master, m, v))
     }
 }
 

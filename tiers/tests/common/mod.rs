@@ -17,6 +17,7 @@ pub fn layout(experts: u32) -> Layout {
         experts_per_layer: experts,
         params_per_expert: 700,
         compute_dtype: Dtype::Bf16,
+        moments: true,
     }
 }
 
