@@ -114,6 +114,10 @@ pub fn router_forward<R: Real>(
     if let Err(why) = cfg.check() {
         panic!("{why}");
     }
+    assert!(
+        choice_bias.is_none_or(|b| b.len() == e),
+        "a correction bias for each of the {e} experts"
+    );
     let mut logits = vec![R::zero(); t * e];
     linear_forward(&mut logits, x, wr, t, d, e);
     routing.probs.resize(t * e, R::zero());
