@@ -131,6 +131,11 @@ pub struct EngineConfig {
     /// [`strata_tiers::Timeline`]; `strata bench step --timeline` writes
     /// one). `None`: nothing is recorded.
     pub timeline: Option<Arc<Timeline>>,
+    /// Count, step after step, how tokens move between consecutive MoE
+    /// layers' experts ([`RoutingTrace`](super::RoutingTrace),
+    /// [`Engine::routing_trace`](super::Engine::routing_trace)); off: no
+    /// counting.
+    pub trace_routing: bool,
 }
 
 impl Default for EngineConfig {
@@ -158,6 +163,7 @@ impl Default for EngineConfig {
             pin_fraction: 0.25,
             backend: BackendKind::Cpu,
             timeline: None,
+            trace_routing: false,
         }
     }
 }

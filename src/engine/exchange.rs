@@ -249,6 +249,9 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         for (e, &c) in local.iter().enumerate() {
             self.inner.dev.acc.tokens_per_expert[layer][e] += c;
         }
+        if let Some(counter) = self.inner.dev.routing.as_mut() {
+            counter.routed(layer, perm);
+        }
         let counts = self.comm.all_gather_u32(local)?;
         let global: Vec<u32> = (0..experts)
             .map(|e| counts.iter().map(|c| c[e]).sum())

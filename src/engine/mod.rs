@@ -32,6 +32,7 @@ mod metrics;
 mod multi;
 mod open;
 mod pipeline;
+mod routing_trace;
 mod slot_table;
 mod update;
 mod updates;
@@ -47,6 +48,7 @@ pub use gradients::Gradients;
 pub use host_plan::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 pub use open::{host_cell_slot_count, host_kept_count};
+pub use routing_trace::RoutingTrace;
 pub use verify::{verify_checkpoint, CheckpointReport};
 
 use crate::model::{Batch, DenseKernels, Evaluation, ModelConfig, Network};
@@ -77,6 +79,8 @@ pub struct Engine {
     dense_v: Vec<f32>,
     /// The network's frozen dense ranges (`Network::frozen_dense`).
     frozen: Vec<std::ops::Range<usize>>,
+    /// Where `EngineConfig::trace_routing`: every step's transitions.
+    routing_trace: Option<RoutingTrace>,
     dense_step: u64,
     /// Several devices: the placement's cost model, recalibrated from each
     /// step's measured expert compute.
@@ -194,7 +198,50 @@ impl Engine {
         let (layers, experts) = (self.model.layers, self.model.experts);
         for dev in &mut self.devices {
             dev.acc = Accumulators::new(layers, experts);
+            // What evaluations routed is not the training's.
+            if let Some(counter) = dev.routing.as_mut() {
+                counter.take();
+            }
         }
+    }
+
+    /// The routing trace of every step since the engine opened (or since
+    /// `set_routing_trace`), where `EngineConfig::trace_routing` is on.
+    pub fn routing_trace(&self) -> Option<&RoutingTrace> {
+        self.routing_trace.as_ref()
+    }
+
+    /// Continues from `trace` (a resumed run's earlier steps); it must be
+    /// of this engine's shape, and tracing on.
+    pub fn set_routing_trace(&mut self, trace: RoutingTrace) -> Result<(), EngineError> {
+        let m = &self.model;
+        let fresh = RoutingTrace::new(m.layers, m.experts, m.top_k);
+        if self.routing_trace.is_none()
+            || (trace.layers, trace.experts, trace.top_k) != (m.layers, m.experts, m.top_k)
+            || trace.transitions.len() != fresh.transitions.len()
+            || trace
+                .transitions
+                .iter()
+                .any(|t| t.len() != m.experts * m.experts)
+        {
+            return Err(EngineError::Config(format!(
+                "a routing trace of {} layers × {} experts, top-{} does not continue this \
+                 engine's ({} × {}, top-{}, tracing {})",
+                trace.layers,
+                trace.experts,
+                trace.top_k,
+                m.layers,
+                m.experts,
+                m.top_k,
+                if self.routing_trace.is_some() {
+                    "on"
+                } else {
+                    "off"
+                }
+            )));
+        }
+        self.routing_trace = Some(trace);
+        Ok(())
     }
 
     /// The mean loss of `batch`, forward only: nothing is updated. It runs
@@ -333,6 +380,14 @@ impl Engine {
             self.recalibrate(&metrics);
         }
         self.prev_load = Some(metrics.tokens_per_expert.clone());
+        if let Some(trace) = self.routing_trace.as_mut() {
+            for dev in &mut self.devices {
+                if let Some(counter) = dev.routing.as_mut() {
+                    trace.add(&counter.take());
+                }
+            }
+            trace.steps += 1;
+        }
         Ok(metrics)
     }
 

@@ -12,13 +12,14 @@ use strata_tiers::{
 };
 
 use super::access::access_schedule;
+use super::routing_trace::TransitionCounter;
 use super::slot_table::DeviceState;
-use super::trainable_len;
 use super::updates::SharedExperts;
 use super::{
     dense_state, host_plan, multi, Engine, EngineConfig, ExpertCompute, HostMemoryPlan,
     ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
+use super::{trainable_len, RoutingTrace};
 use crate::model::{DenseKernels, ModelConfig, Network, TimedKernels};
 use crate::EngineError;
 
@@ -263,7 +264,11 @@ impl Engine {
                         .open_device(ordinal, config.device_budget_bytes, &layout)?;
                 let device =
                     crate::backend::ModeledExpertDevice::wrap(device, config.expert_compute);
-                Ok(DeviceState::new(device, model.layers, model.experts))
+                let mut state = DeviceState::new(device, model.layers, model.experts);
+                state.routing = config
+                    .trace_routing
+                    .then(|| TransitionCounter::new(model.layers, model.experts, model.top_k));
+                Ok(state)
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
         let mut notes = store.notes().to_vec();
@@ -343,6 +348,9 @@ impl Engine {
             dense_m: state.m,
             dense_v: state.v,
             frozen,
+            routing_trace: config
+                .trace_routing
+                .then(|| RoutingTrace::new(model.layers, model.experts, model.top_k)),
             dense_step: state.dense_step,
             cost,
             prev_load: None,

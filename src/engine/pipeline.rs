@@ -273,6 +273,9 @@ impl ExpertRunner for DeviceRunner<'_> {
         for e in 0..experts {
             self.dev.acc.tokens_per_expert[layer][e] += perm.rows(e).len() as u32;
         }
+        if let Some(counter) = self.dev.routing.as_mut() {
+            counter.routed(layer, perm);
+        }
         self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);
             let mut xe = runner.dev.scratch.take(rows.len() * d); // gathered over

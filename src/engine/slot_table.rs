@@ -2,6 +2,7 @@
 //! [`DeviceSlots`] saying which expert version each holds and which are
 //! pinned), what its forward kept for the backward, and its counters.
 
+use super::routing_trace::TransitionCounter;
 use crate::backend::ExpertDevice;
 use crate::math::ExpertSaved;
 use crate::model::{F32BufferPool, ScratchBuffers};
@@ -139,6 +140,9 @@ pub(crate) struct DeviceState {
     /// most the three an expert's backward holds at once plus one.
     pub scratch: ScratchBuffers,
     pub acc: Accumulators,
+    /// Where `EngineConfig::trace_routing`: this step's layer-to-layer
+    /// expert transitions.
+    pub routing: Option<TransitionCounter>,
 }
 
 impl DeviceState {
@@ -152,6 +156,7 @@ impl DeviceState {
             buffers: F32BufferPool::new(3 * layers + 6),
             scratch: ScratchBuffers::new(4),
             acc: Accumulators::new(layers, experts),
+            routing: None,
         }
     }
 }

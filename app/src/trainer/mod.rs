@@ -14,6 +14,7 @@ pub mod interrupt;
 mod metrics_log;
 pub mod options;
 pub mod plan;
+mod routing_file;
 mod run_dir;
 mod tensorboard;
 
@@ -402,6 +403,7 @@ fn run_locked(
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,
         deferred_update_share: o.defer_share,
+        trace_routing: o.trace_routing.is_some(),
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,
@@ -454,9 +456,12 @@ fn run_locked(
         ));
     }
     let mut engine = if o.resume {
-        let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
+        let mut engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
         data.skip_batches(engine.steps())
             .map_err(|e| e.to_string())?;
+        if let Some(path) = &o.trace_routing {
+            routing_file::resume(&mut engine, path)?;
+        }
         update_record(&o)?;
         engine
     } else {
@@ -611,6 +616,9 @@ fn run_locked(
         let interrupted = interrupt.load(Ordering::SeqCst);
         if interrupted || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) {
             engine.checkpoint().map_err(err)?;
+            if let Some(path) = &o.trace_routing {
+                routing_file::write(&engine, path)?;
+            }
             metrics_log.append(&format!("{{\"step\":{step},\"checkpoint\":true}}"))?;
         }
         if interrupted {
@@ -621,6 +629,9 @@ fn run_locked(
     bar.finish_and_clear();
     if !summary.interrupted {
         engine.checkpoint().map_err(err)?;
+        if let Some(path) = &o.trace_routing {
+            routing_file::write(&engine, path)?;
+        }
     }
     rates.sort_by(f64::total_cmp);
     summary.tokens_per_s = rates.get(rates.len() / 2).copied().unwrap_or(0.0);

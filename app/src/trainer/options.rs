@@ -82,6 +82,11 @@ pub struct TrainFlags {
     /// no update, no Adam moments.
     #[arg(long, value_delimiter = ',', value_name = "GROUPS")]
     pub train: Option<Vec<String>>,
+    /// Count how tokens move between consecutive MoE layers' experts and
+    /// write the counts, with P(expert at the next layer | expert here),
+    /// to this JSON file at every checkpoint (a resumed run continues it).
+    #[arg(long, value_name = "FILE")]
+    pub trace_routing: Option<PathBuf>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -180,6 +185,8 @@ pub struct TrainOptions {
     /// `--train`'s groups (a run recorded before it trained all).
     #[serde(default = "all_groups")]
     pub train: Vec<String>,
+    #[serde(default)]
+    pub trace_routing: Option<PathBuf>,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -320,6 +327,7 @@ impl TrainFlags {
             weight_decay: pick!(cli, file, weight_decay, 0.0),
             clip_grad_norm: cli.clip_grad_norm.or(file.clip_grad_norm),
             train: pick!(cli, file, train, all_groups()),
+            trace_routing: cli.trace_routing.clone().or(file.trace_routing.clone()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,

@@ -133,7 +133,7 @@ pub(super) fn store_path(out: &Path) -> PathBuf {
 }
 
 /// `--resume`: the saved options, with `--steps`, `--export`,
-/// `--tensorboard`, `--quiet`,
+/// `--tensorboard`, `--trace-routing`, `--quiet`,
 /// `--timeline-step`, the thread counts and the host tier's split
 /// (`--host-stream-slots`, `--host-cell-slots`, `--defer-share`, which
 /// change no result) taken from the command line when given.
@@ -169,6 +169,9 @@ pub(super) fn resume_options(
     }
     if flags.tensorboard.is_some() {
         o.tensorboard = flags.tensorboard.clone();
+    }
+    if flags.trace_routing.is_some() {
+        o.trace_routing = flags.trace_routing.clone();
     }
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;

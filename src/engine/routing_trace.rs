@@ -1,0 +1,169 @@
+//! Inter-layer expert affinity (ExFlow): how often a token routed to expert
+//! e at one MoE layer is routed to expert e' at the next, counted over the
+//! steps traced (`EngineConfig::trace_routing`). Top-k aware: a token adds
+//! one to each of its k × k (e, e') pairs.
+
+use serde::{Deserialize, Serialize};
+
+use crate::math::Permutation;
+
+/// Transition counts between consecutive MoE layers, summed over steps.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RoutingTrace {
+    /// MoE layers (the transitions are between `layers − 1` pairs).
+    pub layers: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    /// Training steps counted.
+    pub steps: u64,
+    /// `[l]`: E × E counts, row-major, from MoE layer l (row) to l + 1
+    /// (column).
+    pub transitions: Vec<Vec<u64>>,
+}
+
+impl RoutingTrace {
+    pub fn new(layers: usize, experts: usize, top_k: usize) -> Self {
+        Self {
+            layers,
+            experts,
+            top_k,
+            steps: 0,
+            transitions: vec![vec![0; experts * experts]; layers.saturating_sub(1)],
+        }
+    }
+
+    /// P(e' at layer l + 1 | e at layer l), E × E row-major: each row of
+    /// counts divided by its sum (a row with no tokens stays zero).
+    pub fn conditional(&self, l: usize) -> Vec<f64> {
+        let e = self.experts;
+        let mut p = vec![0.0; e * e];
+        for (row, counts) in p
+            .chunks_exact_mut(e)
+            .zip(self.transitions[l].chunks_exact(e))
+        {
+            let total: u64 = counts.iter().sum();
+            if total > 0 {
+                for (p, &c) in row.iter_mut().zip(counts) {
+                    *p = c as f64 / total as f64;
+                }
+            }
+        }
+        p
+    }
+
+    /// The counts and, beside them, every layer pair's conditional
+    /// probabilities (`conditional`), as JSON a plotting tool reads.
+    pub fn to_json(&self) -> String {
+        let conditional: Vec<Vec<f64>> = (0..self.transitions.len())
+            .map(|l| self.conditional(l))
+            .collect();
+        let mut value = serde_json::to_value(self).expect("a trace serializes");
+        value["conditional"] = serde_json::to_value(conditional).expect("floats serialize");
+        serde_json::to_string(&value).expect("JSON")
+    }
+
+    /// Adds another trace's counts and steps (the same shape).
+    pub fn add(&mut self, other: &RoutingTrace) {
+        assert_eq!(
+            (self.layers, self.experts, self.top_k),
+            (other.layers, other.experts, other.top_k),
+            "traces of one model"
+        );
+        self.steps += other.steps;
+        for (mine, theirs) in self.transitions.iter_mut().zip(&other.transitions) {
+            mine.iter_mut().zip(theirs).for_each(|(a, b)| *a += b);
+        }
+    }
+}
+
+/// One device's counting within a step: the last MoE layer's choices of
+/// the micro-batch in progress, paired with the next layer's.
+pub(crate) struct TransitionCounter {
+    pub trace: RoutingTrace,
+    /// The layer last routed and its experts, (T · K) in assignment order.
+    last: Option<(usize, Vec<u32>)>,
+}
+
+impl TransitionCounter {
+    pub fn new(layers: usize, experts: usize, top_k: usize) -> Self {
+        Self {
+            trace: RoutingTrace::new(layers, experts, top_k),
+            last: None,
+        }
+    }
+
+    /// Layer `layer` routed its tokens as `perm` says; counts the pairs with
+    /// the layer before it where that one routed the same tokens.
+    pub fn routed(&mut self, layer: usize, perm: &Permutation) {
+        let (e, k) = (self.trace.experts, self.trace.top_k);
+        let now = assignment_experts(perm, e);
+        if let Some((before, prev)) = &self.last {
+            if before + 1 == layer && prev.len() == now.len() {
+                let counts = &mut self.trace.transitions[*before];
+                for (p, n) in prev.chunks_exact(k).zip(now.chunks_exact(k)) {
+                    for &from in p {
+                        for &to in n {
+                            counts[from as usize * e + to as usize] += 1;
+                        }
+                    }
+                }
+            }
+        }
+        self.last = Some((layer, now));
+    }
+
+    /// The counts so far, leaving zeros.
+    pub fn take(&mut self) -> RoutingTrace {
+        let t = &self.trace;
+        let fresh = RoutingTrace::new(t.layers, t.experts, t.top_k);
+        self.last = None;
+        std::mem::replace(&mut self.trace, fresh)
+    }
+}
+
+/// Each assignment's expert (token t's k choices at t·k … t·k + k − 1),
+/// from the permutation that sorted them by expert.
+fn assignment_experts(perm: &Permutation, experts: usize) -> Vec<u32> {
+    let mut out = vec![0u32; perm.order.len()];
+    for e in 0..experts {
+        let rows = perm.offsets[e] as usize..perm.offsets[e + 1] as usize;
+        for &a in &perm.order[rows] {
+            out[a as usize] = e as u32;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transitions_pair_each_tokens_choices_at_consecutive_layers() {
+        // Three tokens, top-2, four experts.
+        let layer0 = [0u32, 1, 2, 3, 0, 3];
+        let layer1 = [1u32, 2, 1, 0, 3, 2];
+        let mut c = TransitionCounter::new(3, 4, 2);
+        c.routed(0, &Permutation::from_routing(&layer0, 4));
+        c.routed(1, &Permutation::from_routing(&layer1, 4));
+        let t = c.take();
+        let mut want = vec![0u64; 16];
+        for (p, n) in layer0.chunks(2).zip(layer1.chunks(2)) {
+            for &a in p {
+                for &b in n {
+                    want[a as usize * 4 + b as usize] += 1;
+                }
+            }
+        }
+        assert_eq!(t.transitions[0], want);
+        assert_eq!(t.transitions[0].iter().sum::<u64>(), 3 * 2 * 2);
+        assert!(t.transitions[1].iter().all(|&x| x == 0));
+        // Expert 0 at layer 0 (tokens 0 and 2) went to 1, 2, 3, 2.
+        let p = t.conditional(0);
+        assert_eq!(&p[..4], &[0.0, 0.25, 0.5, 0.25]);
+        // A layer skipped (a new micro-batch's first layer) pairs nothing.
+        c.routed(2, &Permutation::from_routing(&layer1, 4));
+        c.routed(0, &Permutation::from_routing(&layer0, 4));
+        assert!(c.take().transitions.iter().flatten().all(|&x| x == 0));
+    }
+}
