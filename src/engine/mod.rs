@@ -200,7 +200,7 @@ impl Engine {
             dev.acc = Accumulators::new(layers, experts);
             // What evaluations routed is not the training's.
             if let Some(counter) = dev.routing.as_mut() {
-                counter.take();
+                counter.clear();
             }
         }
     }
@@ -215,10 +215,9 @@ impl Engine {
     /// of this engine's shape, and tracing on.
     pub fn set_routing_trace(&mut self, trace: RoutingTrace) -> Result<(), EngineError> {
         let m = &self.model;
-        let fresh = RoutingTrace::new(m.layers, m.experts, m.top_k);
         if self.routing_trace.is_none()
             || (trace.layers, trace.experts, trace.top_k) != (m.layers, m.experts, m.top_k)
-            || trace.transitions.len() != fresh.transitions.len()
+            || trace.transitions.len() != m.layers - 1
             || trace
                 .transitions
                 .iter()
@@ -383,7 +382,7 @@ impl Engine {
         if let Some(trace) = self.routing_trace.as_mut() {
             for dev in &mut self.devices {
                 if let Some(counter) = dev.routing.as_mut() {
-                    trace.add(&counter.take());
+                    counter.drain_into(trace);
                 }
             }
             trace.steps += 1;

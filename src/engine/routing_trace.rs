@@ -80,15 +80,20 @@ impl RoutingTrace {
 /// the micro-batch in progress, paired with the next layer's.
 pub(crate) struct TransitionCounter {
     pub trace: RoutingTrace,
-    /// The layer last routed and its experts, (T · K) in assignment order.
-    last: Option<(usize, Vec<u32>)>,
+    /// The layer last routed, if any, and its experts in `last` (T · K, in
+    /// assignment order); `now` is the next layer's, reused.
+    last_layer: Option<usize>,
+    last: Vec<u32>,
+    now: Vec<u32>,
 }
 
 impl TransitionCounter {
     pub fn new(layers: usize, experts: usize, top_k: usize) -> Self {
         Self {
             trace: RoutingTrace::new(layers, experts, top_k),
-            last: None,
+            last_layer: None,
+            last: Vec::new(),
+            now: Vec::new(),
         }
     }
 
@@ -96,11 +101,11 @@ impl TransitionCounter {
     /// the layer before it where that one routed the same tokens.
     pub fn routed(&mut self, layer: usize, perm: &Permutation) {
         let (e, k) = (self.trace.experts, self.trace.top_k);
-        let now = assignment_experts(perm, e);
-        if let Some((before, prev)) = &self.last {
-            if before + 1 == layer && prev.len() == now.len() {
-                let counts = &mut self.trace.transitions[*before];
-                for (p, n) in prev.chunks_exact(k).zip(now.chunks_exact(k)) {
+        assignment_experts(perm, e, &mut self.now);
+        if let Some(before) = self.last_layer {
+            if before + 1 == layer && self.last.len() == self.now.len() {
+                let counts = &mut self.trace.transitions[before];
+                for (p, n) in self.last.chunks_exact(k).zip(self.now.chunks_exact(k)) {
                     for &from in p {
                         for &to in n {
                             counts[from as usize * e + to as usize] += 1;
@@ -109,29 +114,34 @@ impl TransitionCounter {
                 }
             }
         }
-        self.last = Some((layer, now));
+        std::mem::swap(&mut self.last, &mut self.now);
+        self.last_layer = Some(layer);
     }
 
-    /// The counts so far, leaving zeros.
-    pub fn take(&mut self) -> RoutingTrace {
-        let t = &self.trace;
-        let fresh = RoutingTrace::new(t.layers, t.experts, t.top_k);
-        self.last = None;
-        std::mem::replace(&mut self.trace, fresh)
+    /// Adds the counts so far to `total` and starts again from zero.
+    pub fn drain_into(&mut self, total: &mut RoutingTrace) {
+        total.add(&self.trace);
+        self.clear();
+    }
+
+    /// Forgets the counts so far (an evaluation's).
+    pub fn clear(&mut self) {
+        self.trace.transitions.iter_mut().for_each(|t| t.fill(0));
+        self.last_layer = None;
     }
 }
 
 /// Each assignment's expert (token t's k choices at t·k … t·k + k − 1),
-/// from the permutation that sorted them by expert.
-fn assignment_experts(perm: &Permutation, experts: usize) -> Vec<u32> {
-    let mut out = vec![0u32; perm.order.len()];
+/// from the permutation that sorted them by expert, into `out`.
+fn assignment_experts(perm: &Permutation, experts: usize, out: &mut Vec<u32>) {
+    out.clear();
+    out.resize(perm.order.len(), 0);
     for e in 0..experts {
         let rows = perm.offsets[e] as usize..perm.offsets[e + 1] as usize;
         for &a in &perm.order[rows] {
             out[a as usize] = e as u32;
         }
     }
-    out
 }
 
 #[cfg(test)]
@@ -146,7 +156,8 @@ mod tests {
         let mut c = TransitionCounter::new(3, 4, 2);
         c.routed(0, &Permutation::from_routing(&layer0, 4));
         c.routed(1, &Permutation::from_routing(&layer1, 4));
-        let t = c.take();
+        let mut t = RoutingTrace::new(3, 4, 2);
+        c.drain_into(&mut t);
         let mut want = vec![0u64; 16];
         for (p, n) in layer0.chunks(2).zip(layer1.chunks(2)) {
             for &a in p {
@@ -164,6 +175,10 @@ mod tests {
         // A layer skipped (a new micro-batch's first layer) pairs nothing.
         c.routed(2, &Permutation::from_routing(&layer1, 4));
         c.routed(0, &Permutation::from_routing(&layer0, 4));
-        assert!(c.take().transitions.iter().flatten().all(|&x| x == 0));
+        assert!(c.trace.transitions.iter().flatten().all(|&x| x == 0));
+        // Drained, the counter starts from zero.
+        c.routed(1, &Permutation::from_routing(&layer1, 4));
+        c.clear();
+        assert!(c.trace.transitions.iter().flatten().all(|&x| x == 0));
     }
 }

@@ -30,6 +30,7 @@ pub(super) struct MlpSaved {
     a: Vec<f32>,
     b: Vec<f32>,
     h: Vec<f32>,
+    /// The ungated output, kept where a gate scales it; empty when ungated.
     out: Vec<f32>,
     /// Each token's gate, σ(x · w_gate); empty when ungated.
     sig: Vec<f32>,
@@ -68,6 +69,8 @@ pub(super) fn forward(
             Vec::new()
         }
     };
+    // The output is the gate's backward's alone.
+    let out = if sig.is_empty() { Vec::new() } else { out };
     Ok(MlpSaved { a, b, h, out, sig })
 }
 

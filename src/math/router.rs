@@ -331,16 +331,16 @@ pub fn router_backward<R: Real>(
     for i in 0..t {
         let p = &routing.probs[i * e..(i + 1) * e];
         let dp = &dprobs[i * e..(i + 1) * e];
-        let mut dot = R::zero();
-        for j in 0..e {
-            dot += p[j] * dp[j];
-        }
         if let Scoring::SigmoidGrouped { .. } = cfg.scoring {
             // p = σ(logit) ⇒ ∂p/∂logit = p (1 − p)
             for j in 0..e {
                 dlogits[i * e + j] = dp[j] * p[j] * (R::one() - p[j]);
             }
             continue;
+        }
+        let mut dot = R::zero();
+        for j in 0..e {
+            dot += p[j] * dp[j];
         }
         // z = (1/T) Σ lse² ⇒ ∂z/∂logit_tj = (2/T) lse_t p_tj
         let zscale = dz * R::from_f64(2.0) * routing.lse[i] / tf;

@@ -104,8 +104,9 @@ pub struct PlanInput<'a> {
 /// residual stream and norms (5·D), q/k/v and the attention output,
 /// the attention probabilities (H·S² a sequence); per sparse layer the
 /// router's outputs, each assignment's expert output (K·D) and hidden
-/// activations (2·K·F), and a shared expert's activations (3·F_s + D + 1)
-/// where the family has them; per dense layer its MLP's (3·F_d + D); q and
+/// activations (2·K·F), and a shared expert's activations (3·F_s, and
+/// D + 1 more for a gated one) where the family has them; per dense layer
+/// its MLP's (3·F_d); q and
 /// k before their norms and q/k/v before a clamp where the family has
 /// them; then the logits and their gradient (2·V).
 pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
@@ -122,9 +123,12 @@ pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     }
     let mut per_sparse_token = 2 * m.experts as u64 + k * d + 2 * k * f;
     if m.shared_expert_ff > 0 {
-        per_sparse_token += 3 * m.shared_expert_ff as u64 + d + 1;
+        per_sparse_token += 3 * m.shared_expert_ff as u64;
+        if m.family.shared_expert().1 {
+            per_sparse_token += d + 1; // its output and gate
+        }
     }
-    let per_dense_token = 3 * m.dense_ff as u64 + d;
+    let per_dense_token = 3 * m.dense_ff as u64;
     let (dense, sparse) = (m.dense_layers.len() as u64, m.moe().layers as u64);
     let probs = (seqs * m.heads * seq_len * seq_len) as u64;
     let layers = m.layers as u64 * (t * per_token + probs)
