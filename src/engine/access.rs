@@ -4,7 +4,8 @@
 //!
 //! One device: forward layers 0..L-1 (compute params, experts in index
 //! order), then backward L-1..0 (experts in reverse order: compute params
-//! for the backward, then the full record for the update). When the
+//! for the backward, then the full record for the update), each over the
+//! experts its routing sends tokens to (`routed_io.rs`). When the
 //! pipeline overlaps, the next expert's compute params are asked for before
 //! this one's update, so a layer's backward reads C(r0), C(r1), F(r0),
 //! C(r2), F(r1), …, F(rn).
@@ -13,7 +14,8 @@
 //! which starts with it: so when one device's pipeline overlaps, the last
 //! accesses of the forward, as many as the host tier has streaming slots
 //! (those not keeping a record resident; at most a layer), ask for the
-//! full record. The prefetcher then reads their optimizer
+//! full record (the last layer's last experts routed to). The prefetcher
+//! then reads their optimizer
 //! state while the forward computes, instead of in the backward, which
 //! also writes every record back and so moves most of a step's bytes:
 //! with the host tier holding a quarter of the experts of 4 layers, this
@@ -26,6 +28,8 @@
 //! sequences interleaved position by position, which is the order they
 //! arrive in when the devices keep pace; layers not yet placed keep the
 //! one-device order.
+
+use std::collections::HashSet;
 
 use strata_tiers::{ExpertId, Parts};
 
@@ -66,16 +70,16 @@ fn forward_of(l: usize, experts: &[usize]) -> Vec<Access> {
 
 /// One device's backward accesses over `experts` (already in reverse).
 fn backward_of(l: usize, experts: &[usize], overlapped: bool) -> Vec<Access> {
-    backward_deferring(l, experts, overlapped, &[])
+    backward_deferring(l, experts, overlapped, &HashSet::new())
 }
 
 /// `backward_of`, without the update's access of the experts in
-/// `deferred` (their updates come in the next step's forward).
+/// `holding` (their updates come in a later step's forward).
 fn backward_deferring(
     l: usize,
     experts: &[usize],
     overlapped: bool,
-    deferred: &[ExpertId],
+    holding: &HashSet<ExpertId>,
 ) -> Vec<Access> {
     let mut order = Vec::new();
     let Some(&first) = experts.first() else {
@@ -94,44 +98,95 @@ fn backward_deferring(
             order.push((id(l, e), Parts::Full));
         }
     }
-    order.retain(|a| !(a.1 == Parts::Full && deferred.contains(&a.0)));
+    order.retain(|a| !(a.1 == Parts::Full && holding.contains(&a.0)));
     order
 }
 
-/// The one-device schedule of a whole step; the forward's last
-/// `tail_slots` accesses (at most a layer) ask for the full record when
-/// the pipeline overlaps. An expert in `deferred` has its update's access
-/// (the full record) just before its forward's, and none in the backward.
+/// What one device's step asks the host tier for.
+pub(crate) struct Expected<'a> {
+    /// Per layer: the experts with tokens, ascending (where a layer is not
+    /// routed yet, the ones expected to get some).
+    pub layers: &'a [Vec<usize>],
+    /// Experts whose updates are held from their backward until their next
+    /// forward (`EngineConfig::deferred_update_share`): none in the backward.
+    pub holding: &'a HashSet<ExpertId>,
+    /// Experts with a held update, read in full just before their forward.
+    pub held: &'a HashSet<ExpertId>,
+    /// Whether experts update: where they are frozen, no access asks for
+    /// a full record.
+    pub updates: bool,
+}
+
+/// The one-device schedule of a whole step over every expert; the
+/// forward's last `tail_slots` accesses (at most a layer) ask for the full
+/// record when the pipeline overlaps. An expert in `deferred` has its
+/// update's access (the full record) just before its forward's, and none
+/// in the backward. Where experts do not `update`, nothing asks for a
+/// full record.
 pub(crate) fn access_schedule(
     model: &ModelConfig,
     overlapped: bool,
     tail_slots: usize,
     deferred: &[ExpertId],
+    updates: bool,
 ) -> Vec<Access> {
-    let all: Vec<usize> = (0..model.experts).collect();
-    let reversed: Vec<usize> = all.iter().rev().copied().collect();
+    let all: Vec<Vec<usize>> = vec![(0..model.experts).collect(); model.layers];
+    let deferred: HashSet<ExpertId> = deferred.iter().copied().collect();
+    let expected = Expected {
+        layers: &all,
+        holding: &deferred,
+        held: &deferred,
+        updates,
+    };
+    routed_schedule(model, overlapped, tail_slots, &expected, Phase::Forward(0))
+}
+
+/// The one-device schedule of a step over the experts `expected` names,
+/// rotated to start at `from` (the schedule is cyclic: past the step's
+/// end it stands for the next step, whose routing is not known yet). The
+/// last layer's last `tail_slots` experts ask for the full record in the
+/// forward when the pipeline overlaps.
+pub(crate) fn routed_schedule(
+    model: &ModelConfig,
+    overlapped: bool,
+    tail_slots: usize,
+    expected: &Expected<'_>,
+    from: Phase,
+) -> Vec<Access> {
     let mut order = Vec::new();
-    for l in 0..model.layers {
-        order.extend(forward_of(l, &all));
-    }
-    if overlapped {
-        let n = order.len();
-        for access in &mut order[n - tail_slots.min(model.experts)..] {
-            access.1 = Parts::Full;
+    let mut start = 0;
+    for (l, experts) in expected.layers.iter().enumerate() {
+        if matches!(from, Phase::Forward(f) if f == l) {
+            start = order.len();
+        }
+        let tail = match overlapped && expected.updates && l + 1 == model.layers {
+            true => experts.len() - tail_slots.min(experts.len()),
+            false => experts.len(),
+        };
+        for (i, &e) in experts.iter().enumerate() {
+            let expert = id(l, e);
+            if expected.updates && expected.held.contains(&expert) {
+                order.push((expert, Parts::Full)); // its held update
+                order.push((expert, Parts::Compute));
+            } else if i >= tail {
+                order.push((expert, Parts::Full));
+            } else {
+                order.push((expert, Parts::Compute));
+            }
         }
     }
-    let forward = std::mem::take(&mut order);
-    for (expert, parts) in forward {
-        if deferred.contains(&expert) {
-            order.push((expert, Parts::Full)); // its held update
-            order.push((expert, Parts::Compute));
-        } else {
-            order.push((expert, parts));
+    for (l, experts) in expected.layers.iter().enumerate().rev() {
+        if matches!(from, Phase::Backward(b) if b == l) {
+            start = order.len();
         }
+        let reversed: Vec<usize> = experts.iter().rev().copied().collect();
+        let mut backward = backward_deferring(l, &reversed, overlapped, expected.holding);
+        if !expected.updates {
+            backward.retain(|a| a.1 == Parts::Compute);
+        }
+        order.extend(backward);
     }
-    for l in (0..model.layers).rev() {
-        order.extend(backward_deferring(l, &reversed, overlapped, deferred));
-    }
+    order.rotate_left(start);
     order
 }
 
@@ -214,7 +269,7 @@ mod tests {
     #[test]
     fn unplaced_it_is_the_one_device_schedule_rotated() {
         let m = model();
-        let one = access_schedule(&m, true, 0, &[]);
+        let one = access_schedule(&m, true, 0, &[], true);
         let placed = [None, None];
         assert_eq!(
             placed_schedule(&m, true, 2, &placed, Phase::Forward(0)),
@@ -260,18 +315,18 @@ mod tests {
         let c = |l, e| (id(l, e), Parts::Compute);
         let f = |l, e| (id(l, e), Parts::Full);
         // Forward 0: C C C C; forward 1: C, then 3 host slots' worth of F.
-        let order = access_schedule(&m, true, 3, &[]);
+        let order = access_schedule(&m, true, 3, &[], true);
         assert_eq!(&order[..4], &[c(0, 0), c(0, 1), c(0, 2), c(0, 3)]);
         assert_eq!(&order[4..8], &[c(1, 0), f(1, 1), f(1, 2), f(1, 3)]);
         // The backward is unchanged; a host tier beyond a layer stops at it.
-        assert_eq!(order[8..], access_schedule(&m, true, 0, &[])[8..]);
-        let wide = access_schedule(&m, true, 100, &[]);
+        assert_eq!(order[8..], access_schedule(&m, true, 0, &[], true)[8..]);
+        let wide = access_schedule(&m, true, 100, &[], true);
         assert_eq!(
             &wide[..8],
             &[&order[..4], &[f(1, 0)], &order[5..8]].concat()
         );
         // Without the overlap nothing is read ahead, so nothing changes.
-        assert!(access_schedule(&m, false, 3, &[])[..8]
+        assert!(access_schedule(&m, false, 3, &[], true)[..8]
             .iter()
             .all(|a| a.1 == Parts::Compute));
     }
@@ -281,7 +336,7 @@ mod tests {
         let m = model();
         let c = |l, e| (id(l, e), Parts::Compute);
         let f = |l, e| (id(l, e), Parts::Full);
-        let order = access_schedule(&m, true, 0, &[id(0, 1)]);
+        let order = access_schedule(&m, true, 0, &[id(0, 1)], true);
         assert_eq!(&order[..5], &[c(0, 0), f(0, 1), c(0, 1), c(0, 2), c(0, 3)]);
         // Layer 0's backward (the step's last 7 accesses, 8 less the update
         // of expert 1): its compute params only.
@@ -298,6 +353,6 @@ mod tests {
                 f(0, 0)
             ]
         );
-        assert_eq!(order.len(), access_schedule(&m, true, 0, &[]).len());
+        assert_eq!(order.len(), access_schedule(&m, true, 0, &[], true).len());
     }
 }

@@ -27,6 +27,12 @@ pub struct StepMetrics {
     pub ssd_busy_s: f64,
     pub bytes_ssd_to_host: u64,
     pub bytes_host_to_ssd: u64,
+    /// The least this step's routing needed moved between the SSD and the
+    /// host tier, both ways: each routed expert's record read once and
+    /// written back once, none for a record the host tier keeps resident
+    /// (none at all where it holds every record). Set against
+    /// `bytes_ssd_to_host + bytes_host_to_ssd`, it shows the waste.
+    pub bytes_ssd_min: u64,
     pub bytes_host_to_device: u64,
     pub bytes_device_to_host: u64,
     /// Every other byte copied between host and device memory this step
@@ -40,6 +46,12 @@ pub struct StepMetrics {
     pub host_demotions: u64,
     /// Expert uses served by an expert already on the device.
     pub device_hit_rate: f64,
+    /// One device: experts routed to that the forward's prefetch did not
+    /// foresee (each layer's previous routing left them out), and experts
+    /// it foresaw that got no token: ahead of a layer's router the
+    /// prefetcher reads what that layer's previous routing asked for.
+    pub prediction_missed: u64,
+    pub prediction_unused: u64,
     /// `[layer][expert]` assignments this step (all devices).
     pub tokens_per_expert: Vec<Vec<u32>>,
     /// Per device: expert assignments it computed, forward and backward
@@ -106,6 +118,7 @@ pub(crate) fn gather<'a>(
         ssd_busy_s,
         bytes_ssd_to_host: stats.bytes_read,
         bytes_host_to_ssd: stats.bytes_written,
+        bytes_ssd_min: 0, // the engine's, from the routing and the host tier
         bytes_host_to_device: sum(|a| a.bytes_host_to_device),
         bytes_device_to_host: sum(|a| a.bytes_device_to_host),
         bytes_pcie_other: 0, // the engine's, from its dense kernels
@@ -116,6 +129,8 @@ pub(crate) fn gather<'a>(
         } else {
             hits as f64 / (hits + misses) as f64
         },
+        prediction_missed: sum(|a| a.prediction_missed),
+        prediction_unused: sum(|a| a.prediction_unused),
         tokens_per_expert,
         assignments_per_device: devices.iter().map(|a| a.assignments_computed).collect(),
         expert_compute_s_per_device: devices.iter().map(|a| a.expert_compute_s).collect(),

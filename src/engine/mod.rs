@@ -32,6 +32,7 @@ mod metrics;
 mod multi;
 mod open;
 mod pipeline;
+mod routed_io;
 mod routing_trace;
 mod slot_table;
 mod update;
@@ -54,6 +55,7 @@ pub use verify::{verify_checkpoint, CheckpointReport};
 use crate::model::{Batch, DenseKernels, Evaluation, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
+use access::Phase;
 use open::step_schedule;
 use pipeline::{DeviceRunner, PassOptions};
 use slot_table::{Accumulators, DeviceState};
@@ -284,12 +286,22 @@ impl Engine {
             options,
         };
         let out = net.forward_eval(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
-        let order = step_schedule(
-            &self.model,
-            &self.config,
-            self.device_slots(),
-            &self.shared.cache,
-        );
+        // The next step starts from its forward again.
+        let order = match self.devices.len() {
+            1 => {
+                let overlapped = self.config.schedule.overlaps(self.device_slots());
+                let from = Phase::Forward(0);
+                self.devices[0]
+                    .io
+                    .schedule(&self.model, &self.shared, overlapped, from)
+            }
+            _ => step_schedule(
+                &self.model,
+                &self.config,
+                self.device_slots(),
+                &self.shared.cache,
+            ),
+        };
         self.shared.cache.set_schedule(order);
         out
     }
@@ -375,6 +387,13 @@ impl Engine {
         );
         metrics.grad_norm = clipped.map(|c| c.norm);
         metrics.bytes_pcie_other = self.pcie_other_bytes() - pcie_before;
+        metrics.bytes_ssd_min = routed_io::min_ssd_bytes(
+            &self.shared.cache,
+            &self.shared.layout,
+            &self.model,
+            self.shared.train,
+            &metrics.tokens_per_expert,
+        );
         if self.devices.len() > 1 {
             self.recalibrate(&metrics);
         }

@@ -502,7 +502,13 @@ pub(super) fn step_schedule(
         overlapped,
         cache.slot_count(),
     );
-    access_schedule(model, overlapped, tail_slots, &deferred)
+    access_schedule(
+        model,
+        overlapped,
+        tail_slots,
+        &deferred,
+        config.train_experts,
+    )
 }
 
 #[cfg(test)]

@@ -14,6 +14,8 @@ use std::time::Instant;
 
 use strata_tiers::{CopyEvent, ExpertId, Parts, TimelineSpan};
 
+use super::access::Phase;
+use super::routed_io::streams;
 use super::slot_table::DeviceState;
 use super::updates::{Held, SharedExperts, When};
 use super::ScheduleKind;
@@ -67,6 +69,23 @@ impl DeviceRunner<'_> {
 
     pub fn overlapped(&self) -> bool {
         self.shared.schedule.overlaps(self.dev.slots.slot_count())
+    }
+
+    /// `layer`'s `routed` experts (ascending) are this pass's: the host
+    /// tier is asked for them alone from now on, and for the later layers'
+    /// experts their last routing names (one device; `routed_io.rs`).
+    fn follow_routing(&mut self, layer: usize, routed: &[usize]) {
+        let (missed, unused) = self.dev.io.routed(layer, routed);
+        self.dev.acc.prediction_missed += missed;
+        self.dev.acc.prediction_unused += unused;
+        if streams(&self.shared.cache, self.model) {
+            let from = Phase::Forward(layer);
+            let order = self
+                .dev
+                .io
+                .schedule(self.model, self.shared, self.overlapped(), from);
+            self.shared.cache.set_schedule(order);
+        }
     }
 
     /// Makes `expert`'s compute params arrive in a device slot: waits for
@@ -275,6 +294,9 @@ impl ExpertRunner for DeviceRunner<'_> {
         }
         if let Some(counter) = self.dev.routing.as_mut() {
             counter.routed(layer, perm);
+        }
+        if self.shared.devices == 1 {
+            self.follow_routing(layer, &order);
         }
         self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);

@@ -2,6 +2,7 @@
 //! [`DeviceSlots`] saying which expert version each holds and which are
 //! pinned), what its forward kept for the backward, and its counters.
 
+use super::routed_io::RoutedIo;
 use super::routing_trace::TransitionCounter;
 use crate::backend::ExpertDevice;
 use crate::math::ExpertSaved;
@@ -22,6 +23,10 @@ pub(crate) struct Accumulators {
     pub assignments_computed: u64,
     /// Seconds in expert GEMMs (the placement cost model's input).
     pub expert_compute_s: f64,
+    /// Experts routed to that the forward's prediction left out, and
+    /// experts it named that got no token (`routed_io.rs`).
+    pub prediction_missed: u64,
+    pub prediction_unused: u64,
 }
 
 impl Accumulators {
@@ -143,6 +148,8 @@ pub(crate) struct DeviceState {
     /// Where `EngineConfig::trace_routing`: this step's layer-to-layer
     /// expert transitions.
     pub routing: Option<TransitionCounter>,
+    /// Each layer's last routing: what the host tier is asked for.
+    pub io: RoutedIo,
 }
 
 impl DeviceState {
@@ -157,6 +164,7 @@ impl DeviceState {
             scratch: ScratchBuffers::new(4),
             acc: Accumulators::new(layers, experts),
             routing: None,
+            io: RoutedIo::new(layers, experts),
         }
     }
 }

@@ -6,6 +6,7 @@
 //! bookkeeping is per expert and a short lock keeps devices apart; nothing
 //! is held locked while waiting for an update or a record.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -325,6 +326,23 @@ impl SharedExperts {
     /// Experts whose updates wait for the next step's forward.
     pub fn deferred_count(&self) -> usize {
         self.defers.iter().filter(|&&d| d).count()
+    }
+
+    /// The experts whose updates wait for their next forward.
+    pub fn deferring(&self) -> HashSet<ExpertId> {
+        (0..self.defers.len())
+            .filter(|&key| self.defers[key])
+            .map(|key| self.expert_id(key))
+            .collect()
+    }
+
+    /// The experts with an update held now.
+    pub fn held(&self) -> HashSet<ExpertId> {
+        let book = self.book();
+        book.held
+            .iter()
+            .map(|(key, ..)| self.expert_id(*key))
+            .collect()
     }
 
     /// Acquires through the host tier. When every host slot is pinned it

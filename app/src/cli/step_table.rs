@@ -14,7 +14,7 @@ pub(super) fn print(
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>7}",
+        "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}",
         "run",
         "step_s",
         "tokens/s",
@@ -24,6 +24,7 @@ pub(super) fn print(
         "optim",
         "ssd_busy",
         "ssd_mib",
+        "min_mib",
         "host_hit",
         "dev_hit",
         "dev_gap",
@@ -32,7 +33,7 @@ pub(super) fn print(
     for r in records {
         writeln!(
                 out,
-                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8} {:>8.3} {:>8.3} {:>8.3} {:>7}",
+                "{:<13} {:>8.3} {:>10.1} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>8} {:>8} {:>8.3} {:>8.3} {:>8.3} {:>7}",
                 r.run,
                 r.step_s,
                 r.tokens_per_s,
@@ -42,6 +43,7 @@ pub(super) fn print(
                 r.stall_optimizer_s,
                 r.ssd_busy_s,
                 (r.bytes_ssd_to_host + r.bytes_host_to_ssd) >> 20,
+                r.bytes_ssd_min >> 20,
                 r.host_hit_rate,
                 r.device_hit_rate,
                 r.device_load_gap,

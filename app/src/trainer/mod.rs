@@ -709,18 +709,29 @@ fn metrics_line(m: &StepMetrics, lr: f32) -> String {
     value.to_string()
 }
 
-/// tokens/s, the share of the step stalled on each tier, and the share
-/// the SSD was busy (near 100 %: the SSD bounds the step).
+/// tokens/s, the share of the step stalled on each tier, the share the
+/// SSD was busy (near 100 %: the SSD bounds the step), and what it moved
+/// against the least the step's routing needed.
 fn status(m: &StepMetrics) -> String {
     let share = |s: f64| 100.0 * s / m.wall_s.max(1e-9);
-    format!(
+    let mut line = format!(
         "{:.0} tok/s  stall: ssd {:.0}% upload {:.0}% optimizer {:.0}%  ssd busy {:.0}%",
         m.tokens as f64 / m.wall_s.max(1e-9),
         share(m.stall_ssd_s),
         share(m.stall_upload_s),
         share(m.stall_optimizer_s),
         share(m.ssd_busy_s)
-    )
+    );
+    let moved = m.bytes_ssd_to_host + m.bytes_host_to_ssd;
+    if moved > 0 {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        line += &format!(
+            "  ssd {:.0} MiB (routing needs {:.0})",
+            mib(moved),
+            mib(m.bytes_ssd_min)
+        );
+    }
+    line
 }
 
 fn progress_bar(o: &TrainOptions, start: u64) -> indicatif::ProgressBar {

@@ -292,6 +292,11 @@ impl HostCache {
         self.shared.lock().keep.len()
     }
 
+    /// The experts `keep_resident` holds.
+    pub fn kept(&self) -> HashSet<ExpertId> {
+        self.shared.lock().keep.clone()
+    }
+
     pub fn stats(&self) -> CacheStats {
         self.shared.lock().stats
     }

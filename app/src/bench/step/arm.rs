@@ -207,6 +207,7 @@ impl Arm {
             ssd_busy_s: mean(|m| m.ssd_busy_s),
             bytes_ssd_to_host: sum(|m| m.bytes_ssd_to_host),
             bytes_host_to_ssd: sum(|m| m.bytes_host_to_ssd),
+            bytes_ssd_min: sum(|m| m.bytes_ssd_min),
             host_hit_rate: mean(|m| m.host_hit_rate),
             device_hit_rate: mean(|m| m.device_hit_rate),
             device_load_gap: mean(|m| m.device_load_gap()),

@@ -47,6 +47,9 @@ pub struct StepBenchRecord {
     pub ssd_busy_s: f64,
     pub bytes_ssd_to_host: u64,
     pub bytes_host_to_ssd: u64,
+    /// The least the steps' routing needed moved, both ways (see
+    /// `StepMetrics::bytes_ssd_min`), summed like the two above.
+    pub bytes_ssd_min: u64,
     pub host_hit_rate: f64,
     /// Device hits over device uses (pinning raises it).
     pub device_hit_rate: f64,
