@@ -18,6 +18,9 @@ const MAGIC: &[u8; 8] = b"STRATADN";
 /// Where every param trains; version 2 adds the moments' count.
 const VERSION_ALL_TRAIN: u32 = 1;
 const VERSION: u32 = 2;
+/// The write buffer (and the largest piece of the state converted to
+/// bytes at once).
+const BUFFER_BYTES: usize = 1 << 20;
 
 pub(crate) struct DenseState {
     pub step: u64,
@@ -41,37 +44,95 @@ fn io_error(path: &Path, e: std::io::Error) -> EngineError {
     }
 }
 
-pub(crate) fn write(store: &Path, state: &DenseState) -> Result<(), EngineError> {
-    let path = path_for(store, state.step);
-    let (n, m) = (state.params.len(), state.m.len());
-    let version = match m == n {
-        true => VERSION_ALL_TRAIN,
-        false => VERSION,
-    };
-    let mut bytes = Vec::with_capacity(44 + 4 * n + 8 * m);
-    bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&version.to_le_bytes());
-    bytes.extend_from_slice(&state.step.to_le_bytes());
-    bytes.extend_from_slice(&state.dense_step.to_le_bytes());
-    bytes.extend_from_slice(&(n as u64).to_le_bytes());
-    if version == VERSION {
-        bytes.extend_from_slice(&(m as u64).to_le_bytes());
-    }
-    for values in [&state.params, &state.m, &state.v] {
-        for x in values.iter() {
-            bytes.extend_from_slice(&x.to_le_bytes());
+impl DenseState {
+    /// The state as borrowed slices, to write.
+    pub fn as_ref(&self) -> DenseStateRef<'_> {
+        DenseStateRef {
+            step: self.step,
+            dense_step: self.dense_step,
+            params: &self.params,
+            m: &self.m,
+            v: &self.v,
         }
     }
-    let crc = crc32c::crc32c(&bytes);
-    bytes.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// What `write` writes: a [`DenseState`] borrowed from its owner, so a
+/// checkpoint copies nothing of it.
+pub(crate) struct DenseStateRef<'a> {
+    pub step: u64,
+    pub dense_step: u64,
+    pub params: &'a [f32],
+    /// The trainable params' moments, in order.
+    pub m: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// A writer that keeps the CRC-32C of what went through it.
+struct Checksummed<W> {
+    inner: W,
+    crc: u32,
+}
+
+impl<W: Write> Write for Checksummed<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let written = self.inner.write(buf)?;
+        self.crc = crc32c::crc32c_append(self.crc, &buf[..written]);
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Streams `state` to the file through a buffer of `BUFFER_BYTES`: a
+/// checkpoint stages none of the dense state.
+pub(crate) fn write(store: &Path, state: &DenseStateRef<'_>) -> Result<(), EngineError> {
+    let path = path_for(store, state.step);
     let tmp = path.with_extension("partial");
-    let mut file = std::fs::File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
-    file.write_all(&bytes).map_err(|e| io_error(&tmp, e))?;
+    let file = std::fs::File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
+    let mut out = Checksummed {
+        inner: std::io::BufWriter::with_capacity(BUFFER_BYTES, file),
+        crc: 0,
+    };
+    write_body(&mut out, state).map_err(|e| io_error(&tmp, e))?;
+    let crc = out.crc;
+    let mut file = out.inner;
+    file.write_all(&crc.to_le_bytes())
+        .map_err(|e| io_error(&tmp, e))?;
+    let file = file
+        .into_inner()
+        .map_err(|e| io_error(&tmp, e.into_error()))?;
     file.sync_all().map_err(|e| io_error(&tmp, e))?;
     std::fs::rename(&tmp, &path).map_err(|e| io_error(&path, e))?;
     if let Some(dir) = path.parent() {
         if let Ok(d) = std::fs::File::open(dir) {
             let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+/// Everything before the checksum.
+fn write_body(out: &mut impl Write, state: &DenseStateRef<'_>) -> std::io::Result<()> {
+    let (n, m) = (state.params.len(), state.m.len());
+    let version = match m == n {
+        true => VERSION_ALL_TRAIN,
+        false => VERSION,
+    };
+    out.write_all(MAGIC)?;
+    out.write_all(&version.to_le_bytes())?;
+    out.write_all(&state.step.to_le_bytes())?;
+    out.write_all(&state.dense_step.to_le_bytes())?;
+    out.write_all(&(n as u64).to_le_bytes())?;
+    if version == VERSION {
+        out.write_all(&(m as u64).to_le_bytes())?;
+    }
+    for values in [state.params, state.m, state.v] {
+        for chunk in values.chunks(BUFFER_BYTES / 4) {
+            let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+            out.write_all(&bytes)?;
         }
     }
     Ok(())

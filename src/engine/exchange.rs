@@ -261,6 +261,8 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             .place(&global, &self.pinned[layer], &self.cost, &mut owner);
         self.plans[layer] = LayerPlan { counts, owner };
         self.reschedule(Phase::Forward(layer));
+        let mine = self.mine(layer, false);
+        self.inner.dev.fit_saved(layer, &mine);
 
         let sends = self.outgoing(layer, perm, |buf, rows| gather_forward(buf, x, rows, k, d));
         let received = self.comm.all_to_all(sends)?;

@@ -54,7 +54,7 @@ impl Engine {
         if let Some(path) = &config.store_path {
             // Step 0 is committed by write_initial_records; give it its
             // dense file so even an untrained store can be resumed.
-            dense_state::write(path, &state)?;
+            dense_state::write(path, &state.as_ref())?;
         }
         Self::build(model, config, Arc::new(store), state, frozen)
     }
@@ -114,7 +114,7 @@ impl Engine {
             m: vec![0.0; m],
             v: vec![0.0; m],
         };
-        dense_state::write(&path, &state)?;
+        dense_state::write(&path, &state.as_ref())?;
         Self::build(model, config, Arc::new(store), state, frozen)
     }
 

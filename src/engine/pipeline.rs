@@ -209,6 +209,7 @@ impl DeviceRunner<'_> {
         self.dev.acc.assignments_computed += n as u64;
         let t0 = Instant::now();
         let saved = &mut self.dev.saved[layer][expert];
+        saved.fit(n * f);
         self.dev
             .device
             .expert_forward(self.model.expert_kind, ye, saved, xe, params, n, d, f)?;
@@ -295,6 +296,7 @@ impl ExpertRunner for DeviceRunner<'_> {
         if let Some(counter) = self.dev.routing.as_mut() {
             counter.routed(layer, perm);
         }
+        self.dev.fit_saved(layer, &order);
         if self.shared.devices == 1 {
             self.follow_routing(layer, &order);
         }

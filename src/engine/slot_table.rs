@@ -153,6 +153,17 @@ pub(crate) struct DeviceState {
 }
 
 impl DeviceState {
+    /// Frees the saved activations of `layer`'s experts other than
+    /// `computed` (ascending), which this pass does not compute here: what
+    /// the device keeps between passes stays within one pass's need.
+    pub fn fit_saved(&mut self, layer: usize, computed: &[usize]) {
+        for (e, saved) in self.saved[layer].iter_mut().enumerate() {
+            if computed.binary_search(&e).is_err() {
+                saved.fit(0);
+            }
+        }
+    }
+
     pub fn new(device: Box<dyn ExpertDevice>, layers: usize, experts: usize) -> Self {
         let slots = DeviceSlots::new(device.arena().slot_count(), layers * experts);
         Self {

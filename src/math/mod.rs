@@ -266,6 +266,19 @@ pub struct ExpertSaved<R> {
     pub b: Vec<R>,
 }
 
+impl<R> ExpertSaved<R> {
+    /// Frees a buffer that holds more than twice `len` values: kept from
+    /// pass to pass, it then never holds much more than a pass needs,
+    /// rather than the most the expert ever had routed to it.
+    pub fn fit(&mut self, len: usize) {
+        for v in [&mut self.a, &mut self.b] {
+            if v.capacity() > 2 * len {
+                *v = Vec::new();
+            }
+        }
+    }
+}
+
 /// out (n, D) = expert(x (n, D)), with `params` laid out as `ExpertKind` says.
 pub fn expert_ffn_forward<R: Real>(
     kind: ExpertKind,
