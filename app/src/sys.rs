@@ -41,6 +41,16 @@ pub fn process_usage() -> Option<(f64, f64)> {
     ))
 }
 
+/// This process's resident memory now (Linux: /proc/self/statm's resident
+/// pages), `None` where the OS does not tell.
+pub fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    (page > 0).then(|| pages * page as u64)
+}
+
 /// The kernel's clock ticks a second (the unit of /proc/stat), if known.
 pub fn clock_ticks_per_second() -> Option<f64> {
     // SAFETY: sysconf only reads a configuration value.
@@ -93,3 +103,16 @@ pub fn keep_freed_memory_in_the_heap() {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn keep_freed_memory_in_the_heap() {}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn resident_memory_grows_with_what_is_touched() {
+        let before = super::resident_bytes().expect("Linux reports resident pages");
+        let touched = vec![1u8; 64 << 20];
+        let after = super::resident_bytes().expect("Linux reports resident pages");
+        assert!(after >= before + (48 << 20), "{before} then {after} bytes");
+        drop(std::hint::black_box(touched));
+    }
+}

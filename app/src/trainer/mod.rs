@@ -702,10 +702,14 @@ fn unused_split(o: &TrainOptions, cells: usize, deferred: usize) -> Vec<String> 
     notes
 }
 
-/// A step's line of metrics.jsonl: its metrics and learning rate.
+/// A step's line of metrics.jsonl: its metrics, learning rate and the
+/// process's resident memory after it (where the OS tells).
 fn metrics_line(m: &StepMetrics, lr: f32) -> String {
     let mut value = serde_json::to_value(m).expect("metrics serialize");
     value["lr"] = serde_json::json!(lr);
+    if let Some(rss) = crate::sys::resident_bytes() {
+        value["rss_bytes"] = serde_json::json!(rss);
+    }
     value.to_string()
 }
 
