@@ -1,8 +1,8 @@
 //! `strata bench …` through the binary: `overlap`'s JSON lines, its
 //! refusal of a directory that is not there, `step`'s refusal of a token
 //! count, its table's line on the host tier and its timelines, its
-//! `--compute-threads`, and a quiet exit when the reader of stdout goes
-//! away.
+//! `--compute-threads`, `affinity` on a trace file, and a quiet exit when
+//! the reader of stdout goes away.
 
 use std::process::{Command, Stdio};
 
@@ -276,4 +276,52 @@ fn bench_step_refuses_a_plot_it_cannot_draw() {
         "{err}"
     );
     assert!(!err.contains("round 1"), "refused before running: {err}");
+}
+
+/// `bench affinity --trace` reads a trace as `train --trace-routing`
+/// writes it: a chain (every token at expert a goes to a + 1 next) is kept
+/// whole by the affinity placement and its optimum; a file that is not a
+/// trace is named.
+#[test]
+fn bench_affinity_places_a_trace_and_names_a_file_that_is_not_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut trace = strata::engine::RoutingTrace::new(3, 4, 1);
+    for t in &mut trace.transitions {
+        for a in 0..4 {
+            t[a * 4 + (a + 1) % 4] = 25;
+        }
+    }
+    let path = dir.path().join("trace.json");
+    std::fs::write(&path, trace.to_json()).unwrap();
+    let out = strata_bin()
+        .args(["bench", "affinity", "--json", "--devices", "2", "--trace"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let policies: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(policies, ["balanced", "affinity", "exact"]);
+    assert_eq!(rows[1]["staying_share"].as_f64(), Some(1.0));
+    assert_eq!(rows[2]["staying_share"].as_f64(), Some(1.0));
+    assert_eq!(rows[0]["transitions"].as_u64(), Some(200));
+
+    let other = dir.path().join("metrics.jsonl");
+    std::fs::write(&other, "{\"step\":1}\n").unwrap();
+    let out = strata_bin()
+        .args(["bench", "affinity", "--trace"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a routing trace"), "{err}");
 }

@@ -3,6 +3,7 @@
 //! interleaved with their reference measurement, so ratios hold on a noisy,
 //! shared machine.
 
+pub mod affinity;
 pub mod optim;
 pub mod overlap;
 pub mod placement;

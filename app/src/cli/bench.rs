@@ -6,8 +6,8 @@ use std::io::Write;
 use strata_optim::Kernel;
 
 use super::bench_args::{
-    BenchCommand, OptimArgs, OverlapArgs, PlacementArgs, StepArgs, StepTokens, TiersArgs,
-    UploadArgs,
+    AffinityArgs, BenchCommand, OptimArgs, OverlapArgs, PlacementArgs, StepArgs, StepTokens,
+    TiersArgs, UploadArgs,
 };
 use super::step_table;
 use super::CliError;
@@ -22,7 +22,53 @@ pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Step(args) => bench_step(args),
         BenchCommand::Placement(args) => bench_placement(args),
         BenchCommand::Upload(args) => bench_upload(args),
+        BenchCommand::Affinity(args) => bench_affinity(args),
     }
+}
+
+fn bench_affinity(args: AffinityArgs) -> Result<(), CliError> {
+    let rows = match &args.trace {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let trace: strata::engine::RoutingTrace = serde_json::from_str(&text).map_err(|e| {
+                format!(
+                    "{}: not a routing trace (`strata train --trace-routing` writes one): {e}",
+                    path.display()
+                )
+            })?;
+            let source = path.display().to_string();
+            bench::affinity::on_trace(&source, &trace, &args.devices, args.load_slack)?
+        }
+        None => bench::affinity::synthetic(args.load_slack)?,
+    };
+    if args.json {
+        return write_json_lines(&rows);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:<18} {:>6} {:>7} {:>7} {:<9} {:>12} {:>8} {:>9}",
+        "source", "layers", "experts", "devices", "policy", "transitions", "staying", "seconds"
+    )?;
+    for r in &rows {
+        let source = std::path::Path::new(&r.source)
+            .file_name()
+            .map_or(r.source.clone(), |n| n.to_string_lossy().into_owned());
+        writeln!(
+            out,
+            "{:<18} {:>6} {:>7} {:>7} {:<9} {:>12} {:>8.3} {:>9.3}",
+            source,
+            r.layers,
+            r.experts,
+            r.devices,
+            r.policy,
+            r.transitions,
+            r.staying_share,
+            r.seconds
+        )?;
+    }
+    Ok(())
 }
 
 fn bench_upload(args: UploadArgs) -> Result<(), CliError> {

@@ -24,6 +24,29 @@ pub enum BenchCommand {
     /// Host → GPU expert uploads through the GPU device tier against a plain pinned
     /// memcpy (needs --features cuda and a GPU).
     Upload(UploadArgs),
+    /// Inter-layer expert affinity: the share of token transitions between
+    /// consecutive MoE layers that stay on their device, with experts placed
+    /// per layer for balance against placed for affinity (heuristic, and the
+    /// exact integer program where small enough), on a `train --trace-routing`
+    /// file or, without one, on synthetic traces.
+    Affinity(AffinityArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct AffinityArgs {
+    /// A routing trace written by `strata train --trace-routing`.
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
+    /// Device counts to place for (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "4,8")]
+    pub devices: Vec<usize>,
+    /// How far over the balanced placement's busiest device a device's
+    /// tokens may go in a layer (0.1: 10 %).
+    #[arg(long, default_value_t = 0.1)]
+    pub load_slack: f64,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

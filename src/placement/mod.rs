@@ -5,6 +5,12 @@
 //! is its compute time (from its token count) plus its upload time unless
 //! it is already resident there (pinned). O(E log E + E·N), and no
 //! allocation after [`LptPlacer::new`].
+//!
+//! [`affinity`] places every layer's experts at once, so that tokens
+//! moving between consecutive layers' experts stay on their device (ExFlow).
+
+pub mod affinity;
+mod affinity_exact;
 
 /// Calibrated cost of running an expert.
 #[derive(Clone, Copy, Debug, PartialEq)]
