@@ -22,24 +22,26 @@ fn sparse_batch(model: &ModelConfig, step: usize) -> Batch {
     Batch { inputs, targets }
 }
 
-/// An engine whose host tier holds `host_records` of the 16 records.
-fn engine(dir: &std::path::Path, host_records: u64, train: bool) -> (Engine, ModelConfig) {
+/// An engine's configuration whose host tier holds `host_records` of the
+/// 16 records.
+fn config(dir: &std::path::Path, host_records: u64, train: bool) -> EngineConfig {
     let model = model(1, ExpertKind::SwiGlu);
     let expert_bytes = (model.expert_params() * 4) as u64;
-    let engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            store_path: Some(dir.join(format!("{host_records}-{train}.strata"))),
-            device_budget_bytes: 2 * expert_bytes,
-            host_budget_bytes: host_records * record_bytes(&model),
-            compute_dtype: Dtype::F32,
-            hyper: hyper(),
-            optimizer_threads: 2,
-            train_experts: train,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    EngineConfig {
+        store_path: Some(dir.join(format!("{host_records}-{train}.strata"))),
+        device_budget_bytes: 2 * expert_bytes,
+        host_budget_bytes: host_records * record_bytes(&model),
+        compute_dtype: Dtype::F32,
+        hyper: hyper(),
+        optimizer_threads: 2,
+        train_experts: train,
+        ..EngineConfig::default()
+    }
+}
+
+fn engine(dir: &std::path::Path, host_records: u64, train: bool) -> (Engine, ModelConfig) {
+    let model = model(1, ExpertKind::SwiGlu);
+    let engine = Engine::new(model.clone(), config(dir, host_records, train)).unwrap();
     (engine, model)
 }
 
@@ -113,30 +115,63 @@ fn a_step_moves_about_the_bytes_its_routing_needs() {
     );
 }
 
+/// Layer 0 is predicted from its previous routing; layer 1 from layer 0's
+/// routing in this step and the pairs traced in the steps before: expert b
+/// where Σ_a (tokens at a) × P(b | a) reaches half a token.
 #[test]
-fn the_prediction_is_the_previous_steps_routing() {
+fn the_prediction_follows_the_last_routing_and_the_traced_affinity() {
     let dir = tempfile::tempdir().unwrap();
-    let (metrics, _) = run(4, dir.path());
-    let experts = 8;
-    // Before the first routing every expert is expected: nothing missed.
-    let first = &metrics[0];
-    let routed_first: usize = (0..2).map(|l| routed(first, l).len()).sum();
-    assert_eq!(first.prediction_missed, 0);
-    assert_eq!(first.prediction_unused as usize, 2 * experts - routed_first);
-    for w in metrics.windows(2) {
-        let (before, now) = (&w[0], &w[1]);
-        let (mut missed, mut unused) = (0, 0);
-        for l in 0..2 {
-            let (p, r) = (routed(before, l), routed(now, l));
-            missed += r.iter().filter(|e| !p.contains(e)).count() as u64;
-            unused += p.iter().filter(|e| !r.contains(e)).count() as u64;
-        }
+    let model = model(1, ExpertKind::SwiGlu);
+    let mut engine = Engine::new(
+        model.clone(),
+        EngineConfig {
+            trace_routing: true,
+            ..config(dir.path(), 4, true)
+        },
+    )
+    .unwrap();
+    let e = model.experts;
+    let mut before: Option<(StepMetrics, Vec<u64>)> = None;
+    for s in 0..STEPS {
+        let m = engine.step(&sparse_batch(&model, s)).unwrap();
+        let (r0, r1) = (routed(&m, 0), routed(&m, 1));
+        let (p0, p1): (Vec<usize>, Vec<usize>) = match &before {
+            None => ((0..e).collect(), (0..e).collect()),
+            Some((last, pairs)) => {
+                let expected = |b: usize| -> f64 {
+                    (0..e)
+                        .map(|a| {
+                            let row = &pairs[a * e..(a + 1) * e];
+                            let total: u64 = row.iter().sum();
+                            match total {
+                                0 => 0.0,
+                                _ => {
+                                    m.tokens_per_expert[0][a] as f64 * row[b] as f64 / total as f64
+                                }
+                            }
+                        })
+                        .sum()
+                };
+                (
+                    routed(last, 0),
+                    (0..e).filter(|&b| expected(b) >= 0.5).collect(),
+                )
+            }
+        };
+        let count = |routed: &[usize], predicted: &[usize]| {
+            let missed = routed.iter().filter(|x| !predicted.contains(x)).count();
+            let unused = predicted.iter().filter(|x| !routed.contains(x)).count();
+            (missed as u64, unused as u64)
+        };
+        let ((m0, u0), (m1, u1)) = (count(&r0, &p0), count(&r1, &p1));
         assert_eq!(
-            (now.prediction_missed, now.prediction_unused),
-            (missed, unused),
+            (m.prediction_missed, m.prediction_unused),
+            (m0 + m1, u0 + u1),
             "step {}",
-            now.step
+            m.step
         );
+        let pairs = engine.routing_trace().unwrap().transitions[0].clone();
+        before = Some((m, pairs));
     }
 }
 

@@ -47,9 +47,9 @@ pub struct StepMetrics {
     /// Expert uses served by an expert already on the device.
     pub device_hit_rate: f64,
     /// One device: experts routed to that the forward's prefetch did not
-    /// foresee (each layer's previous routing left them out), and experts
-    /// it foresaw that got no token: ahead of a layer's router the
-    /// prefetcher reads what that layer's previous routing asked for.
+    /// foresee, and experts it foresaw that got no token: ahead of a
+    /// layer's router the prefetcher reads what the traced affinity with
+    /// the layer before predicts (`routed_io.rs`).
     pub prediction_missed: u64,
     pub prediction_unused: u64,
     /// `[layer][expert]` assignments this step (all devices).

@@ -264,7 +264,7 @@ impl Engine {
                         .open_device(ordinal, config.device_budget_bytes, &layout)?;
                 let device =
                     crate::backend::ModeledExpertDevice::wrap(device, config.expert_compute);
-                let mut state = DeviceState::new(device, model.layers, model.experts);
+                let mut state = DeviceState::new(device, model.layers, model.experts, model.top_k);
                 state.routing = config
                     .trace_routing
                     .then(|| TransitionCounter::new(model.layers, model.experts, model.top_k));

@@ -72,10 +72,11 @@ impl DeviceRunner<'_> {
     }
 
     /// `layer`'s `routed` experts (ascending) are this pass's: the host
-    /// tier is asked for them alone from now on, and for the later layers'
-    /// experts their last routing names (one device; `routed_io.rs`).
-    fn follow_routing(&mut self, layer: usize, routed: &[usize]) {
-        let (missed, unused) = self.dev.io.routed(layer, routed);
+    /// tier is asked for them alone from now on, for the next layer's
+    /// experts the affinity prediction names, and for the later layers'
+    /// their last routing's (one device; `routed_io.rs`).
+    fn follow_routing(&mut self, layer: usize, perm: &Permutation, routed: &[usize]) {
+        let (missed, unused) = self.dev.io.routed(layer, perm, routed);
         self.dev.acc.prediction_missed += missed;
         self.dev.acc.prediction_unused += unused;
         if streams(&self.shared.cache, self.model) {
@@ -298,7 +299,7 @@ impl ExpertRunner for DeviceRunner<'_> {
         }
         self.dev.fit_saved(layer, &order);
         if self.shared.devices == 1 {
-            self.follow_routing(layer, &order);
+            self.follow_routing(layer, perm, &order);
         }
         self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);

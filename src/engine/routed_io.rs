@@ -6,10 +6,16 @@
 //! A layer's routing is known once its router has run, just before its
 //! experts; from then on its accesses are exact, and once the forward has
 //! routed every layer, so is the whole backward. Ahead of a layer's router
-//! the prefetcher walks what that layer's last routing asked for (the
-//! previous pass's, or every expert before the first): a prediction whose
-//! misses (experts routed that it left out) and unused reads (experts it
-//! named that got no token) each step counts.
+//! the prefetcher walks a prediction. For the next layer it is drawn from
+//! inter-layer affinity (ExFlow): the token pairs between the two layers'
+//! experts counted over every pass so far, and this layer's routing, give
+//! each next expert's expected tokens, and those expected to get half a
+//! token or more are named, as soon as this layer is routed (before the
+//! next layer's attention runs). Further layers, and a next layer whose
+//! experts have no pairs counted yet, keep what their last routing asked
+//! for (every expert before the first). Each step counts the prediction's
+//! misses (experts routed that it left out) and unused names (experts it
+//! named that got no token).
 //!
 //! The least a step must move between the SSD and the host tier follows
 //! from its routing too: each routed expert's record once each way (its
@@ -24,37 +30,117 @@ use std::collections::HashSet;
 use strata_tiers::{ExpertId, HostCache, Layout};
 
 use super::access::{routed_schedule, Expected, Phase};
+use super::routing_trace::assignment_experts;
 use super::updates::SharedExperts;
+use crate::math::Permutation;
 use crate::model::ModelConfig;
 
 /// One device's prediction of each layer's routing.
 pub(crate) struct RoutedIo {
-    /// Per layer, the experts with tokens in the latest pass that routed
-    /// it (ascending): this pass's where the layer is routed, the
-    /// previous pass's (the prediction) where not yet.
+    /// Per layer, the experts expected to get tokens (ascending): this
+    /// pass's where the layer is routed; the next layer's from affinity;
+    /// the previous pass's for the rest.
     routed: Vec<Vec<usize>>,
+    experts: usize,
+    top_k: usize,
+    /// `[l]`: E × E token pairs from expert a at layer l to b at l + 1,
+    /// over every pass so far.
+    transitions: Vec<Vec<u64>>,
+    /// The layer last routed in this pass and its assignments' experts
+    /// (token t's k at t·k …); `now` is reused for the next layer's.
+    last_layer: Option<usize>,
+    last: Vec<u32>,
+    now: Vec<u32>,
 }
+
+/// An expert is predicted for the next layer where the tokens expected to
+/// reach it (from this layer's routing and the traced affinity) come to
+/// this share of one token or more: missing an expert costs a read on
+/// demand, naming one for nothing a compute part read ahead.
+const EXPECTED_TOKENS_MIN: f64 = 0.5;
 
 impl RoutedIo {
     /// Before any routing, every expert is expected.
-    pub fn new(layers: usize, experts: usize) -> Self {
+    pub fn new(layers: usize, experts: usize, top_k: usize) -> Self {
         Self {
             routed: vec![(0..experts).collect(); layers],
+            experts,
+            top_k,
+            transitions: vec![vec![0; experts * experts]; layers.saturating_sub(1)],
+            last_layer: None,
+            last: Vec::new(),
+            now: Vec::new(),
         }
     }
 
-    /// Records `layer`'s routing in this pass (`experts` ascending);
-    /// returns how many experts the prediction missed (routed, not
-    /// predicted) and how many it named for nothing (predicted, no token).
-    pub fn routed(&mut self, layer: usize, experts: &[usize]) -> (u64, u64) {
+    /// Records `layer`'s routing in this pass (`perm`; `experts`, those
+    /// with tokens, ascending); returns how many experts the prediction
+    /// missed (routed, not predicted) and how many it named for nothing
+    /// (predicted, no token). The next layer's prediction is then made
+    /// from this routing and the pairs traced so far.
+    pub fn routed(&mut self, layer: usize, perm: &Permutation, experts: &[usize]) -> (u64, u64) {
         let predicted: HashSet<usize> = self.routed[layer].iter().copied().collect();
         let hits = experts.iter().filter(|e| predicted.contains(e)).count();
         self.routed[layer].clear();
         self.routed[layer].extend_from_slice(experts);
+        self.count_pairs(layer, perm);
+        if layer + 1 < self.routed.len() {
+            if let Some(next) = self.predict_next(layer, perm) {
+                self.routed[layer + 1] = next;
+            }
+        }
         (
             (experts.len() - hits) as u64,
             (predicted.len() - hits) as u64,
         )
+    }
+
+    /// Adds this pass's pairs between the layer routed before and `layer`.
+    fn count_pairs(&mut self, layer: usize, perm: &Permutation) {
+        let (e, k) = (self.experts, self.top_k);
+        assignment_experts(perm, e, &mut self.now);
+        if let Some(before) = self.last_layer {
+            if before + 1 == layer && self.last.len() == self.now.len() {
+                let counts = &mut self.transitions[before];
+                for (p, n) in self.last.chunks_exact(k).zip(self.now.chunks_exact(k)) {
+                    for &from in p {
+                        for &to in n {
+                            counts[from as usize * e + to as usize] += 1;
+                        }
+                    }
+                }
+            }
+        }
+        std::mem::swap(&mut self.last, &mut self.now);
+        self.last_layer = Some(layer);
+    }
+
+    /// The experts of layer `layer + 1` expected to get
+    /// [`EXPECTED_TOKENS_MIN`] of a token or more: Σ over this layer's
+    /// experts a of (a's assignments) × P(b | a). `None` until some
+    /// expert routed here has pairs traced.
+    fn predict_next(&self, layer: usize, perm: &Permutation) -> Option<Vec<usize>> {
+        let e = self.experts;
+        let counts = &self.transitions[layer];
+        let mut expected = vec![0.0f64; e];
+        let mut known = false;
+        for a in 0..e {
+            let n = perm.rows(a).len();
+            let row = &counts[a * e..(a + 1) * e];
+            let total: u64 = row.iter().sum();
+            if n == 0 || total == 0 {
+                continue;
+            }
+            known = true;
+            for (x, &c) in expected.iter_mut().zip(row) {
+                *x += n as f64 * c as f64 / total as f64;
+            }
+        }
+        known.then(|| {
+            (0..e)
+                .filter(|&b| expected[b] >= EXPECTED_TOKENS_MIN)
+                .collect()
+        })
     }
 
     /// The host tier's schedule from `from` on, `from`'s layer and those
@@ -139,13 +225,32 @@ mod tests {
 
     #[test]
     fn the_prediction_counts_its_misses_and_its_unused_experts() {
-        let mut io = RoutedIo::new(2, 4);
+        let mut io = RoutedIo::new(2, 4, 1);
+        let perm = |experts: &[u32]| Permutation::from_routing(experts, 4);
         // Before any routing every expert is expected: nothing missed,
         // the two without tokens unused.
-        assert_eq!(io.routed(0, &[1, 3]), (0, 2));
-        // The next pass predicts [1, 3]: 2 missed (0, 2), 1 unused (3).
-        assert_eq!(io.routed(0, &[0, 1, 2]), (2, 1));
-        assert_eq!(io.routed[0], [0, 1, 2]);
+        assert_eq!(io.routed(0, &perm(&[1, 3, 3]), &[1, 3]), (0, 2));
+        // Nothing traced yet: layer 1 keeps every expert.
         assert_eq!(io.routed[1], [0, 1, 2, 3]);
+        assert_eq!(io.routed(1, &perm(&[2, 0, 0]), &[0, 2]), (0, 2));
+        // The next pass predicts layer 0 from its last routing, [1, 3]:
+        // 2 missed (0, 2), 1 unused (3).
+        assert_eq!(io.routed(0, &perm(&[0, 1, 2]), &[0, 1, 2]), (2, 1));
+        assert_eq!(io.routed[0], [0, 1, 2]);
+    }
+
+    #[test]
+    fn the_next_layer_is_predicted_from_the_pairs_traced() {
+        let mut io = RoutedIo::new(2, 4, 1);
+        let perm = |experts: &[u32]| Permutation::from_routing(experts, 4);
+        // Traced: tokens at 1 went to 2, tokens at 3 to 0 (twice) and 1.
+        io.routed(0, &perm(&[1, 3, 3, 3]), &[1, 3]);
+        io.routed(1, &perm(&[2, 0, 0, 1]), &[0, 1, 2]);
+        // Two tokens at 1 expect two at 2; one at 3 expects 2/3 of a token
+        // at 0 and 1/3 at 1 (under the half-token line).
+        io.routed(0, &perm(&[1, 1, 3]), &[1, 3]);
+        assert_eq!(io.routed[1], [0, 2]);
+        // The prediction is what layer 1 is then held to.
+        assert_eq!(io.routed(1, &perm(&[2, 2, 1]), &[1, 2]), (1, 1));
     }
 }

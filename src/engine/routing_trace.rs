@@ -133,7 +133,7 @@ impl TransitionCounter {
 
 /// Each assignment's expert (token t's k choices at t·k … t·k + k − 1),
 /// from the permutation that sorted them by expert, into `out`.
-fn assignment_experts(perm: &Permutation, experts: usize, out: &mut Vec<u32>) {
+pub(crate) fn assignment_experts(perm: &Permutation, experts: usize, out: &mut Vec<u32>) {
     out.clear();
     out.resize(perm.order.len(), 0);
     for e in 0..experts {
