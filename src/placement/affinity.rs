@@ -7,7 +7,7 @@
 //! The input is a routing trace's transition counts
 //! ([`crate::engine::RoutingTrace`]): `T[l][a][b]`, the token pairs routed
 //! to expert a at layer l and to expert b at layer l + 1. The objective is
-//! the pairs that stay: Σ_l Σ_{a,b} T[l][a][b] · [owner_l(a) = owner_{l+1}(b)].
+//! the pairs that stay: `Σ_l Σ_{a,b} T[l][a][b] · [owner_l(a) = owner_{l+1}(b)]`.
 //!
 //! Two solvers: [`place_exact`], an integer program solved by `good_lp`'s
 //! pure-Rust branch and bound (small cases only: it grows exponentially),

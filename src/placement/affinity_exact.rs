@@ -2,10 +2,10 @@
 //! counts for its probabilities) solved by `good_lp` over `microlp`, a
 //! pure-Rust simplex with branch and bound.
 //!
-//! Binary x[l][e][d]: expert e of layer l on device d; each expert on one
+//! Binary `x[l][e][d]`: expert e of layer l on device d; each expert on one
 //! device, at most `capacity` experts and `load_caps[l]` tokens a device.
-//! Continuous z[l][a][d] ≤ Σ_b T[l][a][b] · x[l+1][b][d] and
-//! ≤ (Σ_b T[l][a][b]) · x[l][a][d]: the pairs from expert a kept on device
+//! Continuous `z[l][a][d] ≤ Σ_b T[l][a][b] · x[l+1][b][d]` and
+//! `≤ (Σ_b T[l][a][b]) · x[l][a][d]`: the pairs from expert a kept on device
 //! d, which only a's own device can keep. Maximize Σ z. Devices are
 //! interchangeable, so layer 0's expert a may only go to devices 0..=a
 //! (one of the device permutations of every solution survives), which
