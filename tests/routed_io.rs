@@ -115,9 +115,38 @@ fn a_step_moves_about_the_bytes_its_routing_needs() {
     );
 }
 
-/// Layer 0 is predicted from its previous routing; layer 1 from layer 0's
-/// routing in this step and the pairs traced in the steps before: expert b
-/// where Σ_a (tokens at a) × P(b | a) reaches half a token.
+/// By default every layer is predicted from its previous routing.
+#[test]
+fn the_prediction_is_the_previous_steps_routing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (metrics, _) = run(4, dir.path());
+    let experts = 8;
+    // Before the first routing every expert is expected: nothing missed.
+    let first = &metrics[0];
+    let routed_first: usize = (0..2).map(|l| routed(first, l).len()).sum();
+    assert_eq!(first.prediction_missed, 0);
+    assert_eq!(first.prediction_unused as usize, 2 * experts - routed_first);
+    for w in metrics.windows(2) {
+        let (before, now) = (&w[0], &w[1]);
+        let (mut missed, mut unused) = (0, 0);
+        for l in 0..2 {
+            let (p, r) = (routed(before, l), routed(now, l));
+            missed += r.iter().filter(|e| !p.contains(e)).count() as u64;
+            unused += p.iter().filter(|e| !r.contains(e)).count() as u64;
+        }
+        assert_eq!(
+            (now.prediction_missed, now.prediction_unused),
+            (missed, unused),
+            "step {}",
+            now.step
+        );
+    }
+}
+
+/// With `affinity_prefetch`, layer 0 is predicted from its previous
+/// routing; layer 1 from layer 0's routing in this step and the pairs
+/// traced in the steps before, each step's weighing half the next one's:
+/// expert b where Σ_a (tokens at a) × P(b | a) reaches half a token.
 #[test]
 fn the_prediction_follows_the_last_routing_and_the_traced_affinity() {
     let dir = tempfile::tempdir().unwrap();
@@ -126,12 +155,14 @@ fn the_prediction_follows_the_last_routing_and_the_traced_affinity() {
         model.clone(),
         EngineConfig {
             trace_routing: true,
+            affinity_prefetch: true,
             ..config(dir.path(), 4, true)
         },
     )
     .unwrap();
     let e = model.experts;
-    let mut before: Option<(StepMetrics, Vec<u64>)> = None;
+    let mut before: Option<(StepMetrics, Vec<f64>)> = None;
+    let mut traced = vec![0u64; e * e];
     for s in 0..STEPS {
         let m = engine.step(&sparse_batch(&model, s)).unwrap();
         let (r0, r1) = (routed(&m, 0), routed(&m, 1));
@@ -142,12 +173,10 @@ fn the_prediction_follows_the_last_routing_and_the_traced_affinity() {
                     (0..e)
                         .map(|a| {
                             let row = &pairs[a * e..(a + 1) * e];
-                            let total: u64 = row.iter().sum();
+                            let total: f64 = row.iter().sum();
                             match total {
-                                0 => 0.0,
-                                _ => {
-                                    m.tokens_per_expert[0][a] as f64 * row[b] as f64 / total as f64
-                                }
+                                0.0 => 0.0,
+                                _ => m.tokens_per_expert[0][a] as f64 * row[b] / total,
                             }
                         })
                         .sum()
@@ -170,7 +199,13 @@ fn the_prediction_follows_the_last_routing_and_the_traced_affinity() {
             "step {}",
             m.step
         );
-        let pairs = engine.routing_trace().unwrap().transitions[0].clone();
+        // This step's pairs: the trace's growth.
+        let now = &engine.routing_trace().unwrap().transitions[0];
+        let mut pairs = before.map_or(vec![0.0; e * e], |b| b.1);
+        for ((p, &n), t) in pairs.iter_mut().zip(now).zip(&mut traced) {
+            *p = 0.5 * *p + (n - *t) as f64;
+            *t = n;
+        }
         before = Some((m, pairs));
     }
 }

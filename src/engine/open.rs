@@ -12,6 +12,7 @@ use strata_tiers::{
 };
 
 use super::access::access_schedule;
+use super::routed_io::RoutedIo;
 use super::routing_trace::TransitionCounter;
 use super::slot_table::DeviceState;
 use super::updates::SharedExperts;
@@ -264,7 +265,17 @@ impl Engine {
                         .open_device(ordinal, config.device_budget_bytes, &layout)?;
                 let device =
                     crate::backend::ModeledExpertDevice::wrap(device, config.expert_compute);
-                let mut state = DeviceState::new(device, model.layers, model.experts, model.top_k);
+                let mut state = DeviceState::new(
+                    device,
+                    model.layers,
+                    model.experts,
+                    RoutedIo::new(
+                        model.layers,
+                        model.experts,
+                        model.top_k,
+                        config.affinity_prefetch,
+                    ),
+                );
                 state.routing = config
                     .trace_routing
                     .then(|| TransitionCounter::new(model.layers, model.experts, model.top_k));

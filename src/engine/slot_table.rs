@@ -164,7 +164,7 @@ impl DeviceState {
         }
     }
 
-    pub fn new(device: Box<dyn ExpertDevice>, layers: usize, experts: usize, top_k: usize) -> Self {
+    pub fn new(device: Box<dyn ExpertDevice>, layers: usize, experts: usize, io: RoutedIo) -> Self {
         let slots = DeviceSlots::new(device.arena().slot_count(), layers * experts);
         Self {
             device,
@@ -175,7 +175,7 @@ impl DeviceState {
             scratch: ScratchBuffers::new(4),
             acc: Accumulators::new(layers, experts),
             routing: None,
-            io: RoutedIo::new(layers, experts, top_k),
+            io,
         }
     }
 }

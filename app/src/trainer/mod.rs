@@ -404,6 +404,7 @@ fn run_locked(
         host_cell_slots: o.host_cell_slots,
         deferred_update_share: o.defer_share,
         trace_routing: o.trace_routing.is_some(),
+        affinity_prefetch: o.affinity_prefetch,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,

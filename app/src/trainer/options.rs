@@ -87,6 +87,14 @@ pub struct TrainFlags {
     /// to this JSON file at every checkpoint (a resumed run continues it).
     #[arg(long, value_name = "FILE")]
     pub trace_routing: Option<PathBuf>,
+    /// Where experts stream from the SSD on one device, prefetch each MoE
+    /// layer's experts as the token pairs counted between it and the layer
+    /// before predict (ExFlow's inter-layer affinity) instead of as its
+    /// previous routing did. Off by default: training from scratch, whose
+    /// routing drifts, it named twice as many experts for nothing.
+    #[arg(long)]
+    #[serde(default)]
+    pub affinity_prefetch: bool,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -187,6 +195,8 @@ pub struct TrainOptions {
     pub train: Vec<String>,
     #[serde(default)]
     pub trace_routing: Option<PathBuf>,
+    #[serde(default)]
+    pub affinity_prefetch: bool,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -328,6 +338,7 @@ impl TrainFlags {
             clip_grad_norm: cli.clip_grad_norm.or(file.clip_grad_norm),
             train: pick!(cli, file, train, all_groups()),
             trace_routing: cli.trace_routing.clone().or(file.trace_routing.clone()),
+            affinity_prefetch: cli.affinity_prefetch || file.affinity_prefetch,
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,

@@ -173,6 +173,7 @@ pub(super) fn resume_options(
     if flags.trace_routing.is_some() {
         o.trace_routing = flags.trace_routing.clone();
     }
+    o.affinity_prefetch |= flags.affinity_prefetch;
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;
