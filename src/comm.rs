@@ -367,6 +367,22 @@ mod tests {
     }
 
     #[test]
+    fn a_barrier_returns_only_once_every_rank_has_reached_it() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let arrived = AtomicUsize::new(0);
+        let seen = run(3, |mut c| {
+            // The last rank comes late: the others must wait for it.
+            if c.rank() == 2 {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            arrived.fetch_add(1, Ordering::SeqCst);
+            c.barrier().unwrap();
+            arrived.load(Ordering::SeqCst)
+        });
+        assert_eq!(seen, vec![3; 3], "ranks left the barrier before all came");
+    }
+
+    #[test]
     fn one_rank_is_the_identity() {
         let mut c = InProcessComm::endpoints(1).pop().unwrap();
         let mut buf = vec![2.5f32; 3];
