@@ -7,17 +7,17 @@
 //! experts; from then on its accesses are exact, and once the forward has
 //! routed every layer, so is the whole backward. Ahead of a layer's router
 //! the prefetcher walks a prediction: what the layer's last routing asked
-//! for, or with `EngineConfig::affinity_prefetch`, for the next layer, one
-//! drawn from inter-layer affinity (ExFlow): the token pairs between the two layers'
-//! experts counted over the passes so far (the recent ones weighing most),
-//! and this layer's routing, give
-//! each next expert's expected tokens, and those expected to get half a
-//! token or more are named, as soon as this layer is routed (before the
-//! next layer's attention runs). Further layers, and a next layer whose
-//! experts have no pairs counted yet, keep what their last routing asked
-//! for (every expert before the first). Each step counts the prediction's
-//! misses (experts routed that it left out) and unused names (experts it
-//! named that got no token).
+//! for (every expert before the first). With
+//! `EngineConfig::affinity_prefetch`, the next layer's is drawn from
+//! inter-layer affinity (ExFlow) as soon as this layer is routed (before
+//! the next layer's attention runs): the token pairs counted between the
+//! two layers' experts over the passes so far (the recent ones weighing
+//! most) and this layer's routing give each next expert's expected
+//! tokens, and those expected to get half a token or more are named (a
+//! next layer whose experts have no pairs counted yet keeps its last
+//! routing). Each step counts the prediction's misses (experts routed
+//! that it left out) and unused names (experts it named that got no
+//! token).
 //!
 //! The least a step must move between the SSD and the host tier follows
 //! from its routing too: each routed expert's record once each way (its
@@ -66,9 +66,9 @@ pub(crate) struct RoutedIo {
 const EXPECTED_TOKENS_MIN: f64 = 0.5;
 
 /// How much a pass's pairs weigh in the next pass's prediction against
-/// its own: routing drifts as the router trains, and pairs counted over a
-/// whole run predicted the experts of moe-s's first steps worse than the
-/// last routing alone did (they named 2.3 times as many for nothing).
+/// its own: routing drifts as the router trains, so the recent pairs
+/// describe it best (on moe-s's first 13 steps, pairs counted over the
+/// whole run named 448 experts for nothing, these 401; docs/performance.md).
 const PAIRS_DECAY: f64 = 0.5;
 
 impl RoutedIo {
