@@ -10,6 +10,14 @@ fn strata_bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_strata"))
 }
 
+/// A `--json` bench's stdout, a JSON object a line.
+fn json_lines(stdout: &[u8]) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 #[test]
 fn bench_overlap_prints_three_arms_and_a_summary() {
     let dir = tempfile::tempdir().unwrap();
@@ -24,11 +32,7 @@ fn bench_overlap_prints_three_arms_and_a_summary() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out.stdout);
     let arms: Vec<&str> = lines.iter().map(|l| l["arm"].as_str().unwrap()).collect();
     assert_eq!(arms, ["io", "compute", "both", "summary"]);
     assert!(lines[3]["both_over_bound"].as_f64().unwrap() > 0.0);
@@ -226,11 +230,9 @@ fn bench_step_writes_timelines_and_phases() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let records: Vec<serde_json::Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|r: &serde_json::Value| r["run"] != "summary")
+    let records: Vec<serde_json::Value> = json_lines(&out.stdout)
+        .into_iter()
+        .filter(|r| r["run"] != "summary")
         .collect();
     assert_eq!(records.len(), 4);
     for r in &records {
@@ -303,11 +305,7 @@ fn bench_affinity_places_a_trace_and_names_a_file_that_is_not_one() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = json_lines(&out.stdout);
     let policies: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
     assert_eq!(policies, ["balanced", "affinity", "exact"]);
     assert_eq!(rows[1]["staying_share"].as_f64(), Some(1.0));

@@ -129,9 +129,11 @@ fn write_body(out: &mut impl Write, state: &DenseStateRef<'_>) -> std::io::Resul
     if version == VERSION {
         out.write_all(&(m as u64).to_le_bytes())?;
     }
+    let mut bytes = Vec::with_capacity(BUFFER_BYTES);
     for values in [state.params, state.m, state.v] {
         for chunk in values.chunks(BUFFER_BYTES / 4) {
-            let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
             out.write_all(&bytes)?;
         }
     }

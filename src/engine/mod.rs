@@ -550,6 +550,16 @@ mod tests {
     use super::*;
     use crate::model::{fill_uniform, Batch};
 
+    /// `tokens` tokens of uniform(±1) inputs drawn from `seed`.
+    fn batch_of(model: &ModelConfig, tokens: usize, seed: u64) -> Batch {
+        let mut inputs = vec![0.0f32; tokens * model.d_model];
+        fill_uniform(&mut inputs, seed, 1, 1.0);
+        let targets = (0..tokens as u32)
+            .map(|i| i % model.classes as u32)
+            .collect();
+        Batch { inputs, targets }
+    }
+
     #[test]
     fn a_step_leaves_its_layer_buffers_for_the_next() {
         let model = ModelConfig {
@@ -557,15 +567,7 @@ mod tests {
             ..ModelConfig::default()
         };
         let mut engine = Engine::new(model.clone(), EngineConfig::default()).unwrap();
-        let tokens = 40;
-        let mut inputs = vec![0.0f32; tokens * model.d_model];
-        fill_uniform(&mut inputs, 5, 1, 1.0);
-        let batch = Batch {
-            inputs,
-            targets: (0..tokens as u32)
-                .map(|i| i % model.classes as u32)
-                .collect(),
-        };
+        let batch = batch_of(&model, 40, 5);
         assert_eq!(engine.devices[0].buffers.kept(), 0);
         for _ in 0..2 {
             engine.step(&batch).unwrap();
@@ -586,25 +588,17 @@ mod tests {
             ..ModelConfig::default()
         };
         let mut engine = Engine::new(model.clone(), EngineConfig::default()).unwrap();
-        let batch_of = |tokens: usize| {
-            let mut inputs = vec![0.0f32; tokens * model.d_model];
-            fill_uniform(&mut inputs, tokens as u64, 1, 1.0);
-            let targets = (0..tokens as u32)
-                .map(|i| i % model.classes as u32)
-                .collect();
-            Batch { inputs, targets }
-        };
         let held = |engine: &Engine| -> usize {
             let saved = engine.devices[0].saved.iter().flatten();
             saved.map(|s| s.a.capacity() + s.b.capacity()).sum()
         };
-        engine.step(&batch_of(64)).unwrap();
+        engine.step(&batch_of(&model, 64, 64)).unwrap();
         let large = held(&engine);
         // Two vectors (n, d_ff) an expert, n summing to tokens × top_k.
         let need = |tokens: usize| 2 * tokens * model.top_k * model.d_ff * model.layers;
         assert!(large >= need(64), "{large} values held");
         for _ in 0..3 {
-            engine.step(&batch_of(4)).unwrap();
+            engine.step(&batch_of(&model, 4, 4)).unwrap();
             let small = held(&engine);
             assert!(small <= 2 * need(4), "{small} values held for {}", need(4));
         }

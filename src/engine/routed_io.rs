@@ -27,12 +27,10 @@
 //! experts. A host tier that still holds some records from the step
 //! before (the streaming slots' last ones) can move less than that.
 
-use std::collections::HashSet;
-
 use strata_tiers::{ExpertId, HostCache, Layout};
 
 use super::access::{routed_schedule, Expected, Phase};
-use super::routing_trace::assignment_experts;
+use super::routing_trace::LayerPairs;
 use super::updates::SharedExperts;
 use crate::math::Permutation;
 use crate::model::ModelConfig;
@@ -44,7 +42,6 @@ pub(crate) struct RoutedIo {
     /// the previous pass's for the rest.
     routed: Vec<Vec<usize>>,
     experts: usize,
-    top_k: usize,
     /// Whether the next layer is predicted from affinity
     /// (`EngineConfig::affinity_prefetch`) or, as the later ones, from its
     /// last routing.
@@ -52,11 +49,7 @@ pub(crate) struct RoutedIo {
     /// `[l]`: E × E token pairs from expert a at layer l to b at l + 1,
     /// each pass's weighing [`PAIRS_DECAY`] of the one after it.
     transitions: Vec<Vec<f64>>,
-    /// The layer last routed in this pass and its assignments' experts
-    /// (token t's k at t·k …); `now` is reused for the next layer's.
-    last_layer: Option<usize>,
-    last: Vec<u32>,
-    now: Vec<u32>,
+    pairs: LayerPairs,
 }
 
 /// An expert is predicted for the next layer where the tokens expected to
@@ -77,12 +70,9 @@ impl RoutedIo {
         Self {
             routed: vec![(0..experts).collect(); layers],
             experts,
-            top_k,
             affinity,
             transitions: vec![vec![0.0; experts * experts]; layers.saturating_sub(1)],
-            last_layer: None,
-            last: Vec::new(),
-            now: Vec::new(),
+            pairs: LayerPairs::new(experts, top_k),
         }
     }
 
@@ -92,20 +82,18 @@ impl RoutedIo {
     /// (predicted, no token). The next layer's prediction is then made
     /// from this routing and the pairs traced so far.
     pub fn routed(&mut self, layer: usize, perm: &Permutation, experts: &[usize]) -> (u64, u64) {
-        let predicted: HashSet<usize> = self.routed[layer].iter().copied().collect();
-        let hits = experts.iter().filter(|e| predicted.contains(e)).count();
-        self.routed[layer].clear();
-        self.routed[layer].extend_from_slice(experts);
-        if !self.affinity {
-            return (
-                (experts.len() - hits) as u64,
-                (predicted.len() - hits) as u64,
-            );
-        }
-        self.count_pairs(layer, perm);
-        if layer + 1 < self.routed.len() {
-            if let Some(next) = self.predict_next(layer, perm) {
-                self.routed[layer + 1] = next;
+        let predicted = std::mem::replace(&mut self.routed[layer], experts.to_vec());
+        // Both ascending.
+        let hits = experts
+            .iter()
+            .filter(|e| predicted.binary_search(e).is_ok())
+            .count();
+        if self.affinity {
+            self.count_pairs(layer, perm);
+            if layer + 1 < self.routed.len() {
+                if let Some(next) = self.predict_next(layer, perm) {
+                    self.routed[layer + 1] = next;
+                }
             }
         }
         (
@@ -114,25 +102,17 @@ impl RoutedIo {
         )
     }
 
-    /// Adds this pass's pairs between the layer routed before and `layer`.
+    /// Adds this pass's pairs between the layer routed before and `layer`,
+    /// the earlier passes' weighing less.
     fn count_pairs(&mut self, layer: usize, perm: &Permutation) {
-        let (e, k) = (self.experts, self.top_k);
-        assignment_experts(perm, e, &mut self.now);
-        if let Some(before) = self.last_layer {
-            if before + 1 == layer && self.last.len() == self.now.len() {
-                let counts = &mut self.transitions[before];
-                counts.iter_mut().for_each(|c| *c *= PAIRS_DECAY);
-                for (p, n) in self.last.chunks_exact(k).zip(self.now.chunks_exact(k)) {
-                    for &from in p {
-                        for &to in n {
-                            counts[from as usize * e + to as usize] += 1.0;
-                        }
-                    }
-                }
+        let e = self.experts;
+        if let Some((before, pairs)) = self.pairs.routed(layer, perm) {
+            let counts = &mut self.transitions[before];
+            counts.iter_mut().for_each(|c| *c *= PAIRS_DECAY);
+            for (from, to) in pairs {
+                counts[from * e + to] += 1.0;
             }
         }
-        std::mem::swap(&mut self.last, &mut self.now);
-        self.last_layer = Some(layer);
     }
 
     /// The experts of layer `layer + 1` expected to get

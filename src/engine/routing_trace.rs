@@ -76,10 +76,12 @@ impl RoutingTrace {
     }
 }
 
-/// One device's counting within a step: the last MoE layer's choices of
-/// the micro-batch in progress, paired with the next layer's.
-pub(crate) struct TransitionCounter {
-    pub trace: RoutingTrace,
+/// The last MoE layer's choices of the micro-batch in progress, to pair
+/// with the next layer's: what both the trace and the affinity prefetch
+/// (`routed_io.rs`) count.
+pub(crate) struct LayerPairs {
+    experts: usize,
+    top_k: usize,
     /// The layer last routed, if any, and its experts in `last` (T · K, in
     /// assignment order); `now` is the next layer's, reused.
     last_layer: Option<usize>,
@@ -87,35 +89,75 @@ pub(crate) struct TransitionCounter {
     now: Vec<u32>,
 }
 
-impl TransitionCounter {
-    pub fn new(layers: usize, experts: usize, top_k: usize) -> Self {
+impl LayerPairs {
+    pub fn new(experts: usize, top_k: usize) -> Self {
         Self {
-            trace: RoutingTrace::new(layers, experts, top_k),
+            experts,
+            top_k,
             last_layer: None,
             last: Vec::new(),
             now: Vec::new(),
         }
     }
 
+    /// Layer `layer` routed its tokens as `perm` says. Where the layer
+    /// before it routed the same tokens, returns that layer and each
+    /// token's (expert there, expert here) pairs, k × k a token.
+    pub fn routed(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+    ) -> Option<(usize, impl Iterator<Item = (usize, usize)> + '_)> {
+        assignment_experts(perm, self.experts, &mut self.now);
+        let before = self
+            .last_layer
+            .filter(|&b| b + 1 == layer && self.last.len() == self.now.len());
+        std::mem::swap(&mut self.last, &mut self.now);
+        self.last_layer = Some(layer);
+        let k = self.top_k;
+        let (from, to) = (&self.now, &self.last);
+        before.map(|b| {
+            let pairs = from
+                .chunks_exact(k)
+                .zip(to.chunks_exact(k))
+                .flat_map(|(p, n)| {
+                    p.iter()
+                        .flat_map(move |&a| n.iter().map(move |&b| (a as usize, b as usize)))
+                });
+            (b, pairs)
+        })
+    }
+
+    /// Forgets the layer last routed (a new pass pairs nothing with it).
+    pub fn forget(&mut self) {
+        self.last_layer = None;
+    }
+}
+
+/// One device's counting within a step.
+pub(crate) struct TransitionCounter {
+    pub trace: RoutingTrace,
+    pairs: LayerPairs,
+}
+
+impl TransitionCounter {
+    pub fn new(layers: usize, experts: usize, top_k: usize) -> Self {
+        Self {
+            trace: RoutingTrace::new(layers, experts, top_k),
+            pairs: LayerPairs::new(experts, top_k),
+        }
+    }
+
     /// Layer `layer` routed its tokens as `perm` says; counts the pairs with
     /// the layer before it where that one routed the same tokens.
     pub fn routed(&mut self, layer: usize, perm: &Permutation) {
-        let (e, k) = (self.trace.experts, self.trace.top_k);
-        assignment_experts(perm, e, &mut self.now);
-        if let Some(before) = self.last_layer {
-            if before + 1 == layer && self.last.len() == self.now.len() {
-                let counts = &mut self.trace.transitions[before];
-                for (p, n) in self.last.chunks_exact(k).zip(self.now.chunks_exact(k)) {
-                    for &from in p {
-                        for &to in n {
-                            counts[from as usize * e + to as usize] += 1;
-                        }
-                    }
-                }
+        let e = self.trace.experts;
+        if let Some((before, pairs)) = self.pairs.routed(layer, perm) {
+            let counts = &mut self.trace.transitions[before];
+            for (from, to) in pairs {
+                counts[from * e + to] += 1;
             }
         }
-        std::mem::swap(&mut self.last, &mut self.now);
-        self.last_layer = Some(layer);
     }
 
     /// Adds the counts so far to `total` and starts again from zero.
@@ -127,13 +169,13 @@ impl TransitionCounter {
     /// Forgets the counts so far (an evaluation's).
     pub fn clear(&mut self) {
         self.trace.transitions.iter_mut().for_each(|t| t.fill(0));
-        self.last_layer = None;
+        self.pairs.forget();
     }
 }
 
 /// Each assignment's expert (token t's k choices at t·k … t·k + k − 1),
 /// from the permutation that sorted them by expert, into `out`.
-pub(crate) fn assignment_experts(perm: &Permutation, experts: usize, out: &mut Vec<u32>) {
+fn assignment_experts(perm: &Permutation, experts: usize, out: &mut Vec<u32>) {
     out.clear();
     out.resize(perm.order.len(), 0);
     for e in 0..experts {
