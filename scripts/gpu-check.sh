@@ -58,6 +58,12 @@
 #                                preset at the trainer's 16 x 64 and moe-s
 #                                at 16 x 512 with every expert resident;
 #                                strata's step 6 recorded as a timeline
+#   scripts/gpu-check.sh quick   what a short GPU loan affords, in one
+#                                command of about six minutes: the backend
+#                                tests (every kernel against its CPU
+#                                function), the peer comparison on moe-s at
+#                                16 x 512, the equivalence and trainer GPU
+#                                tests, then the peer on the tiny preset
 #   scripts/gpu-check.sh cpu [N]  `bench step` as its defaults stand (the
 #                                SSD case on the cpu backend, balanced) on
 #                                this host's cores and disk, which overlap
@@ -230,6 +236,23 @@ PY
         tail -2 "$out/peer-torch-$preset.log"
     done
     ;;
+quick)
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        nproc
+    } 2>&1 | tee "$out/env.txt"
+    run_test() { # binary, filter
+        echo "== $1 $2"
+        STRATA_REQUIRE_CUDA=1 timeout 150 "$1" $2 --nocapture > "$out/tests-$(basename "$1").log" 2>&1 \
+            || { echo "FAILED: $1"; status=1; }
+        grep -E "test result|FAILED|panicked|skipped|gpu vs cpu|gpu notes" "$out/tests-$(basename "$1").log"
+    }
+    run_test gpu-bin/test-backend ""
+    OUT=$out "$0" peer moe-s 16 512 10 || status=1
+    run_test gpu-bin/test-equivalence ""
+    run_test gpu-bin/test-trainer gpus
+    OUT=$out "$0" peer tiny 16 64 40 || status=1
+    ;;
 cpu)
     run=${2:-1}
     timeout 400 gpu-bin/strata bench step --json --dir /tmp --timeline "$out/timeline-cpu-$run" \
@@ -240,7 +263,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|quick|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac

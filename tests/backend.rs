@@ -818,9 +818,10 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "router_top_k",
         "gather_rows",
         "scatter_rows",
-        "attention_forward",
-        "attention_backward_dq",
-        "attention_backward_dkv",
+        "attn_to_heads",
+        "attn_from_heads",
+        "attn_softmax",
+        "attn_softmax_backward",
     ];
     for kernel in kernels {
         assert!(

@@ -40,6 +40,14 @@ impl AttnShape {
     pub fn probs_len(&self) -> usize {
         self.seqs * self.heads * self.seq_len * self.seq_len
     }
+
+    /// Query rows a block of attention takes (the GPU's, in blocks of
+    /// query rows) so that its scores, (B·H) × rows × at most S f32, fit
+    /// in `bytes`: at least one row, at most S.
+    pub fn query_block_rows(&self, bytes: usize) -> usize {
+        let row = self.seqs * self.heads * self.seq_len * std::mem::size_of::<f32>();
+        (bytes / row.max(1)).clamp(1, self.seq_len.max(1))
+    }
 }
 
 /// cos and sin of position p and frequency i: (S, r/2) each for a
@@ -411,6 +419,22 @@ mod tests {
     /// The eight-sum dot product is the plain sum up to rounding, for
     /// every length around the lane count (a ragged tail included), and
     /// exact where every partial sum is.
+    #[test]
+    fn a_query_block_fits_its_bytes_and_holds_one_to_s_rows() {
+        let shape = AttnShape {
+            seqs: 2,
+            seq_len: 4096,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+        };
+        let row = 2 * 32 * 4096 * 4; // one query row's scores, every head
+        assert_eq!(shape.query_block_rows(256 << 20), 256);
+        assert_eq!(shape.query_block_rows(3 * row - 1), 2);
+        assert_eq!(shape.query_block_rows(0), 1);
+        assert_eq!(shape.query_block_rows(usize::MAX), 4096);
+    }
+
     #[test]
     fn lane_dot_is_the_dot_product() {
         for len in 0..=27 {

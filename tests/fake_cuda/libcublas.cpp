@@ -96,3 +96,26 @@ API cublasStatus_t cublasGemmEx(cublasHandle_t handle, int transa, int transb, i
     strata_fake_cuda_enqueue(((Handle*)handle)->stream, run_gemm, g);
     return CUBLAS_STATUS_SUCCESS;
 }
+
+// cublasGemmEx over `batch` products, each operand's i-th matrix at i
+// times its stride (in elements) from its base; run in order, in the
+// stream's turn.
+API cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa, int transb, int m,
+                                              int n, int k, const void* alpha, const void* a,
+                                              int atype, int lda, long long stride_a,
+                                              const void* b, int btype, int ldb,
+                                              long long stride_b, const void* beta, void* c,
+                                              int ctype, int ldc, long long stride_c, int batch,
+                                              int compute, int algo) {
+    if (atype != CUDA_R_32F || btype != CUDA_R_32F || ctype != CUDA_R_32F)
+        return CUBLAS_STATUS_NOT_SUPPORTED;  // strata batches f32 only
+    if (batch < 0 || stride_a < 0 || stride_b < 0 || stride_c < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    for (int i = 0; i < batch; ++i) {
+        cublasStatus_t status =
+            cublasGemmEx(handle, transa, transb, m, n, k, alpha, (const float*)a + i * stride_a,
+                         atype, lda, (const float*)b + i * stride_b, btype, ldb, beta,
+                         (float*)c + i * stride_c, ctype, ldc, compute, algo);
+        if (status != CUBLAS_STATUS_SUCCESS) return status;
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}

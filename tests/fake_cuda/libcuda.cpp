@@ -164,12 +164,13 @@ static uint64_t stream_tail(Stream* s) {
     return s->queued;
 }
 
+// Holds streams_lock while it waits, so that no stream it waits on is
+// destroyed (and freed) under it by another thread; no stream's work takes
+// streams_lock, so the streams drain meanwhile.
 static void sync_all_streams() {
+    std::lock_guard<std::mutex> g(streams_lock);
     std::vector<std::pair<Stream*, uint64_t>> tails;
-    {
-        std::lock_guard<std::mutex> g(streams_lock);
-        for (Stream* s : live_streams) tails.push_back({s, stream_tail(s)});
-    }
+    for (Stream* s : live_streams) tails.push_back({s, stream_tail(s)});
     for (auto& t : tails) stream_wait_until(t.first, t.second);
 }
 

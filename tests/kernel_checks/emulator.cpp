@@ -101,9 +101,10 @@ STRATA_LAUNCHER(cross_entropy)
 STRATA_LAUNCHER(router_top_k)
 STRATA_LAUNCHER(gather_rows)
 STRATA_LAUNCHER(scatter_rows)
-STRATA_LAUNCHER(attention_forward)
-STRATA_LAUNCHER(attention_backward_dq)
-STRATA_LAUNCHER(attention_backward_dkv)
+STRATA_LAUNCHER(attn_to_heads)
+STRATA_LAUNCHER(attn_from_heads)
+STRATA_LAUNCHER(attn_softmax)
+STRATA_LAUNCHER(attn_softmax_backward)
 
 // The launcher of kernel `name` (what cuModuleGetFunction finds), or null.
 typedef void (*strata_launcher)(unsigned, unsigned, void**);
@@ -118,8 +119,8 @@ extern "C" strata_launcher strata_emulated_kernel(const char* name) {
         STRATA_ENTRY(rmsnorm_forward) STRATA_ENTRY(rmsnorm_backward_dx)
         STRATA_ENTRY(rmsnorm_backward_dg) STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
         STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
-        STRATA_ENTRY(attention_forward) STRATA_ENTRY(attention_backward_dq)
-        STRATA_ENTRY(attention_backward_dkv)
+        STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
+        STRATA_ENTRY(attn_softmax_backward)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {
@@ -141,8 +142,8 @@ typedef std::function<void()> (*strata_binder)(unsigned, unsigned, void**);
         STRATA_ENTRY(rmsnorm_forward) STRATA_ENTRY(rmsnorm_backward_dx)
         STRATA_ENTRY(rmsnorm_backward_dg) STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
         STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
-        STRATA_ENTRY(attention_forward) STRATA_ENTRY(attention_backward_dq)
-        STRATA_ENTRY(attention_backward_dkv)
+        STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
+        STRATA_ENTRY(attn_softmax_backward)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {

@@ -13,7 +13,10 @@ use strata::math::attention::AttnShape;
 use strata::math::ExpertKind;
 use strata_optim::StepScalars;
 
-use super::{KernelHost, RouterResult};
+use super::{KernelHost, RouterResult, ATTENTION_TEST_BLOCK};
+
+#[path = "emulated_attention.rs"]
+mod emulated_attention;
 
 /// kernels.cu built for the CPU and loaded.
 pub struct KernelEmulator {
@@ -65,7 +68,7 @@ impl KernelEmulator {
 
     /// Runs `kernel` over `elems` threads (blocks of 1024, as
     /// `LaunchConfig::for_num_elems`).
-    fn launch(&self, kernel: &str, elems: usize, args: &[*mut c_void]) {
+    pub(crate) fn launch(&self, kernel: &str, elems: usize, args: &[*mut c_void]) {
         let name = format!("strata_launch_{kernel}");
         // SAFETY: every launcher in emulator.cpp has the `Launcher` type.
         let launcher = unsafe { self.lib.get::<Launcher>(name.as_bytes()) }
@@ -371,22 +374,7 @@ impl KernelHost for KernelEmulator {
         starts: &[u32],
         shape: &AttnShape,
     ) -> (Vec<f32>, Vec<f32>) {
-        let t = shape.tokens();
-        assert!(q.len() == t * shape.q_width() && k.len() == t * shape.kv_width());
-        assert!(v.len() == k.len() && starts.len() == t);
-        let mut out = vec![0.0f32; t * shape.q_width()];
-        let mut stats = vec![0.0f32; 2 * shape.seqs * shape.heads * shape.seq_len];
-        let (pq, pk, pv, ps) = (q.as_ptr(), k.as_ptr(), v.as_ptr(), starts.as_ptr());
-        let (po, pp) = (out.as_mut_ptr(), stats.as_mut_ptr());
-        let dims = dims(shape);
-        let mut args = vec![arg(&pq), arg(&pk), arg(&pv), arg(&ps), arg(&po), arg(&pp)];
-        args.extend(dims.iter().map(arg));
-        self.launch(
-            "attention_forward",
-            shape.seqs * shape.heads * shape.seq_len,
-            &args,
-        );
-        (out, stats)
+        self.attention_forward_blocks(q, k, v, starts, shape, ATTENTION_TEST_BLOCK)
     }
 
     fn attention_backward(
@@ -402,63 +390,7 @@ impl KernelHost for KernelEmulator {
         starts: &[u32],
         shape: &AttnShape,
     ) {
-        let t = shape.tokens();
-        let rows = shape.seqs * shape.heads * shape.seq_len;
-        assert!(dq.len() == t * shape.q_width() && dout.len() == dq.len() && q.len() == dq.len());
-        assert!(dk.len() == t * shape.kv_width() && dv.len() == dk.len());
-        assert!(k.len() == dk.len() && v.len() == dk.len() && stats.len() == 2 * rows);
-        assert_eq!(starts.len(), t);
-        let mut weighted = vec![0.0f32; rows];
-        let [pdo, pst, pq, pk, pv] = [dout, stats, q, k, v].map(|x| x.as_ptr());
-        let ps = starts.as_ptr();
-        let (pdq, pdk, pdv, pw) = (
-            dq.as_mut_ptr(),
-            dk.as_mut_ptr(),
-            dv.as_mut_ptr(),
-            weighted.as_mut_ptr(),
-        );
-        let dims = dims(shape);
-        let mut args = vec![
-            arg(&pdo),
-            arg(&pst),
-            arg(&pq),
-            arg(&pk),
-            arg(&pv),
-            arg(&ps),
-            arg(&pdq),
-            arg(&pw),
-        ];
-        args.extend(dims.iter().map(arg));
-        self.launch("attention_backward_dq", rows, &args);
-        let pw_in = weighted.as_ptr();
-        let mut args = vec![
-            arg(&pdo),
-            arg(&pst),
-            arg(&pq),
-            arg(&pk),
-            arg(&pv),
-            arg(&ps),
-            arg(&pw_in),
-            arg(&pdk),
-            arg(&pdv),
-        ];
-        args.extend(dims.iter().map(arg));
-        self.launch(
-            "attention_backward_dkv",
-            shape.seqs * shape.kv_heads * shape.seq_len,
-            &args,
-        );
+        let (grads, inputs) = ([dq, dk, dv], [dout, stats, q, k, v]);
+        self.attention_backward_blocks(grads, inputs, starts, shape, ATTENTION_TEST_BLOCK);
     }
-}
-
-/// The attention kernels' shape arguments, in their order.
-fn dims(shape: &AttnShape) -> [u32; 5] {
-    [
-        shape.seqs,
-        shape.seq_len,
-        shape.heads,
-        shape.kv_heads,
-        shape.head_dim,
-    ]
-    .map(|x| x as u32)
 }

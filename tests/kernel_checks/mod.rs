@@ -10,6 +10,11 @@
 
 pub mod emulator;
 
+/// Bytes of scores a block of attention's query rows may take in these
+/// checks: 5 rows at `attention`'s shape (2 sequences × 4 heads × 13 keys
+/// × 4 bytes a row), so that its 13 query rows run as blocks of 5, 5 and 3.
+pub const ATTENTION_TEST_BLOCK: usize = 5 * 2 * 4 * 13 * 4;
+
 use strata::math::attention::AttnShape;
 use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, Scoring};
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
@@ -262,11 +267,12 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
     }
 }
 
-/// Causal attention with grouped kv heads: the same sums in the same order
-/// as the cpu, with expf in the softmax: 1e-5. The kernels keep each
-/// row's softmax max and sum, not the probabilities: the statistics are
-/// checked against the cpu's probabilities (every p_ij recomputed from
-/// them), and the backward, which recomputes them, against the cpu's.
+/// Causal attention with grouped kv heads, in blocks of query rows (the
+/// products through GEMMs, summed in another order than the cpu's, with
+/// expf in the softmax): 1e-5. The forward keeps each row's softmax max
+/// and sum, not the probabilities: the statistics are checked against the
+/// cpu's probabilities (every p_ij recomputed from them), and the
+/// backward, which recomputes them, against the cpu's.
 pub fn attention(h: &dyn KernelHost) {
     use strata::math::attention::{attention_backward, attention_forward};
     let shape = AttnShape {
@@ -470,7 +476,8 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
     ) -> (Vec<f32>, Vec<f32>) {
         let mut out = vec![0.0; shape.tokens() * shape.q_width()];
         let mut stats = vec![0.0; strata::backend::cuda::attention_stats_len(shape)];
-        self.attention_forward_host(&mut out, &mut stats, q, k, v, Some(starts), shape)
+        let block = ATTENTION_TEST_BLOCK;
+        self.attention_forward_blocks(&mut out, &mut stats, [q, k, v], Some(starts), shape, block)
             .unwrap();
         (out, stats)
     }
@@ -488,7 +495,9 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
         starts: &[u32],
         shape: &AttnShape,
     ) {
-        self.attention_backward_host(dq, dk, dv, dout, stats, q, k, v, Some(starts), shape)
+        let (grads, inputs) = ([dq, dk, dv], [dout, stats, q, k, v]);
+        let block = ATTENTION_TEST_BLOCK;
+        self.attention_backward_blocks(grads, inputs, Some(starts), shape, block)
             .unwrap()
     }
 }

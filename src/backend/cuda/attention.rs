@@ -1,34 +1,100 @@
-//! Causal grouped-query attention on the GPU (`kernels.cu`), keeping
-//! O(S) a head for the backward: each query row's softmax max and sum,
-//! from which the backward kernels recompute every probability bit for
-//! bit, instead of the (B, H, S, S) probabilities — which at 16 × 512
-//! tokens and 12 heads were 201 MB a layer to keep on the host and to
-//! copy down and up again. Each wrapper takes host slices (uploads,
-//! launches, downloads), as the engine's activations still live there.
+//! Causal grouped-query attention on the GPU: the products through cuBLAS
+//! (batched GEMMs over every (sequence, head)), the masked softmax and its
+//! backward in `kernels.cu`, a block of query rows at a time.
+//!
+//! q, k and v are first laid out head by head (`attn_to_heads`; a kv head
+//! copied to each query head of its group), so that every head's (S × hd)
+//! rows are one strided-batched operand. A block of query rows [q0, q1)
+//! takes its scores against keys [0, q1) only (the causal past), so the
+//! scores of one block, (B·H) × rows × q1, are the only buffer larger
+//! than the activations; blocks are as tall as [`ATTENTION_BLOCK_BYTES`]
+//! allows, so the buffer stays bounded at any sequence length. For its
+//! backward the forward keeps O(S) a head: each query row's softmax max
+//! and sum, from which the backward recomputes the forward's probabilities
+//! bit for bit (the same scores, from the same GEMM, through the same
+//! kernel), instead of the (B, H, S, S) probabilities the cpu keeps. Each
+//! wrapper takes host slices (uploads, launches, downloads), as the
+//! engine's activations still live there.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::dense::threads;
 use super::expert::GradStart;
-use super::{gpu_error, CudaBackend};
+use super::{gpu_error, CudaBackend, F32};
 use crate::math::attention::AttnShape;
 use crate::EngineError;
+
+/// The most bytes one block's scores may take (and, in the backward, its
+/// d probabilities as much again).
+pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
 
 /// f32 values the forward keeps for the backward: a max and a sum a row.
 pub fn attention_stats_len(shape: &AttnShape) -> usize {
     2 * shape.seqs * shape.heads * shape.seq_len
 }
 
-/// The kernels' shape arguments, in their order.
-fn dims(shape: &AttnShape) -> [u32; 5] {
-    [
-        shape.seqs,
-        shape.seq_len,
-        shape.heads,
-        shape.kv_heads,
-        shape.head_dim,
-    ]
-    .map(|x| x as u32)
+/// One operand of a strided-batched GEMM: a device address, its leading
+/// dimension and the distance between batch items, both in f32.
+#[derive(Clone, Copy)]
+struct Operand {
+    ptr: CUdeviceptr,
+    ld: usize,
+    stride: usize,
+}
+
+impl Operand {
+    /// Every head's (S × hd) rows from row `row` on, in a (B, H, S, hd)
+    /// buffer at `base`.
+    fn heads(base: CUdeviceptr, shape: &AttnShape, row: usize) -> Self {
+        let hd = shape.head_dim;
+        Self {
+            ptr: base + (row * hd * std::mem::size_of::<f32>()) as CUdeviceptr,
+            ld: hd,
+            stride: shape.seq_len * hd,
+        }
+    }
+
+    /// Every head's block of `rows` score rows of `keys` each, in a block
+    /// buffer at `base`.
+    fn scores(base: CUdeviceptr, rows: usize, keys: usize) -> Self {
+        Self {
+            ptr: base,
+            ld: keys,
+            stride: rows * keys,
+        }
+    }
+}
+
+use blas_sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
+
+/// A block of query rows [q0, q0 + rows), against keys [0, q0 + rows).
+#[derive(Clone, Copy)]
+struct Block {
+    q0: usize,
+    rows: usize,
+}
+
+impl Block {
+    fn keys(&self) -> usize {
+        self.q0 + self.rows
+    }
+
+    fn all(shape: &AttnShape, bytes: usize) -> impl Iterator<Item = Block> {
+        let s = shape.seq_len;
+        let rows = shape.query_block_rows(bytes);
+        (0..s).step_by(rows).map(move |q0| Block {
+            q0,
+            rows: rows.min(s - q0),
+        })
+    }
+}
+
+/// The device buffers of q, k and v head by head (B, H, S, hd).
+struct Heads {
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
 }
 
 impl CudaBackend {
@@ -45,6 +111,264 @@ impl CudaBackend {
         }
     }
 
+    /// Column-major `c = op(a)·op(b) + beta·c` over every (sequence, head)
+    /// (cublasGemmStridedBatchedEx, f32 in, f32 accumulation and out).
+    ///
+    /// # Safety
+    /// Each operand addresses device memory of this context holding
+    /// B·H matrices as `dims`, its leading dimension and stride describe,
+    /// alive and not written by another stream until this stream has run
+    /// the product.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm_heads(
+        &self,
+        shape: &AttnShape,
+        (transa, transb): (blas_sys::cublasOperation_t, blas_sys::cublasOperation_t),
+        (m, n, k): (usize, usize, usize),
+        a: Operand,
+        b: Operand,
+        beta: f32,
+        c: Operand,
+    ) -> Result<(), EngineError> {
+        let alpha = 1.0f32;
+        let batch = shape.seqs * shape.heads;
+        // SAFETY: the operands are valid per this function's contract;
+        // alpha and beta point to host f32s alive for the call.
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                transa,
+                transb,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                a.ptr as *const _,
+                F32,
+                a.ld as i32,
+                a.stride as i64,
+                b.ptr as *const _,
+                F32,
+                b.ld as i32,
+                b.stride as i64,
+                (&beta as *const f32).cast(),
+                c.ptr as *mut _,
+                F32,
+                c.ld as i32,
+                c.stride as i64,
+                batch as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| gpu_error("cublasGemmStridedBatchedEx", e))
+    }
+
+    /// `x` (T, heads_in·hd), uploaded and laid out head by head, each of
+    /// the H heads reading head h / (H / heads_in).
+    fn tokens_to_heads(
+        &self,
+        x: &[f32],
+        heads_in: usize,
+        shape: &AttnShape,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        assert_eq!(x.len(), shape.tokens() * heads_in * shape.head_dim);
+        let src = self.upload(x)?;
+        let n = shape.tokens() * shape.heads * shape.head_dim;
+        let mut dst = self.zeros(n)?;
+        let dims = [
+            shape.seqs,
+            shape.seq_len,
+            shape.heads,
+            heads_in,
+            shape.head_dim,
+        ];
+        let mut launch = self.stream.launch_builder(&self.dense.attn_to_heads);
+        launch.arg(&src).arg(&mut dst);
+        let dims = dims.map(|x| x as u32);
+        for x in &dims {
+            launch.arg(x);
+        }
+        // SAFETY: src holds T·heads_in·hd f32 (asserted), dst T·H·hd; one
+        // thread an element of dst.
+        unsafe { launch.launch(threads(n)) }.map_err(|e| gpu_error("attn_to_heads", e))?;
+        Ok(dst)
+    }
+
+    /// `host` (T, heads_out·hd) = (or += where `accumulate`) `src`'s heads
+    /// (B, H, S, hd), each head of `host` the sum of its group's.
+    fn heads_to_tokens(
+        &self,
+        src: &CudaSlice<f32>,
+        host: &mut [f32],
+        heads_out: usize,
+        shape: &AttnShape,
+        accumulate: bool,
+    ) -> Result<(), EngineError> {
+        let n = shape.tokens() * heads_out * shape.head_dim;
+        assert_eq!(host.len(), n);
+        let mut dst = if accumulate {
+            self.upload(host)?
+        } else {
+            self.zeros(n)?
+        };
+        let dims = [
+            shape.seqs,
+            shape.seq_len,
+            shape.heads,
+            heads_out,
+            shape.head_dim,
+        ];
+        let dims = dims.map(|x| x as u32);
+        let accumulate = accumulate as u32;
+        let mut launch = self.stream.launch_builder(&self.dense.attn_from_heads);
+        launch.arg(src).arg(&mut dst);
+        for x in &dims {
+            launch.arg(x);
+        }
+        launch.arg(&accumulate);
+        // SAFETY: src holds T·H·hd f32, dst T·heads_out·hd (asserted); one
+        // thread an element of dst.
+        unsafe { launch.launch(threads(n)) }.map_err(|e| gpu_error("attn_from_heads", e))?;
+        self.download(&dst, host)
+    }
+
+    /// The block's scores, q·kᵀ for its query rows against its keys, into
+    /// `scores` (then turned into probabilities by `attn_softmax`).
+    fn block_scores(
+        &self,
+        scores: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        block: Block,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        let (rows, keys) = (block.rows, block.keys());
+        let (q_ptr, _rq) = q.device_ptr(&self.stream);
+        let (k_ptr, _rk) = k.device_ptr(&self.stream);
+        let (s_ptr, _ws) = scores.device_ptr_mut(&self.stream);
+        // SAFETY: q and k hold B·H·S·hd f32 and `scores` at least
+        // B·H·rows·keys (sized for the tallest block); column-major,
+        // scoresᵀ (keys × rows) = k-as-(hd × keys)ᵀ · q-as-(hd × rows).
+        unsafe {
+            self.gemm_heads(
+                shape,
+                (T, N),
+                (keys, rows, shape.head_dim),
+                Operand::heads(k_ptr, shape, 0),
+                Operand::heads(q_ptr, shape, block.q0),
+                0.0,
+                Operand::scores(s_ptr, rows, keys),
+            )
+        }
+    }
+
+    /// `attn_softmax` over the block: the scores become probabilities,
+    /// with the rows' statistics written (`from_stats` false) or read.
+    fn block_softmax(
+        &self,
+        scores: &mut CudaSlice<f32>,
+        stats: &mut CudaSlice<f32>,
+        starts: &CudaSlice<u32>,
+        block: Block,
+        shape: &AttnShape,
+        from_stats: bool,
+    ) -> Result<(), EngineError> {
+        let args = [
+            shape.seqs,
+            shape.seq_len,
+            shape.heads,
+            shape.head_dim,
+            block.q0,
+            block.rows,
+            from_stats as usize,
+        ]
+        .map(|x| x as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.attn_softmax);
+        launch.arg(scores).arg(stats).arg(starts);
+        for x in &args {
+            launch.arg(x);
+        }
+        // SAFETY: scores holds the block's B·H·rows·keys f32, stats
+        // 2·B·H·S, starts T; one thread a row of the block.
+        unsafe { launch.launch(threads(shape.seqs * shape.heads * block.rows)) }
+            .map(|_| ())
+            .map_err(|e| gpu_error("attn_softmax", e))
+    }
+
+    /// out = P·v for the block's rows into `out` (B, H, S, hd), or, with
+    /// `ds` and `k` in their place, the block's rows of dq = dS·k.
+    fn block_times_keys(
+        &self,
+        out: &mut CudaSlice<f32>,
+        probs: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        block: Block,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        let (rows, keys) = (block.rows, block.keys());
+        let (p_ptr, _rp) = probs.device_ptr(&self.stream);
+        let (v_ptr, _rv) = v.device_ptr(&self.stream);
+        let (o_ptr, _wo) = out.device_ptr_mut(&self.stream);
+        // SAFETY: sizes as in `block_scores`; column-major, outᵀ (hd ×
+        // rows) = v-as-(hd × keys) · P-as-(keys × rows).
+        unsafe {
+            self.gemm_heads(
+                shape,
+                (N, N),
+                (shape.head_dim, rows, keys),
+                Operand::heads(v_ptr, shape, 0),
+                Operand::scores(p_ptr, rows, keys),
+                0.0,
+                Operand::heads(o_ptr, shape, block.q0),
+            )
+        }
+    }
+
+    /// grad (B, H, S, hd) rows [0, keys) += Pᵀ·x for the block: dv from
+    /// the probabilities and d out, or dk from d scores and q.
+    fn block_keys_grad(
+        &self,
+        grad: &mut CudaSlice<f32>,
+        probs: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        block: Block,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        let (rows, keys) = (block.rows, block.keys());
+        let (p_ptr, _rp) = probs.device_ptr(&self.stream);
+        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (g_ptr, _wg) = grad.device_ptr_mut(&self.stream);
+        // SAFETY: sizes as in `block_scores`; column-major, gradᵀ (hd ×
+        // keys) += x-as-(hd × rows) · (P-as-(keys × rows))ᵀ.
+        unsafe {
+            self.gemm_heads(
+                shape,
+                (N, T),
+                (shape.head_dim, keys, rows),
+                Operand::heads(x_ptr, shape, block.q0),
+                Operand::scores(p_ptr, rows, keys),
+                1.0,
+                Operand::heads(g_ptr, shape, 0),
+            )
+        }
+    }
+
+    /// q, k and v uploaded head by head.
+    fn heads(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: &AttnShape,
+    ) -> Result<Heads, EngineError> {
+        Ok(Heads {
+            q: self.tokens_to_heads(q, shape.heads, shape)?,
+            k: self.tokens_to_heads(k, shape.kv_heads, shape)?,
+            v: self.tokens_to_heads(v, shape.kv_heads, shape)?,
+        })
+    }
+
     /// `math::attention::attention_forward` on the GPU, into `out` and the
     /// rows' softmax statistics (`attention_stats_len` values).
     #[allow(clippy::too_many_arguments)]
@@ -58,29 +382,42 @@ impl CudaBackend {
         starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
+        self.attention_forward_blocks(
+            out_host,
+            stats_host,
+            [q, k, v],
+            starts,
+            shape,
+            ATTENTION_BLOCK_BYTES,
+        )
+    }
+
+    /// As `attention_forward_host`, blocks of query rows whose scores fit
+    /// in `block_bytes`.
+    pub fn attention_forward_blocks(
+        &self,
+        out_host: &mut [f32],
+        stats_host: &mut [f32],
+        [q, k, v]: [&[f32]; 3],
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+        block_bytes: usize,
+    ) -> Result<(), EngineError> {
         assert_eq!(stats_host.len(), attention_stats_len(shape));
+        assert_eq!(out_host.len(), shape.tokens() * shape.q_width());
         self.bind()?;
-        let (dq, dk, dv) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
+        let heads = self.heads(q, k, v, shape)?;
         let dstarts = self.attention_starts(starts, shape)?;
-        let mut out = self.zeros(shape.tokens() * shape.q_width())?;
+        let mut out = self.zeros(heads.q.len())?;
         let mut stats = self.zeros(attention_stats_len(shape))?;
-        let mut launch = self.stream.launch_builder(&self.dense.attention_forward);
-        launch
-            .arg(&dq)
-            .arg(&dk)
-            .arg(&dv)
-            .arg(&dstarts)
-            .arg(&mut out)
-            .arg(&mut stats);
-        let dims = dims(shape);
-        for x in &dims {
-            launch.arg(x);
+        let rows = shape.query_block_rows(block_bytes);
+        let mut scores = self.zeros(shape.seqs * shape.heads * rows * shape.seq_len)?;
+        for block in Block::all(shape, block_bytes) {
+            self.block_scores(&mut scores, &heads.q, &heads.k, block, shape)?;
+            self.block_softmax(&mut scores, &mut stats, &dstarts, block, shape, false)?;
+            self.block_times_keys(&mut out, &scores, &heads.v, block, shape)?;
         }
-        // SAFETY: q and out hold T·H·hd f32, k and v T·KV·hd, starts T u32,
-        // stats 2·B·H·S; one thread a (sequence, head, query).
-        unsafe { launch.launch(threads(shape.seqs * shape.heads * shape.seq_len)) }
-            .map_err(|e| gpu_error("attention_forward", e))?;
-        self.download(&out, out_host)?;
+        self.heads_to_tokens(&out, out_host, shape.heads, shape, false)?;
         self.download(&stats, stats_host)
     }
 
@@ -102,13 +439,27 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         let grads = [dq, dk, dv];
         let inputs = [dout, stats, q, k, v];
-        self.attention_backward_from(grads, inputs, starts, shape, GradStart::Held)
+        self.attention_backward_blocks(grads, inputs, starts, shape, ATTENTION_BLOCK_BYTES)
     }
 
-    /// As `attention_backward_host`, the gradients starting from zero on
-    /// the GPU (`GradStart::Zero`: the caller's buffers hold zeros, and
-    /// are not uploaded) or from what they held. `inputs`: dout, stats,
-    /// q, k, v.
+    /// As `attention_backward_host` (the gradients accumulate), in blocks
+    /// of query rows whose scores fit in `block_bytes`. `inputs`: dout,
+    /// stats, q, k, v.
+    pub fn attention_backward_blocks(
+        &self,
+        grads: [&mut [f32]; 3],
+        inputs: [&[f32]; 5],
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+        block_bytes: usize,
+    ) -> Result<(), EngineError> {
+        self.attention_backward_from(grads, inputs, starts, shape, GradStart::Held, block_bytes)
+    }
+
+    /// As `attention_backward_host`, the gradients overwritten
+    /// (`GradStart::Zero`: the caller's buffers are not uploaded) or added
+    /// to what they held, in blocks whose scores fit in `block_bytes`.
+    /// `inputs`: dout, stats, q, k, v.
     pub(super) fn attention_backward_from(
         &self,
         [dq, dk, dv]: [&mut [f32]; 3],
@@ -116,61 +467,62 @@ impl CudaBackend {
         starts: Option<&[u32]>,
         shape: &AttnShape,
         grad_from: GradStart,
+        block_bytes: usize,
     ) -> Result<(), EngineError> {
         assert_eq!(stats.len(), attention_stats_len(shape));
         self.bind()?;
-        let (ddout, dstats) = (self.upload(dout)?, self.upload(stats)?);
-        let (dqin, dkin, dvin) = (self.upload(q)?, self.upload(k)?, self.upload(v)?);
+        let heads = self.heads(q, k, v, shape)?;
+        let dout = self.tokens_to_heads(dout, shape.heads, shape)?;
+        let mut dstats = self.upload(stats)?;
         let dstarts = self.attention_starts(starts, shape)?;
-        let start = |host: &[f32]| match grad_from {
-            GradStart::Zero => self.zeros(host.len()),
-            GradStart::Held => self.upload(host),
-        };
-        let (mut ddq, mut ddk, mut ddv) = (start(dq)?, start(dk)?, start(dv)?);
-        let rows = shape.seqs * shape.heads * shape.seq_len;
-        let mut weighted = self.zeros(rows)?;
-        let dims = dims(shape);
+        let n = heads.q.len();
+        let (mut gq, mut gk, mut gv) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
+        let rows = shape.query_block_rows(block_bytes);
+        let block_len = shape.seqs * shape.heads * rows * shape.seq_len;
+        let (mut probs, mut dprobs) = (self.zeros(block_len)?, self.zeros(block_len)?);
+        for block in Block::all(shape, block_bytes) {
+            self.block_scores(&mut probs, &heads.q, &heads.k, block, shape)?;
+            self.block_softmax(&mut probs, &mut dstats, &dstarts, block, shape, true)?;
+            self.block_keys_grad(&mut gv, &probs, &dout, block, shape)?;
+            self.block_scores(&mut dprobs, &dout, &heads.v, block, shape)?;
+            self.block_softmax_backward(&probs, &mut dprobs, block, shape)?;
+            self.block_times_keys(&mut gq, &dprobs, &heads.k, block, shape)?;
+            self.block_keys_grad(&mut gk, &dprobs, &heads.q, block, shape)?;
+        }
+        let accumulate = matches!(grad_from, GradStart::Held);
+        self.heads_to_tokens(&gq, dq, shape.heads, shape, accumulate)?;
+        self.heads_to_tokens(&gk, dk, shape.kv_heads, shape, accumulate)?;
+        self.heads_to_tokens(&gv, dv, shape.kv_heads, shape, accumulate)
+    }
+
+    /// `attn_softmax_backward` over the block: d probabilities become d
+    /// scores.
+    fn block_softmax_backward(
+        &self,
+        probs: &CudaSlice<f32>,
+        dprobs: &mut CudaSlice<f32>,
+        block: Block,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        let args = [
+            shape.seqs,
+            shape.heads,
+            shape.head_dim,
+            block.q0,
+            block.rows,
+        ]
+        .map(|x| x as u32);
         let mut launch = self
             .stream
-            .launch_builder(&self.dense.attention_backward_dq);
-        launch
-            .arg(&ddout)
-            .arg(&dstats)
-            .arg(&dqin)
-            .arg(&dkin)
-            .arg(&dvin)
-            .arg(&dstarts)
-            .arg(&mut ddq)
-            .arg(&mut weighted);
-        for x in &dims {
+            .launch_builder(&self.dense.attn_softmax_backward);
+        launch.arg(probs).arg(dprobs);
+        for x in &args {
             launch.arg(x);
         }
-        // SAFETY: shapes as in the forward; weighted holds B·H·S f32; one
-        // thread a (sequence, head, query).
-        unsafe { launch.launch(threads(rows)) }
-            .map_err(|e| gpu_error("attention_backward_dq", e))?;
-        let mut launch = self
-            .stream
-            .launch_builder(&self.dense.attention_backward_dkv);
-        launch
-            .arg(&ddout)
-            .arg(&dstats)
-            .arg(&dqin)
-            .arg(&dkin)
-            .arg(&dvin)
-            .arg(&dstarts)
-            .arg(&weighted)
-            .arg(&mut ddk)
-            .arg(&mut ddv);
-        for x in &dims {
-            launch.arg(x);
-        }
-        // SAFETY: as above; one thread a (sequence, kv head, key), each
-        // writing only its own key's rows of dk and dv.
-        unsafe { launch.launch(threads(shape.seqs * shape.kv_heads * shape.seq_len)) }
-            .map_err(|e| gpu_error("attention_backward_dkv", e))?;
-        self.download(&ddq, dq)?;
-        self.download(&ddk, dk)?;
-        self.download(&ddv, dv)
+        // SAFETY: probs and dprobs hold the block's B·H·rows·keys f32; one
+        // thread a row of the block.
+        unsafe { launch.launch(threads(shape.seqs * shape.heads * block.rows)) }
+            .map(|_| ())
+            .map_err(|e| gpu_error("attn_softmax_backward", e))
     }
 }

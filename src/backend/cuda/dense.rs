@@ -20,9 +20,10 @@ pub(super) struct DenseFunctions {
     router_top_k: CudaFunction,
     gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
-    pub(super) attention_forward: CudaFunction,
-    pub(super) attention_backward_dq: CudaFunction,
-    pub(super) attention_backward_dkv: CudaFunction,
+    pub(super) attn_to_heads: CudaFunction,
+    pub(super) attn_from_heads: CudaFunction,
+    pub(super) attn_softmax: CudaFunction,
+    pub(super) attn_softmax_backward: CudaFunction,
 }
 
 impl DenseFunctions {
@@ -41,9 +42,10 @@ impl DenseFunctions {
             router_top_k: load("router_top_k")?,
             gather_rows: load("gather_rows")?,
             scatter_rows: load("scatter_rows")?,
-            attention_forward: load("attention_forward")?,
-            attention_backward_dq: load("attention_backward_dq")?,
-            attention_backward_dkv: load("attention_backward_dkv")?,
+            attn_to_heads: load("attn_to_heads")?,
+            attn_from_heads: load("attn_from_heads")?,
+            attn_softmax: load("attn_softmax")?,
+            attn_softmax_backward: load("attn_softmax_backward")?,
         })
     }
 }

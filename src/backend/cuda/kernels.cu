@@ -227,18 +227,13 @@ extern "C" __global__ void scatter_rows(const float* src, const unsigned* assign
     dst[(unsigned long long)assignments[r] * d + c] = src[idx];
 }
 
-// Attention keeps O(S) a head for its backward, not the (S x S)
-// probabilities: each query row's softmax max and sum (`stats`, two f32 a
-// row), from which the backward recomputes a probability with the
-// forward's own operations in the forward's order, so bit for bit.
-
-// (q_i . k_j) / sqrt(hd), the products summed in c order.
-__device__ __forceinline__ float strata_attn_score(const float* qi, const float* kj, unsigned hd,
-                                                   float scale) {
-    float dot = 0.0f;
-    for (unsigned c = 0; c < hd; ++c) dot += qi[c] * kj[c];
-    return dot * scale;
-}
+// Attention (attention.rs) runs its products through cuBLAS: q, k and v
+// are laid out head by head (each head's S x hd rows contiguous), a batched
+// GEMM gives a block of query rows their scores against the keys before
+// the block's end, and these kernels do the rest. It keeps O(S) a head for
+// its backward, not the (S x S) probabilities: each query row's softmax max
+// and sum (`stats`, two f32 a row), from which the backward recomputes the
+// forward's probabilities bit for bit from the same scores.
 
 // The first key query i of sequence b sees: its document's first token.
 __device__ __forceinline__ unsigned strata_attn_first(const unsigned* starts, unsigned long long ti,
@@ -246,121 +241,87 @@ __device__ __forceinline__ unsigned strata_attn_first(const unsigned* starts, un
     return starts[ti] < i ? starts[ti] : i;
 }
 
-// lm::attention::attention_forward, one thread a (sequence, head, query):
-// causal softmax(q k^T / sqrt(hd)) v with grouped kv heads, each query over
-// the keys of its own document (from starts[ti]); saves the row's max and
-// sum in stats.
-extern "C" __global__ void attention_forward(const float* q, const float* k, const float* v,
-                                             const unsigned* starts, float* out, float* stats,
-                                             unsigned seqs, unsigned s, unsigned heads,
-                                             unsigned kv_heads, unsigned hd) {
-    unsigned idx = strata_index();
-    if (idx >= seqs * heads * s) return;
-    unsigned i = idx % s, h = (idx / s) % heads, b = idx / (s * heads);
-    unsigned g = h / (heads / kv_heads);
-    unsigned qw = heads * hd, kw = kv_heads * hd;
-    float scale = 1.0f / sqrtf((float)hd);
-    unsigned long long ti = (unsigned long long)b * s + i;
-    unsigned first = strata_attn_first(starts, ti, i);
-    const float* qi = q + ti * qw + h * hd;
-    const float* kb = k + (unsigned long long)b * s * kw + g * hd;
-    const float* vb = v + (unsigned long long)b * s * kw + g * hd;
-    float max = __int_as_float(0xff800000);
-    for (unsigned j = first; j <= i; ++j) {
-        float score = strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale);
-        if (score > max) max = score;
-    }
+// dst (B, H, S, hd) = src (B*S, src_heads*hd) head by head; head h of dst
+// is head h / (heads / src_heads) of src (a kv head serves its group).
+// One thread an element of dst.
+extern "C" __global__ void attn_to_heads(const float* src, float* dst, unsigned seqs, unsigned s,
+                                         unsigned heads, unsigned src_heads, unsigned hd) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)seqs * heads * s * hd) return;
+    unsigned c = idx % hd, i = (idx / hd) % s, h = (idx / ((unsigned long long)hd * s)) % heads;
+    unsigned long long b = idx / ((unsigned long long)hd * s * heads);
+    unsigned g = h / (heads / src_heads);
+    dst[idx] = src[((b * s + i) * src_heads + g) * hd + c];
+}
+
+// dst (B*S, dst_heads*hd) = src (B, H, S, hd) token by token, each head of
+// dst the sum of its group's heads of src in head order (one head a group
+// where dst_heads == H); added to dst's values where `accumulate`. One
+// thread an element of dst.
+extern "C" __global__ void attn_from_heads(const float* src, float* dst, unsigned seqs, unsigned s,
+                                           unsigned heads, unsigned dst_heads, unsigned hd,
+                                           unsigned accumulate) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)seqs * s * dst_heads * hd) return;
+    unsigned c = idx % hd, g = (idx / hd) % dst_heads;
+    unsigned long long t = idx / ((unsigned long long)hd * dst_heads);
+    unsigned long long b = t / s, i = t % s;
+    unsigned group = heads / dst_heads;
     float sum = 0.0f;
-    for (unsigned j = first; j <= i; ++j)
-        sum += expf(strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale) - max);
-    stats[2ull * idx] = max;
-    stats[2ull * idx + 1] = sum;
-    float* oi = out + ti * qw + h * hd;
-    for (unsigned c = 0; c < hd; ++c) oi[c] = 0.0f;
-    for (unsigned j = first; j <= i; ++j) {
-        float p =
-            expf(strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale) - max) / sum;
-        const float* vj = vb + (unsigned long long)j * kw;
-        for (unsigned c = 0; c < hd; ++c) oi[c] += p * vj[c];
-    }
+    for (unsigned h = g * group; h < (g + 1) * group; ++h)
+        sum += src[((b * heads + h) * s + i) * hd + c];
+    dst[idx] = accumulate ? dst[idx] + sum : sum;
 }
 
-// attention_backward's dq (+=), one thread a (sequence, head, query); also
-// writes sum_j P_ij dP_ij (`weighted`) for the dk/dv kernel.
-extern "C" __global__ void attention_backward_dq(const float* dout, const float* stats,
-                                                 const float* q, const float* k, const float* v,
-                                                 const unsigned* starts, float* dq,
-                                                 float* weighted, unsigned seqs, unsigned s,
-                                                 unsigned heads, unsigned kv_heads,
-                                                 unsigned hd) {
-    unsigned idx = strata_index();
-    if (idx >= seqs * heads * s) return;
-    unsigned i = idx % s, h = (idx / s) % heads, b = idx / (s * heads);
-    unsigned g = h / (heads / kv_heads);
-    unsigned qw = heads * hd, kw = kv_heads * hd;
+// One thread a query row of a block of `rows` queries from q0, for every
+// (sequence, head): `scores` holds each row's products with keys 0 ..
+// q0 + rows - 1 (row-major, q0 + rows a row), which become the row's
+// causal softmax of products / sqrt(hd) over its own document's keys, 0
+// elsewhere. from_stats 0 computes the row's max and sum and writes them
+// to stats; 1 reads them from there (the backward).
+extern "C" __global__ void attn_softmax(float* scores, float* stats, const unsigned* starts,
+                                        unsigned seqs, unsigned s, unsigned heads, unsigned hd,
+                                        unsigned q0, unsigned rows, unsigned from_stats) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)seqs * heads * rows) return;
+    unsigned r = idx % rows;
+    unsigned long long bh = idx / rows, b = bh / heads;
+    unsigned i = q0 + r, keys = q0 + rows;
+    unsigned first = strata_attn_first(starts, b * s + i, i);
     float scale = 1.0f / sqrtf((float)hd);
-    unsigned long long ti = (unsigned long long)b * s + i;
-    unsigned first = strata_attn_first(starts, ti, i);
-    float max = stats[2ull * idx], sum = stats[2ull * idx + 1];
-    const float* qi = q + ti * qw + h * hd;
-    const float* kb = k + (unsigned long long)b * s * kw + g * hd;
-    const float* vb = v + (unsigned long long)b * s * kw + g * hd;
-    const float* doi = dout + ti * qw + h * hd;
-    float w = 0.0f;
-    for (unsigned j = first; j <= i; ++j) {
-        const float* vj = vb + (unsigned long long)j * kw;
-        float dot = 0.0f;
-        for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
-        float p =
-            expf(strata_attn_score(qi, kb + (unsigned long long)j * kw, hd, scale) - max) / sum;
-        w += p * dot;
-    }
-    weighted[idx] = w;
-    float* dqi = dq + ti * qw + h * hd;
-    for (unsigned j = first; j <= i; ++j) {
-        const float* vj = vb + (unsigned long long)j * kw;
-        const float* kj = kb + (unsigned long long)j * kw;
-        float dot = 0.0f;
-        for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
-        float p = expf(strata_attn_score(qi, kj, hd, scale) - max) / sum;
-        float ds = p * (dot - w) * scale;
-        for (unsigned c = 0; c < hd; ++c) dqi[c] += ds * kj[c];
-    }
-}
-
-// attention_backward's dk and dv (+=), one thread a (sequence, kv head,
-// key): the heads of its group, then the queries i >= j that see key j, in
-// the cpu's order.
-extern "C" __global__ void attention_backward_dkv(const float* dout, const float* stats,
-                                                  const float* q, const float* k, const float* v,
-                                                  const unsigned* starts, const float* weighted,
-                                                  float* dk, float* dv, unsigned seqs, unsigned s,
-                                                  unsigned heads, unsigned kv_heads, unsigned hd) {
-    unsigned idx = strata_index();
-    if (idx >= seqs * kv_heads * s) return;
-    unsigned j = idx % s, g = (idx / s) % kv_heads, b = idx / (s * kv_heads);
-    unsigned group = heads / kv_heads;
-    unsigned qw = heads * hd, kw = kv_heads * hd;
-    float scale = 1.0f / sqrtf((float)hd);
-    unsigned long long tj = (unsigned long long)b * s + j;
-    const float* kj = k + tj * kw + g * hd;
-    const float* vj = v + tj * kw + g * hd;
-    float* dkj = dk + tj * kw + g * hd;
-    float* dvj = dv + tj * kw + g * hd;
-    for (unsigned h = g * group; h < (g + 1) * group; ++h) {
-        for (unsigned i = j; i < s; ++i) {
-            unsigned long long ti = (unsigned long long)b * s + i;
-            if (strata_attn_first(starts, ti, i) > j) continue; // another document
-            unsigned long long row = ((unsigned long long)b * heads + h) * s + i;
-            const float* qi = q + ti * qw + h * hd;
-            float p = expf(strata_attn_score(qi, kj, hd, scale) - stats[2 * row]) /
-                      stats[2 * row + 1];
-            const float* doi = dout + ti * qw + h * hd;
-            float dot = 0.0f;
-            for (unsigned c = 0; c < hd; ++c) dot += doi[c] * vj[c];
-            for (unsigned c = 0; c < hd; ++c) dvj[c] += p * doi[c];
-            float ds = p * (dot - weighted[row]) * scale;
-            for (unsigned c = 0; c < hd; ++c) dkj[c] += ds * qi[c];
+    float* row = scores + idx * keys;
+    float* stat = stats + 2 * (bh * s + i);
+    float max, sum;
+    if (from_stats) {
+        max = stat[0];
+        sum = stat[1];
+    } else {
+        max = __int_as_float(0xff800000);
+        for (unsigned j = first; j <= i; ++j) {
+            float x = row[j] * scale;
+            if (x > max) max = x;
         }
+        sum = 0.0f;
+        for (unsigned j = first; j <= i; ++j) sum += expf(row[j] * scale - max);
+        stat[0] = max;
+        stat[1] = sum;
     }
+    for (unsigned j = 0; j < keys; ++j)
+        row[j] = j >= first && j <= i ? expf(row[j] * scale - max) / sum : 0.0f;
+}
+
+// The softmax's backward over a block's rows (as attn_softmax): dp holds
+// d probabilities and becomes d products, p * (dp - sum_j p dp) / sqrt(hd).
+extern "C" __global__ void attn_softmax_backward(const float* probs, float* dp, unsigned seqs,
+                                                 unsigned heads, unsigned hd, unsigned q0,
+                                                 unsigned rows) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)seqs * heads * rows) return;
+    unsigned keys = q0 + rows;
+    float scale = 1.0f / sqrtf((float)hd);
+    const float* p = probs + idx * keys;
+    float* d = dp + idx * keys;
+    float weighted = 0.0f;
+    for (unsigned j = 0; j < keys; ++j) weighted += p[j] * d[j];
+    for (unsigned j = 0; j < keys; ++j) d[j] = p[j] * (d[j] - weighted) * scale;
 }

@@ -155,7 +155,8 @@ impl DenseKernels for CudaBackend {
         // not uploaded.
         let grads = [dq, dk, dv];
         let inputs = [dout, saved, q, k, v];
-        self.attention_backward_from(grads, inputs, starts, shape, GradStart::Zero)
+        let blocks = super::attention::ATTENTION_BLOCK_BYTES;
+        self.attention_backward_from(grads, inputs, starts, shape, GradStart::Zero, blocks)
     }
 
     fn cross_entropy(

@@ -22,7 +22,7 @@ mod head;
 mod linear;
 mod weights;
 
-pub use attention::attention_stats_len;
+pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 pub use expert::CudaExpertDevice;
 
 use std::sync::atomic::{AtomicU64, Ordering};
