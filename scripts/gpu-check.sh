@@ -64,6 +64,13 @@
 #                                function), the peer comparison on moe-s at
 #                                16 x 512, the equivalence and trainer GPU
 #                                tests, then the peer on the tiny preset
+#   scripts/gpu-check.sh ab ROUNDS BIN...  strata binaries (paths on
+#                                this machine) in turn, ROUNDS times, each
+#                                `train --backend cuda` on moe-s at 16 x
+#                                512 for 8 steps: per run the median step,
+#                                tokens/s and minor page faults a step over
+#                                steps 4-8, and step 6's timeline summed by
+#                                thread and name
 #   scripts/gpu-check.sh cpu [N]  `bench step` as its defaults stand (the
 #                                SSD case on the cpu backend, balanced) on
 #                                this host's cores and disk, which overlap
@@ -253,6 +260,39 @@ quick)
     run_test gpu-bin/test-trainer gpus
     OUT=$out "$0" peer tiny 16 64 40 || status=1
     ;;
+ab)
+    rounds=$2
+    shift 2
+    for pair in $(seq "$rounds"); do
+        for bin in "$@"; do
+            side=$(basename "$bin")
+            dir=/tmp/ab-$side-$pair
+            rm -rf "$dir"
+            timeout 200 "$bin" train --backend cuda --preset moe-s --batch 16 --seq-len 512 \
+                --steps 8 --warmup 2 --eval-every 1000 --checkpoint-every 1000 \
+                --device-mem 40GiB --host-mem 64GiB --out "$dir" --quiet --timeline-step 6 \
+                > "$out/ab-$side-$pair.log" 2>&1 || status=1
+            python3 - "$dir/metrics.jsonl" "$side" "$pair" <<'PY' | tee -a "$out/ab.jsonl"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if "wall_s" in r]
+timed = rows[3:]
+faults = [b["minor_faults"] - a["minor_faults"] for a, b in zip(rows[2:], rows[3:])
+          if "minor_faults" in a and "minor_faults" in b]
+print(json.dumps(dict(side=sys.argv[2], pair=int(sys.argv[3]),
+    step_s_median=statistics.median(r["wall_s"] for r in timed),
+    tok_s_median=statistics.median(r["tokens"] / r["wall_s"] for r in timed),
+    step_s=[round(r["wall_s"], 4) for r in rows], last_loss=rows[-1]["loss"],
+    faults_per_step=statistics.median(faults) if faults else None,
+    bytes_pcie_other=rows[-1].get("bytes_pcie_other"))))
+PY
+            python3 scripts/peer/timeline_summary.py "$dir/timeline-step-6.json" 16 \
+                > "$out/ab-timeline-$side-$pair.txt" 2>&1
+            rm -rf "$dir" # its store (18 GiB) would leave the next run no disk
+        done
+    done
+    cat "$out"/ab-timeline-*-1.txt
+    ;;
 cpu)
     run=${2:-1}
     timeout 400 gpu-bin/strata bench step --json --dir /tmp --timeline "$out/timeline-cpu-$run" \
@@ -263,7 +303,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|quick|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|quick|ab ROUNDS BIN...|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac

@@ -84,7 +84,8 @@ pub fn on_signals_once(signals: &[libc::c_int], handler: extern "C" fn(libc::c_i
 /// Allocations come from the heap instead (up to 32 MiB, glibc's largest
 /// threshold, and beyond it too, with mmap turned off: a model's logits,
 /// (tokens, vocabulary) floats, pass 32 MiB at a few hundred tokens), and
-/// up to 256 MiB of free heap is kept for reuse. (Process-wide, so the
+/// free heap is kept for reuse, never trimmed: the process keeps the most
+/// heap a step has used. (Process-wide, so the
 /// binary sets it, not the library: an embedding program may do the
 /// same.) The host tier's and devices' large aligned buffers are mappings
 /// of their own, made without malloc, so this leaves them as they are.
@@ -97,7 +98,12 @@ pub fn keep_freed_memory_in_the_heap() {
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+        // Never trim: a language model's step frees its saved activations
+        // at its end (2.4 GB at moe-s's 8192 tokens) and takes as much
+        // again at the next; trimmed back to a threshold, every page
+        // faulted anew each step (66 000 faults a step for the small
+        // preset at 64 × 512 tokens with a 256 MiB threshold, 440 without).
+        libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
     }
 }
 

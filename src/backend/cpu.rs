@@ -252,6 +252,10 @@ impl CpuBackend {
 }
 
 impl crate::model::DenseKernels for CpuBackend {
+    fn narrow_kernels(&self) -> &dyn crate::model::DenseKernels {
+        &super::NarrowCpuKernels
+    }
+
     fn forward(
         &self,
         out: &mut [f32],

@@ -26,7 +26,7 @@ const PARALLEL_MIN_MACS: usize = 8 << 20;
 const MAX_GEMM_THREADS: usize = 4;
 
 /// Threads for a GEMM of `macs` multiply-adds on a machine of `cores`.
-fn threads_for(macs: usize, cores: usize) -> usize {
+pub(super) fn threads_for(macs: usize, cores: usize) -> usize {
     if macs < PARALLEL_MIN_MACS {
         1
     } else {

@@ -14,11 +14,13 @@ pub mod cuda;
 mod expert_device;
 mod gemm;
 mod modeled;
+mod narrow;
 
 pub use cpu::CpuBackend;
 pub use expert_device::{CpuExpertDevice, ExpertDevice, SlotParams};
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
+pub use narrow::NarrowCpuKernels;
 
 use strata_tiers::{Dtype, Layout};
 

@@ -76,7 +76,9 @@ pub(super) fn forward(
         } => {
             let bias = choice_bias.as_ref().map(|b| &dense[b.clone()]);
             let router = &dense[router.clone()];
-            let (mut y, moe) = moe_forward(moe_model, *moe_layer, router, bias, n, t, runner)?;
+            let narrow = kernels.narrow_kernels();
+            let (mut y, moe) =
+                moe_forward(moe_model, *moe_layer, router, bias, n, t, runner, narrow)?;
             let shared = match shared {
                 Some(sr) => {
                     let f = c.shared_expert_ff;
@@ -151,6 +153,7 @@ pub(super) fn backward(
                 g.dz,
                 runner,
                 g.last_micro_batch,
+                kernels.narrow_kernels(),
             )?;
             if let (Some(sr), Some(ss)) = (shared, shared_saved) {
                 let f = c.shared_expert_ff;

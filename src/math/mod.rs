@@ -29,7 +29,10 @@ pub use permute::{
     combine_backward_weights, combine_forward, gather_backward, gather_forward,
     scatter_to_assignments, AssignmentGrads, Permutation,
 };
-pub use router::{router_backward, router_forward, top_k, RouterConfig, Routing, Scoring};
+pub use router::{
+    route_logits, router_backward, router_forward, router_logits_grad, top_k, RouterConfig,
+    Routing, Scoring,
+};
 
 /// f32 or f64.
 pub trait Real:

@@ -110,6 +110,20 @@ pub fn router_forward<R: Real>(
     t: usize,
     d: usize,
 ) {
+    let mut logits = vec![R::zero(); t * cfg.experts];
+    linear_forward(&mut logits, x, wr, t, d, cfg.experts);
+    route_logits(cfg, routing, &logits, choice_bias, t);
+}
+
+/// [`router_forward`] from its logits (T, E), however they were computed:
+/// scores, top-k, losses.
+pub fn route_logits<R: Real>(
+    cfg: &RouterConfig,
+    routing: &mut Routing<R>,
+    logits: &[R],
+    choice_bias: Option<&[R]>,
+    t: usize,
+) {
     let (e, k) = (cfg.experts, cfg.top_k);
     if let Err(why) = cfg.check() {
         panic!("{why}");
@@ -118,8 +132,7 @@ pub fn router_forward<R: Real>(
         choice_bias.is_none_or(|b| b.len() == e),
         "a correction bias for each of the {e} experts"
     );
-    let mut logits = vec![R::zero(); t * e];
-    linear_forward(&mut logits, x, wr, t, d, e);
+    assert_eq!(logits.len(), t * e, "logits (T, E)");
     routing.probs.resize(t * e, R::zero());
     routing.lse.resize(t, R::zero());
     routing.experts.resize(t * k, 0);
@@ -274,6 +287,20 @@ pub fn router_backward<R: Real>(
     t: usize,
     d: usize,
 ) {
+    let dlogits = router_logits_grad(cfg, dweights, daux, dz, routing, t);
+    linear_backward(dx, dwr, &dlogits, x, wr, t, d, cfg.experts);
+}
+
+/// d logits (T, E) of [`router_backward`], before the logits' GEMM takes
+/// them back to dx and dwr.
+pub fn router_logits_grad<R: Real>(
+    cfg: &RouterConfig,
+    dweights: &[R],
+    daux: R,
+    dz: R,
+    routing: &Routing<R>,
+    t: usize,
+) -> Vec<R> {
     let (e, k) = (cfg.experts, cfg.top_k);
     let tf = R::from_f64(t as f64);
     let mut dprobs = vec![R::zero(); t * e];
@@ -348,5 +375,5 @@ pub fn router_backward<R: Real>(
             dlogits[i * e + j] = p[j] * (dp[j] - dot) + zscale * p[j];
         }
     }
-    linear_backward(dx, dwr, &dlogits, x, wr, t, d, e);
+    dlogits
 }

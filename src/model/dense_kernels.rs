@@ -38,6 +38,12 @@ pub trait DenseKernels {
         n: usize,
     ) -> Result<(), EngineError>;
 
+    /// The kernels for GEMMs with a narrow output (the router's logits,
+    /// (T × E) for a handful of experts): here these kernels; a GPU leaves
+    /// them to the host's cpu GEMMs, whose product costs less than the
+    /// copies of its (T × D) input and gradient would.
+    fn narrow_kernels(&self) -> &dyn DenseKernels;
+
     /// The engine's dense params (every weight later GEMMs are given as a
     /// slice of) are `dense`, just written: a backend that keeps weights
     /// on its device drops what it holds and may keep slices of `dense`
@@ -174,6 +180,10 @@ pub struct HeadShape {
 pub struct PlainKernels;
 
 impl DenseKernels for PlainKernels {
+    fn narrow_kernels(&self) -> &dyn DenseKernels {
+        self
+    }
+
     fn forward(
         &self,
         out: &mut [f32],

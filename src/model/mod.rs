@@ -15,7 +15,7 @@
 
 use crate::math::{
     combine_backward_weights, combine_forward, cross_entropy_loss, gather_backward,
-    rmsnorm_backward, rmsnorm_forward, router_backward, router_forward, AssignmentGrads,
+    rmsnorm_backward, rmsnorm_forward, route_logits, router_logits_grad, AssignmentGrads,
     ExpertKind, Permutation, RouterConfig, Routing, Scoring,
 };
 use crate::EngineError;
@@ -418,18 +418,13 @@ pub fn moe_forward(
     x: &[f32],
     t: usize,
     runner: &mut dyn ExpertRunner,
+    router_gemm: &dyn DenseKernels,
 ) -> Result<(Vec<f32>, MoeSaved), EngineError> {
-    let (d, k) = (model.d_model, model.top_k);
+    let (d, k, e) = (model.d_model, model.top_k, model.experts);
     let mut s = MoeSaved::default();
-    router_forward(
-        &model.router(),
-        &mut s.routing,
-        x,
-        router_w,
-        choice_bias,
-        t,
-        d,
-    );
+    let mut logits = vec![0.0f32; t * e];
+    router_gemm.forward(&mut logits, x, router_w, t, d, e)?;
+    route_logits(&model.router(), &mut s.routing, &logits, choice_bias, t);
     s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
     s.expert_out = runner.take_buffer(t * k * d);
     runner.forward_layer(layer, &s.perm, x, &mut s.expert_out)?;
@@ -456,8 +451,9 @@ pub fn moe_backward(
     dz: f32,
     runner: &mut dyn ExpertRunner,
     last_micro_batch: bool,
+    router_gemm: &dyn DenseKernels,
 ) -> Result<(), EngineError> {
-    let (d, k) = (model.d_model, model.top_k);
+    let (d, k, e) = (model.d_model, model.top_k, model.experts);
     let mut dweights = vec![0.0f32; t * k];
     combine_backward_weights(&mut dweights, dy, &s.expert_out, &s.perm.position, t, k, d);
     let dout = AssignmentGrads {
@@ -470,20 +466,8 @@ pub fn moe_backward(
     runner.backward_layer(layer, &s.perm, x, dout, &mut dxa, last_micro_batch)?;
     gather_backward(dx, &dxa, &s.perm.position, t, k, d);
     runner.give_buffer(dxa);
-    router_backward(
-        &model.router(),
-        dx,
-        router_grad,
-        &dweights,
-        daux,
-        dz,
-        &s.routing,
-        x,
-        router_w,
-        t,
-        d,
-    );
-    Ok(())
+    let dlogits = router_logits_grad(&model.router(), &dweights, daux, dz, &s.routing, t);
+    router_gemm.backward(dx, router_grad, &dlogits, x, router_w, t, d, e)
 }
 
 /// What a layer of the plain stack keeps for its backward.
@@ -513,7 +497,9 @@ fn stack_forward(
         let g = &dense[model.norm_range(l)];
         rmsnorm_forward(&mut normed, &mut inv_rms, &h, g, t, d, model.rms_eps);
         let router_w = &dense[model.router_range(l)];
-        let (y, moe) = moe_forward(model, l, router_w, None, &normed, t, runner)?;
+        // The plain stack's router stays plain loops: the reference it is
+        // held to bit for bit computes the same.
+        let (y, moe) = moe_forward(model, l, router_w, None, &normed, t, runner, &PlainKernels)?;
         // The residual: this layer's input is kept for its backward, and
         // the next layer's is written beside it (the add writes it whole).
         let h_in = std::mem::replace(&mut h, runner.take_buffer(t * d));
@@ -664,6 +650,7 @@ pub fn forward_backward(
             dz,
             runner,
             last_micro_batch,
+            &PlainKernels,
         )?;
         runner.give_buffer(std::mem::take(&mut s.moe.expert_out));
         let g = &dense[model.norm_range(l)];

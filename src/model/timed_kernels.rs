@@ -29,6 +29,10 @@ impl TimedKernels {
 }
 
 impl DenseKernels for TimedKernels {
+    fn narrow_kernels(&self) -> &dyn DenseKernels {
+        self.inner.narrow_kernels()
+    }
+
     fn forward(
         &self,
         out: &mut [f32],

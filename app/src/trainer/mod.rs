@@ -703,13 +703,17 @@ fn unused_split(o: &TrainOptions, cells: usize, deferred: usize) -> Vec<String> 
     notes
 }
 
-/// A step's line of metrics.jsonl: its metrics, learning rate and the
-/// process's resident memory after it (where the OS tells).
+/// A step's line of metrics.jsonl: its metrics, learning rate, and the
+/// process's resident memory after it and minor page faults since it
+/// started (where the OS tells).
 fn metrics_line(m: &StepMetrics, lr: f32) -> String {
     let mut value = serde_json::to_value(m).expect("metrics serialize");
     value["lr"] = serde_json::json!(lr);
     if let Some(rss) = crate::sys::resident_bytes() {
         value["rss_bytes"] = serde_json::json!(rss);
+    }
+    if let Some((_, faults)) = crate::sys::process_usage() {
+        value["minor_faults"] = serde_json::json!(faults as u64);
     }
     value.to_string()
 }

@@ -16,6 +16,14 @@ use crate::model::{DenseKernels, HeadShape};
 use crate::EngineError;
 
 impl DenseKernels for CudaBackend {
+    fn narrow_kernels(&self) -> &dyn DenseKernels {
+        // The router's (T × E) logits: cuBLAS would need its (T × D) input
+        // up and, in the backward, dx up and down, 100 MB a layer at
+        // moe-s's 8192 tokens, for a product the host's cores do in
+        // milliseconds.
+        &crate::backend::NarrowCpuKernels
+    }
+
     fn forward(
         &self,
         out: &mut [f32],
