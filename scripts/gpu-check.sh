@@ -286,7 +286,7 @@ print(json.dumps(dict(side=sys.argv[2], pair=int(sys.argv[3]),
     faults_per_step=statistics.median(faults) if faults else None,
     bytes_pcie_other=rows[-1].get("bytes_pcie_other"))))
 PY
-            python3 scripts/peer/timeline_summary.py "$dir/timeline-step-6.json" 16 \
+            python3 scripts/peer/timeline_summary.py "$dir/timeline-step-6.json" 30 \
                 > "$out/ab-timeline-$side-$pair.txt" 2>&1
             rm -rf "$dir" # its store (18 GiB) would leave the next run no disk
         done

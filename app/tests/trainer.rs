@@ -645,6 +645,17 @@ fn timeline_step_writes_that_steps_chrome_trace() {
     assert_eq!(named("step"), 1, "one step on the trace");
     assert!(named("forward") > 0 && named("backward") > 0);
     assert!(named("update") > 0, "the step's expert updates are on it");
+    // The host's own passes between kernel calls are named, a layer each.
+    let layers = 2; // the tiny preset's
+    for pass in [
+        "router",
+        "combine",
+        "rmsnorm backward",
+        "q, k, v: biases, norms, rope",
+    ] {
+        assert!(named(pass) >= layers, "{pass}: {}", named(pass));
+    }
+    assert!(events.iter().any(|e| e["cat"] == "host"));
 
     let o = out.to_str().unwrap();
     refused(

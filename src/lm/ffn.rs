@@ -76,9 +76,8 @@ pub(super) fn forward(
         } => {
             let bias = choice_bias.as_ref().map(|b| &dense[b.clone()]);
             let router = &dense[router.clone()];
-            let narrow = kernels.narrow_kernels();
             let (mut y, moe) =
-                moe_forward(moe_model, *moe_layer, router, bias, n, t, runner, narrow)?;
+                moe_forward(moe_model, *moe_layer, router, bias, n, t, runner, kernels)?;
             let shared = match shared {
                 Some(sr) => {
                     let f = c.shared_expert_ff;
@@ -86,6 +85,7 @@ pub(super) fn forward(
                 }
                 None => None,
             };
+            let _span = kernels.host_span("residual");
             h.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
             runner.give_buffer(y);
             Ok(FfnSaved::Sparse {
@@ -153,7 +153,7 @@ pub(super) fn backward(
                 g.dz,
                 runner,
                 g.last_micro_batch,
-                kernels.narrow_kernels(),
+                kernels,
             )?;
             if let (Some(sr), Some(ss)) = (shared, shared_saved) {
                 let f = c.shared_expert_ff;

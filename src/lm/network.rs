@@ -265,15 +265,19 @@ impl MoeLm {
         let starts = batch.attention_starts();
         let rope =
             RopeTable::<f32>::partial(batch.seq_len, c.head_dim, c.rotary_dim(), c.rope_theta);
+        let span = kernels.host_span("embedding");
         let mut h = vec![0.0f32; t * d];
         embedding_forward(&mut h, &dense[self.embed.clone()], &inputs, d);
+        drop(span);
         let mut layers = Vec::with_capacity(c.layers);
         let (mut aux, mut z) = (0.0f32, 0.0f32);
         for r in &self.layers {
+            let span = kernels.host_span("rmsnorm");
             let mut n1 = vec![0.0f32; t * d];
             let mut inv1 = vec![0.0f32; t];
             let g1 = &dense[r.attn_norm.clone()];
             rmsnorm_forward(&mut n1, &mut inv1, &h, g1, t, d, c.rms_eps);
+            drop(span);
             let qkv = qkv::forward(c, dense, &r.qkv, &n1, &shape, &rope, kernels)?;
             let mut attn = vec![0.0f32; t * qw];
             let mut attn_saved = vec![0.0f32; kernels.attention_saved_len(&shape)];
@@ -288,6 +292,7 @@ impl MoeLm {
             )?;
             let mut o = vec![0.0f32; t * d];
             kernels.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d)?;
+            let span = kernels.host_span("residual and rmsnorm");
             let h_in = h.clone();
             h.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let mut n2 = vec![0.0f32; t * d];
@@ -295,6 +300,7 @@ impl MoeLm {
             let g2 = &dense[r.moe_norm.clone()];
             rmsnorm_forward(&mut n2, &mut inv2, &h, g2, t, d, c.rms_eps);
             let h_mid = h.clone();
+            drop(span);
             let ffn = ffn::forward(c, &self.moe, &r.ffn, dense, &n2, &mut h, runner, kernels)?;
             if let FfnSaved::Sparse { moe, .. } = &ffn {
                 aux += moe.routing.aux_loss;
@@ -320,10 +326,12 @@ impl MoeLm {
         } else if c.aux_loss == AuxLoss::AllLayers {
             aux = all_layers_aux(&mut layers, c.experts, t);
         }
+        let span = kernels.host_span("rmsnorm");
         let mut nf = vec![0.0f32; t * d];
         let mut invf = vec![0.0f32; t];
         let gf = &dense[self.final_norm.clone()];
         rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps);
+        drop(span);
         Ok(Forward {
             inputs,
             targets,
@@ -523,6 +531,7 @@ impl Network for MoeLm {
         let (qw, kw) = (shape.q_width(), shape.kv_width());
         let rope = &f.rope;
         // Final norm.
+        let span = kernels.host_span("rmsnorm backward");
         let mut dh = vec![0.0f32; t * d];
         rmsnorm_backward(
             &mut dh,
@@ -534,6 +543,7 @@ impl Network for MoeLm {
             t,
             d,
         );
+        drop(span);
         let daux = c.aux_loss_coef * share;
         let dz = c.z_loss_coef * share;
         for (l, r) in self.layers.iter().enumerate().rev() {
@@ -550,6 +560,7 @@ impl Network for MoeLm {
             ffn::backward(
                 c, &self.moe, &r.ffn, &s.ffn, dense, &s.n2, &dh, grads, runner, kernels,
             )?;
+            let span = kernels.host_span("rmsnorm backward");
             rmsnorm_backward(
                 &mut dh,
                 &mut dense_grad[r.moe_norm.clone()],
@@ -560,6 +571,7 @@ impl Network for MoeLm {
                 t,
                 d,
             );
+            drop(span);
             // Attention half: h_mid = h_in + Wo·Attn(RoPE(q), RoPE(k), v).
             let mut dattn = vec![0.0f32; t * qw];
             kernels.backward(
@@ -602,6 +614,7 @@ impl Network for MoeLm {
                 rope,
                 kernels,
             )?;
+            let span = kernels.host_span("rmsnorm backward");
             rmsnorm_backward(
                 &mut dh,
                 &mut dense_grad[r.attn_norm.clone()],
@@ -613,8 +626,11 @@ impl Network for MoeLm {
                 d,
             );
             f.layers[l].ffn.release(runner);
+            drop(span);
         }
+        let span = kernels.host_span("embedding backward");
         embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
+        drop(span);
         Ok(Losses {
             ce,
             aux: f.aux,

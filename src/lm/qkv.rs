@@ -73,6 +73,7 @@ pub(super) fn forward(
     kernels.forward(&mut q, n1, &dense[r.wq.clone()], t, d, qw)?;
     kernels.forward(&mut k, n1, &dense[r.wk.clone()], t, d, kw)?;
     kernels.forward(&mut v, n1, &dense[r.wv.clone()], t, d, kw)?;
+    let _span = kernels.host_span("q, k, v: biases, norms, rope");
     if let Some(bias) = &r.bias {
         for (x, b) in [&mut q, &mut k, &mut v].into_iter().zip(bias) {
             let b = &dense[b.clone()];
@@ -127,6 +128,7 @@ pub(super) fn backward(
     rope: &RopeTable<f32>,
     kernels: &dyn DenseKernels,
 ) -> Result<(), EngineError> {
+    let span = kernels.host_span("q, k, v backward: rope, norms, biases");
     let [dq, dk, dv] = &mut grads;
     rope_backward(dq, rope, shape.seq_len, c.heads);
     rope_backward(dk, rope, shape.seq_len, c.kv_heads);
@@ -165,6 +167,7 @@ pub(super) fn backward(
             }
         }
     }
+    drop(span);
     let (t, d) = (shape.seqs * shape.seq_len, c.d_model);
     for (w, grad) in [&r.wq, &r.wk, &r.wv].into_iter().zip(&grads) {
         let width = grad.len() / t.max(1);

@@ -9,6 +9,7 @@ use crate::math::attention::{attention_backward_split, attention_forward_split, 
 use crate::math::{cross_entropy_forward_backward_split, linear_backward, linear_forward};
 use crate::parallel::compute_threads;
 use crate::EngineError;
+use strata_tiers::TimelineSpan;
 
 /// The dense layers' heavy kernels: the linear layers' GEMM (plain loops
 /// for the reference, the backend's GEMM for the engine) and causal
@@ -43,6 +44,14 @@ pub trait DenseKernels {
     /// them to the host's cpu GEMMs, whose product costs less than the
     /// copies of its (T × D) input and gradient would.
     fn narrow_kernels(&self) -> &dyn DenseKernels;
+
+    /// A span of the host's own work between kernel calls (a norm, the
+    /// residual adds, the routing, the permutation), named `name` on the
+    /// engine's timeline (category `"host"`) until dropped, where the
+    /// kernels record one ([`super::TimedKernels`]); here nothing.
+    fn host_span(&self, name: &'static str) -> TimelineSpan<'_> {
+        TimelineSpan::start(None, "host", name)
+    }
 
     /// The engine's dense params (every weight later GEMMs are given as a
     /// slice of) are `dense`, just written: a backend that keeps weights

@@ -418,16 +418,22 @@ pub fn moe_forward(
     x: &[f32],
     t: usize,
     runner: &mut dyn ExpertRunner,
-    router_gemm: &dyn DenseKernels,
+    kernels: &dyn DenseKernels,
 ) -> Result<(Vec<f32>, MoeSaved), EngineError> {
     let (d, k, e) = (model.d_model, model.top_k, model.experts);
     let mut s = MoeSaved::default();
-    let mut logits = vec![0.0f32; t * e];
-    router_gemm.forward(&mut logits, x, router_w, t, d, e)?;
-    route_logits(&model.router(), &mut s.routing, &logits, choice_bias, t);
-    s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
-    s.expert_out = runner.take_buffer(t * k * d);
+    {
+        let _span = kernels.host_span("router");
+        let mut logits = vec![0.0f32; t * e];
+        kernels
+            .narrow_kernels()
+            .forward(&mut logits, x, router_w, t, d, e)?;
+        route_logits(&model.router(), &mut s.routing, &logits, choice_bias, t);
+        s.perm = Permutation::from_routing(&s.routing.experts, model.experts);
+        s.expert_out = runner.take_buffer(t * k * d);
+    }
     runner.forward_layer(layer, &s.perm, x, &mut s.expert_out)?;
+    let _span = kernels.host_span("combine");
     let mut y = runner.take_buffer(t * d); // the combine writes it whole
     let (out, position, weights) = (&s.expert_out, &s.perm.position, &s.routing.weights);
     combine_forward(&mut y, out, position, weights, t, k, d);
@@ -451,11 +457,13 @@ pub fn moe_backward(
     dz: f32,
     runner: &mut dyn ExpertRunner,
     last_micro_batch: bool,
-    router_gemm: &dyn DenseKernels,
+    kernels: &dyn DenseKernels,
 ) -> Result<(), EngineError> {
     let (d, k, e) = (model.d_model, model.top_k, model.experts);
+    let span = kernels.host_span("combine backward");
     let mut dweights = vec![0.0f32; t * k];
     combine_backward_weights(&mut dweights, dy, &s.expert_out, &s.perm.position, t, k, d);
+    drop(span);
     let dout = AssignmentGrads {
         dy,
         weights: &s.routing.weights,
@@ -464,10 +472,12 @@ pub fn moe_backward(
     };
     let mut dxa = runner.take_buffer(t * k * d);
     runner.backward_layer(layer, &s.perm, x, dout, &mut dxa, last_micro_batch)?;
+    let _span = kernels.host_span("gather backward and router backward");
     gather_backward(dx, &dxa, &s.perm.position, t, k, d);
     runner.give_buffer(dxa);
     let dlogits = router_logits_grad(&model.router(), &dweights, daux, dz, &s.routing, t);
-    router_gemm.backward(dx, router_grad, &dlogits, x, router_w, t, d, e)
+    let narrow = kernels.narrow_kernels();
+    narrow.backward(dx, router_grad, &dlogits, x, router_w, t, d, e)
 }
 
 /// What a layer of the plain stack keeps for its backward.

@@ -33,6 +33,10 @@ impl DenseKernels for TimedKernels {
         self.inner.narrow_kernels()
     }
 
+    fn host_span(&self, name: &'static str) -> TimelineSpan<'_> {
+        TimelineSpan::start(Some(&self.timeline), "host", name)
+    }
+
     fn forward(
         &self,
         out: &mut [f32],
