@@ -701,3 +701,46 @@ fn a_fine_tune_names_itself() {
     );
     assert!(stdout.starts_with("strata finetune: "), "{stdout}");
 }
+
+/// Without --backend the run picks one and its first line says which and
+/// what it found: the GPU where this binary has the cuda feature and the
+/// driver (or CI's CPU model of it) sees one, else the cpu. A resumed run
+/// keeps it, and an explicit --backend cpu is not second-guessed.
+#[test]
+fn the_first_line_names_the_backend_it_chose() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let first_line = |args: &[String]| {
+        let run = strata_bin().args(args).output().unwrap();
+        assert!(run.status.success(), "{run:?}");
+        let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+        stdout.lines().next().unwrap_or_default().to_string()
+    };
+    let line = first_line(&cli_args(&out, 2));
+    let gpu = line.contains("backend cuda (auto: found ");
+    let cpu = line.contains("backend cpu (auto: ");
+    assert!(gpu != cpu, "{line}");
+    if !cfg!(feature = "cuda") {
+        assert!(line.contains("built without --features cuda"), "{line}");
+    }
+    let record = std::fs::read_to_string(out.join("run.json")).unwrap();
+    let record: serde_json::Value = serde_json::from_str(&record).unwrap();
+    let chosen = if gpu { "cuda" } else { "cpu" };
+    assert_eq!(
+        record["options"]["backend"], chosen,
+        "run.json keeps the choice"
+    );
+
+    let mut resume = cli_args(&out, 3);
+    resume.push("--resume".into());
+    let line = first_line(&resume);
+    assert!(
+        line.contains(&format!("backend {chosen}")) && !line.contains("auto"),
+        "{line}"
+    );
+
+    let mut cpu_args = cli_args(&dir.path().join("cpu"), 1);
+    cpu_args.extend(["--backend", "cpu"].map(String::from));
+    let line = first_line(&cpu_args);
+    assert!(line.ends_with("backend cpu"), "{line}");
+}

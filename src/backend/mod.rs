@@ -44,6 +44,39 @@ impl BackendKind {
         }
     }
 
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+
+    /// The backend for a user who names none: `Cuda` where this build has
+    /// the `cuda` feature and `devices` GPUs open with NVRTC and cuBLAS
+    /// beside them for params stored as `compute_dtype`, else `Cpu`; with
+    /// what it found (the first GPU's name, or why there is none to use).
+    pub fn detect(devices: usize, compute_dtype: Dtype) -> (Self, String) {
+        #[cfg(feature = "cuda")]
+        {
+            match BackendKind::Cuda.check(devices, compute_dtype) {
+                Ok(()) => {
+                    let name = strata_tiers::device_cuda::open_gpu(0)
+                        .map(|(_, info)| info.name)
+                        .unwrap_or_else(|_| "GPU".into());
+                    (BackendKind::Cuda, format!("found {devices} × {name}"))
+                }
+                Err(e) => (BackendKind::Cpu, e.to_string()),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (devices, compute_dtype);
+            let why = "this strata was built without --features cuda";
+            (BackendKind::Cpu, why.into())
+        }
+    }
+
     /// Checks, without building anything, that `devices` devices of this
     /// kind can be opened (a GPU each for `Cuda`) and compute from expert
     /// params stored as `compute_dtype`.

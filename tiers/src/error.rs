@@ -107,7 +107,7 @@ pub enum TierError {
     AllSlotsPinned { slots: usize },
     #[error("expert {expert} is dirty and still held by a write guard; drop the guard before a flush or checkpoint")]
     DirtyExpertHeld { expert: ExpertId },
-    #[error("no GPU to use: {0}; the cpu backend (strata's default) needs none")]
+    #[error("no GPU to use: {0}; the cpu backend needs none")]
     NoGpu(String),
     #[error("device tier: {0}")]
     DeviceCopy(String),

@@ -324,6 +324,11 @@ pub fn run(
             Source::Scratch => Packing::Stream,
         });
     }
+    if o.backend == "auto" {
+        let (kind, found) = BackendKind::detect(o.devices, parse_dtype(&o.compute_dtype)?);
+        o.backend = kind.name().into();
+        o.backend_chosen = Some(found);
+    }
     validate_options(&o)?;
     if let Some(n) = o.compute_threads {
         strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
@@ -427,7 +432,7 @@ fn run_locked(
         }
     };
     say(format!(
-        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}",
+        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}, backend {}{}",
         match (&source, o.resume) {
             (_, true) => "resume",
             (Source::Finetune(_), false) => "finetune",
@@ -442,11 +447,16 @@ fn run_locked(
         config.experts,
         config.top_k,
         if o.devices > 1 {
-            format!("{} cpu devices, ", o.devices)
+            format!("{} {} devices, ", o.devices, o.backend)
         } else {
             String::new()
         },
-        plan.mode.describe()
+        plan.mode.describe(),
+        o.backend,
+        match &o.backend_chosen {
+            Some(found) => format!(" (auto: {found}; --backend cpu or cuda to choose)"),
+            None => String::new(),
+        }
     ));
     let trained = trained_groups(&o)?;
     if TensorGroup::ALL.iter().any(|g| !trained.contains(g)) {

@@ -52,8 +52,10 @@ pub struct TrainFlags {
     /// (default 1).
     #[arg(long)]
     pub devices: Option<usize>,
-    /// Expert compute: cpu, or cuda (a strata built with --features cuda and
-    /// an NVIDIA GPU per device) (default cpu).
+    /// Expert and dense compute: cpu, cuda (a strata built with --features
+    /// cuda and an NVIDIA GPU per device), or auto: cuda where this strata
+    /// has it and --devices GPUs are there, else cpu; the first line says
+    /// which (default auto).
     #[arg(long)]
     pub backend: Option<String>,
     /// Peak learning rate (default 0.003).
@@ -184,6 +186,10 @@ pub struct TrainOptions {
     pub devices: usize,
     #[serde(default = "cpu")]
     pub backend: String,
+    /// What `--backend auto` found, where it chose (not recorded: a
+    /// resumed run keeps the backend it chose).
+    #[serde(skip)]
+    pub backend_chosen: Option<String>,
     pub lr: f32,
     pub warmup: u64,
     pub min_lr_ratio: f32,
@@ -330,7 +336,8 @@ impl TrainFlags {
             batch: pick!(cli, file, batch, 16),
             micro_batches: pick!(cli, file, micro_batches, 1),
             devices: pick!(cli, file, devices, 1),
-            backend: pick!(cli, file, backend, cpu()),
+            backend: pick!(cli, file, backend, "auto".into()),
+            backend_chosen: None,
             lr: pick!(cli, file, lr, 3e-3),
             warmup: pick!(cli, file, warmup, 20),
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),
