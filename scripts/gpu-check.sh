@@ -223,6 +223,10 @@ peer)
         # Step 6's timeline (or the last step's): every dense kernel call,
         # expert loop, wait and update, on its thread (ui.perfetto.dev).
         cp "$dir/timeline-step-$ts.json" "$out/timeline-$preset.json" 2>/dev/null
+        # Where that step's time went, by thread and name (the host's own
+        # passes are category "host"), printed: the output may hold too many
+        # files for all of them to come back.
+        python3 scripts/peer/timeline_summary.py "$dir/timeline-step-$ts.json" 30 2>&1
         head -3 "$out/peer-strata-$preset.log"
         python3 - "$dir/metrics.jsonl" "$preset" <<'PY' | tee -a "$out/peer.jsonl"
 import json, statistics, sys
