@@ -106,7 +106,7 @@ fn narrow_backward(
     if writes[1] == Write::Set {
         dw.fill(0.0);
     }
-    for part in partial.chunks(n * k) {
+    for part in partial.chunks((n * k).max(1)) {
         dw.iter_mut().zip(part).for_each(|(d, p)| *d += p);
     }
 }
@@ -159,6 +159,7 @@ mod tests {
             (5, 7, 16),
             (1, 4, 1),
             (33, 8, 2),
+            (3, 0, 2),
         ] {
             let (x, w, dout) = (filled(m * k, 1), filled(n * k, 2), filled(m * n, 3));
             let (mut dx, mut dw) = (filled(m * k, 4), filled(n * k, 5));
