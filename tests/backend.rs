@@ -822,6 +822,11 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "attn_from_heads",
         "attn_softmax",
         "attn_softmax_backward",
+        "add_into",
+        "add_bias",
+        "bias_grad",
+        "clamp_values",
+        "clamp_grad",
     ];
     for kernel in kernels {
         assert!(

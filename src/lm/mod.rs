@@ -5,6 +5,7 @@
 //! ([`data`]). Its attention math is in
 //! [`math::attention`](crate::math::attention), with the other plain ops.
 
+mod attention_half;
 pub mod chat;
 pub mod config;
 pub mod data;

@@ -11,16 +11,18 @@
 
 use std::ops::Range;
 
+use super::attention_half::{self, AttentionRanges, AttentionSaved};
 use super::config::{AuxLoss, LmConfig, QkNorm};
 use super::ffn::{self, FfnGrads, FfnRanges, FfnSaved};
 use super::groups::TensorGroup;
 use super::mlp::MlpRanges;
-use super::qkv::{self, Qkv, QkvRanges};
+use super::qkv::QkvRanges;
 pub use super::token_batch::TokenBatch;
 use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
 use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward, Scoring, IGNORED_TARGET};
 use crate::model::{
-    fill_uniform, DenseKernels, Evaluation, ExpertRunner, HeadShape, Losses, ModelConfig, Network,
+    fill_uniform, DenseKernels, DenseOps, Evaluation, ExpertRunner, HeadShape, HostOps, Losses,
+    ModelConfig, Network,
 };
 use crate::EngineError;
 
@@ -35,9 +37,7 @@ pub struct DenseTensor {
 /// Where each tensor of one layer is.
 #[derive(Clone, Debug)]
 struct LayerRanges {
-    attn_norm: Range<usize>,
-    qkv: QkvRanges,
-    wo: Range<usize>,
+    attention: AttentionRanges,
     moe_norm: Range<usize>,
     ffn: FfnRanges,
 }
@@ -59,26 +59,29 @@ pub struct MoeLm {
     frozen: Vec<Range<usize>>,
 }
 
-/// What one layer's forward keeps for its backward.
-struct LayerSaved {
-    h_in: Vec<f32>,
-    n1: Vec<f32>,
-    inv1: Vec<f32>,
-    qkv: Qkv,
-    /// What the attention kernels keep for the backward (the
-    /// probabilities on the cpu, each row's softmax statistics on a GPU).
-    attn_saved: Vec<f32>,
-    attn: Vec<f32>,
-    h_mid: Vec<f32>,
+/// What one layer's forward keeps for its backward, in buffers of a
+/// [`DenseOps`] (`B`), and in host memory what the FFN half reads.
+struct LayerSaved<B> {
+    attention: AttentionSaved<B>,
+    h_mid: B,
     n2: Vec<f32>,
-    inv2: Vec<f32>,
+    inv2: B,
     ffn: FfnSaved,
 }
 
-struct Forward {
+/// One micro-batch of a step, as [`Network::forward_backward`] is given it.
+#[derive(Clone, Copy)]
+struct MicroBatch<'a> {
+    batch: &'a TokenBatch,
+    tokens_total: usize,
+    micro_batches: usize,
+    last_micro_batch: bool,
+}
+
+struct Forward<B> {
     inputs: Vec<u32>,
     targets: Vec<u32>,
-    layers: Vec<LayerSaved>,
+    layers: Vec<LayerSaved<B>>,
     h: Vec<f32>,
     /// The final norm's output, the head's input.
     nf: Vec<f32>,
@@ -173,15 +176,17 @@ impl MoeLm {
                 }
             };
             layers.push(LayerRanges {
-                attn_norm,
-                qkv: QkvRanges {
-                    wq,
-                    wk,
-                    wv,
-                    bias,
-                    norm,
+                attention: AttentionRanges {
+                    norm: attn_norm,
+                    qkv: QkvRanges {
+                        wq,
+                        wk,
+                        wv,
+                        bias,
+                        norm,
+                    },
+                    wo,
                 },
-                wo,
                 moe_norm,
                 ffn,
             });
@@ -249,70 +254,69 @@ impl MoeLm {
         }
     }
 
-    fn forward(
+    fn forward<O: DenseOps>(
         &self,
+        ops: &O,
         dense: &[f32],
         batch: &TokenBatch,
         runner: &mut dyn ExpertRunner,
-        kernels: &dyn DenseKernels,
-    ) -> Result<Forward, EngineError> {
+    ) -> Result<Forward<O::Buf>, EngineError> {
         let c = &self.config;
+        let kernels = ops.kernels();
         let d = c.d_model;
         let (inputs, targets) = batch.inputs_targets();
         let t = inputs.len();
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
-        let qw = shape.q_width();
-        let starts = batch.attention_starts();
         let rope =
             RopeTable::<f32>::partial(batch.seq_len, c.head_dim, c.rotary_dim(), c.rope_theta);
         let span = kernels.host_span("embedding");
-        let mut h = vec![0.0f32; t * d];
-        embedding_forward(&mut h, &dense[self.embed.clone()], &inputs, d);
+        let mut h_host = vec![0.0f32; t * d];
+        embedding_forward(&mut h_host, &dense[self.embed.clone()], &inputs, d);
         drop(span);
         let mut layers = Vec::with_capacity(c.layers);
         let (mut aux, mut z) = (0.0f32, 0.0f32);
         for r in &self.layers {
-            let span = kernels.host_span("rmsnorm");
-            let mut n1 = vec![0.0f32; t * d];
-            let mut inv1 = vec![0.0f32; t];
-            let g1 = &dense[r.attn_norm.clone()];
-            rmsnorm_forward(&mut n1, &mut inv1, &h, g1, t, d, c.rms_eps);
-            drop(span);
-            let qkv = qkv::forward(c, dense, &r.qkv, &n1, &shape, &rope, kernels)?;
-            let mut attn = vec![0.0f32; t * qw];
-            let mut attn_saved = vec![0.0f32; kernels.attention_saved_len(&shape)];
-            kernels.attention_forward(
-                &mut attn,
-                &mut attn_saved,
-                &qkv.q,
-                &qkv.k,
-                &qkv.v,
+            let mut h = ops.place(h_host)?;
+            let starts = batch.attention_starts();
+            let attention = attention_half::forward(
+                ops,
+                c,
+                dense,
+                &r.attention,
+                &mut h,
                 starts.as_deref(),
                 &shape,
+                &rope,
             )?;
-            let mut o = vec![0.0f32; t * d];
-            kernels.forward(&mut o, &attn, &dense[r.wo.clone()], t, qw, d)?;
-            let span = kernels.host_span("residual and rmsnorm");
-            let h_in = h.clone();
-            h.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let mut n2 = vec![0.0f32; t * d];
-            let mut inv2 = vec![0.0f32; t];
+            let mut n2 = ops.zeros(t * d)?;
+            let mut inv2 = ops.zeros(t)?;
+            let span = kernels.host_span("rmsnorm");
             let g2 = &dense[r.moe_norm.clone()];
-            rmsnorm_forward(&mut n2, &mut inv2, &h, g2, t, d, c.rms_eps);
-            let h_mid = h.clone();
+            ops.rmsnorm_forward(&mut n2, &mut inv2, &h, g2, t, d, c.rms_eps)?;
+            let h_mid = ops.duplicate(&h)?;
             drop(span);
-            let ffn = ffn::forward(c, &self.moe, &r.ffn, dense, &n2, &mut h, runner, kernels)?;
+            // The FFN half runs on the host: its input and the residual
+            // stream come back (on a GPU, after its queued work).
+            let span = kernels.host_span("activations to host");
+            let n2 = ops.take(n2)?;
+            h_host = ops.take(h)?;
+            drop(span);
+            let ffn = ffn::forward(
+                c,
+                &self.moe,
+                &r.ffn,
+                dense,
+                &n2,
+                &mut h_host,
+                runner,
+                kernels,
+            )?;
             if let FfnSaved::Sparse { moe, .. } = &ffn {
                 aux += moe.routing.aux_loss;
                 z += moe.routing.z_loss;
             }
             layers.push(LayerSaved {
-                h_in,
-                n1,
-                inv1,
-                qkv,
-                attn_saved,
-                attn,
+                attention,
                 h_mid,
                 n2,
                 inv2,
@@ -330,18 +334,156 @@ impl MoeLm {
         let mut nf = vec![0.0f32; t * d];
         let mut invf = vec![0.0f32; t];
         let gf = &dense[self.final_norm.clone()];
-        rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps);
+        rmsnorm_forward(&mut nf, &mut invf, &h_host, gf, t, d, c.rms_eps);
         drop(span);
         Ok(Forward {
             inputs,
             targets,
             layers,
-            h,
+            h: h_host,
             nf,
             invf,
             rope,
             aux,
             z,
+        })
+    }
+
+    /// [`Network::forward_backward`] with the dense layers' activations
+    /// and operations in `ops`.
+    fn forward_backward_on<O: DenseOps>(
+        &self,
+        ops: &O,
+        dense: &[f32],
+        dense_grad: &mut [f32],
+        step: MicroBatch<'_>,
+        runner: &mut dyn ExpertRunner,
+    ) -> Result<Losses, EngineError> {
+        let c = &self.config;
+        let kernels = ops.kernels();
+        let (d, v) = (c.d_model, c.vocab);
+        let batch = step.batch;
+        let shape = self.attn_shape(batch.sequences(), batch.seq_len);
+        let mut f = self.forward(ops, dense, batch, runner)?;
+        let t = f.inputs.len();
+        // The head, its loss and its backward in one (a GPU keeps the
+        // logits on the device, a chunk of rows at a time).
+        let mut dnf = vec![0.0f32; t * d];
+        let ce = kernels.head_loss(
+            &mut dnf,
+            &mut dense_grad[self.head.clone()],
+            &f.nf,
+            &dense[self.head.clone()],
+            &f.targets,
+            HeadShape {
+                t,
+                d,
+                v,
+                denominator: step.tokens_total,
+            },
+        )?;
+        let share = 1.0 / step.micro_batches as f32;
+        let total = ce + share * (c.aux_loss_coef * f.aux + c.z_loss_coef * f.z);
+        if !total.is_finite() {
+            return Err(EngineError::NonFiniteLoss { loss: total });
+        }
+        // Final norm.
+        let span = kernels.host_span("rmsnorm backward");
+        let mut dh_host = vec![0.0f32; t * d];
+        rmsnorm_backward(
+            &mut dh_host,
+            &mut dense_grad[self.final_norm.clone()],
+            &dnf,
+            &f.h,
+            &dense[self.final_norm.clone()],
+            &f.invf,
+            t,
+            d,
+        );
+        drop(span);
+        let mut dh = ops.place(dh_host)?;
+        let daux = c.aux_loss_coef * share;
+        let dz = c.z_loss_coef * share;
+        for (l, r) in self.layers.iter().enumerate().rev() {
+            let s = &f.layers[l];
+            // FFN half: h = h_mid + FFN(RMSNorm(h_mid)).
+            let mut dn2 = vec![0.0f32; t * d];
+            let grads = FfnGrads {
+                dense_grad: &mut dense_grad[..],
+                dn: &mut dn2,
+                daux,
+                dz,
+                last_micro_batch: step.last_micro_batch,
+            };
+            let span = kernels.host_span("activations to host");
+            let dh_ffn = ops.read(&dh)?;
+            drop(span);
+            ffn::backward(
+                c, &self.moe, &r.ffn, &s.ffn, dense, &s.n2, &dh_ffn, grads, runner, kernels,
+            )?;
+            drop(dh_ffn);
+            let dn2 = ops.place(dn2)?;
+            let span = kernels.host_span("rmsnorm backward");
+            ops.rmsnorm_backward(
+                &mut dh,
+                &mut dense_grad[r.moe_norm.clone()],
+                &dn2,
+                &s.h_mid,
+                &dense[r.moe_norm.clone()],
+                &s.inv2,
+                t,
+                d,
+            )?;
+            drop(span);
+            let starts = batch.attention_starts();
+            attention_half::backward(
+                ops,
+                c,
+                (dense, dense_grad),
+                &r.attention,
+                &s.attention,
+                &mut dh,
+                starts.as_deref(),
+                &shape,
+                &f.rope,
+            )?;
+            f.layers[l].ffn.release(runner);
+        }
+        let dh = ops.read(&dh)?;
+        let span = kernels.host_span("embedding backward");
+        embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
+        drop(span);
+        Ok(Losses {
+            ce,
+            aux: f.aux,
+            z: f.z,
+            total,
+        })
+    }
+
+    /// [`Network::forward_eval`] with the dense layers' activations and
+    /// operations in `ops`.
+    fn evaluate_on<O: DenseOps>(
+        &self,
+        ops: &O,
+        dense: &[f32],
+        batch: &TokenBatch,
+        runner: &mut dyn ExpertRunner,
+    ) -> Result<Evaluation, EngineError> {
+        let f = self.forward(ops, dense, batch, runner)?;
+        let (d, v) = (self.config.d_model, self.config.vocab);
+        let t = f.targets.len();
+        let mut logits = vec![0.0f32; t * v];
+        ops.kernels()
+            .forward(&mut logits, &f.nf, &dense[self.head.clone()], t, d, v)?;
+        let counted = f.targets.iter().filter(|&&x| x != IGNORED_TARGET).count();
+        let loss = cross_entropy_loss(&logits, &f.targets, v, counted.max(1));
+        Ok(Evaluation {
+            logits,
+            targets: f.targets,
+            width: v,
+            loss,
+            aux_loss: f.aux,
         })
     }
 
@@ -376,7 +518,7 @@ impl MoeLm {
 /// and T tokens, N = L·T. Sets each layer's `aux_grad` to ∂aux/∂p =
 /// E · C_e / N², the same for every layer and token, and returns the loss.
 /// Sums in f64.
-fn all_layers_aux(layers: &mut [LayerSaved], experts: usize, t: usize) -> f32 {
+fn all_layers_aux<B>(layers: &mut [LayerSaved<B>], experts: usize, t: usize) -> f32 {
     let mut sparse: Vec<_> = layers.iter_mut().filter_map(|l| l.ffn.moe_mut()).collect();
     let n = (sparse.len() * t) as f64;
     let mut assigned = vec![0.0f64; experts];
@@ -501,142 +643,18 @@ impl Network for MoeLm {
         runner: &mut dyn ExpertRunner,
         kernels: &dyn DenseKernels,
     ) -> Result<Losses, EngineError> {
-        let c = &self.config;
-        let (d, v) = (c.d_model, c.vocab);
-        let mut f = self.forward(dense, batch, runner, kernels)?;
-        let t = f.inputs.len();
-        // The head, its loss and its backward in one (a GPU keeps the
-        // logits on the device, a chunk of rows at a time).
-        let mut dnf = vec![0.0f32; t * d];
-        let ce = kernels.head_loss(
-            &mut dnf,
-            &mut dense_grad[self.head.clone()],
-            &f.nf,
-            &dense[self.head.clone()],
-            &f.targets,
-            HeadShape {
-                t,
-                d,
-                v,
-                denominator: tokens_total,
-            },
-        )?;
-        let share = 1.0 / micro_batches as f32;
-        let total = ce + share * (c.aux_loss_coef * f.aux + c.z_loss_coef * f.z);
-        if !total.is_finite() {
-            return Err(EngineError::NonFiniteLoss { loss: total });
+        let step = MicroBatch {
+            batch,
+            tokens_total,
+            micro_batches,
+            last_micro_batch,
+        };
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = kernels.cuda() {
+            let ops = crate::backend::cuda::CudaOps::new(gpu, kernels)?;
+            return self.forward_backward_on(&ops, dense, dense_grad, step, runner);
         }
-        let shape = self.attn_shape(batch.sequences(), batch.seq_len);
-        let starts = batch.attention_starts();
-        let (qw, kw) = (shape.q_width(), shape.kv_width());
-        let rope = &f.rope;
-        // Final norm.
-        let span = kernels.host_span("rmsnorm backward");
-        let mut dh = vec![0.0f32; t * d];
-        rmsnorm_backward(
-            &mut dh,
-            &mut dense_grad[self.final_norm.clone()],
-            &dnf,
-            &f.h,
-            &dense[self.final_norm.clone()],
-            &f.invf,
-            t,
-            d,
-        );
-        drop(span);
-        let daux = c.aux_loss_coef * share;
-        let dz = c.z_loss_coef * share;
-        for (l, r) in self.layers.iter().enumerate().rev() {
-            let s = &f.layers[l];
-            // FFN half: h = h_mid + FFN(RMSNorm(h_mid)).
-            let mut dn2 = vec![0.0f32; t * d];
-            let grads = FfnGrads {
-                dense_grad: &mut dense_grad[..],
-                dn: &mut dn2,
-                daux,
-                dz,
-                last_micro_batch,
-            };
-            ffn::backward(
-                c, &self.moe, &r.ffn, &s.ffn, dense, &s.n2, &dh, grads, runner, kernels,
-            )?;
-            let span = kernels.host_span("rmsnorm backward");
-            rmsnorm_backward(
-                &mut dh,
-                &mut dense_grad[r.moe_norm.clone()],
-                &dn2,
-                &s.h_mid,
-                &dense[r.moe_norm.clone()],
-                &s.inv2,
-                t,
-                d,
-            );
-            drop(span);
-            // Attention half: h_mid = h_in + Wo·Attn(RoPE(q), RoPE(k), v).
-            let mut dattn = vec![0.0f32; t * qw];
-            kernels.backward(
-                &mut dattn,
-                &mut dense_grad[r.wo.clone()],
-                &dh,
-                &s.attn,
-                &dense[r.wo.clone()],
-                t,
-                qw,
-                d,
-            )?;
-            let mut dq = vec![0.0f32; t * qw];
-            let mut dk = vec![0.0f32; t * kw];
-            let mut dv = vec![0.0f32; t * kw];
-            let qkv = &s.qkv;
-            kernels.attention_backward(
-                &mut dq,
-                &mut dk,
-                &mut dv,
-                &dattn,
-                &s.attn_saved,
-                &qkv.q,
-                &qkv.k,
-                &qkv.v,
-                starts.as_deref(),
-                &shape,
-            )?;
-            let mut dn1 = vec![0.0f32; t * d];
-            qkv::backward(
-                c,
-                dense,
-                dense_grad,
-                &r.qkv,
-                qkv,
-                &s.n1,
-                &mut dn1,
-                [dq, dk, dv],
-                &shape,
-                rope,
-                kernels,
-            )?;
-            let span = kernels.host_span("rmsnorm backward");
-            rmsnorm_backward(
-                &mut dh,
-                &mut dense_grad[r.attn_norm.clone()],
-                &dn1,
-                &s.h_in,
-                &dense[r.attn_norm.clone()],
-                &s.inv1,
-                t,
-                d,
-            );
-            f.layers[l].ffn.release(runner);
-            drop(span);
-        }
-        let span = kernels.host_span("embedding backward");
-        embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
-        drop(span);
-        Ok(Losses {
-            ce,
-            aux: f.aux,
-            z: f.z,
-            total,
-        })
+        self.forward_backward_on(&HostOps::new(kernels), dense, dense_grad, step, runner)
     }
 
     fn forward_eval(
@@ -646,19 +664,11 @@ impl Network for MoeLm {
         runner: &mut dyn ExpertRunner,
         kernels: &dyn DenseKernels,
     ) -> Result<Evaluation, EngineError> {
-        let f = self.forward(dense, batch, runner, kernels)?;
-        let (d, v) = (self.config.d_model, self.config.vocab);
-        let t = f.targets.len();
-        let mut logits = vec![0.0f32; t * v];
-        kernels.forward(&mut logits, &f.nf, &dense[self.head.clone()], t, d, v)?;
-        let counted = f.targets.iter().filter(|&&x| x != IGNORED_TARGET).count();
-        let loss = cross_entropy_loss(&logits, &f.targets, v, counted.max(1));
-        Ok(Evaluation {
-            logits,
-            targets: f.targets,
-            width: v,
-            loss,
-            aux_loss: f.aux,
-        })
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = kernels.cuda() {
+            let ops = crate::backend::cuda::CudaOps::new(gpu, kernels)?;
+            return self.evaluate_on(&ops, dense, batch, runner);
+        }
+        self.evaluate_on(&HostOps::new(kernels), dense, batch, runner)
     }
 }

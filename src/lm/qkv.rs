@@ -10,9 +10,8 @@
 use std::ops::Range;
 
 use super::config::{LmConfig, QkNorm};
-use crate::math::attention::{rope_backward, rope_forward, AttnShape, RopeTable};
-use crate::math::{rmsnorm_backward, rmsnorm_forward};
-use crate::model::DenseKernels;
+use crate::math::attention::{AttnShape, RopeTable};
+use crate::model::DenseOps;
 use crate::EngineError;
 
 /// Where one layer's q/k/v tensors are in the dense vector.
@@ -28,21 +27,21 @@ pub(super) struct QkvRanges {
 }
 
 /// One layer's q, k and v as its attention reads them, and what their
-/// backward needs.
-pub(super) struct Qkv {
+/// backward needs, in buffers of a [`DenseOps`].
+pub(super) struct Qkv<B> {
     /// q, k after their norms, clamp and rotation; v after its clamp.
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub q: B,
+    pub k: B,
+    pub v: B,
     /// The q and k projections before their norms, with each row's 1/rms.
-    normed: Option<NormSaved>,
+    normed: Option<NormSaved<B>>,
     /// q, k and v before the clamp.
-    unclipped: Option<[Vec<f32>; 3]>,
+    unclipped: Option<[B; 3]>,
 }
 
-struct NormSaved {
-    raw: [Vec<f32>; 2],
-    inv: [Vec<f32>; 2],
+struct NormSaved<B> {
+    raw: [B; 2],
+    inv: [B; 2],
 }
 
 /// (rows, width) of the q norm and of the k norm: a row a head
@@ -56,52 +55,55 @@ fn norm_rows(c: &LmConfig, shape: &AttnShape) -> [(usize, usize); 2] {
 }
 
 /// q, k and v from the layer's normed input `n1`.
-pub(super) fn forward(
+pub(super) fn forward<O: DenseOps>(
+    ops: &O,
     c: &LmConfig,
     dense: &[f32],
     r: &QkvRanges,
-    n1: &[f32],
+    n1: &O::Buf,
     shape: &AttnShape,
     rope: &RopeTable<f32>,
-    kernels: &dyn DenseKernels,
-) -> Result<Qkv, EngineError> {
+) -> Result<Qkv<O::Buf>, EngineError> {
     let (t, d) = (shape.seqs * shape.seq_len, c.d_model);
     let (qw, kw) = (shape.q_width(), shape.kv_width());
-    let mut q = vec![0.0f32; t * qw];
-    let mut k = vec![0.0f32; t * kw];
-    let mut v = vec![0.0f32; t * kw];
-    kernels.forward(&mut q, n1, &dense[r.wq.clone()], t, d, qw)?;
-    kernels.forward(&mut k, n1, &dense[r.wk.clone()], t, d, kw)?;
-    kernels.forward(&mut v, n1, &dense[r.wv.clone()], t, d, kw)?;
-    let _span = kernels.host_span("q, k, v: biases, norms, rope");
+    let mut q = ops.zeros(t * qw)?;
+    let mut k = ops.zeros(t * kw)?;
+    let mut v = ops.zeros(t * kw)?;
+    ops.linear_forward(&mut q, n1, &dense[r.wq.clone()], t, d, qw)?;
+    ops.linear_forward(&mut k, n1, &dense[r.wk.clone()], t, d, kw)?;
+    ops.linear_forward(&mut v, n1, &dense[r.wv.clone()], t, d, kw)?;
+    let _span = ops.kernels().host_span("q, k, v: biases, norms, rope");
     if let Some(bias) = &r.bias {
         for (x, b) in [&mut q, &mut k, &mut v].into_iter().zip(bias) {
-            let b = &dense[b.clone()];
-            for row in x.chunks_exact_mut(b.len()) {
-                row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
-            }
+            ops.add_bias(x, &dense[b.clone()])?;
         }
     }
-    let normed = r.norm.as_ref().map(|gains| {
-        let rows = norm_rows(c, shape);
-        let raw = [q.clone(), k.clone()];
-        let mut inv = [vec![0.0f32; rows[0].0], vec![0.0f32; rows[1].0]];
-        for (i, out) in [&mut q, &mut k].into_iter().enumerate() {
-            let (n, width) = rows[i];
-            let g = &dense[gains[i].clone()];
-            rmsnorm_forward(out, &mut inv[i], &raw[i], g, n, width, c.rms_eps);
+    let normed = match r.norm.as_ref() {
+        None => None,
+        Some(gains) => {
+            let rows = norm_rows(c, shape);
+            let raw = [ops.duplicate(&q)?, ops.duplicate(&k)?];
+            let mut inv = [ops.zeros(rows[0].0)?, ops.zeros(rows[1].0)?];
+            for (i, out) in [&mut q, &mut k].into_iter().enumerate() {
+                let (n, width) = rows[i];
+                let g = &dense[gains[i].clone()];
+                ops.rmsnorm_forward(out, &mut inv[i], &raw[i], g, n, width, c.rms_eps)?;
+            }
+            Some(NormSaved { raw, inv })
         }
-        NormSaved { raw, inv }
-    });
-    let unclipped = c.clip_qkv.map(|clip| {
-        let before = [q.clone(), k.clone(), v.clone()];
-        for x in [&mut q, &mut k, &mut v] {
-            x.iter_mut().for_each(|x| *x = x.clamp(-clip, clip));
+    };
+    let unclipped = match c.clip_qkv {
+        None => None,
+        Some(clip) => {
+            let before = [ops.duplicate(&q)?, ops.duplicate(&k)?, ops.duplicate(&v)?];
+            for x in [&mut q, &mut k, &mut v] {
+                ops.clamp(x, clip)?;
+            }
+            Some(before)
         }
-        before
-    });
-    rope_forward(&mut q, rope, shape.seq_len, c.heads);
-    rope_forward(&mut k, rope, shape.seq_len, c.kv_heads);
+    };
+    ops.rope(&mut q, rope, shape.seq_len, c.heads, false)?;
+    ops.rope(&mut k, rope, shape.seq_len, c.kv_heads, false)?;
     Ok(Qkv {
         q,
         k,
@@ -115,38 +117,36 @@ pub(super) fn forward(
 /// gradients of what it read) to `dn1`, which it adds to, and the dense
 /// gradients of the projections, biases and norms. A clamped element
 /// passes no gradient (as torch's clamp, whose bounds pass it).
-pub(super) fn backward(
+pub(super) fn backward<O: DenseOps>(
+    ops: &O,
     c: &LmConfig,
     dense: &[f32],
     dense_grad: &mut [f32],
     r: &QkvRanges,
-    saved: &Qkv,
-    n1: &[f32],
-    dn1: &mut [f32],
-    mut grads: [Vec<f32>; 3],
+    saved: &Qkv<O::Buf>,
+    n1: &O::Buf,
+    dn1: &mut O::Buf,
+    mut grads: [O::Buf; 3],
     shape: &AttnShape,
     rope: &RopeTable<f32>,
-    kernels: &dyn DenseKernels,
 ) -> Result<(), EngineError> {
-    let span = kernels.host_span("q, k, v backward: rope, norms, biases");
+    let span = ops
+        .kernels()
+        .host_span("q, k, v backward: rope, norms, biases");
     let [dq, dk, dv] = &mut grads;
-    rope_backward(dq, rope, shape.seq_len, c.heads);
-    rope_backward(dk, rope, shape.seq_len, c.kv_heads);
+    ops.rope(dq, rope, shape.seq_len, c.heads, true)?;
+    ops.rope(dk, rope, shape.seq_len, c.kv_heads, true)?;
     if let (Some(clip), Some(before)) = (c.clip_qkv, &saved.unclipped) {
         for (grad, x) in [&mut *dq, &mut *dk, &mut *dv].into_iter().zip(before) {
-            for (g, &x) in grad.iter_mut().zip(x) {
-                if !(-clip..=clip).contains(&x) {
-                    *g = 0.0;
-                }
-            }
+            ops.clamp_grad(grad, x, clip)?;
         }
     }
     if let (Some(gains), Some(n)) = (&r.norm, &saved.normed) {
         let rows = norm_rows(c, shape);
         for (i, grad) in [dq, dk].into_iter().enumerate() {
             let (count, width) = rows[i];
-            let mut d_raw = vec![0.0f32; grad.len()];
-            rmsnorm_backward(
+            let mut d_raw = ops.zeros(count * width)?;
+            ops.rmsnorm_backward(
                 &mut d_raw,
                 &mut dense_grad[gains[i].clone()],
                 grad,
@@ -155,23 +155,20 @@ pub(super) fn backward(
                 &n.inv[i],
                 count,
                 width,
-            );
+            )?;
             *grad = d_raw;
         }
     }
     if let Some(bias) = &r.bias {
         for (grad, b) in grads.iter().zip(bias) {
-            let db = &mut dense_grad[b.clone()];
-            for row in grad.chunks_exact(db.len()) {
-                db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-            }
+            ops.bias_grad(&mut dense_grad[b.clone()], grad)?;
         }
     }
     drop(span);
     let (t, d) = (shape.seqs * shape.seq_len, c.d_model);
-    for (w, grad) in [&r.wq, &r.wk, &r.wv].into_iter().zip(&grads) {
-        let width = grad.len() / t.max(1);
-        kernels.backward(
+    let widths = [shape.q_width(), shape.kv_width(), shape.kv_width()];
+    for ((w, grad), width) in [&r.wq, &r.wk, &r.wv].into_iter().zip(&grads).zip(widths) {
+        ops.linear_backward(
             dn1,
             &mut dense_grad[w.clone()],
             grad,

@@ -95,6 +95,18 @@ impl<R: Real> RopeTable<R> {
     }
 }
 
+impl<R> RopeTable<R> {
+    /// Half the dimensions of a head that rotate (the table's width).
+    pub fn half(&self) -> usize {
+        self.half
+    }
+
+    /// The dimensions of a head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
 /// Rotates every head of `x` (T, heads·hd) in place by its position.
 pub fn rope_forward<R: Real>(x: &mut [R], table: &RopeTable<R>, seq_len: usize, heads: usize) {
     rope_apply(x, table, seq_len, heads, false);

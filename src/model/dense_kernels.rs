@@ -53,6 +53,14 @@ pub trait DenseKernels {
         TimelineSpan::start(None, "host", name)
     }
 
+    /// The GPU these kernels run on, whose [`crate::backend::cuda::CudaOps`]
+    /// keep a network's dense activations in its memory; `None` where the
+    /// activations live on the host.
+    #[cfg(feature = "cuda")]
+    fn cuda(&self) -> Option<&crate::backend::cuda::CudaBackend> {
+        None
+    }
+
     /// The engine's dense params (every weight later GEMMs are given as a
     /// slice of) are `dense`, just written: a backend that keeps weights
     /// on its device drops what it holds and may keep slices of `dense`

@@ -22,10 +22,12 @@ use crate::EngineError;
 
 mod buffer_pool;
 mod dense_kernels;
+mod dense_ops;
 mod timed_kernels;
 
 pub(crate) use buffer_pool::{F32BufferPool, ScratchBuf, ScratchBuffers};
 pub use dense_kernels::{DenseKernels, HeadShape, PlainKernels};
+pub use dense_ops::{DenseOps, HostOps};
 pub use timed_kernels::TimedKernels;
 
 /// The shape and losses of a MoE stack.

@@ -67,6 +67,11 @@ impl DenseKernels for TimedKernels {
         self.inner.backward(dx, dw, dout, x, w, m, k, n)
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda(&self) -> Option<&crate::backend::cuda::CudaBackend> {
+        self.inner.cuda()
+    }
+
     fn weights_changed(&self, dense: &[f32]) {
         self.inner.weights_changed(dense)
     }

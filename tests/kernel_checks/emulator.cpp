@@ -105,6 +105,11 @@ STRATA_LAUNCHER(attn_to_heads)
 STRATA_LAUNCHER(attn_from_heads)
 STRATA_LAUNCHER(attn_softmax)
 STRATA_LAUNCHER(attn_softmax_backward)
+STRATA_LAUNCHER(add_into)
+STRATA_LAUNCHER(add_bias)
+STRATA_LAUNCHER(bias_grad)
+STRATA_LAUNCHER(clamp_values)
+STRATA_LAUNCHER(clamp_grad)
 
 // The launcher of kernel `name` (what cuModuleGetFunction finds), or null.
 typedef void (*strata_launcher)(unsigned, unsigned, void**);
@@ -120,7 +125,8 @@ extern "C" strata_launcher strata_emulated_kernel(const char* name) {
         STRATA_ENTRY(rmsnorm_backward_dg) STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
         STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
         STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
-        STRATA_ENTRY(attn_softmax_backward)
+        STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
+        STRATA_ENTRY(bias_grad) STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {
@@ -143,7 +149,8 @@ typedef std::function<void()> (*strata_binder)(unsigned, unsigned, void**);
         STRATA_ENTRY(rmsnorm_backward_dg) STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
         STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
         STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
-        STRATA_ENTRY(attn_softmax_backward)
+        STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
+        STRATA_ENTRY(bias_grad) STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {

@@ -228,13 +228,14 @@ impl KernelHost for KernelEmulator {
         sin: &[f32],
         seq_len: usize,
         heads: usize,
-        half: usize,
+        (half, head_dim): (usize, usize),
         transpose: bool,
     ) {
-        let rows = x.len() / (heads * 2 * half);
+        let rows = x.len() / (heads * head_dim);
         assert!(cos.len() == seq_len * half && sin.len() == seq_len * half);
         let (px, pc, ps) = (x.as_mut_ptr(), cos.as_ptr(), sin.as_ptr());
         let (r32, h32, half32, s32) = (rows as u32, heads as u32, half as u32, seq_len as u32);
+        let hd32 = head_dim as u32;
         let sign = if transpose { -1.0f32 } else { 1.0 };
         self.launch(
             "rope",
@@ -246,6 +247,7 @@ impl KernelHost for KernelEmulator {
                 arg(&r32),
                 arg(&h32),
                 arg(&half32),
+                arg(&hd32),
                 arg(&s32),
                 arg(&sign),
             ],

@@ -68,7 +68,7 @@ pub trait KernelHost {
         sin: &[f32],
         seq_len: usize,
         heads: usize,
-        half: usize,
+        half_and_head_dim: (usize, usize),
         transpose: bool,
     );
     fn cross_entropy(
@@ -186,9 +186,10 @@ pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
     assert!(worst(&hdx, &dx) < 1e-6, "dx {}", worst(&hdx, &dx));
     assert!(worst(&hdg, &dg) < 1e-6, "dg {}", worst(&hdg, &dg));
     let (seq_len, heads, hd) = (11, 3, 16);
-    let table = RopeTable::<f32>::new(seq_len, hd, 10_000.0);
     let q = f32s(2 * seq_len * heads * hd, 23, 1.0);
-    for transpose in [false, true] {
+    // Every dimension rotating, and the first 12 of 16 (a partial rotary).
+    for (rotary, transpose) in [(hd, false), (hd, true), (12, false), (12, true)] {
+        let table = RopeTable::<f32>::partial(seq_len, hd, rotary, 10_000.0);
         let mut want = q.clone();
         if transpose {
             rope_backward(&mut want, &table, seq_len, heads);
@@ -202,10 +203,13 @@ pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
             &table.sin,
             seq_len,
             heads,
-            hd / 2,
+            (rotary / 2, hd),
             transpose,
         );
-        assert!(worst(&got, &want) < 1e-6, "rope transpose={transpose}");
+        assert!(
+            worst(&got, &want) < 1e-6,
+            "rope {rotary} of {hd}, transpose={transpose}"
+        );
     }
 }
 
@@ -417,10 +421,10 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
         sin: &[f32],
         seq_len: usize,
         heads: usize,
-        half: usize,
+        half_and_head_dim: (usize, usize),
         transpose: bool,
     ) {
-        self.rope_host(x, cos, sin, seq_len, heads, half, transpose)
+        self.rope_host(x, cos, sin, seq_len, heads, half_and_head_dim, transpose)
             .unwrap()
     }
 

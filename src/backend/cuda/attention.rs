@@ -164,16 +164,15 @@ impl CudaBackend {
         .map_err(|e| gpu_error("cublasGemmStridedBatchedEx", e))
     }
 
-    /// `x` (T, heads_in·hd), uploaded and laid out head by head, each of
-    /// the H heads reading head h / (H / heads_in).
+    /// `x` (T, heads_in·hd) laid out head by head, each of the H heads
+    /// reading head h / (H / heads_in).
     fn tokens_to_heads(
         &self,
-        x: &[f32],
+        src: &CudaSlice<f32>,
         heads_in: usize,
         shape: &AttnShape,
     ) -> Result<CudaSlice<f32>, EngineError> {
-        assert_eq!(x.len(), shape.tokens() * heads_in * shape.head_dim);
-        let src = self.upload(x)?;
+        assert_eq!(src.len(), shape.tokens() * heads_in * shape.head_dim);
         let n = shape.tokens() * shape.heads * shape.head_dim;
         let mut dst = self.zeros(n)?;
         let dims = [
@@ -184,7 +183,7 @@ impl CudaBackend {
             shape.head_dim,
         ];
         let mut launch = self.stream.launch_builder(&self.dense.attn_to_heads);
-        launch.arg(&src).arg(&mut dst);
+        launch.arg(src).arg(&mut dst);
         let dims = dims.map(|x| x as u32);
         for x in &dims {
             launch.arg(x);
@@ -195,23 +194,17 @@ impl CudaBackend {
         Ok(dst)
     }
 
-    /// `host` (T, heads_out·hd) = (or += where `accumulate`) `src`'s heads
-    /// (B, H, S, hd), each head of `host` the sum of its group's.
+    /// `dst` (T, heads_out·hd) += `src`'s heads (B, H, S, hd), each head
+    /// of `dst` the sum of its group's.
     fn heads_to_tokens(
         &self,
         src: &CudaSlice<f32>,
-        host: &mut [f32],
+        dst: &mut CudaSlice<f32>,
         heads_out: usize,
         shape: &AttnShape,
-        accumulate: bool,
     ) -> Result<(), EngineError> {
         let n = shape.tokens() * heads_out * shape.head_dim;
-        assert_eq!(host.len(), n);
-        let mut dst = if accumulate {
-            self.upload(host)?
-        } else {
-            self.zeros(n)?
-        };
+        assert_eq!(dst.len(), n);
         let dims = [
             shape.seqs,
             shape.seq_len,
@@ -220,9 +213,9 @@ impl CudaBackend {
             shape.head_dim,
         ];
         let dims = dims.map(|x| x as u32);
-        let accumulate = accumulate as u32;
+        let accumulate = 1u32;
         let mut launch = self.stream.launch_builder(&self.dense.attn_from_heads);
-        launch.arg(src).arg(&mut dst);
+        launch.arg(src).arg(dst);
         for x in &dims {
             launch.arg(x);
         }
@@ -230,7 +223,7 @@ impl CudaBackend {
         // SAFETY: src holds T·H·hd f32, dst T·heads_out·hd (asserted); one
         // thread an element of dst.
         unsafe { launch.launch(threads(n)) }.map_err(|e| gpu_error("attn_from_heads", e))?;
-        self.download(&dst, host)
+        Ok(())
     }
 
     /// The block's scores, q·kᵀ for its query rows against its keys, into
@@ -354,12 +347,10 @@ impl CudaBackend {
         }
     }
 
-    /// q, k and v uploaded head by head.
+    /// q, k and v laid out head by head.
     fn heads(
         &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        [q, k, v]: [&CudaSlice<f32>; 3],
         shape: &AttnShape,
     ) -> Result<Heads, EngineError> {
         Ok(Heads {
@@ -406,19 +397,42 @@ impl CudaBackend {
         assert_eq!(stats_host.len(), attention_stats_len(shape));
         assert_eq!(out_host.len(), shape.tokens() * shape.q_width());
         self.bind()?;
-        let heads = self.heads(q, k, v, shape)?;
+        let qkv = [self.upload(q)?, self.upload(k)?, self.upload(v)?];
+        let mut out = self.zeros(out_host.len())?;
+        let mut stats = self.zeros(stats_host.len())?;
+        let [q, k, v] = &qkv;
+        self.attention_forward_device(&mut out, &mut stats, [q, k, v], starts, shape, block_bytes)?;
+        self.download(&out, out_host)?;
+        self.download(&stats, stats_host)
+    }
+
+    /// The attention forward on q, k, v (T, heads·hd and T, kv_heads·hd)
+    /// in GPU memory: `out` (T, heads·hd) and each query row's softmax
+    /// statistics, a block of query rows (whose scores fit in
+    /// `block_bytes`) at a time.
+    pub(super) fn attention_forward_device(
+        &self,
+        out: &mut CudaSlice<f32>,
+        stats: &mut CudaSlice<f32>,
+        qkv: [&CudaSlice<f32>; 3],
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+        block_bytes: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(stats.len(), attention_stats_len(shape));
+        assert_eq!(out.len(), shape.tokens() * shape.q_width());
+        let heads = self.heads(qkv, shape)?;
         let dstarts = self.attention_starts(starts, shape)?;
-        let mut out = self.zeros(heads.q.len())?;
-        let mut stats = self.zeros(attention_stats_len(shape))?;
+        let mut out_heads = self.zeros(heads.q.len())?;
         let rows = shape.query_block_rows(block_bytes);
         let mut scores = self.zeros(shape.seqs * shape.heads * rows * shape.seq_len)?;
         for block in Block::all(shape, block_bytes) {
             self.block_scores(&mut scores, &heads.q, &heads.k, block, shape)?;
-            self.block_softmax(&mut scores, &mut stats, &dstarts, block, shape, false)?;
-            self.block_times_keys(&mut out, &scores, &heads.v, block, shape)?;
+            self.block_softmax(&mut scores, stats, &dstarts, block, shape, false)?;
+            self.block_times_keys(&mut out_heads, &scores, &heads.v, block, shape)?;
         }
-        self.heads_to_tokens(&out, out_host, shape.heads, shape, false)?;
-        self.download(&stats, stats_host)
+        self.memset_zeros(out)?;
+        self.heads_to_tokens(&out_heads, out, shape.heads, shape)
     }
 
     /// `math::attention::attention_backward` on the GPU from the forward's
@@ -471,9 +485,51 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         assert_eq!(stats.len(), attention_stats_len(shape));
         self.bind()?;
-        let heads = self.heads(q, k, v, shape)?;
+        let inputs = [dout, stats, q, k, v].map(|x| self.upload(x));
+        let [dout, stats, q, k, v] = inputs;
+        let (dout, mut stats, q, k, v) = (dout?, stats?, q?, k?, v?);
+        let mut grads = Vec::with_capacity(3);
+        for g in [&*dq, &*dk, &*dv] {
+            grads.push(match grad_from {
+                GradStart::Held => self.upload(g)?,
+                GradStart::Zero => self.zeros(g.len())?,
+            });
+        }
+        let [gq, gk, gv] = &mut grads[..] else {
+            unreachable!("three gradients")
+        };
+        self.attention_backward_device(
+            [gq, gk, gv],
+            &dout,
+            &mut stats,
+            [&q, &k, &v],
+            starts,
+            shape,
+            block_bytes,
+        )?;
+        for (dev, host) in grads.iter().zip([dq, dk, dv]) {
+            self.download(dev, host)?;
+        }
+        Ok(())
+    }
+
+    /// The attention backward in GPU memory from dout (T, heads·hd), the
+    /// forward's statistics and q, k, v: dq, dk, dv accumulate. A block of
+    /// query rows (whose scores fit in `block_bytes`) at a time.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_backward_device(
+        &self,
+        [dq, dk, dv]: [&mut CudaSlice<f32>; 3],
+        dout: &CudaSlice<f32>,
+        stats: &mut CudaSlice<f32>,
+        qkv: [&CudaSlice<f32>; 3],
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+        block_bytes: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(stats.len(), attention_stats_len(shape));
+        let heads = self.heads(qkv, shape)?;
         let dout = self.tokens_to_heads(dout, shape.heads, shape)?;
-        let mut dstats = self.upload(stats)?;
         let dstarts = self.attention_starts(starts, shape)?;
         let n = heads.q.len();
         let (mut gq, mut gk, mut gv) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
@@ -482,17 +538,16 @@ impl CudaBackend {
         let (mut probs, mut dprobs) = (self.zeros(block_len)?, self.zeros(block_len)?);
         for block in Block::all(shape, block_bytes) {
             self.block_scores(&mut probs, &heads.q, &heads.k, block, shape)?;
-            self.block_softmax(&mut probs, &mut dstats, &dstarts, block, shape, true)?;
+            self.block_softmax(&mut probs, stats, &dstarts, block, shape, true)?;
             self.block_keys_grad(&mut gv, &probs, &dout, block, shape)?;
             self.block_scores(&mut dprobs, &dout, &heads.v, block, shape)?;
             self.block_softmax_backward(&probs, &mut dprobs, block, shape)?;
             self.block_times_keys(&mut gq, &dprobs, &heads.k, block, shape)?;
             self.block_keys_grad(&mut gk, &dprobs, &heads.q, block, shape)?;
         }
-        let accumulate = matches!(grad_from, GradStart::Held);
-        self.heads_to_tokens(&gq, dq, shape.heads, shape, accumulate)?;
-        self.heads_to_tokens(&gk, dk, shape.kv_heads, shape, accumulate)?;
-        self.heads_to_tokens(&gv, dv, shape.kv_heads, shape, accumulate)
+        self.heads_to_tokens(&gq, dq, shape.heads, shape)?;
+        self.heads_to_tokens(&gk, dk, shape.kv_heads, shape)?;
+        self.heads_to_tokens(&gv, dv, shape.kv_heads, shape)
     }
 
     /// `attn_softmax_backward` over the block: d probabilities become d

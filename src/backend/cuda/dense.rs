@@ -24,6 +24,11 @@ pub(super) struct DenseFunctions {
     pub(super) attn_from_heads: CudaFunction,
     pub(super) attn_softmax: CudaFunction,
     pub(super) attn_softmax_backward: CudaFunction,
+    pub(super) add_into: CudaFunction,
+    pub(super) add_bias: CudaFunction,
+    pub(super) bias_grad: CudaFunction,
+    pub(super) clamp_values: CudaFunction,
+    pub(super) clamp_grad: CudaFunction,
 }
 
 impl DenseFunctions {
@@ -46,6 +51,11 @@ impl DenseFunctions {
             attn_from_heads: load("attn_from_heads")?,
             attn_softmax: load("attn_softmax")?,
             attn_softmax_backward: load("attn_softmax_backward")?,
+            add_into: load("add_into")?,
+            add_bias: load("add_bias")?,
+            bias_grad: load("bias_grad")?,
+            clamp_values: load("clamp_values")?,
+            clamp_grad: load("clamp_grad")?,
         })
     }
 }
@@ -89,22 +99,38 @@ impl CudaBackend {
     ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
         let (dx, dg) = (self.upload(x)?, self.upload(g)?);
         let (mut out, mut inv) = (self.zeros(t * d)?, self.zeros(t)?);
-        let (t32, d32, eps32) = (t as u32, d as u32, eps as f32);
-        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_forward);
-        launch
-            .arg(&dx)
-            .arg(&dg)
-            .arg(&mut out)
-            .arg(&mut inv)
-            .arg(&t32)
-            .arg(&d32)
-            .arg(&eps32);
-        // SAFETY: x and out hold t·d f32, g holds d, inv t; one thread a row.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_forward", e))?;
+        self.rmsnorm_forward_device(&mut out, &mut inv, &dx, &dg, (t, d), eps)?;
         let (mut h_out, mut h_inv) = (vec![0.0; t * d], vec![0.0; t]);
         self.download(&out, &mut h_out)?;
         self.download(&inv, &mut h_inv)?;
         Ok((h_out, h_inv))
+    }
+
+    /// `math::rmsnorm_forward` of x (t, d) in GPU memory with gain g.
+    pub(super) fn rmsnorm_forward_device(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inv: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        (t, d): (usize, usize),
+        eps: f64,
+    ) -> Result<(), EngineError> {
+        assert!(x.len() == t * d && out.len() == t * d && g.len() == d && inv.len() == t);
+        let (t32, d32, eps32) = (t as u32, d as u32, eps as f32);
+        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_forward);
+        launch
+            .arg(x)
+            .arg(g)
+            .arg(out)
+            .arg(inv)
+            .arg(&t32)
+            .arg(&d32)
+            .arg(&eps32);
+        // SAFETY: x and out hold t·d f32, g holds d, inv t (asserted); one
+        // thread a row.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_forward", e))?;
+        Ok(())
     }
 
     /// `math::rmsnorm_backward` on the GPU: dx and dg accumulate.
@@ -127,34 +153,46 @@ impl CudaBackend {
             self.upload(inv_rms)?,
         );
         let (mut ddx, mut ddg) = (self.upload(dx)?, self.upload(dg)?);
-        let (t32, d32) = (t as u32, d as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dx);
-        launch
-            .arg(&ddout)
-            .arg(&dxin)
-            .arg(&dgain)
-            .arg(&dinv)
-            .arg(&mut ddx)
-            .arg(&t32)
-            .arg(&d32);
-        // SAFETY: dout, x, dx hold t·d f32, g d, inv_rms t; one thread a row.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_backward_dx", e))?;
-        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dg);
-        launch
-            .arg(&ddout)
-            .arg(&dxin)
-            .arg(&dinv)
-            .arg(&mut ddg)
-            .arg(&t32)
-            .arg(&d32);
-        // SAFETY: as above; dg holds d f32; one thread a column.
-        unsafe { launch.launch(threads(d)) }.map_err(|e| gpu_error("rmsnorm_backward_dg", e))?;
+        let io = [&ddout, &dxin, &dgain, &dinv];
+        self.rmsnorm_backward_device(&mut ddx, &mut ddg, io, (t, d))?;
         self.download(&ddx, dx)?;
         self.download(&ddg, dg)
     }
 
+    /// `math::rmsnorm_backward` in GPU memory, `io` = [dout, x, g, inv_rms]:
+    /// dx and dg accumulate.
+    pub(super) fn rmsnorm_backward_device(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dg: &mut CudaSlice<f32>,
+        [dout, x, g, inv]: [&CudaSlice<f32>; 4],
+        (t, d): (usize, usize),
+    ) -> Result<(), EngineError> {
+        assert!(dout.len() == t * d && x.len() == t * d && dx.len() == t * d);
+        assert!(g.len() == d && dg.len() == d && inv.len() == t);
+        let (t32, d32) = (t as u32, d as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dx);
+        launch
+            .arg(dout)
+            .arg(x)
+            .arg(g)
+            .arg(inv)
+            .arg(dx)
+            .arg(&t32)
+            .arg(&d32);
+        // SAFETY: dout, x, dx hold t·d f32, g d, inv_rms t (asserted); one
+        // thread a row.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_backward_dx", e))?;
+        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dg);
+        launch.arg(dout).arg(x).arg(inv).arg(dg).arg(&t32).arg(&d32);
+        // SAFETY: as above; dg holds d f32; one thread a column.
+        unsafe { launch.launch(threads(d)) }.map_err(|e| gpu_error("rmsnorm_backward_dg", e))?;
+        Ok(())
+    }
+
     /// `rope_forward` (`transpose` false) or `rope_backward` on the GPU, in
-    /// place on `x` (rows, heads·2·half).
+    /// place on `x` (rows, heads·head_dim), the first 2·half of each head
+    /// rotating.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_host(
         &self,
@@ -163,28 +201,54 @@ impl CudaBackend {
         sin: &[f32],
         seq_len: usize,
         heads: usize,
-        half: usize,
+        (half, head_dim): (usize, usize),
         transpose: bool,
     ) -> Result<(), EngineError> {
-        let rows = x.len() / (heads * 2 * half);
         let mut dx = self.upload(x)?;
-        let (dcos, dsin) = (self.upload(cos)?, self.upload(sin)?);
-        let (r32, h32, half32, s32) = (rows as u32, heads as u32, half as u32, seq_len as u32);
+        let tables = [self.upload(cos)?, self.upload(sin)?];
+        self.rope_device(
+            &mut dx,
+            &tables,
+            seq_len,
+            heads,
+            (half, head_dim),
+            transpose,
+        )?;
+        self.download(&dx, x)
+    }
+
+    /// As [`Self::rope_host`] on `x` and the cos and sin `tables` in GPU
+    /// memory.
+    pub(super) fn rope_device(
+        &self,
+        x: &mut CudaSlice<f32>,
+        [cos, sin]: &[CudaSlice<f32>; 2],
+        seq_len: usize,
+        heads: usize,
+        (half, head_dim): (usize, usize),
+        transpose: bool,
+    ) -> Result<(), EngineError> {
+        assert!(2 * half <= head_dim && x.len().is_multiple_of(heads * head_dim));
+        assert!(cos.len() == seq_len * half && sin.len() == seq_len * half);
+        let rows = x.len() / (heads * head_dim);
+        let [r32, h32, half32, hd32, s32] =
+            [rows, heads, half, head_dim, seq_len].map(|x| x as u32);
         let sign = if transpose { -1.0f32 } else { 1.0 };
         let mut launch = self.stream.launch_builder(&self.dense.rope);
         launch
-            .arg(&mut dx)
-            .arg(&dcos)
-            .arg(&dsin)
+            .arg(x)
+            .arg(cos)
+            .arg(sin)
             .arg(&r32)
             .arg(&h32)
             .arg(&half32)
+            .arg(&hd32)
             .arg(&s32)
             .arg(&sign);
-        // SAFETY: x holds rows·heads·2·half f32, the tables seq_len·half;
-        // one thread a (row, head, pair).
+        // SAFETY: x holds rows·heads·head_dim f32 with 2·half ≤ head_dim,
+        // the tables seq_len·half (asserted); one thread a (row, head, pair).
         unsafe { launch.launch(threads(rows * heads * half)) }.map_err(|e| gpu_error("rope", e))?;
-        self.download(&dx, x)
+        Ok(())
     }
 
     /// `math::cross_entropy_forward_backward` on the GPU: the loss (rows'

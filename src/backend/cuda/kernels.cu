@@ -130,10 +130,11 @@ extern "C" __global__ void rmsnorm_backward_dg(const float* dout, const float* x
 }
 
 // lm::attention::rope_forward (sign 1) and rope_backward (sign -1), in
-// place, one thread a (row, head, pair).
+// place, one thread a (row, head, pair): the first 2·half of each head's
+// hd dimensions rotate, the rest pass through.
 extern "C" __global__ void rope(float* x, const float* cos_table, const float* sin_table,
-                                unsigned rows, unsigned heads, unsigned half, unsigned seq_len,
-                                float sign) {
+                                unsigned rows, unsigned heads, unsigned half, unsigned hd,
+                                unsigned seq_len, float sign) {
     unsigned idx = strata_index();
     if (idx >= rows * heads * half) return;
     unsigned i = idx % half;
@@ -142,7 +143,7 @@ extern "C" __global__ void rope(float* x, const float* cos_table, const float* s
     unsigned p = t % seq_len;
     float c = cos_table[p * half + i];
     float s = sign * sin_table[p * half + i];
-    float* v = x + ((unsigned long long)t * heads + h) * 2 * half;
+    float* v = x + ((unsigned long long)t * heads + h) * hd;
     float a = v[i], b = v[i + half];
     v[i] = a * c - b * s;
     v[i + half] = b * c + a * s;
@@ -324,4 +325,47 @@ extern "C" __global__ void attn_softmax_backward(const float* probs, float* dp, 
     float weighted = 0.0f;
     for (unsigned j = 0; j < keys; ++j) weighted += p[j] * d[j];
     for (unsigned j = 0; j < keys; ++j) d[j] = p[j] * (d[j] - weighted) * scale;
+}
+
+// The device-resident dense layers' elementwise steps (model::DenseOps).
+
+// acc += x, one thread an element.
+extern "C" __global__ void add_into(float* acc, const float* x, unsigned n) {
+    unsigned i = strata_index();
+    if (i >= n) return;
+    acc[i] += x[i];
+}
+
+// Each row of x (n / width rows of width) += b, one thread an element.
+extern "C" __global__ void add_bias(float* x, const float* b, unsigned n, unsigned width) {
+    unsigned i = strata_index();
+    if (i >= n) return;
+    x[i] += b[i % width];
+}
+
+// db (width) += the sum of dx's rows, in row order (the cpu's sum, no
+// atomics), one thread a column.
+extern "C" __global__ void bias_grad(const float* dx, float* db, unsigned rows, unsigned width) {
+    unsigned j = strata_index();
+    if (j >= width) return;
+    float acc = db[j];
+    for (unsigned i = 0; i < rows; ++i) acc += dx[(unsigned long long)i * width + j];
+    db[j] = acc;
+}
+
+// x clamped to [-clip, clip] in place (a NaN stays NaN, as f32::clamp).
+extern "C" __global__ void clamp_values(float* x, unsigned n, float clip) {
+    unsigned i = strata_index();
+    if (i >= n) return;
+    float v = x[i];
+    x[i] = v < -clip ? -clip : (v > clip ? clip : v);
+}
+
+// grad zeroed where the clamp's input lay outside [-clip, clip] (or was
+// NaN): a clamped element passes no gradient.
+extern "C" __global__ void clamp_grad(float* grad, const float* before, unsigned n, float clip) {
+    unsigned i = strata_index();
+    if (i >= n) return;
+    float v = before[i];
+    if (!(v >= -clip && v <= clip)) grad[i] = 0.0f;
 }

@@ -24,6 +24,10 @@ impl DenseKernels for CudaBackend {
         &crate::backend::NarrowCpuKernels
     }
 
+    fn cuda(&self) -> Option<&CudaBackend> {
+        Some(self)
+    }
+
     fn forward(
         &self,
         out: &mut [f32],

@@ -20,10 +20,12 @@ mod dense;
 mod expert;
 mod head;
 mod linear;
+mod ops;
 mod weights;
 
 pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 pub use expert::CudaExpertDevice;
+pub use ops::CudaOps;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -204,6 +206,13 @@ impl CudaBackend {
         self.stream
             .alloc_zeros::<f32>(n)
             .map_err(|e| gpu_error("allocating GPU memory", e))
+    }
+
+    /// `x` set to zeros, in stream order.
+    fn memset_zeros(&self, x: &mut CudaSlice<f32>) -> Result<(), EngineError> {
+        self.stream
+            .memset_zeros(x)
+            .map_err(|e| gpu_error("zeroing GPU memory", e))
     }
 
     fn download(&self, dev: &CudaSlice<f32>, host: &mut [f32]) -> Result<(), EngineError> {

@@ -1,0 +1,291 @@
+//! [`CudaOps`]: the dense layers' operations ([`DenseOps`]) on activations
+//! in GPU memory. An activation is made, read and written on the device;
+//! only what the network hands to the host (the FFN half's input and
+//! output, which the host's router and experts read, and the gradients
+//! between them) crosses PCIe, each copy counted in `pcie_other`.
+//!
+//! Each operation is queued on the backend's compute stream, so they run
+//! in the order the network calls them; a download waits for what came
+//! before it.
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+
+use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
+
+use super::attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
+use super::dense::threads;
+use super::{gpu_error, CudaBackend, Shape};
+use crate::math::attention::{AttnShape, RopeTable};
+use crate::model::{DenseKernels, DenseOps};
+use crate::EngineError;
+
+/// The dense layers' operations on one GPU, for one forward and backward.
+pub struct CudaOps<'a> {
+    gpu: &'a CudaBackend,
+    kernels: &'a dyn DenseKernels,
+    /// The rotary table's cos and sin on the GPU, with the host table's
+    /// address they were uploaded from.
+    rope: RefCell<Option<(usize, [CudaSlice<f32>; 2])>>,
+}
+
+impl<'a> CudaOps<'a> {
+    /// The operations of `gpu`, with `kernels` (the engine's, which may
+    /// record a timeline) for the host's spans and what stays on the host.
+    pub fn new(gpu: &'a CudaBackend, kernels: &'a dyn DenseKernels) -> Result<Self, EngineError> {
+        gpu.bind()?;
+        Ok(Self {
+            gpu,
+            kernels,
+            rope: RefCell::new(None),
+        })
+    }
+
+    /// Runs `f` on the GPU accumulator of `grad`, a slice of the dense
+    /// gradient registered by `grads_begin` (summed on the GPU until
+    /// `grads_flush`), or, for any other slice, on a copy of it that is
+    /// then downloaded back.
+    fn with_grad(
+        &self,
+        grad: &mut [f32],
+        f: impl FnOnce(&mut CudaSlice<f32>) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        let gpu = self.gpu;
+        let mut grads = gpu.grads.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(acc) = grads.accumulator(grad, |len| gpu.zeros(len))? {
+            return f(acc);
+        }
+        drop(grads);
+        let mut dev = gpu.upload(grad)?;
+        f(&mut dev)?;
+        gpu.download(&dev, grad)
+    }
+
+    /// Launches `launch` (kernel `name`), one thread for each of `n`
+    /// values.
+    ///
+    /// # Safety
+    /// The arguments pushed on `launch` are buffers holding at least the
+    /// values the kernel indexes with `n` threads.
+    unsafe fn run(
+        &self,
+        mut launch: LaunchArgs<'_>,
+        name: &str,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        // SAFETY: the caller's contract.
+        unsafe { launch.launch(threads(n)) }
+            .map(|_| ())
+            .map_err(|e| gpu_error(name, e))
+    }
+}
+
+impl DenseOps for CudaOps<'_> {
+    type Buf = CudaSlice<f32>;
+
+    fn kernels(&self) -> &dyn DenseKernels {
+        self.kernels
+    }
+
+    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, EngineError> {
+        self.gpu.zeros(n)
+    }
+
+    fn duplicate(&self, x: &CudaSlice<f32>) -> Result<CudaSlice<f32>, EngineError> {
+        self.gpu
+            .stream
+            .clone_dtod(x)
+            .map_err(|e| gpu_error("a copy in GPU memory", e))
+    }
+
+    fn place(&self, x: Vec<f32>) -> Result<CudaSlice<f32>, EngineError> {
+        self.gpu.upload(&x)
+    }
+
+    fn read<'b>(&self, x: &'b CudaSlice<f32>) -> Result<Cow<'b, [f32]>, EngineError> {
+        Ok(Cow::Owned(self.take(x.clone())?))
+    }
+
+    fn take(&self, x: CudaSlice<f32>) -> Result<Vec<f32>, EngineError> {
+        let mut host = vec![0.0f32; x.len()];
+        self.gpu.download(&x, &mut host)?;
+        Ok(host)
+    }
+
+    fn add_assign(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), EngineError> {
+        assert_eq!(acc.len(), x.len());
+        let n = x.len() as u32;
+        let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.add_into);
+        launch.arg(acc).arg(x).arg(&n);
+        // SAFETY: acc and x hold x.len() f32 (asserted).
+        unsafe { self.run(launch, "add_into", x.len()) }
+    }
+
+    fn add_bias(&self, x: &mut CudaSlice<f32>, b: &[f32]) -> Result<(), EngineError> {
+        assert!(x.len().is_multiple_of(b.len()));
+        let b = self.gpu.weight(b)?;
+        let (n, width) = (x.len() as u32, b.len() as u32);
+        let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.add_bias);
+        launch.arg(x).arg(b.as_ref()).arg(&n).arg(&width);
+        // SAFETY: x holds n f32 and b width, a divisor of n (asserted).
+        unsafe { self.run(launch, "add_bias", n as usize) }
+    }
+
+    fn bias_grad(&self, db: &mut [f32], dx: &CudaSlice<f32>) -> Result<(), EngineError> {
+        assert!(dx.len().is_multiple_of(db.len()));
+        let (rows, width) = ((dx.len() / db.len()) as u32, db.len() as u32);
+        let columns = db.len();
+        self.with_grad(db, |acc| {
+            let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.bias_grad);
+            launch.arg(dx).arg(acc).arg(&rows).arg(&width);
+            // SAFETY: dx holds rows·width f32 and acc width (asserted); one
+            // thread a column.
+            unsafe { self.run(launch, "bias_grad", columns) }
+        })
+    }
+
+    fn clamp(&self, x: &mut CudaSlice<f32>, clip: f32) -> Result<(), EngineError> {
+        let n = x.len() as u32;
+        let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.clamp_values);
+        launch.arg(x).arg(&n).arg(&clip);
+        // SAFETY: x holds n f32.
+        unsafe { self.run(launch, "clamp_values", n as usize) }
+    }
+
+    fn clamp_grad(
+        &self,
+        grad: &mut CudaSlice<f32>,
+        before: &CudaSlice<f32>,
+        clip: f32,
+    ) -> Result<(), EngineError> {
+        assert_eq!(grad.len(), before.len());
+        let n = grad.len() as u32;
+        let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.clamp_grad);
+        launch.arg(grad).arg(before).arg(&n).arg(&clip);
+        // SAFETY: grad and before hold n f32 (asserted).
+        unsafe { self.run(launch, "clamp_grad", n as usize) }
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inv_rms: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        g: &[f32],
+        rows: usize,
+        width: usize,
+        eps: f64,
+    ) -> Result<(), EngineError> {
+        let g = self.gpu.weight(g)?;
+        self.gpu
+            .rmsnorm_forward_device(out, inv_rms, x, &g, (rows, width), eps)
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dg: &mut [f32],
+        dout: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        g: &[f32],
+        inv_rms: &CudaSlice<f32>,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), EngineError> {
+        let g = self.gpu.weight(g)?;
+        let io = [dout, x, g.as_ref(), inv_rms];
+        self.with_grad(dg, |dg| {
+            self.gpu.rmsnorm_backward_device(dx, dg, io, (rows, width))
+        })
+    }
+
+    fn linear_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
+        let w = self.gpu.weight(w)?;
+        self.gpu.linear_forward_f32(out, x, &w, Shape { m, k, n })
+    }
+
+    fn linear_backward(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dw: &mut [f32],
+        dout: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
+        assert!(x.len() == m * k && w.len() == n * k);
+        let w = self.gpu.weight(w)?;
+        let shape = Shape { m, k, n };
+        self.with_grad(dw, |dw| {
+            self.gpu.linear_backward_f32(dx, dw, dout, x, &w, shape)
+        })
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        table: &RopeTable<f32>,
+        seq_len: usize,
+        heads: usize,
+        transpose: bool,
+    ) -> Result<(), EngineError> {
+        let mut cached = self.rope.borrow_mut();
+        let key = table.cos.as_ptr() as usize;
+        if cached.as_ref().is_none_or(|(at, _)| *at != key) {
+            let tables = [self.gpu.upload(&table.cos)?, self.gpu.upload(&table.sin)?];
+            *cached = Some((key, tables));
+        }
+        let (_, tables) = cached.as_ref().expect("the table was just uploaded");
+        let dims = (table.half(), table.head_dim());
+        self.gpu
+            .rope_device(x, tables, seq_len, heads, dims, transpose)
+    }
+
+    fn attention_saved_len(&self, shape: &AttnShape) -> usize {
+        attention_stats_len(shape)
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        saved: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        let qkv = [q, k, v];
+        self.gpu
+            .attention_forward_device(out, saved, qkv, starts, shape, ATTENTION_BLOCK_BYTES)
+    }
+
+    fn attention_backward(
+        &self,
+        grads: [&mut CudaSlice<f32>; 3],
+        dout: &CudaSlice<f32>,
+        saved: &CudaSlice<f32>,
+        qkv: [&CudaSlice<f32>; 3],
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        // The softmax kernel takes the statistics as a buffer it may
+        // write; it reads them here, from a copy (2 values a query row).
+        let mut stats = self.duplicate(saved)?;
+        let blocks = ATTENTION_BLOCK_BYTES;
+        self.gpu
+            .attention_backward_device(grads, dout, &mut stats, qkv, starts, shape, blocks)
+    }
+}

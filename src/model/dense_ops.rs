@@ -1,0 +1,326 @@
+//! [`DenseOps`]: the operations of a network's dense layers on
+//! activations kept where a backend computes them. [`HostOps`] keeps them
+//! in host memory and runs each operation as `math` writes it (its GEMMs
+//! and attention through the backend's [`DenseKernels`]); a GPU's keeps
+//! them in device memory, so that a layer's activations never cross PCIe.
+//!
+//! Weights and their gradients are slices of the engine's dense params and
+//! dense gradient, as [`DenseKernels`] takes them: a backend that keeps
+//! them on its device maps each slice to its copy there
+//! (`weights_changed`, `grads_begin`/`grads_flush`).
+
+#![allow(clippy::too_many_arguments)]
+
+use std::borrow::Cow;
+
+use super::DenseKernels;
+use crate::math::attention::{rope_backward, rope_forward, AttnShape, RopeTable};
+use crate::math::{rmsnorm_backward, rmsnorm_forward};
+use crate::EngineError;
+
+/// The dense layers' operations on activation buffers of type
+/// [`DenseOps::Buf`]. Every buffer is a row-major f32 matrix whose shape
+/// the caller gives; outputs named `out` are overwritten, gradients named
+/// `dx`, `dw`, `dg`, `db` accumulate.
+pub trait DenseOps {
+    /// An activation buffer of f32 values.
+    type Buf;
+
+    /// The backend's kernels (its timeline spans, and the host's own work
+    /// between these operations).
+    fn kernels(&self) -> &dyn DenseKernels;
+
+    /// `n` zeros.
+    fn zeros(&self, n: usize) -> Result<Self::Buf, EngineError>;
+    /// A copy of `x`.
+    fn duplicate(&self, x: &Self::Buf) -> Result<Self::Buf, EngineError>;
+    /// Host values `x`, placed where these operations compute (moved on
+    /// the host, copied to a GPU).
+    fn place(&self, x: Vec<f32>) -> Result<Self::Buf, EngineError>;
+    /// `x`'s values in host memory (borrowed where they are there).
+    fn read<'a>(&self, x: &'a Self::Buf) -> Result<Cow<'a, [f32]>, EngineError>;
+    /// `x`'s values taken into host memory (moved on the host, copied
+    /// from a GPU).
+    fn take(&self, x: Self::Buf) -> Result<Vec<f32>, EngineError>;
+
+    /// acc += x, element by element.
+    fn add_assign(&self, acc: &mut Self::Buf, x: &Self::Buf) -> Result<(), EngineError>;
+    /// Each of x's rows (of b's length) += b.
+    fn add_bias(&self, x: &mut Self::Buf, b: &[f32]) -> Result<(), EngineError>;
+    /// db += the sum of dx's rows (of db's length), in row order.
+    fn bias_grad(&self, db: &mut [f32], dx: &Self::Buf) -> Result<(), EngineError>;
+    /// x clamped to [−clip, clip] in place.
+    fn clamp(&self, x: &mut Self::Buf, clip: f32) -> Result<(), EngineError>;
+    /// grad zeroed where `before` (what `clamp` was given) lies outside
+    /// [−clip, clip].
+    fn clamp_grad(
+        &self,
+        grad: &mut Self::Buf,
+        before: &Self::Buf,
+        clip: f32,
+    ) -> Result<(), EngineError>;
+
+    /// `math::rmsnorm_forward` over `rows` rows of `width`.
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Self::Buf,
+        inv_rms: &mut Self::Buf,
+        x: &Self::Buf,
+        g: &[f32],
+        rows: usize,
+        width: usize,
+        eps: f64,
+    ) -> Result<(), EngineError>;
+    /// `math::rmsnorm_backward`: dx and dg accumulate.
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dg: &mut [f32],
+        dout: &Self::Buf,
+        x: &Self::Buf,
+        g: &[f32],
+        inv_rms: &Self::Buf,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), EngineError>;
+
+    /// out (M, N) = x (M, K) · w (N, K)ᵀ
+    fn linear_forward(
+        &self,
+        out: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError>;
+    /// dx (M, K) += dout · w;  dw (N, K) += doutᵀ · x
+    fn linear_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut [f32],
+        dout: &Self::Buf,
+        x: &Self::Buf,
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError>;
+
+    /// `math::attention::rope_forward` (`transpose` false) or
+    /// `rope_backward` of x (T, heads · head_dim), in place.
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        table: &RopeTable<f32>,
+        seq_len: usize,
+        heads: usize,
+        transpose: bool,
+    ) -> Result<(), EngineError>;
+
+    /// The values `attention_forward` keeps for the backward at `shape`.
+    fn attention_saved_len(&self, shape: &AttnShape) -> usize;
+    /// [`DenseKernels::attention_forward`] on these buffers.
+    fn attention_forward(
+        &self,
+        out: &mut Self::Buf,
+        saved: &mut Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError>;
+    /// [`DenseKernels::attention_backward`] on these buffers (dq, dk, dv
+    /// start zeroed).
+    fn attention_backward(
+        &self,
+        grads: [&mut Self::Buf; 3],
+        dout: &Self::Buf,
+        saved: &Self::Buf,
+        qkv: [&Self::Buf; 3],
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError>;
+}
+
+/// Activations in host memory, each operation as `math` writes it, the
+/// GEMMs and attention through `kernels`: the cpu's dense layers.
+pub struct HostOps<'k> {
+    kernels: &'k dyn DenseKernels,
+}
+
+impl<'k> HostOps<'k> {
+    pub fn new(kernels: &'k dyn DenseKernels) -> Self {
+        Self { kernels }
+    }
+}
+
+impl DenseOps for HostOps<'_> {
+    type Buf = Vec<f32>;
+
+    fn kernels(&self) -> &dyn DenseKernels {
+        self.kernels
+    }
+
+    fn zeros(&self, n: usize) -> Result<Vec<f32>, EngineError> {
+        Ok(vec![0.0; n])
+    }
+
+    fn duplicate(&self, x: &Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        Ok(x.clone())
+    }
+
+    fn place(&self, x: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        Ok(x)
+    }
+
+    fn read<'a>(&self, x: &'a Vec<f32>) -> Result<Cow<'a, [f32]>, EngineError> {
+        Ok(Cow::Borrowed(x))
+    }
+
+    fn take(&self, x: Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        Ok(x)
+    }
+
+    fn add_assign(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<(), EngineError> {
+        assert_eq!(acc.len(), x.len());
+        acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, b: &[f32]) -> Result<(), EngineError> {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+        }
+        Ok(())
+    }
+
+    fn bias_grad(&self, db: &mut [f32], dx: &Vec<f32>) -> Result<(), EngineError> {
+        for row in dx.chunks_exact(db.len()) {
+            db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+        }
+        Ok(())
+    }
+
+    fn clamp(&self, x: &mut Vec<f32>, clip: f32) -> Result<(), EngineError> {
+        x.iter_mut().for_each(|x| *x = x.clamp(-clip, clip));
+        Ok(())
+    }
+
+    fn clamp_grad(
+        &self,
+        grad: &mut Vec<f32>,
+        before: &Vec<f32>,
+        clip: f32,
+    ) -> Result<(), EngineError> {
+        for (g, &x) in grad.iter_mut().zip(before) {
+            if !(-clip..=clip).contains(&x) {
+                *g = 0.0;
+            }
+        }
+        Ok(())
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Vec<f32>,
+        inv_rms: &mut Vec<f32>,
+        x: &Vec<f32>,
+        g: &[f32],
+        rows: usize,
+        width: usize,
+        eps: f64,
+    ) -> Result<(), EngineError> {
+        rmsnorm_forward(out, inv_rms, x, g, rows, width, eps);
+        Ok(())
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Vec<f32>,
+        dg: &mut [f32],
+        dout: &Vec<f32>,
+        x: &Vec<f32>,
+        g: &[f32],
+        inv_rms: &Vec<f32>,
+        rows: usize,
+        width: usize,
+    ) -> Result<(), EngineError> {
+        rmsnorm_backward(dx, dg, dout, x, g, inv_rms, rows, width);
+        Ok(())
+    }
+
+    fn linear_forward(
+        &self,
+        out: &mut Vec<f32>,
+        x: &Vec<f32>,
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        self.kernels.forward(out, x, w, m, k, n)
+    }
+
+    fn linear_backward(
+        &self,
+        dx: &mut Vec<f32>,
+        dw: &mut [f32],
+        dout: &Vec<f32>,
+        x: &Vec<f32>,
+        w: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        self.kernels.backward(dx, dw, dout, x, w, m, k, n)
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        table: &RopeTable<f32>,
+        seq_len: usize,
+        heads: usize,
+        transpose: bool,
+    ) -> Result<(), EngineError> {
+        if transpose {
+            rope_backward(x, table, seq_len, heads);
+        } else {
+            rope_forward(x, table, seq_len, heads);
+        }
+        Ok(())
+    }
+
+    fn attention_saved_len(&self, shape: &AttnShape) -> usize {
+        self.kernels.attention_saved_len(shape)
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut Vec<f32>,
+        saved: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        self.kernels
+            .attention_forward(out, saved, q, k, v, starts, shape)
+    }
+
+    fn attention_backward(
+        &self,
+        [dq, dk, dv]: [&mut Vec<f32>; 3],
+        dout: &Vec<f32>,
+        saved: &Vec<f32>,
+        [q, k, v]: [&Vec<f32>; 3],
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+    ) -> Result<(), EngineError> {
+        self.kernels
+            .attention_backward(dq, dk, dv, dout, saved, q, k, v, starts, shape)
+    }
+}

@@ -1,0 +1,275 @@
+//! The language model's dense layers with their activations in GPU memory
+//! (`CudaOps`) against the same layers on the host (`HostOps`, the plain
+//! loops), one forward and backward each, the experts computed on the host
+//! in f32 by the same runner on both sides, so that only the dense layers'
+//! operations differ. Each family's variant of q, k and v (biases, per-head
+//! and whole-projection norms, the clamp, a partial rotary) runs its own
+//! kernels. Cases skip without a CUDA device (fail under
+//! `STRATA_REQUIRE_CUDA=1`), and contain only that skip without
+//! `--features cuda`.
+
+mod common;
+
+/// Norm-wise relative difference of `got` from `want`.
+#[cfg(feature = "cuda")]
+fn relative(got: &[f32], want: &[f32]) -> f64 {
+    let norm = want.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    if norm == 0.0 {
+        diff
+    } else {
+        diff / norm
+    }
+}
+
+/// Every dense tensor's gradient, every expert's gradient and the loss
+/// agree within 1e-4 norm-wise. Both sides compute in f32: the kernels
+/// sum in the cpu's order with fused multiply-adds off, and the GEMMs (f32
+/// in, f32 accumulation) differ from the plain loops only in the order of
+/// their sums over K ≤ 64 terms, a few f32 ulps (6e-8 each) a value that
+/// grow through two layers' backward to ~1e-6 norm-wise. A wrong factor
+/// or a dropped term is O(1); 1e-4 leaves a 100× margin above rounding.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_dense_layers_on_the_gpu_compute_the_gradients_of_the_host() {
+    use common::tiny_lm::tiny_config;
+    use strata::backend::cuda::CudaBackend;
+    use strata::backend::BackendKind;
+    use strata::lm::{Family, LmConfig, MoeLm, QkNorm, TokenBatch};
+    use strata::model::{DenseKernels, Network, PlainKernels};
+    use strata::reference::{MemoryRunner, ReferenceTrainer};
+
+    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+        common::cuda_case_skipped(e);
+        return;
+    }
+    let gpu = CudaBackend::new(0).unwrap();
+    let variants: Vec<(&str, LmConfig)> = vec![
+        ("mixtral", tiny_config()),
+        (
+            "qwen2-moe's q, k, v biases and shared expert",
+            LmConfig {
+                family: Family::Qwen2Moe,
+                qkv_bias: true,
+                shared_expert_ff: 8,
+                ..tiny_config()
+            },
+        ),
+        (
+            "qwen3-moe's per-head q, k norms and a dense layer",
+            LmConfig {
+                family: Family::Qwen3Moe,
+                qk_norm: QkNorm::PerHead,
+                dense_layers: vec![0],
+                dense_ff: 20,
+                ..tiny_config()
+            },
+        ),
+        (
+            "olmoe's whole q, k norms and clamp",
+            LmConfig {
+                family: Family::Olmoe,
+                qk_norm: QkNorm::Whole,
+                clip_qkv: Some(0.4),
+                ..tiny_config()
+            },
+        ),
+        (
+            "a partial rotary",
+            LmConfig {
+                partial_rotary: 0.5,
+                ..tiny_config()
+            },
+        ),
+    ];
+    let batch = TokenBatch {
+        seq_len: 8,
+        tokens: (0..3 * 9u32).map(|i| (i * 37 + 5) % 250).collect(),
+        loss_mask: None,
+        doc_starts: None,
+    };
+    for (name, config) in variants {
+        let lm = MoeLm::new(config).unwrap();
+        let trainer = ReferenceTrainer::new_network(&lm, Default::default()).unwrap();
+        let dense = trainer.dense.clone();
+        let tokens = lm.batch_tokens(&batch);
+        let run = |kernels: &dyn DenseKernels| {
+            let mut experts = trainer.experts.clone();
+            let mut grad = vec![0.0f32; dense.len()];
+            kernels.weights_changed(&dense);
+            kernels.grads_begin(&grad);
+            let mut runner = MemoryRunner::new(lm.moe(), &mut experts);
+            let losses = lm
+                .forward_backward(
+                    &dense,
+                    &mut grad,
+                    &batch,
+                    tokens,
+                    1,
+                    true,
+                    &mut runner,
+                    kernels,
+                )
+                .unwrap();
+            kernels.grads_flush(&mut grad).unwrap();
+            let expert_grads: Vec<Vec<f32>> =
+                experts.iter().flatten().map(|e| e.grad.clone()).collect();
+            (losses.total, grad, expert_grads)
+        };
+        let (host_loss, host_grad, host_experts) = run(&PlainKernels);
+        let before = gpu.pcie_other_bytes();
+        let (gpu_loss, gpu_grad, gpu_experts) = run(&gpu);
+        let copied = gpu.pcie_other_bytes() - before;
+        // The same kernels with the activations on the host, copied up
+        // and down around each call.
+        let before = gpu.pcie_other_bytes();
+        let (resident_loss, ..) = run(&HostResident(&gpu));
+        let copied_host_resident = gpu.pcie_other_bytes() - before;
+        assert!(((resident_loss - host_loss) / host_loss).abs() < 1e-5);
+        assert!(
+            copied < copied_host_resident,
+            "{name}: {copied} bytes crossed, {copied_host_resident} with activations on the host"
+        );
+        let loss_diff = ((gpu_loss - host_loss) / host_loss).abs() as f64;
+        assert!(
+            loss_diff < 1e-5,
+            "{name}: loss {gpu_loss} against {host_loss}"
+        );
+        let mut worst = (0.0f64, String::new());
+        for t in lm.tensors() {
+            let (g, h) = (&gpu_grad[t.range.clone()], &host_grad[t.range.clone()]);
+            let rel = relative(g, h);
+            assert!(
+                rel < 1e-4,
+                "{name}: {} is {rel:.2e} from the host's",
+                t.name
+            );
+            assert!(
+                h.iter().any(|&x| x != 0.0) || t.name.contains("correction_bias"),
+                "{name}: {} has no gradient on the host",
+                t.name
+            );
+            if rel > worst.0 {
+                worst = (rel, t.name.clone());
+            }
+        }
+        for (i, (g, h)) in gpu_experts.iter().zip(&host_experts).enumerate() {
+            let rel = relative(g, h);
+            assert!(
+                rel < 1e-4,
+                "{name}: expert {i} is {rel:.2e} from the host's"
+            );
+        }
+        eprintln!(
+            "dense layers on the gpu vs the host, {name}: worst {:.2e} ({}); \
+             {copied} bytes crossed PCIe, {copied_host_resident} with the activations on the host",
+            worst.0, worst.1
+        );
+    }
+}
+
+/// A GPU's dense kernels with the activations on the host: each call
+/// uploads its operands and downloads its results (the network runs on
+/// `HostOps`, as it does for any kernels that name no GPU).
+#[cfg(feature = "cuda")]
+struct HostResident<'a>(&'a strata::backend::cuda::CudaBackend);
+
+#[cfg(feature = "cuda")]
+mod host_resident {
+    use super::HostResident;
+    use strata::math::attention::AttnShape;
+    use strata::model::{DenseKernels, HeadShape};
+    use strata::EngineError;
+
+    impl DenseKernels for HostResident<'_> {
+        fn narrow_kernels(&self) -> &dyn DenseKernels {
+            self.0.narrow_kernels()
+        }
+        fn forward(
+            &self,
+            out: &mut [f32],
+            x: &[f32],
+            w: &[f32],
+            m: usize,
+            k: usize,
+            n: usize,
+        ) -> Result<(), EngineError> {
+            self.0.forward(out, x, w, m, k, n)
+        }
+        fn backward(
+            &self,
+            dx: &mut [f32],
+            dw: &mut [f32],
+            dout: &[f32],
+            x: &[f32],
+            w: &[f32],
+            m: usize,
+            k: usize,
+            n: usize,
+        ) -> Result<(), EngineError> {
+            self.0.backward(dx, dw, dout, x, w, m, k, n)
+        }
+        fn weights_changed(&self, dense: &[f32]) {
+            self.0.weights_changed(dense)
+        }
+        fn grads_begin(&self, grad: &[f32]) {
+            self.0.grads_begin(grad)
+        }
+        fn grads_flush(&self, grad: &mut [f32]) -> Result<(), EngineError> {
+            self.0.grads_flush(grad)
+        }
+        fn attention_saved_len(&self, shape: &AttnShape) -> usize {
+            self.0.attention_saved_len(shape)
+        }
+        fn attention_forward(
+            &self,
+            out: &mut [f32],
+            saved: &mut [f32],
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            starts: Option<&[u32]>,
+            shape: &AttnShape,
+        ) -> Result<(), EngineError> {
+            self.0.attention_forward(out, saved, q, k, v, starts, shape)
+        }
+        fn attention_backward(
+            &self,
+            dq: &mut [f32],
+            dk: &mut [f32],
+            dv: &mut [f32],
+            dout: &[f32],
+            saved: &[f32],
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            starts: Option<&[u32]>,
+            shape: &AttnShape,
+        ) -> Result<(), EngineError> {
+            self.0
+                .attention_backward(dq, dk, dv, dout, saved, q, k, v, starts, shape)
+        }
+        fn head_loss(
+            &self,
+            dx: &mut [f32],
+            dhead: &mut [f32],
+            x: &[f32],
+            head: &[f32],
+            targets: &[u32],
+            s: HeadShape,
+        ) -> Result<f32, EngineError> {
+            self.0.head_loss(dx, dhead, x, head, targets, s)
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn the_dense_layers_on_the_gpu_compute_the_gradients_of_the_host() {
+    common::cuda_case_skipped("built without --features cuda");
+}
