@@ -827,6 +827,10 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "bias_grad",
         "clamp_values",
         "clamp_grad",
+        "combine_rows",
+        "combine_weights_grad",
+        "weighted_rows",
+        "gather_rows_backward",
     ];
     for kernel in kernels {
         assert!(

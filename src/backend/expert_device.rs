@@ -36,6 +36,28 @@ impl SlotParams {
     }
 }
 
+/// `len` f32 values at address `ptr` of a device's own memory: rows of
+/// activations a GPU keeps for its experts to read and write in place
+/// ([`ExpertDevice::expert_forward_rows`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRows {
+    pub ptr: u64,
+    pub len: usize,
+}
+
+impl DeviceRows {
+    pub fn new(ptr: u64, len: usize) -> Self {
+        Self { ptr, len }
+    }
+
+    /// Rows `rows` (of `width` values each) of these.
+    pub fn rows(self, rows: std::ops::Range<usize>, width: usize) -> Self {
+        assert!(rows.end * width <= self.len, "rows beyond the buffer");
+        let at = (rows.start * width * std::mem::size_of::<f32>()) as u64;
+        Self::new(self.ptr + at, rows.len() * width)
+    }
+}
+
 /// One compute device: its expert slots and the expert FFN on them. The
 /// engine uploads an expert into a slot through [`ExpertDevice::arena`],
 /// waits for the copy's event, then computes from the slot; each call
@@ -98,6 +120,68 @@ pub trait ExpertDevice: Send {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError>;
+
+    /// Whether this device computes experts from rows in its own memory
+    /// ([`Self::expert_forward_rows`]): a GPU does.
+    fn takes_device_rows(&self) -> bool {
+        false
+    }
+
+    /// [`Self::expert_forward`] on rows in this device's memory: `out`
+    /// and `x` (n, D) each. Returns with the slot no longer read.
+    ///
+    /// # Safety
+    /// `out` and `x` address n·D f32 of this device's memory each, alive
+    /// until the call returns and not used by anything else meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn expert_forward_rows(
+        &mut self,
+        kind: ExpertKind,
+        out: DeviceRows,
+        x: DeviceRows,
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        let _ = (kind, out, x, params, n, d, f);
+        Err(EngineError::Device {
+            device: 0,
+            why: format!(
+                "the {} device computes experts from host rows only",
+                self.name()
+            ),
+        })
+    }
+
+    /// [`Self::expert_backward`] on rows in this device's memory: `dx`
+    /// (overwritten), `dout` and `x` (n, D) each; the gradient lands in
+    /// `dparams` in host memory. Returns with the slot no longer read.
+    ///
+    /// # Safety
+    /// As [`Self::expert_forward_rows`], for the three rows.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn expert_backward_rows(
+        &mut self,
+        kind: ExpertKind,
+        dx: DeviceRows,
+        dparams: &mut [f32],
+        dout: DeviceRows,
+        x: DeviceRows,
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        let _ = (kind, dx, dparams, dout, x, params, n, d, f);
+        Err(EngineError::Device {
+            device: 0,
+            why: format!(
+                "the {} device computes experts from host rows only",
+                self.name()
+            ),
+        })
+    }
 
     /// dx (n, D) = …, dparams (`params.count` f32) = the expert's
     /// gradient. Both are overwritten: what they held is never read, so

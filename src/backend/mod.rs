@@ -17,7 +17,7 @@ mod modeled;
 mod narrow;
 
 pub use cpu::CpuBackend;
-pub use expert_device::{CpuExpertDevice, ExpertDevice, SlotParams};
+pub use expert_device::{CpuExpertDevice, DeviceRows, ExpertDevice, SlotParams};
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
 pub use narrow::NarrowCpuKernels;

@@ -20,7 +20,7 @@ use super::slot_table::DeviceState;
 use super::updates::{Held, SharedExperts, When};
 use super::ScheduleKind;
 
-use crate::backend::SlotParams;
+use crate::backend::{DeviceRows, SlotParams};
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
@@ -259,6 +259,19 @@ impl DeviceRunner<'_> {
         self.dev
             .device
             .expert_backward(kind, dxe, &mut grad, dye, saved, xe, params, n, d, f)?;
+        self.expert_gradient(key, grad, t0, last_micro_batch)
+    }
+
+    /// The gradient of the expert at table row `key`, its backward begun
+    /// at `t0`, summed with the step's earlier micro-batches' and, on the
+    /// last, handed to the optimizer at once.
+    fn expert_gradient(
+        &mut self,
+        key: usize,
+        grad: Vec<f32>,
+        t0: Instant,
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
         if self.dev.device.computes() {
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
@@ -273,7 +286,124 @@ impl DeviceRunner<'_> {
     }
 }
 
+impl DeviceRunner<'_> {
+    /// A layer's forward is routed by `perm`: counts its tokens per
+    /// expert and tells the tiers; returns the experts with tokens, in the
+    /// order they compute.
+    fn forward_routed(&mut self, layer: usize, perm: &Permutation) -> Vec<usize> {
+        let experts = self.model.experts;
+        let order: Vec<usize> = (0..experts).filter(|&e| !perm.rows(e).is_empty()).collect();
+        for e in 0..experts {
+            self.dev.acc.tokens_per_expert[layer][e] += perm.rows(e).len() as u32;
+        }
+        if let Some(counter) = self.dev.routing.as_mut() {
+            counter.routed(layer, perm);
+        }
+        self.dev.fit_saved(layer, &order);
+        if self.shared.devices == 1 {
+            self.follow_routing(layer, perm, &order);
+        }
+        order
+    }
+
+    /// [`Self::expert_forward`] on rows in the device's memory.
+    ///
+    /// # Safety
+    /// As [`ExpertDevice::expert_forward_rows`](crate::backend::ExpertDevice::expert_forward_rows).
+    unsafe fn expert_forward_rows(
+        &mut self,
+        xe: DeviceRows,
+        params: SlotParams,
+        ye: DeviceRows,
+    ) -> Result<(), EngineError> {
+        let (d, f) = (self.model.d_model, self.model.d_ff);
+        let n = xe.len / d;
+        self.dev.acc.assignments_computed += n as u64;
+        let t0 = Instant::now();
+        let kind = self.model.expert_kind;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.dev
+                .device
+                .expert_forward_rows(kind, ye, xe, params, n, d, f)?
+        };
+        if self.dev.device.computes() {
+            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// [`Self::expert_backward`] on rows in the device's memory, `[xe,
+    /// dye, dxe]`.
+    ///
+    /// # Safety
+    /// As [`Self::expert_forward_rows`], for the three rows.
+    unsafe fn expert_backward_rows(
+        &mut self,
+        layer: usize,
+        expert: usize,
+        [xe, dye, dxe]: [DeviceRows; 3],
+        params: SlotParams,
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        let (d, f) = (self.model.d_model, self.model.d_ff);
+        let kind = self.model.expert_kind;
+        let n = xe.len / d;
+        let key = self.key(layer, expert);
+        let mut grad = self.shared.grads.take(); // overwritten by the backward
+        debug_assert_eq!(grad.len(), params.count);
+        self.dev.acc.assignments_computed += n as u64;
+        let t0 = Instant::now();
+        let device = &mut self.dev.device;
+        // SAFETY: the caller's contract.
+        unsafe { device.expert_backward_rows(kind, dxe, &mut grad, dye, xe, params, n, d, f)? };
+        self.expert_gradient(key, grad, t0, last_micro_batch)
+    }
+}
+
 impl ExpertRunner for DeviceRunner<'_> {
+    fn takes_device_rows(&self) -> bool {
+        self.shared.devices == 1 && self.dev.device.takes_device_rows()
+    }
+
+    unsafe fn forward_layer_rows(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        rows: DeviceRows,
+        out: DeviceRows,
+    ) -> Result<(), EngineError> {
+        let d = self.model.d_model;
+        let order = self.forward_routed(layer, perm);
+        self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
+            let span = perm.span(expert);
+            let (xe, ye) = (rows.rows(span.clone(), d), out.rows(span, d));
+            // SAFETY: the expert's block of the caller's rows (this
+            // function's contract).
+            unsafe { runner.expert_forward_rows(xe, params, ye) }
+        })
+    }
+
+    unsafe fn backward_layer_rows(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        [rows, dout, dx]: [DeviceRows; 3],
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        let (d, experts) = (self.model.d_model, self.model.experts);
+        let order: Vec<usize> = (0..experts)
+            .rev()
+            .filter(|&e| !perm.rows(e).is_empty())
+            .collect();
+        self.pipeline(Pass::Backward, layer, &order, |runner, expert, params| {
+            let span = perm.span(expert);
+            let blocks = [rows, dout, dx].map(|r| r.rows(span.clone(), d));
+            // SAFETY: as in the forward.
+            unsafe { runner.expert_backward_rows(layer, expert, blocks, params, last_micro_batch) }
+        })
+    }
+
     fn take_buffer(&mut self, len: usize) -> Vec<f32> {
         self.dev.buffers.take(len)
     }
@@ -289,18 +419,8 @@ impl ExpertRunner for DeviceRunner<'_> {
         x: &[f32],
         out: &mut [f32],
     ) -> Result<(), EngineError> {
-        let (d, k, experts) = (self.model.d_model, self.model.top_k, self.model.experts);
-        let order: Vec<usize> = (0..experts).filter(|&e| !perm.rows(e).is_empty()).collect();
-        for e in 0..experts {
-            self.dev.acc.tokens_per_expert[layer][e] += perm.rows(e).len() as u32;
-        }
-        if let Some(counter) = self.dev.routing.as_mut() {
-            counter.routed(layer, perm);
-        }
-        self.dev.fit_saved(layer, &order);
-        if self.shared.devices == 1 {
-            self.follow_routing(layer, perm, &order);
-        }
+        let (d, k) = (self.model.d_model, self.model.top_k);
+        let order = self.forward_routed(layer, perm);
         self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);
             let mut xe = runner.dev.scratch.take(rows.len() * d); // gathered over

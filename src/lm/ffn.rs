@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use super::config::LmConfig;
 use super::mlp::{self, MlpRanges, MlpSaved};
-use crate::model::{moe_backward, moe_forward, DenseKernels, ExpertRunner, ModelConfig, MoeSaved};
+use crate::model::{DenseOps, ExpertRunner, ModelConfig};
 use crate::EngineError;
 
 /// Where one layer's FFN is in the dense vector.
@@ -28,45 +28,42 @@ pub(super) enum FfnRanges {
     Dense(MlpRanges),
 }
 
-/// What the forward keeps for the backward.
-pub(super) enum FfnSaved {
+/// What the forward keeps for the backward; `M` is the MoE block's (a
+/// [`DenseOps::MoeSaved`]).
+pub(super) enum FfnSaved<M> {
     Sparse {
-        moe: Box<MoeSaved>,
+        moe: Box<M>,
         shared: Option<MlpSaved>,
     },
     Dense(MlpSaved),
 }
 
-impl FfnSaved {
+impl<M> FfnSaved<M> {
     /// The sparse layer's routing and experts' outputs.
-    pub fn moe_mut(&mut self) -> Option<&mut MoeSaved> {
+    pub fn moe_mut(&mut self) -> Option<&mut M> {
         match self {
             FfnSaved::Sparse { moe, .. } => Some(moe),
             FfnSaved::Dense(_) => None,
         }
     }
-
-    /// Hands the experts' output buffer back to the runner (after the
-    /// backward).
-    pub fn release(&mut self, runner: &mut dyn ExpertRunner) {
-        if let Some(moe) = self.moe_mut() {
-            runner.give_buffer(std::mem::take(&mut moe.expert_out));
-        }
-    }
 }
 
-/// The FFN of `n` (t, d), the layer's normed input, added to `h`.
-pub(super) fn forward(
+/// The FFN of `n` (t, d), the layer's normed input, added to `h`. The MoE
+/// block runs on `ops`' activations; a shared expert and a dense layer's
+/// MLP on the host's (their input and output copied where `ops` keeps
+/// activations on a device).
+pub(super) fn forward<O: DenseOps>(
+    ops: &O,
     c: &LmConfig,
     moe_model: &ModelConfig,
     ranges: &FfnRanges,
     dense: &[f32],
-    n: &[f32],
-    h: &mut [f32],
+    n: &O::Buf,
+    h: &mut O::Buf,
     runner: &mut dyn ExpertRunner,
-    kernels: &dyn DenseKernels,
-) -> Result<FfnSaved, EngineError> {
-    let (t, d) = (n.len() / c.d_model, c.d_model);
+) -> Result<FfnSaved<O::MoeSaved>, EngineError> {
+    let kernels = ops.kernels();
+    let d = c.d_model;
     match ranges {
         FfnRanges::Sparse {
             moe_layer,
@@ -76,33 +73,37 @@ pub(super) fn forward(
         } => {
             let bias = choice_bias.as_ref().map(|b| &dense[b.clone()]);
             let router = &dense[router.clone()];
+            let t = ops.rows(n, d);
             let (mut y, moe) =
-                moe_forward(moe_model, *moe_layer, router, bias, n, t, runner, kernels)?;
+                ops.moe_forward(moe_model, *moe_layer, (router, bias), n, t, runner)?;
             let shared = match shared {
                 Some(sr) => {
-                    let f = c.shared_expert_ff;
-                    Some(mlp::forward(dense, sr, n, &mut y, t, d, f, kernels)?)
+                    let (n, f) = (ops.read(n)?, c.shared_expert_ff);
+                    let run = |y: &mut [f32]| mlp::forward(dense, sr, &n, y, t, d, f, kernels);
+                    Some(ops.on_host(&mut y, run)?)
                 }
                 None => None,
             };
             let _span = kernels.host_span("residual");
-            h.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
-            runner.give_buffer(y);
+            ops.add_assign(h, &y)?;
+            ops.moe_output_done(y, runner);
             Ok(FfnSaved::Sparse {
                 moe: Box::new(moe),
                 shared,
             })
         }
-        FfnRanges::Dense(r) => Ok(FfnSaved::Dense(mlp::forward(
-            dense, r, n, h, t, d, c.dense_ff, kernels,
-        )?)),
+        FfnRanges::Dense(r) => {
+            let (n, t) = (ops.read(n)?, ops.rows(n, d));
+            let run = |h: &mut [f32]| mlp::forward(dense, r, &n, h, t, d, c.dense_ff, kernels);
+            Ok(FfnSaved::Dense(ops.on_host(h, run)?))
+        }
     }
 }
 
 /// Where the FFN's backward puts what it computes.
-pub(super) struct FfnGrads<'a> {
+pub(super) struct FfnGrads<'a, B> {
     pub dense_grad: &'a mut [f32],
-    pub dn: &'a mut [f32],
+    pub dn: &'a mut B,
     /// The load-balancing and z-loss terms' weights in this micro-batch's
     /// loss.
     pub daux: f32,
@@ -113,19 +114,18 @@ pub(super) struct FfnGrads<'a> {
 /// The backward of `forward` from `dh`, the gradient of its output:
 /// `g.dn` receives the gradient of its input `n`, the router and dense
 /// tensors theirs, and the experts' gradients go to the runner.
-pub(super) fn backward(
+pub(super) fn backward<O: DenseOps>(
+    ops: &O,
     c: &LmConfig,
     moe_model: &ModelConfig,
-    ranges: &FfnRanges,
-    saved: &FfnSaved,
+    (ranges, saved): (&FfnRanges, &FfnSaved<O::MoeSaved>),
     dense: &[f32],
-    n: &[f32],
-    dh: &[f32],
-    g: FfnGrads,
+    (n, dh): (&O::Buf, &O::Buf),
+    g: FfnGrads<O::Buf>,
     runner: &mut dyn ExpertRunner,
-    kernels: &dyn DenseKernels,
 ) -> Result<(), EngineError> {
-    let (t, d) = (n.len() / c.d_model, c.d_model);
+    let kernels = ops.kernels();
+    let (t, d) = (ops.rows(n, c.d_model), c.d_model);
     match (ranges, saved) {
         (
             FfnRanges::Sparse {
@@ -139,31 +139,30 @@ pub(super) fn backward(
                 shared: shared_saved,
             },
         ) => {
-            moe_backward(
-                moe_model,
-                *moe_layer,
-                &dense[router.clone()],
-                &mut g.dense_grad[router.clone()],
-                g.dn,
-                dh,
-                n,
-                moe,
-                t,
-                g.daux,
-                g.dz,
-                runner,
-                g.last_micro_batch,
-                kernels,
+            let router = (&dense[router.clone()], &mut g.dense_grad[router.clone()]);
+            let losses = (g.daux, g.dz);
+            let grads = (&mut *g.dn, dh, n);
+            let last = g.last_micro_batch;
+            ops.moe_backward(
+                moe_model, *moe_layer, router, grads, moe, losses, runner, last,
             )?;
             if let (Some(sr), Some(ss)) = (shared, shared_saved) {
                 let f = c.shared_expert_ff;
-                mlp::backward(dense, g.dense_grad, sr, ss, n, g.dn, dh, t, d, f, kernels)?;
+                let (n, dh) = (ops.read(n)?, ops.read(dh)?);
+                let dense_grad = &mut *g.dense_grad;
+                ops.on_host(g.dn, |dn| {
+                    mlp::backward(dense, dense_grad, sr, ss, &n, dn, &dh, t, d, f, kernels)
+                })?;
             }
             Ok(())
         }
         (FfnRanges::Dense(r), FfnSaved::Dense(s)) => {
             let f = c.dense_ff;
-            mlp::backward(dense, g.dense_grad, r, s, n, g.dn, dh, t, d, f, kernels)
+            let (n, dh) = (ops.read(n)?, ops.read(dh)?);
+            let dense_grad = g.dense_grad;
+            ops.on_host(g.dn, |dn| {
+                mlp::backward(dense, dense_grad, r, s, &n, dn, &dh, t, d, f, kernels)
+            })
         }
         _ => unreachable!("a layer's saved FFN is of its own kind"),
     }

@@ -22,7 +22,7 @@ use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, R
 use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward, Scoring, IGNORED_TARGET};
 use crate::model::{
     fill_uniform, DenseKernels, DenseOps, Evaluation, ExpertRunner, HeadShape, HostOps, Losses,
-    ModelConfig, Network,
+    ModelConfig, MoeRouting, Network,
 };
 use crate::EngineError;
 
@@ -60,13 +60,13 @@ pub struct MoeLm {
 }
 
 /// What one layer's forward keeps for its backward, in buffers of a
-/// [`DenseOps`] (`B`), and in host memory what the FFN half reads.
-struct LayerSaved<B> {
+/// [`DenseOps`] (`B`; `M` its MoE blocks' saved state).
+struct LayerSaved<B, M> {
     attention: AttentionSaved<B>,
     h_mid: B,
-    n2: Vec<f32>,
+    n2: B,
     inv2: B,
-    ffn: FfnSaved,
+    ffn: FfnSaved<M>,
 }
 
 /// One micro-batch of a step, as [`Network::forward_backward`] is given it.
@@ -78,10 +78,10 @@ struct MicroBatch<'a> {
     last_micro_batch: bool,
 }
 
-struct Forward<B> {
+struct Forward<B, M> {
     inputs: Vec<u32>,
     targets: Vec<u32>,
-    layers: Vec<LayerSaved<B>>,
+    layers: Vec<LayerSaved<B, M>>,
     h: Vec<f32>,
     /// The final norm's output, the head's input.
     nf: Vec<f32>,
@@ -260,7 +260,7 @@ impl MoeLm {
         dense: &[f32],
         batch: &TokenBatch,
         runner: &mut dyn ExpertRunner,
-    ) -> Result<Forward<O::Buf>, EngineError> {
+    ) -> Result<Forward<O::Buf, O::MoeSaved>, EngineError> {
         let c = &self.config;
         let kernels = ops.kernels();
         let d = c.d_model;
@@ -275,8 +275,8 @@ impl MoeLm {
         drop(span);
         let mut layers = Vec::with_capacity(c.layers);
         let (mut aux, mut z) = (0.0f32, 0.0f32);
+        let mut h = ops.place(h_host)?;
         for r in &self.layers {
-            let mut h = ops.place(h_host)?;
             let starts = batch.attention_starts();
             let attention = attention_half::forward(
                 ops,
@@ -295,25 +295,10 @@ impl MoeLm {
             ops.rmsnorm_forward(&mut n2, &mut inv2, &h, g2, t, d, c.rms_eps)?;
             let h_mid = ops.duplicate(&h)?;
             drop(span);
-            // The FFN half runs on the host: its input and the residual
-            // stream come back (on a GPU, after its queued work).
-            let span = kernels.host_span("activations to host");
-            let n2 = ops.take(n2)?;
-            h_host = ops.take(h)?;
-            drop(span);
-            let ffn = ffn::forward(
-                c,
-                &self.moe,
-                &r.ffn,
-                dense,
-                &n2,
-                &mut h_host,
-                runner,
-                kernels,
-            )?;
+            let ffn = ffn::forward(ops, c, &self.moe, &r.ffn, dense, &n2, &mut h, runner)?;
             if let FfnSaved::Sparse { moe, .. } = &ffn {
-                aux += moe.routing.aux_loss;
-                z += moe.routing.z_loss;
+                aux += moe.routing().aux_loss;
+                z += moe.routing().z_loss;
             }
             layers.push(LayerSaved {
                 attention,
@@ -323,6 +308,11 @@ impl MoeLm {
                 ffn,
             });
         }
+        // The final norm and the head run on the host's activations (on a
+        // GPU, the head's kernels copy them up a block of rows at a time).
+        let span = kernels.host_span("activations to host");
+        let h_host = ops.take(h)?;
+        drop(span);
         if c.scoring != Scoring::Softmax {
             // GLM-4.5 has no load-balancing loss: its correction bias
             // balances the experts.
@@ -407,7 +397,7 @@ impl MoeLm {
         for (l, r) in self.layers.iter().enumerate().rev() {
             let s = &f.layers[l];
             // FFN half: h = h_mid + FFN(RMSNorm(h_mid)).
-            let mut dn2 = vec![0.0f32; t * d];
+            let mut dn2 = ops.zeros(t * d)?;
             let grads = FfnGrads {
                 dense_grad: &mut dense_grad[..],
                 dn: &mut dn2,
@@ -415,14 +405,8 @@ impl MoeLm {
                 dz,
                 last_micro_batch: step.last_micro_batch,
             };
-            let span = kernels.host_span("activations to host");
-            let dh_ffn = ops.read(&dh)?;
-            drop(span);
-            ffn::backward(
-                c, &self.moe, &r.ffn, &s.ffn, dense, &s.n2, &dh_ffn, grads, runner, kernels,
-            )?;
-            drop(dh_ffn);
-            let dn2 = ops.place(dn2)?;
+            let ffn = (&r.ffn, &s.ffn);
+            ffn::backward(ops, c, &self.moe, ffn, dense, (&s.n2, &dh), grads, runner)?;
             let span = kernels.host_span("rmsnorm backward");
             ops.rmsnorm_backward(
                 &mut dh,
@@ -447,7 +431,9 @@ impl MoeLm {
                 &shape,
                 &f.rope,
             )?;
-            f.layers[l].ffn.release(runner);
+            if let Some(moe) = f.layers[l].ffn.moe_mut() {
+                ops.moe_release(moe, runner);
+            }
         }
         let dh = ops.read(&dh)?;
         let span = kernels.host_span("embedding backward");
@@ -518,13 +504,17 @@ impl MoeLm {
 /// and T tokens, N = L·T. Sets each layer's `aux_grad` to ∂aux/∂p =
 /// E · C_e / N², the same for every layer and token, and returns the loss.
 /// Sums in f64.
-fn all_layers_aux<B>(layers: &mut [LayerSaved<B>], experts: usize, t: usize) -> f32 {
+fn all_layers_aux<B, M: MoeRouting>(
+    layers: &mut [LayerSaved<B, M>],
+    experts: usize,
+    t: usize,
+) -> f32 {
     let mut sparse: Vec<_> = layers.iter_mut().filter_map(|l| l.ffn.moe_mut()).collect();
     let n = (sparse.len() * t) as f64;
     let mut assigned = vec![0.0f64; experts];
     let mut prob = vec![0.0f64; experts];
     for moe in sparse.iter() {
-        let routing = &moe.routing;
+        let routing = moe.routing();
         for (e, &count) in routing.counts.iter().enumerate() {
             assigned[e] += count as f64;
         }
@@ -541,7 +531,7 @@ fn all_layers_aux<B>(layers: &mut [LayerSaved<B>], experts: usize, t: usize) -> 
             .sum::<f64>();
     let grad: Vec<f32> = assigned.iter().map(|&c| (e * c / (n * n)) as f32).collect();
     for moe in sparse.iter_mut() {
-        moe.routing.aux_grad = Some(grad.clone());
+        moe.routing_mut().aux_grad = Some(grad.clone());
     }
     aux as f32
 }

@@ -13,9 +13,9 @@
 
 use std::borrow::Cow;
 
-use super::DenseKernels;
+use super::{moe_backward, moe_forward, DenseKernels, ExpertRunner, ModelConfig, MoeSaved};
 use crate::math::attention::{rope_backward, rope_forward, AttnShape, RopeTable};
-use crate::math::{rmsnorm_backward, rmsnorm_forward};
+use crate::math::{rmsnorm_backward, rmsnorm_forward, Routing};
 use crate::EngineError;
 
 /// The dense layers' operations on activation buffers of type
@@ -32,6 +32,12 @@ pub trait DenseOps {
 
     /// `n` zeros.
     fn zeros(&self, n: usize) -> Result<Self::Buf, EngineError>;
+    /// The values x holds.
+    fn len(&self, x: &Self::Buf) -> usize;
+    /// The rows of `width` values x holds.
+    fn rows(&self, x: &Self::Buf, width: usize) -> usize {
+        self.len(x) / width.max(1)
+    }
     /// A copy of `x`.
     fn duplicate(&self, x: &Self::Buf) -> Result<Self::Buf, EngineError>;
     /// Host values `x`, placed where these operations compute (moved on
@@ -118,6 +124,55 @@ pub trait DenseOps {
         transpose: bool,
     ) -> Result<(), EngineError>;
 
+    /// What a MoE block's forward keeps for its backward.
+    type MoeSaved: MoeRouting;
+
+    /// [`moe_forward`](super::moe_forward) of x (T, D): the router
+    /// (`router`: its weight and a sigmoid router's correction bias), the
+    /// dropless permutation, the experts through `runner`, the weighted
+    /// combine; returns y (T, D).
+    fn moe_forward(
+        &self,
+        model: &ModelConfig,
+        layer: usize,
+        router: (&[f32], Option<&[f32]>),
+        x: &Self::Buf,
+        t: usize,
+        runner: &mut dyn ExpertRunner,
+    ) -> Result<(Self::Buf, Self::MoeSaved), EngineError>;
+
+    /// [`moe_backward`](super::moe_backward), `grads` = (dx, dy, x): from
+    /// dy (T, D), dx (T, D) and the router's gradient accumulate
+    /// (`router`: its weight and gradient), the experts' go through
+    /// `runner`; `losses` are the load-balancing and z-loss weights of
+    /// this micro-batch.
+    fn moe_backward(
+        &self,
+        model: &ModelConfig,
+        layer: usize,
+        router: (&[f32], &mut [f32]),
+        grads: (&mut Self::Buf, &Self::Buf, &Self::Buf),
+        saved: &Self::MoeSaved,
+        losses: (f32, f32),
+        runner: &mut dyn ExpertRunner,
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError>;
+
+    /// A MoE block's saved state is done with: its buffers go back to
+    /// `runner` where they came from it.
+    fn moe_release(&self, saved: &mut Self::MoeSaved, runner: &mut dyn ExpertRunner);
+
+    /// A MoE block's output `y` is done with, as `moe_release`.
+    fn moe_output_done(&self, y: Self::Buf, runner: &mut dyn ExpertRunner);
+
+    /// Runs `f` on x's values in host memory, which then become x's
+    /// (in place on the host; downloaded and uploaded back on a GPU).
+    fn on_host<R>(
+        &self,
+        x: &mut Self::Buf,
+        f: impl FnOnce(&mut [f32]) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError>;
+
     /// The values `attention_forward` keeps for the backward at `shape`.
     fn attention_saved_len(&self, shape: &AttnShape) -> usize;
     /// [`DenseKernels::attention_forward`] on these buffers.
@@ -144,6 +199,23 @@ pub trait DenseOps {
     ) -> Result<(), EngineError>;
 }
 
+/// A MoE block's routing, in what its forward keeps (the load-balancing
+/// loss over all layers reads and sets it).
+pub trait MoeRouting {
+    fn routing(&self) -> &Routing<f32>;
+    fn routing_mut(&mut self) -> &mut Routing<f32>;
+}
+
+impl MoeRouting for MoeSaved {
+    fn routing(&self) -> &Routing<f32> {
+        &self.routing
+    }
+
+    fn routing_mut(&mut self) -> &mut Routing<f32> {
+        &mut self.routing
+    }
+}
+
 /// Activations in host memory, each operation as `math` writes it, the
 /// GEMMs and attention through `kernels`: the cpu's dense layers.
 pub struct HostOps<'k> {
@@ -165,6 +237,10 @@ impl DenseOps for HostOps<'_> {
 
     fn zeros(&self, n: usize) -> Result<Vec<f32>, EngineError> {
         Ok(vec![0.0; n])
+    }
+
+    fn len(&self, x: &Vec<f32>) -> usize {
+        x.len()
     }
 
     fn duplicate(&self, x: &Vec<f32>) -> Result<Vec<f32>, EngineError> {
@@ -291,6 +367,66 @@ impl DenseOps for HostOps<'_> {
             rope_forward(x, table, seq_len, heads);
         }
         Ok(())
+    }
+
+    type MoeSaved = MoeSaved;
+
+    fn moe_forward(
+        &self,
+        model: &ModelConfig,
+        layer: usize,
+        (router, bias): (&[f32], Option<&[f32]>),
+        x: &Vec<f32>,
+        t: usize,
+        runner: &mut dyn ExpertRunner,
+    ) -> Result<(Vec<f32>, MoeSaved), EngineError> {
+        moe_forward(model, layer, router, bias, x, t, runner, self.kernels)
+    }
+
+    fn moe_backward(
+        &self,
+        model: &ModelConfig,
+        layer: usize,
+        (router, router_grad): (&[f32], &mut [f32]),
+        (dx, dy, x): (&mut Vec<f32>, &Vec<f32>, &Vec<f32>),
+        saved: &MoeSaved,
+        (daux, dz): (f32, f32),
+        runner: &mut dyn ExpertRunner,
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        let t = dy.len() / model.d_model.max(1);
+        moe_backward(
+            model,
+            layer,
+            router,
+            router_grad,
+            dx,
+            dy,
+            x,
+            saved,
+            t,
+            daux,
+            dz,
+            runner,
+            last_micro_batch,
+            self.kernels,
+        )
+    }
+
+    fn moe_release(&self, saved: &mut MoeSaved, runner: &mut dyn ExpertRunner) {
+        runner.give_buffer(std::mem::take(&mut saved.expert_out));
+    }
+
+    fn moe_output_done(&self, y: Vec<f32>, runner: &mut dyn ExpertRunner) {
+        runner.give_buffer(y);
+    }
+
+    fn on_host<R>(
+        &self,
+        x: &mut Vec<f32>,
+        f: impl FnOnce(&mut [f32]) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        f(x)
     }
 
     fn attention_saved_len(&self, shape: &AttnShape) -> usize {

@@ -13,6 +13,7 @@
 // suggest would hide the shapes.
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
+use crate::backend::DeviceRows;
 use crate::math::{
     combine_backward_weights, combine_forward, cross_entropy_loss, gather_backward,
     rmsnorm_backward, rmsnorm_forward, route_logits, router_logits_grad, AssignmentGrads,
@@ -27,7 +28,7 @@ mod timed_kernels;
 
 pub(crate) use buffer_pool::{F32BufferPool, ScratchBuf, ScratchBuffers};
 pub use dense_kernels::{DenseKernels, HeadShape, PlainKernels};
-pub use dense_ops::{DenseOps, HostOps};
+pub use dense_ops::{DenseOps, HostOps, MoeRouting};
 pub use timed_kernels::TimedKernels;
 
 /// The shape and losses of a MoE stack.
@@ -281,6 +282,58 @@ pub trait ExpertRunner {
     /// A buffer from `take_buffer` its user is done with.
     fn give_buffer(&mut self, buf: Vec<f32>) {
         drop(buf);
+    }
+
+    /// Whether [`Self::forward_layer_rows`] and
+    /// [`Self::backward_layer_rows`] may be called: the experts compute on
+    /// the one device whose memory holds a network's activations (a GPU
+    /// whose `CudaOps` made them).
+    fn takes_device_rows(&self) -> bool {
+        false
+    }
+
+    /// [`Self::forward_layer`] on rows in the device's memory: `rows`
+    /// (T·K, D) are the experts' inputs already in expert order (row i is
+    /// assignment `perm.order[i]`'s token), and `out` (T·K, D) receives
+    /// their outputs in the same order.
+    ///
+    /// # Safety
+    /// Only where [`Self::takes_device_rows`]; `rows` and `out` address
+    /// T·K·D f32 each of that device's memory, alive until the call
+    /// returns and used by nothing else meanwhile.
+    unsafe fn forward_layer_rows(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        rows: DeviceRows,
+        out: DeviceRows,
+    ) -> Result<(), EngineError> {
+        let _ = (layer, perm, rows, out);
+        Err(EngineError::Device {
+            device: 0,
+            why: "these experts compute from host rows only".into(),
+        })
+    }
+
+    /// [`Self::backward_layer`] on rows in the device's memory, each
+    /// (T·K, D) in expert order: the experts' inputs `rows`, the gradients
+    /// of their outputs `dout`, and `dx`, which receives the gradients of
+    /// their inputs.
+    ///
+    /// # Safety
+    /// As [`Self::forward_layer_rows`], for the three rows.
+    unsafe fn backward_layer_rows(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        [rows, dout, dx]: [DeviceRows; 3],
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        let _ = (layer, perm, rows, dout, dx, last_micro_batch);
+        Err(EngineError::Device {
+            device: 0,
+            why: "these experts compute from host rows only".into(),
+        })
     }
 }
 

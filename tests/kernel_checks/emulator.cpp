@@ -110,6 +110,10 @@ STRATA_LAUNCHER(add_bias)
 STRATA_LAUNCHER(bias_grad)
 STRATA_LAUNCHER(clamp_values)
 STRATA_LAUNCHER(clamp_grad)
+STRATA_LAUNCHER(combine_rows)
+STRATA_LAUNCHER(combine_weights_grad)
+STRATA_LAUNCHER(weighted_rows)
+STRATA_LAUNCHER(gather_rows_backward)
 
 // The launcher of kernel `name` (what cuModuleGetFunction finds), or null.
 typedef void (*strata_launcher)(unsigned, unsigned, void**);
@@ -127,6 +131,8 @@ extern "C" strata_launcher strata_emulated_kernel(const char* name) {
         STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
         STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
         STRATA_ENTRY(bias_grad) STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
+        STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
+        STRATA_ENTRY(gather_rows_backward)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {
@@ -151,6 +157,8 @@ typedef std::function<void()> (*strata_binder)(unsigned, unsigned, void**);
         STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
         STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
         STRATA_ENTRY(bias_grad) STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
+        STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
+        STRATA_ENTRY(gather_rows_backward)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {

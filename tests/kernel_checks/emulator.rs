@@ -13,7 +13,7 @@ use strata::math::attention::AttnShape;
 use strata::math::ExpertKind;
 use strata_optim::StepScalars;
 
-use super::{KernelHost, RouterResult, ATTENTION_TEST_BLOCK};
+use super::{KernelHost, MoeRows, RouterResult, ATTENTION_TEST_BLOCK};
 
 #[path = "emulated_attention.rs"]
 mod emulated_attention;
@@ -326,6 +326,61 @@ impl KernelHost for KernelEmulator {
                 arg(&r32),
             ],
         );
+        r
+    }
+
+    fn moe_rows(
+        &self,
+        rows: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        weights: &[f32],
+        order: &[u32],
+        position: &[u32],
+        (t, k, d): (usize, usize, usize),
+    ) -> MoeRows {
+        let n = t * k;
+        assert!(rows.len() == n * d && dy.len() == t * d && dx.len() == t * d);
+        assert!(weights.len() == n && order.len() == n && position.len() == n);
+        let mut r = MoeRows {
+            y: vec![0.0; t * d],
+            dweights: vec![0.0; n],
+            dout_rows: vec![0.0; n * d],
+        };
+        let (prows, pdy, pw, po, pp) = (
+            rows.as_ptr(),
+            dy.as_ptr(),
+            weights.as_ptr(),
+            order.as_ptr(),
+            position.as_ptr(),
+        );
+        let (py, pdw, pdo, pdx) = (
+            r.y.as_mut_ptr(),
+            r.dweights.as_mut_ptr(),
+            r.dout_rows.as_mut_ptr(),
+            dx.as_mut_ptr(),
+        );
+        let [t32, k32, d32, n32] = [t, k, d, n].map(|v| v as u32);
+        let shape = [arg(&t32), arg(&k32), arg(&d32)];
+        let mut args = vec![arg(&prows), arg(&pp), arg(&pw), arg(&py)];
+        args.extend(shape);
+        self.launch("combine_rows", t * d, &args);
+        let mut args = vec![arg(&pdy), arg(&prows), arg(&pp), arg(&pdw)];
+        args.extend(shape);
+        self.launch("combine_weights_grad", n, &args);
+        let args = [
+            arg(&pdy),
+            arg(&pw),
+            arg(&po),
+            arg(&pdo),
+            arg(&n32),
+            arg(&d32),
+            arg(&k32),
+        ];
+        self.launch("weighted_rows", n * d, &args);
+        let mut args = vec![arg(&prows), arg(&pp), arg(&pdx)];
+        args.extend(shape);
+        self.launch("gather_rows_backward", t * d, &args);
         r
     }
 

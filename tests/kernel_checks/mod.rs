@@ -27,6 +27,13 @@ pub struct RouterResult {
     pub weights: Vec<f32>,
 }
 
+/// What the MoE block's kernels give ([`KernelHost::moe_rows`]).
+pub struct MoeRows {
+    pub y: Vec<f32>,
+    pub dweights: Vec<f32>,
+    pub dout_rows: Vec<f32>,
+}
+
 /// The kernels on host slices (inputs in, results out), launched as the
 /// CUDA backend launches them.
 #[allow(clippy::too_many_arguments)]
@@ -95,6 +102,19 @@ pub trait KernelHost {
         k: usize,
         t: usize,
     ) -> (Vec<f32>, Vec<f32>);
+    /// The MoE block's kernels on `rows` (T·K, D) in expert order: the
+    /// combine (y), the weights' gradient, every row's output gradient,
+    /// and the gather's backward into `dx` (accumulating).
+    fn moe_rows(
+        &self,
+        rows: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        weights: &[f32],
+        order: &[u32],
+        position: &[u32],
+        tkd: (usize, usize, usize),
+    ) -> MoeRows;
     fn attention_forward(
         &self,
         q: &[f32],
@@ -268,7 +288,60 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
         scatter_to_assignments(&mut want_scattered, &want_rows, &perm.order, d);
         assert_eq!(rows, want_rows);
         assert_eq!(scattered, want_scattered);
+        moe_rows(h, &perm, &routing.weights, (t, k, d));
     }
+}
+
+/// The MoE block's combine, its weights' gradient, the experts' output
+/// gradients and the gather's backward, against `math::permute`: the same
+/// products summed in the same order (fused multiply-adds off), so equal
+/// to the last ulp at most (1e-6).
+fn moe_rows(
+    h: &dyn KernelHost,
+    perm: &strata::math::Permutation,
+    weights: &[f32],
+    (t, k, d): (usize, usize, usize),
+) {
+    use strata::math::{
+        combine_backward_weights, combine_forward, gather_backward, AssignmentGrads,
+    };
+    let rows = f32s(t * k * d, 33, 1.0);
+    let dy = f32s(t * d, 34, 1.0);
+    let dx0 = f32s(t * d, 35, 0.5); // the gather's backward adds to it
+    let mut want_y = vec![0.0f32; t * d];
+    combine_forward(&mut want_y, &rows, &perm.position, weights, t, k, d);
+    let mut want_dw = vec![0.0f32; t * k];
+    combine_backward_weights(&mut want_dw, &dy, &rows, &perm.position, t, k, d);
+    let mut want_dout = vec![0.0f32; t * k * d];
+    AssignmentGrads {
+        dy: &dy,
+        weights,
+        k,
+        d,
+    }
+    .gather(&mut want_dout, &perm.order);
+    let mut want_dx = dx0.clone();
+    gather_backward(&mut want_dx, &rows, &perm.position, t, k, d);
+    let mut dx = dx0;
+    let got = h.moe_rows(
+        &rows,
+        &dy,
+        &mut dx,
+        weights,
+        &perm.order,
+        &perm.position,
+        (t, k, d),
+    );
+    assert!(worst(&got.y, &want_y) < 1e-6, "combine, top-{k}");
+    assert!(
+        worst(&got.dweights, &want_dw) < 1e-6,
+        "combine's weights gradient, top-{k}"
+    );
+    assert!(
+        worst(&got.dout_rows, &want_dout) < 1e-6,
+        "experts' output gradients, top-{k}"
+    );
+    assert!(worst(&dx, &want_dx) < 1e-6, "gather backward, top-{k}");
 }
 
 /// Causal attention with grouped kv heads, in blocks of query rows (the
@@ -456,6 +529,26 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
             lse: r.lse,
             experts: r.experts,
             weights: r.weights,
+        }
+    }
+
+    fn moe_rows(
+        &self,
+        rows: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        weights: &[f32],
+        order: &[u32],
+        position: &[u32],
+        tkd: (usize, usize, usize),
+    ) -> MoeRows {
+        let (y, dweights, dout_rows) = self
+            .moe_rows_host(rows, dy, dx, weights, [order, position], tkd)
+            .unwrap();
+        MoeRows {
+            y,
+            dweights,
+            dout_rows,
         }
     }
 

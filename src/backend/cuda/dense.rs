@@ -18,7 +18,7 @@ pub(super) struct DenseFunctions {
     rope: CudaFunction,
     cross_entropy: CudaFunction,
     router_top_k: CudaFunction,
-    gather_rows: CudaFunction,
+    pub(super) gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     pub(super) attn_to_heads: CudaFunction,
     pub(super) attn_from_heads: CudaFunction,
@@ -29,6 +29,10 @@ pub(super) struct DenseFunctions {
     pub(super) bias_grad: CudaFunction,
     pub(super) clamp_values: CudaFunction,
     pub(super) clamp_grad: CudaFunction,
+    pub(super) combine_rows: CudaFunction,
+    pub(super) combine_weights_grad: CudaFunction,
+    pub(super) weighted_rows: CudaFunction,
+    pub(super) gather_rows_backward: CudaFunction,
 }
 
 impl DenseFunctions {
@@ -56,6 +60,10 @@ impl DenseFunctions {
             bias_grad: load("bias_grad")?,
             clamp_values: load("clamp_values")?,
             clamp_grad: load("clamp_grad")?,
+            combine_rows: load("combine_rows")?,
+            combine_weights_grad: load("combine_weights_grad")?,
+            weighted_rows: load("weighted_rows")?,
+            gather_rows_backward: load("gather_rows_backward")?,
         })
     }
 }

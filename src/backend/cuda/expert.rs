@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DriverError};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DevicePtrMut, DriverError};
 use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration};
 use strata_tiers::io::HostRegion;
 use strata_tiers::{DeviceArena, Dtype, Layout};
@@ -22,7 +22,7 @@ use super::{gpu_error, CudaBackend, Shape};
 
 /// The experts' GEMM inputs: bf16.
 const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
-use crate::backend::{ExpertDevice, SlotParams};
+use crate::backend::{DeviceRows, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -75,19 +75,53 @@ impl CudaBackend {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        let xb = self.to_bf16(&self.upload(x)?)?;
-        // SAFETY: the weights per this function's contract.
-        let (_, _, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
+        let xd = self.upload(x)?;
         let mut y = self.zeros(n * d)?;
-        let hb = self.to_bf16(&h)?;
-        // SAFETY: w2 per the contract; y and hb sized here.
-        unsafe { self.linear_forward(&mut y, &hb, w.w2, Shape { m: n, k: f, n: d }, BF16)? };
+        {
+            let (x_ptr, _rx) = xd.device_ptr(&self.stream);
+            let (y_ptr, _wy) = y.device_ptr_mut(&self.stream);
+            let rows = (DeviceRows::new(y_ptr, n * d), DeviceRows::new(x_ptr, n * d));
+            // SAFETY: y and x hold n·d f32, alive past the call; the
+            // weights per this function's contract.
+            unsafe { self.ffn_forward_rows(kind, rows, w, n, d, f)? };
+        }
         // The backward recomputes the pre-activations from x (two GEMMs,
         // the same bits) rather than have them come down here and go back
         // up there: 2·n·F f32 each way.
         saved.a.clear();
         saved.b.clear();
         self.download(&y, out)
+    }
+
+    /// out (n, D) = expert(x (n, D)), both in GPU memory: `(out, x)`. Waits
+    /// for the compute stream before it returns, so the weights are no
+    /// longer read.
+    ///
+    /// # Safety
+    /// As [`Self::ffn_forward`] for `w`; `out` and `x` address n·D f32 of
+    /// this context's memory each, alive until this call returns, `x` not
+    /// written by another stream meanwhile.
+    unsafe fn ffn_forward_rows(
+        &self,
+        kind: ExpertKind,
+        (out, x): (DeviceRows, DeviceRows),
+        w: Weights,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        assert!(out.len == n * d && x.len == n * d);
+        // SAFETY: x addresses n·d f32 (the contract, asserted).
+        let xb = unsafe { self.to_bf16_raw(x.ptr, n * d)? };
+        // SAFETY: the weights per this function's contract.
+        let (_, _, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
+        let hb = self.to_bf16(&h)?;
+        let (hb_ptr, _rh) = hb.device_ptr(&self.stream);
+        // SAFETY: w2 per the contract; `out` holds n·d f32 and hb n·f bf16.
+        unsafe { self.linear_forward_at(out.ptr, hb_ptr, w.w2, Shape { m: n, k: f, n: d }, BF16)? };
+        self.stream
+            .synchronize()
+            .map_err(|e: DriverError| gpu_error("the compute stream", e))
     }
 
     /// The up projections a = x·w1ᵀ (and b = x·w3ᵀ for SwiGLU) and the
@@ -149,8 +183,44 @@ impl CudaBackend {
         f: usize,
         grad_from: GradStart,
     ) -> Result<(), EngineError> {
-        let xb = self.to_bf16(&self.upload(x)?)?;
-        let doutb = self.to_bf16(&self.upload(dout)?)?;
+        let (xd, doutd) = (self.upload(x)?, self.upload(dout)?);
+        let mut ddx = self.zeros(n * d)?;
+        {
+            let (x_ptr, _rx) = xd.device_ptr(&self.stream);
+            let (dout_ptr, _rd) = doutd.device_ptr(&self.stream);
+            let (dx_ptr, _wdx) = ddx.device_ptr_mut(&self.stream);
+            let rows = [dx_ptr, dout_ptr, x_ptr].map(|p| DeviceRows::new(p, n * d));
+            // SAFETY: the three hold n·d f32 and live past the call; the
+            // weights per this function's contract.
+            unsafe { self.ffn_backward_rows(kind, rows, dparams, w, (n, d, f), grad_from)? };
+        }
+        self.download(&ddx, dx)
+    }
+
+    /// The backward in GPU memory, `[dx, dout, x]` each (n, D): dx
+    /// overwritten, and the expert's gradient downloaded into `dparams`
+    /// (from zero or added to what it held, by `grad_from`). Waits for the
+    /// compute stream before it returns.
+    ///
+    /// # Safety
+    /// As [`Self::ffn_forward_rows`], for the three rows.
+    unsafe fn ffn_backward_rows(
+        &self,
+        kind: ExpertKind,
+        [dx, dout, x]: [DeviceRows; 3],
+        dparams: &mut [f32],
+        w: Weights,
+        (n, d, f): (usize, usize, usize),
+        grad_from: GradStart,
+    ) -> Result<(), EngineError> {
+        assert!(dx.len == n * d && dout.len == n * d && x.len == n * d);
+        // SAFETY: x and dout address n·d f32 (the contract, asserted).
+        let (xb, doutb) = unsafe {
+            (
+                self.to_bf16_raw(x.ptr, n * d)?,
+                self.to_bf16_raw(dout.ptr, n * d)?,
+            )
+        };
         // SAFETY: the weights per this function's contract.
         let (a, b, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
         let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
@@ -203,7 +273,8 @@ impl CudaBackend {
         }
         self.download_expert_grad(&dw1, &mut dparams[..f * d])?;
         self.download_expert_grad(&dw2, &mut dparams[in_len..])?;
-        self.download(&ddx, dx)?;
+        // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
+        unsafe { self.copy_to(dx.ptr, &ddx)? };
         self.stream
             .synchronize()
             .map_err(|e: DriverError| gpu_error("the compute stream", e))
@@ -385,6 +456,53 @@ impl ExpertDevice for CudaExpertDevice {
             // SAFETY: `w` addresses the slot's expert (or its bf16 copy),
             // which stays unwritten until this call returns.
             unsafe { backend.ffn_forward(kind, out, saved, x, w, n, d, f) }
+        })
+    }
+
+    fn takes_device_rows(&self) -> bool {
+        true
+    }
+
+    unsafe fn expert_forward_rows(
+        &mut self,
+        kind: ExpertKind,
+        out: DeviceRows,
+        x: DeviceRows,
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(params.count, kind.params(d, f));
+        let backend = &self.backend;
+        self.with_weights(params, d, f, |w| {
+            // SAFETY: `w` as in `expert_forward`; the rows per this
+            // function's contract (this GPU's memory: the network's
+            // `CudaOps` on the same backend made them).
+            unsafe { backend.ffn_forward_rows(kind, (out, x), w, n, d, f) }
+        })
+    }
+
+    unsafe fn expert_backward_rows(
+        &mut self,
+        kind: ExpertKind,
+        dx: DeviceRows,
+        dparams: &mut [f32],
+        dout: DeviceRows,
+        x: DeviceRows,
+        params: SlotParams,
+        n: usize,
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        assert_eq!(params.count, kind.params(d, f));
+        assert_eq!(dparams.len(), params.count);
+        let backend = &self.backend;
+        self.with_weights(params, d, f, |w| {
+            let rows = [dx, dout, x];
+            // SAFETY: as in `expert_forward_rows`; `dparams` is
+            // overwritten, as in `expert_backward`.
+            unsafe { backend.ffn_backward_rows(kind, rows, dparams, w, (n, d, f), GradStart::Zero) }
         })
     }
 

@@ -369,3 +369,61 @@ extern "C" __global__ void clamp_grad(float* grad, const float* before, unsigned
     float v = before[i];
     if (!(v >= -clip && v <= clip)) grad[i] = 0.0f;
 }
+
+// The MoE block's permutation on the device (model::DenseOps, the GPU's
+// MoE path). Rows of experts' inputs and outputs are in expert order: row
+// i belongs to assignment order[i], and assignment a's row is position[a].
+
+// math::combine_forward: y (t, d) = sum over s < k, in order, of
+// weights[i·k + s] · rows[position[i·k + s]], one thread an element.
+extern "C" __global__ void combine_rows(const float* rows, const unsigned* position,
+                                        const float* weights, float* y, unsigned t, unsigned k,
+                                        unsigned d) {
+    unsigned idx = strata_index();
+    if (idx >= t * d) return;
+    unsigned i = idx / d, c = idx % d;
+    float acc = 0.0f;
+    for (unsigned s = 0; s < k; ++s) {
+        unsigned a = i * k + s;
+        acc += weights[a] * rows[(unsigned long long)position[a] * d + c];
+    }
+    y[idx] = acc;
+}
+
+// math::combine_backward_weights: dweights[a] = dy[a / k] · rows[position[a]],
+// summed over d in order, one thread an assignment.
+extern "C" __global__ void combine_weights_grad(const float* dy, const float* rows,
+                                                const unsigned* position, float* dweights,
+                                                unsigned t, unsigned k, unsigned d) {
+    unsigned a = strata_index();
+    if (a >= t * k) return;
+    const float* g = dy + (unsigned long long)(a / k) * d;
+    const float* r = rows + (unsigned long long)position[a] * d;
+    float dot = 0.0f;
+    for (unsigned c = 0; c < d; ++c) dot += g[c] * r[c];
+    dweights[a] = dot;
+}
+
+// math::AssignmentGrads::gather over every row: dst (n, d) row r =
+// weights[a] · dy[a / k] for a = order[r], one thread an element.
+extern "C" __global__ void weighted_rows(const float* dy, const float* weights,
+                                         const unsigned* order, float* dst, unsigned n,
+                                         unsigned d, unsigned k) {
+    unsigned idx = strata_index();
+    if (idx >= n * d) return;
+    unsigned r = idx / d, c = idx % d;
+    unsigned a = order[r];
+    dst[idx] = weights[a] * dy[(unsigned long long)(a / k) * d + c];
+}
+
+// math::gather_backward: dx (t, d) += sum over s < k, in order, of
+// rows[position[i·k + s]], one thread an element.
+extern "C" __global__ void gather_rows_backward(const float* rows, const unsigned* position,
+                                                float* dx, unsigned t, unsigned k, unsigned d) {
+    unsigned idx = strata_index();
+    if (idx >= t * d) return;
+    unsigned i = idx / d, c = idx % d;
+    float acc = dx[idx];
+    for (unsigned s = 0; s < k; ++s) acc += rows[(unsigned long long)position[i * k + s] * d + c];
+    dx[idx] = acc;
+}

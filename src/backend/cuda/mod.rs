@@ -20,11 +20,13 @@ mod dense;
 mod expert;
 mod head;
 mod linear;
+mod moe;
 mod ops;
 mod weights;
 
 pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 pub use expert::CudaExpertDevice;
+pub use moe::{CudaMoeSaved, DeviceMoe};
 pub use ops::CudaOps;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -365,11 +367,30 @@ impl CudaBackend {
         s: Shape,
         inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
-        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         assert!(out.len() == s.m * s.n && x.len() == s.m * s.k);
         let (x_ptr, _rx) = x.device_ptr(&self.stream);
         let (out_ptr, _wo) = out.device_ptr_mut(&self.stream);
         // SAFETY: out and x hold the asserted sizes; `w` per the contract.
+        unsafe { self.linear_forward_at(out_ptr, x_ptr, w, s, inputs) }
+    }
+
+    /// [`Self::linear_forward`] at device addresses: out (M·N f32) and
+    /// x (M·K values of type `inputs`).
+    ///
+    /// # Safety
+    /// As [`Self::linear_forward`], and `out` and `x` address memory of
+    /// this context of those sizes, alive and not used by another stream
+    /// until this stream has run the product.
+    unsafe fn linear_forward_at(
+        &self,
+        out: CUdeviceptr,
+        x: CUdeviceptr,
+        w: CUdeviceptr,
+        s: Shape,
+        inputs: blas_sys::cudaDataType,
+    ) -> Result<(), EngineError> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        // SAFETY: the pointers per this function's contract.
         unsafe {
             self.gemm(
                 CUBLAS_OP_T,
@@ -377,14 +398,30 @@ impl CudaBackend {
                 (s.n, s.m, s.k),
                 w,
                 s.k,
-                x_ptr,
+                x,
                 s.k,
                 0.0,
-                out_ptr,
+                out,
                 s.n,
                 inputs,
             )
         }
+    }
+
+    /// `src` copied to device address `dst`, in stream order.
+    ///
+    /// # Safety
+    /// `dst` addresses `src.len()` f32 of this context's memory, alive and
+    /// not used by another stream until this stream has run the copy.
+    unsafe fn copy_to(&self, dst: CUdeviceptr, src: &CudaSlice<f32>) -> Result<(), EngineError> {
+        let (src_ptr, _read) = src.device_ptr(&self.stream);
+        let bytes = src.len() * std::mem::size_of::<f32>();
+        // SAFETY: both address `bytes` of device memory (the contract and
+        // the slice's length); the copy is queued on this stream.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src_ptr, bytes, self.stream.cu_stream())
+        }
+        .map_err(|e| gpu_error("a copy in GPU memory", e))
     }
 
     /// dx (M, K) += dout (M, N) · w (N, K); dw (N, K) += doutᵀ · x, `dout`,

@@ -15,9 +15,10 @@ use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 
 use super::attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 use super::dense::threads;
+use super::moe::CudaMoeSaved;
 use super::{gpu_error, CudaBackend, Shape};
 use crate::math::attention::{AttnShape, RopeTable};
-use crate::model::{DenseKernels, DenseOps};
+use crate::model::{DenseKernels, DenseOps, ExpertRunner, ModelConfig};
 use crate::EngineError;
 
 /// The dense layers' operations on one GPU, for one forward and backward.
@@ -39,6 +40,11 @@ impl<'a> CudaOps<'a> {
             kernels,
             rope: RefCell::new(None),
         })
+    }
+
+    /// The GPU these operations run on.
+    pub(super) fn gpu(&self) -> &CudaBackend {
+        self.gpu
     }
 
     /// Runs `f` on the GPU accumulator of `grad`, a slice of the dense
@@ -89,6 +95,10 @@ impl DenseOps for CudaOps<'_> {
 
     fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, EngineError> {
         self.gpu.zeros(n)
+    }
+
+    fn len(&self, x: &CudaSlice<f32>) -> usize {
+        x.len()
     }
 
     fn duplicate(&self, x: &CudaSlice<f32>) -> Result<CudaSlice<f32>, EngineError> {
@@ -251,6 +261,70 @@ impl DenseOps for CudaOps<'_> {
         let dims = (table.half(), table.head_dim());
         self.gpu
             .rope_device(x, tables, seq_len, heads, dims, transpose)
+    }
+
+    type MoeSaved = CudaMoeSaved;
+
+    fn moe_forward(
+        &self,
+        model: &ModelConfig,
+        layer: usize,
+        router: (&[f32], Option<&[f32]>),
+        x: &CudaSlice<f32>,
+        t: usize,
+        runner: &mut dyn ExpertRunner,
+    ) -> Result<(CudaSlice<f32>, CudaMoeSaved), EngineError> {
+        self.moe_forward_on_gpu(model, layer, router, x, t, runner)
+    }
+
+    fn moe_backward(
+        &self,
+        model: &ModelConfig,
+        layer: usize,
+        router: (&[f32], &mut [f32]),
+        grads: (&mut CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        saved: &CudaMoeSaved,
+        losses: (f32, f32),
+        runner: &mut dyn ExpertRunner,
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        self.moe_backward_on_gpu(
+            model,
+            layer,
+            router,
+            grads,
+            saved,
+            losses,
+            runner,
+            last_micro_batch,
+        )
+    }
+
+    fn moe_release(&self, saved: &mut CudaMoeSaved, runner: &mut dyn ExpertRunner) {
+        // A block that ran on the host hands its buffer back; GPU memory is
+        // freed as the saved state is dropped.
+        if let CudaMoeSaved::Host(s) = saved {
+            runner.give_buffer(std::mem::take(&mut s.expert_out));
+        }
+    }
+
+    fn moe_output_done(&self, y: CudaSlice<f32>, _runner: &mut dyn ExpertRunner) {
+        drop(y);
+    }
+
+    fn on_host<R>(
+        &self,
+        x: &mut CudaSlice<f32>,
+        f: impl FnOnce(&mut [f32]) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut host = self.take(x.clone())?;
+        let result = f(&mut host)?;
+        self.gpu.count_pcie_other::<f32>(host.len());
+        self.gpu
+            .stream
+            .memcpy_htod(&host, x)
+            .map_err(|e| gpu_error("an upload", e))?;
+        Ok(result)
     }
 
     fn attention_saved_len(&self, shape: &AttnShape) -> usize {
