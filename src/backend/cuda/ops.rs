@@ -113,13 +113,13 @@ impl DenseOps for CudaOps<'_> {
     }
 
     fn read<'b>(&self, x: &'b CudaSlice<f32>) -> Result<Cow<'b, [f32]>, EngineError> {
-        Ok(Cow::Owned(self.take(x.clone())?))
+        let mut host = vec![0.0f32; x.len()];
+        self.gpu.download(x, &mut host)?;
+        Ok(Cow::Owned(host))
     }
 
     fn take(&self, x: CudaSlice<f32>) -> Result<Vec<f32>, EngineError> {
-        let mut host = vec![0.0f32; x.len()];
-        self.gpu.download(&x, &mut host)?;
-        Ok(host)
+        Ok(self.read(&x)?.into_owned())
     }
 
     fn add_assign(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), EngineError> {
@@ -317,7 +317,7 @@ impl DenseOps for CudaOps<'_> {
         x: &mut CudaSlice<f32>,
         f: impl FnOnce(&mut [f32]) -> Result<R, EngineError>,
     ) -> Result<R, EngineError> {
-        let mut host = self.take(x.clone())?;
+        let mut host = self.read(x)?.into_owned();
         let result = f(&mut host)?;
         self.gpu.count_pcie_other::<f32>(host.len());
         self.gpu
