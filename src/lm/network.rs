@@ -18,8 +18,8 @@ use super::groups::TensorGroup;
 use super::mlp::MlpRanges;
 use super::qkv::QkvRanges;
 pub use super::token_batch::TokenBatch;
-use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
-use crate::math::{cross_entropy_loss, rmsnorm_backward, rmsnorm_forward, Scoring, IGNORED_TARGET};
+use crate::math::attention::{AttnShape, RopeTable};
+use crate::math::{cross_entropy_loss, Scoring, IGNORED_TARGET};
 use crate::model::{
     fill_uniform, DenseKernels, DenseOps, Evaluation, ExpertRunner, HeadShape, HostOps, Losses,
     ModelConfig, MoeRouting, Network,
@@ -82,10 +82,10 @@ struct Forward<B, M> {
     inputs: Vec<u32>,
     targets: Vec<u32>,
     layers: Vec<LayerSaved<B, M>>,
-    h: Vec<f32>,
+    h: B,
     /// The final norm's output, the head's input.
-    nf: Vec<f32>,
-    invf: Vec<f32>,
+    nf: B,
+    invf: B,
     /// The rotary table the forward used (the backward's too).
     rope: RopeTable<f32>,
     aux: f32,
@@ -270,12 +270,10 @@ impl MoeLm {
         let rope =
             RopeTable::<f32>::partial(batch.seq_len, c.head_dim, c.rotary_dim(), c.rope_theta);
         let span = kernels.host_span("embedding");
-        let mut h_host = vec![0.0f32; t * d];
-        embedding_forward(&mut h_host, &dense[self.embed.clone()], &inputs, d);
+        let mut h = ops.embedding_forward(&dense[self.embed.clone()], &inputs, d)?;
         drop(span);
         let mut layers = Vec::with_capacity(c.layers);
         let (mut aux, mut z) = (0.0f32, 0.0f32);
-        let mut h = ops.place(h_host)?;
         for r in &self.layers {
             let starts = batch.attention_starts();
             let attention = attention_half::forward(
@@ -308,11 +306,6 @@ impl MoeLm {
                 ffn,
             });
         }
-        // The final norm and the head run on the host's activations (on a
-        // GPU, the head's kernels copy them up a block of rows at a time).
-        let span = kernels.host_span("activations to host");
-        let h_host = ops.take(h)?;
-        drop(span);
         if c.scoring != Scoring::Softmax {
             // GLM-4.5 has no load-balancing loss: its correction bias
             // balances the experts.
@@ -321,16 +314,16 @@ impl MoeLm {
             aux = all_layers_aux(&mut layers, c.experts, t);
         }
         let span = kernels.host_span("rmsnorm");
-        let mut nf = vec![0.0f32; t * d];
-        let mut invf = vec![0.0f32; t];
+        let mut nf = ops.zeros(t * d)?;
+        let mut invf = ops.zeros(t)?;
         let gf = &dense[self.final_norm.clone()];
-        rmsnorm_forward(&mut nf, &mut invf, &h_host, gf, t, d, c.rms_eps);
+        ops.rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps)?;
         drop(span);
         Ok(Forward {
             inputs,
             targets,
             layers,
-            h: h_host,
+            h,
             nf,
             invf,
             rope,
@@ -358,8 +351,8 @@ impl MoeLm {
         let t = f.inputs.len();
         // The head, its loss and its backward in one (a GPU keeps the
         // logits on the device, a chunk of rows at a time).
-        let mut dnf = vec![0.0f32; t * d];
-        let ce = kernels.head_loss(
+        let mut dnf = ops.zeros(t * d)?;
+        let ce = ops.head_loss(
             &mut dnf,
             &mut dense_grad[self.head.clone()],
             &f.nf,
@@ -379,9 +372,9 @@ impl MoeLm {
         }
         // Final norm.
         let span = kernels.host_span("rmsnorm backward");
-        let mut dh_host = vec![0.0f32; t * d];
-        rmsnorm_backward(
-            &mut dh_host,
+        let mut dh = ops.zeros(t * d)?;
+        ops.rmsnorm_backward(
+            &mut dh,
             &mut dense_grad[self.final_norm.clone()],
             &dnf,
             &f.h,
@@ -389,9 +382,9 @@ impl MoeLm {
             &f.invf,
             t,
             d,
-        );
+        )?;
         drop(span);
-        let mut dh = ops.place(dh_host)?;
+        drop(dnf);
         let daux = c.aux_loss_coef * share;
         let dz = c.z_loss_coef * share;
         for (l, r) in self.layers.iter().enumerate().rev() {
@@ -435,9 +428,8 @@ impl MoeLm {
                 ops.moe_release(moe, runner);
             }
         }
-        let dh = ops.read(&dh)?;
         let span = kernels.host_span("embedding backward");
-        embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d);
+        ops.embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d)?;
         drop(span);
         Ok(Losses {
             ce,
@@ -460,8 +452,9 @@ impl MoeLm {
         let (d, v) = (self.config.d_model, self.config.vocab);
         let t = f.targets.len();
         let mut logits = vec![0.0f32; t * v];
+        let nf = ops.read(&f.nf)?;
         ops.kernels()
-            .forward(&mut logits, &f.nf, &dense[self.head.clone()], t, d, v)?;
+            .forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v)?;
         let counted = f.targets.iter().filter(|&&x| x != IGNORED_TARGET).count();
         let loss = cross_entropy_loss(&logits, &f.targets, v, counted.max(1));
         Ok(Evaluation {

@@ -13,8 +13,11 @@
 
 use std::borrow::Cow;
 
-use super::{moe_backward, moe_forward, DenseKernels, ExpertRunner, ModelConfig, MoeSaved};
-use crate::math::attention::{rope_backward, rope_forward, AttnShape, RopeTable};
+use super::MoeSaved;
+use super::{moe_backward, moe_forward, DenseKernels, ExpertRunner, HeadShape, ModelConfig};
+use crate::math::attention::{
+    embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
+};
 use crate::math::{rmsnorm_backward, rmsnorm_forward, Routing};
 use crate::EngineError;
 
@@ -123,6 +126,34 @@ pub trait DenseOps {
         heads: usize,
         transpose: bool,
     ) -> Result<(), EngineError>;
+
+    /// h (T, D) = the rows of `table` (V, D) of `tokens`.
+    fn embedding_forward(
+        &self,
+        table: &[f32],
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<Self::Buf, EngineError>;
+    /// dtable += dh's rows at their tokens, in token order.
+    fn embedding_backward(
+        &self,
+        dtable: &mut [f32],
+        dh: &Self::Buf,
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<(), EngineError>;
+    /// [`DenseKernels::head_loss`] on these buffers: the head's logits of
+    /// x, their cross-entropy against `targets` (returned), dx
+    /// (overwritten) and dhead (accumulating).
+    fn head_loss(
+        &self,
+        dx: &mut Self::Buf,
+        dhead: &mut [f32],
+        x: &Self::Buf,
+        head: &[f32],
+        targets: &[u32],
+        s: HeadShape,
+    ) -> Result<f32, EngineError>;
 
     /// What a MoE block's forward keeps for its backward.
     type MoeSaved: MoeRouting;
@@ -367,6 +398,40 @@ impl DenseOps for HostOps<'_> {
             rope_forward(x, table, seq_len, heads);
         }
         Ok(())
+    }
+
+    fn embedding_forward(
+        &self,
+        table: &[f32],
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut h = vec![0.0f32; tokens.len() * d];
+        embedding_forward(&mut h, table, tokens, d);
+        Ok(h)
+    }
+
+    fn embedding_backward(
+        &self,
+        dtable: &mut [f32],
+        dh: &Vec<f32>,
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<(), EngineError> {
+        embedding_backward(dtable, dh, tokens, d);
+        Ok(())
+    }
+
+    fn head_loss(
+        &self,
+        dx: &mut Vec<f32>,
+        dhead: &mut [f32],
+        x: &Vec<f32>,
+        head: &[f32],
+        targets: &[u32],
+        s: HeadShape,
+    ) -> Result<f32, EngineError> {
+        self.kernels.head_loss(dx, dhead, x, head, targets, s)
     }
 
     type MoeSaved = MoeSaved;

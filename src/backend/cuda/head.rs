@@ -8,7 +8,9 @@
 //! (and as much of d logits), so a large vocabulary's (T × V) logits never
 //! exist whole.
 
-use super::{CudaBackend, Shape};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+
+use super::{CudaBackend, Shape, F32};
 use crate::model::HeadShape;
 use crate::EngineError;
 
@@ -34,12 +36,38 @@ impl CudaBackend {
         s: HeadShape,
         block: usize,
     ) -> Result<f32, EngineError> {
+        let HeadShape { t, d, .. } = s;
+        assert!(dx.len() == t * d && x.len() == t * d);
+        self.bind()?;
+        let xd = self.upload(x)?;
+        let mut dxd = self.zeros(t * d)?;
+        let loss = self.head_loss_device(&mut dxd, dhead, &xd, head, targets, s, block)?;
+        self.download(&dxd, dx)?;
+        Ok(loss)
+    }
+
+    /// `head_loss` with x and dx (T, D; dx overwritten) in GPU memory, in
+    /// blocks of `block` rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn head_loss_device(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dhead: &mut [f32],
+        x: &CudaSlice<f32>,
+        head: &[f32],
+        targets: &[u32],
+        s: HeadShape,
+        block: usize,
+    ) -> Result<f32, EngineError> {
         let HeadShape { t, d, v, .. } = s;
         assert!(block > 0, "a block holds a row at least");
         assert!(dx.len() == t * d && x.len() == t * d && targets.len() == t);
         assert!(dhead.len() == v * d && head.len() == v * d);
-        self.bind()?;
         let w = self.weight(head)?;
+        self.memset_zeros(dx)?; // overwritten: the blocks' backward adds to it
+        let (w_ptr, _rw) = w.device_ptr(&self.stream);
+        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
         // The head's gradient: the step's accumulator for its slice of the
         // dense gradient, else a buffer of its own added in at the end.
         let mut grads = self.grads.lock().unwrap_or_else(|p| p.into_inner());
@@ -48,27 +76,42 @@ impl CudaBackend {
             Some(acc) => acc,
             None => own.insert(self.upload(dhead)?),
         };
+        let (acc_ptr, _wacc) = acc.device_ptr_mut(&self.stream);
         let mut loss = 0.0f32;
         let mut shares = Vec::with_capacity(block.min(t));
+        let row_bytes = (d * std::mem::size_of::<f32>()) as u64;
         for start in (0..t).step_by(block) {
             let n = block.min(t - start);
-            let rows = start * d..(start + n) * d;
-            let xb = self.upload(&x[rows.clone()])?;
+            let (xb, dxb) = (
+                x_ptr + start as u64 * row_bytes,
+                dx_ptr + start as u64 * row_bytes,
+            );
             let tb = self.upload_u32(&targets[start..start + n])?;
+            let shape = Shape { m: n, k: d, n: v };
             let mut logits = self.zeros(n * v)?;
-            self.linear_forward_f32(&mut logits, &xb, &w, Shape { m: n, k: d, n: v })?;
+            {
+                let (logits_ptr, _wl) = logits.device_ptr_mut(&self.stream);
+                // SAFETY: logits holds n·v f32, x's block n·d from row
+                // `start` (< t), the head v·d; all alive past the call.
+                unsafe { self.linear_forward_at(logits_ptr, xb, w_ptr, shape, F32)? };
+            }
             let mut dlogits = self.zeros(n * v)?;
             let row_loss = self.cross_entropy_rows(&logits, &tb, &mut dlogits, v, s.denominator)?;
             drop(logits);
-            let mut dxb = self.zeros(n * d)?; // dx is overwritten
-            let shape = Shape { m: n, k: d, n: v };
-            self.linear_backward_f32(&mut dxb, acc, &dlogits, &xb, &w, shape)?;
-            self.download(&dxb, &mut dx[rows])?;
+            {
+                let (dl_ptr, _rdl) = dlogits.device_ptr(&self.stream);
+                // SAFETY: dx's and x's blocks hold n·d f32, the
+                // accumulator v·d, d logits n·v; all alive past the call.
+                unsafe {
+                    self.linear_backward_at([dxb, acc_ptr], [dl_ptr, xb], w_ptr, shape, F32)?
+                };
+            }
             shares.resize(n, 0.0);
             self.download(&row_loss, &mut shares)?;
             // Row order, as the host sums the kernel's shares.
             loss = shares.iter().fold(loss, |a, &r| a + r);
         }
+        drop((_wacc, _wdx, _rx, _rw));
         if let Some(own) = own {
             self.download(&own, dhead)?;
         }

@@ -440,7 +440,6 @@ impl CudaBackend {
         s: Shape,
         inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
-        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         assert!(dx.len() == s.m * s.k && dw.len() == s.n * s.k);
         assert!(dout.len() == s.m * s.n && x.len() == s.m * s.k);
         let (dout_ptr, _rd) = dout.device_ptr(&self.stream);
@@ -448,7 +447,27 @@ impl CudaBackend {
         let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
         let (dw_ptr, _wdw) = dw.device_ptr_mut(&self.stream);
         // SAFETY: every buffer holds the asserted size; `w` per the
-        // contract. dxᵀ (K×M) = w-as-(K×N) · doutᵀ-as-(N×M), then
+        // contract.
+        unsafe { self.linear_backward_at([dx_ptr, dw_ptr], [dout_ptr, x_ptr], w, s, inputs) }
+    }
+
+    /// [`Self::linear_backward`] at device addresses: `[dx, dw]` (M·K and
+    /// N·K f32) accumulate from `[dout, x]` (M·N and M·K values of type
+    /// `inputs`).
+    ///
+    /// # Safety
+    /// As [`Self::linear_forward_at`], for the four addresses.
+    unsafe fn linear_backward_at(
+        &self,
+        [dx, dw]: [CUdeviceptr; 2],
+        [dout, x]: [CUdeviceptr; 2],
+        w: CUdeviceptr,
+        s: Shape,
+        inputs: blas_sys::cudaDataType,
+    ) -> Result<(), EngineError> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        // SAFETY: the pointers per this function's contract.
+        // dxᵀ (K×M) = w-as-(K×N) · doutᵀ-as-(N×M), then
         // dwᵀ (K×N) = x-as-(K×M) · (doutᵀ-as-(N×M))ᵀ.
         unsafe {
             self.gemm(
@@ -457,10 +476,10 @@ impl CudaBackend {
                 (s.k, s.m, s.n),
                 w,
                 s.k,
-                dout_ptr,
+                dout,
                 s.n,
                 1.0,
-                dx_ptr,
+                dx,
                 s.k,
                 inputs,
             )?;
@@ -468,12 +487,12 @@ impl CudaBackend {
                 CUBLAS_OP_N,
                 CUBLAS_OP_T,
                 (s.k, s.n, s.m),
-                x_ptr,
+                x,
                 s.k,
-                dout_ptr,
+                dout,
                 s.n,
                 1.0,
-                dw_ptr,
+                dw,
                 s.k,
                 inputs,
             )

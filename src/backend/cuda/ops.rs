@@ -17,8 +17,8 @@ use super::attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 use super::dense::threads;
 use super::moe::CudaMoeSaved;
 use super::{gpu_error, CudaBackend, Shape};
-use crate::math::attention::{AttnShape, RopeTable};
-use crate::model::{DenseKernels, DenseOps, ExpertRunner, ModelConfig};
+use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
+use crate::model::{DenseKernels, DenseOps, ExpertRunner, HeadShape, ModelConfig};
 use crate::EngineError;
 
 /// The dense layers' operations on one GPU, for one forward and backward.
@@ -261,6 +261,47 @@ impl DenseOps for CudaOps<'_> {
         let dims = (table.half(), table.head_dim());
         self.gpu
             .rope_device(x, tables, seq_len, heads, dims, transpose)
+    }
+
+    // The embedding runs on the host: its table would otherwise cross
+    // PCIe whole every step (the dense params change with every update,
+    // and the GPU holds them only between updates), and its gradient come
+    // back whole, where the host's gather and scatter move (T × D) once
+    // each way.
+    fn embedding_forward(
+        &self,
+        table: &[f32],
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let mut h = vec![0.0f32; tokens.len() * d];
+        embedding_forward(&mut h, table, tokens, d);
+        self.place(h)
+    }
+
+    fn embedding_backward(
+        &self,
+        dtable: &mut [f32],
+        dh: &CudaSlice<f32>,
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<(), EngineError> {
+        embedding_backward(dtable, &self.read(dh)?, tokens, d);
+        Ok(())
+    }
+
+    fn head_loss(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dhead: &mut [f32],
+        x: &CudaSlice<f32>,
+        head: &[f32],
+        targets: &[u32],
+        s: HeadShape,
+    ) -> Result<f32, EngineError> {
+        let block = super::head::head_block_rows(s.v);
+        self.gpu
+            .head_loss_device(dx, dhead, x, head, targets, s, block)
     }
 
     type MoeSaved = CudaMoeSaved;
