@@ -207,18 +207,27 @@ impl KernelHost for KernelEmulator {
                 arg(&d32),
             ],
         );
-        self.launch(
-            "rmsnorm_backward_dg",
-            d,
-            &[
-                arg(&pdo),
-                arg(&px),
-                arg(&pi),
-                arg(&pdg),
-                arg(&t32),
-                arg(&d32),
-            ],
-        );
+        // dg in two passes, blocks of 8 rows (the backend's are 64), so
+        // that the check's rows span several blocks.
+        let rows = 8usize;
+        let blocks = t.div_ceil(rows);
+        let mut partials = vec![0.0f32; blocks * d];
+        let ppart = partials.as_mut_ptr();
+        let (rows32, norm32, blocks32) = (rows as u32, 1u32, blocks as u32);
+        let args = [
+            arg(&pdo),
+            arg(&px),
+            arg(&pi),
+            arg(&ppart),
+            arg(&t32),
+            arg(&d32),
+        ];
+        let mut args = args.to_vec();
+        args.extend([arg(&rows32), arg(&norm32)]);
+        self.launch("column_partials", blocks * d, &args);
+        let ppart_in = partials.as_ptr();
+        let args = [arg(&ppart_in), arg(&pdg), arg(&blocks32), arg(&d32)];
+        self.launch("add_column_partials", d, &args);
     }
 
     fn rope(

@@ -189,11 +189,15 @@ pub fn activations(h: &dyn KernelHost) {
 
 /// RMSNorm and RoPE sum and multiply in the cpu's order with IEEE sqrt
 /// (fused multiply-adds off), so they agree to rounding of the last ulp at
-/// most: 1e-6.
+/// most: 1e-6. The gain's gradient sums blocks of rows, then the blocks
+/// (150 rows: several blocks), another order than the cpu's one pass: two
+/// orders of 150 terms of order one differ by a few ulps of the terms'
+/// sizes, 2.1e-6 here; 1e-5 bounds it, where a term missing or counted
+/// twice moves a value by its size, O(1).
 pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
     use strata::math::attention::{rope_backward, rope_forward, RopeTable};
     use strata::math::{rmsnorm_backward, rmsnorm_forward};
-    let (t, d) = (33, 64);
+    let (t, d) = (150, 64);
     let (x, g, dout) = (f32s(t * d, 20, 2.0), f32s(d, 21, 1.0), f32s(t * d, 22, 1.0));
     let (mut out, mut inv) = (vec![0.0; t * d], vec![0.0; t]);
     rmsnorm_forward(&mut out, &mut inv, &x, &g, t, d, 1e-5);
@@ -204,7 +208,7 @@ pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
     rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &g, &inv, t, d);
     h.rmsnorm_backward(&mut hdx, &mut hdg, &dout, &x, &g, &inv, t, d);
     assert!(worst(&hdx, &dx) < 1e-6, "dx {}", worst(&hdx, &dx));
-    assert!(worst(&hdg, &dg) < 1e-6, "dg {}", worst(&hdg, &dg));
+    assert!(worst(&hdg, &dg) < 1e-5, "dg {}", worst(&hdg, &dg));
     let (seq_len, heads, hd) = (11, 3, 16);
     let q = f32s(2 * seq_len * heads * hd, 23, 1.0);
     // Every dimension rotating, and the first 12 of 16 (a partial rotary).

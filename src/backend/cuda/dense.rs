@@ -14,7 +14,8 @@ use crate::EngineError;
 pub(super) struct DenseFunctions {
     rmsnorm_forward: CudaFunction,
     rmsnorm_backward_dx: CudaFunction,
-    rmsnorm_backward_dg: CudaFunction,
+    column_partials: CudaFunction,
+    add_column_partials: CudaFunction,
     rope: CudaFunction,
     cross_entropy: CudaFunction,
     router_top_k: CudaFunction,
@@ -26,7 +27,6 @@ pub(super) struct DenseFunctions {
     pub(super) attn_softmax_backward: CudaFunction,
     pub(super) add_into: CudaFunction,
     pub(super) add_bias: CudaFunction,
-    pub(super) bias_grad: CudaFunction,
     pub(super) clamp_values: CudaFunction,
     pub(super) clamp_grad: CudaFunction,
     pub(super) combine_rows: CudaFunction,
@@ -45,7 +45,8 @@ impl DenseFunctions {
         Ok(Self {
             rmsnorm_forward: load("rmsnorm_forward")?,
             rmsnorm_backward_dx: load("rmsnorm_backward_dx")?,
-            rmsnorm_backward_dg: load("rmsnorm_backward_dg")?,
+            column_partials: load("column_partials")?,
+            add_column_partials: load("add_column_partials")?,
             rope: load("rope")?,
             cross_entropy: load("cross_entropy")?,
             router_top_k: load("router_top_k")?,
@@ -57,7 +58,6 @@ impl DenseFunctions {
             attn_softmax_backward: load("attn_softmax_backward")?,
             add_into: load("add_into")?,
             add_bias: load("add_bias")?,
-            bias_grad: load("bias_grad")?,
             clamp_values: load("clamp_values")?,
             clamp_grad: load("clamp_grad")?,
             combine_rows: load("combine_rows")?,
@@ -76,6 +76,9 @@ pub struct RouterOut {
     pub experts: Vec<u32>,
     pub weights: Vec<f32>,
 }
+
+/// Rows a block of a column sum's first pass adds (`column_partials`).
+pub(super) const COLUMN_SUM_ROWS: usize = 64;
 
 pub(super) fn threads(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(n as u32)
@@ -191,10 +194,41 @@ impl CudaBackend {
         // SAFETY: dout, x, dx hold t·d f32, g d, inv_rms t (asserted); one
         // thread a row.
         unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_backward_dx", e))?;
-        let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dg);
-        launch.arg(dout).arg(x).arg(inv).arg(dg).arg(&t32).arg(&d32);
-        // SAFETY: as above; dg holds d f32; one thread a column.
-        unsafe { launch.launch(threads(d)) }.map_err(|e| gpu_error("rmsnorm_backward_dg", e))?;
+        self.column_sums_into(dg, dout, Some((x, inv)), (t, d))
+    }
+
+    /// dst (D) += the sum over a's t rows (t, D) of a, or with `norm` =
+    /// (x, inv_rms) of a·x·inv_rms (a norm's gain gradient), in two
+    /// passes: blocks of [`COLUMN_SUM_ROWS`] rows in row order, then the
+    /// blocks in order.
+    pub(super) fn column_sums_into(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        norm: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        (t, d): (usize, usize),
+    ) -> Result<(), EngineError> {
+        assert!(a.len() == t * d && dst.len() == d);
+        if let Some((x, inv)) = norm {
+            assert!(x.len() == t * d && inv.len() == t);
+        }
+        let blocks = t.div_ceil(COLUMN_SUM_ROWS).max(1);
+        let mut partials = self.zeros(blocks * d)?;
+        let (x, inv) = norm.unwrap_or((a, a)); // unread without `norm`
+        let [t32, d32, rows32, norm32, blocks32] =
+            [t, d, COLUMN_SUM_ROWS, norm.is_some() as usize, blocks].map(|v| v as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.column_partials);
+        launch.arg(a).arg(x).arg(inv).arg(&mut partials);
+        launch.arg(&t32).arg(&d32).arg(&rows32).arg(&norm32);
+        // SAFETY: a (and with `norm` x) hold t·d f32 and inv t (asserted),
+        // partials blocks·d; one thread a (block, column).
+        unsafe { launch.launch(threads(blocks * d)) }
+            .map_err(|e| gpu_error("column_partials", e))?;
+        let mut launch = self.stream.launch_builder(&self.dense.add_column_partials);
+        launch.arg(&partials).arg(dst).arg(&blocks32).arg(&d32);
+        // SAFETY: partials hold blocks·d f32, dst d (asserted); one thread
+        // a column.
+        unsafe { launch.launch(threads(d)) }.map_err(|e| gpu_error("add_column_partials", e))?;
         Ok(())
     }
 

@@ -117,16 +117,37 @@ extern "C" __global__ void rmsnorm_backward_dx(const float* dout, const float* x
     for (unsigned j = 0; j < d; ++j) dx[(unsigned long long)i * d + j] += dy[j] * g[j] * inv - row[j] * coef;
 }
 
-// math::rmsnorm_backward's dg (+=), one thread a column, rows in order (so
-// the sum is the cpu's, with no atomics).
-extern "C" __global__ void rmsnorm_backward_dg(const float* dout, const float* x,
-                                               const float* inv_rms, float* dg, unsigned t,
+// A column sum over t rows in two passes, so that every column's sum runs
+// on many threads (a norm's gain gradient sums 8192 rows at 16 x 512
+// tokens): column_partials sums each block of `rows` rows in row order,
+// add_column_partials adds the blocks' sums into dst in block order. The
+// summed term is a[i][j], or with `norm` a norm's gain gradient
+// dout[i][j] * x[i][j] * inv_rms[i] (math::rmsnorm_backward's dg).
+extern "C" __global__ void column_partials(const float* a, const float* x, const float* inv_rms,
+                                           float* partials, unsigned t, unsigned d,
+                                           unsigned rows, unsigned norm) {
+    unsigned idx = strata_index();
+    unsigned blocks = (t + rows - 1) / rows;
+    if (idx >= blocks * d) return;
+    unsigned b = idx / d, j = idx % d;
+    unsigned end = (b + 1) * rows < t ? (b + 1) * rows : t;
+    float acc = 0.0f;
+    for (unsigned i = b * rows; i < end; ++i) {
+        unsigned long long at = (unsigned long long)i * d + j;
+        acc += norm ? a[at] * x[at] * inv_rms[i] : a[at];
+    }
+    partials[idx] = acc;
+}
+
+// dst[j] += the blocks' partial sums of column j, in block order; one
+// thread a column.
+extern "C" __global__ void add_column_partials(const float* partials, float* dst, unsigned blocks,
                                                unsigned d) {
     unsigned j = strata_index();
     if (j >= d) return;
-    float acc = dg[j];
-    for (unsigned i = 0; i < t; ++i) acc += dout[(unsigned long long)i * d + j] * x[(unsigned long long)i * d + j] * inv_rms[i];
-    dg[j] = acc;
+    float acc = 0.0f;
+    for (unsigned b = 0; b < blocks; ++b) acc += partials[(unsigned long long)b * d + j];
+    dst[j] += acc;
 }
 
 // lm::attention::rope_forward (sign 1) and rope_backward (sign -1), in
@@ -341,16 +362,6 @@ extern "C" __global__ void add_bias(float* x, const float* b, unsigned n, unsign
     unsigned i = strata_index();
     if (i >= n) return;
     x[i] += b[i % width];
-}
-
-// db (width) += the sum of dx's rows, in row order (the cpu's sum, no
-// atomics), one thread a column.
-extern "C" __global__ void bias_grad(const float* dx, float* db, unsigned rows, unsigned width) {
-    unsigned j = strata_index();
-    if (j >= width) return;
-    float acc = db[j];
-    for (unsigned i = 0; i < rows; ++i) acc += dx[(unsigned long long)i * width + j];
-    db[j] = acc;
 }
 
 // x clamped to [-clip, clip] in place (a NaN stays NaN, as f32::clamp).

@@ -143,14 +143,9 @@ impl DenseOps for CudaOps<'_> {
 
     fn bias_grad(&self, db: &mut [f32], dx: &CudaSlice<f32>) -> Result<(), EngineError> {
         assert!(dx.len().is_multiple_of(db.len()));
-        let (rows, width) = ((dx.len() / db.len()) as u32, db.len() as u32);
-        let columns = db.len();
+        let (rows, width) = (dx.len() / db.len(), db.len());
         self.with_grad(db, |acc| {
-            let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.bias_grad);
-            launch.arg(dx).arg(acc).arg(&rows).arg(&width);
-            // SAFETY: dx holds rows·width f32 and acc width (asserted); one
-            // thread a column.
-            unsafe { self.run(launch, "bias_grad", columns) }
+            self.gpu.column_sums_into(acc, dx, None, (rows, width))
         })
     }
 
