@@ -100,7 +100,7 @@ struct Heads {
 impl CudaBackend {
     /// Every token's document start: `starts`, or 0 (one document a
     /// sequence), uploaded.
-    fn attention_starts(
+    pub(super) fn attention_starts(
         &self,
         starts: Option<&[u32]>,
         shape: &AttnShape,
@@ -401,7 +401,15 @@ impl CudaBackend {
         let mut out = self.zeros(out_host.len())?;
         let mut stats = self.zeros(stats_host.len())?;
         let [q, k, v] = &qkv;
-        self.attention_forward_device(&mut out, &mut stats, [q, k, v], starts, shape, block_bytes)?;
+        let starts = self.attention_starts(starts, shape)?;
+        self.attention_forward_device(
+            &mut out,
+            &mut stats,
+            [q, k, v],
+            &starts,
+            shape,
+            block_bytes,
+        )?;
         self.download(&out, out_host)?;
         self.download(&stats, stats_host)
     }
@@ -415,20 +423,20 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         stats: &mut CudaSlice<f32>,
         qkv: [&CudaSlice<f32>; 3],
-        starts: Option<&[u32]>,
+        dstarts: &CudaSlice<u32>,
         shape: &AttnShape,
         block_bytes: usize,
     ) -> Result<(), EngineError> {
         assert_eq!(stats.len(), attention_stats_len(shape));
         assert_eq!(out.len(), shape.tokens() * shape.q_width());
+        assert_eq!(dstarts.len(), shape.tokens());
         let heads = self.heads(qkv, shape)?;
-        let dstarts = self.attention_starts(starts, shape)?;
         let mut out_heads = self.zeros(heads.q.len())?;
         let rows = shape.query_block_rows(block_bytes);
         let mut scores = self.zeros(shape.seqs * shape.heads * rows * shape.seq_len)?;
         for block in Block::all(shape, block_bytes) {
             self.block_scores(&mut scores, &heads.q, &heads.k, block, shape)?;
-            self.block_softmax(&mut scores, stats, &dstarts, block, shape, false)?;
+            self.block_softmax(&mut scores, stats, dstarts, block, shape, false)?;
             self.block_times_keys(&mut out_heads, &scores, &heads.v, block, shape)?;
         }
         self.memset_zeros(out)?;
@@ -498,12 +506,13 @@ impl CudaBackend {
         let [gq, gk, gv] = &mut grads[..] else {
             unreachable!("three gradients")
         };
+        let starts = self.attention_starts(starts, shape)?;
         self.attention_backward_device(
             [gq, gk, gv],
             &dout,
             &mut stats,
             [&q, &k, &v],
-            starts,
+            &starts,
             shape,
             block_bytes,
         )?;
@@ -523,14 +532,14 @@ impl CudaBackend {
         dout: &CudaSlice<f32>,
         stats: &mut CudaSlice<f32>,
         qkv: [&CudaSlice<f32>; 3],
-        starts: Option<&[u32]>,
+        dstarts: &CudaSlice<u32>,
         shape: &AttnShape,
         block_bytes: usize,
     ) -> Result<(), EngineError> {
         assert_eq!(stats.len(), attention_stats_len(shape));
+        assert_eq!(dstarts.len(), shape.tokens());
         let heads = self.heads(qkv, shape)?;
         let dout = self.tokens_to_heads(dout, shape.heads, shape)?;
-        let dstarts = self.attention_starts(starts, shape)?;
         let n = heads.q.len();
         let (mut gq, mut gk, mut gv) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
         let rows = shape.query_block_rows(block_bytes);
@@ -538,7 +547,7 @@ impl CudaBackend {
         let (mut probs, mut dprobs) = (self.zeros(block_len)?, self.zeros(block_len)?);
         for block in Block::all(shape, block_bytes) {
             self.block_scores(&mut probs, &heads.q, &heads.k, block, shape)?;
-            self.block_softmax(&mut probs, stats, &dstarts, block, shape, true)?;
+            self.block_softmax(&mut probs, stats, dstarts, block, shape, true)?;
             self.block_keys_grad(&mut gv, &probs, &dout, block, shape)?;
             self.block_scores(&mut dprobs, &dout, &heads.v, block, shape)?;
             self.block_softmax_backward(&probs, &mut dprobs, block, shape)?;

@@ -118,6 +118,8 @@ pub struct CudaBackend {
     weights: std::sync::Mutex<weights::WeightCache<CudaSlice<f32>>>,
     /// The dense weight gradients summed on the GPU this step.
     grads: std::sync::Mutex<weights::GradCache<CudaSlice<f32>>>,
+    /// What every layer's attention reads alike (`CudaOps`).
+    attention_inputs: std::sync::Mutex<ops::AttentionInputs>,
     /// Bytes copied between host and GPU other than expert params and
     /// gradients (activations, dense weights and gradients, indices),
     /// since the backend was opened.
@@ -171,6 +173,7 @@ impl CudaBackend {
             dense,
             weights: Default::default(),
             grads: Default::default(),
+            attention_inputs: Default::default(),
             pcie_other: AtomicU64::new(0),
             info,
         })

@@ -9,7 +9,6 @@
 //! before it.
 
 use std::borrow::Cow;
-use std::cell::RefCell;
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 
@@ -25,9 +24,27 @@ use crate::EngineError;
 pub struct CudaOps<'a> {
     gpu: &'a CudaBackend,
     kernels: &'a dyn DenseKernels,
-    /// The rotary table's cos and sin on the GPU, with the host table's
-    /// address they were uploaded from.
-    rope: RefCell<Option<(usize, [CudaSlice<f32>; 2])>>,
+}
+
+/// What every layer's attention reads alike, step after step, kept on the
+/// GPU with the host values it was uploaded from (and uploaded again when
+/// they differ): the rotary table, and every token's document start
+/// (`starts`, or zeros for T tokens).
+#[derive(Default)]
+pub(super) struct AttentionInputs {
+    rope: Option<Uploaded<RopeHost, [CudaSlice<f32>; 2]>>,
+    starts: Option<Uploaded<StartsHost, CudaSlice<u32>>>,
+}
+
+/// A rotary table's cos and sin.
+type RopeHost = (Vec<f32>, Vec<f32>);
+/// Document starts (`None`: one document a sequence) for T tokens.
+type StartsHost = (Option<Vec<u32>>, usize);
+
+/// Values on the GPU with the host values they were uploaded from.
+struct Uploaded<H, D> {
+    host: H,
+    device: D,
 }
 
 impl<'a> CudaOps<'a> {
@@ -35,11 +52,7 @@ impl<'a> CudaOps<'a> {
     /// record a timeline) for the host's spans and what stays on the host.
     pub fn new(gpu: &'a CudaBackend, kernels: &'a dyn DenseKernels) -> Result<Self, EngineError> {
         gpu.bind()?;
-        Ok(Self {
-            gpu,
-            kernels,
-            rope: RefCell::new(None),
-        })
+        Ok(Self { gpu, kernels })
     }
 
     /// The GPU these operations run on.
@@ -65,6 +78,54 @@ impl<'a> CudaOps<'a> {
         let mut dev = gpu.upload(grad)?;
         f(&mut dev)?;
         gpu.download(&dev, grad)
+    }
+
+    /// Runs `f` on the document starts of `starts` at `shape`, uploaded
+    /// once for every layer and step that asks for the same.
+    fn with_starts<R>(
+        &self,
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+        f: impl FnOnce(&CudaSlice<u32>) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut inputs = self
+            .gpu
+            .attention_inputs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let host = (starts.map(<[u32]>::to_vec), shape.tokens());
+        if inputs.starts.as_ref().is_none_or(|u| u.host != host) {
+            let device = self.gpu.attention_starts(starts, shape)?;
+            inputs.starts = Some(Uploaded { host, device });
+        }
+        let uploaded = inputs
+            .starts
+            .as_ref()
+            .expect("the starts were just uploaded");
+        f(&uploaded.device)
+    }
+
+    /// Runs `f` on `table`'s cos and sin on the GPU, uploaded once for
+    /// every layer and step that asks for the same.
+    fn with_rope<R>(
+        &self,
+        table: &RopeTable<f32>,
+        f: impl FnOnce(&[CudaSlice<f32>; 2]) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut inputs = self
+            .gpu
+            .attention_inputs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let same =
+            |u: &Uploaded<(Vec<f32>, Vec<f32>), _>| u.host.0 == table.cos && u.host.1 == table.sin;
+        if !inputs.rope.as_ref().is_some_and(same) {
+            let device = [self.gpu.upload(&table.cos)?, self.gpu.upload(&table.sin)?];
+            let host = (table.cos.clone(), table.sin.clone());
+            inputs.rope = Some(Uploaded { host, device });
+        }
+        let uploaded = inputs.rope.as_ref().expect("the table was just uploaded");
+        f(&uploaded.device)
     }
 
     /// Launches `launch` (kernel `name`), one thread for each of `n`
@@ -246,16 +307,11 @@ impl DenseOps for CudaOps<'_> {
         heads: usize,
         transpose: bool,
     ) -> Result<(), EngineError> {
-        let mut cached = self.rope.borrow_mut();
-        let key = table.cos.as_ptr() as usize;
-        if cached.as_ref().is_none_or(|(at, _)| *at != key) {
-            let tables = [self.gpu.upload(&table.cos)?, self.gpu.upload(&table.sin)?];
-            *cached = Some((key, tables));
-        }
-        let (_, tables) = cached.as_ref().expect("the table was just uploaded");
         let dims = (table.half(), table.head_dim());
-        self.gpu
-            .rope_device(x, tables, seq_len, heads, dims, transpose)
+        self.with_rope(table, |tables| {
+            self.gpu
+                .rope_device(x, tables, seq_len, heads, dims, transpose)
+        })
     }
 
     // The embedding runs on the host: its table would otherwise cross
@@ -378,8 +434,11 @@ impl DenseOps for CudaOps<'_> {
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let qkv = [q, k, v];
-        self.gpu
-            .attention_forward_device(out, saved, qkv, starts, shape, ATTENTION_BLOCK_BYTES)
+        self.with_starts(starts, shape, |starts| {
+            let blocks = ATTENTION_BLOCK_BYTES;
+            self.gpu
+                .attention_forward_device(out, saved, qkv, starts, shape, blocks)
+        })
     }
 
     fn attention_backward(
@@ -395,7 +454,9 @@ impl DenseOps for CudaOps<'_> {
         // write; it reads them here, from a copy (2 values a query row).
         let mut stats = self.duplicate(saved)?;
         let blocks = ATTENTION_BLOCK_BYTES;
-        self.gpu
-            .attention_backward_device(grads, dout, &mut stats, qkv, starts, shape, blocks)
+        self.with_starts(starts, shape, |starts| {
+            self.gpu
+                .attention_backward_device(grads, dout, &mut stats, qkv, starts, shape, blocks)
+        })
     }
 }
