@@ -783,8 +783,18 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
     let gemm_weights = c.dense_params() - c.vocab * c.d_model; // all but the embedding
     let tokens = batch.tokens.len() / (batch.seq_len + 1) * batch.seq_len;
     let floor = 4 * (gemm_weights + tokens * c.d_model) as u64;
-    eprintln!("bytes_pcie_other a step on the gpu: {gpu:?}, at least {floor}");
+    // With the activations on the GPU, what crosses is the dense weights
+    // (up once a step, as they change) and their gradients (down once),
+    // the embedding's output up and its gradient down, each layer's
+    // routing (the logits and their gradient, T × E each; the
+    // permutation's two index lists, the weights and their gradient, T·K
+    // each), and the token ids and the rotary table (under 4 KiB here).
+    // Activations on the host would copy several (T × D) a layer more.
+    let routing = c.layers * tokens * (2 * c.experts + 4 * c.top_k);
+    let ceiling = 4 * (2 * c.dense_params() + 2 * tokens * c.d_model + routing) as u64 + 4096;
+    eprintln!("bytes_pcie_other a step on the gpu: {gpu:?}, at least {floor}, at most {ceiling}");
     assert!(gpu.iter().all(|&b| b >= floor), "{gpu:?} < {floor}");
+    assert!(gpu.iter().all(|&b| b <= ceiling), "{gpu:?} > {ceiling}");
     assert_eq!(gpu[1], gpu[2], "the same step copies the same bytes");
 }
 
