@@ -54,8 +54,8 @@ pub trait DenseKernels {
     }
 
     /// The GPU these kernels run on, whose [`crate::backend::cuda::CudaOps`]
-    /// keep a network's dense activations in its memory; `None` where the
-    /// activations live on the host.
+    /// keep a network's dense activations in its memory; `None` where a
+    /// network keeps them in host memory ([`super::HostOps`]).
     #[cfg(feature = "cuda")]
     fn cuda(&self) -> Option<&crate::backend::cuda::CudaBackend> {
         None

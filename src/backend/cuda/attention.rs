@@ -12,9 +12,10 @@
 //! backward the forward keeps O(S) a head: each query row's softmax max
 //! and sum, from which the backward recomputes the forward's probabilities
 //! bit for bit (the same scores, from the same GEMM, through the same
-//! kernel), instead of the (B, H, S, S) probabilities the cpu keeps. Each
-//! wrapper takes host slices (uploads, launches, downloads), as the
-//! engine's activations still live there.
+//! kernel), instead of the (B, H, S, S) probabilities the cpu keeps. The
+//! `_device` functions work on GPU memory (the network's `CudaOps`); the
+//! `_host` wrappers upload, launch and download, what the tests compare
+//! with the cpu.
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};

@@ -4,8 +4,11 @@
 //! order; causal attention and cross-entropy (`kernels.cu`, one thread a
 //! query row or a logits row, the cpu loops' order of sums). Weights that
 //! are slices of the engine's dense params are uploaded once between
-//! updates (`weights.rs`); activations are uploaded per call and results
-//! downloaded, as the activations still live on the host.
+//! updates (`weights.rs`); these host-slice calls upload their
+//! activations and download their results, for what still runs on host
+//! activations (a shared expert's and a dense layer's MLP, a MoE block
+//! whose devices exchange tokens). The language model's layers otherwise
+//! run on device activations (`ops.rs`, `moe.rs`).
 
 use cudarc::driver::CudaSlice;
 

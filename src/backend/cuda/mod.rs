@@ -6,14 +6,16 @@
 //! ([`CudaBackend::expert_ffn_forward`], what the tests compare with the
 //! plain math), and as the engine's [`super::ExpertDevice`]
 //! ([`CudaExpertDevice`]), reading each expert's bf16 params in place from
-//! its slot of the GPU device tier. The dense layers' GEMMs run here too
-//! (`linear.rs`, f32, operands uploaded per call), with causal attention
-//! (`attention.rs`, keeping O(S) a head for its backward) and the
-//! language model's head with its loss (`head.rs`, in blocks of rows, the
-//! logits never leaving the GPU); their other kernels (`dense.rs`) and a
-//! dense AdamW are here and tested, while the engine still runs the rest
-//! of the dense layers on the cpu. Every copy besides expert params and
-//! gradients is counted ([`CudaBackend::pcie_other_bytes`]).
+//! its slot of the GPU device tier, or from rows of activations in GPU
+//! memory. The language model's dense layers run here on activations kept
+//! in GPU memory ([`CudaOps`], `ops.rs`): f32 GEMMs (`linear.rs`), causal
+//! attention (`attention.rs`, keeping O(S) a head for its backward), the
+//! norms, rotary embeddings and the rest (`dense.rs`), each MoE block's
+//! router, permutation and combine around its experts (`moe.rs`), and the
+//! head with its loss (`head.rs`, in blocks of rows, the logits never
+//! leaving the GPU). A dense AdamW kernel is here and tested; the engine
+//! still steps the dense params on the cpu. Every copy besides expert
+//! params and gradients is counted ([`CudaBackend::pcie_other_bytes`]).
 
 mod attention;
 mod dense;
