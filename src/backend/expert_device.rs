@@ -322,3 +322,22 @@ impl ExpertDevice for CpuExpertDevice {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::DeviceRows;
+
+    #[test]
+    fn a_block_of_rows_starts_at_its_first_row_s_address() {
+        let rows = DeviceRows::new(0x1000, 6 * 4); // 6 rows of 4 f32
+        let block = rows.rows(2..5, 4);
+        assert_eq!(block, DeviceRows::new(0x1000 + 2 * 4 * 4, 3 * 4));
+        assert_eq!(rows.rows(6..6, 4).len, 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "rows beyond the buffer")]
+    fn rows_beyond_the_buffer_are_refused() {
+        DeviceRows::new(0x1000, 6 * 4).rows(4..7, 4);
+    }
+}
