@@ -58,6 +58,15 @@ impl DeviceRows {
     }
 }
 
+/// The error of a device asked to compute from rows in its memory that
+/// takes host rows only.
+fn host_rows_only(device: &str) -> EngineError {
+    EngineError::Device {
+        device: 0,
+        why: format!("the {device} device computes experts from host rows only"),
+    }
+}
+
 /// One compute device: its expert slots and the expert FFN on them. The
 /// engine uploads an expert into a slot through [`ExpertDevice::arena`],
 /// waits for the copy's event, then computes from the slot; each call
@@ -145,13 +154,7 @@ pub trait ExpertDevice: Send {
         f: usize,
     ) -> Result<(), EngineError> {
         let _ = (kind, out, x, params, n, d, f);
-        Err(EngineError::Device {
-            device: 0,
-            why: format!(
-                "the {} device computes experts from host rows only",
-                self.name()
-            ),
-        })
+        Err(host_rows_only(self.name()))
     }
 
     /// [`Self::expert_backward`] on rows in this device's memory: `dx`
@@ -174,13 +177,7 @@ pub trait ExpertDevice: Send {
         f: usize,
     ) -> Result<(), EngineError> {
         let _ = (kind, dx, dparams, dout, x, params, n, d, f);
-        Err(EngineError::Device {
-            device: 0,
-            why: format!(
-                "the {} device computes experts from host rows only",
-                self.name()
-            ),
-        })
+        Err(host_rows_only(self.name()))
     }
 
     /// dx (n, D) = …, dparams (`params.count` f32) = the expert's

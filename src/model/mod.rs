@@ -309,10 +309,7 @@ pub trait ExpertRunner {
         out: DeviceRows,
     ) -> Result<(), EngineError> {
         let _ = (layer, perm, rows, out);
-        Err(EngineError::Device {
-            device: 0,
-            why: "these experts compute from host rows only".into(),
-        })
+        Err(host_rows_only())
     }
 
     /// [`Self::backward_layer`] on rows in the device's memory, each
@@ -330,10 +327,16 @@ pub trait ExpertRunner {
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
         let _ = (layer, perm, rows, dout, dx, last_micro_batch);
-        Err(EngineError::Device {
-            device: 0,
-            why: "these experts compute from host rows only".into(),
-        })
+        Err(host_rows_only())
+    }
+}
+
+/// The error of a runner asked for rows in device memory that computes
+/// from host rows only.
+fn host_rows_only() -> EngineError {
+    EngineError::Device {
+        device: 0,
+        why: "these experts compute from host rows only".into(),
     }
 }
 
