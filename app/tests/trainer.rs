@@ -744,3 +744,33 @@ fn the_first_line_names_the_backend_it_chose() {
     let line = first_line(&cpu_args);
     assert!(line.ends_with("backend cpu"), "{line}");
 }
+
+/// A GPU that runs out of memory mid-run is named, with its free memory
+/// and what to lower, rather than left as the driver's error code. Only
+/// the CPU model of the driver can be given less memory
+/// (`STRATA_FAKE_CUDA_MEMORY`), so the case runs there.
+#[test]
+fn a_gpu_out_of_memory_says_what_to_lower() {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+        return common::cuda_case_skipped(e);
+    }
+    let (_, found) = strata::backend::BackendKind::detect(1, Dtype::Bf16);
+    if !found.contains("CPU model") {
+        eprintln!("out-of-memory case skipped: {found} is not the driver model");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let run = strata_bin()
+        .args(["train", "--backend", "cuda", "--preset", "small"])
+        .args(["--steps", "1", "--device-mem", "64MiB", "--out"])
+        .arg(&out)
+        .env("STRATA_FAKE_CUDA_MEMORY", (12u64 << 20).to_string())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{err}");
+    assert!(err.contains("the GPU is out of memory"), "{err}");
+    assert!(err.contains("of its 12582912 bytes are free"), "{err}");
+    assert!(err.contains("lower --device-mem"), "{err}");
+}

@@ -75,8 +75,9 @@ API CUresult cuDeviceGetName(char* name, int len, CUdevice) {
     snprintf(name, (size_t)len, "strata CPU model of a CUDA device (tests only)");
     return CUDA_SUCCESS;
 }
+static size_t device_memory_total();
 API CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice) {
-    *bytes = (size_t)8 << 30;
+    *bytes = device_memory_total();
     return CUDA_SUCCESS;
 }
 // Every attribute reads 0: no memory pools (cudarc then allocates with
@@ -326,10 +327,38 @@ static CUresult host_alloc(void** p, size_t bytes) {
     *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
+// Device memory: the bytes allocated, against a total of
+// STRATA_FAKE_CUDA_MEMORY bytes (8 GiB unless set), which the device
+// reports as its size. An allocation past it fails as the driver's does,
+// so a test can hold a run to a device's memory.
+static std::mutex device_memory_lock;
+static std::map<uintptr_t, size_t> device_allocations;  // start → bytes
+static size_t device_in_use = 0;
+static size_t device_memory_total() {
+    const char* m = getenv("STRATA_FAKE_CUDA_MEMORY");
+    return m ? (size_t)strtoull(m, nullptr, 10) : (size_t)8 << 30;
+}
+static void device_free(CUdeviceptr dptr) {
+    {
+        std::lock_guard<std::mutex> g(device_memory_lock);
+        auto it = device_allocations.find((uintptr_t)dptr);
+        if (it != device_allocations.end()) {
+            device_in_use -= it->second;
+            device_allocations.erase(it);
+        }
+    }
+    free((void*)(uintptr_t)dptr);
+}
 API CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytes) {
+    std::lock_guard<std::mutex> g(device_memory_lock);
+    if (device_in_use + bytes > device_memory_total()) return CUDA_ERROR_OUT_OF_MEMORY;
     void* p;
     CUresult rc = host_alloc(&p, bytes);
     *dptr = (CUdeviceptr)(uintptr_t)p;
+    if (rc == CUDA_SUCCESS) {
+        device_allocations[(uintptr_t)p] = bytes;
+        device_in_use += bytes;
+    }
     return rc;
 }
 API CUresult cuMemAllocAsync(CUdeviceptr* dptr, size_t bytes, CUstream) {
@@ -337,16 +366,17 @@ API CUresult cuMemAllocAsync(CUdeviceptr* dptr, size_t bytes, CUstream) {
 }
 API CUresult cuMemFree_v2(CUdeviceptr dptr) {
     sync_all_streams();  // cuMemFree waits for the device, as the driver's
-    free((void*)(uintptr_t)dptr);
+    device_free(dptr);
     return CUDA_SUCCESS;
 }
 API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
-    enqueue(stream, [dptr] { free((void*)(uintptr_t)dptr); });
+    enqueue(stream, [dptr] { device_free(dptr); });
     return CUDA_SUCCESS;
 }
 API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
-    *free_bytes = (size_t)8 << 30;
-    *total = (size_t)8 << 30;
+    std::lock_guard<std::mutex> g(device_memory_lock);
+    *total = device_memory_total();
+    *free_bytes = *total - device_in_use;
     return CUDA_SUCCESS;
 }
 API CUresult cuMemsetD8Async(CUdeviceptr dptr, unsigned char value, size_t n, CUstream stream) {

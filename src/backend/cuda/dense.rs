@@ -89,7 +89,7 @@ impl CudaBackend {
         self.count_pcie_other::<u32>(host.len());
         self.stream
             .clone_htod(host)
-            .map_err(|e| gpu_error("an upload", e))
+            .map_err(|e| self.memory_error("an upload", e))
     }
 
     fn download_u32(&self, dev: &CudaSlice<u32>, host: &mut [u32]) -> Result<(), EngineError> {
@@ -361,7 +361,7 @@ impl CudaBackend {
         let mut experts = self
             .stream
             .alloc_zeros::<u32>(t * k)
-            .map_err(|err| gpu_error("allocating GPU memory", err))?;
+            .map_err(|err| self.memory_error("allocating GPU memory", err))?;
         let (t32, e32, k32, r32) = (t as u32, e as u32, k as u32, renormalize as u32);
         let mut launch = self.stream.launch_builder(&self.dense.router_top_k);
         launch

@@ -206,13 +206,34 @@ impl CudaBackend {
         self.count_pcie_other::<f32>(host.len());
         self.stream
             .clone_htod(host)
-            .map_err(|e| gpu_error("an upload", e))
+            .map_err(|e| self.memory_error("an upload", e))
     }
 
     fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, EngineError> {
         self.stream
             .alloc_zeros::<f32>(n)
-            .map_err(|e| gpu_error("allocating GPU memory", e))
+            .map_err(|e| self.memory_error("allocating GPU memory", e))
+    }
+
+    /// `e` from `what`, which allocates GPU memory: where the GPU is out
+    /// of memory, says how much it has free and what to lower.
+    fn memory_error(&self, what: &str, e: cudarc::driver::DriverError) -> EngineError {
+        use cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY;
+        if e.0 != CUDA_ERROR_OUT_OF_MEMORY {
+            return gpu_error(what, e);
+        }
+        let free = match cudarc::driver::result::mem_get_info() {
+            Ok((free, total)) => format!("{free} of its {total} bytes are free"),
+            Err(_) => "its free memory is unknown".into(),
+        };
+        gpu_error(
+            what,
+            format!(
+                "the GPU is out of memory ({free}): lower --device-mem, which the expert \
+                 slots fill, or --batch or --seq-len (or raise --micro-batches), which set \
+                 the activations"
+            ),
+        )
     }
 
     /// `x` set to zeros, in stream order.
@@ -260,7 +281,7 @@ impl CudaBackend {
         let mut y = self
             .stream
             .alloc_zeros::<u16>(n)
-            .map_err(|e| gpu_error("allocating GPU memory", e))?;
+            .map_err(|e| self.memory_error("allocating GPU memory", e))?;
         let n32 = n as u32;
         let mut launch = self.stream.launch_builder(&self.f.f32_to_bf16);
         launch.arg(&x).arg(&mut y).arg(&n32);
