@@ -274,8 +274,9 @@ impl MoeLm {
         drop(span);
         let mut layers = Vec::with_capacity(c.layers);
         let (mut aux, mut z) = (0.0f32, 0.0f32);
+        // Where each token's document starts, for every layer's attention.
+        let starts = batch.attention_starts();
         for r in &self.layers {
-            let starts = batch.attention_starts();
             let attention = attention_half::forward(
                 ops,
                 c,
@@ -387,6 +388,7 @@ impl MoeLm {
         drop(dnf);
         let daux = c.aux_loss_coef * share;
         let dz = c.z_loss_coef * share;
+        let starts = batch.attention_starts();
         for (l, r) in self.layers.iter().enumerate().rev() {
             let s = &f.layers[l];
             // FFN half: h = h_mid + FFN(RMSNorm(h_mid)).
@@ -412,7 +414,6 @@ impl MoeLm {
                 d,
             )?;
             drop(span);
-            let starts = batch.attention_starts();
             attention_half::backward(
                 ops,
                 c,

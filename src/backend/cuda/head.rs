@@ -69,52 +69,45 @@ impl CudaBackend {
         let (x_ptr, _rx) = x.device_ptr(&self.stream);
         let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
         // The head's gradient: the step's accumulator for its slice of the
-        // dense gradient, else a buffer of its own added in at the end.
-        let mut grads = self.grads.lock().unwrap_or_else(|p| p.into_inner());
-        let mut own = None;
-        let acc = match grads.accumulator(dhead, |len| self.zeros(len))? {
-            Some(acc) => acc,
-            None => own.insert(self.upload(dhead)?),
-        };
-        let (acc_ptr, _wacc) = acc.device_ptr_mut(&self.stream);
-        let mut loss = 0.0f32;
-        let mut shares = Vec::with_capacity(block.min(t));
-        let row_bytes = (d * std::mem::size_of::<f32>()) as u64;
-        for start in (0..t).step_by(block) {
-            let n = block.min(t - start);
-            let (xb, dxb) = (
-                x_ptr + start as u64 * row_bytes,
-                dx_ptr + start as u64 * row_bytes,
-            );
-            let tb = self.upload_u32(&targets[start..start + n])?;
-            let shape = Shape { m: n, k: d, n: v };
-            let mut logits = self.zeros(n * v)?;
-            {
-                let (logits_ptr, _wl) = logits.device_ptr_mut(&self.stream);
-                // SAFETY: logits holds n·v f32, x's block n·d from row
-                // `start` (< t), the head v·d; all alive past the call.
-                unsafe { self.linear_forward_at(logits_ptr, xb, w_ptr, shape, F32)? };
+        // dense gradient, else a copy of its own downloaded at the end.
+        self.with_grad(dhead, |acc| {
+            let (acc_ptr, _wacc) = acc.device_ptr_mut(&self.stream);
+            let mut loss = 0.0f32;
+            let mut shares = Vec::with_capacity(block.min(t));
+            let row_bytes = (d * std::mem::size_of::<f32>()) as u64;
+            for start in (0..t).step_by(block) {
+                let n = block.min(t - start);
+                let (xb, dxb) = (
+                    x_ptr + start as u64 * row_bytes,
+                    dx_ptr + start as u64 * row_bytes,
+                );
+                let tb = self.upload_u32(&targets[start..start + n])?;
+                let shape = Shape { m: n, k: d, n: v };
+                let mut logits = self.zeros(n * v)?;
+                {
+                    let (logits_ptr, _wl) = logits.device_ptr_mut(&self.stream);
+                    // SAFETY: logits holds n·v f32, x's block n·d from row
+                    // `start` (< t), the head v·d; all alive past the call.
+                    unsafe { self.linear_forward_at(logits_ptr, xb, w_ptr, shape, F32)? };
+                }
+                let mut dlogits = self.zeros(n * v)?;
+                let row_loss =
+                    self.cross_entropy_rows(&logits, &tb, &mut dlogits, v, s.denominator)?;
+                drop(logits);
+                {
+                    let (dl_ptr, _rdl) = dlogits.device_ptr(&self.stream);
+                    // SAFETY: dx's and x's blocks hold n·d f32, the
+                    // accumulator v·d, d logits n·v; all alive past the call.
+                    unsafe {
+                        self.linear_backward_at([dxb, acc_ptr], [dl_ptr, xb], w_ptr, shape, F32)?
+                    };
+                }
+                shares.resize(n, 0.0);
+                self.download(&row_loss, &mut shares)?;
+                // Row order, as the host sums the kernel's shares.
+                loss = shares.iter().fold(loss, |a, &r| a + r);
             }
-            let mut dlogits = self.zeros(n * v)?;
-            let row_loss = self.cross_entropy_rows(&logits, &tb, &mut dlogits, v, s.denominator)?;
-            drop(logits);
-            {
-                let (dl_ptr, _rdl) = dlogits.device_ptr(&self.stream);
-                // SAFETY: dx's and x's blocks hold n·d f32, the
-                // accumulator v·d, d logits n·v; all alive past the call.
-                unsafe {
-                    self.linear_backward_at([dxb, acc_ptr], [dl_ptr, xb], w_ptr, shape, F32)?
-                };
-            }
-            shares.resize(n, 0.0);
-            self.download(&row_loss, &mut shares)?;
-            // Row order, as the host sums the kernel's shares.
-            loss = shares.iter().fold(loss, |a, &r| a + r);
-        }
-        drop((_wacc, _wdx, _rx, _rw));
-        if let Some(own) = own {
-            self.download(&own, dhead)?;
-        }
-        Ok(loss)
+            Ok(loss)
+        })
     }
 }

@@ -69,15 +69,9 @@ impl DenseKernels for CudaBackend {
         // held, uploaded and downloaded here.
         let mut ddx = self.upload(dx)?;
         let shape = Shape { m, k, n };
-        let mut grads = self.grads.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(acc) = grads.accumulator(dw, |len| self.zeros(len))? {
-            self.linear_backward_f32(&mut ddx, acc, &ddout, &dxin, &dwin, shape)?;
-        } else {
-            drop(grads);
-            let mut ddw = self.upload(dw)?;
-            self.linear_backward_f32(&mut ddx, &mut ddw, &ddout, &dxin, &dwin, shape)?;
-            self.download(&ddw, dw)?;
-        }
+        self.with_grad(dw, |acc| {
+            self.linear_backward_f32(&mut ddx, acc, &ddout, &dxin, &dwin, shape)
+        })?;
         self.download(&ddx, dx)
     }
 
@@ -187,6 +181,26 @@ impl DenseKernels for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Runs `f` on the GPU accumulator of `grad`, a slice of the dense
+    /// gradient registered by `grads_begin` (summed on the GPU until
+    /// `grads_flush`), or, for any other slice, on a copy of it that is
+    /// then downloaded back.
+    pub(super) fn with_grad<R>(
+        &self,
+        grad: &mut [f32],
+        f: impl FnOnce(&mut CudaSlice<f32>) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut grads = self.grads.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(acc) = grads.accumulator(grad, |len| self.zeros(len))? {
+            return f(acc);
+        }
+        drop(grads);
+        let mut dev = self.upload(grad)?;
+        let result = f(&mut dev)?;
+        self.download(&dev, grad)?;
+        Ok(result)
+    }
+
     /// `w` on the GPU: the cached upload when it is a slice of the dense
     /// params registered by `weights_changed`, else a fresh upload.
     pub(super) fn weight(&self, w: &[f32]) -> Result<std::sync::Arc<CudaSlice<f32>>, EngineError> {

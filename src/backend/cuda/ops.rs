@@ -60,26 +60,6 @@ impl<'a> CudaOps<'a> {
         self.gpu
     }
 
-    /// Runs `f` on the GPU accumulator of `grad`, a slice of the dense
-    /// gradient registered by `grads_begin` (summed on the GPU until
-    /// `grads_flush`), or, for any other slice, on a copy of it that is
-    /// then downloaded back.
-    fn with_grad(
-        &self,
-        grad: &mut [f32],
-        f: impl FnOnce(&mut CudaSlice<f32>) -> Result<(), EngineError>,
-    ) -> Result<(), EngineError> {
-        let gpu = self.gpu;
-        let mut grads = gpu.grads.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(acc) = grads.accumulator(grad, |len| gpu.zeros(len))? {
-            return f(acc);
-        }
-        drop(grads);
-        let mut dev = gpu.upload(grad)?;
-        f(&mut dev)?;
-        gpu.download(&dev, grad)
-    }
-
     /// Runs `f` on the document starts of `starts` at `shape`, uploaded
     /// once for every layer and step that asks for the same.
     fn with_starts<R>(
@@ -205,7 +185,7 @@ impl DenseOps for CudaOps<'_> {
     fn bias_grad(&self, db: &mut [f32], dx: &CudaSlice<f32>) -> Result<(), EngineError> {
         assert!(dx.len().is_multiple_of(db.len()));
         let (rows, width) = (dx.len() / db.len(), db.len());
-        self.with_grad(db, |acc| {
+        self.gpu.with_grad(db, |acc| {
             self.gpu.column_sums_into(acc, dx, None, (rows, width))
         })
     }
@@ -260,7 +240,7 @@ impl DenseOps for CudaOps<'_> {
     ) -> Result<(), EngineError> {
         let g = self.gpu.weight(g)?;
         let io = [dout, x, g.as_ref(), inv_rms];
-        self.with_grad(dg, |dg| {
+        self.gpu.with_grad(dg, |dg| {
             self.gpu.rmsnorm_backward_device(dx, dg, io, (rows, width))
         })
     }
@@ -294,7 +274,7 @@ impl DenseOps for CudaOps<'_> {
         assert!(x.len() == m * k && w.len() == n * k);
         let w = self.gpu.weight(w)?;
         let shape = Shape { m, k, n };
-        self.with_grad(dw, |dw| {
+        self.gpu.with_grad(dw, |dw| {
             self.gpu.linear_backward_f32(dx, dw, dout, x, &w, shape)
         })
     }
