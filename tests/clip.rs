@@ -42,7 +42,7 @@ fn batch() -> TokenBatch {
 
 /// Every parameter, dense then experts.
 fn params(lm: &MoeLm, engine: &mut Engine) -> Vec<f32> {
-    let mut p = engine.dense_params().to_vec();
+    let mut p = engine.dense_params().unwrap().to_vec();
     for l in 0..lm.config().layers {
         for e in 0..lm.config().experts {
             p.extend(engine.expert_params(l, e).unwrap());

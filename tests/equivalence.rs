@@ -59,7 +59,12 @@ fn train_engine(model: &ModelConfig, config: EngineConfig) -> Trained {
             steps.push(engine.expert_step(l, e).unwrap());
         }
     }
-    (engine.dense_params().to_vec(), experts, steps, losses)
+    (
+        engine.dense_params().unwrap().to_vec(),
+        experts,
+        steps,
+        losses,
+    )
 }
 
 fn train_reference(model: &ModelConfig, micro_batches: usize) -> Trained {
@@ -372,7 +377,7 @@ fn the_language_model_matches_the_reference_and_ignores_the_tiers() {
                 experts.extend(engine.expert_params(l, e).unwrap());
             }
         }
-        (engine.dense_params().to_vec(), experts)
+        (engine.dense_params().unwrap().to_vec(), experts)
     };
     let configs = configs(BackendKind::Cpu, &moe, 2, dir.path());
     let (dense, experts) = run(configs[0].1.clone());

@@ -71,7 +71,7 @@ fn state_after_resume(dir: &Path) -> (Vec<f32>, Vec<Vec<f32>>, Vec<u64>, Vec<f32
     let m = model();
     let mut engine = Engine::resume(m.clone(), config(dir.join(FILES[0]))).unwrap();
     assert_eq!(engine.steps(), 2);
-    let dense = engine.dense_params().to_vec();
+    let dense = engine.dense_params().unwrap().to_vec();
     let mut experts = Vec::new();
     let mut steps = Vec::new();
     for e in 0..m.experts {

@@ -97,7 +97,7 @@ fn a_masked_target_changes_no_bit() {
             for _ in 0..2 {
                 losses.push(engine.step_network(&lm, &batch(last, true)).unwrap().loss);
             }
-            let mut params = engine.dense_params().to_vec();
+            let mut params = engine.dense_params().unwrap().to_vec();
             for l in 0..lm.config().layers {
                 for e in 0..lm.config().experts {
                     params.extend(engine.expert_params(l, e).unwrap());

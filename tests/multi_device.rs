@@ -38,7 +38,7 @@ fn train(model: &ModelConfig, config: EngineConfig) -> Trained {
         }
     }
     Trained {
-        dense: engine.dense_params().to_vec(),
+        dense: engine.dense_params().unwrap().to_vec(),
         experts,
         steps,
         metrics,

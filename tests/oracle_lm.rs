@@ -106,7 +106,7 @@ fn params_of(lm: &MoeLm, engine: &mut Engine) -> Params {
     let c = lm.config();
     let shape = shape_of(c);
     let mut p = Params::zeros(&shape);
-    let dense = engine.dense_params().to_vec();
+    let dense = engine.dense_params().unwrap().to_vec();
     let mut named = p.named_mut();
     for t in lm.tensors() {
         let (_, slot) = named

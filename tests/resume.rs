@@ -66,7 +66,7 @@ fn params(engine: &mut Engine) -> (Vec<f32>, Vec<f32>, Vec<u64>) {
             steps.push(engine.expert_step(l, e).unwrap());
         }
     }
-    (engine.dense_params().to_vec(), experts, steps)
+    (engine.dense_params().unwrap().to_vec(), experts, steps)
 }
 
 #[test]

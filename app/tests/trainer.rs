@@ -158,7 +158,7 @@ fn finetune_through_ssd_offload_exports_and_reimports() {
         exported_dense,
     )
     .unwrap();
-    assert_eq!(engine.dense_params(), &dense[..]);
+    assert_eq!(engine.dense_params().unwrap(), &dense[..]);
     for l in 0..config.layers {
         for e in 0..config.experts {
             assert_eq!(

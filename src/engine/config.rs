@@ -123,8 +123,8 @@ pub struct EngineConfig {
     /// (pinned) on a device, chosen by the previous step's load; 0 turns
     /// pinning off. Capped so two slots per device stay free to stream.
     pub pin_fraction: f64,
-    /// Which backend computes the experts (device i uses GPU i with `Cuda`);
-    /// the dense layers run on the cpu.
+    /// Which backend computes the experts and the dense layers (device i
+    /// uses GPU i with `Cuda`).
     pub backend: BackendKind,
     /// Where to record what each thread does when: SSD calls and the waits
     /// on them, each layer's expert loop, each expert's update (see
@@ -145,6 +145,18 @@ pub struct EngineConfig {
     /// but named twice as many for nothing (401–448 against 197), and moved
     /// more bytes. Results are the same bits either way.
     pub affinity_prefetch: bool,
+    /// One device whose dense kernels run on a GPU (`BackendKind::Cuda`):
+    /// keep the dense params the GPU computes with, their AdamW moments
+    /// and their gradient in its memory and step them there (the GPU's
+    /// AdamW is the cpu's element update, bit for bit), so neither params
+    /// nor gradient cross PCIe each step; the host's copy is brought up to
+    /// date for a checkpoint or a read ([`Engine::dense_params`]). `false`:
+    /// the cpu steps them, uploading the params after every update and
+    /// downloading the gradient, as it does for several devices. Default:
+    /// `true`.
+    ///
+    /// [`Engine::dense_params`]: super::Engine::dense_params
+    pub dense_on_device: bool,
 }
 
 impl Default for EngineConfig {
@@ -174,6 +186,7 @@ impl Default for EngineConfig {
             timeline: None,
             trace_routing: false,
             affinity_prefetch: false,
+            dense_on_device: true,
         }
     }
 }

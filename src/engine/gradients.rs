@@ -44,11 +44,11 @@ impl Engine {
     /// let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
     /// let mut engine = Engine::new_network(&lm, EngineConfig::default()).unwrap();
     /// let batch = TokenBatch { seq_len: 4, tokens: vec![5, 6, 7, 8, 9], loss_mask: None, doc_starts: None };
-    /// let before = engine.dense_params().to_vec();
+    /// let before = engine.dense_params().unwrap().to_vec();
     /// let grads = engine.gradients(&lm, &batch).unwrap();
     /// let wq = grads.dense_tensor(&lm, "model.layers.0.self_attn.q_proj.weight").unwrap();
     /// assert!(wq.iter().any(|&g| g != 0.0));
-    /// assert_eq!(engine.dense_params(), &before[..]); // nothing was applied
+    /// assert_eq!(engine.dense_params().unwrap(), &before[..]); // nothing was applied
     /// ```
     pub fn gradients<N>(&mut self, net: &N, batch: &N::Batch) -> Result<Gradients, EngineError>
     where
@@ -63,13 +63,14 @@ impl Engine {
         let tokens_total = net.batch_tokens(batch);
         self.shared.collect_gradients();
         let result = if self.devices.len() == 1 {
-            self.passes_one_device(net, batch, tokens_total)
+            self.passes_one_device(net, batch, tokens_total, None)
         } else {
-            self.passes_devices(net, batch, tokens_total)
+            let passes = self.passes_devices(net, batch, tokens_total);
+            passes.map(|(loss, grad)| (loss, grad, 0.0))
         };
         // The gradients of experts only earlier micro-batches reached.
         let result = result.and_then(|r| self.shared.finish_step(None).map(|_| r));
-        let (loss, dense) = match result {
+        let (loss, dense, _) = match result {
             Ok(r) => r,
             Err(e) => {
                 self.shared.discard_partial();

@@ -24,6 +24,7 @@
 mod access;
 mod config;
 mod dense_state;
+mod dense_update;
 mod exchange;
 mod grad_buffers;
 mod gradients;
@@ -41,7 +42,7 @@ mod verify;
 
 use std::sync::Arc;
 
-use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
+use strata_optim::AdamWHyper;
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
 pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
@@ -84,6 +85,9 @@ pub struct Engine {
     /// Where `EngineConfig::trace_routing`: every step's transitions.
     routing_trace: Option<RoutingTrace>,
     dense_step: u64,
+    /// A GPU stepped the dense params it holds since the host's copy of
+    /// them and their moments was last brought up to date (`sync_dense`).
+    dense_newer_on_device: bool,
     /// Several devices: the placement's cost model, recalibrated from each
     /// step's measured expert compute.
     cost: CostModel,
@@ -324,12 +328,16 @@ impl Engine {
         self.reset_counters();
         let pcie_before = self.pcie_other_bytes();
         let tokens_total = net.batch_tokens(batch);
+        let keep_norm = self
+            .residence()
+            .map(|_| self.config.clip_grad_norm.is_some());
         let result = if self.devices.len() == 1 {
-            self.passes_one_device(net, batch, tokens_total)
+            self.passes_one_device(net, batch, tokens_total, keep_norm)
         } else {
-            self.passes_devices(net, batch, tokens_total)
+            let passes = self.passes_devices(net, batch, tokens_total);
+            passes.map(|(loss, grad)| (loss, grad, 0.0))
         };
-        let (loss, mut dense_grad) = match result {
+        let (loss, mut dense_grad, held_norm_sq) = match result {
             Ok(r) => r,
             Err(e) => {
                 self.shared.discard_partial();
@@ -339,40 +347,19 @@ impl Engine {
         let clip = self.config.clip_grad_norm.map(|max_norm| ClipInput {
             max_norm,
             // Frozen tensors have no gradient, as in torch.
-            dense_norm_sq: trainable_runs(dense_grad.len(), &self.frozen)
-                .flat_map(|r| &dense_grad[r])
-                .map(|&g| g as f64 * g as f64)
-                .sum(),
+            dense_norm_sq: held_norm_sq
+                + trainable_runs(dense_grad.len(), &self.frozen)
+                    .flat_map(|r| &dense_grad[r])
+                    .map(|&g| g as f64 * g as f64)
+                    .sum::<f64>(),
         });
         let (finish_stall, clipped) = self.shared.finish_step(clip)?;
-        if let Some(c) = clipped.filter(|c| c.scale < 1.0) {
-            dense_grad.iter_mut().for_each(|g| *g *= c.scale);
+        let scale = clipped.map_or(1.0, |c| c.scale.min(1.0));
+        if scale < 1.0 {
+            dense_grad.iter_mut().for_each(|g| *g *= scale);
         }
         self.devices[0].acc.stall_optimizer_s += finish_stall;
-        self.dense_step += 1;
-        let s = StepScalars::new(&self.config.hyper, self.dense_step, 1.0);
-        // Element by element: the trainable runs step as the whole would,
-        // each with its moments (kept for the trainable params alone).
-        let kernel = Kernel::detect();
-        let mut at = 0;
-        let updated = trainable_runs(self.dense.len(), &self.frozen).try_for_each(|r| {
-            let moments = at..at + r.len();
-            at += r.len();
-            adamw_step(
-                kernel,
-                &s,
-                &mut self.dense[r.clone()],
-                &mut self.dense_m[moments.clone()],
-                &mut self.dense_v[moments],
-                GradRef::F32(&dense_grad[r]),
-                CopyOut::None,
-            )
-        });
-        // Even a failed update may have written some params.
-        for kernels in &self.dense_kernels {
-            kernels.weights_changed(&self.dense);
-        }
-        updated?;
+        self.step_dense(&dense_grad, scale)?;
         self.step += 1;
         let stats = self.shared.cache.take_stats();
         let ssd_busy_s = self.shared.cache.store().take_busy().as_secs_f64();
@@ -411,12 +398,15 @@ impl Engine {
 
     /// Every micro-batch on the only device; returns the loss and the dense
     /// gradient.
+    /// `keep_norm`: see [`Engine::end_dense_grad`]; the third value is
+    /// what that returns.
     fn passes_one_device<N: Network>(
         &mut self,
         net: &N,
         batch: &N::Batch,
         tokens_total: usize,
-    ) -> Result<(f32, Vec<f32>), EngineError> {
+        keep_norm: Option<bool>,
+    ) -> Result<(f32, Vec<f32>, f64), EngineError> {
         let parts = net.split_batch(batch, self.config.micro_batches);
         let count = parts.len();
         let mut dense_grad = vec![0.0f32; self.dense.len()];
@@ -444,8 +434,8 @@ impl Engine {
                 )?
                 .total;
         }
-        kernels.grads_flush(&mut dense_grad)?;
-        Ok((loss, dense_grad))
+        let held_norm_sq = self.end_dense_grad(&*kernels, &mut dense_grad, keep_norm)?;
+        Ok((loss, dense_grad, held_norm_sq))
     }
 
     /// Waits for every update in flight.
@@ -472,8 +462,21 @@ impl Engine {
         Ok(self.shared.version(id.dense_index(self.model.experts)))
     }
 
-    pub fn dense_params(&self) -> &[f32] {
-        &self.dense
+    /// The dense params, laid out as the network's `dense_params` (for
+    /// the language model, tensor by tensor as
+    /// [`MoeLm::tensors`](crate::lm::MoeLm::tensors) names them). Where a
+    /// GPU steps them ([`EngineConfig::dense_on_device`]) they are copied
+    /// down first.
+    pub fn dense_params(&mut self) -> Result<&[f32], EngineError> {
+        self.sync_dense()?;
+        Ok(&self.dense)
+    }
+
+    /// [`Engine::dense_params`] and [`Engine::store`] together (an export
+    /// reads both).
+    pub fn dense_params_and_store(&mut self) -> Result<(&[f32], &ExpertStore), EngineError> {
+        self.sync_dense()?;
+        Ok((&self.dense, self.shared.cache.store()))
     }
 
     /// The SSD tier. Its records are the experts' current state after
@@ -501,6 +504,7 @@ impl Engine {
             ));
         };
         self.drain()?;
+        self.sync_dense()?;
         // Kept until the next commit: should this commit's superblock or
         // copy map be damaged later, the store opens the previous one,
         // and its dense state is still here.

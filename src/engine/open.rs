@@ -363,6 +363,7 @@ impl Engine {
                 .trace_routing
                 .then(|| RoutingTrace::new(model.layers, model.experts, model.top_k)),
             dense_step: state.dense_step,
+            dense_newer_on_device: false,
             cost,
             prev_load: None,
             step: state.step,

@@ -78,6 +78,13 @@ pub trait DenseKernels {
         Ok(())
     }
 
+    /// The dense params these kernels keep and step in their device's
+    /// memory, where they do (a GPU's); `None`: the engine keeps and
+    /// steps them all on the host.
+    fn residence(&self) -> Option<&dyn super::DenseResidence> {
+        None
+    }
+
     /// Bytes this backend copied between host and device memory other
     /// than expert params and gradients (activations, dense weights and
     /// their gradients, indices), since it was opened; 0 where compute and

@@ -24,11 +24,13 @@ use crate::EngineError;
 mod buffer_pool;
 mod dense_kernels;
 mod dense_ops;
+mod dense_residence;
 mod timed_kernels;
 
 pub(crate) use buffer_pool::{F32BufferPool, ScratchBuf, ScratchBuffers};
 pub use dense_kernels::{DenseKernels, HeadShape, PlainKernels};
 pub use dense_ops::{DenseOps, HostOps, MoeRouting};
+pub use dense_residence::{ranges_without, trainable_parts, DenseResidence};
 pub use timed_kernels::TimedKernels;
 
 /// The shape and losses of a MoE stack.

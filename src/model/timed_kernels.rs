@@ -89,6 +89,10 @@ impl DenseKernels for TimedKernels {
         self.inner.pcie_other_bytes()
     }
 
+    fn residence(&self) -> Option<&dyn super::DenseResidence> {
+        self.inner.residence()
+    }
+
     fn attention_saved_len(&self, shape: &AttnShape) -> usize {
         self.inner.attention_saved_len(shape)
     }

@@ -99,7 +99,7 @@ pub fn run_params_of(out: &Path, lm: &MoeLm, train_experts: bool) -> (Vec<f32>, 
         },
     )
     .unwrap();
-    let dense = engine.dense_params().to_vec();
+    let dense = engine.dense_params().unwrap().to_vec();
     let mut experts = Vec::new();
     for l in 0..config.layers {
         for e in 0..config.experts {

@@ -114,6 +114,8 @@ STRATA_LAUNCHER(combine_rows)
 STRATA_LAUNCHER(combine_weights_grad)
 STRATA_LAUNCHER(weighted_rows)
 STRATA_LAUNCHER(gather_rows_backward)
+STRATA_LAUNCHER(embedding_backward)
+STRATA_LAUNCHER(square_sums)
 
 // The launcher of kernel `name` (what cuModuleGetFunction finds), or null.
 typedef void (*strata_launcher)(unsigned, unsigned, void**);
@@ -133,7 +135,8 @@ extern "C" strata_launcher strata_emulated_kernel(const char* name) {
         STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
         STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
         STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
-        STRATA_ENTRY(gather_rows_backward)
+        STRATA_ENTRY(gather_rows_backward) STRATA_ENTRY(embedding_backward)
+        STRATA_ENTRY(square_sums)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {
@@ -160,7 +163,8 @@ typedef std::function<void()> (*strata_binder)(unsigned, unsigned, void**);
         STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
         STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
         STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
-        STRATA_ENTRY(gather_rows_backward)
+        STRATA_ENTRY(gather_rows_backward) STRATA_ENTRY(embedding_backward)
+        STRATA_ENTRY(square_sums)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {

@@ -217,6 +217,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         store_dir: Some(&o.out),
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,
+        dense_on_device: o.backend == "cuda",
     })
 }
 
@@ -668,11 +669,12 @@ fn run_locked(
             Some(o.out.as_path())
         };
         say(format!("exporting to {}", dir.display()));
+        let (dense, store) = engine.dense_params_and_store().map_err(|e| e.to_string())?;
         summary.exported = hf::export(
             dir,
             &lm,
-            engine.dense_params(),
-            engine.store(),
+            dense,
+            store,
             run_dir::export_dtype(None, &o.out)?,
             2 << 30,
             source_dir,

@@ -98,6 +98,10 @@ pub struct PlanInput<'a> {
     /// host slots split where records stream.
     pub host_stream_slots: Option<usize>,
     pub host_cell_slots: usize,
+    /// One GPU keeps the dense params it computes with, and steps them
+    /// there (`EngineConfig::dense_on_device` with `--backend cuda`): their
+    /// Adam moments take device memory too.
+    pub dense_on_device: bool,
 }
 
 /// Bytes one micro-batch keeps for its backward (f32): per layer the
@@ -149,8 +153,11 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     };
     let experts = layout.expert_count();
     let dense = m.dense_params() as u64;
-    let dense_device = 8 * dense;
+    let dense_trainable = dense - input.frozen_dense.min(dense);
     let devices = input.devices.max(1);
+    // Params and gradient, and, stepped there, the moments.
+    let kept = input.dense_on_device && devices == 1;
+    let dense_device = 8 * dense + if kept { 8 * dense_trainable } else { 0 };
     let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
     let activations = activation_bytes(m, input.seq_len, seqs);
     let slot = layout.compute_payload_bytes();
@@ -158,7 +165,8 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let need_device = fixed_device + slot;
     if input.device_mem < need_device {
         return Err(format!(
-            "does not fit: the device needs at least {} (dense params and grads {}, \
+            "does not fit: the device needs at least {} (dense params, grads and, \
+             stepped there, moments {}, \
              activations {} for {seqs} sequences of {} tokens, one expert slot {}) but \
              --device-mem (per device) is {}: {} short. Raise --device-mem, or lower \
              --batch / raise --micro-batches or --devices / lower --seq-len",
@@ -173,7 +181,6 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     }
     let device_slots = ((input.device_mem - fixed_device) / slot).min(experts);
     let record = layout.record_bytes();
-    let dense_trainable = dense - input.frozen_dense.min(dense);
     let dense_host = 8 * dense_trainable;
     let host_min_slots = 2u64.min(experts);
     let need_host = dense_host + host_min_slots * record;
@@ -375,6 +382,7 @@ mod tests {
             store_dir: None,
             host_stream_slots: EngineConfig::default().host_stream_slots,
             host_cell_slots: 0,
+            dense_on_device: false,
         }
     }
 
@@ -494,6 +502,29 @@ mod tests {
         );
         let err = plan(&input(&m, 1 << 40, 1 << 30)).unwrap_err();
         assert!(err.contains("--host-mem") && err.contains("short"), "{err}");
+    }
+
+    /// Stepped on one GPU, the dense params' moments take device memory
+    /// (8 bytes a trainable param) besides params and gradient; several
+    /// devices step them on the host.
+    #[test]
+    fn moments_stepped_on_the_gpu_count_on_the_device() {
+        let m = LmConfig::preset("tiny").unwrap();
+        let frozen = 1000;
+        let on = |devices, dense_on_device| PlanInput {
+            devices,
+            dense_on_device,
+            frozen_dense: frozen,
+            ..input(&m, 1 << 30, 1 << 30)
+        };
+        let dense = m.dense_params() as u64;
+        let host = plan(&on(1, false)).unwrap();
+        let gpu = plan(&on(1, true)).unwrap();
+        assert_eq!(host.dense_device_bytes, 8 * dense);
+        assert_eq!(gpu.dense_device_bytes, 8 * dense + 8 * (dense - frozen));
+        assert!(gpu.device_slots <= host.device_slots);
+        let two = plan(&on(2, true)).unwrap();
+        assert_eq!(two.dense_device_bytes, 8 * dense);
     }
 
     /// A new run needs the whole store on disk; a resume only what its

@@ -380,13 +380,14 @@ pub fn export_run(run_dir: &Path, to: &Path, dtype: Option<&str>) -> Result<Vec<
         optimizer_threads: 1,
         ..EngineConfig::default()
     };
-    let engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
+    let mut engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
     let source_dir = files.side_files_dir(&o, &source);
+    let (dense, store) = engine.dense_params_and_store().map_err(|e| e.to_string())?;
     hf::export(
         to,
         &lm,
-        engine.dense_params(),
-        engine.store(),
+        dense,
+        store,
         export_dtype(dtype, run_dir)?,
         2 << 30,
         source_dir,

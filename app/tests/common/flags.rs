@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use strata::backend::BackendKind;
 use strata::engine::EngineConfig;
 use strata::lm::LmConfig;
 use strata_cli::trainer::{self, TrainFlags};
@@ -23,7 +24,10 @@ pub fn flags_holding(out: &Path, records: u64) -> TrainFlags {
 }
 
 /// Flags for `config` with host memory for `records` of its expert records.
+/// Where `--backend auto` finds a GPU, which then keeps the dense params'
+/// moments too, the device memory counts them.
 pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFlags {
+    let on_gpu = BackendKind::detect(1, Dtype::Bf16).0 == BackendKind::Cuda;
     let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
         model: config,
         frozen_dense: 0,
@@ -38,6 +42,7 @@ pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFl
         store_dir: None,
         host_stream_slots: EngineConfig::default().host_stream_slots,
         host_cell_slots: 0,
+        dense_on_device: on_gpu,
     })
     .unwrap();
     let slot = 2 * config.expert_params() as u64;

@@ -33,6 +33,8 @@ pub(super) struct DenseFunctions {
     pub(super) combine_weights_grad: CudaFunction,
     pub(super) weighted_rows: CudaFunction,
     pub(super) gather_rows_backward: CudaFunction,
+    embedding_backward: CudaFunction,
+    pub(super) square_sums: CudaFunction,
 }
 
 impl DenseFunctions {
@@ -64,6 +66,8 @@ impl DenseFunctions {
             combine_weights_grad: load("combine_weights_grad")?,
             weighted_rows: load("weighted_rows")?,
             gather_rows_backward: load("gather_rows_backward")?,
+            embedding_backward: load("embedding_backward")?,
+            square_sums: load("square_sums")?,
         })
     }
 }
@@ -430,5 +434,112 @@ impl CudaBackend {
         self.download(&rows, &mut h.0)?;
         self.download(&scattered, &mut h.1)?;
         Ok(h)
+    }
+
+    /// math::embedding_forward on the GPU: the rows of `table` (V × d, a
+    /// device buffer) for `tokens`, each < V (checked by the caller).
+    pub(super) fn embedding_forward_device(
+        &self,
+        table: &CudaSlice<f32>,
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let n = tokens.len();
+        let mut h = self.zeros(n * d)?;
+        if n == 0 {
+            return Ok(h);
+        }
+        let ids = self.upload_u32(tokens)?;
+        let (n32, d32, one) = (n as u32, d as u32, 1u32);
+        let mut launch = self.stream.launch_builder(&self.dense.gather_rows);
+        launch
+            .arg(table)
+            .arg(&ids)
+            .arg(&mut h)
+            .arg(&n32)
+            .arg(&d32)
+            .arg(&one);
+        // SAFETY: every token < V (the caller's check), so each row read
+        // lies in the V·d table; h holds n·d f32; one thread an element.
+        unsafe { launch.launch(threads(n * d)) }.map_err(|e| gpu_error("gather_rows", e))?;
+        Ok(h)
+    }
+
+    /// math::embedding_backward on the GPU: `dtable` (V × d) += the rows
+    /// of `dh` (tokens × d) at their tokens, each < V (checked by the
+    /// caller), every element summed in token order as the cpu does.
+    pub(super) fn embedding_backward_device(
+        &self,
+        dtable: &mut CudaSlice<f32>,
+        dh: &CudaSlice<f32>,
+        tokens: &[u32],
+        d: usize,
+    ) -> Result<(), EngineError> {
+        let groups = TokenGroups::of(tokens);
+        let count = groups.ids.len();
+        if count == 0 {
+            return Ok(());
+        }
+        let order = self.upload_u32(&groups.order)?;
+        let starts = self.upload_u32(&groups.starts)?;
+        let ids = self.upload_u32(&groups.ids)?;
+        let (g32, d32) = (count as u32, d as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.embedding_backward);
+        launch
+            .arg(dtable)
+            .arg(dh)
+            .arg(&order)
+            .arg(&starts)
+            .arg(&ids)
+            .arg(&g32)
+            .arg(&d32);
+        // SAFETY: each id < V (the caller's check) so every written row
+        // lies in the V·d table, distinct per group; order holds token
+        // indices < tokens, whose dh rows hold d f32; starts has
+        // groups + 1 entries ending at tokens.
+        unsafe { launch.launch(threads(count * d)) }
+            .map_err(|e| gpu_error("embedding_backward", e))?;
+        Ok(())
+    }
+}
+
+/// A batch's tokens grouped by id: group g is token `ids[g]`, at the
+/// positions `order[starts[g]..starts[g + 1]]`, in increasing order.
+struct TokenGroups {
+    order: Vec<u32>,
+    starts: Vec<u32>,
+    ids: Vec<u32>,
+}
+
+impl TokenGroups {
+    fn of(tokens: &[u32]) -> Self {
+        let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
+        // Stable: a token's positions stay in increasing order.
+        order.sort_by_key(|&i| tokens[i as usize]);
+        let (mut starts, mut ids) = (Vec::new(), Vec::new());
+        for (j, &i) in order.iter().enumerate() {
+            let id = tokens[i as usize];
+            if ids.last() != Some(&id) {
+                ids.push(id);
+                starts.push(j as u32);
+            }
+        }
+        starts.push(order.len() as u32);
+        Self { order, starts, ids }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenGroups;
+
+    #[test]
+    fn tokens_group_by_id_in_their_order() {
+        let g = TokenGroups::of(&[5, 2, 5, 9, 2, 5]);
+        assert_eq!(g.ids, [2, 5, 9]);
+        assert_eq!(g.starts, [0, 2, 5, 6]);
+        assert_eq!(g.order, [1, 4, 0, 2, 5, 3]);
+        let empty = TokenGroups::of(&[]);
+        assert_eq!((empty.ids.len(), empty.starts), (0, vec![0]));
     }
 }

@@ -438,3 +438,36 @@ extern "C" __global__ void gather_rows_backward(const float* rows, const unsigne
     for (unsigned s = 0; s < k; ++s) acc += rows[(unsigned long long)position[i * k + s] * d + c];
     dx[idx] = acc;
 }
+
+// math::embedding_backward: dtable row ids[g] += the dh rows of its tokens
+// (order[starts[g]..starts[g+1]], in token order), one thread an element
+// of a distinct token's row: each element sees the cpu loop's sums in its
+// order, and no two threads write one element.
+extern "C" __global__ void embedding_backward(float* dtable, const float* dh,
+                                              const unsigned* order, const unsigned* starts,
+                                              const unsigned* ids, unsigned groups, unsigned d) {
+    unsigned idx = strata_index();
+    if (idx >= groups * d) return;
+    unsigned g = idx / d, c = idx % d;
+    float* out = dtable + (unsigned long long)ids[g] * d + c;
+    float acc = *out;
+    for (unsigned j = starts[g]; j < starts[g + 1]; ++j) acc += dh[(unsigned long long)order[j] * d + c];
+    *out = acc;
+}
+
+// The sum of squares (f64) of each `chunk` elements of x, in index order,
+// one thread a chunk: a gradient's norm for clipping, its partial sums
+// added on the host.
+extern "C" __global__ void square_sums(const float* x, unsigned n, unsigned chunk,
+                                       double* out) {
+    unsigned i = strata_index();
+    unsigned long long start = (unsigned long long)i * chunk;
+    if (start >= n) return;
+    unsigned long long end = start + chunk < n ? start + chunk : n;
+    double acc = 0.0;
+    for (unsigned long long j = start; j < end; ++j) {
+        double g = (double)x[j];
+        acc += g * g;
+    }
+    out[i] = acc;
+}

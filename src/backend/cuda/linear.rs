@@ -15,7 +15,7 @@ use cudarc::driver::CudaSlice;
 use super::expert::GradStart;
 use super::{CudaBackend, Shape};
 use crate::math::attention::AttnShape;
-use crate::model::{DenseKernels, HeadShape};
+use crate::model::{DenseKernels, DenseResidence, HeadShape};
 use crate::EngineError;
 
 impl DenseKernels for CudaBackend {
@@ -122,6 +122,14 @@ impl DenseKernels for CudaBackend {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .reset(dense);
+        self.resident
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .reset();
+    }
+
+    fn residence(&self) -> Option<&dyn DenseResidence> {
+        Some(self)
     }
 
     fn attention_saved_len(&self, shape: &AttnShape) -> usize {

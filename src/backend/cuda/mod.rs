@@ -24,6 +24,7 @@ mod head;
 mod linear;
 mod moe;
 mod ops;
+mod resident;
 mod weights;
 
 pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
@@ -36,8 +37,8 @@ use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{
-    sys::CUdeviceptr, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    sys::CUdeviceptr, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use strata_optim::StepScalars;
@@ -120,6 +121,8 @@ pub struct CudaBackend {
     weights: std::sync::Mutex<weights::WeightCache<CudaSlice<f32>>>,
     /// The dense weight gradients summed on the GPU this step.
     grads: std::sync::Mutex<weights::GradCache<CudaSlice<f32>>>,
+    /// The moments of the dense weights stepped here (`resident.rs`).
+    resident: std::sync::Mutex<resident::Resident>,
     /// What every layer's attention reads alike (`CudaOps`).
     attention_inputs: std::sync::Mutex<ops::AttentionInputs>,
     /// Bytes copied between host and GPU other than expert params and
@@ -175,6 +178,7 @@ impl CudaBackend {
             dense,
             weights: Default::default(),
             grads: Default::default(),
+            resident: Default::default(),
             attention_inputs: Default::default(),
             pcie_other: AtomicU64::new(0),
             info,
@@ -559,7 +563,24 @@ impl CudaBackend {
         v: &mut CudaSlice<f32>,
         g: &CudaSlice<f32>,
     ) -> Result<(), EngineError> {
+        let (mut p, mut m, mut v) = (p.slice_mut(..), m.slice_mut(..), v.slice_mut(..));
+        self.adamw_view(s, &mut p, &mut m, &mut v, &g.slice(..))
+    }
+
+    /// [`Self::adamw`] on views of the params, moments and gradient.
+    fn adamw_view(
+        &self,
+        s: &StepScalars,
+        p: &mut CudaViewMut<'_, f32>,
+        m: &mut CudaViewMut<'_, f32>,
+        v: &mut CudaViewMut<'_, f32>,
+        g: &CudaView<'_, f32>,
+    ) -> Result<(), EngineError> {
         let n = p.len();
+        assert!(m.len() == n && v.len() == n && g.len() == n);
+        if n == 0 {
+            return Ok(());
+        }
         let n32 = n as u32;
         let mut launch = self.stream.launch_builder(&self.f.adamw);
         launch
@@ -577,8 +598,8 @@ impl CudaBackend {
             .arg(&s.inv_sqrt_bias2)
             .arg(&s.eps)
             .arg(&s.neg_step_size);
-        // SAFETY: p, m, v, g hold n f32 each (checked by the caller's
-        // shapes); the kernel touches elements 0..n.
+        // SAFETY: p, m, v, g hold n f32 each (asserted); the kernel
+        // touches elements 0..n.
         unsafe { launch.launch(Self::launch_config(n)) }.map_err(|e| gpu_error("adamw", e))?;
         Ok(())
     }

@@ -16,7 +16,7 @@ use super::attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 use super::dense::threads;
 use super::moe::CudaMoeSaved;
 use super::{gpu_error, CudaBackend, Shape};
-use crate::math::attention::{embedding_backward, embedding_forward, AttnShape, RopeTable};
+use crate::math::attention::{AttnShape, RopeTable};
 use crate::model::{DenseKernels, DenseOps, ExpertRunner, HeadShape, ModelConfig};
 use crate::EngineError;
 
@@ -294,20 +294,17 @@ impl DenseOps for CudaOps<'_> {
         })
     }
 
-    // The embedding runs on the host: its table would otherwise cross
-    // PCIe whole every step (the dense params change with every update,
-    // and the GPU holds them only between updates), and its gradient come
-    // back whole, where the host's gather and scatter move (T × D) once
-    // each way.
+    // The table is a dense weight like any other (uploaded once between
+    // updates, its gradient summed on the GPU); only the token ids cross.
     fn embedding_forward(
         &self,
         table: &[f32],
         tokens: &[u32],
         d: usize,
     ) -> Result<CudaSlice<f32>, EngineError> {
-        let mut h = vec![0.0f32; tokens.len() * d];
-        embedding_forward(&mut h, table, tokens, d);
-        self.place(h)
+        check_tokens(tokens, table.len() / d)?;
+        let table = self.gpu.weight(table)?;
+        self.gpu.embedding_forward_device(&table, tokens, d)
     }
 
     fn embedding_backward(
@@ -317,8 +314,10 @@ impl DenseOps for CudaOps<'_> {
         tokens: &[u32],
         d: usize,
     ) -> Result<(), EngineError> {
-        embedding_backward(dtable, &self.read(dh)?, tokens, d);
-        Ok(())
+        check_tokens(tokens, dtable.len() / d)?;
+        self.gpu.with_grad(dtable, |acc| {
+            self.gpu.embedding_backward_device(acc, dh, tokens, d)
+        })
     }
 
     fn head_loss(
@@ -438,5 +437,15 @@ impl DenseOps for CudaOps<'_> {
             self.gpu
                 .attention_backward_device(grads, dout, &mut stats, qkv, starts, shape, blocks)
         })
+    }
+}
+
+/// Tokens index rows of a table on the GPU, where nothing checks bounds.
+fn check_tokens(tokens: &[u32], vocab: usize) -> Result<(), EngineError> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => Err(EngineError::Batch(format!(
+            "token {t} is outside the vocabulary of {vocab}"
+        ))),
+        None => Ok(()),
     }
 }

@@ -79,6 +79,10 @@ pub(super) struct WeightCache<U> {
     region: Region,
     /// (offset, length) in the params → its upload.
     slices: HashMap<(usize, usize), Arc<U>>,
+    /// The held slices were updated here (`DenseResidence::step`), so the
+    /// host's copy of them is older: a slice overlapping one of them
+    /// cannot be uploaded from the host.
+    newer_here: bool,
 }
 
 impl<U> Default for WeightCache<U> {
@@ -86,6 +90,7 @@ impl<U> Default for WeightCache<U> {
         Self {
             region: Region::default(),
             slices: HashMap::new(),
+            newer_here: false,
         }
     }
 }
@@ -96,6 +101,26 @@ impl<U> WeightCache<U> {
     pub fn reset(&mut self, dense: &[f32]) {
         self.slices.clear();
         self.region.reset(Some(dense));
+        self.newer_here = false;
+    }
+
+    /// The held slices, as (offset, length) in the params, in order.
+    pub fn keys(&self) -> Vec<(usize, usize)> {
+        let mut keys: Vec<_> = self.slices.keys().copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    /// The held slice at `key`, to update in place; `None` while a GEMM
+    /// still reads it.
+    pub fn get_mut(&mut self, key: (usize, usize)) -> Option<&mut U> {
+        self.slices.get_mut(&key).and_then(Arc::get_mut)
+    }
+
+    /// The held slices were updated here: from now on the host's copy of
+    /// them is older than these.
+    pub fn mark_newer_here(&mut self) {
+        self.newer_here = true;
     }
 
     /// The cached upload of `w`, or `upload(w)`'s, kept when `w` is a
@@ -111,8 +136,16 @@ impl<U> WeightCache<U> {
         if let Some(slice) = self.slices.get(&key) {
             return Ok(Arc::clone(slice));
         }
+        let held = self.region.hold(key);
+        if !held && self.newer_here {
+            return Err(EngineError::Config(format!(
+                "a dense weight of {} params at {} overlaps one the GPU holds and has \
+                 updated: a network must ask for its weights as the same slices every step",
+                key.1, key.0
+            )));
+        }
         let slice = Arc::new(upload(w)?);
-        if self.region.hold(key) {
+        if held {
             self.slices.insert(key, Arc::clone(&slice));
         }
         Ok(slice)
@@ -225,6 +258,37 @@ mod tests {
         assert_eq!(cache.cached_len(), 0);
         assert_eq!(get(&mut cache, &dense[10..30])[5], -1.0);
         assert_eq!(uploads, 2 + 2 + 2 + 1);
+    }
+
+    #[test]
+    fn a_slice_overlapping_one_updated_here_is_refused() {
+        let dense: Vec<f32> = (0..100).map(|i| i as f32).collect();
+        let mut cache = cache_with(&dense);
+        let upload = |w: &[f32]| Ok(w.to_vec());
+        cache.get_or_upload(&dense[10..30], upload).unwrap();
+        cache.get_mut((10, 20)).unwrap()[0] = -5.0;
+        cache.mark_newer_here();
+        assert_eq!(cache.keys(), vec![(10, 20)]);
+        // The held slice is what was updated here, not the host's.
+        assert_eq!(
+            cache.get_or_upload(&dense[10..30], upload).unwrap()[0],
+            -5.0
+        );
+        // A slice apart from it still comes from the host.
+        assert_eq!(
+            cache.get_or_upload(&dense[40..50], upload).unwrap()[0],
+            40.0
+        );
+        let err = cache.get_or_upload(&dense[20..35], upload).unwrap_err();
+        assert!(
+            err.to_string().contains("overlaps one the GPU holds"),
+            "{err}"
+        );
+        // A GEMM still reading a slice keeps it from being updated.
+        let reading = cache.get_or_upload(&dense[10..30], upload).unwrap();
+        assert!(cache.get_mut((10, 20)).is_none());
+        drop(reading);
+        assert!(cache.get_mut((10, 20)).is_some());
     }
 
     #[test]

@@ -1,0 +1,279 @@
+//! The dense params the GPU holds, stepped on the GPU ([`DenseResidence`]).
+//!
+//! The weights are the held slices of the weight cache (`weights.rs`):
+//! each uploaded on its first use and, from the first [`step`] on, newer
+//! here than on the host. Their gradients are the weight-gradient
+//! accumulators of the step; their AdamW moments are uploaded from the
+//! host's the first time a slice is stepped and stay here. The `adamw`
+//! kernel is strata-optim's element update bit for bit, so a step here
+//! gives the params the host's AdamW would from the same gradient.
+//!
+//! What the host wrote into the held part of the gradient (a kernel that
+//! ran on host slices) is added here, never lost: the first step looks
+//! for such writes, and once one is seen every step looks.
+//!
+//! [`step`]: DenseResidence::step
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
+use strata_optim::StepScalars;
+
+use super::dense::threads;
+use super::{gpu_error, CudaBackend};
+use crate::model::{trainable_parts, DenseResidence};
+use crate::EngineError;
+
+/// Elements a thread of `square_sums` adds.
+const SQUARE_SUM_CHUNK: usize = 4096;
+
+/// A held slice's AdamW moments, each its length (the frozen parts unused).
+struct Moments {
+    m: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+}
+
+/// What the GPU keeps for the params it holds besides the params.
+#[derive(Default)]
+pub(super) struct Resident {
+    moments: HashMap<(usize, usize), Moments>,
+    /// The held slices' gradients, from `finish_grads` to `step`.
+    grads: HashMap<(usize, usize), CudaSlice<f32>>,
+    /// Whether the host has written into the held part of a gradient:
+    /// `None` until the first `finish_grads` has looked.
+    host_writes: Option<bool>,
+}
+
+impl Resident {
+    /// The params were written on the host: what is kept for them goes.
+    pub fn reset(&mut self) {
+        self.moments.clear();
+        self.grads.clear();
+    }
+}
+
+fn span(key: (usize, usize)) -> Range<usize> {
+    key.0..key.0 + key.1
+}
+
+/// `part` (a range of the params) relative to the held slice at `key`.
+fn within(part: &Range<usize>, key: (usize, usize)) -> Range<usize> {
+    part.start - key.0..part.end - key.0
+}
+
+impl DenseResidence for CudaBackend {
+    fn finish_grads(
+        &self,
+        grad: &mut [f32],
+        trainable: &[Range<usize>],
+        norm: bool,
+    ) -> Result<f64, EngineError> {
+        self.bind()?;
+        let sums = self
+            .grads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .finish(grad);
+        let held = self
+            .weights
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys();
+        let mut state = self.resident.lock().unwrap_or_else(|p| p.into_inner());
+        state.grads.clear();
+        let mut host = Vec::new();
+        for (key, sum) in sums {
+            if held.binary_search(&key).is_ok() {
+                state.grads.insert(key, sum);
+            } else {
+                // Its param is the host's to step: as `grads_flush`.
+                host.resize(key.1, 0.0f32);
+                self.download(&sum, &mut host)?;
+                for (g, s) in grad[span(key)].iter_mut().zip(&host) {
+                    *g += s;
+                }
+            }
+        }
+        if state.host_writes != Some(false) || cfg!(debug_assertions) {
+            let mut seen = state.host_writes == Some(true);
+            for &key in &held {
+                let part = &mut grad[span(key)];
+                if part.iter().all(|&g| g == 0.0) {
+                    continue;
+                }
+                seen = true;
+                let written = self.upload(part)?;
+                part.fill(0.0);
+                match state.grads.get_mut(&key) {
+                    Some(acc) => self.add_into(acc, &written)?,
+                    None => {
+                        state.grads.insert(key, written);
+                    }
+                }
+            }
+            state.host_writes = Some(seen);
+        }
+        if !norm {
+            return Ok(0.0);
+        }
+        let mut sum = 0.0f64;
+        for (&key, acc) in &state.grads {
+            for (part, _) in trainable_parts(span(key), trainable) {
+                sum += self.square_sum(&acc.slice(within(&part, key)))?;
+            }
+        }
+        Ok(sum)
+    }
+
+    fn held(&self) -> Vec<Range<usize>> {
+        let weights = self.weights.lock().unwrap_or_else(|p| p.into_inner());
+        weights.keys().into_iter().map(span).collect()
+    }
+
+    fn step(
+        &self,
+        s: &StepScalars,
+        trainable: &[Range<usize>],
+        m: &[f32],
+        v: &[f32],
+    ) -> Result<(), EngineError> {
+        self.bind()?;
+        let mut weights = self.weights.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.resident.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *state;
+        for key in weights.keys() {
+            let parts = trainable_parts(span(key), trainable);
+            if parts.is_empty() {
+                continue; // frozen
+            }
+            let mo = match state.moments.entry(key) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => e.insert(self.upload_moments(key, &parts, m, v)?),
+            };
+            let g = match state.grads.entry(key) {
+                Entry::Occupied(e) => e.into_mut(),
+                // Used by no kernel this step: AdamW's decay still applies.
+                Entry::Vacant(e) => e.insert(self.zeros(key.1)?),
+            };
+            let p = weights.get_mut(key).ok_or_else(|| {
+                gpu_error("the dense step", "a kernel still reads a weight it updates")
+            })?;
+            for (part, _) in &parts {
+                let r = within(part, key);
+                self.adamw_view(
+                    s,
+                    &mut p.slice_mut(r.clone()),
+                    &mut mo.m.slice_mut(r.clone()),
+                    &mut mo.v.slice_mut(r.clone()),
+                    &g.slice(r),
+                )?;
+            }
+        }
+        state.grads.clear();
+        weights.mark_newer_here();
+        Ok(())
+    }
+
+    fn sync(
+        &self,
+        params: &mut [f32],
+        trainable: &[Range<usize>],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) -> Result<(), EngineError> {
+        self.bind()?;
+        let mut weights = self.weights.lock().unwrap_or_else(|p| p.into_inner());
+        let state = self.resident.lock().unwrap_or_else(|p| p.into_inner());
+        for key in weights.keys() {
+            let p = weights.get_mut(key).ok_or_else(|| {
+                gpu_error("reading the dense params", "a kernel still reads a weight")
+            })?;
+            self.download(p, &mut params[span(key)])?;
+            let Some(mo) = state.moments.get(&key) else {
+                continue; // never stepped here: the host's moments are current
+            };
+            for (part, packed) in trainable_parts(span(key), trainable) {
+                let (r, n) = (within(&part, key), part.len());
+                self.download_view(&mo.m.slice(r.clone()), &mut m[packed..packed + n])?;
+                self.download_view(&mo.v.slice(r), &mut v[packed..packed + n])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// The moments of the held slice at `key`, its trainable `parts` read
+    /// from the host's packed `m` and `v`.
+    fn upload_moments(
+        &self,
+        key: (usize, usize),
+        parts: &[(Range<usize>, usize)],
+        m: &[f32],
+        v: &[f32],
+    ) -> Result<Moments, EngineError> {
+        let mut moments = Moments {
+            m: self.zeros(key.1)?,
+            v: self.zeros(key.1)?,
+        };
+        for (part, packed) in parts {
+            let (r, n) = (within(part, key), part.len());
+            self.upload_into(&mut moments.m.slice_mut(r.clone()), &m[*packed..packed + n])?;
+            self.upload_into(&mut moments.v.slice_mut(r), &v[*packed..packed + n])?;
+        }
+        Ok(moments)
+    }
+
+    fn upload_into(&self, dst: &mut CudaViewMut<'_, f32>, host: &[f32]) -> Result<(), EngineError> {
+        self.count_pcie_other::<f32>(host.len());
+        self.stream
+            .memcpy_htod(host, dst)
+            .map_err(|e| gpu_error("an upload", e))
+    }
+
+    fn download_view(&self, src: &CudaView<'_, f32>, host: &mut [f32]) -> Result<(), EngineError> {
+        self.count_pcie_other::<f32>(host.len());
+        self.stream
+            .memcpy_dtoh(src, host)
+            .map_err(|e| gpu_error("a download", e))
+    }
+
+    /// acc += x, element by element.
+    fn add_into(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), EngineError> {
+        assert_eq!(acc.len(), x.len());
+        let n = x.len() as u32;
+        let mut launch = self.stream.launch_builder(&self.dense.add_into);
+        launch.arg(acc).arg(x).arg(&n);
+        // SAFETY: acc and x hold n f32 (asserted).
+        unsafe { launch.launch(threads(x.len())) }.map_err(|e| gpu_error("add_into", e))?;
+        Ok(())
+    }
+
+    /// The sum of squares of `x` in f64: partial sums of
+    /// `SQUARE_SUM_CHUNK` elements on the GPU, added here in order.
+    fn square_sum(&self, x: &CudaView<'_, f32>) -> Result<f64, EngineError> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(0.0);
+        }
+        let chunks = n.div_ceil(SQUARE_SUM_CHUNK);
+        let mut partial = self
+            .stream
+            .alloc_zeros::<f64>(chunks)
+            .map_err(|e| self.memory_error("allocating GPU memory", e))?;
+        let (n32, chunk32) = (n as u32, SQUARE_SUM_CHUNK as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.square_sums);
+        launch.arg(x).arg(&n32).arg(&chunk32).arg(&mut partial);
+        // SAFETY: x holds n f32 and partial one f64 for each of its
+        // ceil(n / chunk) chunks, one thread a chunk.
+        unsafe { launch.launch(threads(chunks)) }.map_err(|e| gpu_error("square_sums", e))?;
+        let mut host = vec![0.0f64; chunks];
+        self.count_pcie_other::<f64>(chunks);
+        self.stream
+            .memcpy_dtoh(&partial, &mut host)
+            .map_err(|e| gpu_error("a download", e))?;
+        Ok(host.iter().sum())
+    }
+}
