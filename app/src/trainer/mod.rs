@@ -217,7 +217,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         store_dir: Some(&o.out),
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,
-        dense_on_device: o.backend == "cuda",
+        dense_on_device: o.backend == "cuda" && !o.dense_on_host,
     })
 }
 
@@ -411,6 +411,7 @@ fn run_locked(
         deferred_update_share: o.defer_share,
         trace_routing: o.trace_routing.is_some(),
         affinity_prefetch: o.affinity_prefetch,
+        dense_on_device: !o.dense_on_host,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,

@@ -97,6 +97,13 @@ pub struct TrainFlags {
     #[arg(long)]
     #[serde(default)]
     pub affinity_prefetch: bool,
+    /// With one GPU, step the dense params with the cpu's AdamW, which
+    /// uploads them and downloads their gradient every step, instead of
+    /// keeping them, their moments and gradient in GPU memory and stepping
+    /// them there (the same bits either way).
+    #[arg(long)]
+    #[serde(default)]
+    pub dense_on_host: bool,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -203,6 +210,8 @@ pub struct TrainOptions {
     pub trace_routing: Option<PathBuf>,
     #[serde(default)]
     pub affinity_prefetch: bool,
+    #[serde(default)]
+    pub dense_on_host: bool,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -346,6 +355,7 @@ impl TrainFlags {
             train: pick!(cli, file, train, all_groups()),
             trace_routing: cli.trace_routing.clone().or(file.trace_routing.clone()),
             affinity_prefetch: cli.affinity_prefetch || file.affinity_prefetch,
+            dense_on_host: cli.dense_on_host || file.dense_on_host,
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,

@@ -174,6 +174,7 @@ pub(super) fn resume_options(
         o.trace_routing = flags.trace_routing.clone();
     }
     o.affinity_prefetch |= flags.affinity_prefetch;
+    o.dense_on_host |= flags.dense_on_host;
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;

@@ -13,8 +13,9 @@
 //! norms, rotary embeddings and the rest (`dense.rs`), each MoE block's
 //! router, permutation and combine around its experts (`moe.rs`), and the
 //! head with its loss (`head.rs`, in blocks of rows, the logits never
-//! leaving the GPU). A dense AdamW kernel is here and tested; the engine
-//! still steps the dense params on the cpu. Every copy besides expert
+//! leaving the GPU), and the embedding's gather and scatter. With one GPU
+//! the dense params stay here and the AdamW kernel steps them
+//! (`resident.rs`, [`crate::model::DenseResidence`]). Every copy besides expert
 //! params and gradients is counted ([`CudaBackend::pcie_other_bytes`]).
 
 mod attention;
