@@ -17,6 +17,52 @@ use strata::lm::{LmConfig, MoeLm};
 use strata_cli::trainer::{self, hf, Source, TrainFlags};
 use strata_tiers::Dtype;
 
+/// `--dense-on-host` steps the dense params with the cpu's AdamW where the
+/// default keeps them on the one GPU and steps them there: the same
+/// gradient, the same element update, so the same bits, in fewer copies.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_dense_params_train_alike_on_the_gpu_and_on_the_host() {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+        common::cuda_case_skipped(e);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let model = dir.path().join("model");
+    write_checkpoint(&model, &config);
+    let run = |name: &str, dense_on_host: bool| {
+        let out = dir.path().join(name);
+        let flags = TrainFlags {
+            backend: Some("cuda".into()),
+            steps: Some(3),
+            dense_on_host,
+            ..small_flags(&out)
+        };
+        let source = Source::Finetune(model.clone());
+        let summary = trainer::run(&flags, source, &AtomicBool::new(false)).unwrap();
+        let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let copied: Vec<u64> = log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v.get("bytes_pcie_other").and_then(|b| b.as_u64()))
+            .collect();
+        (summary.last_loss, run_params(&out, &config), copied)
+    };
+    let (kept_loss, kept, kept_copied) = run("kept", false);
+    let (host_loss, host, host_copied) = run("host", true);
+    eprintln!(
+        "cuda case: dense params kept on the gpu copied {kept_copied:?} a step, \
+         stepped on the host {host_copied:?}"
+    );
+    assert_eq!(kept_loss, host_loss);
+    assert!(kept == host, "the params differ");
+    assert!(
+        kept_copied[2] < host_copied[2],
+        "{kept_copied:?} {host_copied:?}"
+    );
+}
+
 /// The trainer on the GPUs (`--backend cuda --devices 2`, or 1 where only
 /// one GPU answers, with two micro-batches) against the cpu backend on one
 /// device with two micro-batches. The GPU rounds the experts' GEMMs' operands to bf16
