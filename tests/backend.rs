@@ -857,6 +857,9 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "gather_rows_backward",
         "embedding_backward",
         "square_sums",
+        "sigmoid_values",
+        "add_scaled_rows",
+        "gate_backward",
     ];
     for kernel in kernels {
         assert!(

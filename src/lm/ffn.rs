@@ -28,17 +28,17 @@ pub(super) enum FfnRanges {
     Dense(MlpRanges),
 }
 
-/// What the forward keeps for the backward; `M` is the MoE block's (a
-/// [`DenseOps::MoeSaved`]).
-pub(super) enum FfnSaved<M> {
+/// What the forward keeps for the backward, in buffers `B` of a
+/// [`DenseOps`]; `M` is the MoE block's (a [`DenseOps::MoeSaved`]).
+pub(super) enum FfnSaved<B, M> {
     Sparse {
         moe: Box<M>,
-        shared: Option<MlpSaved>,
+        shared: Option<MlpSaved<B>>,
     },
-    Dense(MlpSaved),
+    Dense(MlpSaved<B>),
 }
 
-impl<M> FfnSaved<M> {
+impl<B, M> FfnSaved<B, M> {
     /// The sparse layer's routing and experts' outputs.
     pub fn moe_mut(&mut self) -> Option<&mut M> {
         match self {
@@ -48,10 +48,8 @@ impl<M> FfnSaved<M> {
     }
 }
 
-/// The FFN of `n` (t, d), the layer's normed input, added to `h`. The MoE
-/// block runs on `ops`' activations; a shared expert and a dense layer's
-/// MLP on the host's (their input and output copied where `ops` keeps
-/// activations on a device).
+/// The FFN of `n` (t, d), the layer's normed input, added to `h`, on
+/// `ops`' activations.
 pub(super) fn forward<O: DenseOps>(
     ops: &O,
     c: &LmConfig,
@@ -61,7 +59,7 @@ pub(super) fn forward<O: DenseOps>(
     n: &O::Buf,
     h: &mut O::Buf,
     runner: &mut dyn ExpertRunner,
-) -> Result<FfnSaved<O::MoeSaved>, EngineError> {
+) -> Result<FfnSaved<O::Buf, O::MoeSaved>, EngineError> {
     let kernels = ops.kernels();
     let d = c.d_model;
     match ranges {
@@ -77,11 +75,14 @@ pub(super) fn forward<O: DenseOps>(
             let (mut y, moe) =
                 ops.moe_forward(moe_model, *moe_layer, (router, bias), n, t, runner)?;
             let shared = match shared {
-                Some(sr) => {
-                    let (n, f) = (ops.read(n)?, c.shared_expert_ff);
-                    let run = |y: &mut [f32]| mlp::forward(dense, sr, &n, y, t, d, f, kernels);
-                    Some(ops.on_host(&mut y, run)?)
-                }
+                Some(sr) => Some(mlp::forward(
+                    ops,
+                    dense,
+                    sr,
+                    n,
+                    &mut y,
+                    (t, d, c.shared_expert_ff),
+                )?),
                 None => None,
             };
             let _span = kernels.host_span("residual");
@@ -93,9 +94,15 @@ pub(super) fn forward<O: DenseOps>(
             })
         }
         FfnRanges::Dense(r) => {
-            let (n, t) = (ops.read(n)?, ops.rows(n, d));
-            let run = |h: &mut [f32]| mlp::forward(dense, r, &n, h, t, d, c.dense_ff, kernels);
-            Ok(FfnSaved::Dense(ops.on_host(h, run)?))
+            let t = ops.rows(n, d);
+            Ok(FfnSaved::Dense(mlp::forward(
+                ops,
+                dense,
+                r,
+                n,
+                h,
+                (t, d, c.dense_ff),
+            )?))
         }
     }
 }
@@ -118,13 +125,12 @@ pub(super) fn backward<O: DenseOps>(
     ops: &O,
     c: &LmConfig,
     moe_model: &ModelConfig,
-    (ranges, saved): (&FfnRanges, &FfnSaved<O::MoeSaved>),
+    (ranges, saved): (&FfnRanges, &FfnSaved<O::Buf, O::MoeSaved>),
     dense: &[f32],
     (n, dh): (&O::Buf, &O::Buf),
     g: FfnGrads<O::Buf>,
     runner: &mut dyn ExpertRunner,
 ) -> Result<(), EngineError> {
-    let kernels = ops.kernels();
     let (t, d) = (ops.rows(n, c.d_model), c.d_model);
     match (ranges, saved) {
         (
@@ -147,22 +153,15 @@ pub(super) fn backward<O: DenseOps>(
                 moe_model, *moe_layer, router, grads, moe, losses, runner, last,
             )?;
             if let (Some(sr), Some(ss)) = (shared, shared_saved) {
-                let f = c.shared_expert_ff;
-                let (n, dh) = (ops.read(n)?, ops.read(dh)?);
-                let dense_grad = &mut *g.dense_grad;
-                ops.on_host(g.dn, |dn| {
-                    mlp::backward(dense, dense_grad, sr, ss, &n, dn, &dh, t, d, f, kernels)
-                })?;
+                let shape = (t, d, c.shared_expert_ff);
+                let (params, io) = ((dense, &mut *g.dense_grad), (n, &mut *g.dn, dh));
+                mlp::backward(ops, params, sr, ss, io, shape)?;
             }
             Ok(())
         }
         (FfnRanges::Dense(r), FfnSaved::Dense(s)) => {
-            let f = c.dense_ff;
-            let (n, dh) = (ops.read(n)?, ops.read(dh)?);
-            let dense_grad = g.dense_grad;
-            ops.on_host(g.dn, |dn| {
-                mlp::backward(dense, dense_grad, r, s, &n, dn, &dh, t, d, f, kernels)
-            })
+            let (params, io) = ((dense, g.dense_grad), (n, g.dn, dh));
+            mlp::backward(ops, params, r, s, io, (t, d, c.dense_ff))
         }
         _ => unreachable!("a layer's saved FFN is of its own kind"),
     }

@@ -1,17 +1,16 @@
 //! A SwiGLU MLP on dense tensors, `W_down (silu(W_gate_proj x) ⊙ W_up x)`:
 //! Qwen2-MoE's shared expert, which every token goes through beside its
 //! routed experts, scaled by a sigmoid gate of the token
-//! (`σ(x · w_gate)`), and the Qwen families' dense layers, ungated. Its
-//! weights stay on the device with the rest of the dense params, and its
-//! GEMMs run through the dense kernels.
+//! (`σ(x · w_gate)`), and the Qwen families' dense layers, ungated. It
+//! runs on the network's [`DenseOps`], its activations where the others
+//! are (in GPU memory on a GPU).
 
 // Numeric code takes its shapes as arguments, as llm.c does.
 #![allow(clippy::too_many_arguments)]
 
 use std::ops::Range;
 
-use crate::math::{sigmoid, silu, silu_grad};
-use crate::model::DenseKernels;
+use crate::model::DenseOps;
 use crate::EngineError;
 
 /// Where one MLP is in the dense vector.
@@ -25,94 +24,67 @@ pub(super) struct MlpRanges {
     pub scale: Option<Range<usize>>,
 }
 
-/// What the forward keeps for the backward.
-pub(super) struct MlpSaved {
-    a: Vec<f32>,
-    b: Vec<f32>,
-    h: Vec<f32>,
-    /// The ungated output, kept where a gate scales it; empty when ungated.
-    out: Vec<f32>,
-    /// Each token's gate, σ(x · w_gate); empty when ungated.
-    sig: Vec<f32>,
+/// What the forward keeps for the backward, in buffers of a [`DenseOps`].
+pub(super) struct MlpSaved<B> {
+    a: B,
+    b: B,
+    h: B,
+    /// Where a gate scales the output: the ungated output and each
+    /// token's gate, σ(x · w_gate).
+    gated: Option<(B, B)>,
 }
 
 /// Adds the MLP's output for the `t` rows of `x` (t, d) to `y`.
-pub(super) fn forward(
+pub(super) fn forward<O: DenseOps>(
+    ops: &O,
     dense: &[f32],
     r: &MlpRanges,
-    x: &[f32],
-    y: &mut [f32],
-    t: usize,
-    d: usize,
-    f: usize,
-    kernels: &dyn DenseKernels,
-) -> Result<MlpSaved, EngineError> {
-    let mut a = vec![0.0f32; t * f];
-    let mut b = vec![0.0f32; t * f];
-    kernels.forward(&mut a, x, &dense[r.gate.clone()], t, d, f)?;
-    kernels.forward(&mut b, x, &dense[r.up.clone()], t, d, f)?;
-    let h: Vec<f32> = a.iter().zip(&b).map(|(&a, &b)| silu(a) * b).collect();
-    let mut out = vec![0.0f32; t * d];
-    kernels.forward(&mut out, &h, &dense[r.down.clone()], t, f, d)?;
-    let sig = match &r.scale {
+    x: &O::Buf,
+    y: &mut O::Buf,
+    (t, d, f): (usize, usize, usize),
+) -> Result<MlpSaved<O::Buf>, EngineError> {
+    let mut a = ops.zeros(t * f)?;
+    let mut b = ops.zeros(t * f)?;
+    ops.linear_forward(&mut a, x, &dense[r.gate.clone()], t, d, f)?;
+    ops.linear_forward(&mut b, x, &dense[r.up.clone()], t, d, f)?;
+    let h = ops.swiglu(&a, &b)?;
+    let mut out = ops.zeros(t * d)?;
+    ops.linear_forward(&mut out, &h, &dense[r.down.clone()], t, f, d)?;
+    let gated = match &r.scale {
         Some(scale) => {
-            let mut sig = vec![0.0f32; t];
-            kernels.forward(&mut sig, x, &dense[scale.clone()], t, d, 1)?;
-            sig.iter_mut().for_each(|s| *s = sigmoid(*s));
-            for ((y, o), &s) in y.chunks_exact_mut(d).zip(out.chunks_exact(d)).zip(&sig) {
-                y.iter_mut().zip(o).for_each(|(y, o)| *y += s * o);
-            }
-            sig
+            let mut sig = ops.zeros(t)?;
+            ops.linear_forward(&mut sig, x, &dense[scale.clone()], t, d, 1)?;
+            ops.sigmoid(&mut sig)?;
+            ops.add_scaled_rows(y, &out, &sig)?;
+            Some((out, sig))
         }
         None => {
-            y.iter_mut().zip(&out).for_each(|(y, o)| *y += o);
-            Vec::new()
+            ops.add_assign(y, &out)?;
+            None
         }
     };
-    // The output is the gate's backward's alone.
-    let out = if sig.is_empty() { Vec::new() } else { out };
-    Ok(MlpSaved { a, b, h, out, sig })
+    Ok(MlpSaved { a, b, h, gated })
 }
 
 /// The backward from `dy` (t, d): adds to `dx` and to the four tensors'
 /// dense gradients.
-pub(super) fn backward(
-    dense: &[f32],
-    dense_grad: &mut [f32],
+pub(super) fn backward<O: DenseOps>(
+    ops: &O,
+    (dense, dense_grad): (&[f32], &mut [f32]),
     r: &MlpRanges,
-    saved: &MlpSaved,
-    x: &[f32],
-    dx: &mut [f32],
-    dy: &[f32],
-    t: usize,
-    d: usize,
-    f: usize,
-    kernels: &dyn DenseKernels,
+    s: &MlpSaved<O::Buf>,
+    (x, dx, dy): (&O::Buf, &mut O::Buf, &O::Buf),
+    (t, d, f): (usize, usize, usize),
 ) -> Result<(), EngineError> {
-    let s = saved;
     // Gated, y = σ(z) · out: dz = σ(1 − σ) · ⟨dy, out⟩, dout = σ · dy.
-    let mut dz = vec![0.0f32; t];
-    let mut gated = Vec::new();
-    let dout = match r.scale {
-        None => dy,
-        Some(_) => {
-            gated.resize(t * d, 0.0f32);
-            for i in 0..t {
-                let (dyi, oi) = (&dy[i * d..(i + 1) * d], &s.out[i * d..(i + 1) * d]);
-                let dot: f32 = dyi.iter().zip(oi).map(|(g, o)| g * o).sum();
-                let sig = s.sig[i];
-                dz[i] = sig * (1.0 - sig) * dot;
-                gated[i * d..(i + 1) * d]
-                    .iter_mut()
-                    .zip(dyi)
-                    .for_each(|(o, g)| *o = sig * g);
-            }
-            &gated[..]
-        }
+    let gate_grads = match &s.gated {
+        Some((out, sig)) => Some(ops.gate_backward(dy, out, sig)?),
+        None => None,
     };
-    let mut dh = vec![0.0f32; t * f];
+    let dout = gate_grads.as_ref().map_or(dy, |(_, dout)| dout);
+    let mut dh = ops.zeros(t * f)?;
     let down = r.down.clone();
-    kernels.backward(
+    ops.linear_backward(
         &mut dh,
         &mut dense_grad[down.clone()],
         dout,
@@ -122,13 +94,14 @@ pub(super) fn backward(
         f,
         d,
     )?;
-    let da: Vec<f32> = (0..t * f)
-        .map(|i| dh[i] * s.b[i] * silu_grad(s.a[i]))
-        .collect();
-    let db: Vec<f32> = (0..t * f).map(|i| dh[i] * silu(s.a[i])).collect();
-    let gate = r.scale.as_ref().map(|scale| (scale, &dz, 1));
+    let (da, db) = ops.swiglu_backward(&dh, &s.a, &s.b)?;
+    let gate = r
+        .scale
+        .as_ref()
+        .zip(gate_grads.as_ref())
+        .map(|(scale, (dz, _))| (scale, dz, 1));
     for (w, grad, width) in [(&r.gate, &da, f), (&r.up, &db, f)].into_iter().chain(gate) {
-        kernels.backward(
+        ops.linear_backward(
             dx,
             &mut dense_grad[w.clone()],
             grad,

@@ -66,7 +66,7 @@ struct LayerSaved<B, M> {
     h_mid: B,
     n2: B,
     inv2: B,
-    ffn: FfnSaved<M>,
+    ffn: FfnSaved<B, M>,
 }
 
 /// One micro-batch of a step, as [`Network::forward_backward`] is given it.

@@ -18,7 +18,7 @@ use super::{moe_backward, moe_forward, DenseKernels, ExpertRunner, HeadShape, Mo
 use crate::math::attention::{
     embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
 };
-use crate::math::{rmsnorm_backward, rmsnorm_forward, Routing};
+use crate::math::{rmsnorm_backward, rmsnorm_forward, sigmoid, silu, silu_grad, Routing};
 use crate::EngineError;
 
 /// The dense layers' operations on activation buffers of type
@@ -70,6 +70,33 @@ pub trait DenseOps {
     ) -> Result<(), EngineError>;
 
     /// `math::rmsnorm_forward` over `rows` rows of `width`.
+    /// h = silu(a) ⊙ b, SwiGLU's hidden activation (`math::silu`).
+    fn swiglu(&self, a: &Self::Buf, b: &Self::Buf) -> Result<Self::Buf, EngineError>;
+    /// (da, db): the gradient of `swiglu` at (a, b) from dh.
+    fn swiglu_backward(
+        &self,
+        dh: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+    ) -> Result<(Self::Buf, Self::Buf), EngineError>;
+    /// x = σ(x), element by element (`math::sigmoid`).
+    fn sigmoid(&self, x: &mut Self::Buf) -> Result<(), EngineError>;
+    /// y's row i += s[i] · x's row i (rows of y's length over s's).
+    fn add_scaled_rows(
+        &self,
+        y: &mut Self::Buf,
+        x: &Self::Buf,
+        s: &Self::Buf,
+    ) -> Result<(), EngineError>;
+    /// The backward of `add_scaled_rows(y, out, σ)` from dy, σ a gate
+    /// σ(z): (dz, dout), dz[i] = σ(1 − σ)·⟨dy_i, out_i⟩ and
+    /// dout_i = σ_i · dy_i.
+    fn gate_backward(
+        &self,
+        dy: &Self::Buf,
+        out: &Self::Buf,
+        sig: &Self::Buf,
+    ) -> Result<(Self::Buf, Self::Buf), EngineError>;
     fn rmsnorm_forward(
         &self,
         out: &mut Self::Buf,
@@ -327,6 +354,58 @@ impl DenseOps for HostOps<'_> {
             }
         }
         Ok(())
+    }
+
+    fn swiglu(&self, a: &Vec<f32>, b: &Vec<f32>) -> Result<Vec<f32>, EngineError> {
+        Ok(a.iter().zip(b).map(|(&a, &b)| silu(a) * b).collect())
+    }
+
+    fn swiglu_backward(
+        &self,
+        dh: &Vec<f32>,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let da = (0..dh.len()).map(|i| dh[i] * b[i] * silu_grad(a[i]));
+        let db = (0..dh.len()).map(|i| dh[i] * silu(a[i]));
+        Ok((da.collect(), db.collect()))
+    }
+
+    fn sigmoid(&self, x: &mut Vec<f32>) -> Result<(), EngineError> {
+        x.iter_mut().for_each(|v| *v = sigmoid(*v));
+        Ok(())
+    }
+
+    fn add_scaled_rows(
+        &self,
+        y: &mut Vec<f32>,
+        x: &Vec<f32>,
+        s: &Vec<f32>,
+    ) -> Result<(), EngineError> {
+        let d = y.len() / s.len();
+        for ((y, x), &s) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(s) {
+            y.iter_mut().zip(x).for_each(|(y, x)| *y += s * x);
+        }
+        Ok(())
+    }
+
+    fn gate_backward(
+        &self,
+        dy: &Vec<f32>,
+        out: &Vec<f32>,
+        sig: &Vec<f32>,
+    ) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+        let d = dy.len() / sig.len();
+        let mut dz = vec![0.0f32; sig.len()];
+        let mut dout = vec![0.0f32; dy.len()];
+        let rows = dy.chunks_exact(d).zip(out.chunks_exact(d));
+        for (i, ((dyi, oi), dout)) in rows.zip(dout.chunks_exact_mut(d)).enumerate() {
+            let dot: f32 = dyi.iter().zip(oi).map(|(g, o)| g * o).sum();
+            let s = sig[i];
+            dz[i] = s * (1.0 - s) * dot;
+            dout.iter_mut().zip(dyi).for_each(|(o, g)| *o = s * g);
+        }
+        Ok((dz, dout))
     }
 
     fn rmsnorm_forward(

@@ -116,6 +116,9 @@ STRATA_LAUNCHER(weighted_rows)
 STRATA_LAUNCHER(gather_rows_backward)
 STRATA_LAUNCHER(embedding_backward)
 STRATA_LAUNCHER(square_sums)
+STRATA_LAUNCHER(sigmoid_values)
+STRATA_LAUNCHER(add_scaled_rows)
+STRATA_LAUNCHER(gate_backward)
 
 // The launcher of kernel `name` (what cuModuleGetFunction finds), or null.
 typedef void (*strata_launcher)(unsigned, unsigned, void**);
@@ -136,7 +139,8 @@ extern "C" strata_launcher strata_emulated_kernel(const char* name) {
         STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
         STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
         STRATA_ENTRY(gather_rows_backward) STRATA_ENTRY(embedding_backward)
-        STRATA_ENTRY(square_sums)
+        STRATA_ENTRY(square_sums) STRATA_ENTRY(sigmoid_values) STRATA_ENTRY(add_scaled_rows)
+        STRATA_ENTRY(gate_backward)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {
@@ -164,7 +168,8 @@ typedef std::function<void()> (*strata_binder)(unsigned, unsigned, void**);
         STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
         STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
         STRATA_ENTRY(gather_rows_backward) STRATA_ENTRY(embedding_backward)
-        STRATA_ENTRY(square_sums)
+        STRATA_ENTRY(square_sums) STRATA_ENTRY(sigmoid_values) STRATA_ENTRY(add_scaled_rows)
+        STRATA_ENTRY(gate_backward)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {

@@ -35,6 +35,9 @@ pub(super) struct DenseFunctions {
     pub(super) gather_rows_backward: CudaFunction,
     embedding_backward: CudaFunction,
     pub(super) square_sums: CudaFunction,
+    pub(super) sigmoid_values: CudaFunction,
+    pub(super) add_scaled_rows: CudaFunction,
+    pub(super) gate_backward: CudaFunction,
 }
 
 impl DenseFunctions {
@@ -68,6 +71,9 @@ impl DenseFunctions {
             gather_rows_backward: load("gather_rows_backward")?,
             embedding_backward: load("embedding_backward")?,
             square_sums: load("square_sums")?,
+            sigmoid_values: load("sigmoid_values")?,
+            add_scaled_rows: load("add_scaled_rows")?,
+            gate_backward: load("gate_backward")?,
         })
     }
 }

@@ -471,3 +471,34 @@ extern "C" __global__ void square_sums(const float* x, unsigned n, unsigned chun
     }
     out[i] = acc;
 }
+
+// math::sigmoid, in place.
+extern "C" __global__ void sigmoid_values(float* x, unsigned n) {
+    unsigned i = strata_index();
+    if (i < n) x[i] = strata_sigmoid(x[i]);
+}
+
+// y row r += s[r] · x row r (rows of d), one thread an element: a gated
+// shared expert's output added to the residual stream (lm/mlp.rs).
+extern "C" __global__ void add_scaled_rows(float* y, const float* x, const float* s, unsigned n,
+                                           unsigned d) {
+    unsigned i = strata_index();
+    if (i < n) y[i] = y[i] + s[i / d] * x[i];
+}
+
+// The backward of add_scaled_rows(y, out, sig) with sig = σ(z), one thread
+// a row: dz[i] = σ(1 − σ)·⟨dy_i, out_i⟩ (summed in order, as the cpu's
+// f32 sum from -0.0) and dout_i = σ_i · dy_i.
+extern "C" __global__ void gate_backward(const float* dy, const float* out, const float* sig,
+                                         float* dz, float* dout, unsigned t, unsigned d) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* g = dy + (unsigned long long)i * d;
+    const float* o = out + (unsigned long long)i * d;
+    float* r = dout + (unsigned long long)i * d;
+    float dot = -0.0f;
+    for (unsigned c = 0; c < d; ++c) dot += g[c] * o[c];
+    float s = sig[i];
+    dz[i] = s * (1.0f - s) * dot;
+    for (unsigned c = 0; c < d; ++c) r[c] = s * g[c];
+}

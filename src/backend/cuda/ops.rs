@@ -212,6 +212,99 @@ impl DenseOps for CudaOps<'_> {
         unsafe { self.run(launch, "clamp_grad", n as usize) }
     }
 
+    fn swiglu(
+        &self,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        assert_eq!(a.len(), b.len());
+        let mut h = self.gpu.zeros(a.len())?;
+        let n = a.len() as u32;
+        let mut launch = self.gpu.stream.launch_builder(&self.gpu.f.swiglu_forward);
+        launch.arg(a).arg(b).arg(&mut h).arg(&n);
+        // SAFETY: a, b and h hold n f32 (asserted, allocated).
+        unsafe { self.run(launch, "swiglu_forward", a.len())? };
+        Ok(h)
+    }
+
+    fn swiglu_backward(
+        &self,
+        dh: &CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), EngineError> {
+        assert!(a.len() == dh.len() && b.len() == dh.len());
+        let (mut da, mut db) = (self.gpu.zeros(dh.len())?, self.gpu.zeros(dh.len())?);
+        let n = dh.len() as u32;
+        let mut launch = self.gpu.stream.launch_builder(&self.gpu.f.swiglu_backward);
+        launch
+            .arg(a)
+            .arg(b)
+            .arg(dh)
+            .arg(&mut da)
+            .arg(&mut db)
+            .arg(&n);
+        // SAFETY: every buffer holds n f32 (asserted, allocated).
+        unsafe { self.run(launch, "swiglu_backward", dh.len())? };
+        Ok((da, db))
+    }
+
+    fn sigmoid(&self, x: &mut CudaSlice<f32>) -> Result<(), EngineError> {
+        let n = x.len() as u32;
+        let mut launch = self
+            .gpu
+            .stream
+            .launch_builder(&self.gpu.dense.sigmoid_values);
+        launch.arg(x).arg(&n);
+        // SAFETY: x holds n f32.
+        unsafe { self.run(launch, "sigmoid_values", n as usize) }
+    }
+
+    fn add_scaled_rows(
+        &self,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        s: &CudaSlice<f32>,
+    ) -> Result<(), EngineError> {
+        assert!(y.len() == x.len() && y.len().is_multiple_of(s.len()));
+        let (n, d) = (y.len() as u32, (y.len() / s.len()) as u32);
+        let mut launch = self
+            .gpu
+            .stream
+            .launch_builder(&self.gpu.dense.add_scaled_rows);
+        launch.arg(y).arg(x).arg(s).arg(&n).arg(&d);
+        // SAFETY: y and x hold n f32, s one per row of d (asserted).
+        unsafe { self.run(launch, "add_scaled_rows", n as usize) }
+    }
+
+    fn gate_backward(
+        &self,
+        dy: &CudaSlice<f32>,
+        out: &CudaSlice<f32>,
+        sig: &CudaSlice<f32>,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), EngineError> {
+        assert!(dy.len() == out.len() && dy.len().is_multiple_of(sig.len()));
+        let (t, d) = (sig.len(), dy.len() / sig.len());
+        let (mut dz, mut dout) = (self.gpu.zeros(t)?, self.gpu.zeros(dy.len())?);
+        let (t32, d32) = (t as u32, d as u32);
+        let mut launch = self
+            .gpu
+            .stream
+            .launch_builder(&self.gpu.dense.gate_backward);
+        launch
+            .arg(dy)
+            .arg(out)
+            .arg(sig)
+            .arg(&mut dz)
+            .arg(&mut dout)
+            .arg(&t32)
+            .arg(&d32);
+        // SAFETY: dy, out and dout hold t rows of d f32, sig and dz t
+        // (asserted, allocated); one thread a row.
+        unsafe { self.run(launch, "gate_backward", t)? };
+        Ok((dz, dout))
+    }
+
     fn rmsnorm_forward(
         &self,
         out: &mut CudaSlice<f32>,
