@@ -64,8 +64,11 @@
 #                                function), the peer comparison on moe-s at
 #                                16 x 512, the equivalence and trainer GPU
 #                                tests, then the peer on the tiny preset
-#   scripts/gpu-check.sh ab ROUNDS BIN...  strata binaries (paths on
-#                                this machine) in turn, ROUNDS times, each
+#   scripts/gpu-check.sh ab ROUNDS BIN[:FLAG,...]...  strata binaries
+#                                (paths on this machine), each with its own
+#                                extra train flags after a colon (commas
+#                                for spaces: gpu-bin/strata:--dense-on-host),
+#                                in turn, ROUNDS times, each
 #                                `train --backend cuda` on moe-s at 16 x
 #                                512 for 8 steps: per run the median step,
 #                                tokens/s and minor page faults a step over
@@ -271,14 +274,18 @@ ab)
     rounds=$2
     shift 2
     for pair in $(seq "$rounds"); do
-        for bin in "$@"; do
-            side=$(basename "$bin")
+        for spec in "$@"; do
+            bin=${spec%%:*}
+            extra=""
+            [ "$spec" != "$bin" ] && extra=${spec#*:}
+            side=$(basename "$bin")${extra:+-$(echo "$extra" | tr -c 'A-Za-z0-9\n' '_')}
             dir=/tmp/ab-$side-$pair
             rm -rf "$dir"
+            # shellcheck disable=SC2046 # the flags split on the commas
             timeout 200 "$bin" train --backend cuda --preset moe-s --batch 16 --seq-len 512 \
                 --steps 8 --warmup 2 --eval-every 1000 --checkpoint-every 1000 \
                 --device-mem 40GiB --host-mem 64GiB --out "$dir" --quiet --timeline-step 6 \
-                > "$out/ab-$side-$pair.log" 2>&1 || status=1
+                $(echo "$extra" | tr ',' ' ') > "$out/ab-$side-$pair.log" 2>&1 || status=1
             python3 - "$dir/metrics.jsonl" "$side" "$pair" <<'PY' | tee -a "$out/ab.jsonl"
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -310,7 +317,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|quick|ab ROUNDS BIN...|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|quick|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac
