@@ -791,6 +791,90 @@ fn the_first_line_names_the_backend_it_chose() {
     assert!(line.ends_with("backend cpu"), "{line}");
 }
 
+/// On a GPU, `strata plan`'s device memory (the dense params, gradient
+/// and moments, the activations as `gpu_activation_bytes` counts them with
+/// the largest workspace, the expert slots) holds what a run allocates:
+/// the driver model's peak, at a short and a long sequence (where the
+/// attention's blocks, not S², bound its workspace), stays within the
+/// plan and above half of it. Only the driver model reports its peak
+/// (`STRATA_FAKE_CUDA_PEAK`), so the case runs there.
+#[test]
+fn the_plan_holds_what_a_gpu_run_allocates() {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+        return common::cuda_case_skipped(e);
+    }
+    let (_, found) = strata::backend::BackendKind::detect(1, Dtype::Bf16);
+    if !found.contains("CPU model") {
+        eprintln!("device plan case skipped: {found} is not the driver model");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = LmConfig::preset("tiny").unwrap();
+    for (batch, seq_len, mib) in [(4usize, 64usize, 16u64), (2, 512, 64)] {
+        let out = dir.path().join(format!("run-{seq_len}"));
+        let peak_file = dir.path().join(format!("peak-{seq_len}"));
+        let device_mem = mib << 20;
+        let run = strata_bin()
+            .args([
+                "train",
+                "--backend",
+                "cuda",
+                "--preset",
+                "tiny",
+                "--steps",
+                "2",
+            ])
+            .args([
+                "--batch",
+                &batch.to_string(),
+                "--seq-len",
+                &seq_len.to_string(),
+            ])
+            .args(["--device-mem", &device_mem.to_string(), "--quiet", "--out"])
+            .arg(&out)
+            .env("STRATA_FAKE_CUDA_PEAK", &peak_file)
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let peak: u64 = std::fs::read_to_string(&peak_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let plan = trainer::plan::plan(&trainer::plan::PlanInput {
+            model: &config,
+            frozen_dense: 0,
+            train_experts: true,
+            compute_dtype: Dtype::Bf16,
+            seq_len,
+            batch,
+            micro_batches: 1,
+            devices: 1,
+            device_mem,
+            host_mem: 1 << 40,
+            store_dir: None,
+            host_stream_slots: EngineConfig::default().host_stream_slots,
+            host_cell_slots: 0,
+            gpu: true,
+            dense_on_device: true,
+        })
+        .unwrap();
+        let planned = plan.dense_device_bytes + plan.activation_bytes + plan.expert_device_bytes;
+        let cpu_activations = trainer::plan::activation_bytes(&config, seq_len, batch);
+        eprintln!(
+            "cuda case: {batch} × {seq_len} tokens: peak {peak} bytes on the device, planned \
+             {planned} (activations {} on the GPU, {cpu_activations} as the cpu keeps them)",
+            plan.activation_bytes
+        );
+        assert!(peak <= planned, "{peak} > {planned}");
+        assert!(2 * peak > planned, "{peak} is under half of {planned}");
+    }
+}
+
 /// A GPU that runs out of memory mid-run is named, with its free memory
 /// and what to lower, rather than left as the driver's error code. Only
 /// the CPU model of the driver can be given less memory

@@ -17,6 +17,20 @@ mod modeled;
 mod narrow;
 
 pub use cpu::CpuBackend;
+
+/// On a GPU, the most bytes one block of attention scores takes (the
+/// backward's d probabilities as much again): the attention's workspace
+/// stays bounded at any sequence length.
+pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
+
+/// On a GPU, the most bytes the logits of one block of the head's rows
+/// take (their gradient as much again; a block holds one row at least).
+pub const HEAD_BLOCK_BYTES: usize = 1 << 30;
+
+/// Rows a block of the head holds on a GPU for a vocabulary of `v`.
+pub fn head_block_rows(v: usize) -> usize {
+    (HEAD_BLOCK_BYTES / (4 * v)).max(1)
+}
 pub use expert_device::{CpuExpertDevice, DeviceRows, ExpertDevice, SlotParams};
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};

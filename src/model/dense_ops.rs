@@ -81,7 +81,7 @@ pub trait DenseOps {
     ) -> Result<(Self::Buf, Self::Buf), EngineError>;
     /// x = σ(x), element by element (`math::sigmoid`).
     fn sigmoid(&self, x: &mut Self::Buf) -> Result<(), EngineError>;
-    /// y's row i += s[i] · x's row i (rows of y's length over s's).
+    /// y's row i += s_i · x's row i (rows of y's length over s's).
     fn add_scaled_rows(
         &self,
         y: &mut Self::Buf,
@@ -89,7 +89,7 @@ pub trait DenseOps {
         s: &Self::Buf,
     ) -> Result<(), EngineError>;
     /// The backward of `add_scaled_rows(y, out, σ)` from dy, σ a gate
-    /// σ(z): (dz, dout), dz[i] = σ(1 − σ)·⟨dy_i, out_i⟩ and
+    /// σ(z): (dz, dout), dz_i = σ(1 − σ)·⟨dy_i, out_i⟩ and
     /// dout_i = σ_i · dy_i.
     fn gate_backward(
         &self,

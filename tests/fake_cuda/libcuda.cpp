@@ -334,6 +334,17 @@ static CUresult host_alloc(void** p, size_t bytes) {
 static std::mutex device_memory_lock;
 static std::map<uintptr_t, size_t> device_allocations;  // start → bytes
 static size_t device_in_use = 0;
+// The most ever in use, written to the file STRATA_FAKE_CUDA_PEAK names
+// at exit (a test compares it with the memory plan).
+static size_t device_peak = 0;
+static void write_peak() {
+    const char* path = getenv("STRATA_FAKE_CUDA_PEAK");
+    if (!path) return;
+    if (FILE* f = fopen(path, "w")) {
+        fprintf(f, "%zu\n", device_peak);
+        fclose(f);
+    }
+}
 static size_t device_memory_total() {
     const char* m = getenv("STRATA_FAKE_CUDA_MEMORY");
     return m ? (size_t)strtoull(m, nullptr, 10) : (size_t)8 << 30;
@@ -358,6 +369,11 @@ API CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytes) {
     if (rc == CUDA_SUCCESS) {
         device_allocations[(uintptr_t)p] = bytes;
         device_in_use += bytes;
+        if (device_in_use > device_peak) {
+            static bool registered = atexit(write_peak) == 0;
+            (void)registered;
+            device_peak = device_in_use;
+        }
     }
     return rc;
 }

@@ -217,6 +217,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         store_dir: Some(&o.out),
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,
+        gpu: o.backend == "cuda",
         dense_on_device: o.backend == "cuda" && !o.dense_on_host,
     })
 }

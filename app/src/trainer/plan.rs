@@ -18,6 +18,7 @@ use std::path::Path;
 use strata_tiers::{Dtype, Layout};
 
 use super::options::{show_bytes, show_count};
+use strata::backend::{head_block_rows, ATTENTION_BLOCK_BYTES};
 use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
 use strata::lm::{LmConfig, QkNorm};
 
@@ -98,6 +99,9 @@ pub struct PlanInput<'a> {
     /// host slots split where records stream.
     pub host_stream_slots: Option<usize>,
     pub host_cell_slots: usize,
+    /// The devices are GPUs (`--backend cuda`): activations as
+    /// [`gpu_activation_bytes`] counts them.
+    pub gpu: bool,
     /// One GPU keeps the dense params it computes with, and steps them
     /// there (`EngineConfig::dense_on_device` with `--backend cuda`): their
     /// Adam moments take device memory too.
@@ -115,6 +119,34 @@ pub struct PlanInput<'a> {
 /// them; then the logits and their gradient (2·V).
 pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
+    let probs = (seqs * m.heads * seq_len * seq_len) as u64;
+    4 * (layer_values(m, t, probs) + 2 * t * m.vocab as u64)
+}
+
+/// [`activation_bytes`] on a GPU (`cuda/ops.rs`): the attention keeps
+/// two values a query row and head instead of its probabilities, and the
+/// head computes its logits a block of rows at a time. Besides what it
+/// keeps, a layer's pass holds a workspace, the largest of which counts:
+/// the attention's scores and d probabilities (at most
+/// [`ATTENTION_BLOCK_BYTES`] each) with its operands laid out head by
+/// head (q, k, v, the output and their gradients: 8 × T·H·hd), a MoE
+/// layer's rows gathered for its experts and their outputs (2·T·K·D), and
+/// the head's logits and d logits for a block of rows.
+pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
+    let t = (seq_len * seqs) as u64;
+    let stats = (2 * seqs * m.heads * seq_len) as u64;
+    let kept = 4 * (layer_values(m, t, stats) + 2 * t);
+    let scores = (4 * seqs * m.heads * seq_len * seq_len) as u64;
+    let attention =
+        2 * scores.min(ATTENTION_BLOCK_BYTES as u64) + 4 * 8 * t * (m.heads * m.head_dim) as u64;
+    let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64;
+    let head_rows = t.min(head_block_rows(m.vocab) as u64);
+    let head = 4 * 2 * head_rows * m.vocab as u64;
+    kept + attention.max(experts).max(head)
+}
+
+/// f32 values the layers keep, `attention` a layer for its attention.
+fn layer_values(m: &LmConfig, t: u64, attention: u64) -> u64 {
     let (d, k, f) = (m.d_model as u64, m.top_k as u64, m.d_ff as u64);
     let q = (m.heads * m.head_dim) as u64;
     let kv = (m.kv_heads * m.head_dim) as u64;
@@ -134,11 +166,9 @@ pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     }
     let per_dense_token = 3 * m.dense_ff as u64;
     let (dense, sparse) = (m.dense_layers.len() as u64, m.moe().layers as u64);
-    let probs = (seqs * m.heads * seq_len * seq_len) as u64;
-    let layers = m.layers as u64 * (t * per_token + probs)
+    m.layers as u64 * (t * per_token + attention)
         + sparse * t * per_sparse_token
-        + dense * t * per_dense_token;
-    4 * (layers + 2 * t * m.vocab as u64)
+        + dense * t * per_dense_token
 }
 
 /// Plans a run, or says what is short and by how much.
@@ -159,7 +189,10 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let kept = input.dense_on_device && devices == 1;
     let dense_device = 8 * dense + if kept { 8 * dense_trainable } else { 0 };
     let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
-    let activations = activation_bytes(m, input.seq_len, seqs);
+    let activations = match input.gpu {
+        true => gpu_activation_bytes(m, input.seq_len, seqs),
+        false => activation_bytes(m, input.seq_len, seqs),
+    };
     let slot = layout.compute_payload_bytes();
     let fixed_device = dense_device + activations;
     let need_device = fixed_device + slot;
@@ -382,6 +415,7 @@ mod tests {
             store_dir: None,
             host_stream_slots: EngineConfig::default().host_stream_slots,
             host_cell_slots: 0,
+            gpu: false,
             dense_on_device: false,
         }
     }
@@ -502,6 +536,23 @@ mod tests {
         );
         let err = plan(&input(&m, 1 << 40, 1 << 30)).unwrap_err();
         assert!(err.contains("--host-mem") && err.contains("short"), "{err}");
+    }
+
+    /// On a GPU the attention's workspace is bounded by its blocks where
+    /// the cpu keeps (S × S) probabilities a head: at 8192 tokens a
+    /// sequence the GPU's count grows linearly, the cpu's quadratically.
+    #[test]
+    fn a_gpu_keeps_no_attention_probabilities() {
+        let m = LmConfig::preset("moe-s").unwrap();
+        let (gpu, cpu) = (
+            gpu_activation_bytes(&m, 8192, 1),
+            activation_bytes(&m, 8192, 1),
+        );
+        assert!(cpu > 4 * gpu, "{cpu} {gpu}");
+        let twice = gpu_activation_bytes(&m, 16384, 1);
+        assert!(twice < 3 * gpu, "{twice} {gpu}");
+        let probs = (m.layers * m.heads * 8192 * 8192 * 4) as u64;
+        assert!(cpu > probs);
     }
 
     /// Stepped on one GPU, the dense params' moments take device memory

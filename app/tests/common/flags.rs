@@ -42,6 +42,7 @@ pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFl
         store_dir: None,
         host_stream_slots: EngineConfig::default().host_stream_slots,
         host_cell_slots: 0,
+        gpu: on_gpu,
         dense_on_device: on_gpu,
     })
     .unwrap();

@@ -26,9 +26,7 @@ use super::{gpu_error, CudaBackend, F32};
 use crate::math::attention::AttnShape;
 use crate::EngineError;
 
-/// The most bytes one block's scores may take (and, in the backward, its
-/// d probabilities as much again).
-pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
+pub use crate::backend::ATTENTION_BLOCK_BYTES;
 
 /// f32 values the forward keeps for the backward: a max and a sum a row.
 pub fn attention_stats_len(shape: &AttnShape) -> usize {

@@ -4,7 +4,7 @@
 //! and taken back through the head without leaving the device. Only the
 //! head's input rows and targets go up, and d input and one loss share a
 //! row come down; the head's gradient sums in the step's GPU accumulator
-//! (`weights.rs`). A block holds at most [`HEAD_BLOCK_BYTES`] of logits
+//! (`weights.rs`). A block holds at most [`HEAD_BLOCK_BYTES`](crate::backend::HEAD_BLOCK_BYTES) of logits
 //! (and as much of d logits), so a large vocabulary's (T × V) logits never
 //! exist whole.
 
@@ -13,14 +13,6 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use super::{CudaBackend, Shape, F32};
 use crate::model::HeadShape;
 use crate::EngineError;
-
-/// The logits of one block of rows, at most (in bytes; one row at least).
-pub const HEAD_BLOCK_BYTES: usize = 1 << 30;
-
-/// Rows a block holds for a vocabulary of `v`.
-pub fn head_block_rows(v: usize) -> usize {
-    (HEAD_BLOCK_BYTES / (4 * v)).max(1)
-}
 
 impl CudaBackend {
     /// `head_loss` in blocks of `block` rows (the engine's are

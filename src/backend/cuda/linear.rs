@@ -109,7 +109,7 @@ impl DenseKernels for CudaBackend {
         targets: &[u32],
         s: HeadShape,
     ) -> Result<f32, EngineError> {
-        let block = super::head::head_block_rows(s.v);
+        let block = crate::backend::head_block_rows(s.v);
         self.head_loss_in_blocks(dx, dhead, x, head, targets, s, block)
     }
 

@@ -422,7 +422,7 @@ impl DenseOps for CudaOps<'_> {
         targets: &[u32],
         s: HeadShape,
     ) -> Result<f32, EngineError> {
-        let block = super::head::head_block_rows(s.v);
+        let block = crate::backend::head_block_rows(s.v);
         self.gpu
             .head_loss_device(dx, dhead, x, head, targets, s, block)
     }
