@@ -82,9 +82,23 @@ API CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice) {
 }
 // Every attribute reads 0: no memory pools (cudarc then allocates with
 // cuMemAlloc), no unified addressing, no special features.
-API CUresult cuDeviceGetAttribute(int* value, int, CUdevice) {
-    *value = 0;
+// Memory pools are supported (attribute 115), as on every GPU strata
+// targets: allocations are stream-ordered (cuMemAllocAsync, cuMemFreeAsync).
+// Every other attribute reads 0.
+API CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevice) {
+    *value = attribute == 115 ? 1 : 0;
     return CUDA_SUCCESS;
+}
+// One default pool a device; its attributes are taken and not used (the
+// model frees memory when the stream reaches the free).
+static int strata_fake_pool;
+API CUresult cuDeviceGetDefaultMemPool(void** pool, CUdevice dev) {
+    if (dev < 0 || dev >= strata_fake_device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    *pool = &strata_fake_pool;
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemPoolSetAttribute(void* pool, int, void* value) {
+    return pool == &strata_fake_pool && value ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 API CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
     if (dev < 0 || dev >= strata_fake_device_count()) return CUDA_ERROR_INVALID_DEVICE;

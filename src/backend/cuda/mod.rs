@@ -102,6 +102,33 @@ pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx, EngineError> {
     .map_err(|e| gpu_error("compiling kernels.cu with NVRTC", e))
 }
 
+/// Lets the device's memory pool keep what the step frees for its next
+/// allocations, instead of giving it back to the driver at every
+/// synchronization (the pool's default, a release threshold of 0): a step
+/// frees and allocates the same activation buffers each micro-batch, and
+/// synchronizes after every expert.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), EngineError> {
+    if !ctx.has_async_alloc() {
+        return Ok(()); // cudarc allocates synchronously, outside any pool
+    }
+    ctx.bind_to_thread()
+        .map_err(|e| gpu_error("binding the CUDA context", e))?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the device is the context's own, so its default pool is
+    // valid; the release threshold attribute takes a u64, which
+    // `threshold` is, alive across the call.
+    unsafe {
+        let pool = cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device())
+            .map_err(|e| gpu_error("the device's memory pool", e))?;
+        cudarc::driver::result::mem_pool::set_attribute(
+            pool,
+            cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .map_err(|e| gpu_error("the device's memory pool", e))
+    }
+}
+
 struct Functions {
     swiglu_forward: CudaFunction,
     swiglu_backward: CudaFunction,
@@ -152,6 +179,7 @@ impl CudaBackend {
         let stream = ctx
             .new_stream()
             .map_err(|e| gpu_error("creating the compute stream", e))?;
+        keep_freed_memory(&ctx)?;
         let blas = CudaBlas::new(Arc::clone(&stream)).map_err(|e| gpu_error("cuBLAS", e))?;
         let ptx = compile_kernels()?;
         let module = ctx
