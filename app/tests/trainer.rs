@@ -875,6 +875,51 @@ fn the_plan_holds_what_a_gpu_run_allocates() {
     }
 }
 
+/// With `--backend cuda` and no `--device-mem`, a run takes 90 % of the
+/// GPU's free memory and says so; a flag still wins. The driver model can
+/// be given a size (`STRATA_FAKE_CUDA_MEMORY`), so the case runs there.
+#[test]
+fn device_memory_is_sized_from_the_gpu_unless_given() {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+        return common::cuda_case_skipped(e);
+    }
+    let (_, found) = strata::backend::BackendKind::detect(1, Dtype::Bf16);
+    if !found.contains("CPU model") {
+        eprintln!("device memory case skipped: {found} is not the driver model");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let out = strata_bin()
+            .args([
+                "train",
+                "--backend",
+                "cuda",
+                "--preset",
+                "tiny",
+                "--steps",
+                "1",
+            ])
+            .args(extra)
+            .arg("--out")
+            .arg(dir.path().join(name))
+            .env("STRATA_FAKE_CUDA_MEMORY", (256u64 << 20).to_string())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        text
+    };
+    let sized = run("sized", &[]);
+    assert!(
+        sized.contains("--device-mem 230.40 MiB: 90 % of the GPU's 256.00 MiB free"),
+        "{sized}"
+    );
+    let given = run("given", &["--device-mem", "64MiB"]);
+    assert!(!given.contains("of the GPU's"), "{given}");
+}
+
 /// A GPU that runs out of memory mid-run is named, with its free memory
 /// and what to lower, rather than left as the driver's error code. Only
 /// the CPU model of the driver can be given less memory

@@ -27,6 +27,30 @@ pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
 /// take (their gradient as much again; a block holds one row at least).
 pub const HEAD_BLOCK_BYTES: usize = 1 << 30;
 
+/// The least free memory, in bytes, of GPUs 0..`devices` (what a run may
+/// size its `--device-mem` from).
+#[cfg(feature = "cuda")]
+pub fn gpu_free_bytes(devices: usize) -> Result<u64, EngineError> {
+    let mut least = u64::MAX;
+    for ordinal in 0..devices.max(1) {
+        let (ctx, _) = strata_tiers::device_cuda::open_gpu(ordinal)?;
+        let (free, _) = ctx.mem_get_info().map_err(|e| EngineError::Device {
+            device: ordinal,
+            why: format!("its free memory: {e}"),
+        })?;
+        least = least.min(free as u64);
+    }
+    Ok(least)
+}
+
+/// Without the cuda feature there is no GPU to ask.
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_free_bytes(_devices: usize) -> Result<u64, EngineError> {
+    Err(EngineError::Config(
+        "this strata was built without --features cuda".into(),
+    ))
+}
+
 /// Rows a block of the head holds on a GPU for a vocabulary of `v`.
 pub fn head_block_rows(v: usize) -> usize {
     (HEAD_BLOCK_BYTES / (4 * v)).max(1)

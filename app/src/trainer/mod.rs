@@ -331,6 +331,15 @@ pub fn run(
         o.backend = kind.name().into();
         o.backend_chosen = Some(found);
     }
+    if o.backend == "cuda" && !flags.resume && !flags.gives_device_mem()? {
+        let free = strata::backend::gpu_free_bytes(o.devices).map_err(|e| e.to_string())?;
+        o.device_mem = free / 10 * 9;
+        o.device_mem_sized = Some(format!(
+            "--device-mem {}: 90 % of the GPU's {} free (--device-mem to choose)",
+            options::show_bytes(o.device_mem),
+            options::show_bytes(free)
+        ));
+    }
     validate_options(&o)?;
     if let Some(n) = o.compute_threads {
         strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
@@ -461,6 +470,9 @@ fn run_locked(
             None => String::new(),
         }
     ));
+    if let Some(sized) = &o.device_mem_sized {
+        say(sized.clone());
+    }
     let trained = trained_groups(&o)?;
     if TensorGroup::ALL.iter().any(|g| !trained.contains(g)) {
         say(format!(

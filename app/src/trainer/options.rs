@@ -111,7 +111,8 @@ pub struct TrainFlags {
     /// (default 100).
     #[arg(long)]
     pub checkpoint_every: Option<u64>,
-    /// Device memory for the model, e.g. 2GiB (default 1GiB).
+    /// Device memory for the model, e.g. 2GiB (default 1GiB); with
+    /// --backend cuda, 90 % of the GPU's free memory.
     #[arg(long)]
     pub device_mem: Option<String>,
     /// Host memory for expert records, e.g. 8GiB (default 4GiB).
@@ -197,6 +198,10 @@ pub struct TrainOptions {
     /// resumed run keeps the backend it chose).
     #[serde(skip)]
     pub backend_chosen: Option<String>,
+    /// How `--device-mem` was sized from the GPU's free memory, where no
+    /// flag or file gave it (not recorded: a resumed run keeps its size).
+    #[serde(skip)]
+    pub device_mem_sized: Option<String>,
     pub lr: f32,
     pub warmup: u64,
     pub min_lr_ratio: f32,
@@ -326,6 +331,15 @@ macro_rules! pick {
 }
 
 impl TrainFlags {
+    /// Whether the command line or `--config` sets `--device-mem`.
+    pub fn gives_device_mem(&self) -> Result<bool, String> {
+        Ok(self.device_mem.is_some()
+            || match &self.config {
+                Some(path) => read_toml(path)?.device_mem.is_some(),
+                None => false,
+            })
+    }
+
     /// Reads `--config` (if any) and applies the defaults.
     pub fn resolve(&self) -> Result<TrainOptions, String> {
         let file = match &self.config {
@@ -347,6 +361,7 @@ impl TrainFlags {
             devices: pick!(cli, file, devices, 1),
             backend: pick!(cli, file, backend, "auto".into()),
             backend_chosen: None,
+            device_mem_sized: None,
             lr: pick!(cli, file, lr, 3e-3),
             warmup: pick!(cli, file, warmup, 20),
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),
