@@ -118,13 +118,16 @@ impl DenseResidence for CudaBackend {
         if !norm {
             return Ok(0.0);
         }
-        let mut sum = 0.0f64;
-        for (&key, acc) in &state.grads {
-            for (part, _) in trainable_parts(span(key), trainable) {
-                sum += self.square_sum(&acc.slice(within(&part, key)))?;
-            }
-        }
-        Ok(sum)
+        // In the params' order, so the sum is the same bits every run.
+        let mut keys: Vec<_> = state.grads.keys().copied().collect();
+        keys.sort_unstable();
+        let parts = keys.iter().flat_map(|&key| {
+            let acc = &state.grads[&key];
+            trainable_parts(span(key), trainable)
+                .into_iter()
+                .map(move |(part, _)| acc.slice(within(&part, key)))
+        });
+        self.square_sum(parts.collect())
     }
 
     fn held(&self) -> Vec<Range<usize>> {
@@ -251,26 +254,38 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The sum of squares of `x` in f64: partial sums of
-    /// `SQUARE_SUM_CHUNK` elements on the GPU, added here in order.
-    fn square_sum(&self, x: &CudaView<'_, f32>) -> Result<f64, EngineError> {
-        let n = x.len();
-        if n == 0 {
+    /// The sum of squares of the values of `parts` in f64: partial sums
+    /// of `SQUARE_SUM_CHUNK` elements on the GPU, one download for them
+    /// all, added here in order.
+    fn square_sum(&self, parts: Vec<CudaView<'_, f32>>) -> Result<f64, EngineError> {
+        let chunks: Vec<usize> = parts
+            .iter()
+            .map(|x| x.len().div_ceil(SQUARE_SUM_CHUNK))
+            .collect();
+        let total: usize = chunks.iter().sum();
+        if total == 0 {
             return Ok(0.0);
         }
-        let chunks = n.div_ceil(SQUARE_SUM_CHUNK);
         let mut partial = self
             .stream
-            .alloc_zeros::<f64>(chunks)
+            .alloc_zeros::<f64>(total)
             .map_err(|e| self.memory_error("allocating GPU memory", e))?;
-        let (n32, chunk32) = (n as u32, SQUARE_SUM_CHUNK as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.square_sums);
-        launch.arg(x).arg(&n32).arg(&chunk32).arg(&mut partial);
-        // SAFETY: x holds n f32 and partial one f64 for each of its
-        // ceil(n / chunk) chunks, one thread a chunk.
-        unsafe { launch.launch(threads(chunks)) }.map_err(|e| gpu_error("square_sums", e))?;
-        let mut host = vec![0.0f64; chunks];
-        self.count_pcie_other::<f64>(chunks);
+        let mut at = 0;
+        for (x, &n_chunks) in parts.iter().zip(&chunks) {
+            if n_chunks == 0 {
+                continue;
+            }
+            let (n32, chunk32) = (x.len() as u32, SQUARE_SUM_CHUNK as u32);
+            let mut out = partial.slice_mut(at..at + n_chunks);
+            let mut launch = self.stream.launch_builder(&self.dense.square_sums);
+            launch.arg(x).arg(&n32).arg(&chunk32).arg(&mut out);
+            // SAFETY: x holds n f32 and out one f64 for each of its
+            // ceil(n / chunk) chunks, one thread a chunk.
+            unsafe { launch.launch(threads(n_chunks)) }.map_err(|e| gpu_error("square_sums", e))?;
+            at += n_chunks;
+        }
+        let mut host = vec![0.0f64; total];
+        self.count_pcie_other::<f64>(total);
         self.stream
             .memcpy_dtoh(&partial, &mut host)
             .map_err(|e| gpu_error("a download", e))?;
