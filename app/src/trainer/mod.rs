@@ -331,6 +331,7 @@ pub fn run(
         o.backend = kind.name().into();
         o.backend_chosen = Some(found);
     }
+    validate_options(&o)?;
     if o.backend == "cuda" && !flags.resume && !flags.gives_device_mem()? {
         let free = strata::backend::gpu_free_bytes(o.devices).map_err(|e| e.to_string())?;
         o.device_mem = free / 10 * 9;
@@ -340,7 +341,6 @@ pub fn run(
             options::show_bytes(free)
         ));
     }
-    validate_options(&o)?;
     if let Some(n) = o.compute_threads {
         strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
     }
