@@ -791,6 +791,22 @@ fn the_first_line_names_the_backend_it_chose() {
     assert!(line.ends_with("backend cpu"), "{line}");
 }
 
+/// Whether the cuda cases run on the CPU model of the driver, the only
+/// one that can be given a size and reports its peak; else says why the
+/// `what` case skips.
+fn on_the_driver_model(what: &str) -> bool {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+        common::cuda_case_skipped(e);
+        return false;
+    }
+    let (_, found) = strata::backend::BackendKind::detect(1, Dtype::Bf16);
+    if !found.contains("CPU model") {
+        eprintln!("{what} case skipped: {found} is not the driver model");
+        return false;
+    }
+    true
+}
+
 /// On a GPU, `strata plan`'s device memory (the dense params, gradient
 /// and moments, the activations as `gpu_activation_bytes` counts them with
 /// the largest workspace, the expert slots) holds what a run allocates:
@@ -800,12 +816,7 @@ fn the_first_line_names_the_backend_it_chose() {
 /// (`STRATA_FAKE_CUDA_PEAK`), so the case runs there.
 #[test]
 fn the_plan_holds_what_a_gpu_run_allocates() {
-    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
-        return common::cuda_case_skipped(e);
-    }
-    let (_, found) = strata::backend::BackendKind::detect(1, Dtype::Bf16);
-    if !found.contains("CPU model") {
-        eprintln!("device plan case skipped: {found} is not the driver model");
+    if !on_the_driver_model("device plan") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -880,12 +891,7 @@ fn the_plan_holds_what_a_gpu_run_allocates() {
 /// be given a size (`STRATA_FAKE_CUDA_MEMORY`), so the case runs there.
 #[test]
 fn device_memory_is_sized_from_the_gpu_unless_given() {
-    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
-        return common::cuda_case_skipped(e);
-    }
-    let (_, found) = strata::backend::BackendKind::detect(1, Dtype::Bf16);
-    if !found.contains("CPU model") {
-        eprintln!("device memory case skipped: {found} is not the driver model");
+    if !on_the_driver_model("device memory") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -926,12 +932,7 @@ fn device_memory_is_sized_from_the_gpu_unless_given() {
 /// (`STRATA_FAKE_CUDA_MEMORY`), so the case runs there.
 #[test]
 fn a_gpu_out_of_memory_says_what_to_lower() {
-    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
-        return common::cuda_case_skipped(e);
-    }
-    let (_, found) = strata::backend::BackendKind::detect(1, Dtype::Bf16);
-    if !found.contains("CPU model") {
-        eprintln!("out-of-memory case skipped: {found} is not the driver model");
+    if !on_the_driver_model("out-of-memory") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -89,15 +89,7 @@ impl DenseKernels for CudaBackend {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .finish(grad);
-        let mut host = Vec::new();
-        for ((offset, len), sum) in sums {
-            host.resize(len, 0.0f32);
-            self.download(&sum, &mut host)?;
-            for (g, s) in grad[offset..offset + len].iter_mut().zip(&host) {
-                *g += s;
-            }
-        }
-        Ok(())
+        self.add_sums_to_host(grad, sums)
     }
 
     fn head_loss(
@@ -189,6 +181,23 @@ impl DenseKernels for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Adds each GPU sum into its (offset, length) of the host's `grad`.
+    pub(super) fn add_sums_to_host(
+        &self,
+        grad: &mut [f32],
+        sums: Vec<((usize, usize), CudaSlice<f32>)>,
+    ) -> Result<(), EngineError> {
+        let mut host = Vec::new();
+        for ((offset, len), sum) in sums {
+            host.resize(len, 0.0f32);
+            self.download(&sum, &mut host)?;
+            for (g, s) in grad[offset..offset + len].iter_mut().zip(&host) {
+                *g += s;
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `f` on the GPU accumulator of `grad`, a slice of the dense
     /// gradient registered by `grads_begin` (summed on the GPU until
     /// `grads_flush`), or, for any other slice, on a copy of it that is

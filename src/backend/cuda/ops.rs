@@ -164,12 +164,7 @@ impl DenseOps for CudaOps<'_> {
     }
 
     fn add_assign(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), EngineError> {
-        assert_eq!(acc.len(), x.len());
-        let n = x.len() as u32;
-        let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.add_into);
-        launch.arg(acc).arg(x).arg(&n);
-        // SAFETY: acc and x hold x.len() f32 (asserted).
-        unsafe { self.run(launch, "add_into", x.len()) }
+        self.gpu.add_into(acc, x)
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, b: &[f32]) -> Result<(), EngineError> {

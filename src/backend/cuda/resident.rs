@@ -83,19 +83,12 @@ impl DenseResidence for CudaBackend {
             .keys();
         let mut state = self.resident.lock().unwrap_or_else(|p| p.into_inner());
         state.grads.clear();
-        let mut host = Vec::new();
-        for (key, sum) in sums {
-            if held.binary_search(&key).is_ok() {
-                state.grads.insert(key, sum);
-            } else {
-                // Its param is the host's to step: as `grads_flush`.
-                host.resize(key.1, 0.0f32);
-                self.download(&sum, &mut host)?;
-                for (g, s) in grad[span(key)].iter_mut().zip(&host) {
-                    *g += s;
-                }
-            }
-        }
+        let (kept, host): (Vec<_>, Vec<_>) = sums
+            .into_iter()
+            .partition(|(key, _)| held.binary_search(key).is_ok());
+        state.grads.extend(kept);
+        // Their params are the host's to step.
+        self.add_sums_to_host(grad, host)?;
         if state.host_writes != Some(false) || cfg!(debug_assertions) {
             let mut seen = state.host_writes == Some(true);
             for &key in &held {
@@ -244,7 +237,11 @@ impl CudaBackend {
     }
 
     /// acc += x, element by element.
-    fn add_into(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), EngineError> {
+    pub(super) fn add_into(
+        &self,
+        acc: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+    ) -> Result<(), EngineError> {
         assert_eq!(acc.len(), x.len());
         let n = x.len() as u32;
         let mut launch = self.stream.launch_builder(&self.dense.add_into);
