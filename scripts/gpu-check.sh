@@ -265,6 +265,7 @@ quick)
     run_test gpu-bin/test-backend ""
     run_test gpu-bin/test-gpu_dense_layers ""
     run_test gpu-bin/test-gpu_dense_step ""
+    run_test gpu-bin/test-routing_trace ""
     OUT=$out "$0" peer moe-s 16 512 10 || status=1
     run_test gpu-bin/test-equivalence ""
     run_test gpu-bin/test-trainer gpus

@@ -743,8 +743,8 @@ fn five_engine_steps_on_the_gpu_match_the_cpu() {
 
 /// `StepMetrics::bytes_pcie_other` counts what crosses between host and
 /// GPU besides expert params and gradients: the cpu backend copies none;
-/// the GPU step, its activations on the GPU, copies each layer's routing
-/// and the batch's ids every step, and the dense params either once (kept
+/// the GPU step, its activations and routing on the GPU, copies each
+/// layer's counts and loss sums and the batch's ids every step, and the dense params either once (kept
 /// and stepped on the GPU, the default) or up and their gradient down
 /// every step (`dense_on_device: false`). The steady state copies the same
 /// bytes every step at one shape.
@@ -783,12 +783,11 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
     assert_eq!(cpu, vec![0, 0, 0]);
     let kept = run(BackendKind::Cuda, true);
     let moved = run(BackendKind::Cuda, false);
-    let tokens = batch.tokens.len() / (batch.seq_len + 1) * batch.seq_len;
-    // Each layer's routing: the logits down and their gradient up (T × E
-    // each), the permutation's two index lists, the weights and their
-    // gradient (T·K each); then the token ids, targets, the loss and the
+    // Each layer's routing stays on the GPU: the experts' counts and the
+    // loss sums come down (E and E + 1 values), the load-balancing loss's
+    // gradient goes up (E); then the token ids, targets, the loss and the
     // rotary table, under 4 KiB here.
-    let routing = (4 * c.layers * tokens * (2 * c.experts + 4 * c.top_k)) as u64;
+    let routing = (4 * c.layers * (3 * c.experts + 1)) as u64;
     let dense = 4 * c.dense_params() as u64;
     eprintln!(
         "bytes_pcie_other a step on the gpu: {kept:?} with the dense params kept there, \
@@ -801,6 +800,9 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
         "{kept:?}"
     );
     assert!(kept[1] >= routing && kept[1] <= routing + 4096, "{kept:?}");
+    // What the GPU step promises: the batch's ids and 64 KiB.
+    let ids = 4 * batch.tokens.len() as u64;
+    assert!(kept[1] <= ids + 65_536, "{kept:?}");
     // Moved: the params up and their gradient down, every step.
     for &b in &moved {
         assert!(
@@ -841,6 +843,11 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "rope",
         "cross_entropy",
         "router_top_k",
+        "router_sigmoid_top_k",
+        "expert_permutation",
+        "router_sums",
+        "add_prob_sums",
+        "router_logits_grad",
         "gather_rows",
         "scatter_rows",
         "attn_to_heads",
@@ -930,6 +937,13 @@ mod cuda_kernels {
     fn loss_router_and_permutation_kernels_match_the_cpu() {
         if let Some(gpu) = gpu() {
             kernel_checks::loss_router_and_permutation(&gpu);
+        }
+    }
+
+    #[test]
+    fn router_kernels_match_the_cpu() {
+        if let Some(gpu) = gpu() {
+            kernel_checks::router::router_kernels(&gpu);
         }
     }
 

@@ -188,7 +188,8 @@ fn the_engine_s_moe_blocks_on_the_gpu_compute_the_gradients_of_the_host() {
     use common::tiny_lm::tiny_config;
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
-    use strata::lm::{Family, LmConfig, MoeLm, TokenBatch};
+    use strata::lm::{AuxLoss, Family, LmConfig, MoeLm, TokenBatch};
+    use strata::math::Scoring;
 
     if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
         common::cuda_case_skipped(e);
@@ -209,6 +210,29 @@ fn the_engine_s_moe_blocks_on_the_gpu_compute_the_gradients_of_the_host() {
                 qkv_bias: true,
                 shared_expert_ff: 8,
                 top_k: 1,
+                ..tiny_config()
+            },
+        ),
+        (
+            "a load-balancing loss over every layer, and a z-loss, top-3",
+            LmConfig {
+                top_k: 3,
+                aux_loss: AuxLoss::AllLayers,
+                aux_loss_coef: 0.05,
+                z_loss_coef: 0.01,
+                ..tiny_config()
+            },
+        ),
+        (
+            "glm-4.5's sigmoid router, groups of 2, one kept",
+            LmConfig {
+                family: Family::Glm4Moe,
+                scoring: Scoring::SigmoidGrouped {
+                    groups: 2,
+                    kept_groups: 1,
+                    scale: 2.5,
+                },
+                aux_loss_coef: 0.0,
                 ..tiny_config()
             },
         ),

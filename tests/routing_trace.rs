@@ -74,3 +74,72 @@ fn every_token_adds_its_pairs_whatever_the_devices_and_micro_batches() {
     let err = engine.set_routing_trace(other).unwrap_err().to_string();
     assert!(err.contains("does not continue"), "{err}");
 }
+
+/// On a GPU the routing stays in device memory and the host learns only
+/// each expert's count, unless the trace asks for every token's experts:
+/// the trace then holds each token's pairs, its margins are the counts the
+/// step reports, and asking for it changes no bit of the step.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_gpu_run_traces_the_routing_it_keeps_on_the_device() {
+    use common::tiny_lm::tiny_config;
+    use strata::backend::BackendKind;
+    use strata::lm::{LmConfig, MoeLm, TokenBatch};
+    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+        common::cuda_case_skipped(e);
+        return;
+    }
+    let lm = MoeLm::new(LmConfig {
+        layers: 3,
+        ..tiny_config()
+    })
+    .unwrap();
+    let batch = TokenBatch {
+        seq_len: 8,
+        tokens: (0..4 * 9u32).map(|i| (i * 37 + 5) % 250).collect(),
+        loss_mask: None,
+        doc_starts: None,
+    };
+    let run = |trace_routing| {
+        let config = EngineConfig {
+            backend: BackendKind::Cuda,
+            optimizer_threads: 1,
+            trace_routing,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new_network(&lm, config).unwrap();
+        let steps: Vec<_> = (0..2)
+            .map(|_| engine.step_network(&lm, &batch).unwrap())
+            .collect();
+        let params = engine.dense_params().unwrap().to_vec();
+        (steps, params, engine.routing_trace().cloned())
+    };
+    let (traced_steps, traced_params, trace) = run(true);
+    let (steps, params, none) = run(false);
+    assert!(none.is_none());
+    let bits =
+        |s: &[strata::engine::StepMetrics]| s.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&traced_steps), bits(&steps), "the losses");
+    assert!(traced_params == params, "the params");
+    let trace = trace.unwrap();
+    let (e, k) = (trace.experts, trace.top_k);
+    for (l, pairs) in trace.transitions.iter().enumerate() {
+        for a in 0..e {
+            let row: u64 = pairs[a * e..(a + 1) * e].iter().sum();
+            let col: u64 = (0..e).map(|x| pairs[x * e + a]).sum();
+            let counted = |layer: usize| -> u64 {
+                traced_steps
+                    .iter()
+                    .map(|m| m.tokens_per_expert[layer][a] as u64)
+                    .sum()
+            };
+            assert_eq!(row, counted(l) * k as u64, "layer {l}, expert {a}'s pairs");
+            assert_eq!(
+                col,
+                counted(l + 1) * k as u64,
+                "layer {}, expert {a}'s pairs",
+                l + 1
+            );
+        }
+    }
+}

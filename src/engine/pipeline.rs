@@ -292,9 +292,9 @@ impl DeviceRunner<'_> {
     /// order they compute.
     fn forward_routed(&mut self, layer: usize, perm: &Permutation) -> Vec<usize> {
         let experts = self.model.experts;
-        let order: Vec<usize> = (0..experts).filter(|&e| !perm.rows(e).is_empty()).collect();
+        let order: Vec<usize> = (0..experts).filter(|&e| perm.count(e) > 0).collect();
         for e in 0..experts {
-            self.dev.acc.tokens_per_expert[layer][e] += perm.rows(e).len() as u32;
+            self.dev.acc.tokens_per_expert[layer][e] += perm.count(e) as u32;
         }
         if let Some(counter) = self.dev.routing.as_mut() {
             counter.routed(layer, perm);
@@ -366,6 +366,10 @@ impl ExpertRunner for DeviceRunner<'_> {
         self.shared.devices == 1 && self.dev.device.takes_device_rows()
     }
 
+    fn needs_assignments(&self) -> bool {
+        self.dev.routing.is_some() || self.dev.io.pairs_tokens()
+    }
+
     unsafe fn forward_layer_rows(
         &mut self,
         layer: usize,
@@ -392,10 +396,7 @@ impl ExpertRunner for DeviceRunner<'_> {
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
         let (d, experts) = (self.model.d_model, self.model.experts);
-        let order: Vec<usize> = (0..experts)
-            .rev()
-            .filter(|&e| !perm.rows(e).is_empty())
-            .collect();
+        let order: Vec<usize> = (0..experts).rev().filter(|&e| perm.count(e) > 0).collect();
         self.pipeline(Pass::Backward, layer, &order, |runner, expert, params| {
             let span = perm.span(expert);
             let blocks = [rows, dout, dx].map(|r| r.rows(span.clone(), d));
@@ -442,10 +443,7 @@ impl ExpertRunner for DeviceRunner<'_> {
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
         let (d, k, experts) = (self.model.d_model, self.model.top_k, self.model.experts);
-        let order: Vec<usize> = (0..experts)
-            .rev()
-            .filter(|&e| !perm.rows(e).is_empty())
-            .collect();
+        let order: Vec<usize> = (0..experts).rev().filter(|&e| perm.count(e) > 0).collect();
         self.pipeline(Pass::Backward, layer, &order, |runner, expert, params| {
             let rows = perm.rows(expert);
             // Both gathered over.

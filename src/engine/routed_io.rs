@@ -76,6 +76,12 @@ impl RoutedIo {
         }
     }
 
+    /// Whether the next layer is predicted from token pairs, which reads
+    /// each pass's assignments.
+    pub fn pairs_tokens(&self) -> bool {
+        self.affinity
+    }
+
     /// Records `layer`'s routing in this pass (`perm`; `experts`, those
     /// with tokens, ascending); returns how many experts the prediction
     /// missed (routed, not predicted) and how many it named for nothing
@@ -125,7 +131,7 @@ impl RoutedIo {
         let mut expected = vec![0.0f64; e];
         let mut known = false;
         for a in 0..e {
-            let n = perm.rows(a).len();
+            let n = perm.count(a);
             let row = &counts[a * e..(a + 1) * e];
             let total: f64 = row.iter().sum();
             if n == 0 || total == 0.0 {

@@ -312,7 +312,7 @@ impl MoeLm {
             // balances the experts.
             aux = 0.0;
         } else if c.aux_loss == AuxLoss::AllLayers {
-            aux = all_layers_aux(&mut layers, c.experts, t);
+            aux = all_layers_aux(ops, &mut layers, c.experts, t)?;
         }
         let span = kernels.host_span("rmsnorm");
         let mut nf = ops.zeros(t * d)?;
@@ -497,26 +497,22 @@ impl MoeLm {
 /// took and S_e its router probabilities summed over all L sparse layers
 /// and T tokens, N = L·T. Sets each layer's `aux_grad` to ∂aux/∂p =
 /// E · C_e / N², the same for every layer and token, and returns the loss.
-/// Sums in f64.
-fn all_layers_aux<B, M: MoeRouting>(
-    layers: &mut [LayerSaved<B, M>],
+/// Sums in f64 (`ops` sums each layer's probabilities where they are).
+fn all_layers_aux<O: DenseOps>(
+    ops: &O,
+    layers: &mut [LayerSaved<O::Buf, O::MoeSaved>],
     experts: usize,
     t: usize,
-) -> f32 {
+) -> Result<f32, EngineError> {
     let mut sparse: Vec<_> = layers.iter_mut().filter_map(|l| l.ffn.moe_mut()).collect();
     let n = (sparse.len() * t) as f64;
     let mut assigned = vec![0.0f64; experts];
     let mut prob = vec![0.0f64; experts];
     for moe in sparse.iter() {
-        let routing = moe.routing();
-        for (e, &count) in routing.counts.iter().enumerate() {
+        for (e, &count) in moe.routing().counts.iter().enumerate() {
             assigned[e] += count as f64;
         }
-        for row in routing.probs.chunks_exact(experts) {
-            for (e, &p) in row.iter().enumerate() {
-                prob[e] += p as f64;
-            }
-        }
+        ops.moe_add_prob_sums(moe, &mut prob)?;
     }
     let e = experts as f64;
     let aux = e
@@ -527,7 +523,7 @@ fn all_layers_aux<B, M: MoeRouting>(
     for moe in sparse.iter_mut() {
         moe.routing_mut().aux_grad = Some(grad.clone());
     }
-    aux as f32
+    Ok(aux as f32)
 }
 
 impl Network for MoeLm {

@@ -30,8 +30,8 @@ pub use permute::{
     scatter_to_assignments, AssignmentGrads, Permutation,
 };
 pub use router::{
-    route_logits, router_backward, router_forward, router_logits_grad, top_k, RouterConfig,
-    Routing, Scoring,
+    add_prob_sums, aux_prob_grad, balance_loss, route_logits, router_backward, router_forward,
+    router_logits_grad, top_k, RouterConfig, Routing, Scoring,
 };
 
 /// f32 or f64.

@@ -50,6 +50,26 @@ impl Permutation {
         }
     }
 
+    /// The spans alone, from the assignments per expert: `order` and
+    /// `position` are empty. What the experts need where the assignments
+    /// themselves stay in a GPU's memory: each expert's block of rows.
+    pub fn from_counts(counts: &[u32]) -> Self {
+        let mut offsets = vec![0u32; counts.len() + 1];
+        for (e, &c) in counts.iter().enumerate() {
+            offsets[e + 1] = offsets[e] + c;
+        }
+        Self {
+            order: Vec::new(),
+            offsets,
+            position: Vec::new(),
+        }
+    }
+
+    /// How many assignments `expert` took.
+    pub fn count(&self, expert: usize) -> usize {
+        self.span(expert).len()
+    }
+
     /// The positions in `order` of `expert`'s assignments: the rows of an
     /// expert-ordered (T·K, D) buffer that are its.
     pub fn span(&self, expert: usize) -> std::ops::Range<usize> {

@@ -195,17 +195,67 @@ pub fn route_logits<R: Real>(
     }
     let tf = R::from_f64(t as f64);
     routing.z_loss = z / tf;
-    let mut aux = R::zero();
-    for j in 0..e {
-        let mut mean_p = R::zero();
-        for i in 0..t {
-            mean_p += routing.probs[i * e + j];
-        }
-        let frac = R::from_f64(routing.counts[j] as f64 / (t * k) as f64);
-        aux += frac * (mean_p / tf);
-    }
-    routing.aux_loss = R::from_f64(e as f64) * aux;
+    let prob_sums: Vec<R> = (0..e)
+        .map(|j| (0..t).fold(R::zero(), |sum, i| sum + routing.probs[i * e + j]))
+        .collect();
+    routing.aux_loss = balance_loss(&routing.counts, &prob_sums, t, k);
     routing.aux_grad = None;
+}
+
+/// The Switch/GShard load-balancing loss of one layer from its
+/// assignments per expert and its probabilities summed over the T tokens
+/// (each expert's column summed in token order):
+/// E · Σ_e (count_e / (T·K)) · (sum_e / T).
+pub fn balance_loss<R: Real>(counts: &[u32], prob_sums: &[R], t: usize, k: usize) -> R {
+    assert_eq!(counts.len(), prob_sums.len(), "a count and a sum an expert");
+    let tf = R::from_f64(t as f64);
+    let mut aux = R::zero();
+    for (&count, &sum) in counts.iter().zip(prob_sums) {
+        let frac = R::from_f64(count as f64 / (t * k) as f64);
+        aux += frac * (sum / tf);
+    }
+    R::from_f64(counts.len() as f64) * aux
+}
+
+/// `sums` (E) += each expert's probabilities (`probs`, (T, E)) over the
+/// tokens, in f64 and token order: the load-balancing loss over several
+/// layers at once (`lm::AuxLoss::AllLayers`) sums every layer's this way.
+pub fn add_prob_sums<R: Real>(probs: &[R], sums: &mut [f64]) {
+    let e = sums.len();
+    assert!(
+        e > 0 && !probs.is_empty() && probs.len().is_multiple_of(e),
+        "probabilities (T, E) for E = {e}"
+    );
+    for row in probs.chunks_exact(e) {
+        for (sum, &p) in sums.iter_mut().zip(row) {
+            *sum += p.to_f64();
+        }
+    }
+}
+
+/// What the load-balancing loss (weighted `daux`) adds to ∂/∂p of each
+/// expert, the same for every token: `daux · aux_grad` where the network
+/// set it, else this layer's own, E · count_e / (T·K) / T.
+pub fn aux_prob_grad<R: Real>(
+    cfg: &RouterConfig,
+    daux: R,
+    routing: &Routing<R>,
+    t: usize,
+) -> Vec<R> {
+    let (e, k) = (cfg.experts, cfg.top_k);
+    match &routing.aux_grad {
+        Some(grad) => grad.iter().map(|&g| daux * g).collect(),
+        // aux = E Σ_e f_e (1/T) Σ_t p_te  ⇒  ∂/∂p_te = E f_e / T
+        None => {
+            let tf = R::from_f64(t as f64);
+            (0..e)
+                .map(|j| {
+                    let frac = R::from_f64(routing.counts[j] as f64 / (t * k) as f64);
+                    daux * R::from_f64(e as f64) * frac / tf
+                })
+                .collect()
+        }
+    }
 }
 
 /// What the sigmoid router adds to the chosen scores' sum before dividing
@@ -303,6 +353,7 @@ pub fn router_logits_grad<R: Real>(
 ) -> Vec<R> {
     let (e, k) = (cfg.experts, cfg.top_k);
     let tf = R::from_f64(t as f64);
+    let aux = aux_prob_grad(cfg, daux, routing, t);
     let mut dprobs = vec![R::zero(); t * e];
     for i in 0..t {
         let w = &routing.weights[i * k..(i + 1) * k];
@@ -339,19 +390,8 @@ pub fn router_logits_grad<R: Real>(
                 };
             }
         }
-        match &routing.aux_grad {
-            Some(grad) => {
-                for j in 0..e {
-                    dprobs[i * e + j] += daux * grad[j];
-                }
-            }
-            // aux = E Σ_e f_e (1/T) Σ_t p_te  ⇒  ∂/∂p_te = E f_e / T
-            None => {
-                for j in 0..e {
-                    let frac = R::from_f64(routing.counts[j] as f64 / (t * k) as f64);
-                    dprobs[i * e + j] += daux * R::from_f64(e as f64) * frac / tf;
-                }
-            }
+        for (dp, &a) in dprobs[i * e..(i + 1) * e].iter_mut().zip(&aux) {
+            *dp += a;
         }
     }
     let mut dlogits = vec![R::zero(); t * e];

@@ -18,7 +18,9 @@ use super::{moe_backward, moe_forward, DenseKernels, ExpertRunner, HeadShape, Mo
 use crate::math::attention::{
     embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
 };
-use crate::math::{rmsnorm_backward, rmsnorm_forward, sigmoid, silu, silu_grad, Routing};
+use crate::math::{
+    add_prob_sums, rmsnorm_backward, rmsnorm_forward, sigmoid, silu, silu_grad, Routing,
+};
 use crate::EngineError;
 
 /// The dense layers' operations on activation buffers of type
@@ -214,6 +216,15 @@ pub trait DenseOps {
         losses: (f32, f32),
         runner: &mut dyn ExpertRunner,
         last_micro_batch: bool,
+    ) -> Result<(), EngineError>;
+
+    /// `sums` (E) += the router probabilities of `saved`'s block summed
+    /// over its tokens, in f64 and token order (`math::add_prob_sums`):
+    /// the load-balancing loss over every layer at once reads them.
+    fn moe_add_prob_sums(
+        &self,
+        saved: &Self::MoeSaved,
+        sums: &mut [f64],
     ) -> Result<(), EngineError>;
 
     /// A MoE block's saved state is done with: its buffers go back to
@@ -555,6 +566,11 @@ impl DenseOps for HostOps<'_> {
             last_micro_batch,
             self.kernels,
         )
+    }
+
+    fn moe_add_prob_sums(&self, saved: &MoeSaved, sums: &mut [f64]) -> Result<(), EngineError> {
+        add_prob_sums(&saved.routing.probs, sums);
+        Ok(())
     }
 
     fn moe_release(&self, saved: &mut MoeSaved, runner: &mut dyn ExpertRunner) {

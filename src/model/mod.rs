@@ -294,6 +294,15 @@ pub trait ExpertRunner {
         false
     }
 
+    /// Whether [`Self::forward_layer_rows`] reads the permutation's
+    /// assignments (`order`, `position`: the routing traced, or the next
+    /// layer predicted from token pairs), or only each expert's span,
+    /// which `Permutation::from_counts` gives without the assignments
+    /// leaving the GPU.
+    fn needs_assignments(&self) -> bool {
+        true
+    }
+
     /// [`Self::forward_layer`] on rows in the device's memory: `rows`
     /// (T·K, D) are the experts' inputs already in expert order (row i is
     /// assignment `perm.order[i]`'s token), and `out` (T·K, D) receives

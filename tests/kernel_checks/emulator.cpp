@@ -37,6 +37,7 @@ static inline float __int_as_float(int i) {
 }
 
 #include "kernels.cu"
+#include "router.cu"
 
 template <typename... A, std::size_t... I>
 static void call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
@@ -87,38 +88,20 @@ static std::function<void()> bind(void (*kernel)(A...), unsigned grid, unsigned 
         return bind(name, grid, block, args);                                       \
     }
 
-STRATA_LAUNCHER(swiglu_forward)
-STRATA_LAUNCHER(swiglu_backward)
-STRATA_LAUNCHER(gelu_forward)
-STRATA_LAUNCHER(gelu_backward)
-STRATA_LAUNCHER(f32_to_bf16)
-STRATA_LAUNCHER(adamw)
-STRATA_LAUNCHER(rmsnorm_forward)
-STRATA_LAUNCHER(rmsnorm_backward_dx)
-STRATA_LAUNCHER(column_partials)
-STRATA_LAUNCHER(add_column_partials)
-STRATA_LAUNCHER(rope)
-STRATA_LAUNCHER(cross_entropy)
-STRATA_LAUNCHER(router_top_k)
-STRATA_LAUNCHER(gather_rows)
-STRATA_LAUNCHER(scatter_rows)
-STRATA_LAUNCHER(attn_to_heads)
-STRATA_LAUNCHER(attn_from_heads)
-STRATA_LAUNCHER(attn_softmax)
-STRATA_LAUNCHER(attn_softmax_backward)
-STRATA_LAUNCHER(add_into)
-STRATA_LAUNCHER(add_bias)
-STRATA_LAUNCHER(clamp_values)
-STRATA_LAUNCHER(clamp_grad)
-STRATA_LAUNCHER(combine_rows)
-STRATA_LAUNCHER(combine_weights_grad)
-STRATA_LAUNCHER(weighted_rows)
-STRATA_LAUNCHER(gather_rows_backward)
-STRATA_LAUNCHER(embedding_backward)
-STRATA_LAUNCHER(square_sums)
-STRATA_LAUNCHER(sigmoid_values)
-STRATA_LAUNCHER(add_scaled_rows)
-STRATA_LAUNCHER(gate_backward)
+// Every kernel of kernels.cu and router.cu, once: a new kernel is added
+// here and nowhere else in this file.
+#define STRATA_KERNELS(X)                                                                   \
+    X(swiglu_forward) X(swiglu_backward) X(gelu_forward) X(gelu_backward) X(f32_to_bf16)   \
+    X(adamw) X(rmsnorm_forward) X(rmsnorm_backward_dx) X(column_partials)                  \
+    X(add_column_partials) X(rope) X(cross_entropy) X(gather_rows) X(scatter_rows)         \
+    X(attn_to_heads) X(attn_from_heads) X(attn_softmax) X(attn_softmax_backward)           \
+    X(add_into) X(add_bias) X(clamp_values) X(clamp_grad) X(combine_rows)                  \
+    X(combine_weights_grad) X(weighted_rows) X(gather_rows_backward) X(embedding_backward) \
+    X(square_sums) X(sigmoid_values) X(add_scaled_rows) X(gate_backward) X(router_top_k)   \
+    X(router_sigmoid_top_k) X(expert_permutation) X(router_sums) X(add_prob_sums)          \
+    X(router_logits_grad)
+
+STRATA_KERNELS(STRATA_LAUNCHER)
 
 // The launcher of kernel `name` (what cuModuleGetFunction finds), or null.
 typedef void (*strata_launcher)(unsigned, unsigned, void**);
@@ -128,19 +111,7 @@ extern "C" strata_launcher strata_emulated_kernel(const char* name) {
         strata_launcher launch;
     } table[] = {
 #define STRATA_ENTRY(n) {#n, strata_launch_##n},
-        STRATA_ENTRY(swiglu_forward) STRATA_ENTRY(swiglu_backward) STRATA_ENTRY(gelu_forward)
-        STRATA_ENTRY(gelu_backward) STRATA_ENTRY(f32_to_bf16) STRATA_ENTRY(adamw)
-        STRATA_ENTRY(rmsnorm_forward) STRATA_ENTRY(rmsnorm_backward_dx)
-        STRATA_ENTRY(column_partials) STRATA_ENTRY(add_column_partials)
-        STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
-        STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
-        STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
-        STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
-        STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
-        STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
-        STRATA_ENTRY(gather_rows_backward) STRATA_ENTRY(embedding_backward)
-        STRATA_ENTRY(square_sums) STRATA_ENTRY(sigmoid_values) STRATA_ENTRY(add_scaled_rows)
-        STRATA_ENTRY(gate_backward)
+        STRATA_KERNELS(STRATA_ENTRY)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {
@@ -157,19 +128,7 @@ typedef std::function<void()> (*strata_binder)(unsigned, unsigned, void**);
         strata_binder bind;
     } table[] = {
 #define STRATA_ENTRY(n) {#n, strata_bind_##n},
-        STRATA_ENTRY(swiglu_forward) STRATA_ENTRY(swiglu_backward) STRATA_ENTRY(gelu_forward)
-        STRATA_ENTRY(gelu_backward) STRATA_ENTRY(f32_to_bf16) STRATA_ENTRY(adamw)
-        STRATA_ENTRY(rmsnorm_forward) STRATA_ENTRY(rmsnorm_backward_dx)
-        STRATA_ENTRY(column_partials) STRATA_ENTRY(add_column_partials)
-        STRATA_ENTRY(rope) STRATA_ENTRY(cross_entropy)
-        STRATA_ENTRY(router_top_k) STRATA_ENTRY(gather_rows) STRATA_ENTRY(scatter_rows)
-        STRATA_ENTRY(attn_to_heads) STRATA_ENTRY(attn_from_heads) STRATA_ENTRY(attn_softmax)
-        STRATA_ENTRY(attn_softmax_backward) STRATA_ENTRY(add_into) STRATA_ENTRY(add_bias)
-        STRATA_ENTRY(clamp_values) STRATA_ENTRY(clamp_grad)
-        STRATA_ENTRY(combine_rows) STRATA_ENTRY(combine_weights_grad) STRATA_ENTRY(weighted_rows)
-        STRATA_ENTRY(gather_rows_backward) STRATA_ENTRY(embedding_backward)
-        STRATA_ENTRY(square_sums) STRATA_ENTRY(sigmoid_values) STRATA_ENTRY(add_scaled_rows)
-        STRATA_ENTRY(gate_backward)
+        STRATA_KERNELS(STRATA_ENTRY)
 #undef STRATA_ENTRY
     };
     for (const auto& entry : table) {

@@ -10,13 +10,15 @@ use std::ffi::c_void;
 use std::path::PathBuf;
 
 use strata::math::attention::AttnShape;
-use strata::math::ExpertKind;
+use strata::math::{ExpertKind, RouterConfig, Routing};
 use strata_optim::StepScalars;
 
 use super::{KernelHost, MoeRows, RouterResult, ATTENTION_TEST_BLOCK};
 
 #[path = "emulated_attention.rs"]
 mod emulated_attention;
+#[path = "emulated_router.rs"]
+mod emulated_router;
 
 /// kernels.cu built for the CPU and loaded.
 pub struct KernelEmulator {
@@ -297,45 +299,29 @@ impl KernelHost for KernelEmulator {
         rows.iter().fold(0.0f32, |a, &s| a + s)
     }
 
-    fn router_top_k(
+    fn route(
         &self,
+        cfg: &RouterConfig,
         logits: &[f32],
+        bias: Option<&[f32]>,
         t: usize,
-        e: usize,
-        k: usize,
-        renormalize: bool,
     ) -> RouterResult {
-        assert!(logits.len() == t * e && k <= e);
-        let mut r = RouterResult {
-            probs: vec![0.0; t * e],
-            lse: vec![0.0; t],
-            experts: vec![0; t * k],
-            weights: vec![0.0; t * k],
-        };
-        let pl = logits.as_ptr();
-        let (pp, plse, pe, pw) = (
-            r.probs.as_mut_ptr(),
-            r.lse.as_mut_ptr(),
-            r.experts.as_mut_ptr(),
-            r.weights.as_mut_ptr(),
-        );
-        let (t32, e32, k32, r32) = (t as u32, e as u32, k as u32, renormalize as u32);
-        self.launch(
-            "router_top_k",
-            t,
-            &[
-                arg(&pl),
-                arg(&pp),
-                arg(&plse),
-                arg(&pe),
-                arg(&pw),
-                arg(&t32),
-                arg(&e32),
-                arg(&k32),
-                arg(&r32),
-            ],
-        );
-        r
+        self.route_emulated(cfg, logits, bias, t)
+    }
+
+    fn router_logits_grad(
+        &self,
+        cfg: &RouterConfig,
+        routing: &Routing<f32>,
+        dweights: &[f32],
+        losses: (f32, f32),
+        t: usize,
+    ) -> Vec<f32> {
+        self.router_logits_grad_emulated(cfg, routing, dweights, losses, t)
+    }
+
+    fn add_prob_sums(&self, probs: &[f32], sums: &mut [f64]) {
+        self.add_prob_sums_emulated(probs, sums)
     }
 
     fn moe_rows(

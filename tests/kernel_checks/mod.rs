@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub mod emulator;
+pub mod router;
 
 /// Bytes of scores a block of attention's query rows may take in these
 /// checks: 5 rows at `attention`'s shape (2 sequences × 4 heads × 13 keys
@@ -16,15 +17,21 @@ pub mod emulator;
 pub const ATTENTION_TEST_BLOCK: usize = 5 * 2 * 4 * 13 * 4;
 
 use strata::math::attention::AttnShape;
-use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, Scoring};
+use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, RouterConfig, Routing, Scoring};
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
-/// What the router kernel fills (the fields of `math::Routing`).
+/// What the router's kernels fill: the fields of `math::Routing`, its
+/// `Permutation`'s, and the sums its losses read (each expert's
+/// probabilities over the tokens, then Σ lse²).
 pub struct RouterResult {
     pub probs: Vec<f32>,
     pub lse: Vec<f32>,
     pub experts: Vec<u32>,
     pub weights: Vec<f32>,
+    pub order: Vec<u32>,
+    pub position: Vec<u32>,
+    pub counts: Vec<u32>,
+    pub sums: Vec<f32>,
 }
 
 /// What the MoE block's kernels give ([`KernelHost::moe_rows`]).
@@ -86,14 +93,27 @@ pub trait KernelHost {
         v: usize,
         denominator: usize,
     ) -> f32;
-    fn router_top_k(
+    /// The router after its logits (T, E): scores, top-k, permutation,
+    /// sums (`bias`: a sigmoid router's correction bias).
+    fn route(
         &self,
+        cfg: &RouterConfig,
         logits: &[f32],
+        bias: Option<&[f32]>,
         t: usize,
-        e: usize,
-        k: usize,
-        renormalize: bool,
     ) -> RouterResult;
+    /// `math::router_logits_grad` of `routing` (its probs, lse, experts,
+    /// weights, and counts or aux_grad).
+    fn router_logits_grad(
+        &self,
+        cfg: &RouterConfig,
+        routing: &Routing<f32>,
+        dweights: &[f32],
+        losses: (f32, f32),
+        t: usize,
+    ) -> Vec<f32>;
+    /// `math::add_prob_sums`.
+    fn add_prob_sums(&self, probs: &[f32], sums: &mut [f64]);
     fn permute(
         &self,
         x: &[f32],
@@ -278,13 +298,18 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
         router_forward(&cfg, &mut routing, &x, &wr, None, t, d);
         let mut logits = vec![0.0f32; t * e];
         linear_forward(&mut logits, &x, &wr, t, d, e);
-        let got = h.router_top_k(&logits, t, e, k, renormalize);
+        let got = h.route(&cfg, &logits, None, t);
         assert_eq!(got.experts, routing.experts, "top-{k}");
         assert!(worst(&got.probs, &routing.probs) < 1e-5);
         assert!(worst(&got.lse, &routing.lse) < 1e-5);
         assert!(worst(&got.weights, &routing.weights) < 1e-5);
 
         let perm = Permutation::from_routing(&routing.experts, e);
+        assert_eq!(
+            (&got.order, &got.position),
+            (&perm.order, &perm.position),
+            "top-{k}"
+        );
         let (rows, scattered) = h.permute(&x, &perm.order, d, k, t);
         let mut want_rows = vec![0.0; perm.order.len() * d];
         gather_forward(&mut want_rows, &x, &perm.order, k, d);
@@ -517,23 +542,40 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
             .unwrap()
     }
 
-    fn router_top_k(
+    fn route(
         &self,
+        cfg: &RouterConfig,
         logits: &[f32],
+        bias: Option<&[f32]>,
         t: usize,
-        e: usize,
-        k: usize,
-        renormalize: bool,
     ) -> RouterResult {
-        let r = self
-            .router_top_k_host(logits, t, e, k, renormalize)
-            .unwrap();
+        let r = self.route_host(cfg, logits, bias, t).unwrap();
         RouterResult {
             probs: r.probs,
             lse: r.lse,
             experts: r.experts,
             weights: r.weights,
+            order: r.order,
+            position: r.position,
+            counts: r.counts,
+            sums: r.sums,
         }
+    }
+
+    fn router_logits_grad(
+        &self,
+        cfg: &RouterConfig,
+        routing: &Routing<f32>,
+        dweights: &[f32],
+        losses: (f32, f32),
+        t: usize,
+    ) -> Vec<f32> {
+        self.router_logits_grad_host(cfg, routing, dweights, losses, t)
+            .unwrap()
+    }
+
+    fn add_prob_sums(&self, probs: &[f32], sums: &mut [f64]) {
+        self.add_prob_sums_host(probs, sums).unwrap()
     }
 
     fn moe_rows(

@@ -1,8 +1,7 @@
 //! The dense layers' kernels (`kernels.cu`): RMSNorm, rotary embeddings,
-//! cross-entropy, the router's softmax and top-k, and the token
-//! permutation's gather and scatter. Each wrapper here takes host slices
-//! (uploads, launches, downloads), which is what the tests compare with
-//! the CPU functions the kernels mirror.
+//! cross-entropy, and the token permutation's gather and scatter. Each
+//! wrapper here takes host slices (uploads, launches, downloads), which is
+//! what the tests compare with the CPU functions the kernels mirror.
 
 use std::sync::Arc;
 
@@ -18,7 +17,6 @@ pub(super) struct DenseFunctions {
     add_column_partials: CudaFunction,
     rope: CudaFunction,
     cross_entropy: CudaFunction,
-    router_top_k: CudaFunction,
     pub(super) gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
     pub(super) attn_to_heads: CudaFunction,
@@ -54,7 +52,6 @@ impl DenseFunctions {
             add_column_partials: load("add_column_partials")?,
             rope: load("rope")?,
             cross_entropy: load("cross_entropy")?,
-            router_top_k: load("router_top_k")?,
             gather_rows: load("gather_rows")?,
             scatter_rows: load("scatter_rows")?,
             attn_to_heads: load("attn_to_heads")?,
@@ -78,15 +75,6 @@ impl DenseFunctions {
     }
 }
 
-/// What the router kernel computes (the fields of `math::Routing` it fills).
-#[derive(Clone, Debug)]
-pub struct RouterOut {
-    pub probs: Vec<f32>,
-    pub lse: Vec<f32>,
-    pub experts: Vec<u32>,
-    pub weights: Vec<f32>,
-}
-
 /// Rows a block of a column sum's first pass adds (`column_partials`).
 pub(super) const COLUMN_SUM_ROWS: usize = 64;
 
@@ -100,13 +88,6 @@ impl CudaBackend {
         self.stream
             .clone_htod(host)
             .map_err(|e| self.memory_error("an upload", e))
-    }
-
-    fn download_u32(&self, dev: &CudaSlice<u32>, host: &mut [u32]) -> Result<(), EngineError> {
-        self.count_pcie_other::<u32>(host.len());
-        self.stream
-            .memcpy_dtoh(dev, host)
-            .map_err(|e| gpu_error("a download", e))
     }
 
     /// `math::rmsnorm_forward` on the GPU: (out, inv_rms).
@@ -353,51 +334,6 @@ impl CudaBackend {
         // rows t; one thread a row.
         unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy", e))?;
         Ok(rows)
-    }
-
-    /// The router after its logits (T, E) on the GPU, as
-    /// `math::router_forward` computes it.
-    pub fn router_top_k_host(
-        &self,
-        logits: &[f32],
-        t: usize,
-        e: usize,
-        k: usize,
-        renormalize: bool,
-    ) -> Result<RouterOut, EngineError> {
-        let dl = self.upload(logits)?;
-        let (mut probs, mut lse, mut weights) =
-            (self.zeros(t * e)?, self.zeros(t)?, self.zeros(t * k)?);
-        let mut experts = self
-            .stream
-            .alloc_zeros::<u32>(t * k)
-            .map_err(|err| self.memory_error("allocating GPU memory", err))?;
-        let (t32, e32, k32, r32) = (t as u32, e as u32, k as u32, renormalize as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.router_top_k);
-        launch
-            .arg(&dl)
-            .arg(&mut probs)
-            .arg(&mut lse)
-            .arg(&mut experts)
-            .arg(&mut weights)
-            .arg(&t32)
-            .arg(&e32)
-            .arg(&k32)
-            .arg(&r32);
-        // SAFETY: logits and probs hold t·e f32, lse t, experts and weights
-        // t·k (k ≤ e); one thread a token.
-        unsafe { launch.launch(threads(t)) }.map_err(|err| gpu_error("router_top_k", err))?;
-        let mut h = RouterOut {
-            probs: vec![0.0; t * e],
-            lse: vec![0.0; t],
-            experts: vec![0; t * k],
-            weights: vec![0.0; t * k],
-        };
-        self.download(&probs, &mut h.probs)?;
-        self.download(&lse, &mut h.lse)?;
-        self.download_u32(&experts, &mut h.experts)?;
-        self.download(&weights, &mut h.weights)?;
-        Ok(h)
     }
 
     /// `math::gather_forward` then `math::scatter_to_assignments` on the

@@ -197,40 +197,6 @@ extern "C" __global__ void cross_entropy(const float* logits, const unsigned* ta
     }
 }
 
-// math::router_forward after the logits, one thread a token: softmax,
-// top-k (ties to the lower index), combine weights (renormalized or not).
-extern "C" __global__ void router_top_k(const float* logits, float* probs, float* lse_out,
-                                        unsigned* experts, float* weights, unsigned t,
-                                        unsigned e, unsigned k, unsigned renormalize) {
-    unsigned i = strata_index();
-    if (i >= t) return;
-    const float* row = logits + (unsigned long long)i * e;
-    float max = row[0];
-    for (unsigned j = 1; j < e; ++j) if (row[j] > max) max = row[j];
-    float sum = 0.0f;
-    for (unsigned j = 0; j < e; ++j) sum += expf(row[j] - max);
-    float lse = max + logf(sum);
-    lse_out[i] = lse;
-    float* p = probs + (unsigned long long)i * e;
-    for (unsigned j = 0; j < e; ++j) p[j] = expf(row[j] - lse);
-    float total = 0.0f;
-    for (unsigned s = 0; s < k; ++s) {
-        int best = -1;
-        for (unsigned j = 0; j < e; ++j) {
-            bool taken = false;
-            for (unsigned q = 0; q < s; ++q) taken |= experts[(unsigned long long)i * k + q] == j;
-            if (taken) continue;
-            if (best < 0 || p[j] > p[best]) best = (int)j;
-        }
-        experts[(unsigned long long)i * k + s] = (unsigned)best;
-        weights[(unsigned long long)i * k + s] = p[best];
-        total += p[best];
-    }
-    if (renormalize) {
-        for (unsigned s = 0; s < k; ++s) weights[(unsigned long long)i * k + s] = weights[(unsigned long long)i * k + s] / total;
-    }
-}
-
 // math::gather_forward: rows (n, d) = x[assignment / k], one thread an element.
 extern "C" __global__ void gather_rows(const float* x, const unsigned* assignments, float* rows,
                                        unsigned n, unsigned d, unsigned k) {

@@ -26,12 +26,14 @@ mod linear;
 mod moe;
 mod ops;
 mod resident;
+mod router;
 mod weights;
 
 pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 pub use expert::CudaExpertDevice;
 pub use moe::{CudaMoeSaved, DeviceMoe};
 pub use ops::CudaOps;
+pub use router::RouterOut;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -48,7 +50,7 @@ use strata_tiers::device_cuda::{open_gpu, GpuInfo};
 use crate::math::ExpertKind;
 use crate::EngineError;
 
-const KERNELS: &str = include_str!("kernels.cu");
+const KERNELS: &str = concat!(include_str!("kernels.cu"), include_str!("router.cu"));
 
 fn gpu_error(what: &str, e: impl std::fmt::Display) -> EngineError {
     EngineError::Device {
@@ -82,7 +84,7 @@ pub fn check_libraries(device: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Compiles `kernels.cu` to PTX with NVRTC (no GPU or driver needed, only
+/// Compiles `kernels.cu` and `router.cu` to PTX with NVRTC (no GPU or driver needed, only
 /// the NVRTC library): no fused multiply-adds and IEEE square roots and
 /// divisions, so the kernels round as the CPU functions they mirror.
 pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx, EngineError> {
@@ -99,7 +101,7 @@ pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx, EngineError> {
             ..CompileOptions::default()
         },
     )
-    .map_err(|e| gpu_error("compiling kernels.cu with NVRTC", e))
+    .map_err(|e| gpu_error("compiling kernels.cu and router.cu with NVRTC", e))
 }
 
 /// Lets the device's memory pool keep what the step frees for its next
@@ -145,6 +147,7 @@ pub struct CudaBackend {
     blas: CudaBlas,
     f: Functions,
     dense: dense::DenseFunctions,
+    router: router::RouterFunctions,
     /// The dense weights uploaded since the params last changed.
     weights: std::sync::Mutex<weights::WeightCache<CudaSlice<f32>>>,
     /// The dense weight gradients summed on the GPU this step.
@@ -199,12 +202,14 @@ impl CudaBackend {
             adamw: load("adamw")?,
         };
         let dense = dense::DenseFunctions::load(&module)?;
+        let router = router::RouterFunctions::load(&module)?;
         Ok(Self {
             ctx,
             stream,
             blas,
             f,
             dense,
+            router,
             weights: Default::default(),
             grads: Default::default(),
             resident: Default::default(),

@@ -1,12 +1,12 @@
 //! The MoE block with its activations in GPU memory ([`CudaOps`]'
-//! `moe_forward` / `moe_backward`): the router's logits on the device,
-//! the routing itself on the host (the engine schedules the experts'
-//! uploads from it), the permutation's gather, the experts computing from
-//! rows in GPU memory (`ExpertRunner::forward_layer_rows`), and the
-//! weighted combine, each with its backward (`kernels.cu`, in the cpu's
-//! order of sums). Only the routing crosses: the logits (T × E) and the
-//! weights' gradients (T·K) come down, the permutation's indices and the
-//! weights (T·K each) and the logits' gradient (T × E) go up.
+//! `moe_forward` / `moe_backward`): the router's logits and the routing
+//! on the device (`router.rs`), the permutation's gather, the experts
+//! computing from rows in GPU memory (`ExpertRunner::forward_layer_rows`),
+//! and the weighted combine, each with its backward (`kernels.cu`, in the
+//! cpu's order of sums). Only what the host decides from crosses: each
+//! expert's count of assignments and the layer's two loss sums come down
+//! (each token's experts too where the runner reads them), and one value
+//! an expert of the load-balancing loss's gradient goes up.
 //!
 //! Where the runner's experts cannot read GPU memory (several devices
 //! exchanging tokens, or a runner of host rows), the block runs on the
@@ -16,9 +16,10 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::dense::threads;
 use super::ops::CudaOps;
+use super::router::DeviceRouting;
 use super::{gpu_error, CudaBackend};
 use crate::backend::DeviceRows;
-use crate::math::{route_logits, router_logits_grad, Permutation, Routing};
+use crate::math::{add_prob_sums, Permutation, Routing};
 use crate::model::{moe_backward, moe_forward, DenseOps, ExpertRunner, ModelConfig, MoeRouting};
 use crate::model::{DenseKernels, MoeSaved};
 use crate::EngineError;
@@ -31,17 +32,33 @@ pub enum CudaMoeSaved {
     Device(Box<DeviceMoe>),
 }
 
-/// A MoE block's routing on the host, and in GPU memory what its backward
-/// reads.
+/// A MoE block's routing: what the host keeps of it (each expert's
+/// assignments, the losses, each token's experts where the runner reads
+/// them), and in GPU memory the rest, with what its backward reads.
 pub struct DeviceMoe {
     routing: Routing<f32>,
     perm: Permutation,
-    /// The permutation's order and position, and the routing's weights.
-    order: CudaSlice<u32>,
-    position: CudaSlice<u32>,
-    weights: CudaSlice<f32>,
+    device: DeviceRouting,
     /// (T·K, D) the experts' outputs in expert order.
     expert_out: CudaSlice<f32>,
+}
+
+impl CudaMoeSaved {
+    /// `sums` (E) += this block's router probabilities summed over its
+    /// tokens, in f64 and token order (`math::add_prob_sums`).
+    pub(super) fn add_prob_sums(
+        &self,
+        gpu: &CudaBackend,
+        sums: &mut [f64],
+    ) -> Result<(), EngineError> {
+        match self {
+            CudaMoeSaved::Host(s) => {
+                add_prob_sums(&s.routing.probs, sums);
+                Ok(())
+            }
+            CudaMoeSaved::Device(s) => gpu.add_prob_sums_device(s.device.probs(), sums),
+        }
+    }
 }
 
 impl MoeRouting for CudaMoeSaved {
@@ -92,15 +109,11 @@ impl CudaOps<'_> {
         let span = kernels.host_span("router");
         let mut logits = self.zeros(t * e)?;
         self.linear_forward(&mut logits, x, router, t, d, e)?;
-        let logits = self.take(logits)?;
-        let mut routing = Routing::default();
-        route_logits(&model.router(), &mut routing, &logits, bias, t);
-        let perm = Permutation::from_routing(&routing.experts, e);
-        let order = gpu.upload_u32(&perm.order)?;
-        let position = gpu.upload_u32(&perm.position)?;
-        let weights = gpu.upload(&routing.weights)?;
+        let assignments = runner.needs_assignments();
+        let (device, routing, perm) =
+            gpu.route_device(&model.router(), &logits, bias, t, assignments)?;
         drop(span);
-        let rows = gpu.gather_rows_device(x, &order, (t * k, d, k))?;
+        let rows = gpu.gather_rows_device(x, &device.order, (t * k, d, k))?;
         let mut expert_out = gpu.zeros(t * k * d)?;
         {
             let (rows, _read) = rows_of!(rows, &gpu.stream, device_ptr);
@@ -112,13 +125,12 @@ impl CudaOps<'_> {
             unsafe { runner.forward_layer_rows(layer, &perm, rows, out)? };
         }
         let _span = kernels.host_span("combine");
-        let y = gpu.combine_device(&expert_out, &position, &weights, (t, k, d))?;
+        let weights = &device.scored.weights;
+        let y = gpu.combine_device(&expert_out, &device.position, weights, (t, k, d))?;
         let saved = DeviceMoe {
             routing,
             perm,
-            order,
-            position,
-            weights,
+            device,
             expert_out,
         };
         Ok((y, CudaMoeSaved::Device(Box::new(saved))))
@@ -166,12 +178,12 @@ impl CudaOps<'_> {
         };
         let gpu = self.gpu();
         let span = kernels.host_span("combine backward");
-        let dweights =
-            gpu.combine_weights_grad_device(dy, &s.expert_out, &s.position, (t, k, d))?;
-        let dweights = self.take(dweights)?;
+        let (order, position) = (&s.device.order, &s.device.position);
+        let weights = &s.device.scored.weights;
+        let dweights = gpu.combine_weights_grad_device(dy, &s.expert_out, position, (t, k, d))?;
         let n = t * k;
-        let dout = gpu.weighted_rows_device(dy, &s.weights, &s.order, (n, d, k))?;
-        let rows = gpu.gather_rows_device(x, &s.order, (n, d, k))?;
+        let dout = gpu.weighted_rows_device(dy, weights, order, (n, d, k))?;
+        let rows = gpu.gather_rows_device(x, order, (n, d, k))?;
         let mut dxa = gpu.zeros(n * d)?;
         drop(span);
         {
@@ -184,9 +196,15 @@ impl CudaOps<'_> {
             };
         }
         let _span = kernels.host_span("gather backward and router backward");
-        gpu.gather_backward_device(dx, &dxa, &s.position, (t, k, d))?;
-        let dlogits = router_logits_grad(&model.router(), &dweights, daux, dz, &s.routing, t);
-        let dlogits = self.place(dlogits)?;
+        gpu.gather_backward_device(dx, &dxa, position, (t, k, d))?;
+        let dlogits = gpu.router_logits_grad_device(
+            &model.router(),
+            &s.device.scored,
+            &s.routing,
+            &dweights,
+            (daux, dz),
+            t,
+        )?;
         self.linear_backward(dx, router_grad, &dlogits, x, router, t, d, e)
     }
 }

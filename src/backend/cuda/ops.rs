@@ -459,6 +459,10 @@ impl DenseOps for CudaOps<'_> {
         )
     }
 
+    fn moe_add_prob_sums(&self, saved: &CudaMoeSaved, sums: &mut [f64]) -> Result<(), EngineError> {
+        saved.add_prob_sums(self.gpu, sums)
+    }
+
     fn moe_release(&self, saved: &mut CudaMoeSaved, runner: &mut dyn ExpertRunner) {
         // A block that ran on the host hands its buffer back; GPU memory is
         // freed as the saved state is dropped.

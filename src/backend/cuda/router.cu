@@ -1,0 +1,196 @@
+// The router's kernels after its logits (math/router.rs, math/permute.rs):
+// the scores and top-k choice, the permutation that groups a layer's
+// assignments by expert, the sums its losses need, and the logits'
+// gradient. Appended to kernels.cu (its helpers and rules hold here).
+
+#define STRATA_NEG_INF __int_as_float(0xff800000)
+
+// math::router_forward after the logits, one thread a token: softmax,
+// top-k (ties to the lower index), combine weights (renormalized or not).
+extern "C" __global__ void router_top_k(const float* logits, float* probs, float* lse_out,
+                                        unsigned* experts, float* weights, unsigned t,
+                                        unsigned e, unsigned k, unsigned renormalize) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* row = logits + (unsigned long long)i * e;
+    float max = row[0];
+    for (unsigned j = 1; j < e; ++j) if (row[j] > max) max = row[j];
+    float sum = 0.0f;
+    for (unsigned j = 0; j < e; ++j) sum += expf(row[j] - max);
+    float lse = max + logf(sum);
+    lse_out[i] = lse;
+    float* p = probs + (unsigned long long)i * e;
+    for (unsigned j = 0; j < e; ++j) p[j] = expf(row[j] - lse);
+    float total = 0.0f;
+    for (unsigned s = 0; s < k; ++s) {
+        int best = -1;
+        for (unsigned j = 0; j < e; ++j) {
+            bool taken = false;
+            for (unsigned q = 0; q < s; ++q) taken |= experts[(unsigned long long)i * k + q] == j;
+            if (taken) continue;
+            if (best < 0 || p[j] > p[best]) best = (int)j;
+        }
+        experts[(unsigned long long)i * k + s] = (unsigned)best;
+        weights[(unsigned long long)i * k + s] = p[best];
+        total += p[best];
+    }
+    if (renormalize) {
+        for (unsigned s = 0; s < k; ++s) weights[(unsigned long long)i * k + s] = weights[(unsigned long long)i * k + s] / total;
+    }
+}
+
+// math::route_logits under Scoring::SigmoidGrouped, one thread a token:
+// σ(logit) for each expert; the choice by score plus `bias` among the
+// `kept` groups whose two best biased scores sum highest (ties to the
+// lower index, as math::top_k); the chosen scores as weights, divided by
+// their sum plus 1e-20 where `renormalize`, times `scale`.
+// `group_scores` is (t, groups) scratch.
+extern "C" __global__ void router_sigmoid_top_k(const float* logits, const float* bias,
+                                                float* scores, float* group_scores,
+                                                unsigned* experts, float* weights, unsigned t,
+                                                unsigned e, unsigned k, unsigned groups,
+                                                unsigned kept, unsigned renormalize,
+                                                float scale) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* row = logits + (unsigned long long)i * e;
+    float* p = scores + (unsigned long long)i * e;
+    for (unsigned j = 0; j < e; ++j) p[j] = strata_sigmoid(row[j]);
+    unsigned size = e / groups;
+    float* gs = group_scores + (unsigned long long)i * groups;
+    for (unsigned g = 0; g < groups; ++g) {
+        unsigned first = g * size;
+        int b0 = -1, b1 = -1;
+        for (unsigned j = first; j < first + size; ++j)
+            if (b0 < 0 || p[j] + bias[j] > p[b0] + bias[b0]) b0 = (int)j;
+        for (unsigned j = first; j < first + size; ++j) {
+            if ((int)j == b0) continue;
+            if (b1 < 0 || p[j] + bias[j] > p[b1] + bias[b1]) b1 = (int)j;
+        }
+        gs[g] = (p[b0] + bias[b0]) + (p[b1] + bias[b1]);
+    }
+    // A kept group's score becomes -inf, which no group score is (each is
+    // finite), so that the kept ones are known afterwards.
+    for (unsigned s = 0; s < kept; ++s) {
+        int best = -1;
+        for (unsigned g = 0; g < groups; ++g) {
+            if (gs[g] == STRATA_NEG_INF) continue;
+            if (best < 0 || gs[g] > gs[best]) best = (int)g;
+        }
+        gs[best] = STRATA_NEG_INF;
+    }
+    unsigned* chosen = experts + (unsigned long long)i * k;
+    for (unsigned s = 0; s < k; ++s) {
+        int best = -1;
+        float best_value = 0.0f;
+        for (unsigned j = 0; j < e; ++j) {
+            bool taken = false;
+            for (unsigned q = 0; q < s; ++q) taken |= chosen[q] == j;
+            if (taken) continue;
+            float v = gs[j / size] == STRATA_NEG_INF ? p[j] + bias[j] : STRATA_NEG_INF;
+            if (best < 0 || v > best_value) {
+                best = (int)j;
+                best_value = v;
+            }
+        }
+        chosen[s] = (unsigned)best;
+    }
+    float total = 0.0f;
+    for (unsigned s = 0; s < k; ++s) total += p[chosen[s]];
+    total = total + 1e-20f;
+    for (unsigned s = 0; s < k; ++s) {
+        float w = p[chosen[s]];
+        if (renormalize) w = w / total;
+        weights[(unsigned long long)i * k + s] = w * scale;
+    }
+}
+
+// math::Permutation::from_routing, one thread an expert x: the
+// assignments (n = T·K) whose expert is x, in assignment order, placed
+// after those of every lower expert; `counts[x]` their number.
+extern "C" __global__ void expert_permutation(const unsigned* experts, unsigned* order,
+                                              unsigned* position, unsigned* counts,
+                                              unsigned n, unsigned e) {
+    unsigned x = strata_index();
+    if (x >= e) return;
+    unsigned start = 0;
+    for (unsigned a = 0; a < n; ++a) start += experts[a] < x ? 1u : 0u;
+    unsigned cursor = start;
+    for (unsigned a = 0; a < n; ++a) {
+        if (experts[a] != x) continue;
+        order[cursor] = a;
+        position[a] = cursor;
+        ++cursor;
+    }
+    counts[x] = cursor - start;
+}
+
+// What a layer's losses read (math::route_logits), one thread an expert
+// and one more: sums[j] = Σ_t probs[t, j] in token order (j < e), and
+// sums[e] = Σ_t lse[t]², the z-loss's sum.
+extern "C" __global__ void router_sums(const float* probs, const float* lse, float* sums,
+                                       unsigned t, unsigned e) {
+    unsigned j = strata_index();
+    if (j > e) return;
+    float sum = 0.0f;
+    if (j < e) {
+        for (unsigned i = 0; i < t; ++i) sum += probs[(unsigned long long)i * e + j];
+    } else {
+        for (unsigned i = 0; i < t; ++i) sum += lse[i] * lse[i];
+    }
+    sums[j] = sum;
+}
+
+// sums[j] += Σ_t probs[t, j] in f64, in token order, one thread an expert
+// (the load-balancing loss over every layer, lm::network's all_layers_aux).
+extern "C" __global__ void add_prob_sums(const float* probs, double* sums, unsigned t,
+                                         unsigned e) {
+    unsigned j = strata_index();
+    if (j >= e) return;
+    double sum = sums[j];
+    for (unsigned i = 0; i < t; ++i) sum += (double)probs[(unsigned long long)i * e + j];
+    sums[j] = sum;
+}
+
+// math::router_logits_grad, one thread a token: the probabilities'
+// gradient from the combine weights' (dweights) and the load-balancing
+// loss's (`aux`, the same for every token: math::aux_prob_grad), then the
+// logits' through the softmax (with the z-loss's, dz2 = 2·dz) or the
+// sigmoid. dlogits' row holds the probabilities' gradient meanwhile.
+extern "C" __global__ void router_logits_grad(const float* probs, const float* lse,
+                                              const unsigned* experts, const float* weights,
+                                              const float* dweights, const float* aux,
+                                              float* dlogits, unsigned t, unsigned e,
+                                              unsigned k, unsigned renormalize,
+                                              unsigned sigmoid, float scale, float dz2) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    const float* p = probs + (unsigned long long)i * e;
+    const unsigned* chosen = experts + (unsigned long long)i * k;
+    const float* w = weights + (unsigned long long)i * k;
+    const float* dw = dweights + (unsigned long long)i * k;
+    float* dp = dlogits + (unsigned long long)i * e;
+    for (unsigned j = 0; j < e; ++j) dp[j] = 0.0f;
+    if (renormalize) {
+        float total = sigmoid ? 1e-20f : 0.0f;
+        float dot = 0.0f;
+        for (unsigned s = 0; s < k; ++s) {
+            total += p[chosen[s]];
+            dot += dw[s] * w[s];
+        }
+        for (unsigned s = 0; s < k; ++s)
+            dp[chosen[s]] += sigmoid ? scale * (dw[s] - dot / scale) / total
+                                     : (dw[s] - dot) / total;
+    } else {
+        for (unsigned s = 0; s < k; ++s) dp[chosen[s]] += sigmoid ? scale * dw[s] : dw[s];
+    }
+    for (unsigned j = 0; j < e; ++j) dp[j] += aux[j];
+    if (sigmoid) {
+        for (unsigned j = 0; j < e; ++j) dp[j] = dp[j] * p[j] * (1.0f - p[j]);
+        return;
+    }
+    float dot = 0.0f;
+    for (unsigned j = 0; j < e; ++j) dot += p[j] * dp[j];
+    float zscale = dz2 * lse[i] / (float)t;
+    for (unsigned j = 0; j < e; ++j) dp[j] = p[j] * (dp[j] - dot) + zscale * p[j];
+}

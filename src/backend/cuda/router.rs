@@ -1,0 +1,401 @@
+//! The router after its logits, on the GPU (`router.cu`): the scores and
+//! each token's top-k, the permutation that groups a layer's assignments
+//! by expert, the sums its losses read, and the logits' gradient, each
+//! mirroring `math::router` / `math::permute` in the cpu's order of sums.
+//!
+//! A routing stays in GPU memory ([`DeviceRouting`]); the host learns
+//! each expert's count of assignments (which experts to stream, and their
+//! spans), the layer's two loss sums, and, only where the engine reads
+//! them (the routing traced, or the next layer predicted from token
+//! pairs), each token's experts. The backward sends up one value an
+//! expert (the load-balancing loss's part of the gradient).
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, DeviceRepr, PushKernelArg, ValidAsZeroBits,
+};
+
+use super::dense::threads;
+use super::{gpu_error, CudaBackend};
+use crate::math::{aux_prob_grad, balance_loss, Permutation, RouterConfig, Routing, Scoring};
+use crate::EngineError;
+
+pub(super) struct RouterFunctions {
+    top_k: CudaFunction,
+    sigmoid_top_k: CudaFunction,
+    expert_permutation: CudaFunction,
+    sums: CudaFunction,
+    add_prob_sums: CudaFunction,
+    logits_grad: CudaFunction,
+}
+
+impl RouterFunctions {
+    pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, EngineError> {
+        let load = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| gpu_error(&format!("kernel {name}"), e))
+        };
+        Ok(Self {
+            top_k: load("router_top_k")?,
+            sigmoid_top_k: load("router_sigmoid_top_k")?,
+            expert_permutation: load("expert_permutation")?,
+            sums: load("router_sums")?,
+            add_prob_sums: load("add_prob_sums")?,
+            logits_grad: load("router_logits_grad")?,
+        })
+    }
+}
+
+/// A routing's scores and choice in GPU memory: the fields of
+/// `math::Routing` its backward reads.
+pub(super) struct Scored {
+    /// (T, E) probabilities (a sigmoid router's scores).
+    probs: CudaSlice<f32>,
+    /// (T) each token's log-sum-exp (zeros for a sigmoid router).
+    lse: CudaSlice<f32>,
+    /// (T·K) each token's experts, best first.
+    experts: CudaSlice<u32>,
+    /// (T·K) the combine weights.
+    pub weights: CudaSlice<f32>,
+}
+
+/// A layer's routing in GPU memory, with its `Permutation`'s order and
+/// position.
+pub(super) struct DeviceRouting {
+    pub scored: Scored,
+    /// (T·K) the assignments in expert order, and each one's place there.
+    pub order: CudaSlice<u32>,
+    pub position: CudaSlice<u32>,
+}
+
+impl DeviceRouting {
+    /// (T, E) the router's probabilities.
+    pub(super) fn probs(&self) -> &CudaSlice<f32> {
+        &self.scored.probs
+    }
+}
+
+/// Everything a routing holds, brought to the host: what the tests
+/// compare with `math::route_logits` and `Permutation::from_routing`.
+#[derive(Clone, Debug)]
+pub struct RouterOut {
+    pub probs: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+    pub order: Vec<u32>,
+    pub position: Vec<u32>,
+    pub counts: Vec<u32>,
+    /// Each expert's probabilities summed over the tokens, then Σ lse².
+    pub sums: Vec<f32>,
+}
+
+impl CudaBackend {
+    fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, EngineError> {
+        self.stream
+            .alloc_zeros::<T>(n)
+            .map_err(|e| self.memory_error("allocating GPU memory", e))
+    }
+
+    fn upload_values<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, EngineError> {
+        self.count_pcie_other::<T>(host.len());
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| self.memory_error("an upload", e))
+    }
+
+    fn download_values<T: DeviceRepr>(
+        &self,
+        dev: &CudaSlice<T>,
+        host: &mut [T],
+    ) -> Result<(), EngineError> {
+        self.count_pcie_other::<T>(host.len());
+        self.stream
+            .memcpy_dtoh(dev, host)
+            .map_err(|e| gpu_error("a download", e))
+    }
+
+    /// Routes the logits (T, E) on the GPU, `bias` being a sigmoid
+    /// router's correction bias: the routing in GPU memory, and what the
+    /// host keeps of it (counts, losses, and each token's experts where
+    /// `assignments`) with its permutation (whole where `assignments`,
+    /// else its spans: `Permutation::from_counts`).
+    pub(super) fn route_device(
+        &self,
+        cfg: &RouterConfig,
+        logits: &CudaSlice<f32>,
+        bias: Option<&[f32]>,
+        t: usize,
+        assignments: bool,
+    ) -> Result<(DeviceRouting, Routing<f32>, Permutation), EngineError> {
+        cfg.check().map_err(EngineError::Config)?;
+        let (e, k) = (cfg.experts, cfg.top_k);
+        assert_eq!(logits.len(), t * e, "logits (T, E)");
+        let scored = self.route_kernels(cfg, logits, bias, t)?;
+        let mut counts = vec![0u32; e];
+        let mut sums = vec![0.0f32; e + 1];
+        let (order, position, counts_dev) = self.permute_device(&scored.experts, e)?;
+        let sums_dev = self.router_sums_device(&scored.probs, &scored.lse, t, e)?;
+        self.download_values(&counts_dev, &mut counts)?;
+        self.download_values(&sums_dev, &mut sums)?;
+        let mut routing = Routing::default();
+        let perm = if assignments {
+            routing.experts = vec![0; t * k];
+            self.download_values(&scored.experts, &mut routing.experts)?;
+            Permutation::from_routing(&routing.experts, e)
+        } else {
+            Permutation::from_counts(&counts)
+        };
+        routing.aux_loss = balance_loss(&counts, &sums[..e], t, k);
+        routing.z_loss = sums[e] / t as f32;
+        routing.counts = counts;
+        let dev = DeviceRouting {
+            scored,
+            order,
+            position,
+        };
+        Ok((dev, routing, perm))
+    }
+
+    /// The scoring and top-k kernels.
+    fn route_kernels(
+        &self,
+        cfg: &RouterConfig,
+        logits: &CudaSlice<f32>,
+        bias: Option<&[f32]>,
+        t: usize,
+    ) -> Result<Scored, EngineError> {
+        let (e, k) = (cfg.experts, cfg.top_k);
+        let mut r = Scored {
+            probs: self.zeros(t * e)?,
+            lse: self.zeros(t)?,
+            experts: self.alloc::<u32>(t * k)?,
+            weights: self.zeros(t * k)?,
+        };
+        let [t32, e32, k32, r32] = [t, e, k, cfg.renormalize as usize].map(|v| v as u32);
+        match cfg.scoring {
+            Scoring::Softmax => {
+                let mut launch = self.stream.launch_builder(&self.router.top_k);
+                launch.arg(logits).arg(&mut r.probs).arg(&mut r.lse);
+                launch.arg(&mut r.experts).arg(&mut r.weights);
+                launch.arg(&t32).arg(&e32).arg(&k32).arg(&r32);
+                // SAFETY: logits and probs hold t·e f32, lse t, experts
+                // and weights t·k (k ≤ e, checked); one thread a token.
+                unsafe { launch.launch(threads(t)) }
+                    .map_err(|err| gpu_error("router_top_k", err))?;
+            }
+            Scoring::SigmoidGrouped {
+                groups,
+                kept_groups,
+                scale,
+            } => {
+                let bias = match bias {
+                    Some(b) => {
+                        assert_eq!(b.len(), e, "a correction bias an expert");
+                        self.weight(b)?
+                    }
+                    None => Arc::new(self.zeros(e)?),
+                };
+                let mut group_scores = self.zeros(t * groups)?;
+                let [g32, kept32] = [groups, kept_groups].map(|v| v as u32);
+                let mut launch = self.stream.launch_builder(&self.router.sigmoid_top_k);
+                launch.arg(logits).arg(bias.as_ref()).arg(&mut r.probs);
+                launch
+                    .arg(&mut group_scores)
+                    .arg(&mut r.experts)
+                    .arg(&mut r.weights);
+                launch.arg(&t32).arg(&e32).arg(&k32).arg(&g32).arg(&kept32);
+                launch.arg(&r32).arg(&scale);
+                // SAFETY: logits and probs hold t·e f32, bias e,
+                // group_scores t·groups, experts and weights t·k; the
+                // groups divide e into groups of 2 or more and keep at
+                // least k experts (checked); one thread a token.
+                unsafe { launch.launch(threads(t)) }
+                    .map_err(|err| gpu_error("router_sigmoid_top_k", err))?;
+            }
+        }
+        Ok(r)
+    }
+
+    /// `Permutation::from_routing` of each token's experts (n = T·K) on
+    /// the GPU: its order, position and counts.
+    #[allow(clippy::type_complexity)]
+    fn permute_device(
+        &self,
+        experts: &CudaSlice<u32>,
+        e: usize,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<u32>, CudaSlice<u32>), EngineError> {
+        let n = experts.len();
+        let (mut order, mut position) = (self.alloc::<u32>(n)?, self.alloc::<u32>(n)?);
+        let mut counts = self.alloc::<u32>(e)?;
+        let [n32, e32] = [n, e].map(|v| v as u32);
+        let mut launch = self.stream.launch_builder(&self.router.expert_permutation);
+        launch
+            .arg(experts)
+            .arg(&mut order)
+            .arg(&mut position)
+            .arg(&mut counts);
+        launch.arg(&n32).arg(&e32);
+        // SAFETY: experts, order and position hold n u32 (each expert
+        // < e, as the top-k kernels write them), counts e; one thread an
+        // expert.
+        unsafe { launch.launch(threads(e)) }.map_err(|err| gpu_error("expert_permutation", err))?;
+        Ok((order, position, counts))
+    }
+
+    /// (E + 1): each expert's probabilities summed over the tokens, then
+    /// the tokens' Σ lse².
+    fn router_sums_device(
+        &self,
+        probs: &CudaSlice<f32>,
+        lse: &CudaSlice<f32>,
+        t: usize,
+        e: usize,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let mut sums = self.zeros(e + 1)?;
+        let [t32, e32] = [t, e].map(|v| v as u32);
+        let mut launch = self.stream.launch_builder(&self.router.sums);
+        launch
+            .arg(probs)
+            .arg(lse)
+            .arg(&mut sums)
+            .arg(&t32)
+            .arg(&e32);
+        // SAFETY: probs holds t·e f32, lse t, sums e + 1; one thread a sum.
+        unsafe { launch.launch(threads(e + 1)) }.map_err(|err| gpu_error("router_sums", err))?;
+        Ok(sums)
+    }
+
+    /// `sums` (E) += each expert's probabilities over the routing's
+    /// tokens, in f64 and token order (the load-balancing loss over every
+    /// layer).
+    pub(super) fn add_prob_sums_device(
+        &self,
+        probs: &CudaSlice<f32>,
+        sums: &mut [f64],
+    ) -> Result<(), EngineError> {
+        let e = sums.len();
+        let t = probs.len() / e.max(1);
+        assert_eq!(probs.len(), t * e, "a sum an expert");
+        let mut dev = self.upload_values(sums)?;
+        let [t32, e32] = [t, e].map(|v| v as u32);
+        let mut launch = self.stream.launch_builder(&self.router.add_prob_sums);
+        launch.arg(probs).arg(&mut dev).arg(&t32).arg(&e32);
+        // SAFETY: probs holds t·e f32, the sums e f64; one thread a sum.
+        unsafe { launch.launch(threads(e)) }.map_err(|err| gpu_error("add_prob_sums", err))?;
+        self.download_values(&dev, sums)
+    }
+
+    /// `math::router_logits_grad` on the GPU: dlogits (T, E) from the
+    /// combine weights' gradient and the losses' weights, `host` being
+    /// what [`Self::route_device`] kept (its counts, or the network's
+    /// `aux_grad`).
+    pub(super) fn router_logits_grad_device(
+        &self,
+        cfg: &RouterConfig,
+        routing: &Scored,
+        host: &Routing<f32>,
+        dweights: &CudaSlice<f32>,
+        (daux, dz): (f32, f32),
+        t: usize,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let (e, k) = (cfg.experts, cfg.top_k);
+        assert!(routing.probs.len() == t * e && dweights.len() == t * k);
+        let aux = self.upload(&aux_prob_grad(cfg, daux, host, t))?;
+        let mut dlogits = self.zeros(t * e)?;
+        let (sigmoid, scale) = match cfg.scoring {
+            Scoring::Softmax => (0u32, 1.0f32),
+            Scoring::SigmoidGrouped { scale, .. } => (1, scale),
+        };
+        let [t32, e32, k32, r32] = [t, e, k, cfg.renormalize as usize].map(|v| v as u32);
+        let dz2 = dz * 2.0;
+        let mut launch = self.stream.launch_builder(&self.router.logits_grad);
+        launch
+            .arg(&routing.probs)
+            .arg(&routing.lse)
+            .arg(&routing.experts);
+        launch
+            .arg(&routing.weights)
+            .arg(dweights)
+            .arg(&aux)
+            .arg(&mut dlogits);
+        launch.arg(&t32).arg(&e32).arg(&k32).arg(&r32).arg(&sigmoid);
+        launch.arg(&scale).arg(&dz2);
+        // SAFETY: probs and dlogits hold t·e f32, lse t, experts, weights
+        // and dweights t·k (asserted), aux e; one thread a token.
+        unsafe { launch.launch(threads(t)) }.map_err(|err| gpu_error("router_logits_grad", err))?;
+        Ok(dlogits)
+    }
+
+    /// [`Self::route_device`] from host logits, everything brought back:
+    /// what the tests compare with `math::route_logits`.
+    pub fn route_host(
+        &self,
+        cfg: &RouterConfig,
+        logits: &[f32],
+        bias: Option<&[f32]>,
+        t: usize,
+    ) -> Result<RouterOut, EngineError> {
+        self.bind()?;
+        let (e, k) = (cfg.experts, cfg.top_k);
+        let dl = self.upload(logits)?;
+        let bias = bias.map(|b| b.to_vec());
+        let (dev, routing, _) = self.route_device(cfg, &dl, bias.as_deref(), t, true)?;
+        let s = &dev.scored;
+        let sums_dev = self.router_sums_device(&s.probs, &s.lse, t, e)?;
+        let mut h = RouterOut {
+            probs: vec![0.0; t * e],
+            lse: vec![0.0; t],
+            experts: routing.experts,
+            weights: vec![0.0; t * k],
+            order: vec![0; t * k],
+            position: vec![0; t * k],
+            counts: routing.counts,
+            sums: vec![0.0; e + 1],
+        };
+        self.download(&s.probs, &mut h.probs)?;
+        self.download(&s.lse, &mut h.lse)?;
+        self.download(&s.weights, &mut h.weights)?;
+        self.download_values(&dev.order, &mut h.order)?;
+        self.download_values(&dev.position, &mut h.position)?;
+        self.download_values(&sums_dev, &mut h.sums)?;
+        Ok(h)
+    }
+
+    /// [`Self::router_logits_grad_device`] on a host routing (its probs,
+    /// lse, experts, weights and counts or `aux_grad`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_logits_grad_host(
+        &self,
+        cfg: &RouterConfig,
+        routing: &Routing<f32>,
+        dweights: &[f32],
+        losses: (f32, f32),
+        t: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        self.bind()?;
+        let dev = Scored {
+            probs: self.upload(&routing.probs)?,
+            lse: self.upload(&routing.lse)?,
+            experts: self.upload_values(&routing.experts)?,
+            weights: self.upload(&routing.weights)?,
+        };
+        let dw = self.upload(dweights)?;
+        let dlogits = self.router_logits_grad_device(cfg, &dev, routing, &dw, losses, t)?;
+        let mut out = vec![0.0; dlogits.len()];
+        self.download(&dlogits, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::add_prob_sums_device`] on host probabilities (T, E).
+    pub fn add_prob_sums_host(&self, probs: &[f32], sums: &mut [f64]) -> Result<(), EngineError> {
+        self.bind()?;
+        let dev = self.upload(probs)?;
+        self.add_prob_sums_device(&dev, sums)
+    }
+}
