@@ -332,7 +332,7 @@ impl CudaBackend {
         Ok(dlogits)
     }
 
-    /// [`Self::route_device`] from host logits, everything brought back:
+    /// `route_device` from host logits, everything brought back:
     /// what the tests compare with `math::route_logits`.
     pub fn route_host(
         &self,
@@ -367,7 +367,7 @@ impl CudaBackend {
         Ok(h)
     }
 
-    /// [`Self::router_logits_grad_device`] on a host routing (its probs,
+    /// `router_logits_grad_device` on a host routing (its probs,
     /// lse, experts, weights and counts or `aux_grad`).
     #[allow(clippy::too_many_arguments)]
     pub fn router_logits_grad_host(
@@ -392,7 +392,7 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// [`Self::add_prob_sums_device`] on host probabilities (T, E).
+    /// `add_prob_sums_device` on host probabilities (T, E).
     pub fn add_prob_sums_host(&self, probs: &[f32], sums: &mut [f64]) -> Result<(), EngineError> {
         self.bind()?;
         let dev = self.upload(probs)?;
