@@ -51,6 +51,15 @@ pub fn resident_bytes() -> Option<u64> {
     (page > 0).then(|| pages * page as u64)
 }
 
+/// This process's peak resident memory so far (Linux: /proc/self/status's
+/// VmHWM), `None` where the OS does not tell.
+pub fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
 /// The kernel's clock ticks a second (the unit of /proc/stat), if known.
 pub fn clock_ticks_per_second() -> Option<f64> {
     // SAFETY: sysconf only reads a configuration value.

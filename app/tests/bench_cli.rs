@@ -1,8 +1,8 @@
 //! `strata bench …` through the binary: `overlap`'s JSON lines, its
 //! refusal of a directory that is not there, `step`'s refusal of a token
 //! count, its table's line on the host tier and its timelines, its
-//! `--compute-threads`, `affinity` on a trace file, and a quiet exit when
-//! the reader of stdout goes away.
+//! `--compute-threads`, `affinity` on a trace file, `attention`'s two
+//! variants, and a quiet exit when the reader of stdout goes away.
 
 use std::process::{Command, Stdio};
 
@@ -322,4 +322,43 @@ fn bench_affinity_places_a_trace_and_names_a_file_that_is_not_one() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a routing trace"), "{err}");
+}
+
+/// `bench attention` measures both attentions side by side, or one alone
+/// with its peak resident memory, and names a variant it does not know.
+#[test]
+fn bench_attention_compares_the_engine_s_attention_with_the_plain_one() {
+    let out = strata_bin()
+        .args(["bench", "attention", "--preset", "tiny", "--seq-len", "64"])
+        .args(["--steps", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out.stdout);
+    let variants: Vec<&str> = lines
+        .iter()
+        .map(|l| l["variant"].as_str().unwrap())
+        .collect();
+    assert_eq!(variants, ["plain", "rows"]);
+    let saved = |i: usize| lines[i]["saved_bytes"].as_u64().unwrap();
+    // The plain one keeps S × S values a head, the engine's two a row.
+    assert_eq!(saved(0), saved(1) * 64 / 2);
+    let alone = strata_bin()
+        .args(["bench", "attention", "--preset", "tiny", "--seq-len", "64"])
+        .args(["--steps", "1", "--json", "--variant", "rows"])
+        .output()
+        .unwrap();
+    let lines = json_lines(&alone.stdout);
+    assert_eq!(lines.len(), 1);
+    assert!(lines[0]["peak_rss_bytes"].as_u64().unwrap() > 0);
+    let bad = strata_bin()
+        .args(["bench", "attention", "--variant", "flash"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("one of: plain, rows"));
 }

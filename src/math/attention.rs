@@ -151,7 +151,7 @@ fn rope_apply<R: Real>(
 /// one running sum (a chain of dependent adds the compiler may not
 /// reorder), the eight sums are independent and become SIMD lanes.
 #[inline]
-fn dot<R: Real>(a: &[R], b: &[R]) -> R {
+pub(super) fn dot<R: Real>(a: &[R], b: &[R]) -> R {
     debug_assert_eq!(a.len(), b.len());
     const LANES: usize = 8;
     let mut sums = [R::zero(); LANES];
@@ -312,8 +312,9 @@ const SPLIT_MIN_MACS: usize = 2 << 20;
 const MAX_ATTENTION_THREADS: usize = 8;
 
 /// Sequences per thread when `shape`'s attention runs on up to `threads`
-/// threads (all of them when it is too small to be worth splitting).
-fn seqs_per_part(shape: &AttnShape, threads: usize) -> usize {
+/// threads (all of them when it is too small to be worth splitting):
+/// `attention_rows`' split functions.
+pub(super) fn seqs_per_part(shape: &AttnShape, threads: usize) -> usize {
     let s = shape.seq_len;
     let macs = shape.seqs * shape.heads * s * s * shape.head_dim;
     let threads = threads.clamp(1, MAX_ATTENTION_THREADS);
@@ -322,81 +323,6 @@ fn seqs_per_part(shape: &AttnShape, threads: usize) -> usize {
     } else {
         shape.seqs.div_ceil(threads).max(1)
     }
-}
-
-/// [`attention_forward`] with the sequences split over up to `threads`
-/// threads. Sequences are independent and each is computed as the serial
-/// function computes it, so the result is the same bit for bit.
-pub fn attention_forward_split<R: Real>(
-    out: &mut [R],
-    probs: &mut [R],
-    q: &[R],
-    k: &[R],
-    v: &[R],
-    starts: Option<&[u32]>,
-    shape: &AttnShape,
-    threads: usize,
-) {
-    let per = seqs_per_part(shape, threads);
-    if per >= shape.seqs {
-        return attention_forward(out, probs, q, k, v, starts, shape);
-    }
-    let (s, qw, kw) = (shape.seq_len, shape.q_width(), shape.kv_width());
-    let probs_per_seq = shape.heads * s * s;
-    let jobs: Vec<_> = out
-        .chunks_mut(per * s * qw)
-        .zip(probs.chunks_mut(per * probs_per_seq))
-        .zip(q.chunks(per * s * qw))
-        .zip(k.chunks(per * s * kw).zip(v.chunks(per * s * kw)))
-        .enumerate()
-        .map(|(i, (((out, probs), q), (k, v)))| {
-            let part = AttnShape {
-                seqs: q.len() / (s * qw),
-                ..*shape
-            };
-            let tokens = i * per * s..i * per * s + part.tokens();
-            let starts = starts.map(|st| &st[tokens]);
-            move || attention_forward(out, probs, q, k, v, starts, &part)
-        })
-        .collect();
-    crate::parallel::run_all(jobs);
-}
-
-/// [`attention_backward`] with the sequences split over up to `threads`
-/// threads; the same bit for bit (a sequence's gradients touch only its
-/// own rows of dq, dk and dv).
-pub fn attention_backward_split<R: Real>(
-    dq: &mut [R],
-    dk: &mut [R],
-    dv: &mut [R],
-    dout: &[R],
-    probs: &[R],
-    q: &[R],
-    k: &[R],
-    v: &[R],
-    shape: &AttnShape,
-    threads: usize,
-) {
-    let per = seqs_per_part(shape, threads);
-    if per >= shape.seqs {
-        return attention_backward(dq, dk, dv, dout, probs, q, k, v, shape);
-    }
-    let (s, qw, kw) = (shape.seq_len, shape.q_width(), shape.kv_width());
-    let (qn, kn, pn) = (per * s * qw, per * s * kw, per * shape.heads * s * s);
-    let jobs: Vec<_> = dq
-        .chunks_mut(qn)
-        .zip(dk.chunks_mut(kn).zip(dv.chunks_mut(kn)))
-        .zip(dout.chunks(qn).zip(probs.chunks(pn)))
-        .zip(q.chunks(qn).zip(k.chunks(kn).zip(v.chunks(kn))))
-        .map(|(((dq, (dk, dv)), (dout, probs)), (q, (k, v)))| {
-            let part = AttnShape {
-                seqs: q.len() / (s * qw),
-                ..*shape
-            };
-            move || attention_backward(dq, dk, dv, dout, probs, q, k, v, &part)
-        })
-        .collect();
-    crate::parallel::run_all(jobs);
 }
 
 /// h (T, D) = rows of the embedding table (V, D) picked by `tokens`.
@@ -428,9 +354,6 @@ mod tests {
         v
     }
 
-    /// The eight-sum dot product is the plain sum up to rounding, for
-    /// every length around the lane count (a ragged tail included), and
-    /// exact where every partial sum is.
     #[test]
     fn a_query_block_fits_its_bytes_and_holds_one_to_s_rows() {
         let shape = AttnShape {
@@ -447,6 +370,9 @@ mod tests {
         assert_eq!(shape.query_block_rows(usize::MAX), 4096);
     }
 
+    /// The eight-sum dot product is the plain sum up to rounding, for
+    /// every length around the lane count (a ragged tail included), and
+    /// exact where every partial sum is.
     #[test]
     fn lane_dot_is_the_dot_product() {
         for len in 0..=27 {
@@ -460,51 +386,6 @@ mod tests {
             let ints: Vec<f32> = (0..len).map(|i| (i % 7) as f32 - 3.0).collect();
             let want: f32 = ints.iter().map(|x| x * x).sum();
             assert_eq!(dot(&ints, &ints), want, "{len}: small integers sum exactly");
-        }
-    }
-
-    /// Splitting the sequences over threads changes no bit, with a ragged
-    /// last part and grouped kv heads, and large enough to be split.
-    #[test]
-    fn split_attention_equals_the_serial_one_bit_for_bit() {
-        let shape = AttnShape {
-            seqs: 7,
-            seq_len: 64,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 32,
-        };
-        assert!(seqs_per_part(&shape, 3) < shape.seqs, "big enough to split");
-        let (t, qw, kw) = (shape.tokens(), shape.q_width(), shape.kv_width());
-        let (q, k, v) = (filled(t * qw, 1), filled(t * kw, 2), filled(t * kw, 3));
-        let dout = filled(t * qw, 4);
-        // Documents of 20 tokens, packed.
-        let doc_starts: Vec<u32> = (0..t).map(|i| ((i % 64) / 20 * 20) as u32).collect();
-        let starts = Some(&doc_starts[..]);
-        let serial = {
-            let (mut out, mut probs) = (vec![0.0; t * qw], vec![0.0; shape.probs_len()]);
-            attention_forward(&mut out, &mut probs, &q, &k, &v, starts, &shape);
-            let (mut dq, mut dk, mut dv) =
-                (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
-            attention_backward(&mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape);
-            (out, probs, dq, dk, dv)
-        };
-        for threads in [2, 3, 8] {
-            let (mut out, mut probs) = (vec![0.0; t * qw], vec![0.0; shape.probs_len()]);
-            attention_forward_split(&mut out, &mut probs, &q, &k, &v, starts, &shape, threads);
-            let (mut dq, mut dk, mut dv) =
-                (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
-            attention_backward_split(
-                &mut dq, &mut dk, &mut dv, &dout, &probs, &q, &k, &v, &shape, threads,
-            );
-            assert!(
-                out == serial.0 && probs == serial.1,
-                "forward, {threads} threads"
-            );
-            assert!(
-                dq == serial.2 && dk == serial.3 && dv == serial.4,
-                "backward, {threads} threads"
-            );
         }
     }
 }

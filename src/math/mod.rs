@@ -22,6 +22,7 @@ use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
 pub mod attention;
+pub mod attention_rows;
 mod permute;
 mod router;
 

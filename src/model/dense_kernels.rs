@@ -5,7 +5,10 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use crate::math::attention::{attention_backward_split, attention_forward_split, AttnShape};
+use crate::math::attention::AttnShape;
+use crate::math::attention_rows::{
+    self, attention_rows_backward_split, attention_rows_forward_split, Kept,
+};
 use crate::math::{cross_entropy_forward_backward_split, linear_backward, linear_forward};
 use crate::parallel::compute_threads;
 use crate::EngineError;
@@ -94,11 +97,12 @@ pub trait DenseKernels {
     }
 
     /// The f32 values [`DenseKernels::attention_forward`] keeps for the
-    /// backward at `shape`: here the probabilities (B, H, S, S); a GPU
-    /// keeps each query row's softmax max and sum (2·B·H·S) and
-    /// recomputes the probabilities in its backward.
+    /// backward at `shape`: the probabilities (B, H, S, S) where they take
+    /// at most `attention_rows::KEPT_PROBABILITIES_MAX_BYTES`, else each
+    /// query row's softmax max and sum (2·B·H·S), from which the backward
+    /// recomputes them (`math::attention_rows`; a GPU keeps the latter).
     fn attention_saved_len(&self, shape: &AttnShape) -> usize {
-        shape.probs_len()
+        attention_rows::saved_len(shape)
     }
 
     /// out (T, H·hd) = causal attention of q, k, v, each token within its
@@ -116,7 +120,8 @@ pub trait DenseKernels {
         starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        attention_forward_split(out, saved, q, k, v, starts, shape, compute_threads());
+        let kept = Kept::at(shape);
+        attention_rows_forward_split(out, saved, kept, q, k, v, starts, shape, compute_threads());
         Ok(())
     }
 
@@ -137,8 +142,10 @@ pub trait DenseKernels {
         starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        let _ = starts; // the probabilities hold the documents' bounds
-        attention_backward_split(dq, dk, dv, dout, saved, q, k, v, shape, compute_threads());
+        let (kept, threads) = (Kept::at(shape), compute_threads());
+        attention_rows_backward_split(
+            dq, dk, dv, dout, saved, kept, q, k, v, starts, shape, threads,
+        );
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 //! shared machine.
 
 pub mod affinity;
+pub mod attention;
 pub mod optim;
 pub mod overlap;
 pub mod placement;

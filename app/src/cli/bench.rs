@@ -6,8 +6,8 @@ use std::io::Write;
 use strata_optim::Kernel;
 
 use super::bench_args::{
-    AffinityArgs, BenchCommand, OptimArgs, OverlapArgs, PlacementArgs, StepArgs, StepTokens,
-    TiersArgs, UploadArgs,
+    AffinityArgs, AttentionArgs, BenchCommand, OptimArgs, OverlapArgs, PlacementArgs, StepArgs,
+    StepTokens, TiersArgs, UploadArgs,
 };
 use super::step_table;
 use super::CliError;
@@ -23,7 +23,62 @@ pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Placement(args) => bench_placement(args),
         BenchCommand::Upload(args) => bench_upload(args),
         BenchCommand::Affinity(args) => bench_affinity(args),
+        BenchCommand::Attention(args) => bench_attention(args),
     }
+}
+
+fn bench_attention(args: AttentionArgs) -> Result<(), CliError> {
+    let m = strata::lm::LmConfig::preset(&args.preset).map_err(|e| e.to_string())?;
+    let config = bench::attention::AttentionBenchConfig {
+        shape: strata::math::attention::AttnShape {
+            seqs: args.seqs,
+            seq_len: args.seq_len,
+            heads: m.heads,
+            kv_heads: m.kv_heads,
+            head_dim: m.head_dim,
+        },
+        threads: args.threads,
+        steps: args.steps.max(1),
+        only: args.variant,
+    };
+    let records = bench::attention::run(&config, |line| eprintln!("# {line}"))?;
+    if args.json {
+        return write_json_lines(&records);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:<8} {:>8} {:>12} {:>12} {:>12} {:>13}",
+        "variant", "threads", "forward_ms", "backward_ms", "saved_MiB", "peak_rss_MiB"
+    )?;
+    for r in &records {
+        let rss = r
+            .peak_rss_bytes
+            .map_or("-".to_string(), |b| format!("{:.1}", b as f64 / 1048576.0));
+        writeln!(
+            out,
+            "{:<8} {:>8} {:>12.1} {:>12.1} {:>12.2} {:>13}",
+            r.variant,
+            r.threads,
+            r.forward_median_s * 1e3,
+            r.backward_median_s * 1e3,
+            r.saved_bytes as f64 / 1048576.0,
+            rss
+        )?;
+    }
+    writeln!(
+        out,
+        "preset {} attention: {} sequence(s) of {} tokens, {} heads over {} kv heads of {}; \
+         medians of {} alternated repetitions",
+        args.preset,
+        config.shape.seqs,
+        config.shape.seq_len,
+        config.shape.heads,
+        config.shape.kv_heads,
+        config.shape.head_dim,
+        config.steps
+    )?;
+    Ok(())
 }
 
 fn bench_affinity(args: AffinityArgs) -> Result<(), CliError> {

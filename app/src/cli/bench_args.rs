@@ -30,6 +30,37 @@ pub enum BenchCommand {
     /// exact integer program where small enough), on a `train --trace-routing`
     /// file or, without one, on synthetic traces.
     Affinity(AffinityArgs),
+    /// The cpu's causal attention as the engine runs it (each row's softmax
+    /// max and sum kept, the probabilities recomputed in the backward)
+    /// against the plain one that keeps every probability: time and memory.
+    Attention(AttentionArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct AttentionArgs {
+    /// The preset whose attention heads and head width to take.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Tokens a sequence.
+    #[arg(long, default_value_t = 2048)]
+    pub seq_len: usize,
+    /// Sequences.
+    #[arg(long, default_value_t = 1)]
+    pub seqs: usize,
+    /// Threads the engine's attention splits its sequences over (the plain
+    /// one runs on one).
+    #[arg(long, default_value_t = default_threads(), value_parser = parse_threads)]
+    pub threads: usize,
+    /// Timed repetitions of each variant (after 1 warm-up).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Only this variant, `plain` or `rows` (default: both, alternated);
+    /// alone, its peak resident memory is reported too.
+    #[arg(long, value_parser = bench::attention::Variant::from_name)]
+    pub variant: Option<bench::attention::Variant>,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

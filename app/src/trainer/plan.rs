@@ -21,6 +21,8 @@ use super::options::{show_bytes, show_count};
 use strata::backend::{head_block_rows, ATTENTION_BLOCK_BYTES};
 use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
 use strata::lm::{LmConfig, QkNorm};
+use strata::math::attention::AttnShape;
+use strata::math::attention_rows;
 
 /// Where the experts end up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,7 +112,9 @@ pub struct PlanInput<'a> {
 
 /// Bytes one micro-batch keeps for its backward (f32): per layer the
 /// residual stream and norms (5·D), q/k/v and the attention output,
-/// the attention probabilities (H·S² a sequence); per sparse layer the
+/// what the attention keeps (its probabilities, H·S² a sequence, up to
+/// `KEPT_PROBABILITIES_MAX_BYTES`, else each query row's and head's
+/// softmax max and sum, 2·H·S: `attention_rows::saved_len`); per sparse layer the
 /// router's outputs, each assignment's expert output (K·D) and hidden
 /// activations (2·K·F), and a shared expert's activations (3·F_s, and
 /// D + 1 more for a gated one) where the family has them; per dense layer
@@ -119,13 +123,20 @@ pub struct PlanInput<'a> {
 /// them; then the logits and their gradient (2·V).
 pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
-    let probs = (seqs * m.heads * seq_len * seq_len) as u64;
-    4 * (layer_values(m, t, probs) + 2 * t * m.vocab as u64)
+    let shape = AttnShape {
+        seqs,
+        seq_len,
+        heads: m.heads,
+        kv_heads: m.kv_heads,
+        head_dim: m.head_dim,
+    };
+    let kept = attention_rows::saved_len(&shape) as u64;
+    4 * (layer_values(m, t, kept) + 2 * t * m.vocab as u64)
 }
 
 /// [`activation_bytes`] on a GPU (`cuda/ops.rs`): the attention keeps
-/// two values a query row and head instead of its probabilities, and the
-/// head computes its logits a block of rows at a time. Besides what it
+/// two values a query row and head whatever the sequence, and the head
+/// computes its logits a block of rows at a time. Besides what it
 /// keeps, a layer's pass holds a workspace, the largest of which counts:
 /// the attention's scores and d probabilities (at most
 /// [`ATTENTION_BLOCK_BYTES`] each) with its operands laid out head by
@@ -538,21 +549,20 @@ mod tests {
         assert!(err.contains("--host-mem") && err.contains("short"), "{err}");
     }
 
-    /// On a GPU the attention's workspace is bounded by its blocks where
-    /// the cpu keeps (S × S) probabilities a head: at 8192 tokens a
-    /// sequence the GPU's count grows linearly, the cpu's quadratically.
+    /// At a long sequence the attention keeps two values a query row and
+    /// head, on the cpu as on a GPU (whose workspace its blocks bound), not
+    /// its (S × S) probabilities: from 8192 to 16 384 tokens a sequence,
+    /// what either counts about doubles, where the probabilities alone
+    /// would grow fourfold.
     #[test]
-    fn a_gpu_keeps_no_attention_probabilities() {
+    fn the_attention_keeps_no_probabilities() {
         let m = LmConfig::preset("moe-s").unwrap();
-        let (gpu, cpu) = (
-            gpu_activation_bytes(&m, 8192, 1),
-            activation_bytes(&m, 8192, 1),
-        );
-        assert!(cpu > 4 * gpu, "{cpu} {gpu}");
-        let twice = gpu_activation_bytes(&m, 16384, 1);
-        assert!(twice < 3 * gpu, "{twice} {gpu}");
-        let probs = (m.layers * m.heads * 8192 * 8192 * 4) as u64;
-        assert!(cpu > probs);
+        for count in [activation_bytes, gpu_activation_bytes] {
+            let (once, twice) = (count(&m, 8192, 1), count(&m, 16384, 1));
+            assert!(twice < 3 * once, "{twice} {once}");
+            let probs = (m.layers * m.heads * 8192 * 8192 * 4) as u64;
+            assert!(once < probs, "{once} {probs}");
+        }
     }
 
     /// Stepped on one GPU, the dense params' moments take device memory
