@@ -304,27 +304,6 @@ pub fn attention_backward<R: Real>(
     }
 }
 
-/// Below this many multiply-adds (about 1 ms on one core) attention is
-/// not split over threads.
-const SPLIT_MIN_MACS: usize = 2 << 20;
-
-/// At most this many threads an attention call.
-const MAX_ATTENTION_THREADS: usize = 8;
-
-/// Sequences per thread when `shape`'s attention runs on up to `threads`
-/// threads (all of them when it is too small to be worth splitting):
-/// `attention_rows`' split functions.
-pub(super) fn seqs_per_part(shape: &AttnShape, threads: usize) -> usize {
-    let s = shape.seq_len;
-    let macs = shape.seqs * shape.heads * s * s * shape.head_dim;
-    let threads = threads.clamp(1, MAX_ATTENTION_THREADS);
-    if macs < SPLIT_MIN_MACS || threads == 1 {
-        shape.seqs.max(1)
-    } else {
-        shape.seqs.div_ceil(threads).max(1)
-    }
-}
-
 /// h (T, D) = rows of the embedding table (V, D) picked by `tokens`.
 pub fn embedding_forward<R: Real>(h: &mut [R], table: &[R], tokens: &[u32], d: usize) {
     for (t, &tok) in tokens.iter().enumerate() {

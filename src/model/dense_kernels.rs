@@ -6,9 +6,7 @@
 #![allow(clippy::too_many_arguments)]
 
 use crate::math::attention::AttnShape;
-use crate::math::attention_rows::{
-    self, attention_rows_backward_split, attention_rows_forward_split, Kept,
-};
+use crate::math::attention_rows::{self, attention_rows_backward, attention_rows_forward, Kept};
 use crate::math::{cross_entropy_forward_backward_split, linear_backward, linear_forward};
 use crate::parallel::compute_threads;
 use crate::EngineError;
@@ -121,7 +119,8 @@ pub trait DenseKernels {
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let kept = Kept::at(shape);
-        attention_rows_forward_split(out, saved, kept, q, k, v, starts, shape, compute_threads());
+        let threads = compute_threads();
+        attention_rows_forward(out, saved, kept, (q, k, v), starts, shape, threads);
         Ok(())
     }
 
@@ -143,9 +142,8 @@ pub trait DenseKernels {
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let (kept, threads) = (Kept::at(shape), compute_threads());
-        attention_rows_backward_split(
-            dq, dk, dv, dout, saved, kept, q, k, v, starts, shape, threads,
-        );
+        let grads = [dq, dk, dv];
+        attention_rows_backward(grads, dout, saved, kept, (q, k, v), starts, shape, threads);
         Ok(())
     }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use strata::math::attention::{attention_backward, attention_forward, AttnShape};
 use strata::math::attention_rows::{
-    attention_rows_backward_split, attention_rows_forward_split, row_stats_len, Kept,
+    attention_rows_backward, attention_rows_forward, row_stats_len, Kept,
 };
 
 use super::Timing;
@@ -182,20 +182,14 @@ fn once(variant: Variant, x: &Inputs<'_>, config: &AttentionBenchConfig) -> (Dur
         vec![0.0f32; t * shape.kv_width()],
     );
     let mut saved = vec![0.0f32; saved_len(variant, shape)];
+    let qkv = (x.q, x.k, x.v);
     let start = Instant::now();
     match variant {
         Variant::Plain => attention_forward(&mut out, &mut saved, x.q, x.k, x.v, None, shape),
-        Variant::Rows => attention_rows_forward_split(
-            &mut out,
-            &mut saved,
-            Kept::RowStats,
-            x.q,
-            x.k,
-            x.v,
-            None,
-            shape,
-            config.threads,
-        ),
+        Variant::Rows => {
+            let kept = Kept::RowStats;
+            attention_rows_forward(&mut out, &mut saved, kept, qkv, None, shape, config.threads)
+        }
     }
     let forward = start.elapsed();
     let start = Instant::now();
@@ -203,16 +197,12 @@ fn once(variant: Variant, x: &Inputs<'_>, config: &AttentionBenchConfig) -> (Dur
         Variant::Plain => attention_backward(
             &mut dq, &mut dk, &mut dv, x.dout, &saved, x.q, x.k, x.v, shape,
         ),
-        Variant::Rows => attention_rows_backward_split(
-            &mut dq,
-            &mut dk,
-            &mut dv,
+        Variant::Rows => attention_rows_backward(
+            [&mut dq, &mut dk, &mut dv],
             x.dout,
             &saved,
             Kept::RowStats,
-            x.q,
-            x.k,
-            x.v,
+            qkv,
             None,
             shape,
             config.threads,
