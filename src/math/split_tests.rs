@@ -206,4 +206,24 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
         let a = a as usize;
         assert_eq!(reversed[a * d..(a + 1) * d], per[r * d..(r + 1) * d]);
     }
+    // So do rows that repeat (ascending, not strictly, in pairs that a
+    // cut into blocks at an even row would part): each assignment ends
+    // with its last row.
+    let n = t * k;
+    let rows: Vec<u32> = (0..n)
+        .map(|r| ((r + 1) / 2 * 2).min(n - 1) as u32)
+        .collect();
+    assert!(compute_threads() < 2 || splits(rows.len(), d));
+    let mut repeated = vec![0.0f32; n * d];
+    scatter_to_assignments(&mut repeated, &per, &rows, d);
+    for (r, &a) in rows.iter().enumerate() {
+        let a = a as usize;
+        if rows.get(r + 1) != Some(&rows[r]) {
+            assert_eq!(
+                repeated[a * d..(a + 1) * d],
+                per[r * d..(r + 1) * d],
+                "row {r}"
+            );
+        }
+    }
 }
