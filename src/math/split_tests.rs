@@ -211,7 +211,7 @@ fn permutation_passes_match_one_thread_loops_bit_for_bit() {
     // with its last row.
     let n = t * k;
     let rows: Vec<u32> = (0..n)
-        .map(|r| ((r + 1) / 2 * 2).min(n - 1) as u32)
+        .map(|r| (r.div_ceil(2) * 2).min(n - 1) as u32)
         .collect();
     assert!(compute_threads() < 2 || splits(rows.len(), d));
     let mut repeated = vec![0.0f32; n * d];
