@@ -38,13 +38,19 @@ pub(super) struct DenseFunctions {
     pub(super) gate_backward: CudaFunction,
 }
 
+/// Kernel `name` of the compiled module.
+pub(super) fn load_kernel(
+    module: &Arc<CudaModule>,
+    name: &str,
+) -> Result<CudaFunction, EngineError> {
+    module
+        .load_function(name)
+        .map_err(|e| gpu_error(&format!("kernel {name}"), e))
+}
+
 impl DenseFunctions {
     pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, EngineError> {
-        let load = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| gpu_error(&format!("kernel {name}"), e))
-        };
+        let load = |name: &str| load_kernel(module, name);
         Ok(Self {
             rmsnorm_forward: load("rmsnorm_forward")?,
             rmsnorm_backward_dx: load("rmsnorm_backward_dx")?,

@@ -12,6 +12,15 @@ __device__ __forceinline__ float strata_sigmoid(float x) {
     return 1.0f / (1.0f + expf(-x));
 }
 
+// math::log_sum_exp of a row of n values (its max, then Σ e^(x − max)).
+__device__ __forceinline__ float strata_log_sum_exp(const float* row, unsigned n) {
+    float max = row[0];
+    for (unsigned j = 1; j < n; ++j) if (row[j] > max) max = row[j];
+    float sum = 0.0f;
+    for (unsigned j = 0; j < n; ++j) sum += expf(row[j] - max);
+    return max + logf(sum);
+}
+
 // math::silu(a) * b  (the SwiGLU hidden activation)
 extern "C" __global__ void swiglu_forward(const float* a, const float* b, float* h, unsigned n) {
     unsigned i = strata_index();
@@ -184,11 +193,7 @@ extern "C" __global__ void cross_entropy(const float* logits, const unsigned* ta
         return;
     }
     const float* row = logits + (unsigned long long)i * v;
-    float max = row[0];
-    for (unsigned j = 1; j < v; ++j) if (row[j] > max) max = row[j];
-    float sum = 0.0f;
-    for (unsigned j = 0; j < v; ++j) sum += expf(row[j] - max);
-    float lse = max + logf(sum);
+    float lse = strata_log_sum_exp(row, v);
     unsigned target = targets[i];
     row_loss[i] = (lse - row[target]) * scale;
     for (unsigned j = 0; j < v; ++j) {

@@ -188,11 +188,7 @@ impl CudaBackend {
         let module = ctx
             .load_module(ptx)
             .map_err(|e| gpu_error("loading the kernels", e))?;
-        let load = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| gpu_error(&format!("kernel {name}"), e))
-        };
+        let load = |name: &str| dense::load_kernel(&module, name);
         let f = Functions {
             swiglu_forward: load("swiglu_forward")?,
             swiglu_backward: load("swiglu_backward")?,

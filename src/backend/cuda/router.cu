@@ -13,11 +13,7 @@ extern "C" __global__ void router_top_k(const float* logits, float* probs, float
     unsigned i = strata_index();
     if (i >= t) return;
     const float* row = logits + (unsigned long long)i * e;
-    float max = row[0];
-    for (unsigned j = 1; j < e; ++j) if (row[j] > max) max = row[j];
-    float sum = 0.0f;
-    for (unsigned j = 0; j < e; ++j) sum += expf(row[j] - max);
-    float lse = max + logf(sum);
+    float lse = strata_log_sum_exp(row, e);
     lse_out[i] = lse;
     float* p = probs + (unsigned long long)i * e;
     for (unsigned j = 0; j < e; ++j) p[j] = expf(row[j] - lse);

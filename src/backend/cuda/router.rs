@@ -16,7 +16,7 @@ use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };
 
-use super::dense::threads;
+use super::dense::{load_kernel, threads};
 use super::{gpu_error, CudaBackend};
 use crate::math::{aux_prob_grad, balance_loss, Permutation, RouterConfig, Routing, Scoring};
 use crate::EngineError;
@@ -32,11 +32,7 @@ pub(super) struct RouterFunctions {
 
 impl RouterFunctions {
     pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, EngineError> {
-        let load = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(|e| gpu_error(&format!("kernel {name}"), e))
-        };
+        let load = |name: &str| load_kernel(module, name);
         Ok(Self {
             top_k: load("router_top_k")?,
             sigmoid_top_k: load("router_sigmoid_top_k")?,
