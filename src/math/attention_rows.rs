@@ -253,15 +253,16 @@ fn backward_unit<R: Real>(
     }
 }
 
-/// Runs `work(unit, slices)` for every unit (kv head g of sequence b,
-/// sequence-major), the units shared out in order over `jobs` jobs; each
-/// of `parts` (a buffer and its values a unit) is cut into one slice a
-/// unit.
+/// Runs `work(unit, slices, scratch)` for every unit (kv head g of
+/// sequence b, sequence-major), the units shared out in order over `jobs`
+/// jobs; each of `parts` (a buffer and its values a unit) is cut into one
+/// slice a unit, and each job lends its units one scratch of two rows of
+/// keys (2·S values).
 fn for_units<R: Real>(
     shape: &AttnShape,
     jobs: usize,
     parts: Vec<(&mut [R], usize)>,
-    work: impl Fn((usize, usize), &mut [&mut [R]]) + Sync,
+    work: impl Fn((usize, usize), &mut [&mut [R]], &mut [R]) + Sync,
 ) {
     let (units, kv) = (shape.seqs * shape.kv_heads, shape.kv_heads);
     let per = units.div_ceil(jobs.max(1)).max(1);
@@ -285,6 +286,7 @@ fn for_units<R: Real>(
                 .collect();
             let lens = lens.clone();
             move || {
+                let mut scratch = vec![R::zero(); 2 * shape.seq_len];
                 let mut slices: Vec<_> = mine
                     .into_iter()
                     .zip(&lens)
@@ -295,7 +297,7 @@ fn for_units<R: Real>(
                         .iter_mut()
                         .map(|c| c.next().expect("a slice a unit"))
                         .collect();
-                    work((unit / kv, unit % kv), &mut mine);
+                    work((unit / kv, unit % kv), &mut mine, &mut scratch);
                 }
             }
         })
@@ -358,12 +360,11 @@ pub fn attention_rows_forward<R: Real>(
     }
     let mut outs = vec![R::zero(); out.len()];
     let parts = vec![(&mut outs[..], s * cols), (saved, x.kept_per_unit())];
-    for_units(shape, jobs(shape, threads), parts, |unit, bufs| {
+    for_units(shape, jobs(shape, threads), parts, |unit, bufs, scratch| {
         let [out, saved] = bufs else {
             unreachable!("two parts")
         };
-        let mut scratch = vec![R::zero(); s];
-        forward_unit(&x, unit, out, saved, &mut scratch);
+        forward_unit(&x, unit, out, saved, &mut scratch[..s]);
     });
     unit_columns(out, &mut outs, shape, cols, false);
 }
@@ -403,22 +404,20 @@ pub fn attention_rows_backward<R: Real>(
         (&mut gk.1[..], s * hd),
         (&mut gv.1[..], s * hd),
     ];
-    for_units(shape, jobs(shape, threads), parts, |(b, g), bufs| {
-        let [dq, dk, dv] = bufs else {
-            unreachable!("three parts")
-        };
-        let unit = b * shape.kv_heads + g;
-        let saved = &saved[unit * per_unit..(unit + 1) * per_unit];
-        let (mut scratch, mut dp) = (vec![R::zero(); s], vec![R::zero(); s]);
-        backward_unit(
-            &x,
-            (b, g),
-            dout,
-            saved,
-            [dq, dk, dv],
-            [&mut scratch, &mut dp],
-        );
-    });
+    for_units(
+        shape,
+        jobs(shape, threads),
+        parts,
+        |(b, g), bufs, scratch| {
+            let [dq, dk, dv] = bufs else {
+                unreachable!("three parts")
+            };
+            let unit = b * shape.kv_heads + g;
+            let saved = &saved[unit * per_unit..(unit + 1) * per_unit];
+            let (row, dp) = scratch.split_at_mut(s);
+            backward_unit(&x, (b, g), dout, saved, [dq, dk, dv], [row, dp]);
+        },
+    );
     for (full, mut units, cols) in grads {
         unit_columns(full, &mut units, shape, cols, false);
     }
