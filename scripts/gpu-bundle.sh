@@ -9,7 +9,7 @@ cargo build --release --features cuda
 mkdir -p gpu-bin
 cp target/release/strata gpu-bin/strata
 for pt in strata:backend strata:multi_device strata:equivalence strata:gpu_dense_layers strata:gpu_dense_step \
-    strata:routing_trace strata-cli:trainer; do
+    strata:routing_trace strata:gpu_slot_order strata-cli:trainer; do
     p=${pt%%:*} t=${pt#*:}
     exe=$(cargo test --release -p "$p" --features cuda --no-run --test "$t" --message-format=json 2>/dev/null \
         | python3 -c 'import json,sys

@@ -69,9 +69,12 @@ fn host_rows_only(device: &str) -> EngineError {
 
 /// One compute device: its expert slots and the expert FFN on them. The
 /// engine uploads an expert into a slot through [`ExpertDevice::arena`],
-/// waits for the copy's event, then computes from the slot; each call
-/// returns with its results in host memory and its reads of the slot
-/// done, so the slot may be refilled at once.
+/// waits for the copy's event (unless the device orders its reads after
+/// the upload itself: [`ExpertDevice::orders_uploads`]), then computes
+/// from the slot. A call may return before its work is done on a device
+/// that queues it (a GPU); the slot may still be refilled at once, since
+/// such a device also orders the next upload into a slot after its reads,
+/// and [`ExpertDevice::finish_pass`] waits for all of it.
 pub trait ExpertDevice: Send {
     fn name(&self) -> &'static str;
 
@@ -105,6 +108,23 @@ pub trait ExpertDevice: Send {
     /// `recompute_hidden` needs no forward of its own before it.
     fn backward_recomputes(&self) -> bool {
         false
+    }
+
+    /// Whether the device itself orders its reads of a slot after the
+    /// slot's upload (a GPU's compute stream waits for the upload's event
+    /// on the device), so that the engine starts an expert's compute
+    /// without waiting on the host for its upload. The cpu device reads
+    /// its slots on the host, and needs the wait.
+    fn orders_uploads(&self) -> bool {
+        false
+    }
+
+    /// Waits until the expert work queued so far has run, and reports its
+    /// failure: the engine calls it at the end of each layer's pass over
+    /// its experts. A device whose calls return with their work done (the
+    /// cpu) has nothing to wait for.
+    fn finish_pass(&mut self) -> Result<(), EngineError> {
+        Ok(())
     }
 
     /// Whether the time of its expert calls is compute time, which the

@@ -149,7 +149,13 @@ impl DeviceRunner<'_> {
     }
 
     /// Walks `order`, staging expert i+1 before computing expert i when
-    /// the device has room for both, and calls `compute` on each.
+    /// the device has room for both, and calls `compute` on each. Where the
+    /// device orders its reads after the uploads itself (a GPU), the host
+    /// does not wait for an upload before its compute is queued, only, before
+    /// it stages another, for the upload before it: so it leads the device
+    /// by two experts at most, and holds no more host slots in uploads than
+    /// when it waited for each. The pass ends by waiting for the device's
+    /// queued work, then for the last upload's event.
     pub fn pipeline(
         &mut self,
         pass: Pass,
@@ -162,12 +168,19 @@ impl DeviceRunner<'_> {
         let _span = TimelineSpan::start(timeline, "experts", pass.name())
             .with_detail(|| format!("layer {layer}, {} experts", order.len()));
         let overlap = self.overlapped();
+        let on_device = self.dev.device.orders_uploads();
+        // The last upload the device orders its compute after, not yet
+        // seen to land on the host, with its expert.
+        let mut landing: Option<(CopyEvent, usize)> = None;
         let mut next = match order.first() {
             Some(&e) => Some(self.stage(layer, e, None)?),
             None => None,
         };
         for i in 0..order.len() {
             let current = next.take().expect("staged");
+            if let Some((upload, expert)) = landing.take() {
+                self.wait_upload(&upload, layer, expert)?;
+            }
             if overlap && i + 1 < order.len() {
                 next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
                 // The held update of the expert after next, if its record
@@ -178,12 +191,10 @@ impl DeviceRunner<'_> {
                     self.dev.acc.stall_optimizer_s += shared.release_held(Held::OfIfReady(key))?;
                 }
             }
-            if let Some(upload) = &current.upload {
-                let _span = TimelineSpan::start(timeline, "stall", "upload")
-                    .with_detail(|| format!("{layer}.{}", current.expert));
-                let t0 = Instant::now();
-                upload.wait()?;
-                self.dev.acc.stall_upload_s += t0.elapsed().as_secs_f64();
+            match current.upload {
+                Some(upload) if on_device => landing = Some((upload, current.expert)),
+                Some(upload) => self.wait_upload(&upload, layer, current.expert)?,
+                None => {}
             }
             let params = SlotParams::new(&self.shared.layout, current.slot);
             compute(self, current.expert, params)?;
@@ -191,7 +202,42 @@ impl DeviceRunner<'_> {
                 next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
             }
         }
+        self.finish_pass(layer, landing)
+    }
+
+    /// Waits on the host for `layer`'s `expert`'s upload, a stall.
+    fn wait_upload(
+        &mut self,
+        upload: &CopyEvent,
+        layer: usize,
+        expert: usize,
+    ) -> Result<(), EngineError> {
+        let timeline = self.shared.timeline.as_deref();
+        let _span = TimelineSpan::start(timeline, "stall", "upload")
+            .with_detail(|| format!("{layer}.{expert}"));
+        let t0 = Instant::now();
+        upload.wait()?;
+        self.dev.acc.stall_upload_s += t0.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// Waits for the expert work the device has queued in this pass (its
+    /// time is the experts' compute), then for the `landing` upload it
+    /// ordered that work after, which has landed by then unless it failed.
+    fn finish_pass(
+        &mut self,
+        layer: usize,
+        landing: Option<(CopyEvent, usize)>,
+    ) -> Result<(), EngineError> {
+        let t0 = Instant::now();
+        self.dev.device.finish_pass()?;
+        if self.dev.device.computes() {
+            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
+        }
+        match landing {
+            Some((upload, expert)) => self.wait_upload(&upload, layer, expert),
+            None => Ok(()),
+        }
     }
 
     /// ye (n, D) = expert(xe (n, D)), written whole, keeping what its

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -154,6 +155,23 @@ struct Event {
 static std::mutex streams_lock;
 static std::set<Stream*> live_streams;
 
+// Delays a test may set (strata_fake_cuda_set_delays), in microseconds:
+// each host-to-device copy, and each kernel or cuBLAS call, sleeps that
+// long in its stream's turn before it runs. A stream that reads a copy's
+// destination without waiting for the copy's event, or a copy that
+// overwrites what a queued kernel has still to read, then sees other
+// bytes every time rather than by chance.
+static std::atomic<unsigned> copy_delay_us{0};
+static std::atomic<unsigned> compute_delay_us{0};
+API void strata_fake_cuda_set_delays(unsigned copies_us, unsigned compute_us) {
+    copy_delay_us.store(copies_us);
+    compute_delay_us.store(compute_us);
+}
+static void sleep_us(const std::atomic<unsigned>& delay) {
+    unsigned us = delay.load();
+    if (us != 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
 static void stream_run(Stream* s) {
     std::unique_lock<std::mutex> g(s->lock);
     for (;;) {
@@ -207,7 +225,10 @@ static void enqueue(CUstream stream, std::function<void()> work) {
 
 // For the CPU model of cuBLAS: runs fn(ctx) on `stream` in order.
 API void strata_fake_cuda_enqueue(CUstream stream, void (*fn)(void*), void* ctx) {
-    enqueue(stream, [fn, ctx] { fn(ctx); });
+    enqueue(stream, [fn, ctx] {
+        sleep_us(compute_delay_us);
+        fn(ctx);
+    });
 }
 
 static CUresult stream_create(CUstream* stream) {
@@ -271,10 +292,17 @@ API CUresult cuEventCreate(CUevent* event, unsigned) {
     return CUDA_SUCCESS;
 }
 API CUresult cuEventDestroy_v2(CUevent event) {
-    // The driver frees it once complete; the model waits for that.
+    // The driver frees it once complete, and returns at once: the model
+    // frees it in its stream's turn (at once where it was never recorded or
+    // its stream is gone, having run all its work). It must not wait, or
+    // every event cudarc drops would join the host to a stream, and hide a
+    // wait strata owes.
     Event* e = (Event*)event;
-    if (e->stream != nullptr) stream_wait_until(e->stream, e->ticket);
-    delete e;
+    std::lock_guard<std::mutex> g(streams_lock);
+    if (e->stream != nullptr && live_streams.count(e->stream) != 0)
+        enqueue((CUstream)e->stream, [e] { delete e; });
+    else
+        delete e;
     return CUDA_SUCCESS;
 }
 API CUresult cuEventRecord(CUevent event, CUstream stream) {
@@ -399,8 +427,27 @@ API CUresult cuMemFree_v2(CUdeviceptr dptr) {
     device_free(dptr);
     return CUDA_SUCCESS;
 }
+// Freed in stream order: the driver's pool hands the bytes to the next
+// allocation in that stream's order at once (its work runs after the
+// free's), though the memory stays valid for the work queued before the
+// free. So the model counts them free when the call is made, and gives
+// the memory back in the stream's turn. (Counted so, a host that queues
+// the next expert before the last one has run holds no more device memory
+// than the GPU's pool would: one expert's temporaries.)
 API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
-    enqueue(stream, [dptr] { device_free(dptr); });
+    if (stream == nullptr) {
+        enqueue(stream, [dptr] { device_free(dptr); });
+        return CUDA_SUCCESS;
+    }
+    {
+        std::lock_guard<std::mutex> g(device_memory_lock);
+        auto it = device_allocations.find((uintptr_t)dptr);
+        if (it != device_allocations.end()) {
+            device_in_use -= it->second;
+            device_allocations.erase(it);
+        }
+    }
+    enqueue(stream, [dptr] { free((void*)(uintptr_t)dptr); });
     return CUDA_SUCCESS;
 }
 API CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
@@ -419,12 +466,18 @@ API CUresult cuMemsetD8_v2(CUdeviceptr dptr, unsigned char value, size_t n) {
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream stream) {
     if (is_pinned(src, n)) {
         // Read when the copy runs: the host must leave `src` alone till then.
-        enqueue(stream, [=] { memcpy((void*)(uintptr_t)dst, src, n); });
+        enqueue(stream, [=] {
+            sleep_us(copy_delay_us);
+            memcpy((void*)(uintptr_t)dst, src, n);
+        });
     } else {
         // Staged at once; the stream writes the device copy in its turn.
         std::shared_ptr<std::vector<char>> staged(new std::vector<char>((const char*)src,
                                                                        (const char*)src + n));
-        enqueue(stream, [=] { memcpy((void*)(uintptr_t)dst, staged->data(), n); });
+        enqueue(stream, [=] {
+            sleep_us(copy_delay_us);
+            memcpy((void*)(uintptr_t)dst, staged->data(), n);
+        });
     }
     return CUDA_SUCCESS;
 }
@@ -497,7 +550,11 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
         return CUDA_ERROR_INVALID_VALUE;
     // The arguments are copied now, as the driver does; the kernel runs in
     // the stream's turn.
-    enqueue(stream, ((strata_binder)f)(gx, bx, params));
+    std::function<void()> kernel = ((strata_binder)f)(gx, bx, params);
+    enqueue(stream, [kernel] {
+        sleep_us(compute_delay_us);
+        kernel();
+    });
     return CUDA_SUCCESS;
 }
 

@@ -126,6 +126,17 @@ enum Pending {
 /// Copies in flight a stream's completion queue holds.
 const COMPLETIONS_MAX: usize = 64;
 
+/// A slot's two events, recorded again at each use, which order the
+/// streams on the device: `landed` behind the last upload into the slot
+/// (compute waits for it before reading the slot), `read` behind the last
+/// work another stream queued on the slot's contents (the next upload
+/// into the slot waits for it before writing). An event never recorded is
+/// complete, so a first wait costs nothing.
+struct SlotEvents {
+    landed: CudaEvent,
+    read: CudaEvent,
+}
+
 /// The device tier of one GPU.
 pub struct CudaDeviceArena {
     ctx: Arc<CudaContext>,
@@ -137,6 +148,8 @@ pub struct CudaDeviceArena {
     /// to `SLOT_ALIGN`.
     slot_stride: usize,
     slot_count: usize,
+    /// One per slot: see [`SlotEvents`].
+    events: Vec<SlotEvents>,
     uploads: Option<Sender<Pending>>,
     downloads: Option<Sender<Pending>>,
     /// Uploads staged through page-locked buffers (`stage_uploads`).
@@ -176,6 +189,18 @@ impl CudaDeviceArena {
         let stream = |what| ctx.new_stream().map_err(|e| copy_error(what, e));
         let upload = stream("creating the upload stream")?;
         let download = stream("creating the download stream")?;
+        let event = || {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(|e| copy_error("creating a slot's event", e))
+        };
+        let events = (0..slot_count)
+            .map(|_| {
+                Ok(SlotEvents {
+                    landed: event()?,
+                    read: event()?,
+                })
+            })
+            .collect::<Result<Vec<_>, TierError>>()?;
         let mut threads = Vec::new();
         let mut spawn = |name: &str| -> Result<Sender<Pending>, TierError> {
             let (tx, rx) = bounded::<Pending>(COMPLETIONS_MAX);
@@ -197,6 +222,7 @@ impl CudaDeviceArena {
             slot_bytes,
             slot_stride,
             slot_count,
+            events,
             uploads: Some(uploads),
             downloads: Some(downloads),
             staging: None,
@@ -241,6 +267,40 @@ impl CudaDeviceArena {
     /// The stream uploads run on (compute waits on its events).
     pub fn upload_stream(&self) -> &Arc<CudaStream> {
         &self.upload
+    }
+
+    /// Whether work on another stream may read a slot as soon as
+    /// [`Self::read_after_upload`] has ordered it, without the host waiting
+    /// for the upload's [`CopyEvent`]: true unless uploads are staged, where
+    /// the staging thread queues each device copy later than the upload
+    /// call returns.
+    pub fn orders_uploads_on_device(&self) -> bool {
+        self.staging.is_none()
+    }
+
+    /// Makes `stream`'s later work wait, on the device, for the last upload
+    /// into `slot` (its bytes complete there). No host wait. With staged
+    /// uploads the host must also wait for the upload's [`CopyEvent`]
+    /// first ([`Self::orders_uploads_on_device`]).
+    ///
+    /// Calls for one slot come from one thread at a time, in the order the
+    /// engine issues its uploads and computes.
+    pub fn read_after_upload(&self, slot: usize, stream: &CudaStream) -> Result<(), TierError> {
+        self.check(slot, 0, "a read of a device slot")?;
+        stream
+            .wait(&self.events[slot].landed)
+            .map_err(|e| copy_error("ordering a read after its slot's upload", e))
+    }
+
+    /// Marks `slot` as read by the work queued on `stream` so far: the next
+    /// upload into the slot waits for that work on the device, so the host
+    /// may start it at once.
+    pub fn release_after(&self, slot: usize, stream: &CudaStream) -> Result<(), TierError> {
+        self.check(slot, 0, "a release of a device slot")?;
+        self.events[slot]
+            .read
+            .record(stream)
+            .map_err(|e| copy_error("recording a slot's last read", e))
     }
 
     fn check(&self, slot: usize, len: usize, what: &'static str) -> Result<(), TierError> {
@@ -292,6 +352,10 @@ impl DeviceArena for CudaDeviceArena {
 
     fn upload_htod(&self, slot: usize, src: Box<dyn HostBytes>) -> Result<CopyEvent, TierError> {
         self.check(slot, src.bytes().len(), "an upload into a device slot")?;
+        // Not before the work that still reads the slot's last contents.
+        self.upload
+            .wait(&self.events[slot].read)
+            .map_err(|e| copy_error("ordering an upload after its slot's last read", e))?;
         if let Some(staging) = &self.staging {
             let done = CopyEvent::new();
             staging
@@ -314,6 +378,10 @@ impl DeviceArena for CudaDeviceArena {
             result::memcpy_htod_async(self.slot_ptr(slot), src.bytes(), self.upload.cu_stream())
         }
         .map_err(|e| copy_error("an upload", e))?;
+        self.events[slot]
+            .landed
+            .record(&self.upload)
+            .map_err(|e| copy_error("recording a slot's upload", e))?;
         let event = self
             .upload
             .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
@@ -341,6 +409,7 @@ impl DeviceArena for CudaDeviceArena {
         self.ctx
             .bind_to_thread()
             .map_err(|e| copy_error("binding the CUDA context", e))?;
+        self.read_after_upload(slot, &self.download)?;
         {
             let out = &mut dst.bytes_mut()[..len];
             // SAFETY: the source range lies inside the allocation; `out`
@@ -383,6 +452,8 @@ impl Drop for CudaDeviceArena {
         }
         let _ = self.upload.synchronize();
         let _ = self.download.synchronize();
+        // The slots' events before the streams they were recorded on.
+        self.events.clear();
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: allocated in `new`, freed once; both streams are idle.
             let _ = unsafe { result::free_sync(self.base) };

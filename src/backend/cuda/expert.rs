@@ -5,15 +5,20 @@
 //! compare with the CPU math) and [`CudaExpertDevice`], the engine's device,
 //! whose weights are already in a slot of its GPU device tier.
 //!
-//! Ordering: the engine waits for a slot's upload event before it calls
-//! into the slot, so the upload stream has finished writing it; and every
-//! call here ends by copying its results to host memory, which waits for
-//! the compute stream, so the slot is no longer read when the call
-//! returns and the engine may start the next upload into it.
+//! Ordering, all on the device: before it reads a slot the compute stream
+//! waits for the slot's last upload (`read_after_upload`), and after it has
+//! queued its reads it marks the slot (`release_after`), so the next upload
+//! into the slot waits for them. The host joins nothing per expert: the
+//! calls on device rows return once their work is queued, and the engine
+//! waits for the compute stream once a layer's pass
+//! (`ExpertDevice::finish_pass`). (With staged uploads the engine also waits
+//! for each upload's event on the host, see `orders_uploads`.) The calls on
+//! host slices end by copying their results to host memory, which waits for
+//! the compute stream.
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DevicePtrMut, DriverError};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DevicePtrMut};
 use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration};
 use strata_tiers::io::HostRegion;
 use strata_tiers::{DeviceArena, Dtype, Layout};
@@ -93,14 +98,15 @@ impl CudaBackend {
         self.download(&y, out)
     }
 
-    /// out (n, D) = expert(x (n, D)), both in GPU memory: `(out, x)`. Waits
-    /// for the compute stream before it returns, so the weights are no
-    /// longer read.
+    /// out (n, D) = expert(x (n, D)), both in GPU memory: `(out, x)`,
+    /// queued on the compute stream (the call returns without waiting for
+    /// it).
     ///
     /// # Safety
-    /// As [`Self::ffn_forward`] for `w`; `out` and `x` address n·D f32 of
-    /// this context's memory each, alive until this call returns, `x` not
-    /// written by another stream meanwhile.
+    /// `w` addresses the expert's weights, unwritten until the compute
+    /// stream has run what this call queues; `out` and `x` address n·D f32
+    /// of this context's memory each, alive until then, `x` not written by
+    /// another stream meanwhile.
     unsafe fn ffn_forward_rows(
         &self,
         kind: ExpertKind,
@@ -118,10 +124,7 @@ impl CudaBackend {
         let hb = self.to_bf16(&h)?;
         let (hb_ptr, _rh) = hb.device_ptr(&self.stream);
         // SAFETY: w2 per the contract; `out` holds n·d f32 and hb n·f bf16.
-        unsafe { self.linear_forward_at(out.ptr, hb_ptr, w.w2, Shape { m: n, k: f, n: d }, BF16)? };
-        self.stream
-            .synchronize()
-            .map_err(|e: DriverError| gpu_error("the compute stream", e))
+        unsafe { self.linear_forward_at(out.ptr, hb_ptr, w.w2, Shape { m: n, k: f, n: d }, BF16) }
     }
 
     /// The up projections a = x·w1ᵀ (and b = x·w3ᵀ for SwiGLU) and the
@@ -199,8 +202,9 @@ impl CudaBackend {
 
     /// The backward in GPU memory, `[dx, dout, x]` each (n, D): dx
     /// overwritten, and the expert's gradient downloaded into `dparams`
-    /// (from zero or added to what it held, by `grad_from`). Waits for the
-    /// compute stream before it returns.
+    /// (from zero or added to what it held, by `grad_from`). The downloads
+    /// into `dparams` wait for the compute stream; dx's copy is queued
+    /// after them.
     ///
     /// # Safety
     /// As [`Self::ffn_forward_rows`], for the three rows.
@@ -274,10 +278,7 @@ impl CudaBackend {
         self.download_expert_grad(&dw1, &mut dparams[..f * d])?;
         self.download_expert_grad(&dw2, &mut dparams[in_len..])?;
         // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
-        unsafe { self.copy_to(dx.ptr, &ddx)? };
-        self.stream
-            .synchronize()
-            .map_err(|e: DriverError| gpu_error("the compute stream", e))
+        unsafe { self.copy_to(dx.ptr, &ddx) }
     }
 
     /// The params uploaded and rounded to bf16 (the host-slice path).
@@ -392,19 +393,23 @@ impl CudaExpertDevice {
         body: impl FnOnce(Weights) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
         self.backend.bind()?;
+        let stream = &self.backend.stream;
+        self.arena.read_after_upload(p.slot, stream)?;
         let slot = self.arena.slot_ptr(p.slot);
         match p.dtype {
-            Dtype::Bf16 => body(Weights::at(slot, p.count, d, f)),
+            Dtype::Bf16 => body(Weights::at(slot, p.count, d, f))?,
             Dtype::F32 => {
                 // SAFETY: the slot holds the expert's `count` f32 params
-                // (its upload has completed, see the module notes) and is
-                // not written while the engine computes from it.
+                // once its upload has landed, which the compute stream
+                // waits for above; the next upload into it waits for the
+                // compute stream's reads (`release_after` below).
                 let wb = unsafe { self.backend.to_bf16_raw(slot, p.count)? };
-                let (base, _read) = wb.device_ptr(&self.backend.stream);
-                body(Weights::at(base, p.count, d, f))
+                let (base, _read) = wb.device_ptr(stream);
+                body(Weights::at(base, p.count, d, f))?
             }
             Dtype::F16 => unreachable!("refused when the device was opened"),
         }
+        Ok(self.arena.release_after(p.slot, stream)?)
     }
 }
 
@@ -437,6 +442,18 @@ impl ExpertDevice for CudaExpertDevice {
 
     fn backward_recomputes(&self) -> bool {
         true // `up_and_hidden`: the forward keeps nothing in `saved`
+    }
+
+    fn orders_uploads(&self) -> bool {
+        self.arena.orders_uploads_on_device()
+    }
+
+    fn finish_pass(&mut self) -> Result<(), EngineError> {
+        self.backend.bind()?;
+        self.backend
+            .stream
+            .synchronize()
+            .map_err(|e| gpu_error("the compute stream", e))
     }
 
     fn expert_forward(

@@ -1,0 +1,146 @@
+//! On a GPU the expert slots are ordered on the device, not by the host:
+//! an expert's compute waits there for its slot's upload, and the next
+//! upload into the slot waits there for that compute's reads, so the host
+//! queues expert after expert without joining any. Experts computed from
+//! two slots, refilled all through the step, must give the same bits as
+//! experts that stay in slots of their own. The CPU model of the driver
+//! can delay every upload, or every kernel, in its stream's turn: a
+//! compute that does not wait for its upload then reads the slot's
+//! previous expert, and an upload that does not wait for the compute
+//! overwrites the expert under it, every time rather than by chance. (On a
+//! GPU, which has no such delays, the cases run as they are.) Cases skip
+//! without a CUDA device (fail under `STRATA_REQUIRE_CUDA=1`), and contain
+//! only that skip without `--features cuda`.
+
+mod common;
+
+#[cfg(feature = "cuda")]
+mod on_the_gpu {
+    use super::common;
+    use common::tiny_lm::tiny_config;
+    use strata::backend::BackendKind;
+    use strata::engine::{Engine, EngineConfig};
+    use strata::lm::{LmConfig, MoeLm, TokenBatch};
+    use strata_tiers::Dtype;
+
+    fn available() -> bool {
+        match BackendKind::Cuda.check(1, Dtype::Bf16) {
+            Ok(()) => true,
+            Err(e) => {
+                common::cuda_case_skipped(e);
+                false
+            }
+        }
+    }
+
+    /// Sets the driver model's delays (microseconds an upload, a kernel);
+    /// false on a GPU, whose driver has no such call.
+    fn set_delays(copies_us: u32, compute_us: u32) -> bool {
+        // SAFETY: opens the CUDA driver library the engine has loaded (the
+        // same object, by the same name); the function looked up takes two
+        // unsigned ints and returns nothing, as tests/fake_cuda declares it.
+        unsafe {
+            let Ok(lib) = libloading::Library::new("libcuda.so") else {
+                return false;
+            };
+            let Ok(set) = lib.get::<unsafe extern "C" fn(u32, u32)>(b"strata_fake_cuda_set_delays")
+            else {
+                return false;
+            };
+            set(copies_us, compute_us);
+        }
+        true
+    }
+
+    /// 8 experts a layer, so that two slots are refilled many times a pass.
+    fn config() -> LmConfig {
+        LmConfig {
+            experts: 8,
+            ..tiny_config()
+        }
+    }
+
+    fn batch(step: u32) -> TokenBatch {
+        TokenBatch {
+            seq_len: 8,
+            tokens: (0..4 * 9u32)
+                .map(|i| (i * 37 + 5 + 11 * step) % 250)
+                .collect(),
+            loss_mask: None,
+            doc_starts: None,
+        }
+    }
+
+    /// Losses, then every expert's params, after 3 steps with `slots`
+    /// device slots of `dtype` compute params.
+    fn run(lm: &MoeLm, dtype: Dtype, slots: u64) -> (Vec<f32>, Vec<f32>) {
+        let c = lm.config();
+        let expert_bytes = (3 * c.d_model * c.d_ff) as u64 * dtype.bytes();
+        let config = EngineConfig {
+            backend: BackendKind::Cuda,
+            compute_dtype: dtype,
+            device_budget_bytes: slots * expert_bytes,
+            micro_batches: 2,
+            optimizer_threads: 2,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new_network(lm, config).unwrap();
+        assert_eq!(engine.device_slots() as u64, slots, "{dtype:?}");
+        let losses = (0..3)
+            .map(|step| engine.step_network(lm, &batch(step)).unwrap().loss)
+            .collect();
+        let mut experts = Vec::new();
+        for l in 0..c.layers {
+            for e in 0..c.experts {
+                experts.extend(engine.expert_params(l, e).unwrap());
+            }
+        }
+        (losses, experts)
+    }
+
+    #[test]
+    fn experts_from_two_refilled_slots_are_the_bits_of_experts_in_slots_of_their_own() {
+        if !available() {
+            return;
+        }
+        // A missing wait may as well hang as read the wrong bytes.
+        let bound = std::time::Duration::from_secs(600);
+        common::bounded("the slot-order runs", bound, slot_order_runs);
+    }
+
+    fn slot_order_runs() {
+        let lm = MoeLm::new(config()).unwrap();
+        let all = (config().layers * config().experts) as u64;
+        for dtype in [Dtype::Bf16, Dtype::F32] {
+            set_delays(0, 0);
+            let own = run(&lm, dtype, all);
+            let two = run(&lm, dtype, 2);
+            let mut cases = vec![("two slots", two)];
+            // Slow uploads: a compute that does not wait reads the slot's
+            // last expert (or, in a slot of its own, nothing yet).
+            if set_delays(3000, 0) {
+                cases.push(("two slots, slow uploads", run(&lm, dtype, 2)));
+                cases.push(("own slots, slow uploads", run(&lm, dtype, all)));
+                // Slow kernels: an upload that does not wait for the
+                // compute still reading its slot overwrites that expert.
+                set_delays(0, 300);
+                cases.push(("two slots, slow kernels", run(&lm, dtype, 2)));
+                set_delays(0, 0);
+            }
+            for (name, (losses, experts)) in &cases {
+                assert_eq!(losses, &own.0, "{dtype:?}, {name}: the losses differ");
+                assert!(experts == &own.1, "{dtype:?}, {name}: the experts differ");
+            }
+            eprintln!(
+                "gpu slot order, {dtype:?}: {} runs the same bits as slots of their own",
+                cases.len()
+            );
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_cases() {
+    common::cuda_case_skipped("built without --features cuda");
+}
