@@ -8,7 +8,9 @@
 //! compute that does not wait for its upload then reads the slot's
 //! previous expert, and an upload that does not wait for the compute
 //! overwrites the expert under it, every time rather than by chance. (On a
-//! GPU, which has no such delays, the cases run as they are.) Cases skip
+//! GPU, which has no such delays, the cases run as they are.) Every expert
+//! that got tokens in a step is stepped once for it: an expert's gradient
+//! is taken from the GPU one expert late, and none is left behind. Cases skip
 //! without a CUDA device (fail under `STRATA_REQUIRE_CUDA=1`), and contain
 //! only that skip without `--features cuda`.
 
@@ -86,12 +88,23 @@ mod on_the_gpu {
         };
         let mut engine = Engine::new_network(lm, config).unwrap();
         assert_eq!(engine.device_slots() as u64, slots, "{dtype:?}");
-        let losses = (0..3)
-            .map(|step| engine.step_network(lm, &batch(step)).unwrap().loss)
-            .collect();
+        let mut losses = Vec::new();
+        // Steps in which each expert got tokens: each is one update of it.
+        let mut routed = vec![vec![0u64; c.experts]; c.layers];
+        for step in 0..3 {
+            let m = engine.step_network(lm, &batch(step)).unwrap();
+            losses.push(m.loss);
+            for (row, tokens) in routed.iter_mut().zip(&m.tokens_per_expert) {
+                for (n, &t) in row.iter_mut().zip(tokens) {
+                    *n += u64::from(t > 0);
+                }
+            }
+        }
         let mut experts = Vec::new();
-        for l in 0..c.layers {
-            for e in 0..c.experts {
+        for (l, row) in routed.iter().enumerate() {
+            for (e, &times) in row.iter().enumerate() {
+                let steps = engine.expert_step(l, e).unwrap();
+                assert_eq!(steps, times, "{dtype:?}, {slots} slots: expert {l}.{e}");
                 experts.extend(engine.expert_params(l, e).unwrap());
             }
         }

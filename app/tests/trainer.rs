@@ -374,7 +374,7 @@ fn cli_args(out: &Path, steps: u64) -> Vec<String> {
         "--eval-every",
         "10",
         "--device-mem",
-        "2MiB",
+        "3MiB",
         "--host-mem",
         "1536KiB",
         "--threads",

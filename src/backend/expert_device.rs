@@ -58,6 +58,15 @@ impl DeviceRows {
     }
 }
 
+/// An expert's weight gradient that a device's backward left in its memory
+/// ([`ExpertDevice::expert_backward_rows`]). Dropped untaken (a step that
+/// failed), it is freed with nothing copied.
+pub trait DeviceGradient: Send {
+    /// Copies the gradient into `dparams` (the expert's params' count of
+    /// f32) in host memory, once the backward that makes it has run.
+    fn take(self: Box<Self>, dparams: &mut [f32]) -> Result<(), EngineError>;
+}
+
 /// The error of a device asked to compute from rows in its memory that
 /// takes host rows only.
 fn host_rows_only(device: &str) -> EngineError {
@@ -178,8 +187,11 @@ pub trait ExpertDevice: Send {
     }
 
     /// [`Self::expert_backward`] on rows in this device's memory: `dx`
-    /// (overwritten), `dout` and `x` (n, D) each; the gradient lands in
-    /// `dparams` in host memory. Returns with the slot no longer read.
+    /// (overwritten), `dout` and `x` (n, D) each, queued on the device. The
+    /// expert's gradient stays there until [`DeviceGradient::take`] brings
+    /// it to host memory, which waits for this backward alone: so the
+    /// engine queues the next expert's backward before it takes this one's
+    /// gradient, and the device computes while the gradient comes down.
     ///
     /// # Safety
     /// As [`Self::expert_forward_rows`], for the three rows.
@@ -188,15 +200,14 @@ pub trait ExpertDevice: Send {
         &mut self,
         kind: ExpertKind,
         dx: DeviceRows,
-        dparams: &mut [f32],
         dout: DeviceRows,
         x: DeviceRows,
         params: SlotParams,
         n: usize,
         d: usize,
         f: usize,
-    ) -> Result<(), EngineError> {
-        let _ = (kind, dx, dparams, dout, x, params, n, d, f);
+    ) -> Result<Box<dyn DeviceGradient>, EngineError> {
+        let _ = (kind, dx, dout, x, params, n, d, f);
         Err(host_rows_only(self.name()))
     }
 

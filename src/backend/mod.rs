@@ -55,7 +55,7 @@ pub fn gpu_free_bytes(_devices: usize) -> Result<u64, EngineError> {
 pub fn head_block_rows(v: usize) -> usize {
     (HEAD_BLOCK_BYTES / (4 * v)).max(1)
 }
-pub use expert_device::{CpuExpertDevice, DeviceRows, ExpertDevice, SlotParams};
+pub use expert_device::{CpuExpertDevice, DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
 pub use narrow::NarrowCpuKernels;

@@ -288,6 +288,7 @@ impl Engine {
             shared: &self.shared,
             dev: &mut self.devices[0],
             options,
+            pending: None,
         };
         let out = net.forward_eval(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
         // The next step starts from its forward again.
@@ -419,6 +420,7 @@ impl Engine {
             shared: &self.shared,
             dev: &mut self.devices[0],
             options,
+            pending: None,
         };
         for (i, part) in parts.iter().enumerate() {
             loss += net

@@ -113,6 +113,7 @@ impl Engine {
                                 shared,
                                 dev,
                                 options,
+                                pending: None,
                             };
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned);
                             let mut grad = vec![0.0f32; dense.len()];

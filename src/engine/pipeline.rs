@@ -20,7 +20,7 @@ use super::slot_table::DeviceState;
 use super::updates::{Held, SharedExperts, When};
 use super::ScheduleKind;
 
-use crate::backend::{DeviceRows, SlotParams};
+use crate::backend::{DeviceGradient, DeviceRows, SlotParams};
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
@@ -36,6 +36,17 @@ pub(crate) struct DeviceRunner<'a> {
     pub shared: &'a SharedExperts,
     pub dev: &'a mut DeviceState,
     pub options: PassOptions,
+    /// The last expert's gradient, left on the device by its backward on
+    /// device rows, taken once the next expert's backward is queued (or
+    /// at the pass's end). Dropped with the runner when a step fails.
+    pub pending: Option<PendingGradient>,
+}
+
+/// An expert's gradient on the device, not yet taken.
+pub(crate) struct PendingGradient {
+    grad: Box<dyn DeviceGradient>,
+    key: usize,
+    last_micro_batch: bool,
 }
 
 /// Which pass an expert loop belongs to.
@@ -229,6 +240,7 @@ impl DeviceRunner<'_> {
         layer: usize,
         landing: Option<(CopyEvent, usize)>,
     ) -> Result<(), EngineError> {
+        self.take_pending_gradient()?;
         let t0 = Instant::now();
         self.dev.device.finish_pass()?;
         if self.dev.device.computes() {
@@ -396,14 +408,34 @@ impl DeviceRunner<'_> {
         let kind = self.model.expert_kind;
         let n = xe.len / d;
         let key = self.key(layer, expert);
-        let mut grad = self.shared.grads.take(); // overwritten by the backward
-        debug_assert_eq!(grad.len(), params.count);
         self.dev.acc.assignments_computed += n as u64;
         let t0 = Instant::now();
         let device = &mut self.dev.device;
         // SAFETY: the caller's contract.
-        unsafe { device.expert_backward_rows(kind, dxe, &mut grad, dye, xe, params, n, d, f)? };
-        self.expert_gradient(key, grad, t0, last_micro_batch)
+        let grad = unsafe { device.expert_backward_rows(kind, dxe, dye, xe, params, n, d, f)? };
+        if device.computes() {
+            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
+        }
+        // The expert before this one's comes down while this one computes.
+        self.take_pending_gradient()?;
+        self.pending = Some(PendingGradient {
+            grad,
+            key,
+            last_micro_batch,
+        });
+        Ok(())
+    }
+
+    /// Takes [`Self::pending`]'s gradient into a host buffer and hands it on
+    /// as [`Self::expert_backward`] does. The wait for it is compute time.
+    fn take_pending_gradient(&mut self) -> Result<(), EngineError> {
+        let Some(p) = self.pending.take() else {
+            return Ok(());
+        };
+        let mut grad = self.shared.grads.take(); // overwritten whole
+        let t0 = Instant::now();
+        p.grad.take(&mut grad)?;
+        self.expert_gradient(p.key, grad, t0, p.last_micro_batch)
     }
 }
 

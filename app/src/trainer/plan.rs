@@ -141,8 +141,9 @@ pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
 /// the attention's scores and d probabilities (at most
 /// [`ATTENTION_BLOCK_BYTES`] each) with its operands laid out head by
 /// head (q, k, v, the output and their gradients: 8 × T·H·hd), a MoE
-/// layer's rows gathered for its experts and their outputs (2·T·K·D), and
-/// the head's logits and d logits for a block of rows.
+/// layer's rows gathered for its experts and their outputs (2·T·K·D) with
+/// one expert's pass (`expert_pass_bytes`), and the head's logits and d
+/// logits for a block of rows.
 pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
     let stats = (2 * seqs * m.heads * seq_len) as u64;
@@ -150,10 +151,25 @@ pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let scores = (4 * seqs * m.heads * seq_len * seq_len) as u64;
     let attention =
         2 * scores.min(ATTENTION_BLOCK_BYTES as u64) + 4 * 8 * t * (m.heads * m.head_dim) as u64;
-    let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64;
+    let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t);
     let head_rows = t.min(head_block_rows(m.vocab) as u64);
     let head = 4 * 2 * head_rows * m.vocab as u64;
     kept + attention.max(experts).max(head)
+}
+
+/// What one expert's backward holds on a GPU (`cuda/expert.rs`), its
+/// forward holding less: for each of its rows, at most the batch's `t`
+/// tokens (a dropless router may send every token to one expert), the
+/// hidden-size values (a, b, h, their gradients: 6·F f32; h, da, db in
+/// bf16: 3·F) and the row-size ones (dx in f32, x and dout in bf16); the
+/// weights' gradients of two experts (12·D·F bytes each: one comes down
+/// while the next computes); and a bf16 copy of the weights, made where
+/// the compute params are f32.
+fn expert_pass_bytes(m: &LmConfig, t: u64) -> u64 {
+    let (d, f) = (m.d_model as u64, m.d_ff as u64);
+    let per_row = 4 * (6 * f + d) + 2 * (3 * f + 2 * d);
+    let weights = m.expert_params() as u64;
+    t * per_row + 2 * 4 * weights + 2 * weights
 }
 
 /// f32 values the layers keep, `attention` a layer for its attention.

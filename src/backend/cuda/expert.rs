@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys::CUdeviceptr, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration};
 use strata_tiers::io::HostRegion;
 use strata_tiers::{DeviceArena, Dtype, Layout};
@@ -27,7 +27,7 @@ use super::{gpu_error, CudaBackend, Shape};
 
 /// The experts' GEMM inputs: bf16.
 const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
-use crate::backend::{DeviceRows, ExpertDevice, SlotParams};
+use crate::backend::{DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -61,6 +61,57 @@ impl Weights {
             w3: base + bf16(f * d),
             w2: base + bf16(count - d * f),
         }
+    }
+}
+
+/// An expert's weight gradients in GPU memory, as its backward leaves
+/// them: w1's, w3's (SwiGLU only) and w2's.
+struct ExpertGrad {
+    dw1: CudaSlice<f32>,
+    dw3: Option<CudaSlice<f32>>,
+    dw2: CudaSlice<f32>,
+}
+
+impl ExpertGrad {
+    /// Copies the gradients into `dparams` (laid out as the params) in
+    /// pageable host memory, on `stream`: each copy returns once done.
+    fn download(&self, stream: &Arc<CudaStream>, dparams: &mut [f32]) -> Result<(), EngineError> {
+        let (w1, w2) = (self.dw1.len(), self.dw2.len());
+        assert_eq!(
+            dparams.len(),
+            w1 + self.dw3.as_ref().map_or(0, |g| g.len()) + w2
+        );
+        let end = dparams.len();
+        let copy = |dev: &CudaSlice<f32>, host: &mut [f32]| {
+            stream
+                .memcpy_dtoh(dev, host)
+                .map_err(|e| gpu_error("an expert gradient's download", e))
+        };
+        copy(&self.dw1, &mut dparams[..w1])?;
+        if let Some(dw3) = &self.dw3 {
+            copy(dw3, &mut dparams[w1..2 * w1])?;
+        }
+        copy(&self.dw2, &mut dparams[end - w2..])
+    }
+}
+
+/// An expert's gradient left on the GPU by
+/// [`CudaExpertDevice::expert_backward_rows`]: taken, it comes down on the
+/// device's gradient stream, which waits for the backward that made it
+/// and for nothing queued on the compute stream after it.
+struct GradOnGpu {
+    grad: ExpertGrad,
+    /// Recorded on the compute stream behind the backward.
+    ready: CudaEvent,
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceGradient for GradOnGpu {
+    fn take(self: Box<Self>, dparams: &mut [f32]) -> Result<(), EngineError> {
+        self.stream
+            .wait(&self.ready)
+            .map_err(|e| gpu_error("ordering a gradient's download after its backward", e))?;
+        self.grad.download(&self.stream, dparams)
     }
 }
 
@@ -193,18 +244,22 @@ impl CudaBackend {
             let (dout_ptr, _rd) = doutd.device_ptr(&self.stream);
             let (dx_ptr, _wdx) = ddx.device_ptr_mut(&self.stream);
             let rows = [dx_ptr, dout_ptr, x_ptr].map(|p| DeviceRows::new(p, n * d));
+            let held = match grad_from {
+                GradStart::Zero => None,
+                GradStart::Held => Some(&*dparams),
+            };
             // SAFETY: the three hold n·d f32 and live past the call; the
             // weights per this function's contract.
-            unsafe { self.ffn_backward_rows(kind, rows, dparams, w, (n, d, f), grad_from)? };
+            let grad = unsafe { self.ffn_backward_rows(kind, rows, held, w, (n, d, f))? };
+            grad.download(&self.stream, dparams)?;
         }
         self.download(&ddx, dx)
     }
 
-    /// The backward in GPU memory, `[dx, dout, x]` each (n, D): dx
-    /// overwritten, and the expert's gradient downloaded into `dparams`
-    /// (from zero or added to what it held, by `grad_from`). The downloads
-    /// into `dparams` wait for the compute stream; dx's copy is queued
-    /// after them.
+    /// The backward in GPU memory, `[dx, dout, x]` each (n, D), queued on
+    /// the compute stream: dx overwritten, and the expert's gradient left
+    /// in GPU memory, summed from zero or from `held` (the expert's params'
+    /// count of f32 in host memory).
     ///
     /// # Safety
     /// As [`Self::ffn_forward_rows`], for the three rows.
@@ -212,11 +267,10 @@ impl CudaBackend {
         &self,
         kind: ExpertKind,
         [dx, dout, x]: [DeviceRows; 3],
-        dparams: &mut [f32],
+        held: Option<&[f32]>,
         w: Weights,
         (n, d, f): (usize, usize, usize),
-        grad_from: GradStart,
-    ) -> Result<(), EngineError> {
+    ) -> Result<ExpertGrad, EngineError> {
         assert!(dx.len == n * d && dout.len == n * d && x.len == n * d);
         // SAFETY: x and dout address n·d f32 (the contract, asserted).
         let (xb, doutb) = unsafe {
@@ -228,24 +282,25 @@ impl CudaBackend {
         // SAFETY: the weights per this function's contract.
         let (a, b, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
         let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
-        let in_len = dparams.len() - d * f;
+        let count = kind.params(d, f);
+        let in_len = count - d * f;
         let mut dhidden = self.zeros(n * f)?;
         // Each weight's gradient accumulates in a buffer of its own,
-        // starting from zero or from what `dparams` held.
-        let start = |host: &[f32]| match grad_from {
-            GradStart::Zero => self.zeros(host.len()),
-            GradStart::Held => self.upload(host),
+        // starting from zero or from what `held` holds.
+        let start = |range: std::ops::Range<usize>| match held {
+            None => self.zeros(range.len()),
+            Some(host) => self.upload(&host[range]),
         };
-        let mut dw2 = start(&dparams[in_len..])?;
+        let mut dw2 = start(in_len..count)?;
         let hb = self.to_bf16(&h)?;
         let down = Shape { m: n, k: f, n: d };
         // SAFETY: the weights per this function's contract;
         // every other operand is allocated here from n, d, f.
         unsafe { self.linear_backward(&mut dhidden, &mut dw2, &doutb, &hb, w.w2, down, BF16)? };
         let mut da = self.zeros(n * f)?;
-        let mut dw1 = start(&dparams[..f * d])?;
+        let mut dw1 = start(0..f * d)?;
         let up = Shape { m: n, k: d, n: f };
-        match (kind, b) {
+        let dw3 = match (kind, b) {
             (ExpertKind::SwiGlu, Some(b)) => {
                 let mut db = self.zeros(n * f)?;
                 self.elementwise(
@@ -254,14 +309,14 @@ impl CudaBackend {
                     &[&a, &b, &dhidden],
                     &mut [&mut da, &mut db],
                 )?;
-                let mut dw3 = start(&dparams[f * d..2 * f * d])?;
+                let mut dw3 = start(f * d..2 * f * d)?;
                 let (dab, dbb) = (self.to_bf16(&da)?, self.to_bf16(&db)?);
                 // SAFETY: w1 and w3 per the contract; the rest sized here.
                 unsafe {
                     self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)?;
                     self.linear_backward(&mut ddx, &mut dw3, &dbb, &xb, w.w3, up, BF16)?;
                 }
-                self.download_expert_grad(&dw3, &mut dparams[f * d..2 * f * d])?;
+                Some(dw3)
             }
             _ => {
                 self.elementwise(
@@ -273,12 +328,12 @@ impl CudaBackend {
                 let dab = self.to_bf16(&da)?;
                 // SAFETY: w1 per the contract; the rest sized here.
                 unsafe { self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)? };
+                None
             }
-        }
-        self.download_expert_grad(&dw1, &mut dparams[..f * d])?;
-        self.download_expert_grad(&dw2, &mut dparams[in_len..])?;
+        };
         // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
-        unsafe { self.copy_to(dx.ptr, &ddx) }
+        unsafe { self.copy_to(dx.ptr, &ddx)? };
+        Ok(ExpertGrad { dw1, dw3, dw2 })
     }
 
     /// The params uploaded and rounded to bf16 (the host-slice path).
@@ -351,6 +406,8 @@ pub struct CudaExpertDevice {
     /// Shared with the engine as this GPU's dense GEMMs.
     backend: Arc<CudaBackend>,
     arena: CudaDeviceArena,
+    /// The experts' gradients come down on it, beside the compute stream.
+    grad_stream: Arc<CudaStream>,
     /// The host tier's region, page-locked (see `page_lock_host_region`).
     host_region: Option<HostRegistration>,
 }
@@ -371,9 +428,14 @@ impl CudaExpertDevice {
             device_budget_bytes,
             layout.compute_payload_bytes() as usize,
         )?;
+        let grad_stream = backend
+            .context()
+            .new_stream()
+            .map_err(|e| gpu_error("creating the gradient stream", e))?;
         Ok(Self {
             backend,
             arena,
+            grad_stream,
             host_region: None,
         })
     }
@@ -504,23 +566,32 @@ impl ExpertDevice for CudaExpertDevice {
         &mut self,
         kind: ExpertKind,
         dx: DeviceRows,
-        dparams: &mut [f32],
         dout: DeviceRows,
         x: DeviceRows,
         params: SlotParams,
         n: usize,
         d: usize,
         f: usize,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Box<dyn DeviceGradient>, EngineError> {
         assert_eq!(params.count, kind.params(d, f));
-        assert_eq!(dparams.len(), params.count);
         let backend = &self.backend;
+        let mut grad = None;
         self.with_weights(params, d, f, |w| {
             let rows = [dx, dout, x];
-            // SAFETY: as in `expert_forward_rows`; `dparams` is
-            // overwritten, as in `expert_backward`.
-            unsafe { backend.ffn_backward_rows(kind, rows, dparams, w, (n, d, f), GradStart::Zero) }
-        })
+            // SAFETY: as in `expert_forward_rows`; the gradient starts
+            // from zero.
+            grad = Some(unsafe { backend.ffn_backward_rows(kind, rows, None, w, (n, d, f))? });
+            Ok(())
+        })?;
+        let ready = backend
+            .stream
+            .record_event(None)
+            .map_err(|e| gpu_error("recording an expert's backward", e))?;
+        Ok(Box::new(GradOnGpu {
+            grad: grad.expect("the backward ran"),
+            ready,
+            stream: Arc::clone(&self.grad_stream),
+        }))
     }
 
     fn expert_backward(

@@ -279,16 +279,6 @@ impl CudaBackend {
 
     fn download(&self, dev: &CudaSlice<f32>, host: &mut [f32]) -> Result<(), EngineError> {
         self.count_pcie_other::<f32>(host.len());
-        self.download_expert_grad(dev, host)
-    }
-
-    /// A download the engine counts itself (`bytes_device_to_host`: an
-    /// expert's gradient), so not in [`Self::pcie_other_bytes`].
-    fn download_expert_grad(
-        &self,
-        dev: &CudaSlice<f32>,
-        host: &mut [f32],
-    ) -> Result<(), EngineError> {
         self.stream
             .memcpy_dtoh(dev, host)
             .map_err(|e| gpu_error("a download", e))
