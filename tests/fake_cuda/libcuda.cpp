@@ -155,6 +155,25 @@ struct Event {
 static std::mutex streams_lock;
 static std::set<Stream*> live_streams;
 
+// Host joins: calls that return only once a stream (or all of them) has
+// run what was queued before them. STRATA_FAKE_CUDA_JOINS names a file
+// their count is written to at exit (a measure of how often the host
+// waits for the device).
+static std::atomic<unsigned long long> host_joins{0};
+static void write_joins() {
+    const char* path = getenv("STRATA_FAKE_CUDA_JOINS");
+    if (!path) return;
+    if (FILE* f = fopen(path, "w")) {
+        fprintf(f, "%llu\n", host_joins.load());
+        fclose(f);
+    }
+}
+static void count_join() {
+    static bool registered = atexit(write_joins) == 0;
+    (void)registered;
+    host_joins += 1;
+}
+
 // Delays a test may set (strata_fake_cuda_set_delays), in microseconds:
 // each host-to-device copy, and each kernel or cuBLAS call, sleeps that
 // long in its stream's turn before it runs. A stream that reads a copy's
@@ -201,6 +220,7 @@ static uint64_t stream_tail(Stream* s) {
 // destroyed (and freed) under it by another thread; no stream's work takes
 // streams_lock, so the streams drain meanwhile.
 static void sync_all_streams() {
+    count_join();
     std::lock_guard<std::mutex> g(streams_lock);
     std::vector<std::pair<Stream*, uint64_t>> tails;
     for (Stream* s : live_streams) tails.push_back({s, stream_tail(s)});
@@ -265,6 +285,7 @@ API CUresult cuStreamSynchronize(CUstream stream) {
     if (stream == nullptr) {
         sync_all_streams();
     } else {
+        count_join();
         Stream* s = (Stream*)stream;
         stream_wait_until(s, stream_tail(s));
     }

@@ -64,34 +64,20 @@ impl Weights {
     }
 }
 
-/// An expert's weight gradients in GPU memory, as its backward leaves
-/// them: w1's, w3's (SwiGLU only) and w2's.
+/// An expert's weight gradient in GPU memory, as its backward leaves it:
+/// laid out as the params (w1, w3 for SwiGLU, w2).
 struct ExpertGrad {
-    dw1: CudaSlice<f32>,
-    dw3: Option<CudaSlice<f32>>,
-    dw2: CudaSlice<f32>,
+    grad: CudaSlice<f32>,
 }
 
 impl ExpertGrad {
-    /// Copies the gradients into `dparams` (laid out as the params) in
-    /// pageable host memory, on `stream`: each copy returns once done.
+    /// Copies the gradient into `dparams` in pageable host memory, on
+    /// `stream`; returns once it is done.
     fn download(&self, stream: &Arc<CudaStream>, dparams: &mut [f32]) -> Result<(), EngineError> {
-        let (w1, w2) = (self.dw1.len(), self.dw2.len());
-        assert_eq!(
-            dparams.len(),
-            w1 + self.dw3.as_ref().map_or(0, |g| g.len()) + w2
-        );
-        let end = dparams.len();
-        let copy = |dev: &CudaSlice<f32>, host: &mut [f32]| {
-            stream
-                .memcpy_dtoh(dev, host)
-                .map_err(|e| gpu_error("an expert gradient's download", e))
-        };
-        copy(&self.dw1, &mut dparams[..w1])?;
-        if let Some(dw3) = &self.dw3 {
-            copy(dw3, &mut dparams[w1..2 * w1])?;
-        }
-        copy(&self.dw2, &mut dparams[end - w2..])
+        assert_eq!(dparams.len(), self.grad.len());
+        stream
+            .memcpy_dtoh(&self.grad, dparams)
+            .map_err(|e| gpu_error("an expert gradient's download", e))
     }
 }
 
@@ -285,22 +271,26 @@ impl CudaBackend {
         let count = kind.params(d, f);
         let in_len = count - d * f;
         let mut dhidden = self.zeros(n * f)?;
-        // Each weight's gradient accumulates in a buffer of its own,
-        // starting from zero or from what `held` holds.
-        let start = |range: std::ops::Range<usize>| match held {
-            None => self.zeros(range.len()),
-            Some(host) => self.upload(&host[range]),
+        // The weights' gradients accumulate in one buffer laid out as the
+        // params (w1, w3, w2), from zero or from what `held` holds, so that
+        // it comes down in one copy.
+        let mut grad = match held {
+            None => self.zeros(count)?,
+            Some(host) => self.upload(&host[..count])?,
         };
-        let mut dw2 = start(in_len..count)?;
+        let (g, written) = grad.device_ptr_mut(&self.stream);
+        let part = |at: usize| g + (at * std::mem::size_of::<f32>()) as u64;
         let hb = self.to_bf16(&h)?;
         let down = Shape { m: n, k: f, n: d };
-        // SAFETY: the weights per this function's contract;
-        // every other operand is allocated here from n, d, f.
-        unsafe { self.linear_backward(&mut dhidden, &mut dw2, &doutb, &hb, w.w2, down, BF16)? };
+        // SAFETY: the weights per this function's contract; w2's gradient
+        // is the last D·F of `grad`; every other operand is allocated here
+        // from n, d, f.
+        unsafe {
+            self.linear_backward_into(&mut dhidden, part(in_len), &doutb, &hb, w.w2, down, BF16)?
+        };
         let mut da = self.zeros(n * f)?;
-        let mut dw1 = start(0..f * d)?;
         let up = Shape { m: n, k: d, n: f };
-        let dw3 = match (kind, b) {
+        match (kind, b) {
             (ExpertKind::SwiGlu, Some(b)) => {
                 let mut db = self.zeros(n * f)?;
                 self.elementwise(
@@ -309,14 +299,13 @@ impl CudaBackend {
                     &[&a, &b, &dhidden],
                     &mut [&mut da, &mut db],
                 )?;
-                let mut dw3 = start(f * d..2 * f * d)?;
                 let (dab, dbb) = (self.to_bf16(&da)?, self.to_bf16(&db)?);
-                // SAFETY: w1 and w3 per the contract; the rest sized here.
+                // SAFETY: w1 and w3 per the contract, their gradients the
+                // first two F·D of `grad`; the rest sized here.
                 unsafe {
-                    self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)?;
-                    self.linear_backward(&mut ddx, &mut dw3, &dbb, &xb, w.w3, up, BF16)?;
+                    self.linear_backward_into(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)?;
+                    self.linear_backward_into(&mut ddx, part(f * d), &dbb, &xb, w.w3, up, BF16)?;
                 }
-                Some(dw3)
             }
             _ => {
                 self.elementwise(
@@ -326,14 +315,15 @@ impl CudaBackend {
                     &mut [&mut da],
                 )?;
                 let dab = self.to_bf16(&da)?;
-                // SAFETY: w1 per the contract; the rest sized here.
-                unsafe { self.linear_backward(&mut ddx, &mut dw1, &dab, &xb, w.w1, up, BF16)? };
-                None
+                // SAFETY: w1 per the contract, its gradient the first F·D
+                // of `grad`; the rest sized here.
+                unsafe { self.linear_backward_into(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)? };
             }
-        };
+        }
         // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
         unsafe { self.copy_to(dx.ptr, &ddx)? };
-        Ok(ExpertGrad { dw1, dw3, dw2 })
+        drop(written); // the GEMMs' writes to `grad`, recorded
+        Ok(ExpertGrad { grad })
     }
 
     /// The params uploaded and rounded to bf16 (the host-slice path).

@@ -490,15 +490,38 @@ impl CudaBackend {
         s: Shape,
         inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
-        assert!(dx.len() == s.m * s.k && dw.len() == s.n * s.k);
+        assert!(dw.len() == s.n * s.k);
+        let (dw_ptr, _wdw) = dw.device_ptr_mut(&self.stream);
+        // SAFETY: dw holds the asserted size; the rest per the contract.
+        unsafe { self.linear_backward_into(dx, dw_ptr, dout, x, w, s, inputs) }
+    }
+
+    /// [`Self::linear_backward`] with dw at a device address (a part of a
+    /// larger gradient buffer).
+    ///
+    /// # Safety
+    /// As [`Self::linear_backward`]; `dw` addresses N·K f32 of this
+    /// context's memory, alive and used by no other stream until this
+    /// stream has run the GEMMs.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn linear_backward_into<T>(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dw: CUdeviceptr,
+        dout: &CudaSlice<T>,
+        x: &CudaSlice<T>,
+        w: CUdeviceptr,
+        s: Shape,
+        inputs: blas_sys::cudaDataType,
+    ) -> Result<(), EngineError> {
+        assert!(dx.len() == s.m * s.k);
         assert!(dout.len() == s.m * s.n && x.len() == s.m * s.k);
         let (dout_ptr, _rd) = dout.device_ptr(&self.stream);
         let (x_ptr, _rx) = x.device_ptr(&self.stream);
         let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
-        let (dw_ptr, _wdw) = dw.device_ptr_mut(&self.stream);
-        // SAFETY: every buffer holds the asserted size; `w` per the
-        // contract.
-        unsafe { self.linear_backward_at([dx_ptr, dw_ptr], [dout_ptr, x_ptr], w, s, inputs) }
+        // SAFETY: every buffer holds the asserted size; `dw` and `w` per
+        // the contract.
+        unsafe { self.linear_backward_at([dx_ptr, dw], [dout_ptr, x_ptr], w, s, inputs) }
     }
 
     /// [`Self::linear_backward`] at device addresses: `[dx, dw]` (M·K and
