@@ -16,21 +16,10 @@ mod common;
 #[cfg(feature = "cuda")]
 mod on_the_gpu {
     use super::common;
-    use common::tiny_lm::tiny_config;
+    use common::tiny_lm::{tiny_batch as batch, tiny_config};
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig, ScheduleKind};
-    use strata::lm::{MoeLm, TensorGroup, TokenBatch};
-
-    fn batch(step: u32) -> TokenBatch {
-        TokenBatch {
-            seq_len: 8,
-            tokens: (0..4 * 9u32)
-                .map(|i| (i * 37 + 5 + 11 * step) % 250)
-                .collect(),
-            loss_mask: None,
-            doc_starts: None,
-        }
-    }
+    use strata::lm::{MoeLm, TensorGroup};
 
     fn config(dense_on_device: bool) -> EngineConfig {
         EngineConfig {

@@ -19,10 +19,10 @@ mod common;
 #[cfg(feature = "cuda")]
 mod on_the_gpu {
     use super::common;
-    use common::tiny_lm::tiny_config;
+    use common::tiny_lm::{tiny_batch as batch, tiny_config};
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
-    use strata::lm::{LmConfig, MoeLm, TokenBatch};
+    use strata::lm::{LmConfig, MoeLm};
     use strata_tiers::Dtype;
 
     fn available() -> bool {
@@ -59,17 +59,6 @@ mod on_the_gpu {
         LmConfig {
             experts: 8,
             ..tiny_config()
-        }
-    }
-
-    fn batch(step: u32) -> TokenBatch {
-        TokenBatch {
-            seq_len: 8,
-            tokens: (0..4 * 9u32)
-                .map(|i| (i * 37 + 5 + 11 * step) % 250)
-                .collect(),
-            loss_mask: None,
-            doc_starts: None,
         }
     }
 

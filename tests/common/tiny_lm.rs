@@ -6,7 +6,7 @@ use std::path::Path;
 
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::safetensors_io::{write_safetensors, TensorSpec};
-use strata::lm::{LmConfig, MoeLm};
+use strata::lm::{LmConfig, MoeLm, TokenBatch};
 use strata::model::Network;
 use strata_tiers::encode_compute;
 use strata_tiers::Dtype;
@@ -25,6 +25,19 @@ pub fn tiny_config() -> LmConfig {
         max_seq: 64,
         seed: 11,
         ..LmConfig::default()
+    }
+}
+
+/// Step `step`'s batch for [`tiny_config`]: 4 sequences of 8 tokens (and
+/// their targets), different each step.
+pub fn tiny_batch(step: u32) -> TokenBatch {
+    TokenBatch {
+        seq_len: 8,
+        tokens: (0..4 * 9u32)
+            .map(|i| (i * 37 + 5 + 11 * step) % 250)
+            .collect(),
+        loss_mask: None,
+        doc_starts: None,
     }
 }
 
