@@ -1,35 +1,24 @@
 //! The expert FFN on the GPU (SwiGLU and GELU, forward and backward):
 //! cuBLAS bf16 GEMMs with f32 accumulation and the activation kernels,
 //! reading the expert's bf16 weights at a device address. Two callers:
-//! the host-slice `CudaBackend::expert_ffn_forward` / `_backward` (params uploaded per call, what the tests
-//! compare with the CPU math) and [`CudaExpertDevice`], the engine's device,
-//! whose weights are already in a slot of its GPU device tier.
-//!
-//! Ordering, all on the device: before it reads a slot the compute stream
-//! waits for the slot's last upload (`read_after_upload`), and after it has
-//! queued its reads it marks the slot (`release_after`), so the next upload
-//! into the slot waits for them. The host joins nothing per expert: the
-//! calls on device rows return once their work is queued, and the engine
-//! waits for the compute stream once a layer's pass
-//! (`ExpertDevice::finish_pass`). (With staged uploads the engine also waits
-//! for each upload's event on the host, see `orders_uploads`.) The calls on
-//! host slices end by copying their results to host memory, which waits for
-//! the compute stream.
+//! the host-slice `CudaBackend::expert_ffn_forward` / `_backward` (params
+//! uploaded per call, what the tests compare with the CPU math) and
+//! [`CudaExpertDevice`](super::CudaExpertDevice) (`expert_device.rs`), the
+//! engine's device, whose weights are already in a slot of its GPU device
+//! tier. The calls on device rows only queue their work on the compute
+//! stream; the calls on host slices end by copying their results to host
+//! memory, which waits for it.
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys::CUdeviceptr, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration};
-use strata_tiers::io::HostRegion;
-use strata_tiers::{DeviceArena, Dtype, Layout};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{gpu_error, CudaBackend, Shape};
 
 /// The experts' GEMM inputs: bf16.
 const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
-use crate::backend::{DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
+use crate::backend::DeviceRows;
 use crate::math::{ExpertKind, ExpertSaved};
-use crate::model::DenseKernels;
 use crate::EngineError;
 
 /// Where an expert's weight gradients start on the GPU.
@@ -45,7 +34,7 @@ pub(super) enum GradStart {
 /// Device addresses of an expert's bf16 weights: w1 (F, D), w3 (F, D;
 /// SwiGLU only), w2 (D, F).
 #[derive(Clone, Copy)]
-struct Weights {
+pub(super) struct Weights {
     w1: CUdeviceptr,
     w3: CUdeviceptr,
     w2: CUdeviceptr,
@@ -54,7 +43,7 @@ struct Weights {
 impl Weights {
     /// The weights of a `kind` expert whose `count` bf16 params start at
     /// `base` (laid out as `math::ExpertKind` does).
-    fn at(base: CUdeviceptr, count: usize, d: usize, f: usize) -> Self {
+    pub(super) fn at(base: CUdeviceptr, count: usize, d: usize, f: usize) -> Self {
         let bf16 = |elements: usize| (2 * elements) as u64;
         Self {
             w1: base,
@@ -66,38 +55,22 @@ impl Weights {
 
 /// An expert's weight gradient in GPU memory, as its backward leaves it:
 /// laid out as the params (w1, w3 for SwiGLU, w2).
-struct ExpertGrad {
+pub(super) struct ExpertGrad {
     grad: CudaSlice<f32>,
 }
 
 impl ExpertGrad {
     /// Copies the gradient into `dparams` in pageable host memory, on
     /// `stream`; returns once it is done.
-    fn download(&self, stream: &Arc<CudaStream>, dparams: &mut [f32]) -> Result<(), EngineError> {
+    pub(super) fn download(
+        &self,
+        stream: &Arc<CudaStream>,
+        dparams: &mut [f32],
+    ) -> Result<(), EngineError> {
         assert_eq!(dparams.len(), self.grad.len());
         stream
             .memcpy_dtoh(&self.grad, dparams)
             .map_err(|e| gpu_error("an expert gradient's download", e))
-    }
-}
-
-/// An expert's gradient left on the GPU by
-/// [`CudaExpertDevice::expert_backward_rows`]: taken, it comes down on the
-/// device's gradient stream, which waits for the backward that made it
-/// and for nothing queued on the compute stream after it.
-struct GradOnGpu {
-    grad: ExpertGrad,
-    /// Recorded on the compute stream behind the backward.
-    ready: CudaEvent,
-    stream: Arc<CudaStream>,
-}
-
-impl DeviceGradient for GradOnGpu {
-    fn take(self: Box<Self>, dparams: &mut [f32]) -> Result<(), EngineError> {
-        self.stream
-            .wait(&self.ready)
-            .map_err(|e| gpu_error("ordering a gradient's download after its backward", e))?;
-        self.grad.download(&self.stream, dparams)
     }
 }
 
@@ -106,7 +79,7 @@ impl CudaBackend {
     /// `w` addresses the expert's weights (see [`Weights`]), alive and
     /// unwritten until this call returns.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn ffn_forward(
+    pub(super) unsafe fn ffn_forward(
         &self,
         kind: ExpertKind,
         out: &mut [f32],
@@ -144,7 +117,7 @@ impl CudaBackend {
     /// stream has run what this call queues; `out` and `x` address n·D f32
     /// of this context's memory each, alive until then, `x` not written by
     /// another stream meanwhile.
-    unsafe fn ffn_forward_rows(
+    pub(super) unsafe fn ffn_forward_rows(
         &self,
         kind: ExpertKind,
         (out, x): (DeviceRows, DeviceRows),
@@ -210,7 +183,7 @@ impl CudaBackend {
     /// # Safety
     /// As [`Self::ffn_forward`].
     #[allow(clippy::too_many_arguments)]
-    unsafe fn ffn_backward(
+    pub(super) unsafe fn ffn_backward(
         &self,
         kind: ExpertKind,
         dx: &mut [f32],
@@ -249,7 +222,7 @@ impl CudaBackend {
     ///
     /// # Safety
     /// As [`Self::ffn_forward_rows`], for the three rows.
-    unsafe fn ffn_backward_rows(
+    pub(super) unsafe fn ffn_backward_rows(
         &self,
         kind: ExpertKind,
         [dx, dout, x]: [DeviceRows; 3],
@@ -381,230 +354,5 @@ impl CudaBackend {
         let w = Weights::at(base, params.len(), d, f);
         // SAFETY: as in the forward.
         unsafe { self.ffn_backward(kind, dx, dparams, dout, x, w, n, d, f, GradStart::Held) }
-    }
-}
-
-/// Page-locked staging buffers (one expert each) per GPU when the host
-/// tier's memory cannot be page-locked: one for the upload in flight, one
-/// being filled for the next.
-const STAGING_BUFFERS: usize = 2;
-
-/// One GPU as the engine's device: its device tier ([`CudaDeviceArena`],
-/// uploads on their own stream) and the expert FFN reading each expert's
-/// params in place from its slot, on the compute stream.
-pub struct CudaExpertDevice {
-    /// Shared with the engine as this GPU's dense GEMMs.
-    backend: Arc<CudaBackend>,
-    arena: CudaDeviceArena,
-    /// The experts' gradients come down on it, beside the compute stream.
-    grad_stream: Arc<CudaStream>,
-    /// The host tier's region, page-locked (see `page_lock_host_region`).
-    host_region: Option<HostRegistration>,
-}
-
-impl CudaExpertDevice {
-    /// Opens GPU `ordinal` with `device_budget_bytes` of it carved into
-    /// expert slots for `layout`'s compute params (bf16, or f32 rounded to
-    /// bf16 per call).
-    pub fn new(
-        ordinal: usize,
-        device_budget_bytes: u64,
-        layout: &Layout,
-    ) -> Result<Self, EngineError> {
-        crate::backend::BackendKind::Cuda.check(0, layout.compute_dtype)?;
-        let backend = Arc::new(CudaBackend::new(ordinal)?);
-        let arena = CudaDeviceArena::new(
-            Arc::clone(backend.context()),
-            device_budget_bytes,
-            layout.compute_payload_bytes() as usize,
-        )?;
-        let grad_stream = backend
-            .context()
-            .new_stream()
-            .map_err(|e| gpu_error("creating the gradient stream", e))?;
-        Ok(Self {
-            backend,
-            arena,
-            grad_stream,
-            host_region: None,
-        })
-    }
-
-    pub fn backend(&self) -> &CudaBackend {
-        &self.backend
-    }
-
-    /// Runs `body` on the weights of the expert in `p`'s slot: in place
-    /// when they are bf16, else through a bf16 copy made on the compute
-    /// stream.
-    fn with_weights(
-        &self,
-        p: SlotParams,
-        d: usize,
-        f: usize,
-        body: impl FnOnce(Weights) -> Result<(), EngineError>,
-    ) -> Result<(), EngineError> {
-        self.backend.bind()?;
-        let stream = &self.backend.stream;
-        self.arena.read_after_upload(p.slot, stream)?;
-        let slot = self.arena.slot_ptr(p.slot);
-        match p.dtype {
-            Dtype::Bf16 => body(Weights::at(slot, p.count, d, f))?,
-            Dtype::F32 => {
-                // SAFETY: the slot holds the expert's `count` f32 params
-                // once its upload has landed, which the compute stream
-                // waits for above; the next upload into it waits for the
-                // compute stream's reads (`release_after` below).
-                let wb = unsafe { self.backend.to_bf16_raw(slot, p.count)? };
-                let (base, _read) = wb.device_ptr(stream);
-                body(Weights::at(base, p.count, d, f))?
-            }
-            Dtype::F16 => unreachable!("refused when the device was opened"),
-        }
-        Ok(self.arena.release_after(p.slot, stream)?)
-    }
-}
-
-impl ExpertDevice for CudaExpertDevice {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn arena(&self) -> &dyn DeviceArena {
-        &self.arena
-    }
-
-    fn dense_kernels(&self) -> Arc<dyn DenseKernels + Send + Sync> {
-        self.backend.clone()
-    }
-
-    fn page_lock_host_region(&mut self, region: &HostRegion) -> Option<String> {
-        match register_host(self.backend.context(), region.lease()) {
-            Ok(registration) => {
-                self.host_region = Some(registration);
-                None
-            }
-            Err(e) => Some(e.to_string()),
-        }
-    }
-
-    fn stage_uploads(&mut self) -> Result<(), EngineError> {
-        Ok(self.arena.stage_uploads(STAGING_BUFFERS)?)
-    }
-
-    fn backward_recomputes(&self) -> bool {
-        true // `up_and_hidden`: the forward keeps nothing in `saved`
-    }
-
-    fn orders_uploads(&self) -> bool {
-        self.arena.orders_uploads_on_device()
-    }
-
-    fn finish_pass(&mut self) -> Result<(), EngineError> {
-        self.backend.bind()?;
-        self.backend
-            .stream
-            .synchronize()
-            .map_err(|e| gpu_error("the compute stream", e))
-    }
-
-    fn expert_forward(
-        &mut self,
-        kind: ExpertKind,
-        out: &mut [f32],
-        saved: &mut ExpertSaved<f32>,
-        x: &[f32],
-        params: SlotParams,
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        assert_eq!(params.count, kind.params(d, f));
-        let backend = &self.backend;
-        self.with_weights(params, d, f, |w| {
-            // SAFETY: `w` addresses the slot's expert (or its bf16 copy),
-            // which stays unwritten until this call returns.
-            unsafe { backend.ffn_forward(kind, out, saved, x, w, n, d, f) }
-        })
-    }
-
-    fn takes_device_rows(&self) -> bool {
-        true
-    }
-
-    unsafe fn expert_forward_rows(
-        &mut self,
-        kind: ExpertKind,
-        out: DeviceRows,
-        x: DeviceRows,
-        params: SlotParams,
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        assert_eq!(params.count, kind.params(d, f));
-        let backend = &self.backend;
-        self.with_weights(params, d, f, |w| {
-            // SAFETY: `w` as in `expert_forward`; the rows per this
-            // function's contract (this GPU's memory: the network's
-            // `CudaOps` on the same backend made them).
-            unsafe { backend.ffn_forward_rows(kind, (out, x), w, n, d, f) }
-        })
-    }
-
-    unsafe fn expert_backward_rows(
-        &mut self,
-        kind: ExpertKind,
-        dx: DeviceRows,
-        dout: DeviceRows,
-        x: DeviceRows,
-        params: SlotParams,
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<Box<dyn DeviceGradient>, EngineError> {
-        assert_eq!(params.count, kind.params(d, f));
-        let backend = &self.backend;
-        let mut grad = None;
-        self.with_weights(params, d, f, |w| {
-            let rows = [dx, dout, x];
-            // SAFETY: as in `expert_forward_rows`; the gradient starts
-            // from zero.
-            grad = Some(unsafe { backend.ffn_backward_rows(kind, rows, None, w, (n, d, f))? });
-            Ok(())
-        })?;
-        let ready = backend
-            .stream
-            .record_event(None)
-            .map_err(|e| gpu_error("recording an expert's backward", e))?;
-        Ok(Box::new(GradOnGpu {
-            grad: grad.expect("the backward ran"),
-            ready,
-            stream: Arc::clone(&self.grad_stream),
-        }))
-    }
-
-    fn expert_backward(
-        &mut self,
-        kind: ExpertKind,
-        dx: &mut [f32],
-        dparams: &mut [f32],
-        dout: &[f32],
-        _saved: &ExpertSaved<f32>, // empty: the forward keeps nothing
-        x: &[f32],
-        params: SlotParams,
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        assert_eq!(params.count, kind.params(d, f));
-        assert_eq!(dparams.len(), params.count);
-        let backend = &self.backend;
-        self.with_weights(params, d, f, |w| {
-            // SAFETY: as in the forward. `dparams` is overwritten (the
-            // contract): the gradient starts from zero on the GPU and
-            // every part of it is downloaded over what `dparams` held.
-            unsafe { backend.ffn_backward(kind, dx, dparams, dout, x, w, n, d, f, GradStart::Zero) }
-        })
     }
 }

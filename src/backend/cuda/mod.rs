@@ -21,6 +21,7 @@
 mod attention;
 mod dense;
 mod expert;
+mod expert_device;
 mod head;
 mod linear;
 mod moe;
@@ -30,7 +31,7 @@ mod router;
 mod weights;
 
 pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
-pub use expert::CudaExpertDevice;
+pub use expert_device::CudaExpertDevice;
 pub use moe::{CudaMoeSaved, DeviceMoe};
 pub use ops::CudaOps;
 pub use router::RouterOut;
