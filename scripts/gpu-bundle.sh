@@ -2,12 +2,23 @@
 # Builds what a GPU machine without a Rust toolchain runs: the strata binary
 # and the CUDA test binaries (release, --features cuda, debug info stripped)
 # into gpu-bin/ (ignored by git), with scripts/gpu-check.sh to run there.
+#   scripts/gpu-bundle.sh [BASE]   BASE (a commit) also builds that commit's
+#                                  strata, in a worktree under target/, as
+#                                  gpu-bin/strata-BASE, for
+#                                  `gpu-check.sh ab 2 gpu-bin/strata gpu-bin/strata-BASE`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo build --release --features cuda
 mkdir -p gpu-bin
 cp target/release/strata gpu-bin/strata
+if [ -n "${1:-}" ]; then
+    base=$(git rev-parse --short "$1")
+    tree=target/gpu-base-$base
+    [ -d "$tree" ] || git worktree add --detach "$tree" "$base"
+    (cd "$tree" && cargo build --release --features cuda -p strata-cli)
+    cp "$tree/target/release/strata" "gpu-bin/strata-$1"
+fi
 for pt in strata:backend strata:multi_device strata:equivalence strata:gpu_dense_layers strata:gpu_dense_step \
     strata:routing_trace strata:gpu_slot_order strata-cli:trainer; do
     p=${pt%%:*} t=${pt#*:}
@@ -26,6 +37,6 @@ for l in sys.stdin:
     if m.get("executable") and m.get("target", {}).get("kind") == ["test"]:
         print(m["executable"])' | tail -1)
 cp "$exe" gpu-bin/test-device_arena
-strip --strip-debug gpu-bin/strata gpu-bin/test-*
+strip --strip-debug gpu-bin/strata* gpu-bin/test-*
 cp scripts/gpu-check.sh gpu-bin/
 du -sh gpu-bin
