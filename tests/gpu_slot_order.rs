@@ -83,6 +83,14 @@ mod on_the_gpu {
         for step in 0..3 {
             let m = engine.step_network(lm, &batch(step)).unwrap();
             losses.push(m.loss);
+            // Two slots are refilled every pass, so the host waits for
+            // uploads (the pass's last, the one before each staged) and
+            // for the experts' compute: each a positive share of the step.
+            if slots == 2 {
+                let (upload, compute) = (m.stall_upload_s, m.expert_compute_s_per_device[0]);
+                assert!(upload > 0.0 && upload < m.wall_s, "{m:?}");
+                assert!(compute > 0.0 && compute < m.wall_s, "{m:?}");
+            }
             for (row, tokens) in routed.iter_mut().zip(&m.tokens_per_expert) {
                 for (n, &t) in row.iter_mut().zip(tokens) {
                     *n += u64::from(t > 0);
