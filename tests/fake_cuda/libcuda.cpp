@@ -412,15 +412,17 @@ static size_t device_memory_total() {
     const char* m = getenv("STRATA_FAKE_CUDA_MEMORY");
     return m ? (size_t)strtoull(m, nullptr, 10) : (size_t)8 << 30;
 }
-static void device_free(CUdeviceptr dptr) {
-    {
-        std::lock_guard<std::mutex> g(device_memory_lock);
-        auto it = device_allocations.find((uintptr_t)dptr);
-        if (it != device_allocations.end()) {
-            device_in_use -= it->second;
-            device_allocations.erase(it);
-        }
+// Takes an allocation off the device's count (its memory still valid).
+static void uncount(CUdeviceptr dptr) {
+    std::lock_guard<std::mutex> g(device_memory_lock);
+    auto it = device_allocations.find((uintptr_t)dptr);
+    if (it != device_allocations.end()) {
+        device_in_use -= it->second;
+        device_allocations.erase(it);
     }
+}
+static void device_free(CUdeviceptr dptr) {
+    uncount(dptr);
     free((void*)(uintptr_t)dptr);
 }
 API CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytes) {
@@ -460,14 +462,7 @@ API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
         enqueue(stream, [dptr] { device_free(dptr); });
         return CUDA_SUCCESS;
     }
-    {
-        std::lock_guard<std::mutex> g(device_memory_lock);
-        auto it = device_allocations.find((uintptr_t)dptr);
-        if (it != device_allocations.end()) {
-            device_in_use -= it->second;
-            device_allocations.erase(it);
-        }
-    }
+    uncount(dptr);
     enqueue(stream, [dptr] { free((void*)(uintptr_t)dptr); });
     return CUDA_SUCCESS;
 }

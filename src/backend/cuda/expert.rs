@@ -53,25 +53,18 @@ impl Weights {
     }
 }
 
-/// An expert's weight gradient in GPU memory, as its backward leaves it:
-/// laid out as the params (w1, w3 for SwiGLU, w2).
-pub(super) struct ExpertGrad {
-    grad: CudaSlice<f32>,
-}
-
-impl ExpertGrad {
-    /// Copies the gradient into `dparams` in pageable host memory, on
-    /// `stream`; returns once it is done.
-    pub(super) fn download(
-        &self,
-        stream: &Arc<CudaStream>,
-        dparams: &mut [f32],
-    ) -> Result<(), EngineError> {
-        assert_eq!(dparams.len(), self.grad.len());
-        stream
-            .memcpy_dtoh(&self.grad, dparams)
-            .map_err(|e| gpu_error("an expert gradient's download", e))
-    }
+/// Copies an expert's weight gradient `grad` (laid out as its params: w1,
+/// w3 for SwiGLU, w2) into `dparams` in pageable host memory, on `stream`;
+/// returns once it is done.
+pub(super) fn download_expert_grad(
+    stream: &Arc<CudaStream>,
+    grad: &CudaSlice<f32>,
+    dparams: &mut [f32],
+) -> Result<(), EngineError> {
+    assert_eq!(dparams.len(), grad.len());
+    stream
+        .memcpy_dtoh(grad, dparams)
+        .map_err(|e| gpu_error("an expert gradient's download", e))
 }
 
 impl CudaBackend {
@@ -210,7 +203,7 @@ impl CudaBackend {
             // SAFETY: the three hold n·d f32 and live past the call; the
             // weights per this function's contract.
             let grad = unsafe { self.ffn_backward_rows(kind, rows, held, w, (n, d, f))? };
-            grad.download(&self.stream, dparams)?;
+            download_expert_grad(&self.stream, &grad, dparams)?;
         }
         self.download(&ddx, dx)
     }
@@ -229,7 +222,7 @@ impl CudaBackend {
         held: Option<&[f32]>,
         w: Weights,
         (n, d, f): (usize, usize, usize),
-    ) -> Result<ExpertGrad, EngineError> {
+    ) -> Result<CudaSlice<f32>, EngineError> {
         assert!(dx.len == n * d && dout.len == n * d && x.len == n * d);
         // SAFETY: x and dout address n·d f32 (the contract, asserted).
         let (xb, doutb) = unsafe {
@@ -258,9 +251,7 @@ impl CudaBackend {
         // SAFETY: the weights per this function's contract; w2's gradient
         // is the last D·F of `grad`; every other operand is allocated here
         // from n, d, f.
-        unsafe {
-            self.linear_backward_into(&mut dhidden, part(in_len), &doutb, &hb, w.w2, down, BF16)?
-        };
+        unsafe { self.linear_backward(&mut dhidden, part(in_len), &doutb, &hb, w.w2, down, BF16)? };
         let mut da = self.zeros(n * f)?;
         let up = Shape { m: n, k: d, n: f };
         match (kind, b) {
@@ -276,8 +267,8 @@ impl CudaBackend {
                 // SAFETY: w1 and w3 per the contract, their gradients the
                 // first two F·D of `grad`; the rest sized here.
                 unsafe {
-                    self.linear_backward_into(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)?;
-                    self.linear_backward_into(&mut ddx, part(f * d), &dbb, &xb, w.w3, up, BF16)?;
+                    self.linear_backward(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)?;
+                    self.linear_backward(&mut ddx, part(f * d), &dbb, &xb, w.w3, up, BF16)?;
                 }
             }
             _ => {
@@ -290,13 +281,13 @@ impl CudaBackend {
                 let dab = self.to_bf16(&da)?;
                 // SAFETY: w1 per the contract, its gradient the first F·D
                 // of `grad`; the rest sized here.
-                unsafe { self.linear_backward_into(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)? };
+                unsafe { self.linear_backward(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)? };
             }
         }
         // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
         unsafe { self.copy_to(dx.ptr, &ddx)? };
         drop(written); // the GEMMs' writes to `grad`, recorded
-        Ok(ExpertGrad { grad })
+        Ok(grad)
     }
 
     /// The params uploaded and rounded to bf16 (the host-slice path).

@@ -14,12 +14,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use strata_tiers::device_cuda::{register_host, CudaDeviceArena, HostRegistration};
 use strata_tiers::io::HostRegion;
 use strata_tiers::{DeviceArena, Dtype, Layout};
 
-use super::expert::{ExpertGrad, GradStart, Weights};
+use super::expert::{download_expert_grad, GradStart, Weights};
 use super::{gpu_error, CudaBackend};
 use crate::backend::{DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
@@ -31,7 +31,8 @@ use crate::EngineError;
 /// device's gradient stream, which waits for the backward that made it
 /// and for nothing queued on the compute stream after it.
 struct GradOnGpu {
-    grad: ExpertGrad,
+    /// Laid out as the expert's params.
+    grad: CudaSlice<f32>,
     /// Recorded on the compute stream behind the backward.
     ready: CudaEvent,
     stream: Arc<CudaStream>,
@@ -42,7 +43,7 @@ impl DeviceGradient for GradOnGpu {
         self.stream
             .wait(&self.ready)
             .map_err(|e| gpu_error("ordering a gradient's download after its backward", e))?;
-        self.grad.download(&self.stream, dparams)
+        download_expert_grad(&self.stream, &self.grad, dparams)
     }
 }
 
@@ -99,18 +100,18 @@ impl CudaExpertDevice {
     /// Runs `body` on the weights of the expert in `p`'s slot: in place
     /// when they are bf16, else through a bf16 copy made on the compute
     /// stream.
-    fn with_weights(
+    fn with_weights<R>(
         &self,
         p: SlotParams,
         d: usize,
         f: usize,
-        body: impl FnOnce(Weights) -> Result<(), EngineError>,
-    ) -> Result<(), EngineError> {
+        body: impl FnOnce(Weights) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
         self.backend.bind()?;
         let stream = &self.backend.stream;
         self.arena.read_after_upload(p.slot, stream)?;
         let slot = self.arena.slot_ptr(p.slot);
-        match p.dtype {
+        let out = match p.dtype {
             Dtype::Bf16 => body(Weights::at(slot, p.count, d, f))?,
             Dtype::F32 => {
                 // SAFETY: the slot holds the expert's `count` f32 params
@@ -122,8 +123,9 @@ impl CudaExpertDevice {
                 body(Weights::at(base, p.count, d, f))?
             }
             Dtype::F16 => unreachable!("refused when the device was opened"),
-        }
-        Ok(self.arena.release_after(p.slot, stream)?)
+        };
+        self.arena.release_after(p.slot, stream)?;
+        Ok(out)
     }
 }
 
@@ -227,20 +229,18 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<Box<dyn DeviceGradient>, EngineError> {
         assert_eq!(params.count, kind.params(d, f));
         let backend = &self.backend;
-        let mut grad = None;
-        self.with_weights(params, d, f, |w| {
+        let grad = self.with_weights(params, d, f, |w| {
             let rows = [dx, dout, x];
             // SAFETY: as in `expert_forward_rows`; the gradient starts
             // from zero.
-            grad = Some(unsafe { backend.ffn_backward_rows(kind, rows, None, w, (n, d, f))? });
-            Ok(())
+            unsafe { backend.ffn_backward_rows(kind, rows, None, w, (n, d, f)) }
         })?;
         let ready = backend
             .stream
             .record_event(None)
             .map_err(|e| gpu_error("recording an expert's backward", e))?;
         Ok(Box::new(GradOnGpu {
-            grad: grad.expect("the backward ran"),
+            grad,
             ready,
             stream: Arc::clone(&self.grad_stream),
         }))

@@ -398,9 +398,12 @@ impl CudaBackend {
         s: Shape,
     ) -> Result<(), EngineError> {
         assert_eq!(w.len(), s.n * s.k);
+        assert_eq!(dw.len(), s.n * s.k);
         let (w_ptr, _read) = w.device_ptr(&self.stream);
-        // SAFETY: as in `linear_forward_f32`.
-        unsafe { self.linear_backward(dx, dw, dout, x, w_ptr, s, F32) }
+        let (dw_ptr, _written) = dw.device_ptr_mut(&self.stream);
+        // SAFETY: as in `linear_forward_f32`; dw holds N·K f32, its write
+        // recorded on this stream by `_written`.
+        unsafe { self.linear_backward(dx, dw_ptr, dout, x, w_ptr, s, F32) }
     }
 
     /// out (M, N) = x (M, K) · w (N, K)ᵀ, `x` and the weights at `w` of
@@ -476,36 +479,15 @@ impl CudaBackend {
     }
 
     /// dx (M, K) += dout (M, N) · w (N, K); dw (N, K) += doutᵀ · x, `dout`,
-    /// `x` and the weights of type `inputs`.
+    /// `x` and the weights of type `inputs`; dw at a device address (a
+    /// slice's, or a part of an expert's gradient buffer).
     ///
     /// # Safety
-    /// As [`Self::linear_forward`] for `w`, `T` and `inputs`.
+    /// As [`Self::linear_forward`] for `w`, `T` and `inputs`; `dw`
+    /// addresses N·K f32 of this context's memory, alive and used by no
+    /// other stream until this stream has run the GEMMs.
     #[allow(clippy::too_many_arguments)]
     unsafe fn linear_backward<T>(
-        &self,
-        dx: &mut CudaSlice<f32>,
-        dw: &mut CudaSlice<f32>,
-        dout: &CudaSlice<T>,
-        x: &CudaSlice<T>,
-        w: CUdeviceptr,
-        s: Shape,
-        inputs: blas_sys::cudaDataType,
-    ) -> Result<(), EngineError> {
-        assert!(dw.len() == s.n * s.k);
-        let (dw_ptr, _wdw) = dw.device_ptr_mut(&self.stream);
-        // SAFETY: dw holds the asserted size; the rest per the contract.
-        unsafe { self.linear_backward_into(dx, dw_ptr, dout, x, w, s, inputs) }
-    }
-
-    /// [`Self::linear_backward`] with dw at a device address (a part of a
-    /// larger gradient buffer).
-    ///
-    /// # Safety
-    /// As [`Self::linear_backward`]; `dw` addresses N·K f32 of this
-    /// context's memory, alive and used by no other stream until this
-    /// stream has run the GEMMs.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn linear_backward_into<T>(
         &self,
         dx: &mut CudaSlice<f32>,
         dw: CUdeviceptr,
