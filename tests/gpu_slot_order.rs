@@ -3,7 +3,8 @@
 //! upload into the slot waits there for that compute's reads, so the host
 //! queues expert after expert without joining any. Experts computed from
 //! two slots, refilled all through the step, must give the same bits as
-//! experts that stay in slots of their own. The CPU model of the driver
+//! experts that stay in slots of their own, and so must one slot refilled
+//! for every expert with two host records. The CPU model of the driver
 //! can delay every upload, or every kernel, in its stream's turn: a
 //! compute that does not wait for its upload then reads the slot's
 //! previous expert, and an upload that does not wait for the compute
@@ -63,17 +64,33 @@ mod on_the_gpu {
     }
 
     /// Losses, then every expert's params, after 3 steps with `slots`
-    /// device slots of `dtype` compute params.
-    fn run(lm: &MoeLm, dtype: Dtype, slots: u64) -> (Vec<f32>, Vec<f32>) {
+    /// device slots of `dtype` compute params, and every record in host
+    /// memory or, with `host_records`, that many (the rest streaming).
+    fn run(
+        lm: &MoeLm,
+        dtype: Dtype,
+        slots: u64,
+        host_records: Option<u64>,
+    ) -> (Vec<f32>, Vec<f32>) {
         let c = lm.config();
         let expert_bytes = (3 * c.d_model * c.d_ff) as u64 * dtype.bytes();
+        let record = strata_tiers::Layout {
+            layers: c.layers as u32,
+            experts_per_layer: c.experts as u32,
+            params_per_expert: c.expert_params() as u64,
+            compute_dtype: dtype,
+            moments: true,
+        }
+        .record_bytes();
+        let defaults = EngineConfig::default();
         let config = EngineConfig {
             backend: BackendKind::Cuda,
             compute_dtype: dtype,
             device_budget_bytes: slots * expert_bytes,
+            host_budget_bytes: host_records.map_or(defaults.host_budget_bytes, |n| n * record),
             micro_batches: 2,
             optimizer_threads: 2,
-            ..EngineConfig::default()
+            ..defaults
         };
         let mut engine = Engine::new_network(lm, config).unwrap();
         assert_eq!(engine.device_slots() as u64, slots, "{dtype:?}");
@@ -123,18 +140,29 @@ mod on_the_gpu {
         let all = (config().layers * config().experts) as u64;
         for dtype in [Dtype::Bf16, Dtype::F32] {
             set_delays(0, 0);
-            let own = run(&lm, dtype, all);
-            let two = run(&lm, dtype, 2);
-            let mut cases = vec![("two slots", two)];
+            let own = run(&lm, dtype, all, None);
+            let mut cases = vec![
+                ("two slots", run(&lm, dtype, 2, None)),
+                // The least a plan allows: one device slot, refilled for
+                // every expert, and two host records, the rest streaming
+                // (an update's record then needs the slot an upload in
+                // flight pins, until the host has waited for it).
+                ("one slot, two host records", run(&lm, dtype, 1, Some(2))),
+                ("two slots, two host records", run(&lm, dtype, 2, Some(2))),
+            ];
             // Slow uploads: a compute that does not wait reads the slot's
             // last expert (or, in a slot of its own, nothing yet).
             if set_delays(3000, 0) {
-                cases.push(("two slots, slow uploads", run(&lm, dtype, 2)));
-                cases.push(("own slots, slow uploads", run(&lm, dtype, all)));
+                cases.push(("two slots, slow uploads", run(&lm, dtype, 2, None)));
+                cases.push(("own slots, slow uploads", run(&lm, dtype, all, None)));
+                let one = run(&lm, dtype, 1, Some(2));
+                cases.push(("one slot, two host records, slow uploads", one));
                 // Slow kernels: an upload that does not wait for the
                 // compute still reading its slot overwrites that expert.
                 set_delays(0, 300);
-                cases.push(("two slots, slow kernels", run(&lm, dtype, 2)));
+                cases.push(("two slots, slow kernels", run(&lm, dtype, 2, None)));
+                let one = run(&lm, dtype, 1, Some(2));
+                cases.push(("one slot, two host records, slow kernels", one));
                 set_delays(0, 0);
             }
             for (name, (losses, experts)) in &cases {

@@ -289,6 +289,7 @@ impl Engine {
             dev: &mut self.devices[0],
             options,
             pending: None,
+            landing: None,
         };
         let out = net.forward_eval(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
         // The next step starts from its forward again.
@@ -421,6 +422,7 @@ impl Engine {
             dev: &mut self.devices[0],
             options,
             pending: None,
+            landing: None,
         };
         for (i, part) in parts.iter().enumerate() {
             loss += net

@@ -114,6 +114,7 @@ impl Engine {
                                 dev,
                                 options,
                                 pending: None,
+                                landing: None,
                             };
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned);
                             let mut grad = vec![0.0f32; dense.len()];

@@ -40,6 +40,16 @@ pub(crate) struct DeviceRunner<'a> {
     /// device rows, taken once the next expert's backward is queued (or
     /// at the pass's end). Dropped with the runner when a step fails.
     pub pending: Option<PendingGradient>,
+    /// The last upload the device orders its compute after (a GPU), not
+    /// yet seen to land on the host: its host slot stays pinned until then.
+    pub landing: Option<Landing>,
+}
+
+/// An upload the device orders its compute after, not yet waited for.
+pub(crate) struct Landing {
+    upload: CopyEvent,
+    layer: usize,
+    expert: usize,
 }
 
 /// An expert's gradient on the device, not yet taken.
@@ -163,10 +173,11 @@ impl DeviceRunner<'_> {
     /// the device has room for both, and calls `compute` on each. Where the
     /// device orders its reads after the uploads itself (a GPU), the host
     /// does not wait for an upload before its compute is queued, only, before
-    /// it stages another, for the upload before it: so it leads the device
-    /// by two experts at most, and holds no more host slots in uploads than
-    /// when it waited for each. The pass ends by waiting for the device's
-    /// queued work, then for the last upload's event.
+    /// it stages another or hands a gradient to an update (which may need a
+    /// host slot), for the upload before it: so it leads the device by two
+    /// experts at most, and holds no more host slots in uploads than when
+    /// it waited for each. The pass ends by waiting for the device's queued
+    /// work, then for the last upload's event.
     pub fn pipeline(
         &mut self,
         pass: Pass,
@@ -180,18 +191,13 @@ impl DeviceRunner<'_> {
             .with_detail(|| format!("layer {layer}, {} experts", order.len()));
         let overlap = self.overlapped();
         let on_device = self.dev.device.orders_uploads();
-        // The last upload the device orders its compute after, not yet
-        // seen to land on the host, with its expert.
-        let mut landing: Option<(CopyEvent, usize)> = None;
         let mut next = match order.first() {
             Some(&e) => Some(self.stage(layer, e, None)?),
             None => None,
         };
         for i in 0..order.len() {
             let current = next.take().expect("staged");
-            if let Some((upload, expert)) = landing.take() {
-                self.wait_upload(&upload, layer, expert)?;
-            }
+            self.wait_landing()?;
             if overlap && i + 1 < order.len() {
                 next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
                 // The held update of the expert after next, if its record
@@ -203,17 +209,36 @@ impl DeviceRunner<'_> {
                 }
             }
             match current.upload {
-                Some(upload) if on_device => landing = Some((upload, current.expert)),
+                Some(upload) if on_device => {
+                    let expert = current.expert;
+                    self.landing = Some(Landing {
+                        upload,
+                        layer,
+                        expert,
+                    });
+                }
                 Some(upload) => self.wait_upload(&upload, layer, current.expert)?,
                 None => {}
             }
             let params = SlotParams::new(&self.shared.layout, current.slot);
             compute(self, current.expert, params)?;
             if next.is_none() && i + 1 < order.len() {
-                next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
+                // A device of one slot refills it: the compute that read
+                // it has ended (cpu) or orders the upload after it (GPU).
+                let protect = Some(current.slot).filter(|_| self.dev.slots.slot_count() > 1);
+                next = Some(self.stage(layer, order[i + 1], protect)?);
             }
         }
-        self.finish_pass(layer, landing)
+        self.finish_pass()
+    }
+
+    /// Waits on the host for [`Self::landing`]'s upload, if any, which
+    /// unpins its host slot.
+    fn wait_landing(&mut self) -> Result<(), EngineError> {
+        match self.landing.take() {
+            Some(l) => self.wait_upload(&l.upload, l.layer, l.expert),
+            None => Ok(()),
+        }
     }
 
     /// Waits on the host for `layer`'s `expert`'s upload, a stall.
@@ -233,23 +258,17 @@ impl DeviceRunner<'_> {
     }
 
     /// Waits for the expert work the device has queued in this pass (its
-    /// time is the experts' compute), then for the `landing` upload it
-    /// ordered that work after, which has landed by then unless it failed.
-    fn finish_pass(
-        &mut self,
-        layer: usize,
-        landing: Option<(CopyEvent, usize)>,
-    ) -> Result<(), EngineError> {
+    /// time is the experts' compute), then for the [`Self::landing`] upload
+    /// it ordered that work after, which has landed by then unless it
+    /// failed.
+    fn finish_pass(&mut self) -> Result<(), EngineError> {
         self.take_pending_gradient()?;
         let t0 = Instant::now();
         self.dev.device.finish_pass()?;
         if self.dev.device.computes() {
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
-        match landing {
-            Some((upload, expert)) => self.wait_upload(&upload, layer, expert),
-            None => Ok(()),
-        }
+        self.wait_landing()
     }
 
     /// ye (n, D) = expert(xe (n, D)), written whole, keeping what its
@@ -435,6 +454,11 @@ impl DeviceRunner<'_> {
         let mut grad = self.shared.grads.take(); // overwritten whole
         let t0 = Instant::now();
         p.grad.take(&mut grad)?;
+        // Its update may need a host slot for the record: the upload in
+        // flight unpins its own first (with two host slots it and the
+        // next expert's hold both). The device has mostly run it by now,
+        // its compute being queued after it.
+        self.wait_landing()?;
         self.expert_gradient(p.key, grad, t0, p.last_micro_batch)
     }
 }
