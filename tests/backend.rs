@@ -203,7 +203,7 @@ macro_rules! per_backend {
             #[test]
             fn cuda() {
                 let body: fn(&dyn HostSliceFfn, bool) = $body;
-                match strata::backend::cuda::CudaBackend::new(0) {
+                match strata::backend::cuda::CudaBackend::new(0, Default::default()) {
                     Err(e) => common::cuda_case_skipped(e),
                     Ok(gpu) => {
                         eprintln!("cuda case on {}", gpu.info.name);
@@ -253,7 +253,7 @@ fn device_computes_from_its_slots(kind_of_backend: strata::backend::BackendKind)
             moments: true,
         };
         let budget = 2 * layout.compute_payload_bytes();
-        let mut device = match kind_of_backend.open_device(0, budget, &layout) {
+        let mut device = match kind_of_backend.open_device(0, budget, &layout, Default::default()) {
             Ok(device) => device,
             Err(e) => {
                 common::cuda_case_skipped(e);
@@ -342,13 +342,26 @@ mod device_computes_from_its_slots {
     }
 }
 
-/// The dense layers' GEMMs on the GPU (f32 in, f32 accumulation) against
-/// the cpu's: the same products summed in another order, so a few f32
+/// The dense layers' GEMMs on the GPU against the cpu's, forward and
+/// backward (dx and dw accumulating into what they held).
+///
+/// f32 inputs: the same products summed in another order, so a few f32
 /// ulps of sums of ~100 terms of order one: 1e-5 norm-wise.
+///
+/// bf16 inputs: x, w and dout rounded to bf16 (round to nearest even),
+/// products summed in f32. Two checks. (1) Against the cpu fed the
+/// rounded operands: the same products again, so 1e-5 norm-wise; an
+/// operand left unrounded, or rounded twice to a coarser type, is 2⁻⁹
+/// relative off or more. (2) Against the cpu on the unrounded operands,
+/// element by element: rounding a and b to bf16 (unit roundoff u = 2⁻⁸)
+/// changes a·b by at most (2u + u²)·|a||b|, so a sum of products by at
+/// most (2u + u²)·Σ|a||b|, plus f32's accumulation error (K·2⁻²⁴ ≤ 1e-5
+/// of Σ|a||b| at K = 96) on either side: (2u + u² + 2e-5)·Σ|a||b|,
+/// Σ|a||b| being the cpu's GEMM of the absolute values.
 #[cfg(feature = "cuda")]
 #[test]
 fn dense_gemms_on_the_gpu_match_the_cpu() {
-    use strata::backend::{BackendKind, CpuBackend};
+    use strata::backend::{BackendKind, CpuBackend, DenseGemm};
     use strata::model::DenseKernels;
     let layout = strata_tiers::Layout {
         layers: 1,
@@ -357,56 +370,103 @@ fn dense_gemms_on_the_gpu_match_the_cpu() {
         compute_dtype: strata_tiers::Dtype::Bf16,
         moments: true,
     };
-    let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
-        Ok(device) => device.dense_kernels(),
-        Err(e) => {
-            common::cuda_case_skipped(e);
-            return;
-        }
-    };
     let (m, k, n) = (37, 96, 53);
     let (x, w, dout) = (
         f32s(m * k, 50, 1.0),
         f32s(n * k, 51, 0.3),
         f32s(m * n, 52, 1.0),
     );
-    let mut outs = Vec::new();
-    for linear in [&*gpu, &CpuBackend as &dyn DenseKernels] {
+    let (dx0, dw0) = (vec![0.5; m * k], vec![-0.25; n * k]);
+    // out, and the backward's dx and dw on their starting values.
+    let pass = |linear: &dyn DenseKernels, x: &[f32], w: &[f32], dout: &[f32]| {
         let mut out = vec![0.0; m * n];
-        linear.forward(&mut out, &x, &w, m, k, n).unwrap();
-        // Both gradients accumulate into what they held.
-        let (mut dx, mut dw) = (vec![0.5; m * k], vec![-0.25; n * k]);
+        linear.forward(&mut out, x, w, m, k, n).unwrap();
+        let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
         linear
-            .backward(&mut dx, &mut dw, &dout, &x, &w, m, k, n)
+            .backward(&mut dx, &mut dw, dout, x, w, m, k, n)
             .unwrap();
-        outs.push((out, dx, dw));
-    }
-    let (g, c) = (&outs[0], &outs[1]);
-    for (what, a, b) in [("out", &g.0, &c.0), ("dx", &g.1, &c.1), ("dw", &g.2, &c.2)] {
-        let err = normwise(a, b);
-        eprintln!("cuda dense {what}: norm-wise error {err:.2e}");
-        assert!(err < 1e-5, "{what}: {err}");
+        [out, dx, dw]
+    };
+    let names = ["out", "dx", "dw"];
+    for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
+        let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout, gemm) {
+            Ok(device) => device.dense_kernels(),
+            Err(e) => {
+                common::cuda_case_skipped(e);
+                return;
+            }
+        };
+        let got = pass(&*gpu, &x, &w, &dout);
+        let rounded = |v: &[f32]| match gemm {
+            DenseGemm::F32 => v.to_vec(),
+            DenseGemm::Bf16 => bf16_round(v),
+        };
+        let same_operands = pass(&CpuBackend, &rounded(&x), &rounded(&w), &rounded(&dout));
+        for ((what, a), b) in names.iter().zip(&got).zip(&same_operands) {
+            let err = normwise(a, b);
+            eprintln!(
+                "cuda dense {what}, {} inputs: norm-wise error {err:.2e}",
+                gemm.name()
+            );
+            assert!(err < 1e-5, "{} {what}: {err}", gemm.name());
+        }
+        if gemm == DenseGemm::F32 {
+            continue;
+        }
+        let exact = pass(&CpuBackend, &x, &w, &dout);
+        let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<_>>();
+        let (dx_zero, dw_zero) = (dx0.iter().map(|_| 0.0), dw0.iter().map(|_| 0.0));
+        let magnitudes = {
+            // Σ|a||b| of each output: the GEMMs of the absolute values, from zero.
+            let mut out = vec![0.0; m * n];
+            CpuBackend
+                .forward(&mut out, &abs(&x), &abs(&w), m, k, n)
+                .unwrap();
+            let (mut dx, mut dw): (Vec<f32>, Vec<f32>) = (dx_zero.collect(), dw_zero.collect());
+            CpuBackend
+                .backward(&mut dx, &mut dw, &abs(&dout), &abs(&x), &abs(&w), m, k, n)
+                .unwrap();
+            [out, dx, dw]
+        };
+        let u = 2f64.powi(-8);
+        let factor = 2.0 * u + u * u + 2e-5;
+        for (((what, g), e), mag) in names.iter().zip(&got).zip(&exact).zip(&magnitudes) {
+            let worst = g
+                .iter()
+                .zip(e)
+                .zip(mag)
+                .map(|((&g, &e), &mag)| (g as f64 - e as f64).abs() / (factor * mag as f64 + 1e-30))
+                .fold(0.0f64, f64::max);
+            eprintln!("cuda dense {what}, bf16 inputs: worst error {worst:.2} of its bound");
+            assert!(worst <= 1.0, "bf16 {what}: {worst} of the bound");
+        }
     }
 }
 
 /// The LM head and its loss on the GPU in blocks of rows (3 rows, so 10
 /// tokens go in 4 blocks, the last one short; one ignored target) against
-/// the plain sequence of the cpu's GEMM, cross-entropy and GEMM: the same
-/// sums in f32, so 1e-5 norm-wise (the loss to 1e-5 relative). And what
+/// the plain sequence of the cpu's GEMM, cross-entropy and GEMM. And what
 /// crosses between host and GPU is the rows and targets up, d rows and
 /// the loss shares down, and the head and its gradient (neither of them
 /// slices of registered dense params here): never the logits.
+///
+/// f32 inputs: the same sums in f32, so 1e-5 norm-wise (the loss to 1e-5
+/// relative). bf16 inputs, against the cpu fed x and the head rounded to
+/// bf16: the logits and the loss are the same sums again (1e-5); the
+/// backward's GEMMs also round d logits (unit roundoff u = 2⁻⁸, one
+/// operand of each product), so dx and d head differ from the cpu's by at
+/// most (u + 2e-5)·Σ|d logits||b| element by element (b the rounded head
+/// or x; 2e-5 for f32's sums), Σ|d logits||b| from the cpu's d logits.
 #[cfg(feature = "cuda")]
 #[test]
 fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
     use strata::backend::cuda::CudaBackend;
-    use strata::backend::{BackendKind, CpuBackend};
+    use strata::backend::{BackendKind, CpuBackend, DenseGemm};
     use strata::model::{DenseKernels, HeadShape};
     if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
     }
-    let gpu = CudaBackend::new(0).unwrap();
     let (t, d, v) = (10, 24, 41);
     let s = HeadShape {
         t,
@@ -417,46 +477,96 @@ fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
     let (x, head) = (f32s(t * d, 60, 1.0), f32s(v * d, 61, 0.3));
     let mut targets: Vec<u32> = (0..t as u32).map(|i| (i * 7 + 3) % v as u32).collect();
     targets[4] = strata::math::IGNORED_TARGET;
-    let mut outs = Vec::new();
-    for on_gpu in [true, false] {
-        // dx is overwritten, dhead accumulates into what it held.
-        let (mut dx, mut dhead) = (vec![7.0; t * d], vec![-0.25; v * d]);
-        let before = gpu.pcie_other_bytes();
-        let loss = if on_gpu {
-            gpu.head_loss_in_blocks(&mut dx, &mut dhead, &x, &head, &targets, s, 3)
-        } else {
-            CpuBackend.head_loss(&mut dx, &mut dhead, &x, &head, &targets, s)
+    for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
+        let gpu = CudaBackend::new(0, gemm).unwrap();
+        let (x_in, head_in) = match gemm {
+            DenseGemm::F32 => (x.clone(), head.clone()),
+            DenseGemm::Bf16 => (bf16_round(&x), bf16_round(&head)),
+        };
+        let mut outs = Vec::new();
+        for on_gpu in [true, false] {
+            // dx is overwritten, dhead accumulates into what it held.
+            let (mut dx, mut dhead) = (vec![7.0; t * d], vec![-0.25; v * d]);
+            let before = gpu.pcie_other_bytes();
+            let loss = if on_gpu {
+                gpu.head_loss_in_blocks(&mut dx, &mut dhead, &x, &head, &targets, s, 3)
+            } else {
+                CpuBackend.head_loss(&mut dx, &mut dhead, &x_in, &head_in, &targets, s)
+            }
+            .unwrap();
+            if on_gpu {
+                let crossed = gpu.pcie_other_bytes() - before;
+                let expected = 4 * (3 * v * d + 2 * t * d + 2 * t) as u64;
+                assert_eq!(crossed, expected, "bytes between host and GPU");
+            }
+            outs.push((loss, dx, dhead));
         }
-        .unwrap();
-        if on_gpu {
-            let crossed = gpu.pcie_other_bytes() - before;
-            let expected = 4 * (3 * v * d + 2 * t * d + 2 * t) as u64;
-            assert_eq!(crossed, expected, "bytes between host and GPU");
+        let (g, c) = (&outs[0], &outs[1]);
+        let name = gemm.name();
+        assert!(
+            (g.0 - c.0).abs() <= 1e-5 * c.0.abs(),
+            "{name}: loss {} vs {}",
+            g.0,
+            c.0
+        );
+        if gemm == DenseGemm::F32 {
+            for (what, a, b) in [("dx", &g.1, &c.1), ("dhead", &g.2, &c.2)] {
+                let err = normwise(a, b);
+                eprintln!("cuda head in blocks, {what}: norm-wise error {err:.2e}");
+                assert!(err < 1e-5, "{what}: {err}");
+            }
+            continue;
         }
-        outs.push((loss, dx, dhead));
-    }
-    let (g, c) = (&outs[0], &outs[1]);
-    assert!(
-        (g.0 - c.0).abs() <= 1e-5 * c.0.abs(),
-        "loss {} vs {}",
-        g.0,
-        c.0
-    );
-    for (what, a, b) in [("dx", &g.1, &c.1), ("dhead", &g.2, &c.2)] {
-        let err = normwise(a, b);
-        eprintln!("cuda head in blocks, {what}: norm-wise error {err:.2e}");
-        assert!(err < 1e-5, "{what}: {err}");
+        // The cpu's d logits, and Σ|d logits||b| for dx and d head.
+        let mut logits = vec![0.0; t * v];
+        CpuBackend
+            .forward(&mut logits, &x_in, &head_in, t, d, v)
+            .unwrap();
+        let mut dlogits = vec![0.0; t * v];
+        CpuBackend
+            .cross_entropy(&mut dlogits, &logits, &targets, v, s.denominator)
+            .unwrap();
+        let abs = |v: &[f32]| v.iter().map(|x| x.abs()).collect::<Vec<_>>();
+        let (mut dx_mag, mut dhead_mag) = (vec![0.0; t * d], vec![0.0; v * d]);
+        CpuBackend
+            .backward(
+                &mut dx_mag,
+                &mut dhead_mag,
+                &abs(&dlogits),
+                &abs(&x_in),
+                &abs(&head_in),
+                t,
+                d,
+                v,
+            )
+            .unwrap();
+        let factor = 2f64.powi(-8) + 2e-5;
+        for (what, a, b, mag) in [
+            ("dx", &g.1, &c.1, &dx_mag),
+            ("dhead", &g.2, &c.2, &dhead_mag),
+        ] {
+            let worst = a
+                .iter()
+                .zip(b)
+                .zip(mag)
+                .map(|((&a, &b), &m)| (a as f64 - b as f64).abs() / (factor * m as f64 + 1e-30))
+                .fold(0.0f64, f64::max);
+            eprintln!("cuda head in blocks, bf16 {what}: worst error {worst:.2} of its bound");
+            assert!(worst <= 1.0, "bf16 {what}: {worst} of the bound");
+        }
     }
 }
 
 /// A weight that is a slice of the registered dense params is uploaded
 /// once and read in place until the params change: a GEMM after the host
 /// copy changed (without `weights_changed`) still sees the uploaded
-/// weight, and after `weights_changed` the new one.
+/// weight, and after `weights_changed` the new one. With bf16 inputs the
+/// weight's bf16 copy follows it (each product the cpu's on the rounded
+/// operands, 1e-5 norm-wise as in `dense_gemms_on_the_gpu_match_the_cpu`).
 #[cfg(feature = "cuda")]
 #[test]
 fn dense_weights_stay_on_the_gpu_until_they_change() {
-    use strata::backend::{BackendKind, CpuBackend};
+    use strata::backend::{BackendKind, CpuBackend, DenseGemm};
     use strata::model::DenseKernels;
     let layout = strata_tiers::Layout {
         layers: 1,
@@ -465,47 +575,55 @@ fn dense_weights_stay_on_the_gpu_until_they_change() {
         compute_dtype: strata_tiers::Dtype::Bf16,
         moments: true,
     };
-    let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
-        Ok(device) => device.dense_kernels(),
-        Err(e) => {
-            common::cuda_case_skipped(e);
-            return;
-        }
-    };
     let (m, k, n) = (9, 32, 24);
     let x = f32s(m * k, 60, 1.0);
-    let mut dense = f32s(100 + n * k, 61, 0.3);
     let w = 100..100 + n * k;
-    let product = |kernels: &dyn DenseKernels, dense: &[f32]| {
-        let mut out = vec![0.0; m * n];
-        kernels
-            .forward(&mut out, &x, &dense[w.clone()], m, k, n)
-            .unwrap();
-        out
-    };
-    gpu.weights_changed(&dense);
-    let before = product(&*gpu, &dense);
-    assert!(normwise(&before, &product(&CpuBackend, &dense)) < 1e-5);
-    dense[w.clone()].iter_mut().for_each(|v| *v = -*v);
-    assert_eq!(
-        product(&*gpu, &dense),
-        before,
-        "the uploaded weight is read"
-    );
-    gpu.weights_changed(&dense);
-    let after = product(&*gpu, &dense);
-    assert!(normwise(&after, &product(&CpuBackend, &dense)) < 1e-5);
-    assert!(normwise(&after, &before) > 1.0, "the new weight is read");
+    for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
+        let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout, gemm) {
+            Ok(device) => device.dense_kernels(),
+            Err(e) => {
+                common::cuda_case_skipped(e);
+                return;
+            }
+        };
+        let rounded = |v: &[f32]| match gemm {
+            DenseGemm::F32 => v.to_vec(),
+            DenseGemm::Bf16 => bf16_round(v),
+        };
+        let mut dense = f32s(100 + n * k, 61, 0.3);
+        let product = |kernels: &dyn DenseKernels, x: &[f32], dense: &[f32]| {
+            let mut out = vec![0.0; m * n];
+            kernels
+                .forward(&mut out, x, &dense[w.clone()], m, k, n)
+                .unwrap();
+            out
+        };
+        let cpu = |dense: &[f32]| product(&CpuBackend, &rounded(&x), &rounded(dense));
+        gpu.weights_changed(&dense);
+        let before = product(&*gpu, &x, &dense);
+        assert!(normwise(&before, &cpu(&dense)) < 1e-5);
+        dense[w.clone()].iter_mut().for_each(|v| *v = -*v);
+        assert_eq!(
+            product(&*gpu, &x, &dense),
+            before,
+            "the uploaded weight is read"
+        );
+        gpu.weights_changed(&dense);
+        let after = product(&*gpu, &x, &dense);
+        assert!(normwise(&after, &cpu(&dense)) < 1e-5, "{}", gemm.name());
+        assert!(normwise(&after, &before) > 1.0, "the new weight is read");
+    }
 }
 
 /// Between `grads_begin` and `grads_flush`, weight gradients that are
 /// slices of the registered gradient sum on the GPU: the host slice keeps
 /// what it held (and what the cpu adds to it) until the flush adds the
-/// GPU's sum, and the result is the cpu's.
+/// GPU's sum, and the result is the cpu's (fed the rounded operands with
+/// bf16 inputs, as in `dense_gemms_on_the_gpu_match_the_cpu`).
 #[cfg(feature = "cuda")]
 #[test]
 fn dense_gradients_sum_on_the_gpu_until_the_flush() {
-    use strata::backend::{BackendKind, CpuBackend};
+    use strata::backend::{BackendKind, CpuBackend, DenseGemm};
     use strata::model::DenseKernels;
     let layout = strata_tiers::Layout {
         layers: 1,
@@ -513,13 +631,6 @@ fn dense_gradients_sum_on_the_gpu_until_the_flush() {
         params_per_expert: 64,
         compute_dtype: strata_tiers::Dtype::Bf16,
         moments: true,
-    };
-    let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout) {
-        Ok(device) => device.dense_kernels(),
-        Err(e) => {
-            common::cuda_case_skipped(e);
-            return;
-        }
     };
     let (m, k, n) = (11, 32, 24);
     let (x, w, dout) = (
@@ -529,28 +640,46 @@ fn dense_gradients_sum_on_the_gpu_until_the_flush() {
     );
     let slot = 40..40 + n * k;
     let held = f32s(40 + n * k + 8, 73, 0.5);
-    let backward_twice = |kernels: &dyn DenseKernels, grad: &mut Vec<f32>| {
-        let mut dx = vec![0.0; m * k];
-        for _ in 0..2 {
-            kernels
-                .backward(&mut dx, &mut grad[slot.clone()], &dout, &x, &w, m, k, n)
-                .unwrap();
-        }
-        dx
-    };
-    let mut cpu = held.clone();
-    let cpu_dx = backward_twice(&CpuBackend, &mut cpu);
-    let mut grad = held.clone();
-    gpu.grads_begin(&grad);
-    let gpu_dx = backward_twice(&*gpu, &mut grad);
-    assert_eq!(grad, held, "the host slice waits for the flush");
-    grad[slot.start] += 1.0; // as the cpu part of a step would add
-    gpu.grads_flush(&mut grad).unwrap();
-    grad[slot.start] -= 1.0;
-    assert!(normwise(&gpu_dx, &cpu_dx) < 1e-5);
-    let err = normwise(&grad, &cpu);
-    eprintln!("cuda dense gradient summed on the GPU: norm-wise error {err:.2e}");
-    assert!(err < 1e-5, "{err}");
+    for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
+        let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout, gemm) {
+            Ok(device) => device.dense_kernels(),
+            Err(e) => {
+                common::cuda_case_skipped(e);
+                return;
+            }
+        };
+        let rounded = |v: &[f32]| match gemm {
+            DenseGemm::F32 => v.to_vec(),
+            DenseGemm::Bf16 => bf16_round(v),
+        };
+        let backward_twice =
+            |kernels: &dyn DenseKernels, grad: &mut Vec<f32>, [x, w, dout]: [&[f32]; 3]| {
+                let mut dx = vec![0.0; m * k];
+                for _ in 0..2 {
+                    kernels
+                        .backward(&mut dx, &mut grad[slot.clone()], dout, x, w, m, k, n)
+                        .unwrap();
+                }
+                dx
+            };
+        let mut cpu = held.clone();
+        let (xr, wr, doutr) = (rounded(&x), rounded(&w), rounded(&dout));
+        let cpu_dx = backward_twice(&CpuBackend, &mut cpu, [&xr, &wr, &doutr]);
+        let mut grad = held.clone();
+        gpu.grads_begin(&grad);
+        let gpu_dx = backward_twice(&*gpu, &mut grad, [&x, &w, &dout]);
+        assert_eq!(grad, held, "the host slice waits for the flush");
+        grad[slot.start] += 1.0; // as the cpu part of a step would add
+        gpu.grads_flush(&mut grad).unwrap();
+        grad[slot.start] -= 1.0;
+        assert!(normwise(&gpu_dx, &cpu_dx) < 1e-5);
+        let err = normwise(&grad, &cpu);
+        eprintln!(
+            "cuda dense gradient summed on the GPU, {} inputs: norm-wise error {err:.2e}",
+            gemm.name()
+        );
+        assert!(err < 1e-5, "{err}");
+    }
 }
 
 /// One engine step on the GPU against the same on the cpu (both with bf16
@@ -564,10 +693,13 @@ fn dense_gradients_sum_on_the_gpu_until_the_flush() {
 /// output gradients to bf16 (2⁻⁹ relative each, so a product to 2⁻⁸ and a
 /// sum of products with random signs norm-wise to about the same). An
 /// expert weight's gradient ends a chain of three such GEMMs (dout →
-/// dhidden → da → dW1): ≈ √3 · 2⁻⁸ ≈ 7e-3 norm-wise; the dense gradients
-/// (norms, routers, head) see the experts' rounding through their inputs'
-/// gradients, no more. 3e-2 norm-wise per tensor leaves a 4× margin, and a
-/// gradient lost (1.0) or doubled (≈ 1.0) in any tensor fails it.
+/// dhidden → da → dW1): ≈ √3 · 2⁻⁸ ≈ 7e-3 norm-wise. The dense GEMMs
+/// take bf16 inputs too (the default, `DenseGemm::Bf16`): the head's
+/// gradient rounds d logits and x (≈ √2 · 2⁻⁸ ≈ 5.5e-3), and the norms'
+/// and routers' gradients see that rounding and the experts' through
+/// their inputs' gradients, a chain no longer than the experts'. 3e-2
+/// norm-wise per tensor leaves a 4× margin, and a gradient lost (1.0) or
+/// doubled (≈ 1.0) in any tensor fails it.
 #[cfg(feature = "cuda")]
 #[test]
 fn one_engine_step_on_the_gpu_computes_the_gradients_of_the_cpu() {
@@ -910,7 +1042,7 @@ mod cuda_kernels {
     use super::kernel_checks;
 
     fn gpu() -> Option<CudaBackend> {
-        match CudaBackend::new(0) {
+        match CudaBackend::new(0, Default::default()) {
             Ok(g) => Some(g),
             Err(e) => {
                 super::common::cuda_case_skipped(e);

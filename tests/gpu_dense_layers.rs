@@ -48,7 +48,7 @@ fn the_dense_layers_on_the_gpu_compute_the_gradients_of_the_host() {
         common::cuda_case_skipped(e);
         return;
     }
-    let gpu = CudaBackend::new(0).unwrap();
+    let gpu = CudaBackend::new(0, strata::backend::DenseGemm::F32).unwrap();
     let variants: Vec<(&str, LmConfig)> = vec![
         ("mixtral", tiny_config()),
         (

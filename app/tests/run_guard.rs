@@ -36,7 +36,7 @@ fn args(out: &Path, steps: u64) -> Vec<String> {
         "--eval-every",
         "0",
         "--device-mem",
-        "2MiB",
+        "3MiB",
         "--host-mem",
         "1536KiB",
         "--threads",

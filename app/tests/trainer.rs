@@ -872,6 +872,7 @@ fn the_plan_holds_what_a_gpu_run_allocates() {
             host_cell_slots: 0,
             gpu: true,
             dense_on_device: true,
+            dense_gemm: Default::default(),
         })
         .unwrap();
         let planned = plan.dense_device_bytes + plan.activation_bytes + plan.expert_device_bytes;

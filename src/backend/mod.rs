@@ -64,6 +64,40 @@ use strata_tiers::{Dtype, Layout};
 
 use crate::EngineError;
 
+/// What the GPU's dense GEMMs (the attention's projections, a dense MLP,
+/// a shared expert, the head) take as inputs. The experts' GEMMs are bf16
+/// on the GPU either way, the router's logits f32, and the cpu backend
+/// computes every GEMM in f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DenseGemm {
+    /// Activations, output gradients and weights rounded to bf16 (round to
+    /// nearest even), products accumulated and written in f32, the master
+    /// weights f32: the tensor cores' rate, as PyTorch's bf16 autocast.
+    #[default]
+    Bf16,
+    /// f32 inputs without tensor-core rounding: the cpu's results to f32
+    /// rounding of another order of sums, at the GPU's f32 rate.
+    F32,
+}
+
+impl DenseGemm {
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "bf16" => Ok(DenseGemm::Bf16),
+            "f32" => Ok(DenseGemm::F32),
+            other => Err(format!("unknown dense GEMM type {other:?} (bf16 or f32)")),
+        }
+    }
+
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseGemm::Bf16 => "bf16",
+            DenseGemm::F32 => "f32",
+        }
+    }
+}
+
 /// Which backend computes the experts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BackendKind {
@@ -147,16 +181,18 @@ impl BackendKind {
     }
 
     /// Device `ordinal` of this kind with `device_budget_bytes` carved into
-    /// expert slots for `layout`'s compute params, or why it cannot be had.
+    /// expert slots for `layout`'s compute params, its dense GEMMs taking
+    /// `dense` inputs on a GPU, or why it cannot be had.
     pub fn open_device(
         self,
         ordinal: usize,
         device_budget_bytes: u64,
         layout: &Layout,
+        dense: DenseGemm,
     ) -> Result<Box<dyn ExpertDevice>, EngineError> {
         match self {
             BackendKind::Cpu => {
-                let _ = ordinal;
+                let _ = (ordinal, dense);
                 Ok(Box::new(CpuExpertDevice::new(device_budget_bytes, layout)?))
             }
             #[cfg(feature = "cuda")]
@@ -164,9 +200,13 @@ impl BackendKind {
                 ordinal,
                 device_budget_bytes,
                 layout,
+                dense,
             )?)),
             #[cfg(not(feature = "cuda"))]
-            BackendKind::Cuda => Err(Self::no_cuda_feature()),
+            BackendKind::Cuda => {
+                let _ = dense;
+                Err(Self::no_cuda_feature())
+            }
         }
     }
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use strata_optim::AdamWHyper;
 use strata_tiers::{Dtype, Timeline};
 
-use crate::backend::BackendKind;
 pub use crate::backend::ExpertCompute;
+use crate::backend::{BackendKind, DenseGemm};
 
 /// The fewest host slots `host_stream_slots` may stream through: one
 /// holding the record being updated, one the record being uploaded, one
@@ -157,6 +157,10 @@ pub struct EngineConfig {
     ///
     /// [`Engine::dense_params`]: super::Engine::dense_params
     pub dense_on_device: bool,
+    /// What a GPU's dense GEMMs take as inputs: bf16 (the default, at the
+    /// tensor cores' rate) or f32 (the cpu's results to f32 rounding). The
+    /// cpu backend ignores it.
+    pub dense_gemm: DenseGemm,
 }
 
 impl Default for EngineConfig {
@@ -187,6 +191,7 @@ impl Default for EngineConfig {
             trace_routing: false,
             affinity_prefetch: false,
             dense_on_device: true,
+            dense_gemm: DenseGemm::Bf16,
         }
     }
 }

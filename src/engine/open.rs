@@ -259,10 +259,12 @@ impl Engine {
         )?;
         let mut devices = (0..config.devices)
             .map(|ordinal| {
-                let device =
-                    config
-                        .backend
-                        .open_device(ordinal, config.device_budget_bytes, &layout)?;
+                let device = config.backend.open_device(
+                    ordinal,
+                    config.device_budget_bytes,
+                    &layout,
+                    config.dense_gemm,
+                )?;
                 let device =
                     crate::backend::ModeledExpertDevice::wrap(device, config.expert_compute);
                 let mut state = DeviceState::new(

@@ -37,7 +37,7 @@ use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use strata::lm::{LmConfig, MoeLm, TensorGroup};
 use strata::model::Network;
 
-use strata::backend::BackendKind;
+use strata::backend::{BackendKind, DenseGemm};
 
 /// Where the model comes from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -219,6 +219,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         host_cell_slots: o.host_cell_slots,
         gpu: o.backend == "cuda",
         dense_on_device: o.backend == "cuda" && !o.dense_on_host,
+        dense_gemm: DenseGemm::parse(&o.dense_gemm)?,
     })
 }
 
@@ -422,6 +423,7 @@ fn run_locked(
         trace_routing: o.trace_routing.is_some(),
         affinity_prefetch: o.affinity_prefetch,
         dense_on_device: !o.dense_on_host,
+        dense_gemm: DenseGemm::parse(&o.dense_gemm)?,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,
@@ -444,7 +446,7 @@ fn run_locked(
         }
     };
     say(format!(
-        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}, backend {}{}",
+        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}, backend {}{}{}",
         match (&source, o.resume) {
             (_, true) => "resume",
             (Source::Finetune(_), false) => "finetune",
@@ -468,6 +470,10 @@ fn run_locked(
         match &o.backend_chosen {
             Some(found) => format!(" (auto: {found}; --backend cpu or cuda to choose)"),
             None => String::new(),
+        },
+        match o.backend.as_str() {
+            "cuda" => format!(", dense GEMMs in {}", o.dense_gemm),
+            _ => String::new(),
         }
     ));
     if let Some(sized) = &o.device_mem_sized {

@@ -104,6 +104,13 @@ pub struct TrainFlags {
     #[arg(long)]
     #[serde(default)]
     pub dense_on_host: bool,
+    /// What a GPU's dense GEMMs (attention projections, dense MLPs, the
+    /// head) take as inputs: bf16 (default; f32 accumulation and master
+    /// weights, the tensor cores' rate) or f32 (the cpu's results to f32
+    /// rounding, at the GPU's f32 rate). The experts' GEMMs are bf16 on a
+    /// GPU either way; the cpu backend computes in f32.
+    #[arg(long, value_name = "bf16|f32")]
+    pub dense_gemm: Option<String>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -217,6 +224,9 @@ pub struct TrainOptions {
     pub affinity_prefetch: bool,
     #[serde(default)]
     pub dense_on_host: bool,
+    /// A run recorded before the option existed computed them in f32.
+    #[serde(default = "dense_gemm_before_the_option")]
+    pub dense_gemm: String,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -321,6 +331,10 @@ impl<'de> Deserialize<'de> for StreamSlots {
     }
 }
 
+fn dense_gemm_before_the_option() -> String {
+    "f32".into()
+}
+
 macro_rules! pick {
     ($cli:ident, $file:ident, $field:ident, $default:expr) => {
         $cli.$field
@@ -371,6 +385,7 @@ impl TrainFlags {
             trace_routing: cli.trace_routing.clone().or(file.trace_routing.clone()),
             affinity_prefetch: cli.affinity_prefetch || file.affinity_prefetch,
             dense_on_host: cli.dense_on_host || file.dense_on_host,
+            dense_gemm: pick!(cli, file, dense_gemm, "bf16".into()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,

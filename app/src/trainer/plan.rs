@@ -18,7 +18,7 @@ use std::path::Path;
 use strata_tiers::{Dtype, Layout};
 
 use super::options::{show_bytes, show_count};
-use strata::backend::{head_block_rows, ATTENTION_BLOCK_BYTES};
+use strata::backend::{head_block_rows, DenseGemm, ATTENTION_BLOCK_BYTES};
 use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
 use strata::lm::{LmConfig, QkNorm};
 use strata::math::attention::AttnShape;
@@ -108,6 +108,9 @@ pub struct PlanInput<'a> {
     /// there (`EngineConfig::dense_on_device` with `--backend cuda`): their
     /// Adam moments take device memory too.
     pub dense_on_device: bool,
+    /// What the GPU's dense GEMMs take (`EngineConfig::dense_gemm`): with
+    /// bf16, each weight's bf16 copy takes 2 bytes a dense param.
+    pub dense_gemm: DenseGemm,
 }
 
 /// Bytes one micro-batch keeps for its backward (f32): per layer the
@@ -153,8 +156,27 @@ pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
         2 * scores.min(ATTENTION_BLOCK_BYTES as u64) + 4 * 8 * t * (m.heads * m.head_dim) as u64;
     let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t);
     let head_rows = t.min(head_block_rows(m.vocab) as u64);
-    let head = 4 * 2 * head_rows * m.vocab as u64;
-    kept + attention.max(experts).max(head)
+    // A block's logits and their gradient (f32), and, for bf16 GEMMs, the
+    // head's input rows and the block's gradient rounded to bf16.
+    let head = 4 * 2 * head_rows * m.vocab as u64
+        + 2 * (t * m.d_model as u64 + head_rows * m.vocab as u64);
+    kept + attention.max(experts).max(head).max(dense_gemm_bytes(m, t))
+}
+
+/// The bf16 copies a dense GEMM's backward makes of its input rows and
+/// output gradient (`DenseGemm::Bf16`, counted whatever the choice): at
+/// most the model width plus the widest of the projections and MLPs.
+fn dense_gemm_bytes(m: &LmConfig, t: u64) -> u64 {
+    let widest = [
+        m.heads * m.head_dim,
+        m.dense_ff,
+        m.shared_expert_ff,
+        m.d_model,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0) as u64;
+    2 * t * (m.d_model as u64 + widest)
 }
 
 /// What one expert's backward holds on a GPU (`cuda/expert.rs`), its
@@ -214,7 +236,10 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let devices = input.devices.max(1);
     // Params and gradient, and, stepped there, the moments.
     let kept = input.dense_on_device && devices == 1;
-    let dense_device = 8 * dense + if kept { 8 * dense_trainable } else { 0 };
+    let bf16_copies = input.gpu && input.dense_gemm == DenseGemm::Bf16;
+    let dense_device = 8 * dense
+        + if kept { 8 * dense_trainable } else { 0 }
+        + if bf16_copies { 2 * dense } else { 0 };
     let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
     let activations = match input.gpu {
         true => gpu_activation_bytes(m, input.seq_len, seqs),
@@ -225,8 +250,8 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let need_device = fixed_device + slot;
     if input.device_mem < need_device {
         return Err(format!(
-            "does not fit: the device needs at least {} (dense params, grads and, \
-             stepped there, moments {}, \
+            "does not fit: the device needs at least {} (dense params, grads, their \
+             bf16 copies with bf16 GEMMs and, stepped there, moments {}, \
              activations {} for {seqs} sequences of {} tokens, one expert slot {}) but \
              --device-mem (per device) is {}: {} short. Raise --device-mem, or lower \
              --batch / raise --micro-batches or --devices / lower --seq-len",
@@ -444,6 +469,7 @@ mod tests {
             host_cell_slots: 0,
             gpu: false,
             dense_on_device: false,
+            dense_gemm: DenseGemm::Bf16,
         }
     }
 
@@ -602,6 +628,24 @@ mod tests {
         assert!(gpu.device_slots <= host.device_slots);
         let two = plan(&on(2, true)).unwrap();
         assert_eq!(two.dense_device_bytes, 8 * dense);
+    }
+
+    /// On a GPU, bf16 dense GEMMs keep a bf16 copy of each weight: 2 bytes
+    /// a dense param more than f32 GEMMs; on the cpu neither counts.
+    #[test]
+    fn bf16_weight_copies_count_on_a_gpu() {
+        let m = LmConfig::preset("tiny").unwrap();
+        let on = |gpu, dense_gemm| PlanInput {
+            gpu,
+            dense_gemm,
+            ..input(&m, 1 << 30, 1 << 30)
+        };
+        let dense = m.dense_params() as u64;
+        let bf16 = plan(&on(true, DenseGemm::Bf16)).unwrap();
+        let f32 = plan(&on(true, DenseGemm::F32)).unwrap();
+        assert_eq!(bf16.dense_device_bytes, f32.dense_device_bytes + 2 * dense);
+        let cpu = plan(&on(false, DenseGemm::Bf16)).unwrap();
+        assert_eq!(cpu.dense_device_bytes, 8 * dense);
     }
 
     /// A new run needs the whole store on disk; a resume only what its

@@ -175,6 +175,9 @@ pub(super) fn resume_options(
     }
     o.affinity_prefetch |= flags.affinity_prefetch;
     o.dense_on_host |= flags.dense_on_host;
+    if let Some(gemm) = &flags.dense_gemm {
+        o.dense_gemm = gemm.clone();
+    }
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;

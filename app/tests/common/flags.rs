@@ -44,6 +44,7 @@ pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFl
         host_cell_slots: 0,
         gpu: on_gpu,
         dense_on_device: on_gpu,
+        dense_gemm: Default::default(),
     })
     .unwrap();
     let slot = 2 * config.expert_params() as u64;

@@ -13,10 +13,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{gpu_error, CudaBackend, Shape};
+use super::{gpu_error, CudaBackend, Shape, BF16};
 
 /// The experts' GEMM inputs: bf16.
-const BF16: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
 use crate::backend::DeviceRows;
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::EngineError;

@@ -21,7 +21,7 @@ use strata_tiers::{DeviceArena, Dtype, Layout};
 
 use super::expert::{download_expert_grad, GradStart, Weights};
 use super::{gpu_error, CudaBackend};
-use crate::backend::{DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
+use crate::backend::{DenseGemm, DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -68,14 +68,15 @@ pub struct CudaExpertDevice {
 impl CudaExpertDevice {
     /// Opens GPU `ordinal` with `device_budget_bytes` of it carved into
     /// expert slots for `layout`'s compute params (bf16, or f32 rounded to
-    /// bf16 per call).
+    /// bf16 per call), its dense GEMMs taking `dense` inputs.
     pub fn new(
         ordinal: usize,
         device_budget_bytes: u64,
         layout: &Layout,
+        dense: DenseGemm,
     ) -> Result<Self, EngineError> {
         crate::backend::BackendKind::Cuda.check(0, layout.compute_dtype)?;
-        let backend = Arc::new(CudaBackend::new(ordinal)?);
+        let backend = Arc::new(CudaBackend::new(ordinal, dense)?);
         let arena = CudaDeviceArena::new(
             Arc::clone(backend.context()),
             device_budget_bytes,

@@ -1,5 +1,5 @@
 //! A language model's head and loss on the GPU, a block of rows at a
-//! time ([`DenseKernels::head_loss`](crate::model::DenseKernels::head_loss)):
+//! time (its GEMMs taking the backend's [`DenseGemm`] inputs) ([`DenseKernels::head_loss`](crate::model::DenseKernels::head_loss)):
 //! the block's logits are computed, turned into their loss and d logits
 //! and taken back through the head without leaving the device. Only the
 //! head's input rows and targets go up, and d input and one loss share a
@@ -8,9 +8,11 @@
 //! (and as much of d logits), so a large vocabulary's (T × V) logits never
 //! exist whole.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 
-use super::{CudaBackend, Shape, F32};
+use super::linear::blas_type;
+use super::{CudaBackend, Shape};
+use crate::backend::DenseGemm;
 use crate::model::HeadShape;
 use crate::EngineError;
 
@@ -55,10 +57,11 @@ impl CudaBackend {
         assert!(block > 0, "a block holds a row at least");
         assert!(dx.len() == t * d && x.len() == t * d && targets.len() == t);
         assert!(dhead.len() == v * d && head.len() == v * d);
-        let w = self.weight(head)?;
+        let gemm = self.dense_gemm;
+        let (w, xg) = (self.gemm_weight(gemm, head)?, self.gemm_rows(gemm, x)?);
         self.memset_zeros(dx)?; // overwritten: the blocks' backward adds to it
         let (w_ptr, _rw) = w.device_ptr(&self.stream);
-        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (x_ptr, _rx) = xg.device_ptr(&self.stream);
         let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
         // The head's gradient: the step's accumulator for its slice of the
         // dense gradient, else a copy of its own downloaded at the end.
@@ -67,10 +70,11 @@ impl CudaBackend {
             let mut loss = 0.0f32;
             let mut shares = Vec::with_capacity(block.min(t));
             let row_bytes = (d * std::mem::size_of::<f32>()) as u64;
+            let input_row_bytes = (d * input_bytes(gemm)) as u64;
             for start in (0..t).step_by(block) {
                 let n = block.min(t - start);
                 let (xb, dxb) = (
-                    x_ptr + start as u64 * row_bytes,
+                    x_ptr + start as u64 * input_row_bytes,
                     dx_ptr + start as u64 * row_bytes,
                 );
                 let tb = self.upload_u32(&targets[start..start + n])?;
@@ -80,18 +84,28 @@ impl CudaBackend {
                     let (logits_ptr, _wl) = logits.device_ptr_mut(&self.stream);
                     // SAFETY: logits holds n·v f32, x's block n·d from row
                     // `start` (< t), the head v·d; all alive past the call.
-                    unsafe { self.linear_forward_at(logits_ptr, xb, w_ptr, shape, F32)? };
+                    unsafe {
+                        self.linear_forward_at(logits_ptr, xb, w_ptr, shape, blas_type(gemm))?
+                    };
                 }
                 let mut dlogits = self.zeros(n * v)?;
                 let row_loss =
                     self.cross_entropy_rows(&logits, &tb, &mut dlogits, v, s.denominator)?;
                 drop(logits);
                 {
+                    let dlogits = self.gemm_rows(gemm, &dlogits)?;
                     let (dl_ptr, _rdl) = dlogits.device_ptr(&self.stream);
-                    // SAFETY: dx's and x's blocks hold n·d f32, the
-                    // accumulator v·d, d logits n·v; all alive past the call.
+                    // SAFETY: dx's block holds n·d f32, x's n·d values of
+                    // the GEMM's type, the accumulator v·d f32, d logits
+                    // n·v of the GEMM's type; all alive past the call.
                     unsafe {
-                        self.linear_backward_at([dxb, acc_ptr], [dl_ptr, xb], w_ptr, shape, F32)?
+                        self.linear_backward_at(
+                            [dxb, acc_ptr],
+                            [dl_ptr, xb],
+                            w_ptr,
+                            shape,
+                            blas_type(gemm),
+                        )?
                     };
                 }
                 shares.resize(n, 0.0);
@@ -101,5 +115,13 @@ impl CudaBackend {
             }
             Ok(loss)
         })
+    }
+}
+
+/// Bytes of one value a GEMM taking `gemm` inputs reads.
+fn input_bytes(gemm: DenseGemm) -> usize {
+    match gemm {
+        DenseGemm::F32 => 4,
+        DenseGemm::Bf16 => 2,
     }
 }

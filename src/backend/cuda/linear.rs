@@ -1,8 +1,10 @@
 //! The dense layers' heavy kernels on the GPU ([`DenseKernels`]): GEMMs
-//! with f32 inputs and accumulation (cuBLAS without tensor-core rounding),
-//! so they agree with the cpu's to f32 rounding of another summation
-//! order; causal attention and cross-entropy (`kernels.cu`, one thread a
-//! query row or a logits row, the cpu loops' order of sums). Weights that
+//! with bf16 inputs and f32 accumulation by default ([`DenseGemm`]: the
+//! activations and output gradients rounded to bf16 per call, each weight's
+//! bf16 copy kept beside its upload until the weight changes), or with f32
+//! inputs (cuBLAS without tensor-core rounding), which agree with the cpu's
+//! to f32 rounding of another summation order; causal attention and
+//! cross-entropy (`kernels.cu`, the cpu loops' order of sums). Weights that
 //! are slices of the engine's dense params are uploaded once between
 //! updates (`weights.rs`); these host-slice calls upload their
 //! activations and download their results, for what still runs on host
@@ -10,10 +12,15 @@
 //! whose devices exchange tokens). The language model's layers otherwise
 //! run on device activations (`ops.rs`, `moe.rs`).
 
-use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
+};
 
 use super::expert::GradStart;
-use super::{CudaBackend, Shape};
+use super::{CudaBackend, Shape, BF16, F32};
+use crate::backend::DenseGemm;
 use crate::math::attention::AttnShape;
 use crate::model::{DenseKernels, DenseResidence, HeadShape};
 use crate::EngineError;
@@ -42,9 +49,9 @@ impl DenseKernels for CudaBackend {
     ) -> Result<(), EngineError> {
         assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
         self.bind()?;
-        let (dx, dw) = (self.upload(x)?, self.weight(w)?);
+        let dx = self.upload(x)?;
         let mut dout = self.zeros(m * n)?;
-        self.linear_forward_f32(&mut dout, &dx, &dw, Shape { m, k, n })?;
+        self.dense_forward(self.dense_gemm, &mut dout, &dx, w, Shape { m, k, n })?;
         self.download(&dout, out)
     }
 
@@ -62,7 +69,7 @@ impl DenseKernels for CudaBackend {
         assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
         assert!(x.len() == m * k && w.len() == n * k);
         self.bind()?;
-        let (ddout, dxin, dwin) = (self.upload(dout)?, self.upload(x)?, self.weight(w)?);
+        let (ddout, dxin) = (self.upload(dout)?, self.upload(x)?);
         // dx accumulates into what it held; dw into the step's GPU
         // accumulator for its slice of the dense gradient (added to the
         // host at `grads_flush`), or, for any other slice, into what it
@@ -70,7 +77,7 @@ impl DenseKernels for CudaBackend {
         let mut ddx = self.upload(dx)?;
         let shape = Shape { m, k, n };
         self.with_grad(dw, |acc| {
-            self.linear_backward_f32(&mut ddx, acc, &ddout, &dxin, &dwin, shape)
+            self.dense_backward(self.dense_gemm, &mut ddx, acc, &ddout, &dxin, w, shape)
         })?;
         self.download(&ddx, dx)
     }
@@ -114,6 +121,7 @@ impl DenseKernels for CudaBackend {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .reset(dense);
+        self.drop_bf16_weights();
         self.resident
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -225,5 +233,153 @@ impl CudaBackend {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .get_or_upload(w, |w| self.upload(w))
+    }
+
+    /// out (M, N) = x (M, K) · w (N, K)ᵀ for a dense weight `w` (a slice of
+    /// the host's params, read from its upload), the inputs as `gemm` says.
+    pub(super) fn dense_forward(
+        &self,
+        gemm: DenseGemm,
+        out: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &[f32],
+        s: Shape,
+    ) -> Result<(), EngineError> {
+        assert!(w.len() == s.n * s.k && x.len() == s.m * s.k && out.len() == s.m * s.n);
+        let (w, x) = (self.gemm_weight(gemm, w)?, self.gemm_rows(gemm, x)?);
+        let (w_ptr, _rw) = w.device_ptr(&self.stream);
+        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (out_ptr, _wo) = out.device_ptr_mut(&self.stream);
+        // SAFETY: the weight holds N·K and the rows M·K values of `gemm`'s
+        // type, out M·N f32 (asserted); each is borrowed, and its use
+        // recorded by its guard, until the product is queued on this
+        // stream, so a later write from any stream waits for it.
+        unsafe { self.linear_forward_at(out_ptr, x_ptr, w_ptr, s, blas_type(gemm)) }
+    }
+
+    /// dx (M, K) += dout (M, N) · w; dw (N, K, in GPU memory) += doutᵀ · x,
+    /// for a dense weight `w` as in [`Self::dense_forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dense_backward(
+        &self,
+        gemm: DenseGemm,
+        dx: &mut CudaSlice<f32>,
+        dw: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &[f32],
+        s: Shape,
+    ) -> Result<(), EngineError> {
+        assert!(w.len() == s.n * s.k && dw.len() == s.n * s.k);
+        assert!(x.len() == s.m * s.k && dx.len() == s.m * s.k && dout.len() == s.m * s.n);
+        let w = self.gemm_weight(gemm, w)?;
+        let (dout, x) = (self.gemm_rows(gemm, dout)?, self.gemm_rows(gemm, x)?);
+        let (w_ptr, _rw) = w.device_ptr(&self.stream);
+        let (dout_ptr, _rd) = dout.device_ptr(&self.stream);
+        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
+        let (dw_ptr, _wdw) = dw.device_ptr_mut(&self.stream);
+        // SAFETY: as in `dense_forward`; dx and dw hold M·K and N·K f32
+        // (asserted), their writes recorded on this stream by the guards.
+        unsafe {
+            self.linear_backward_at(
+                [dx_ptr, dw_ptr],
+                [dout_ptr, x_ptr],
+                w_ptr,
+                s,
+                blas_type(gemm),
+            )
+        }
+    }
+
+    /// Dense weight `w` as a GEMM taking `gemm` inputs reads it.
+    pub(super) fn gemm_weight(
+        &self,
+        gemm: DenseGemm,
+        w: &[f32],
+    ) -> Result<GemmInput<'static>, EngineError> {
+        Ok(match gemm {
+            DenseGemm::F32 => GemmInput::HeldF32(self.weight(w)?),
+            DenseGemm::Bf16 => GemmInput::HeldBf16(self.weight_bf16(w)?),
+        })
+    }
+
+    /// Rows of activations or gradients as a GEMM taking `gemm` inputs
+    /// reads them: as they are, or a bf16 copy.
+    pub(super) fn gemm_rows<'a>(
+        &self,
+        gemm: DenseGemm,
+        x: &'a CudaSlice<f32>,
+    ) -> Result<GemmInput<'a>, EngineError> {
+        Ok(match gemm {
+            DenseGemm::F32 => GemmInput::F32(x),
+            DenseGemm::Bf16 => GemmInput::Bf16(self.to_bf16(x)?),
+        })
+    }
+
+    /// `w` in bf16 on the GPU: the copy kept beside its upload when it is a
+    /// held slice of the params (made at its first bf16 GEMM since the
+    /// weights last changed), else a copy for this call alone. Bound: one
+    /// copy a held slice, 2 bytes a dense param at most.
+    pub(super) fn weight_bf16(&self, w: &[f32]) -> Result<Arc<CudaSlice<u16>>, EngineError> {
+        let held = || {
+            self.weights
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .held_key(w)
+        };
+        let copies = || self.weights_bf16.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(copy) = held().and_then(|key| copies().get(&key).cloned()) {
+            return Ok(copy);
+        }
+        let copy = Arc::new(self.to_bf16(&*self.weight(w)?)?);
+        if let Some(key) = held() {
+            copies().insert(key, Arc::clone(&copy));
+        }
+        Ok(copy)
+    }
+
+    /// The held weights changed: their bf16 copies go, remade at their next
+    /// use (in stream order, after what changed them).
+    pub(super) fn drop_bf16_weights(&self) {
+        self.weights_bf16
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+}
+
+/// bf16 copies of held dense weights, by their (offset, length) in the
+/// params.
+pub(super) type Bf16Copies = std::collections::HashMap<(usize, usize), Arc<CudaSlice<u16>>>;
+
+/// A GEMM's operand as [`DenseGemm`] has it read.
+pub(super) enum GemmInput<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+    HeldF32(Arc<CudaSlice<f32>>),
+    HeldBf16(Arc<CudaSlice<u16>>),
+}
+
+impl GemmInput<'_> {
+    /// Its device address, with the guard that records its use on `stream`.
+    pub(super) fn device_ptr<'s>(
+        &'s self,
+        stream: &'s CudaStream,
+    ) -> (CUdeviceptr, SyncOnDrop<'s>) {
+        match self {
+            GemmInput::F32(x) => x.device_ptr(stream),
+            GemmInput::Bf16(x) => x.device_ptr(stream),
+            GemmInput::HeldF32(x) => x.device_ptr(stream),
+            GemmInput::HeldBf16(x) => x.device_ptr(stream),
+        }
+    }
+}
+
+/// cuBLAS's name for what a GEMM taking `gemm` inputs reads.
+pub(super) fn blas_type(gemm: DenseGemm) -> cudarc::cublas::sys::cudaDataType {
+    match gemm {
+        DenseGemm::F32 => F32,
+        DenseGemm::Bf16 => BF16,
     }
 }

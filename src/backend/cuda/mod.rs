@@ -48,6 +48,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use strata_optim::StepScalars;
 use strata_tiers::device_cuda::{open_gpu, GpuInfo};
 
+use crate::backend::DenseGemm;
 use crate::math::ExpertKind;
 use crate::EngineError;
 
@@ -149,8 +150,13 @@ pub struct CudaBackend {
     f: Functions,
     dense: dense::DenseFunctions,
     router: router::RouterFunctions,
+    /// What the dense GEMMs take as inputs (`linear.rs`).
+    dense_gemm: DenseGemm,
     /// The dense weights uploaded since the params last changed.
     weights: std::sync::Mutex<weights::WeightCache<CudaSlice<f32>>>,
+    /// bf16 copies of the held weights (keys of `weights`), made at their
+    /// first bf16 GEMM after a change (`DenseGemm::Bf16`).
+    weights_bf16: std::sync::Mutex<linear::Bf16Copies>,
     /// The dense weight gradients summed on the GPU this step.
     grads: std::sync::Mutex<weights::GradCache<CudaSlice<f32>>>,
     /// The moments of the dense weights stepped here (`resident.rs`).
@@ -173,11 +179,12 @@ struct Shape {
 }
 
 const F32: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_32F;
+const BF16: blas_sys::cudaDataType = blas_sys::cudaDataType::CUDA_R_16BF;
 
 impl CudaBackend {
-    /// Opens GPU `ordinal` and compiles the kernels; says why when there is
-    /// no GPU.
-    pub fn new(ordinal: usize) -> Result<Self, EngineError> {
+    /// Opens GPU `ordinal` and compiles the kernels, its dense GEMMs to
+    /// take `dense` inputs; says why when there is no GPU.
+    pub fn new(ordinal: usize, dense_gemm: DenseGemm) -> Result<Self, EngineError> {
         let (ctx, info) = open_gpu(ordinal)?;
         check_libraries(ordinal)?;
         let stream = ctx
@@ -207,7 +214,9 @@ impl CudaBackend {
             f,
             dense,
             router,
+            dense_gemm,
             weights: Default::default(),
+            weights_bf16: Default::default(),
             grads: Default::default(),
             resident: Default::default(),
             attention_inputs: Default::default(),
@@ -369,41 +378,6 @@ impl CudaBackend {
             )
         }
         .map_err(|e| gpu_error("cublasGemmEx", e))
-    }
-
-    /// [`Self::linear_forward`] in f32, the weights in a device slice.
-    fn linear_forward_f32(
-        &self,
-        out: &mut CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        s: Shape,
-    ) -> Result<(), EngineError> {
-        assert_eq!(w.len(), s.n * s.k);
-        let (w_ptr, _read) = w.device_ptr(&self.stream);
-        // SAFETY: `w` holds N·K f32. It is borrowed until the product is
-        // enqueued on this stream, and its read guard records that use, so
-        // a later write to it from any stream waits for the product.
-        unsafe { self.linear_forward(out, x, w_ptr, s, F32) }
-    }
-
-    /// [`Self::linear_backward`] in f32, the weights in a device slice.
-    fn linear_backward_f32(
-        &self,
-        dx: &mut CudaSlice<f32>,
-        dw: &mut CudaSlice<f32>,
-        dout: &CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        s: Shape,
-    ) -> Result<(), EngineError> {
-        assert_eq!(w.len(), s.n * s.k);
-        assert_eq!(dw.len(), s.n * s.k);
-        let (w_ptr, _read) = w.device_ptr(&self.stream);
-        let (dw_ptr, _written) = dw.device_ptr_mut(&self.stream);
-        // SAFETY: as in `linear_forward_f32`; dw holds N·K f32, its write
-        // recorded on this stream by `_written`.
-        unsafe { self.linear_backward(dx, dw_ptr, dout, x, w_ptr, s, F32) }
     }
 
     /// out (M, N) = x (M, K) · w (N, K)ᵀ, `x` and the weights at `w` of

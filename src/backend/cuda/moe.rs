@@ -17,8 +17,8 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 use super::dense::threads;
 use super::ops::CudaOps;
 use super::router::DeviceRouting;
-use super::{gpu_error, CudaBackend};
-use crate::backend::DeviceRows;
+use super::{gpu_error, CudaBackend, Shape};
+use crate::backend::{DenseGemm, DeviceRows};
 use crate::math::{add_prob_sums, Permutation, Routing};
 use crate::model::{moe_backward, moe_forward, DenseOps, ExpertRunner, ModelConfig, MoeRouting};
 use crate::model::{DenseKernels, MoeSaved};
@@ -107,8 +107,12 @@ impl CudaOps<'_> {
         let gpu = self.gpu();
         let (d, k, e) = (model.d_model, model.top_k, model.experts);
         let span = kernels.host_span("router");
+        // The router's logits in f32 whatever the dense GEMMs take: the
+        // top-k choices then match the cpu's but for ties within f32's
+        // rounding, and its (T × D × E) GEMM is a few percent of the layer.
         let mut logits = self.zeros(t * e)?;
-        self.linear_forward(&mut logits, x, router, t, d, e)?;
+        let router_shape = Shape { m: t, k: d, n: e };
+        gpu.dense_forward(DenseGemm::F32, &mut logits, x, router, router_shape)?;
         let assignments = runner.needs_assignments();
         let (device, routing, perm) =
             gpu.route_device(&model.router(), &logits, bias, t, assignments)?;
@@ -205,7 +209,10 @@ impl CudaOps<'_> {
             (daux, dz),
             t,
         )?;
-        self.linear_backward(dx, router_grad, &dlogits, x, router, t, d, e)
+        gpu.with_grad(router_grad, |dw| {
+            let shape = Shape { m: t, k: d, n: e };
+            gpu.dense_backward(DenseGemm::F32, dx, dw, &dlogits, x, router, shape)
+        })
     }
 }
 

@@ -343,8 +343,8 @@ impl DenseOps for CudaOps<'_> {
         n: usize,
     ) -> Result<(), EngineError> {
         assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
-        let w = self.gpu.weight(w)?;
-        self.gpu.linear_forward_f32(out, x, &w, Shape { m, k, n })
+        let gpu = self.gpu;
+        gpu.dense_forward(gpu.dense_gemm, out, x, w, Shape { m, k, n })
     }
 
     fn linear_backward(
@@ -360,10 +360,9 @@ impl DenseOps for CudaOps<'_> {
     ) -> Result<(), EngineError> {
         assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
         assert!(x.len() == m * k && w.len() == n * k);
-        let w = self.gpu.weight(w)?;
-        let shape = Shape { m, k, n };
-        self.gpu.with_grad(dw, |dw| {
-            self.gpu.linear_backward_f32(dx, dw, dout, x, &w, shape)
+        let (gpu, shape) = (self.gpu, Shape { m, k, n });
+        gpu.with_grad(dw, |dw| {
+            gpu.dense_backward(gpu.dense_gemm, dx, dw, dout, x, w, shape)
         })
     }
 

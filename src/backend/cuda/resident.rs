@@ -169,6 +169,7 @@ impl DenseResidence for CudaBackend {
         }
         state.grads.clear();
         weights.mark_newer_here();
+        self.drop_bf16_weights();
         Ok(())
     }
 

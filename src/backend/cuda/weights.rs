@@ -117,6 +117,13 @@ impl<U> WeightCache<U> {
         self.slices.get_mut(&key).and_then(Arc::get_mut)
     }
 
+    /// `w`'s (offset, length) in the params where it is a held slice.
+    pub fn held_key(&self, w: &[f32]) -> Option<(usize, usize)> {
+        self.region
+            .place(w)
+            .filter(|key| self.slices.contains_key(key))
+    }
+
     /// The held slices were updated here: from now on the host's copy of
     /// them is older than these.
     pub fn mark_newer_here(&mut self) {
