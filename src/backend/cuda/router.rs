@@ -12,8 +12,10 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::result::memcpy_dtod_async;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, DeviceRepr, PushKernelArg, ValidAsZeroBits,
+    CudaFunction, CudaModule, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg,
+    ValidAsZeroBits,
 };
 
 use super::dense::{load_kernel, threads};
@@ -116,6 +118,48 @@ impl CudaBackend {
             .map_err(|e| gpu_error("a download", e))
     }
 
+    /// The experts' counts and the loss sums, side by side in one buffer
+    /// on the GPU (two copies there) and then in one download: one host
+    /// join a layer rather than two.
+    fn download_counts_and_sums(
+        &self,
+        counts: &CudaSlice<u32>,
+        sums: &CudaSlice<f32>,
+    ) -> Result<(Vec<u32>, Vec<f32>), EngineError> {
+        let (n_counts, n_sums) = (counts.len(), sums.len());
+        let mut both = self
+            .stream
+            .alloc_zeros::<u32>(n_counts + n_sums)
+            .map_err(|e| gpu_error("allocating GPU memory", e))?;
+        {
+            let (dst, _written) = both.device_ptr_mut(&self.stream);
+            let (counts_ptr, _rc) = counts.device_ptr(&self.stream);
+            let (sums_ptr, _rs) = sums.device_ptr(&self.stream);
+            let word = std::mem::size_of::<u32>();
+            let stream = self.stream.cu_stream();
+            // SAFETY: `both` holds n_counts + n_sums 4-byte words; the
+            // counts fill its first n_counts and the sums (f32, 4 bytes
+            // each) the rest. The guards keep the three alive and record
+            // their use until the copies are queued on this stream.
+            unsafe {
+                memcpy_dtod_async(dst, counts_ptr, n_counts * word, stream)
+                    .and_then(|()| {
+                        let at = dst + (n_counts * word) as u64;
+                        memcpy_dtod_async(at, sums_ptr, n_sums * word, stream)
+                    })
+                    .map_err(|e| gpu_error("a copy in GPU memory", e))?;
+            }
+        }
+        let mut host = vec![0u32; n_counts + n_sums];
+        self.download_values(&both, &mut host)?;
+        let sums = host[n_counts..]
+            .iter()
+            .map(|&b| f32::from_bits(b))
+            .collect();
+        host.truncate(n_counts);
+        Ok((host, sums))
+    }
+
     /// Routes the logits (T, E) on the GPU, `bias` being a sigmoid
     /// router's correction bias: the routing in GPU memory, and what the
     /// host keeps of it (counts, losses, and each token's experts where
@@ -133,12 +177,9 @@ impl CudaBackend {
         let (e, k) = (cfg.experts, cfg.top_k);
         assert_eq!(logits.len(), t * e, "logits (T, E)");
         let scored = self.route_kernels(cfg, logits, bias, t)?;
-        let mut counts = vec![0u32; e];
-        let mut sums = vec![0.0f32; e + 1];
         let (order, position, counts_dev) = self.permute_device(&scored.experts, e)?;
         let sums_dev = self.router_sums_device(&scored.probs, &scored.lse, t, e)?;
-        self.download_values(&counts_dev, &mut counts)?;
-        self.download_values(&sums_dev, &mut sums)?;
+        let (counts, sums) = self.download_counts_and_sums(&counts_dev, &sums_dev)?;
         let mut routing = Routing::default();
         let perm = if assignments {
             routing.experts = vec![0; t * k];
