@@ -342,6 +342,37 @@ mod device_computes_from_its_slots {
     }
 }
 
+/// A GPU's dense kernels, their GEMMs taking `gemm` inputs; `None` (the
+/// case skipped) without a GPU.
+#[cfg(feature = "cuda")]
+fn gpu_dense_kernels(
+    gemm: strata::backend::DenseGemm,
+) -> Option<std::sync::Arc<dyn strata::model::DenseKernels + Send + Sync>> {
+    let layout = strata_tiers::Layout {
+        layers: 1,
+        experts_per_layer: 1,
+        params_per_expert: 64,
+        compute_dtype: strata_tiers::Dtype::Bf16,
+        moments: true,
+    };
+    match strata::backend::BackendKind::Cuda.open_device(0, 1 << 20, &layout, gemm) {
+        Ok(device) => Some(device.dense_kernels()),
+        Err(e) => {
+            common::cuda_case_skipped(e);
+            None
+        }
+    }
+}
+
+/// `v` as a GEMM taking `gemm` inputs reads it.
+#[cfg(feature = "cuda")]
+fn rounded_for(gemm: strata::backend::DenseGemm, v: &[f32]) -> Vec<f32> {
+    match gemm {
+        strata::backend::DenseGemm::F32 => v.to_vec(),
+        strata::backend::DenseGemm::Bf16 => bf16_round(v),
+    }
+}
+
 /// The dense layers' GEMMs on the GPU against the cpu's, forward and
 /// backward (dx and dw accumulating into what they held).
 ///
@@ -361,15 +392,8 @@ mod device_computes_from_its_slots {
 #[cfg(feature = "cuda")]
 #[test]
 fn dense_gemms_on_the_gpu_match_the_cpu() {
-    use strata::backend::{BackendKind, CpuBackend, DenseGemm};
+    use strata::backend::{CpuBackend, DenseGemm};
     use strata::model::DenseKernels;
-    let layout = strata_tiers::Layout {
-        layers: 1,
-        experts_per_layer: 1,
-        params_per_expert: 64,
-        compute_dtype: strata_tiers::Dtype::Bf16,
-        moments: true,
-    };
     let (m, k, n) = (37, 96, 53);
     let (x, w, dout) = (
         f32s(m * k, 50, 1.0),
@@ -389,18 +413,11 @@ fn dense_gemms_on_the_gpu_match_the_cpu() {
     };
     let names = ["out", "dx", "dw"];
     for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
-        let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout, gemm) {
-            Ok(device) => device.dense_kernels(),
-            Err(e) => {
-                common::cuda_case_skipped(e);
-                return;
-            }
+        let Some(gpu) = gpu_dense_kernels(gemm) else {
+            return;
         };
         let got = pass(&*gpu, &x, &w, &dout);
-        let rounded = |v: &[f32]| match gemm {
-            DenseGemm::F32 => v.to_vec(),
-            DenseGemm::Bf16 => bf16_round(v),
-        };
+        let rounded = |v: &[f32]| rounded_for(gemm, v);
         let same_operands = pass(&CpuBackend, &rounded(&x), &rounded(&w), &rounded(&dout));
         for ((what, a), b) in names.iter().zip(&got).zip(&same_operands) {
             let err = normwise(a, b);
@@ -479,10 +496,7 @@ fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
     targets[4] = strata::math::IGNORED_TARGET;
     for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
         let gpu = CudaBackend::new(0, gemm).unwrap();
-        let (x_in, head_in) = match gemm {
-            DenseGemm::F32 => (x.clone(), head.clone()),
-            DenseGemm::Bf16 => (bf16_round(&x), bf16_round(&head)),
-        };
+        let (x_in, head_in) = (rounded_for(gemm, &x), rounded_for(gemm, &head));
         let mut outs = Vec::new();
         for on_gpu in [true, false] {
             // dx is overwritten, dhead accumulates into what it held.
@@ -566,30 +580,16 @@ fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
 #[cfg(feature = "cuda")]
 #[test]
 fn dense_weights_stay_on_the_gpu_until_they_change() {
-    use strata::backend::{BackendKind, CpuBackend, DenseGemm};
+    use strata::backend::{CpuBackend, DenseGemm};
     use strata::model::DenseKernels;
-    let layout = strata_tiers::Layout {
-        layers: 1,
-        experts_per_layer: 1,
-        params_per_expert: 64,
-        compute_dtype: strata_tiers::Dtype::Bf16,
-        moments: true,
-    };
     let (m, k, n) = (9, 32, 24);
     let x = f32s(m * k, 60, 1.0);
     let w = 100..100 + n * k;
     for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
-        let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout, gemm) {
-            Ok(device) => device.dense_kernels(),
-            Err(e) => {
-                common::cuda_case_skipped(e);
-                return;
-            }
+        let Some(gpu) = gpu_dense_kernels(gemm) else {
+            return;
         };
-        let rounded = |v: &[f32]| match gemm {
-            DenseGemm::F32 => v.to_vec(),
-            DenseGemm::Bf16 => bf16_round(v),
-        };
+        let rounded = |v: &[f32]| rounded_for(gemm, v);
         let mut dense = f32s(100 + n * k, 61, 0.3);
         let product = |kernels: &dyn DenseKernels, x: &[f32], dense: &[f32]| {
             let mut out = vec![0.0; m * n];
@@ -623,15 +623,8 @@ fn dense_weights_stay_on_the_gpu_until_they_change() {
 #[cfg(feature = "cuda")]
 #[test]
 fn dense_gradients_sum_on_the_gpu_until_the_flush() {
-    use strata::backend::{BackendKind, CpuBackend, DenseGemm};
+    use strata::backend::{CpuBackend, DenseGemm};
     use strata::model::DenseKernels;
-    let layout = strata_tiers::Layout {
-        layers: 1,
-        experts_per_layer: 1,
-        params_per_expert: 64,
-        compute_dtype: strata_tiers::Dtype::Bf16,
-        moments: true,
-    };
     let (m, k, n) = (11, 32, 24);
     let (x, w, dout) = (
         f32s(m * k, 70, 1.0),
@@ -641,17 +634,10 @@ fn dense_gradients_sum_on_the_gpu_until_the_flush() {
     let slot = 40..40 + n * k;
     let held = f32s(40 + n * k + 8, 73, 0.5);
     for gemm in [DenseGemm::F32, DenseGemm::Bf16] {
-        let gpu = match BackendKind::Cuda.open_device(0, 1 << 20, &layout, gemm) {
-            Ok(device) => device.dense_kernels(),
-            Err(e) => {
-                common::cuda_case_skipped(e);
-                return;
-            }
+        let Some(gpu) = gpu_dense_kernels(gemm) else {
+            return;
         };
-        let rounded = |v: &[f32]| match gemm {
-            DenseGemm::F32 => v.to_vec(),
-            DenseGemm::Bf16 => bf16_round(v),
-        };
+        let rounded = |v: &[f32]| rounded_for(gemm, v);
         let backward_twice =
             |kernels: &dyn DenseKernels, grad: &mut Vec<f32>, [x, w, dout]: [&[f32]; 3]| {
                 let mut dx = vec![0.0; m * k];
