@@ -199,6 +199,11 @@ pub(crate) fn model_for(o: &TrainOptions, config: &LmConfig) -> Result<MoeLm, St
     Ok(lm)
 }
 
+/// `--dense-gemm`'s choice.
+fn dense_gemm(o: &TrainOptions) -> Result<DenseGemm, String> {
+    DenseGemm::parse(&o.dense_gemm).map_err(|e| format!("--dense-gemm: {e}"))
+}
+
 /// Plans `o` for `config` (no allocation, nothing written).
 pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, String> {
     let lm = model_for(o, config)?;
@@ -219,7 +224,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         host_cell_slots: o.host_cell_slots,
         gpu: o.backend == "cuda",
         dense_on_device: o.backend == "cuda" && !o.dense_on_host,
-        dense_gemm: DenseGemm::parse(&o.dense_gemm)?,
+        dense_gemm: dense_gemm(&o)?,
     })
 }
 
@@ -423,7 +428,7 @@ fn run_locked(
         trace_routing: o.trace_routing.is_some(),
         affinity_prefetch: o.affinity_prefetch,
         dense_on_device: !o.dense_on_host,
-        dense_gemm: DenseGemm::parse(&o.dense_gemm)?,
+        dense_gemm: dense_gemm(&o)?,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,

@@ -468,6 +468,27 @@ pub fn show_count(n: u64) -> String {
 mod tests {
     use super::*;
 
+    /// A new run's dense GEMMs are bf16 unless told; a run recorded
+    /// before the option existed computed them in f32 and resumes so.
+    #[test]
+    fn dense_gemms_default_to_bf16_and_old_records_to_f32() {
+        let o = TrainFlags::default().resolve().unwrap();
+        assert_eq!(o.dense_gemm, "bf16");
+        let told = TrainFlags {
+            dense_gemm: Some("f32".into()),
+            ..TrainFlags::default()
+        };
+        assert_eq!(told.resolve().unwrap().dense_gemm, "f32");
+        let mut recorded = serde_json::to_value(&o).unwrap();
+        recorded
+            .as_object_mut()
+            .unwrap()
+            .remove("dense_gemm")
+            .unwrap();
+        let old: TrainOptions = serde_json::from_value(recorded).unwrap();
+        assert_eq!(old.dense_gemm, "f32");
+    }
+
     #[test]
     fn counts_read_in_their_unit() {
         let shown = [640, 67_400, 46_700_000, 1_200_000_000].map(show_count);
