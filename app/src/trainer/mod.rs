@@ -224,7 +224,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         host_cell_slots: o.host_cell_slots,
         gpu: o.backend == "cuda",
         dense_on_device: o.backend == "cuda" && !o.dense_on_host,
-        dense_gemm: dense_gemm(&o)?,
+        dense_gemm: dense_gemm(o)?,
     })
 }
 
