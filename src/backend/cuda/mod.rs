@@ -8,7 +8,8 @@
 //! ([`CudaExpertDevice`]), reading each expert's bf16 params in place from
 //! its slot of the GPU device tier, or from rows of activations in GPU
 //! memory. The language model's dense layers run here on activations kept
-//! in GPU memory ([`CudaOps`], `ops.rs`): f32 GEMMs (`linear.rs`), causal
+//! in GPU memory ([`CudaOps`], `ops.rs`): GEMMs with bf16 or f32 inputs
+//! ([`DenseGemm`], `linear.rs`), causal
 //! attention (`attention.rs`, keeping O(S) a head for its backward), the
 //! norms, rotary embeddings and the rest (`dense.rs`), each MoE block's
 //! router, permutation and combine around its experts (`moe.rs`), and the
