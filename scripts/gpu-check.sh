@@ -59,11 +59,12 @@
 #                                at 16 x 512 with every expert resident;
 #                                strata's step 6 recorded as a timeline
 #   scripts/gpu-check.sh quick   what a short GPU loan affords, in one
-#                                command of about six minutes: the backend
+#                                command of about seven minutes: the backend
 #                                tests (every kernel against its CPU
 #                                function), the peer comparison on moe-s at
-#                                16 x 512, the equivalence and trainer GPU
-#                                tests, then the peer on the tiny preset
+#                                16 x 512, one `ab` pair of bf16 and f32
+#                                dense GEMMs, the equivalence and trainer
+#                                GPU tests, then the peer on the tiny preset
 #   scripts/gpu-check.sh ab ROUNDS BIN[:FLAG,...]...  strata binaries
 #                                (paths on this machine), each with its own
 #                                extra train flags after a colon (commas
@@ -268,6 +269,8 @@ quick)
     run_test gpu-bin/test-routing_trace ""
     run_test gpu-bin/test-gpu_slot_order ""
     OUT=$out "$0" peer moe-s 16 512 10 || status=1
+    # The dense GEMMs' input type, bf16 (the default) against f32.
+    OUT=$out "$0" ab 1 gpu-bin/strata gpu-bin/strata:--dense-gemm,f32 || status=1
     run_test gpu-bin/test-equivalence ""
     run_test gpu-bin/test-trainer gpus
     OUT=$out "$0" peer tiny 16 64 40 || status=1
