@@ -5,6 +5,7 @@
 
 pub mod affinity;
 pub mod attention;
+pub mod kernels;
 pub mod optim;
 pub mod overlap;
 pub mod placement;

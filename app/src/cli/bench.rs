@@ -6,8 +6,8 @@ use std::io::Write;
 use strata_optim::Kernel;
 
 use super::bench_args::{
-    AffinityArgs, AttentionArgs, BenchCommand, OptimArgs, OverlapArgs, PlacementArgs, StepArgs,
-    StepTokens, TiersArgs, UploadArgs,
+    AffinityArgs, AttentionArgs, BenchCommand, KernelsArgs, OptimArgs, OverlapArgs, PlacementArgs,
+    StepArgs, StepTokens, TiersArgs, UploadArgs,
 };
 use super::step_table;
 use super::CliError;
@@ -24,7 +24,47 @@ pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Upload(args) => bench_upload(args),
         BenchCommand::Affinity(args) => bench_affinity(args),
         BenchCommand::Attention(args) => bench_attention(args),
+        BenchCommand::Kernels(args) => bench_kernels(args),
     }
+}
+
+fn bench_kernels(args: KernelsArgs) -> Result<(), CliError> {
+    set_compute_threads(args.compute_threads)?;
+    let config = bench::kernels::KernelsBenchConfig {
+        presets: args.presets,
+        tokens: args.tokens,
+        steps: args.steps.max(1),
+        peak_time: std::time::Duration::from_millis(300),
+    };
+    let records = bench::kernels::run(&config, |line| eprintln!("# {line}"))?;
+    if args.json {
+        return write_json_lines(&records);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:<13} {:<7} {:>6} {:>6} {:>6} {:>8} {:>10} {:>9} {:>8}",
+        "what", "preset", "rows", "d", "f", "threads", "median_ms", "GFLOP/s", "of_peak"
+    )?;
+    for r in &records {
+        let share = r
+            .share_of_peak
+            .map_or("-".to_string(), |s| format!("{:.0}%", 100.0 * s));
+        writeln!(
+            out,
+            "{:<13} {:<7} {:>6} {:>6} {:>6} {:>8} {:>10.3} {:>9.1} {:>8}",
+            r.what,
+            r.preset.as_deref().unwrap_or("-"),
+            r.rows,
+            r.d_model,
+            r.d_ff,
+            r.threads,
+            1e3 * r.median_s,
+            r.gflop_per_s,
+            share
+        )?;
+    }
+    Ok(())
 }
 
 fn bench_attention(args: AttentionArgs) -> Result<(), CliError> {

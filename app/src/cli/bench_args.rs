@@ -34,6 +34,30 @@ pub enum BenchCommand {
     /// max and sum kept, the probabilities recomputed in the backward)
     /// against the plain one that keeps every probability: time and memory.
     Attention(AttentionArgs),
+    /// The cpu backend's expert FFN and its GEMM at the presets' expert
+    /// shapes, against this machine's f32 fused multiply-add peak measured
+    /// in the same run.
+    Kernels(KernelsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct KernelsArgs {
+    /// Presets whose expert shapes to time (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "tiny,small,moe-s")]
+    pub presets: Vec<String>,
+    /// Tokens a step; each expert gets tokens × top-k / experts rows.
+    #[arg(long, default_value_t = 1024)]
+    pub tokens: usize,
+    /// Timed repetitions (after 1 warm-up).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Threads the cpu backend's compute splits over, as `train`'s flag
+    /// (default: every core); the peak loop runs on as many.
+    #[arg(long, value_name = "N", value_parser = parse_compute_threads)]
+    pub compute_threads: Option<usize>,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -1,0 +1,338 @@
+//! `strata bench kernels`: the cpu backend's expert FFN, and the GEMM it
+//! is made of, at the presets' expert shapes, against this machine's f32
+//! multiply-add peak measured in the same run (a loop of independent
+//! fused multiply-adds on every compute thread, which nothing can beat).
+//! Each repetition times the peak loop, then every shape: a shape's time
+//! is its median repetition's, the peak the highest repetition's (another
+//! tenant's work can only lower what the loop reaches). The peak needs AVX2 and FMA (x86-64);
+//! elsewhere it is reported as unknown and no share of it is given.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use strata::backend::{gemm_forward, CpuBackend};
+use strata::lm::LmConfig;
+use strata::math::{ExpertKind, ExpertSaved};
+
+use super::median;
+
+/// Settings of one `strata bench kernels` run.
+#[derive(Clone, Debug)]
+pub struct KernelsBenchConfig {
+    /// Presets whose expert shapes to time.
+    pub presets: Vec<String>,
+    /// Tokens a step: each expert gets its even share of the assignments
+    /// (tokens × top-k / experts rows).
+    pub tokens: usize,
+    /// Timed repetitions of everything; one untimed warm-up first.
+    pub steps: usize,
+    /// How long the peak loop runs in each repetition.
+    pub peak_time: Duration,
+}
+
+/// One line of output: a shape of a preset, or the peak itself.
+#[derive(Clone, Debug, Serialize)]
+pub struct KernelsBenchRecord {
+    pub bench: &'static str,
+    /// `fma_peak`, `gemm` (the up projection, x · w1ᵀ) or `ffn_forward` /
+    /// `ffn_backward` (the expert as the engine computes it).
+    pub what: &'static str,
+    pub preset: Option<String>,
+    /// Rows (the expert's tokens), model width, hidden width.
+    pub rows: usize,
+    pub d_model: usize,
+    pub d_ff: usize,
+    /// The threads the cpu backend's compute splits over.
+    pub threads: usize,
+    pub steps: usize,
+    pub median_s: f64,
+    /// f32 multiply-adds × 2 a second, the median repetition's.
+    pub gflop_per_s: f64,
+    /// Of the peak measured in the same run, its highest repetition
+    /// (`None` where there is none).
+    pub share_of_peak: Option<f64>,
+}
+
+/// A shape timed each repetition.
+struct Shape {
+    what: &'static str,
+    preset: String,
+    rows: usize,
+    d: usize,
+    f: usize,
+}
+
+impl Shape {
+    fn flops(&self) -> f64 {
+        let gemm = 2.0 * (self.rows * self.d * self.f) as f64;
+        match self.what {
+            "gemm" => gemm,
+            "ffn_forward" => 3.0 * gemm,
+            _ => 6.0 * gemm, // the backward: dW and dx for each of three GEMMs
+        }
+    }
+}
+
+/// Runs the bench; `progress` hears a line a repetition.
+pub fn run(
+    config: &KernelsBenchConfig,
+    mut progress: impl FnMut(String),
+) -> Result<Vec<KernelsBenchRecord>, String> {
+    if config.tokens == 0 {
+        return Err("--tokens must be at least 1".into());
+    }
+    let mut shapes = Vec::new();
+    for name in &config.presets {
+        // The language model's experts are SwiGLU.
+        let m = LmConfig::preset(name).map_err(|e| e.to_string())?;
+        let rows = (config.tokens * m.top_k).div_ceil(m.experts).max(1);
+        for what in ["gemm", "ffn_forward", "ffn_backward"] {
+            shapes.push(Shape {
+                what,
+                preset: name.clone(),
+                rows,
+                d: m.d_model,
+                f: m.d_ff,
+            });
+        }
+    }
+    let threads = strata::compute_threads();
+    let mut peak = Vec::new();
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); shapes.len()];
+    for step in 0..=config.steps {
+        let flops = fma_peak(threads, config.peak_time);
+        for (shape, t) in shapes.iter().zip(&mut times) {
+            let took = time_shape(shape);
+            if step > 0 {
+                t.push(took);
+            }
+        }
+        if step > 0 {
+            if let Some(f) = flops {
+                peak.push(f);
+            }
+            progress(format!("repetition {step} of {}", config.steps));
+        }
+    }
+    // Every repetition's peak is a lower bound of the machine's (another
+    // tenant's work only lowers it): the highest is kept.
+    let peak = peak.into_iter().reduce(f64::max);
+    let record = |what, preset, (rows, d, f), median_s: f64, gflop: f64| KernelsBenchRecord {
+        bench: "kernels",
+        what,
+        preset,
+        rows,
+        d_model: d,
+        d_ff: f,
+        threads,
+        steps: config.steps,
+        median_s,
+        gflop_per_s: gflop,
+        share_of_peak: peak.map(|p| gflop * 1e9 / p),
+    };
+    let mut records = vec![record(
+        "fma_peak",
+        None,
+        (0, 0, 0),
+        config.peak_time.as_secs_f64(),
+        peak.unwrap_or(0.0) / 1e9,
+    )];
+    for (shape, t) in shapes.iter().zip(times) {
+        let s = median(t.iter().map(Duration::as_secs_f64).collect());
+        let gflop = shape.flops() / s / 1e9;
+        let dims = (shape.rows, shape.d, shape.f);
+        records.push(record(
+            shape.what,
+            Some(shape.preset.clone()),
+            dims,
+            s,
+            gflop,
+        ));
+    }
+    Ok(records)
+}
+
+/// The time of one call of `shape`: calls repeated for at least
+/// [`SHAPE_MIN_TIME`], on operands made once.
+fn time_shape(shape: &Shape) -> Duration {
+    let mut call = shape_call(shape);
+    let (mut calls, mut spent) = (0u32, Duration::ZERO);
+    while calls == 0 || spent < SHAPE_MIN_TIME {
+        spent += call();
+        calls += 1;
+    }
+    spent / calls
+}
+
+/// How long each repetition calls a shape, at least.
+const SHAPE_MIN_TIME: Duration = Duration::from_millis(20);
+
+/// A closure that runs `shape` once and says how long it took.
+fn shape_call(shape: &Shape) -> Box<dyn FnMut() -> Duration> {
+    let (n, d, f) = (shape.rows, shape.d, shape.f);
+    let fill = |len: usize, seed: u32| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2001)
+            .map(|v| v as f32 / 20_000.0 - 0.05)
+            .collect()
+    };
+    let x = fill(n * d, 1);
+    let kind = ExpertKind::SwiGlu;
+    if shape.what == "gemm" {
+        let w = fill(f * d, 2);
+        let mut out = vec![0.0f32; n * f];
+        return Box::new(move || {
+            let t0 = Instant::now();
+            gemm_forward(&mut out, &x, &w, n, d, f);
+            std::hint::black_box(&out);
+            t0.elapsed()
+        });
+    }
+    let backward = shape.what == "ffn_backward";
+    let params = fill(kind.params(d, f), 3);
+    let (mut out, mut saved) = (vec![0.0f32; n * d], ExpertSaved::default());
+    let (mut dx, mut dparams) = (vec![0.0f32; n * d], vec![0.0f32; params.len()]);
+    Box::new(move || {
+        let cpu = CpuBackend;
+        let t0 = Instant::now();
+        cpu.expert_ffn_forward(kind, &mut out, &mut saved, &x, &params, n, d, f)
+            .expect("the cpu's FFN on matching shapes");
+        if !backward {
+            std::hint::black_box(&out);
+            return t0.elapsed();
+        }
+        let t1 = Instant::now();
+        cpu.expert_ffn_backward(
+            kind,
+            &mut dx,
+            &mut dparams,
+            &out,
+            &saved,
+            &x,
+            &params,
+            n,
+            d,
+            f,
+        )
+        .expect("the cpu's FFN on matching shapes");
+        std::hint::black_box((&dx, &dparams));
+        t1.elapsed()
+    })
+}
+
+/// f32 flops a second of fused multiply-adds on `threads` threads for
+/// about `time`; `None` without AVX2 and FMA.
+fn fma_peak(threads: usize, time: Duration) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return None;
+        }
+        let t0 = Instant::now();
+        let chains: u64 = std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    scope.spawn(move || {
+                        let mut blocks = 0u64;
+                        while t0.elapsed() < time {
+                            // SAFETY: AVX2 and FMA were detected above.
+                            std::hint::black_box(unsafe { fma_block(FMA_BLOCK) });
+                            blocks += 1;
+                        }
+                        blocks
+                    })
+                })
+                .collect();
+            runs.into_iter()
+                .map(|r| r.join().expect("a peak thread"))
+                .sum()
+        });
+        let flops = chains as f64 * FMA_BLOCK as f64 * FMA_FLOPS_PER_ITER;
+        Some(flops / t0.elapsed().as_secs_f64())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (threads, time);
+        None
+    }
+}
+
+/// Iterations of [`fma_block`]'s loop a call.
+#[cfg(target_arch = "x86_64")]
+const FMA_BLOCK: u64 = 1 << 16;
+
+/// Flops an iteration: 12 chains × 8 lanes × a multiply and an add.
+#[cfg(target_arch = "x86_64")]
+const FMA_FLOPS_PER_ITER: f64 = 12.0 * 8.0 * 2.0;
+
+/// `iters` rounds of 12 independent 8-lane fused multiply-add chains,
+/// enough to cover the FMA units' latency on current x86 cores.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_block(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let one = _mm256_set1_ps(1.0);
+    // Twelve named chains, so that each stays in a register.
+    let (mut c0, mut c1, mut c2, mut c3) = (one, one, one, one);
+    let (mut c4, mut c5, mut c6, mut c7) = (one, one, one, one);
+    let (mut c8, mut c9, mut c10, mut c11) = (one, one, one, one);
+    for _ in 0..iters {
+        c0 = _mm256_fmadd_ps(c0, a, b);
+        c1 = _mm256_fmadd_ps(c1, a, b);
+        c2 = _mm256_fmadd_ps(c2, a, b);
+        c3 = _mm256_fmadd_ps(c3, a, b);
+        c4 = _mm256_fmadd_ps(c4, a, b);
+        c5 = _mm256_fmadd_ps(c5, a, b);
+        c6 = _mm256_fmadd_ps(c6, a, b);
+        c7 = _mm256_fmadd_ps(c7, a, b);
+        c8 = _mm256_fmadd_ps(c8, a, b);
+        c9 = _mm256_fmadd_ps(c9, a, b);
+        c10 = _mm256_fmadd_ps(c10, a, b);
+        c11 = _mm256_fmadd_ps(c11, a, b);
+    }
+    let sum = [c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11]
+        .iter()
+        .fold(c0, |s, &x| _mm256_add_ps(s, x));
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds the 8 f32 an unaligned store writes.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+    lanes.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A short run gives the peak and every shape of each preset, each
+    /// timed and in flops a second; where there is a peak, no shape
+    /// beats it by much (a wrong flop count would).
+    #[test]
+    fn kernels_bench_times_every_shape_against_the_peak() {
+        let config = KernelsBenchConfig {
+            presets: vec!["tiny".into()],
+            tokens: 64,
+            steps: 1,
+            peak_time: Duration::from_millis(20),
+        };
+        let records = run(&config, |_| {}).unwrap();
+        let whats: Vec<_> = records.iter().map(|r| r.what).collect();
+        assert_eq!(whats, ["fma_peak", "gemm", "ffn_forward", "ffn_backward"]);
+        let m = LmConfig::preset("tiny").unwrap();
+        for r in &records[1..] {
+            assert_eq!(r.rows, (64 * m.top_k).div_ceil(m.experts));
+            assert!(r.median_s > 0.0 && r.gflop_per_s > 0.0, "{r:?}");
+            if let Some(share) = r.share_of_peak {
+                assert!(share < 1.5, "{r:?}");
+            }
+        }
+        let bad = KernelsBenchConfig {
+            presets: vec!["no-such".into()],
+            ..config
+        };
+        assert!(run(&bad, |_| {}).is_err());
+    }
+}
