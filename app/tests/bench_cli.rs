@@ -362,3 +362,32 @@ fn bench_attention_compares_the_engine_s_attention_with_the_plain_one() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("one of: plain, rows"));
 }
+
+/// `bench kernels` prints the peak and each preset's three shapes as JSON
+/// lines, and names a preset it does not know.
+#[test]
+fn bench_kernels_times_the_expert_shapes_against_the_peak() {
+    let out = strata_bin()
+        .args(["bench", "kernels", "--presets", "tiny", "--tokens", "64"])
+        .args(["--steps", "1", "--compute-threads", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = json_lines(&out.stdout);
+    let whats: Vec<&str> = lines.iter().map(|l| l["what"].as_str().unwrap()).collect();
+    assert_eq!(whats, ["fma_peak", "gemm", "ffn_forward", "ffn_backward"]);
+    assert!(lines.iter().all(|l| l["threads"] == 1));
+    assert!(lines[1..]
+        .iter()
+        .all(|l| l["gflop_per_s"].as_f64().unwrap() > 0.0));
+    let bad = strata_bin()
+        .args(["bench", "kernels", "--presets", "huge", "--steps", "1"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("huge"));
+}
