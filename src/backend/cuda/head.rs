@@ -10,7 +10,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
-use super::linear::blas_type;
+use super::gemm::blas_type;
 use super::{CudaBackend, Shape};
 use crate::backend::DenseGemm;
 use crate::model::HeadShape;

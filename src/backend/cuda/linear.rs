@@ -14,12 +14,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
-};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 
 use super::expert::GradStart;
-use super::{CudaBackend, Shape, BF16, F32};
+use super::gemm::{blas_type, GemmInput};
+use super::{CudaBackend, Shape};
 use crate::backend::DenseGemm;
 use crate::math::attention::AttnShape;
 use crate::model::{DenseKernels, DenseResidence, HeadShape};
@@ -352,34 +351,3 @@ impl CudaBackend {
 /// bf16 copies of held dense weights, by their (offset, length) in the
 /// params.
 pub(super) type Bf16Copies = std::collections::HashMap<(usize, usize), Arc<CudaSlice<u16>>>;
-
-/// A GEMM's operand as [`DenseGemm`] has it read.
-pub(super) enum GemmInput<'a> {
-    F32(&'a CudaSlice<f32>),
-    Bf16(CudaSlice<u16>),
-    HeldF32(Arc<CudaSlice<f32>>),
-    HeldBf16(Arc<CudaSlice<u16>>),
-}
-
-impl GemmInput<'_> {
-    /// Its device address, with the guard that records its use on `stream`.
-    pub(super) fn device_ptr<'s>(
-        &'s self,
-        stream: &'s CudaStream,
-    ) -> (CUdeviceptr, SyncOnDrop<'s>) {
-        match self {
-            GemmInput::F32(x) => x.device_ptr(stream),
-            GemmInput::Bf16(x) => x.device_ptr(stream),
-            GemmInput::HeldF32(x) => x.device_ptr(stream),
-            GemmInput::HeldBf16(x) => x.device_ptr(stream),
-        }
-    }
-}
-
-/// cuBLAS's name for what a GEMM taking `gemm` inputs reads.
-pub(super) fn blas_type(gemm: DenseGemm) -> cudarc::cublas::sys::cudaDataType {
-    match gemm {
-        DenseGemm::F32 => F32,
-        DenseGemm::Bf16 => BF16,
-    }
-}
