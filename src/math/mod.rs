@@ -586,6 +586,21 @@ mod tests {
         }
     }
 
+    /// The shift by the row's largest logit is what keeps log Σ exp finite
+    /// where the exponentials themselves overflow f32 (e¹⁰⁰), wherever in
+    /// the row the largest one is.
+    #[test]
+    fn log_sum_exp_stays_finite_past_exp_s_range() {
+        for row in [
+            [0.0f32, 100.0, -100.0],
+            [100.0, 0.0, -100.0],
+            [-100.0, 0.0, 100.0],
+        ] {
+            let lse = log_sum_exp(&row);
+            assert!((lse - 100.0).abs() <= 1e-4, "{row:?}: {lse}");
+        }
+    }
+
     /// Evaluation's loss is training's loss, to the bit.
     #[test]
     fn the_loss_alone_equals_the_loss_with_its_gradient() {
