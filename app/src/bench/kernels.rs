@@ -53,9 +53,27 @@ pub struct KernelsBenchRecord {
     pub share_of_peak: Option<f64>,
 }
 
+/// What a shape times.
+#[derive(Clone, Copy, PartialEq)]
+enum Timed {
+    Gemm,
+    FfnForward,
+    FfnBackward,
+}
+
+impl Timed {
+    fn name(self) -> &'static str {
+        match self {
+            Timed::Gemm => "gemm",
+            Timed::FfnForward => "ffn_forward",
+            Timed::FfnBackward => "ffn_backward",
+        }
+    }
+}
+
 /// A shape timed each repetition.
 struct Shape {
-    what: &'static str,
+    what: Timed,
     preset: String,
     rows: usize,
     d: usize,
@@ -66,9 +84,10 @@ impl Shape {
     fn flops(&self) -> f64 {
         let gemm = 2.0 * (self.rows * self.d * self.f) as f64;
         match self.what {
-            "gemm" => gemm,
-            "ffn_forward" => 3.0 * gemm,
-            _ => 6.0 * gemm, // the backward: dW and dx for each of three GEMMs
+            Timed::Gemm => gemm,
+            Timed::FfnForward => 3.0 * gemm,
+            // dW and dx for each of three GEMMs.
+            Timed::FfnBackward => 6.0 * gemm,
         }
     }
 }
@@ -86,7 +105,7 @@ pub fn run(
         // The language model's experts are SwiGLU.
         let m = LmConfig::preset(name).map_err(|e| e.to_string())?;
         let rows = (config.tokens * m.top_k).div_ceil(m.experts).max(1);
-        for what in ["gemm", "ffn_forward", "ffn_backward"] {
+        for what in [Timed::Gemm, Timed::FfnForward, Timed::FfnBackward] {
             shapes.push(Shape {
                 what,
                 preset: name.clone(),
@@ -142,7 +161,7 @@ pub fn run(
         let gflop = shape.flops() / s / 1e9;
         let dims = (shape.rows, shape.d, shape.f);
         records.push(record(
-            shape.what,
+            shape.what.name(),
             Some(shape.preset.clone()),
             dims,
             s,
@@ -178,7 +197,7 @@ fn shape_call(shape: &Shape) -> Box<dyn FnMut() -> Duration> {
     };
     let x = fill(n * d, 1);
     let kind = ExpertKind::SwiGlu;
-    if shape.what == "gemm" {
+    if shape.what == Timed::Gemm {
         let w = fill(f * d, 2);
         let mut out = vec![0.0f32; n * f];
         return Box::new(move || {
@@ -188,7 +207,7 @@ fn shape_call(shape: &Shape) -> Box<dyn FnMut() -> Duration> {
             t0.elapsed()
         });
     }
-    let backward = shape.what == "ffn_backward";
+    let backward = shape.what == Timed::FfnBackward;
     let params = fill(kind.params(d, f), 3);
     let (mut out, mut saved) = (vec![0.0f32; n * d], ExpertSaved::default());
     let (mut dx, mut dparams) = (vec![0.0f32; n * d], vec![0.0f32; params.len()]);

@@ -234,3 +234,11 @@ pub(super) fn blas_type(gemm: DenseGemm) -> cudarc::cublas::sys::cudaDataType {
         DenseGemm::Bf16 => BF16,
     }
 }
+
+/// Bytes of one value a GEMM taking `gemm` inputs reads.
+pub(super) fn input_bytes(gemm: DenseGemm) -> usize {
+    match gemm {
+        DenseGemm::F32 => 4,
+        DenseGemm::Bf16 => 2,
+    }
+}

@@ -1,5 +1,5 @@
 //! A language model's head and loss on the GPU, a block of rows at a
-//! time (its GEMMs taking the backend's [`DenseGemm`] inputs) ([`DenseKernels::head_loss`](crate::model::DenseKernels::head_loss)):
+//! time (its GEMMs taking the backend's [`DenseGemm`](crate::backend::DenseGemm) inputs) ([`DenseKernels::head_loss`](crate::model::DenseKernels::head_loss)):
 //! the block's logits are computed, turned into their loss and d logits
 //! and taken back through the head without leaving the device. Only the
 //! head's input rows and targets go up, and d input and one loss share a
@@ -10,9 +10,8 @@
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
-use super::gemm::blas_type;
+use super::gemm::{blas_type, input_bytes};
 use super::{CudaBackend, Shape};
-use crate::backend::DenseGemm;
 use crate::model::HeadShape;
 use crate::EngineError;
 
@@ -115,13 +114,5 @@ impl CudaBackend {
             }
             Ok(loss)
         })
-    }
-}
-
-/// Bytes of one value a GEMM taking `gemm` inputs reads.
-fn input_bytes(gemm: DenseGemm) -> usize {
-    match gemm {
-        DenseGemm::F32 => 4,
-        DenseGemm::Bf16 => 2,
     }
 }

@@ -332,11 +332,12 @@ impl CudaBackend {
     /// `src` copied to device address `dst`, in stream order.
     ///
     /// # Safety
-    /// `dst` addresses `src.len()` f32 of this context's memory, alive and
-    /// not used by another stream until this stream has run the copy.
-    unsafe fn copy_to(&self, dst: CUdeviceptr, src: &CudaSlice<f32>) -> Result<(), EngineError> {
+    /// `dst` addresses `src.len()` values of `T` of this context's memory,
+    /// alive and not used by another stream until this stream has run the
+    /// copy.
+    unsafe fn copy_to<T>(&self, dst: CUdeviceptr, src: &CudaSlice<T>) -> Result<(), EngineError> {
         let (src_ptr, _read) = src.device_ptr(&self.stream);
-        let bytes = src.len() * std::mem::size_of::<f32>();
+        let bytes = src.len() * std::mem::size_of::<T>();
         // SAFETY: both address `bytes` of device memory (the contract and
         // the slice's length); the copy is queued on this stream.
         unsafe {

@@ -12,10 +12,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::result::memcpy_dtod_async;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg,
-    ValidAsZeroBits,
+    CudaFunction, CudaModule, CudaSlice, DevicePtrMut, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };
 
 use super::dense::{load_kernel, threads};
@@ -133,21 +131,14 @@ impl CudaBackend {
             .map_err(|e| gpu_error("allocating GPU memory", e))?;
         {
             let (dst, _written) = both.device_ptr_mut(&self.stream);
-            let (counts_ptr, _rc) = counts.device_ptr(&self.stream);
-            let (sums_ptr, _rs) = sums.device_ptr(&self.stream);
-            let word = std::mem::size_of::<u32>();
-            let stream = self.stream.cu_stream();
-            // SAFETY: `both` holds n_counts + n_sums 4-byte words; the
+            let at = dst + (n_counts * std::mem::size_of::<u32>()) as u64;
+            // SAFETY: `both` holds n_counts + n_sums 4-byte words: the
             // counts fill its first n_counts and the sums (f32, 4 bytes
-            // each) the rest. The guards keep the three alive and record
-            // their use until the copies are queued on this stream.
+            // each) the rest; `_written` keeps it alive and records its
+            // use until the copies are queued on this stream.
             unsafe {
-                memcpy_dtod_async(dst, counts_ptr, n_counts * word, stream)
-                    .and_then(|()| {
-                        let at = dst + (n_counts * word) as u64;
-                        memcpy_dtod_async(at, sums_ptr, n_sums * word, stream)
-                    })
-                    .map_err(|e| gpu_error("a copy in GPU memory", e))?;
+                self.copy_to(dst, counts)?;
+                self.copy_to(at, sums)?;
             }
         }
         let mut host = vec![0u32; n_counts + n_sums];
