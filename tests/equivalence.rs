@@ -171,11 +171,24 @@ fn configs(
 }
 
 fn case(backend: BackendKind, top_k: usize, micro_batches: usize, kind: ExpertKind) {
+    case_in(backend, Dtype::F32, top_k, micro_batches, kind);
+}
+
+/// [`case`] with the experts' compute params stored as `dtype`: bf16 on
+/// the cpu computes its expert GEMMs in bf16 (`ExpertGemm::Bf16`).
+fn case_in(
+    backend: BackendKind,
+    dtype: Dtype,
+    top_k: usize,
+    micro_batches: usize,
+    kind: ExpertKind,
+) {
     let model = model(top_k, kind);
     let dir = tempfile::tempdir().unwrap();
     let (ref_dense, ref_experts, ref_steps, ref_losses) = train_reference(&model, micro_batches);
     let mut first: Option<Trained> = None;
-    for (name, config) in configs(backend, &model, micro_batches, dir.path()) {
+    for (name, mut config) in configs(backend, &model, micro_batches, dir.path()) {
+        config.compute_dtype = dtype;
         let got = train_engine(&model, config);
         // Whatever the tiers do, the engine computes the same thing:
         // bit-identical params and identical per-expert step counts.
@@ -208,9 +221,11 @@ fn case(backend: BackendKind, top_k: usize, micro_batches: usize, kind: ExpertKi
         // of it, which moves a param by ≤ 20 × 0.5 × 0.05 × 1e-2 = 5e-3
         // over the run: 1e-2 bounds it, and a factor of 2 (1.0 of a
         // gradient) still fails it.
-        let tolerance = match backend {
-            BackendKind::Cpu => 1e-6,
-            BackendKind::Cuda => 1e-2,
+        // The cpu's bf16 expert GEMMs round as a GPU's do, and its bf16
+        // params are the f32 ones rounded (2⁻⁹ relative): the same bound.
+        let tolerance = match (backend, dtype) {
+            (BackendKind::Cpu, Dtype::F32) => 1e-6,
+            _ => 1e-2,
         };
         assert_eq!(
             got.2, ref_steps,
@@ -224,7 +239,7 @@ fn case(backend: BackendKind, top_k: usize, micro_batches: usize, kind: ExpertKi
         }
         let dense = max_rel(&got.0, &ref_dense);
         let experts = max_rel(&got.1, &ref_experts);
-        eprintln!("{backend:?}, top-{top_k}, {micro_batches} micro-batches, {}: {name}: max rel diff vs reference dense {dense:.2e} experts {experts:.2e}", kind.name());
+        eprintln!("{backend:?} {dtype:?}, top-{top_k}, {micro_batches} micro-batches, {}: {name}: max rel diff vs reference dense {dense:.2e} experts {experts:.2e}", kind.name());
         assert!(
             dense < tolerance && experts < tolerance,
             "{name}: dense {dense}, experts {experts}"
@@ -256,6 +271,13 @@ fn top1_four_micro_batches() {
 #[test]
 fn top2_four_micro_batches() {
     case(BackendKind::Cpu, 2, 4, ExpertKind::SwiGlu);
+}
+
+/// bf16 expert GEMMs on the cpu (the trainer's default): the same bits
+/// whatever the tiers, budgets and schedule, near the f32 reference.
+#[test]
+fn bf16_expert_gemms_top2_four_micro_batches() {
+    case_in(BackendKind::Cpu, Dtype::Bf16, 2, 4, ExpertKind::SwiGlu);
 }
 
 #[test]

@@ -363,8 +363,8 @@ fn bench_attention_compares_the_engine_s_attention_with_the_plain_one() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("one of: plain, rows"));
 }
 
-/// `bench kernels` prints the peak and each preset's three shapes as JSON
-/// lines, and names a preset it does not know.
+/// `bench kernels` prints the peaks and each preset's three shapes, f32
+/// and bf16, as JSON lines, and names a preset it does not know.
 #[test]
 fn bench_kernels_times_the_expert_shapes_against_the_peak() {
     let out = strata_bin()
@@ -379,9 +379,17 @@ fn bench_kernels_times_the_expert_shapes_against_the_peak() {
     );
     let lines = json_lines(&out.stdout);
     let whats: Vec<&str> = lines.iter().map(|l| l["what"].as_str().unwrap()).collect();
-    assert_eq!(whats, ["fma_peak", "gemm", "ffn_forward", "ffn_backward"]);
+    let shapes = ["gemm", "ffn_forward", "ffn_backward"];
+    let bf16 = shapes.map(|s| format!("{s}_bf16"));
+    let expected: Vec<&str> = ["fma_peak", "bf16_peak"]
+        .into_iter()
+        .chain(shapes)
+        .chain(bf16.iter().map(String::as_str))
+        .collect();
+    assert_eq!(whats, expected);
     assert!(lines.iter().all(|l| l["threads"] == 1));
-    assert!(lines[1..]
+    assert!(lines[7]["kernel"].is_string() && lines[2]["kernel"].is_null());
+    assert!(lines[2..]
         .iter()
         .all(|l| l["gflop_per_s"].as_f64().unwrap() > 0.0));
     let bad = strata_bin()

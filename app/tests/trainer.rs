@@ -788,6 +788,13 @@ fn the_first_line_names_the_backend_it_chose() {
     let mut cpu_args = cli_args(&dir.path().join("cpu"), 1);
     cpu_args.extend(["--backend", "cpu"].map(String::from));
     let line = first_line(&cpu_args);
+    assert!(
+        line.contains("backend cpu, expert GEMMs in bf16 ("),
+        "{line}"
+    );
+    let mut f32_args = cli_args(&dir.path().join("cpu-f32"), 1);
+    f32_args.extend(["--backend", "cpu", "--expert-gemm", "f32"].map(String::from));
+    let line = first_line(&f32_args);
     assert!(line.ends_with("backend cpu"), "{line}");
 }
 

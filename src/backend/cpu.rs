@@ -25,16 +25,16 @@ pub struct CpuBackend;
 /// pass).
 #[derive(Debug, Default)]
 pub struct FfnScratch {
-    h: Vec<f32>,
-    sig: Vec<f32>,
-    dh: Vec<f32>,
-    da: Vec<f32>,
-    db: Vec<f32>,
+    pub(super) h: Vec<f32>,
+    pub(super) sig: Vec<f32>,
+    pub(super) dh: Vec<f32>,
+    pub(super) da: Vec<f32>,
+    pub(super) db: Vec<f32>,
 }
 
 /// `buf` resized to `len`, keeping its allocation and old values, for an
 /// output every element of which is written.
-fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+pub(super) fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buf.resize(len, 0.0);
     buf
 }
@@ -56,7 +56,7 @@ pub(super) fn for_parts(out: &mut [f32], body: impl Fn(usize, &mut [f32]) + Sync
 }
 
 /// `for_parts` over two outputs of the same length, cut alike.
-fn for_part_pairs(
+pub(super) fn for_part_pairs(
     out: &mut [f32],
     out2: &mut [f32],
     body: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
@@ -67,7 +67,7 @@ fn for_part_pairs(
 
 /// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`; with
 /// `sig`, also σ(a) (SwiGLU), which the backward reuses for silu′.
-fn hidden_into(
+pub(super) fn hidden_into(
     kind: ExpertKind,
     saved: &ExpertSaved<f32>,
     h: &mut Vec<f32>,
@@ -102,7 +102,14 @@ fn hidden_into(
 /// and da = dh·b·silu′(a), from σ(a) with the operations of `math::silu`
 /// and `math::silu_grad` (so the same bits, for one sigmoid instead of
 /// two).
-fn swiglu_grads(da: &mut [f32], db: &mut [f32], dh: &[f32], a: &[f32], b: &[f32], sig: &[f32]) {
+pub(super) fn swiglu_grads(
+    da: &mut [f32],
+    db: &mut [f32],
+    dh: &[f32],
+    a: &[f32],
+    b: &[f32],
+    sig: &[f32],
+) {
     for i in 0..da.len() {
         let s = sig[i];
         db[i] = dh[i] * (a[i] * s);

@@ -11,8 +11,9 @@ use strata_tiers::io::HostRegion;
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
 use super::cpu::{ffn_backward, ffn_forward, for_parts, FfnScratch};
+use super::cpu_bf16::{ffn_backward_bf16, ffn_forward_bf16};
 use super::gemm::Write;
-use super::CpuBackend;
+use super::{CpuBackend, ExpertGemm};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -234,13 +235,23 @@ pub trait ExpertDevice: Send {
 }
 
 /// The cpu device: slots in host memory ([`CpuDeviceArena`]), experts
-/// computed by [`CpuBackend`] on the slot's params widened to f32.
+/// computed by [`CpuBackend`] from bf16 params as they are stored
+/// ([`ExpertGemm::Bf16`]) or on the slot's params widened to f32.
 pub struct CpuExpertDevice {
     arena: CpuDeviceArena,
+    gemm: ExpertGemm,
     /// The widened params of the expert being computed (reused).
     params: Vec<f32>,
     /// The FFN's hidden-size buffers (reused).
     scratch: FfnScratch,
+}
+
+/// An expert's params as the cpu device computes from them.
+enum ExpertParams<'a> {
+    /// bf16 bits, as the slot stores them.
+    Bf16(&'a [u16]),
+    /// Widened.
+    F32(&'a [f32]),
 }
 
 /// Copies in flight the cpu device's copy queues hold.
@@ -249,13 +260,38 @@ const CPU_COPIES_MAX: usize = 64;
 impl CpuExpertDevice {
     /// Carves `device_budget_bytes` into slots of one expert's compute
     /// params each.
-    pub fn new(device_budget_bytes: u64, layout: &Layout) -> Result<Self, EngineError> {
+    pub fn new(
+        device_budget_bytes: u64,
+        layout: &Layout,
+        gemm: ExpertGemm,
+    ) -> Result<Self, EngineError> {
         let slot_bytes = layout.compute_payload_bytes() as usize;
         Ok(Self {
             arena: CpuDeviceArena::new(device_budget_bytes, slot_bytes, CPU_COPIES_MAX)?,
+            gemm,
             params: Vec::with_capacity(layout.params_per_expert as usize),
             scratch: FfnScratch::default(),
         })
+    }
+
+    /// Runs `body` on the slot's params: bf16 as they are stored where
+    /// they are bf16 and the device computes in bf16, else widened
+    /// ([`Self::widen`]).
+    fn compute<T>(
+        &mut self,
+        p: SlotParams,
+        body: impl FnOnce(ExpertParams, &mut FfnScratch) -> T,
+    ) -> Result<T, EngineError> {
+        if p.dtype == Dtype::Bf16 && self.gemm == ExpertGemm::Bf16 {
+            let view = self.arena.view(p.slot)?;
+            let bytes = &view.bytes()[..p.count * 2];
+            let params: &[u16] = bytemuck::try_cast_slice(bytes).map_err(|e| {
+                EngineError::Config(format!("a slot's bf16 params are not 2-byte aligned: {e}"))
+            })?;
+            return Ok(body(ExpertParams::Bf16(params), &mut self.scratch));
+        }
+        self.widen(p)?;
+        Ok(body(ExpertParams::F32(&self.params), &mut self.scratch))
     }
 
     /// Widens the slot's params into `self.params`, split over the cores
@@ -312,10 +348,10 @@ impl ExpertDevice for CpuExpertDevice {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        self.widen(params)?;
-        let scratch = &mut self.scratch;
-        ffn_forward(kind, out, saved, x, &self.params, n, d, f, scratch);
-        Ok(())
+        self.compute(params, |p, scratch| match p {
+            ExpertParams::Bf16(p) => ffn_forward_bf16(kind, out, saved, x, p, n, d, f, scratch),
+            ExpertParams::F32(p) => ffn_forward(kind, out, saved, x, p, n, d, f, scratch),
+        })
     }
 
     fn expert_backward(
@@ -331,23 +367,15 @@ impl ExpertDevice for CpuExpertDevice {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        self.widen(params)?;
-        let scratch = &mut self.scratch;
-        ffn_backward(
-            kind,
-            dx,
-            dparams,
-            Write::Set,
-            dout,
-            saved,
-            x,
-            &self.params,
-            n,
-            d,
-            f,
-            scratch,
-        );
-        Ok(())
+        let set = Write::Set;
+        self.compute(params, |p, s| match p {
+            ExpertParams::Bf16(p) => {
+                ffn_backward_bf16(kind, dx, dparams, set, dout, saved, x, p, n, d, f, s)
+            }
+            ExpertParams::F32(p) => {
+                ffn_backward(kind, dx, dparams, set, dout, saved, x, p, n, d, f, s)
+            }
+        })
     }
 }
 

@@ -8,7 +8,9 @@
 //! offer the expert FFN on host slices, which the tests hold to the plain
 //! math. The `cpu` backend runs everywhere and runs every test.
 
+mod bf16_gemm;
 mod cpu;
+mod cpu_bf16;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod expert_device;
@@ -16,6 +18,7 @@ mod gemm;
 mod modeled;
 mod narrow;
 
+pub use bf16_gemm::Bf16Kernel;
 pub use cpu::CpuBackend;
 
 /// On a GPU, the most bytes one block of attention scores takes (the
@@ -55,6 +58,7 @@ pub fn gpu_free_bytes(_devices: usize) -> Result<u64, EngineError> {
 pub fn head_block_rows(v: usize) -> usize {
     (HEAD_BLOCK_BYTES / (4 * v)).max(1)
 }
+pub use cpu_bf16::gemm_forward_bf16;
 pub use expert_device::{CpuExpertDevice, DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
@@ -67,7 +71,7 @@ use crate::EngineError;
 /// What the GPU's dense GEMMs (the attention's projections, a dense MLP,
 /// a shared expert, the head) take as inputs. The experts' GEMMs are bf16
 /// on the GPU either way, the router's logits f32, and the cpu backend
-/// computes every GEMM in f32.
+/// computes its dense GEMMs in f32 (its experts' as [`ExpertGemm`] says).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DenseGemm {
     /// Activations, output gradients and weights rounded to bf16 (round to
@@ -94,6 +98,38 @@ impl DenseGemm {
         match self {
             DenseGemm::Bf16 => "bf16",
             DenseGemm::F32 => "f32",
+        }
+    }
+}
+
+/// What the cpu's expert GEMMs take as inputs when the experts' compute
+/// params are bf16 (with f32 or f16 params they are f32 either way).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertGemm {
+    /// The bf16 params as they are stored, the activations and output
+    /// gradients rounded to bf16 (nearest even), products summed in f32
+    /// (`vdpbf16ps` where the CPU has AVX512-BF16, else plain code of the
+    /// same sums).
+    #[default]
+    Bf16,
+    /// The params widened to f32 and f32 activations: f32 GEMMs.
+    F32,
+}
+
+impl ExpertGemm {
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "bf16" => Ok(ExpertGemm::Bf16),
+            "f32" => Ok(ExpertGemm::F32),
+            other => Err(format!("unknown expert GEMM type {other:?} (bf16 or f32)")),
+        }
+    }
+
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertGemm::Bf16 => "bf16",
+            ExpertGemm::F32 => "f32",
         }
     }
 }
@@ -182,29 +218,34 @@ impl BackendKind {
 
     /// Device `ordinal` of this kind with `device_budget_bytes` carved into
     /// expert slots for `layout`'s compute params, its dense GEMMs taking
-    /// `dense` inputs on a GPU, or why it cannot be had.
+    /// `dense` inputs on a GPU and its experts' `experts` inputs on the
+    /// cpu, or why it cannot be had.
     pub fn open_device(
         self,
         ordinal: usize,
         device_budget_bytes: u64,
         layout: &Layout,
-        dense: DenseGemm,
+        (dense, experts): (DenseGemm, ExpertGemm),
     ) -> Result<Box<dyn ExpertDevice>, EngineError> {
         match self {
             BackendKind::Cpu => {
                 let _ = (ordinal, dense);
-                Ok(Box::new(CpuExpertDevice::new(device_budget_bytes, layout)?))
+                let device = CpuExpertDevice::new(device_budget_bytes, layout, experts)?;
+                Ok(Box::new(device))
             }
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => Ok(Box::new(cuda::CudaExpertDevice::new(
-                ordinal,
-                device_budget_bytes,
-                layout,
-                dense,
-            )?)),
+            BackendKind::Cuda => {
+                let _ = experts; // bf16 on the GPU whatever this says
+                Ok(Box::new(cuda::CudaExpertDevice::new(
+                    ordinal,
+                    device_budget_bytes,
+                    layout,
+                    dense,
+                )?))
+            }
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {
-                let _ = dense;
+                let _ = (dense, experts);
                 Err(Self::no_cuda_feature())
             }
         }

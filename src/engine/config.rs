@@ -7,7 +7,7 @@ use strata_optim::AdamWHyper;
 use strata_tiers::{Dtype, Timeline};
 
 pub use crate::backend::ExpertCompute;
-use crate::backend::{BackendKind, DenseGemm};
+use crate::backend::{BackendKind, DenseGemm, ExpertGemm};
 
 /// The fewest host slots `host_stream_slots` may stream through: one
 /// holding the record being updated, one the record being uploaded, one
@@ -161,6 +161,12 @@ pub struct EngineConfig {
     /// tensor cores' rate) or f32 (the cpu's results to f32 rounding). The
     /// cpu backend ignores it.
     pub dense_gemm: DenseGemm,
+    /// What the cpu's expert GEMMs take as inputs where `compute_dtype` is
+    /// bf16: the bf16 params as stored with activations rounded to bf16
+    /// (the default, `vdpbf16ps` where the CPU has AVX512-BF16), or the
+    /// params widened to f32. A GPU computes its experts in bf16 either
+    /// way.
+    pub expert_gemm: ExpertGemm,
 }
 
 impl Default for EngineConfig {
@@ -192,6 +198,7 @@ impl Default for EngineConfig {
             affinity_prefetch: false,
             dense_on_device: true,
             dense_gemm: DenseGemm::Bf16,
+            expert_gemm: ExpertGemm::Bf16,
         }
     }
 }

@@ -263,7 +263,7 @@ impl Engine {
                     ordinal,
                     config.device_budget_bytes,
                     &layout,
-                    config.dense_gemm,
+                    (config.dense_gemm, config.expert_gemm),
                 )?;
                 let device =
                     crate::backend::ModeledExpertDevice::wrap(device, config.expert_compute);

@@ -1,16 +1,19 @@
 //! `strata bench kernels`: the cpu backend's expert FFN, and the GEMM it
-//! is made of, at the presets' expert shapes, against this machine's f32
-//! multiply-add peak measured in the same run (a loop of independent
-//! fused multiply-adds on every compute thread, which nothing can beat).
-//! Each repetition times the peak loop, then every shape: a shape's time
-//! is its median repetition's, the peak the highest repetition's (another
-//! tenant's work can only lower what the loop reaches). The peak needs AVX2 and FMA (x86-64);
-//! elsewhere it is reported as unknown and no share of it is given.
+//! is made of, at the presets' expert shapes, in f32 and in bf16 (the
+//! params as stored, `ExpertGemm`), against this machine's peaks measured
+//! in the same run: loops of independent f32 fused multiply-adds, and of
+//! bf16 pair dot products (`vdpbf16ps`), on every compute thread, which
+//! nothing can beat. Each repetition times the peak loops, then every
+//! shape: a shape's time is its median repetition's, a peak the highest
+//! repetition's (another tenant's work can only lower what the loop
+//! reaches). The f32 peak needs AVX2 and FMA, the bf16 one AVX512-BF16
+//! (x86-64); elsewhere a peak is reported as unknown and no share of it is
+//! given.
 
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use strata::backend::{gemm_forward, CpuBackend};
+use strata::backend::{gemm_forward, gemm_forward_bf16, Bf16Kernel, CpuBackend};
 use strata::lm::LmConfig;
 use strata::math::{ExpertKind, ExpertSaved};
 
@@ -34,9 +37,13 @@ pub struct KernelsBenchConfig {
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelsBenchRecord {
     pub bench: &'static str,
-    /// `fma_peak`, `gemm` (the up projection, x · w1ᵀ) or `ffn_forward` /
-    /// `ffn_backward` (the expert as the engine computes it).
+    /// `fma_peak`, `bf16_peak`, `gemm` (the up projection, x · w1ᵀ) or
+    /// `ffn_forward` / `ffn_backward` (the expert as the engine computes
+    /// it), the last three in f32 and with `_bf16` (bf16 params, bf16
+    /// products).
     pub what: &'static str,
+    /// The bf16 GEMM's kernel (`avx512-bf16` or `portable`), on bf16 lines.
+    pub kernel: Option<&'static str>,
     pub preset: Option<String>,
     /// Rows (the expert's tokens), model width, hidden width.
     pub rows: usize,
@@ -46,10 +53,10 @@ pub struct KernelsBenchRecord {
     pub threads: usize,
     pub steps: usize,
     pub median_s: f64,
-    /// f32 multiply-adds × 2 a second, the median repetition's.
+    /// Multiply-adds × 2 a second, the median repetition's.
     pub gflop_per_s: f64,
-    /// Of the peak measured in the same run, its highest repetition
-    /// (`None` where there is none).
+    /// Of the peak of its type (f32 or bf16) measured in the same run, its
+    /// highest repetition (`None` where there is none).
     pub share_of_peak: Option<f64>,
 }
 
@@ -62,11 +69,14 @@ enum Timed {
 }
 
 impl Timed {
-    fn name(self) -> &'static str {
-        match self {
-            Timed::Gemm => "gemm",
-            Timed::FfnForward => "ffn_forward",
-            Timed::FfnBackward => "ffn_backward",
+    fn name(self, bf16: bool) -> &'static str {
+        match (self, bf16) {
+            (Timed::Gemm, false) => "gemm",
+            (Timed::FfnForward, false) => "ffn_forward",
+            (Timed::FfnBackward, false) => "ffn_backward",
+            (Timed::Gemm, true) => "gemm_bf16",
+            (Timed::FfnForward, true) => "ffn_forward_bf16",
+            (Timed::FfnBackward, true) => "ffn_backward_bf16",
         }
     }
 }
@@ -74,6 +84,8 @@ impl Timed {
 /// A shape timed each repetition.
 struct Shape {
     what: Timed,
+    /// bf16 params and products (else f32).
+    bf16: bool,
     preset: String,
     rows: usize,
     d: usize,
@@ -105,9 +117,13 @@ pub fn run(
         // The language model's experts are SwiGLU.
         let m = LmConfig::preset(name).map_err(|e| e.to_string())?;
         let rows = (config.tokens * m.top_k).div_ceil(m.experts).max(1);
-        for what in [Timed::Gemm, Timed::FfnForward, Timed::FfnBackward] {
+        for (bf16, what) in [false, true]
+            .into_iter()
+            .flat_map(|b| [Timed::Gemm, Timed::FfnForward, Timed::FfnBackward].map(|w| (b, w)))
+        {
             shapes.push(Shape {
                 what,
+                bf16,
                 preset: name.clone(),
                 rows,
                 d: m.d_model,
@@ -116,10 +132,11 @@ pub fn run(
         }
     }
     let threads = strata::compute_threads();
-    let mut peak = Vec::new();
+    let (mut peak, mut bf16_peak) = (Vec::new(), Vec::new());
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); shapes.len()];
     for step in 0..=config.steps {
         let flops = fma_peak(threads, config.peak_time);
+        let bf16_flops = bf16_dot_peak(threads, config.peak_time);
         for (shape, t) in shapes.iter().zip(&mut times) {
             let took = time_shape(shape);
             if step > 0 {
@@ -127,41 +144,60 @@ pub fn run(
             }
         }
         if step > 0 {
-            if let Some(f) = flops {
-                peak.push(f);
-            }
+            peak.extend(flops);
+            bf16_peak.extend(bf16_flops);
             progress(format!("repetition {step} of {}", config.steps));
         }
     }
     // Every repetition's peak is a lower bound of the machine's (another
     // tenant's work only lowers it): the highest is kept.
     let peak = peak.into_iter().reduce(f64::max);
-    let record = |what, preset, (rows, d, f), median_s: f64, gflop: f64| KernelsBenchRecord {
-        bench: "kernels",
-        what,
-        preset,
-        rows,
-        d_model: d,
-        d_ff: f,
-        threads,
-        steps: config.steps,
-        median_s,
-        gflop_per_s: gflop,
-        share_of_peak: peak.map(|p| gflop * 1e9 / p),
+    let bf16_peak = bf16_peak.into_iter().reduce(f64::max);
+    let kernel = Bf16Kernel::detected().name();
+    let record = |what, bf16: bool, preset, (rows, d, f), median_s: f64, gflop: f64| {
+        let peak = if bf16 { bf16_peak } else { peak };
+        KernelsBenchRecord {
+            bench: "kernels",
+            what,
+            kernel: bf16.then_some(kernel),
+            preset,
+            rows,
+            d_model: d,
+            d_ff: f,
+            threads,
+            steps: config.steps,
+            median_s,
+            gflop_per_s: gflop,
+            share_of_peak: peak.map(|p| gflop * 1e9 / p),
+        }
     };
-    let mut records = vec![record(
-        "fma_peak",
-        None,
-        (0, 0, 0),
-        config.peak_time.as_secs_f64(),
-        peak.unwrap_or(0.0) / 1e9,
-    )];
+    let secs = config.peak_time.as_secs_f64();
+    let mut records = vec![
+        record(
+            "fma_peak",
+            false,
+            None,
+            (0, 0, 0),
+            secs,
+            peak.unwrap_or(0.0) / 1e9,
+        ),
+        record(
+            "bf16_peak",
+            true,
+            None,
+            (0, 0, 0),
+            secs,
+            bf16_peak.unwrap_or(0.0) / 1e9,
+        ),
+    ];
     for (shape, t) in shapes.iter().zip(times) {
         let s = median(t.iter().map(Duration::as_secs_f64).collect());
         let gflop = shape.flops() / s / 1e9;
         let dims = (shape.rows, shape.d, shape.f);
+        let what = shape.what.name(shape.bf16);
         records.push(record(
-            shape.what.name(),
+            what,
+            shape.bf16,
             Some(shape.preset.clone()),
             dims,
             s,
@@ -197,43 +233,55 @@ fn shape_call(shape: &Shape) -> Box<dyn FnMut() -> Duration> {
     };
     let x = fill(n * d, 1);
     let kind = ExpertKind::SwiGlu;
+    // bf16 params hold the f32 ones rounded (both are timed on the same
+    // values).
+    let bits = |v: &[f32]| -> Vec<u16> {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect()
+    };
     if shape.what == Timed::Gemm {
         let w = fill(f * d, 2);
+        let w16 = bits(&w);
         let mut out = vec![0.0f32; n * f];
+        let bf16 = shape.bf16;
         return Box::new(move || {
             let t0 = Instant::now();
-            gemm_forward(&mut out, &x, &w, n, d, f);
+            if bf16 {
+                gemm_forward_bf16(&mut out, &x, &w16, n, d, f);
+            } else {
+                gemm_forward(&mut out, &x, &w, n, d, f);
+            }
             std::hint::black_box(&out);
             t0.elapsed()
         });
     }
     let backward = shape.what == Timed::FfnBackward;
     let params = fill(kind.params(d, f), 3);
+    let params16 = shape.bf16.then(|| bits(&params));
     let (mut out, mut saved) = (vec![0.0f32; n * d], ExpertSaved::default());
     let (mut dx, mut dparams) = (vec![0.0f32; n * d], vec![0.0f32; params.len()]);
     Box::new(move || {
         let cpu = CpuBackend;
         let t0 = Instant::now();
-        cpu.expert_ffn_forward(kind, &mut out, &mut saved, &x, &params, n, d, f)
-            .expect("the cpu's FFN on matching shapes");
+        match &params16 {
+            Some(p) => cpu.expert_ffn_forward_bf16(kind, &mut out, &mut saved, &x, p, n, d, f),
+            None => cpu
+                .expert_ffn_forward(kind, &mut out, &mut saved, &x, &params, n, d, f)
+                .expect("the cpu's FFN on matching shapes"),
+        }
         if !backward {
             std::hint::black_box(&out);
             return t0.elapsed();
         }
+        let (dx, dp) = (&mut dx, &mut dparams);
         let t1 = Instant::now();
-        cpu.expert_ffn_backward(
-            kind,
-            &mut dx,
-            &mut dparams,
-            &out,
-            &saved,
-            &x,
-            &params,
-            n,
-            d,
-            f,
-        )
-        .expect("the cpu's FFN on matching shapes");
+        match &params16 {
+            Some(p) => cpu.expert_ffn_backward_bf16(kind, dx, dp, &out, &saved, &x, p, n, d, f),
+            None => cpu
+                .expert_ffn_backward(kind, dx, dp, &out, &saved, &x, &params, n, d, f)
+                .expect("the cpu's FFN on matching shapes"),
+        }
         std::hint::black_box((&dx, &dparams));
         t1.elapsed()
     })
@@ -274,6 +322,75 @@ fn fma_peak(threads: usize, time: Duration) -> Option<f64> {
         let _ = (threads, time);
         None
     }
+}
+
+/// bf16 flops a second (a pair's two multiply-adds each count two) of
+/// `vdpbf16ps` on `threads` threads for about `time`; `None` without
+/// AVX512-BF16.
+fn bf16_dot_peak(threads: usize, time: Duration) -> Option<f64> {
+    if Bf16Kernel::detected() != Bf16Kernel::Avx512 {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let t0 = Instant::now();
+        let blocks: u64 = std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    scope.spawn(move || {
+                        let mut blocks = 0u64;
+                        while t0.elapsed() < time {
+                            // SAFETY: the detected kernel is AVX-512's, so
+                            // the CPU has AVX512F and AVX512-BF16.
+                            std::hint::black_box(unsafe { bf16_dot_block(FMA_BLOCK) });
+                            blocks += 1;
+                        }
+                        blocks
+                    })
+                })
+                .collect();
+            runs.into_iter()
+                .map(|r| r.join().expect("a peak thread"))
+                .sum()
+        });
+        let flops = blocks as f64 * FMA_BLOCK as f64 * BF16_FLOPS_PER_ITER;
+        Some(flops / t0.elapsed().as_secs_f64())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (threads, time);
+        None
+    }
+}
+
+/// Flops an iteration: 12 chains × 16 lanes × 2 pairs × a multiply and an
+/// add.
+#[cfg(target_arch = "x86_64")]
+const BF16_FLOPS_PER_ITER: f64 = 12.0 * 16.0 * 2.0 * 2.0;
+
+/// `iters` rounds of 12 independent 16-lane `vdpbf16ps` chains.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn bf16_dot_block(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    // Pairs of (0.996, 1e-7) as bf16: the sums stay finite.
+    let pair = _mm512_set1_epi32(0x33d6_3f7f);
+    // SAFETY: 64 bytes of plain data read as 32 bf16 values.
+    let a = unsafe { std::mem::transmute::<__m512i, __m512bh>(pair) };
+    let b = a;
+    let one = _mm512_set1_ps(1.0);
+    let mut c = [one; 12];
+    for _ in 0..iters {
+        // Twelve independent chains, unrolled by the compiler.
+        for ci in c.iter_mut() {
+            *ci = _mm512_dpbf16_ps(*ci, a, b);
+        }
+    }
+    let sum = c[1..].iter().fold(c[0], |s, &x| _mm512_add_ps(s, x));
+    _mm512_reduce_add_ps(sum)
 }
 
 /// Iterations of [`fma_block`]'s loop a call.
@@ -339,9 +456,19 @@ mod tests {
         };
         let records = run(&config, |_| {}).unwrap();
         let whats: Vec<_> = records.iter().map(|r| r.what).collect();
-        assert_eq!(whats, ["fma_peak", "gemm", "ffn_forward", "ffn_backward"]);
+        let expected = [
+            "fma_peak",
+            "bf16_peak",
+            "gemm",
+            "ffn_forward",
+            "ffn_backward",
+            "gemm_bf16",
+            "ffn_forward_bf16",
+            "ffn_backward_bf16",
+        ];
+        assert_eq!(whats, expected);
         let m = LmConfig::preset("tiny").unwrap();
-        for r in &records[1..] {
+        for r in &records[2..] {
             assert_eq!(r.rows, (64 * m.top_k).div_ceil(m.experts));
             assert!(r.median_s > 0.0 && r.gflop_per_s > 0.0, "{r:?}");
             if let Some(share) = r.share_of_peak {

@@ -37,7 +37,7 @@ use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use strata::lm::{LmConfig, MoeLm, TensorGroup};
 use strata::model::Network;
 
-use strata::backend::{BackendKind, DenseGemm};
+use strata::backend::{BackendKind, DenseGemm, ExpertGemm};
 
 /// Where the model comes from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -202,6 +202,23 @@ pub(crate) fn model_for(o: &TrainOptions, config: &LmConfig) -> Result<MoeLm, St
 /// `--dense-gemm`'s choice.
 fn dense_gemm(o: &TrainOptions) -> Result<DenseGemm, String> {
     DenseGemm::parse(&o.dense_gemm).map_err(|e| format!("--dense-gemm: {e}"))
+}
+
+/// `--expert-gemm`'s choice.
+fn expert_gemm(o: &TrainOptions) -> Result<ExpertGemm, String> {
+    ExpertGemm::parse(&o.expert_gemm).map_err(|e| format!("--expert-gemm: {e}"))
+}
+
+/// How the run's GEMMs compute, for its first line.
+fn gemms_described(o: &TrainOptions) -> String {
+    match o.backend.as_str() {
+        "cuda" => format!(", dense GEMMs in {}", o.dense_gemm),
+        _ if o.compute_dtype == "bf16" && o.expert_gemm == "bf16" => format!(
+            ", expert GEMMs in bf16 ({})",
+            strata::backend::Bf16Kernel::detected().name()
+        ),
+        _ => String::new(),
+    }
 }
 
 /// Plans `o` for `config` (no allocation, nothing written).
@@ -429,6 +446,7 @@ fn run_locked(
         affinity_prefetch: o.affinity_prefetch,
         dense_on_device: !o.dense_on_host,
         dense_gemm: dense_gemm(&o)?,
+        expert_gemm: expert_gemm(&o)?,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,
@@ -476,10 +494,7 @@ fn run_locked(
             Some(found) => format!(" (auto: {found}; --backend cpu or cuda to choose)"),
             None => String::new(),
         },
-        match o.backend.as_str() {
-            "cuda" => format!(", dense GEMMs in {}", o.dense_gemm),
-            _ => String::new(),
-        }
+        gemms_described(&o)
     ));
     if let Some(sized) = &o.device_mem_sized {
         say(sized.clone());

@@ -108,9 +108,16 @@ pub struct TrainFlags {
     /// head) take as inputs: bf16 (default; f32 accumulation and master
     /// weights, the tensor cores' rate) or f32 (the cpu's results to f32
     /// rounding, at the GPU's f32 rate). The experts' GEMMs are bf16 on a
-    /// GPU either way; the cpu backend computes in f32.
+    /// GPU either way; on the cpu see `--expert-gemm`.
     #[arg(long, value_name = "bf16|f32")]
     pub dense_gemm: Option<String>,
+    /// What the cpu's expert GEMMs take when the compute dtype is bf16:
+    /// bf16 (default: the params as stored, activations rounded to bf16,
+    /// f32 sums; `vdpbf16ps` where the CPU has AVX512-BF16) or f32 (the
+    /// params widened, f32 activations). A GPU's experts are bf16 either
+    /// way.
+    #[arg(long, value_name = "bf16|f32")]
+    pub expert_gemm: Option<String>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -227,6 +234,10 @@ pub struct TrainOptions {
     /// A run recorded before the option existed computed them in f32.
     #[serde(default = "dense_gemm_before_the_option")]
     pub dense_gemm: String,
+    /// A run recorded before the option existed computed its experts on
+    /// the cpu in f32.
+    #[serde(default = "dense_gemm_before_the_option")]
+    pub expert_gemm: String,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -386,6 +397,7 @@ impl TrainFlags {
             affinity_prefetch: cli.affinity_prefetch || file.affinity_prefetch,
             dense_on_host: cli.dense_on_host || file.dense_on_host,
             dense_gemm: pick!(cli, file, dense_gemm, "bf16".into()),
+            expert_gemm: pick!(cli, file, expert_gemm, "bf16".into()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,
@@ -487,6 +499,23 @@ mod tests {
             .unwrap();
         let old: TrainOptions = serde_json::from_value(recorded).unwrap();
         assert_eq!(old.dense_gemm, "f32");
+    }
+
+    /// Likewise the cpu's expert GEMMs.
+    #[test]
+    fn expert_gemms_default_to_bf16_and_old_records_to_f32() {
+        let o = TrainFlags::default().resolve().unwrap();
+        assert_eq!(o.expert_gemm, "bf16");
+        let told = TrainFlags {
+            expert_gemm: Some("f32".into()),
+            ..TrainFlags::default()
+        };
+        assert_eq!(told.resolve().unwrap().expert_gemm, "f32");
+        let mut recorded = serde_json::to_value(&o).unwrap();
+        let fields = recorded.as_object_mut().unwrap();
+        fields.remove("expert_gemm").unwrap();
+        let old: TrainOptions = serde_json::from_value(recorded).unwrap();
+        assert_eq!(old.expert_gemm, "f32");
     }
 
     #[test]

@@ -178,6 +178,9 @@ pub(super) fn resume_options(
     if let Some(gemm) = &flags.dense_gemm {
         o.dense_gemm = gemm.clone();
     }
+    if let Some(gemm) = &flags.expert_gemm {
+        o.expert_gemm = gemm.clone();
+    }
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;

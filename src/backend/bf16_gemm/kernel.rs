@@ -1,0 +1,149 @@
+//! The bf16 GEMM's register tiles: MR × NR f32 sums of packed bf16 pairs,
+//! on AVX512-BF16 (`vdpbf16ps`) where the CPU has it, else in plain code
+//! the compiler vectorizes. Both add a pair's products in the order
+//! `vdpbf16ps` does — the odd element's product, then the even one's, each
+//! add rounded once (a product of two bf16 values is exact in f32) — so
+//! they give the same bits wherever no input, product or sum falls below
+//! f32's normal range (`vdpbf16ps` flushes those to zero).
+
+/// Rows of a register tile (of A's packed block).
+pub(super) const MR: usize = 8;
+/// Columns of a register tile (two 16-lane registers).
+pub(super) const NR: usize = 32;
+
+/// A tile's sums, row by row.
+pub(super) type Tile = [[f32; NR]; MR];
+
+/// Which code computes the tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    /// Plain code (any CPU).
+    Portable,
+    /// `vdpbf16ps` on 512-bit registers (x86-64 with AVX512F and AVX512-BF16).
+    Avx512,
+}
+
+impl Bf16Kernel {
+    /// The fastest kernel this CPU runs (detected once).
+    pub fn detected() -> Self {
+        static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| {
+            if Self::Avx512.supported() {
+                Self::Avx512
+            } else {
+                Self::Portable
+            }
+        })
+    }
+
+    /// Whether this CPU runs it.
+    pub fn supported(self) -> bool {
+        match self {
+            Self::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bf16")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx512 => false,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx512 => "avx512-bf16",
+        }
+    }
+
+    /// `tile` = Σ over `pairs` pairs of A's block (`a`: pairs × MR) times
+    /// B's panel (`b`: pairs × NR), each element a bf16 pair (even element
+    /// in the low half).
+    pub(super) fn tile(self, a: &[u32], b: &[u32], pairs: usize, tile: &mut Tile) {
+        assert!(a.len() >= pairs * MR && b.len() >= pairs * NR);
+        match self {
+            Self::Portable => tile_portable(a, b, pairs, tile),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => {
+                assert!(self.supported(), "the CPU lacks AVX512-BF16");
+                // SAFETY: the CPU has AVX512F and AVX512-BF16 (asserted);
+                // `a` and `b` hold `pairs` rows of MR and NR (asserted).
+                unsafe { tile_avx512(a.as_ptr(), b.as_ptr(), pairs, tile) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx512 => unreachable!("AVX-512 is x86-64's"),
+        }
+    }
+}
+
+/// The low (even) and high (odd) bf16 of a pair, widened to f32.
+#[inline(always)]
+fn halves(pair: u32) -> (f32, f32) {
+    (
+        f32::from_bits(pair << 16),
+        f32::from_bits(pair & 0xffff_0000),
+    )
+}
+
+fn tile_portable(a: &[u32], b: &[u32], pairs: usize, tile: &mut Tile) {
+    *tile = [[0.0; NR]; MR];
+    let (mut even, mut odd) = ([0f32; NR], [0f32; NR]);
+    for p in 0..pairs {
+        let bp = &b[p * NR..(p + 1) * NR];
+        for j in 0..NR {
+            (even[j], odd[j]) = halves(bp[j]);
+        }
+        for (i, row) in tile.iter_mut().enumerate() {
+            let (ae, ao) = halves(a[p * MR + i]);
+            for j in 0..NR {
+                row[j] = (row[j] + ao * odd[j]) + ae * even[j];
+            }
+        }
+    }
+}
+
+/// 32 bf16 bit patterns as the vector `vdpbf16ps` reads.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn as_bf16(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
+    use std::arch::x86_64::{__m512bh, __m512i};
+    // SAFETY: both are 64 bytes of plain data, every bit pattern valid.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16; `a` points at `pairs` × MR and `b`
+/// at `pairs` × NR readable pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile_avx512(a: *const u32, b: *const u32, pairs: usize, tile: &mut Tile) {
+    use std::arch::x86_64::*;
+    let mut lo = [_mm512_setzero_ps(); MR];
+    let mut hi = [_mm512_setzero_ps(); MR];
+    for p in 0..pairs {
+        // SAFETY: row `p` of B's panel, NR = 32 pairs, is in bounds (the
+        // function's contract); the loads are unaligned.
+        let (b0, b1) = unsafe {
+            let at = b.add(p * NR);
+            (
+                _mm512_loadu_si512(at.cast()),
+                _mm512_loadu_si512(at.add(16).cast()),
+            )
+        };
+        let (b0, b1) = (as_bf16(b0), as_bf16(b1));
+        for i in 0..MR {
+            // SAFETY: as above, for A's row `p` of MR pairs.
+            let ai = as_bf16(_mm512_set1_epi32(unsafe { *a.add(p * MR + i) } as i32));
+            lo[i] = _mm512_dpbf16_ps(lo[i], ai, b0);
+            hi[i] = _mm512_dpbf16_ps(hi[i], ai, b1);
+        }
+    }
+    for i in 0..MR {
+        // SAFETY: each tile row holds NR = 32 f32; unaligned stores.
+        unsafe {
+            _mm512_storeu_ps(tile[i].as_mut_ptr(), lo[i]);
+            _mm512_storeu_ps(tile[i].as_mut_ptr().add(16), hi[i]);
+        }
+    }
+}

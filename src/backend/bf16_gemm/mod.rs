@@ -1,0 +1,333 @@
+//! The cpu's bf16 GEMM: out (M, N) (+)= A (M, K) · B (N, K)ᵀ with both
+//! operands rounded to bf16 (round to nearest even) and the products
+//! summed in f32, for the expert FFN when its compute params are bf16
+//! (`ExpertGemm::Bf16`): the weights are read as they are stored, not
+//! widened, and the activations are rounded once as they are packed.
+//!
+//! Blocked as BLIS is: A is packed once into blocks of MR rows, K's pairs
+//! innermost; each thread takes a range of N's panels of NR columns and, a
+//! block of `KC_PAIRS` pairs at a time, packs its panel (which then stays
+//! in L1 while every block of A passes it) and computes its MR × NR tiles
+//! (`kernel.rs`). Each output element is the same sum in the same order
+//! whatever the threads (they split N, never K), and the same on every
+//! CPU (see `kernel.rs`): the sum of each block of K, then the blocks added
+//! to the output in K's order.
+
+mod kernel;
+#[cfg(test)]
+mod tests;
+
+pub use kernel::Bf16Kernel;
+use kernel::{Tile, MR, NR};
+
+use super::gemm::{threads_for, Write};
+use crate::parallel::{compute_threads, run_all};
+
+/// Pairs of K in a block: a panel's block is NR × 2 × `KC_PAIRS` bf16 =
+/// 16 KiB, half of a small L1.
+const KC_PAIRS: usize = 128;
+
+/// A GEMM operand's values.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Values<'a> {
+    /// Rounded to bf16 as they are packed.
+    F32(&'a [f32]),
+    /// bf16 bit patterns, read as they are.
+    Bf16(&'a [u16]),
+}
+
+/// An operand X of R rows and K columns (A: R = M, B: R = N), stored
+/// either way.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Operand<'a> {
+    pub values: Values<'a>,
+    /// X(r, k) at `k * R + r` (a matrix stored transposed: a weight read
+    /// along its output dimension, or activations summed over tokens);
+    /// else at `r * K + k`.
+    pub k_major: bool,
+}
+
+impl<'a> Operand<'a> {
+    pub fn rows(values: Values<'a>) -> Self {
+        Self {
+            values,
+            k_major: false,
+        }
+    }
+
+    pub fn k_major(values: Values<'a>) -> Self {
+        Self {
+            values,
+            k_major: true,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self.values {
+            Values::F32(v) => v.len(),
+            Values::Bf16(v) => v.len(),
+        }
+    }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), as bits; a NaN stays a
+/// NaN.
+#[inline(always)]
+pub(crate) fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// A value read as a bf16 bit pattern.
+trait Bf16Bits: Copy {
+    fn bf16(self) -> u32;
+}
+
+impl Bf16Bits for f32 {
+    #[inline(always)]
+    fn bf16(self) -> u32 {
+        bf16_bits(self) as u32
+    }
+}
+
+impl Bf16Bits for u16 {
+    #[inline(always)]
+    fn bf16(self) -> u32 {
+        self as u32
+    }
+}
+
+/// A block of an operand to pack: rows `r0..r0 + nr` of R, pairs
+/// `p0..p0 + pairs` of K, into `width` (MR or NR) lanes a pair.
+#[derive(Clone, Copy)]
+struct Block {
+    r0: usize,
+    nr: usize,
+    p0: usize,
+    pairs: usize,
+    width: usize,
+}
+
+/// Packs `block` of X (R × K) into `out` (pairs × width u32, the even k
+/// in the low half); lanes past the rows, and a last k past K, are zero.
+fn pack(x: Operand, r: usize, k: usize, block: Block, out: &mut [u32]) {
+    match x.values {
+        Values::F32(v) => pack_values(v, x.k_major, r, k, block, out),
+        Values::Bf16(v) => {
+            // Rows of bf16 whose pairs are whole u32 (an even K, a 4-byte
+            // aligned start): each lane one load.
+            match bytemuck::try_cast_slice::<u16, u32>(v) {
+                Ok(pairs) if !x.k_major && k.is_multiple_of(2) => {
+                    pack_pairs(pairs, k / 2, block, out)
+                }
+                _ => pack_values(v, x.k_major, r, k, block, out),
+            }
+        }
+    }
+}
+
+/// [`pack_values`] for rows of `kp` whole pairs each.
+fn pack_pairs(v: &[u32], kp: usize, b: Block, out: &mut [u32]) {
+    let out = &mut out[..b.pairs * b.width];
+    if b.nr < b.width {
+        out.fill(0);
+    }
+    for i in 0..b.nr {
+        let row = &v[(b.r0 + i) * kp + b.p0..][..b.pairs];
+        for (p, &pair) in row.iter().enumerate() {
+            out[p * b.width + i] = pair;
+        }
+    }
+}
+
+fn pack_values<T: Bf16Bits>(v: &[T], k_major: bool, r: usize, k: usize, b: Block, out: &mut [u32]) {
+    let out = &mut out[..b.pairs * b.width];
+    if b.nr < b.width {
+        out.fill(0);
+    }
+    if k_major {
+        for p in 0..b.pairs {
+            let k0 = 2 * (b.p0 + p);
+            let even = &v[k0 * r + b.r0..][..b.nr];
+            let lanes = &mut out[p * b.width..][..b.nr];
+            if k0 + 1 < k {
+                let odd = &v[(k0 + 1) * r + b.r0..][..b.nr];
+                for ((o, e), d) in lanes.iter_mut().zip(even).zip(odd) {
+                    *o = e.bf16() | d.bf16() << 16;
+                }
+            } else {
+                for (o, e) in lanes.iter_mut().zip(even) {
+                    *o = e.bf16();
+                }
+            }
+        }
+    } else {
+        for i in 0..b.nr {
+            let row = &v[(b.r0 + i) * k..][..k];
+            for p in 0..b.pairs {
+                let k0 = 2 * (b.p0 + p);
+                let odd = if k0 + 1 < k { row[k0 + 1].bf16() } else { 0 };
+                out[p * b.width + i] = row[k0].bf16() | odd << 16;
+            }
+        }
+    }
+}
+
+/// out (M, N) (+)= A (M, K) · B (N, K)ᵀ on bf16-rounded operands, as
+/// `write` says, on the compute threads with this CPU's kernel.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_bf16(
+    out: &mut [f32],
+    write: Write,
+    a: Operand,
+    b: Operand,
+    m: usize,
+    k: usize,
+    n: usize,
+) {
+    let parts = threads_for(m * k * n, compute_threads());
+    gemm_bf16_with(Bf16Kernel::detected(), parts, out, write, a, b, (m, k, n));
+}
+
+/// The output's address, shared by the threads that write its disjoint
+/// column ranges.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: each thread writes only the columns of its own panels (see
+// `panel_product`), so no element is written by two threads or read by
+// another.
+unsafe impl Send for OutPtr {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for OutPtr {}
+
+/// [`gemm_bf16`] with `kernel` over `parts` threads.
+pub(crate) fn gemm_bf16_with(
+    kernel: Bf16Kernel,
+    parts: usize,
+    out: &mut [f32],
+    write: Write,
+    a: Operand,
+    b: Operand,
+    (m, k, n): (usize, usize, usize),
+) {
+    assert_eq!(out.len(), m * n, "the output is M × N");
+    assert!(
+        a.len() == m * k && b.len() == n * k,
+        "A is M × K, B is N × K"
+    );
+    if m * n == 0 {
+        return;
+    }
+    if k == 0 {
+        if write == Write::Set {
+            out.fill(0.0);
+        }
+        return;
+    }
+    let kp = k.div_ceil(2);
+    let blocks = m.div_ceil(MR);
+    // Reused from call to call on this thread (every element is written
+    // by `pack`).
+    let mut a_packed = A_PACKED.take();
+    a_packed.resize(blocks * kp * MR, 0);
+    for (i, out) in a_packed.chunks_mut(kp * MR).enumerate() {
+        let r0 = i * MR;
+        let block = Block {
+            r0,
+            nr: MR.min(m - r0),
+            p0: 0,
+            pairs: kp,
+            width: MR,
+        };
+        pack(a, m, k, block, out);
+    }
+    let panels = n.div_ceil(NR);
+    let parts = parts.clamp(1, panels);
+    let per_part = panels.div_ceil(parts);
+    let dst = OutPtr(out.as_mut_ptr());
+    let a = &a_packed;
+    let job = move |first: usize| {
+        let shape = Shape { m, k, n, kp };
+        let mut b_packed = B_PACKED.take();
+        b_packed.resize(KC_PAIRS.min(kp) * NR, 0);
+        for panel in first..(first + per_part).min(panels) {
+            // SAFETY: panels are split among the threads, so this one
+            // alone writes this panel's columns (`OutPtr`).
+            unsafe { panel_product(kernel, shape, a, &mut b_packed, b, panel, dst, write) };
+        }
+        B_PACKED.set(b_packed);
+    };
+    if parts == 1 {
+        job(0);
+    } else {
+        run_all((0..parts).map(|i| move || job(i * per_part)).collect());
+    }
+    A_PACKED.set(a_packed);
+}
+
+thread_local! {
+    /// A's packed blocks, kept for the thread's next call.
+    static A_PACKED: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A block of B's panel, likewise.
+    static B_PACKED: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    m: usize,
+    k: usize,
+    n: usize,
+    /// Pairs of K.
+    kp: usize,
+}
+
+/// Columns `panel * NR ..` of the output, block of K by block of K.
+///
+/// # Safety
+/// `dst` points at the M × N output, whose columns of `panel` no other
+/// thread reads or writes meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_product(
+    kernel: Bf16Kernel,
+    s: Shape,
+    a_packed: &[u32],
+    b_packed: &mut [u32],
+    b: Operand,
+    panel: usize,
+    dst: OutPtr,
+    write: Write,
+) {
+    let c0 = panel * NR;
+    let cols = NR.min(s.n - c0);
+    let mut tile: Tile = [[0.0; NR]; MR];
+    for p0 in (0..s.kp).step_by(KC_PAIRS) {
+        let pairs = KC_PAIRS.min(s.kp - p0);
+        let block = Block {
+            r0: c0,
+            nr: cols,
+            p0,
+            pairs,
+            width: NR,
+        };
+        pack(b, s.n, s.k, block, b_packed);
+        let add = p0 > 0 || write == Write::Add;
+        for r0 in (0..s.m).step_by(MR) {
+            let a_block = &a_packed[(r0 / MR * s.kp + p0) * MR..][..pairs * MR];
+            kernel.tile(a_block, b_packed, pairs, &mut tile);
+            for (i, sums) in tile.iter().enumerate().take(MR.min(s.m - r0)) {
+                // SAFETY: row r0 + i < M, columns c0..c0 + cols < N, this
+                // thread's alone (the caller's contract).
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(dst.0.add((r0 + i) * s.n + c0), cols) };
+                if add {
+                    row.iter_mut().zip(sums).for_each(|(o, v)| *o += v);
+                } else {
+                    row.copy_from_slice(&sums[..cols]);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,194 @@
+use super::*;
+
+/// A deterministic stream of values in [-1, 1).
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn widen(bits: u16) -> f64 {
+    f32::from_bits((bits as u32) << 16) as f64
+}
+
+/// X (R × K) stored as `op` says, from its row-major values.
+fn stored(rows: &[f32], r: usize, k: usize, k_major: bool) -> Vec<f32> {
+    if !k_major {
+        return rows.to_vec();
+    }
+    let mut t = vec![0.0; r * k];
+    for i in 0..r {
+        for j in 0..k {
+            t[j * r + i] = rows[i * k + j];
+        }
+    }
+    t
+}
+
+fn f32_op(v: &[f32], k_major: bool) -> Operand<'_> {
+    Operand {
+        values: Values::F32(v),
+        k_major,
+    }
+}
+
+fn kernels() -> Vec<Bf16Kernel> {
+    [Bf16Kernel::Portable, Bf16Kernel::Avx512]
+        .into_iter()
+        .filter(|k| k.supported())
+        .collect()
+}
+
+/// Shapes with ragged tiles, an odd K, and K over one block.
+const SHAPES: [(usize, usize, usize); 5] = [
+    (1, 1, 1),
+    (8, 2, 32),
+    (13, 7, 45),
+    (17, 300, 70),
+    (40, 513, 9),
+];
+
+#[test]
+fn rounding_to_bf16_is_to_nearest_even() {
+    assert_eq!(bf16_bits(1.0), 0x3f80);
+    // Halfway between 1.0 and the next bf16 (1 + 2^-7): ties to even (1.0).
+    assert_eq!(bf16_bits(f32::from_bits(0x3f80_8000)), 0x3f80);
+    // Halfway above an odd mantissa rounds up to the even one.
+    assert_eq!(bf16_bits(f32::from_bits(0x3f81_8000)), 0x3f82);
+    assert_eq!(bf16_bits(f32::from_bits(0x3f80_8001)), 0x3f81);
+    assert_eq!(bf16_bits(-2.5), 0xc020);
+    assert_eq!(bf16_bits(f32::MAX), 0x7f80, "past bf16's largest: infinity");
+    assert_eq!(bf16_bits(f32::INFINITY), 0x7f80);
+    assert!(widen(bf16_bits(f32::NAN)).is_nan());
+    for x in values(1000, 3) {
+        let h = half::bf16::from_f32(x).to_bits();
+        assert_eq!(bf16_bits(x), h, "{x}");
+    }
+}
+
+/// Each kernel, each storage of A and B, against the f64 product of the
+/// rounded operands: every element within γ(K + blocks)·Σ|a||b| (u =
+/// 2⁻²⁴; each pair's two products are exact and added with one rounding
+/// each, then each block's sum once more).
+#[test]
+fn every_kernel_and_storage_matches_the_rounded_operands_product() {
+    for kernel in kernels() {
+        for (m, k, n) in SHAPES {
+            let (a, b) = (values(m * k, 1), values(n * k, 2));
+            for (ak, bk) in [(false, false), (true, false), (false, true), (true, true)] {
+                let (sa, sb) = (stored(&a, m, k, ak), stored(&b, n, k, bk));
+                let mut out = vec![f32::NAN; m * n];
+                let shape = (m, k, n);
+                gemm_bf16_with(
+                    kernel,
+                    1,
+                    &mut out,
+                    Write::Set,
+                    f32_op(&sa, ak),
+                    f32_op(&sb, bk),
+                    shape,
+                );
+                let adds = (k + k.div_ceil(2 * KC_PAIRS)) as f64;
+                let gamma = adds * 2f64.powi(-24) / (1.0 - adds * 2f64.powi(-24));
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut exact, mut mag) = (0.0f64, 0.0f64);
+                        for l in 0..k {
+                            let p = widen(bf16_bits(a[i * k + l])) * widen(bf16_bits(b[j * k + l]));
+                            exact += p;
+                            mag += p.abs();
+                        }
+                        let err = (out[i * n + j] as f64 - exact).abs();
+                        assert!(
+                            err <= gamma * mag,
+                            "{kernel:?} {m}×{k}×{n} A k-major {ak} B k-major {bk} at ({i}, {j}): \
+                             {} against {exact}",
+                            out[i * n + j]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The sums' order is fixed (see the module): one thread or four, either
+/// kernel, bf16 operands given as f32 or as bits, the same bits.
+#[test]
+fn threads_kernels_and_operand_types_give_the_same_bits() {
+    for (m, k, n) in SHAPES {
+        let (a, b) = (values(m * k, 5), values(n * k, 6));
+        let b_bits: Vec<u16> = b.iter().map(|&x| bf16_bits(x)).collect();
+        let mut first: Option<Vec<f32>> = None;
+        for kernel in kernels() {
+            for parts in [1, 2, 4] {
+                for b_op in [Values::F32(&b), Values::Bf16(&b_bits)] {
+                    let mut out = vec![0.0; m * n];
+                    let (a_op, b_op) = (Operand::rows(Values::F32(&a)), Operand::rows(b_op));
+                    gemm_bf16_with(kernel, parts, &mut out, Write::Set, a_op, b_op, (m, k, n));
+                    match &first {
+                        None => first = Some(out),
+                        Some(f) => assert!(
+                            f.iter().zip(&out).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{kernel:?} on {parts} threads, {m}×{k}×{n}"
+                        ),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn add_sums_into_the_output_and_set_replaces_it() {
+    let (m, k, n) = (9, 600, 33);
+    let (a, b) = (values(m * k, 7), values(n * k, 8));
+    let (a, b) = (
+        Operand::rows(Values::F32(&a)),
+        Operand::rows(Values::F32(&b)),
+    );
+    for kernel in kernels() {
+        let mut set = vec![f32::NAN; m * n];
+        gemm_bf16_with(kernel, 2, &mut set, Write::Set, a, b, (m, k, n));
+        let mut added = vec![0.5; m * n];
+        gemm_bf16_with(kernel, 2, &mut added, Write::Add, a, b, (m, k, n));
+        for (s, x) in set.iter().zip(&added) {
+            assert!(
+                (x - (s + 0.5)).abs() <= 1e-5 * (1.0 + s.abs()),
+                "{kernel:?}: {x} against {s} + 0.5"
+            );
+        }
+    }
+    let mut empty = vec![3.0; m * n];
+    let none: [f32; 0] = [];
+    let (a0, b0) = (
+        Operand::rows(Values::F32(&none)),
+        Operand::rows(Values::F32(&none)),
+    );
+    gemm_bf16_with(
+        Bf16Kernel::Portable,
+        1,
+        &mut empty,
+        Write::Add,
+        a0,
+        b0,
+        (m, 0, n),
+    );
+    assert!(empty.iter().all(|&x| x == 3.0), "an empty sum adds nothing");
+    gemm_bf16_with(
+        Bf16Kernel::Portable,
+        1,
+        &mut empty,
+        Write::Set,
+        a0,
+        b0,
+        (m, 0, n),
+    );
+    assert!(empty.iter().all(|&x| x == 0.0), "and sets zero");
+}
