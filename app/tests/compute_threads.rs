@@ -76,3 +76,19 @@ fn the_compute_threads_change_no_bit_of_a_run() {
     assert!(err.contains("--compute-threads 0: "), "{err}");
     assert!(!dir.path().join("refused").exists());
 }
+
+/// The `small` preset's expert GEMMs are large enough to be split over
+/// two threads, and its bf16 expert FFN (the default) runs its GEMM pairs
+/// side by side: one thread and every core give the same bits.
+#[test]
+fn the_bf16_expert_gemms_change_no_bit_with_the_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let small = ["--preset", "small", "--expert-gemm", "bf16"];
+    let every_core = dir.path().join("every-core");
+    train(&every_core, 3, &small);
+    let one = dir.path().join("one");
+    train(&one, 3, &[&small[..], &["--compute-threads", "1"]].concat());
+    let expected = losses(&every_core);
+    assert_eq!(expected.len(), 3 + 1, "{expected:?}");
+    assert_eq!(losses(&one), expected);
+}

@@ -6,10 +6,31 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::bf16_gemm::{gemm_bf16, Operand, Values};
+use super::bf16_gemm::{gemm_bf16, gemm_bf16_on, Operand, Values};
 use super::cpu::{for_part_pairs, for_parts, hidden_into, sized, swiglu_grads, FfnScratch};
-use super::gemm::Write;
+use super::gemm::{threads_for, Write};
 use crate::math::{gelu_grad, ExpertKind, ExpertSaved};
+use crate::parallel::{compute_threads, run_all};
+
+/// Runs `a` and `b`, GEMMs of `macs` multiply-adds together, side by side
+/// where there are threads for both and the work is worth a split (each
+/// then splits its GEMMs over half of the threads), else one after the
+/// other on every thread. They write disjoint outputs, and a GEMM's sums do
+/// not depend on its threads, so the results are the same bits either way.
+fn side_by_side(macs: usize, a: impl FnOnce(usize) + Send, b: impl FnOnce(usize) + Send) {
+    let threads = compute_threads();
+    if threads_for(macs, threads) < 2 {
+        a(threads);
+        b(threads);
+        return;
+    }
+    let half = threads.div_ceil(2);
+    let jobs: Vec<Box<dyn FnOnce() + Send + '_>> = vec![
+        Box::new(move || a(half)),
+        Box::new(move || b(threads - half)),
+    ];
+    run_all(jobs);
+}
 
 /// `v` as rows of K (X(r, k) at r·K + k).
 fn rows_f32(v: &[f32]) -> Operand<'_> {
@@ -59,15 +80,16 @@ pub(crate) fn ffn_forward_bf16(
 ) {
     let w = Weights::split(kind, params, d, f);
     saved.a.resize(n * f, 0.0);
-    let up = |out: &mut [f32], w: &[u16]| {
+    let up = |threads, out: &mut [f32], w: &[u16]| {
         let w = Operand::rows(Values::Bf16(w));
-        gemm_bf16(out, Write::Set, rows_f32(x), w, n, d, f);
+        gemm_bf16_on(threads, out, Write::Set, rows_f32(x), w, (n, d, f));
     };
-    up(&mut saved.a, w.w1);
     if kind == ExpertKind::SwiGlu {
         saved.b.resize(n * f, 0.0);
-        up(&mut saved.b, w.w3);
+        let (a, b) = (&mut saved.a, &mut saved.b);
+        side_by_side(2 * n * d * f, |t| up(t, a, w.w1), |t| up(t, b, w.w3));
     } else {
+        up(compute_threads(), &mut saved.a, w.w1);
         saved.b.clear();
     }
     hidden_into(kind, saved, &mut scratch.h, None);
@@ -95,29 +117,25 @@ pub(crate) fn ffn_backward_bf16(
     hidden_into(kind, saved, &mut scratch.h, Some(&mut scratch.sig));
     let split = dparams.len() - d * f;
     let (dw_in, dw2) = dparams.split_at_mut(split);
-    // dh (n, F) = dout · w2: w2 (D, F) is B (F × D) stored transposed.
+    // dh (n, F) = dout · w2 (w2 (D, F) is B (F × D) stored transposed),
+    // beside dw2 (D, F) = doutᵀ · h (both summed over the tokens).
     let dh = sized(&mut scratch.dh, n * f);
     let w2_t = Operand::k_major(Values::Bf16(w.w2));
-    gemm_bf16(dh, Write::Set, rows_f32(dout), w2_t, n, d, f);
-    // dw2 (D, F) = doutᵀ · h: both summed over the tokens.
     let h = &scratch.h;
-    gemm_bf16(
-        dw2,
-        dparams_write,
-        k_major_f32(dout),
-        k_major_f32(h),
-        d,
-        n,
-        f,
+    side_by_side(
+        2 * n * d * f,
+        |t| gemm_bf16_on(t, dh, Write::Set, rows_f32(dout), w2_t, (n, d, f)),
+        |t| {
+            let (dout, h) = (k_major_f32(dout), k_major_f32(h));
+            gemm_bf16_on(t, dw2, dparams_write, dout, h, (d, n, f));
+        },
     );
     let dh = &*dh;
     let da = sized(&mut scratch.da, n * f);
-    // dx (n, D) (+)= dz · w (w (F, D) is B (D × F) stored transposed) and
-    // dw (F, D) (+)= dzᵀ · x.
-    let input_grads = |dx: &mut [f32], dx_write, dw: &mut [f32], dz: &[f32], w: &[u16]| {
-        let w_t = Operand::k_major(Values::Bf16(w));
-        gemm_bf16(dx, dx_write, rows_f32(dz), w_t, n, f, d);
-        gemm_bf16(dw, dparams_write, k_major_f32(dz), k_major_f32(x), f, n, d);
+    let grads = InputGrads {
+        x,
+        dparams_write,
+        shape: (n, d, f),
     };
     match kind {
         ExpertKind::SwiGlu => {
@@ -129,8 +147,8 @@ pub(crate) fn ffn_backward_bf16(
                 swiglu_grads(da, db, dh, a, b, sig);
             });
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
-            input_grads(dx, Write::Set, dw1, &scratch.da, w.w1);
-            input_grads(dx, Write::Add, dw3, &scratch.db, w.w3);
+            let (da, db) = (&scratch.da[..], &scratch.db[..]);
+            grads.run(dx, vec![(dw1, da, w.w1), (dw3, db, w.w3)]);
         }
         ExpertKind::Gelu => {
             let a = &saved.a;
@@ -139,8 +157,43 @@ pub(crate) fn ffn_backward_bf16(
                     da[i] = dh[at + i] * gelu_grad(a[at + i]);
                 }
             });
-            input_grads(dx, Write::Set, dw_in, &scratch.da, w.w1);
+            grads.run(dx, vec![(dw_in, &scratch.da[..], w.w1)]);
         }
+    }
+}
+
+/// The backward's last GEMMs: from the hidden gradients dz (n, F) of the
+/// up projections w (F, D).
+struct InputGrads<'a> {
+    x: &'a [f32],
+    dparams_write: Write,
+    /// (n, D, F).
+    shape: (usize, usize, usize),
+}
+
+impl InputGrads<'_> {
+    /// dx (n, D) = Σ dz · w over `terms` (w is B (D × F) stored
+    /// transposed), beside each term's dw (F, D) (+)= dzᵀ · x.
+    fn run(&self, dx: &mut [f32], terms: Vec<(&mut [f32], &[f32], &[u16])>) {
+        let (n, d, f) = self.shape;
+        let inputs: Vec<(&[f32], &[u16])> = terms.iter().map(|(_, dz, w)| (*dz, *w)).collect();
+        side_by_side(
+            2 * terms.len() * n * d * f,
+            |t| {
+                for (i, (dz, w)) in inputs.iter().enumerate() {
+                    let write = if i == 0 { Write::Set } else { Write::Add };
+                    let w_t = Operand::k_major(Values::Bf16(w));
+                    gemm_bf16_on(t, dx, write, rows_f32(dz), w_t, (n, f, d));
+                }
+            },
+            |t| {
+                let x = k_major_f32(self.x);
+                for (dw, dz, _) in terms {
+                    let dz = k_major_f32(dz);
+                    gemm_bf16_on(t, dw, self.dparams_write, dz, x, (f, n, d));
+                }
+            },
+        );
     }
 }
 

@@ -57,19 +57,31 @@ impl Bf16Kernel {
         }
     }
 
-    /// `tile` = Σ over `pairs` pairs of A's block (`a`: pairs × MR) times
-    /// B's panel (`b`: pairs × NR), each element a bf16 pair (even element
-    /// in the low half).
-    pub(super) fn tile(self, a: &[u32], b: &[u32], pairs: usize, tile: &mut Tile) {
-        assert!(a.len() >= pairs * MR && b.len() >= pairs * NR);
+    /// `tile` = Σ over `pairs` pairs of A's block (its row i's pair p at
+    /// `a[i · si + p · sp]` for `(si, sp)`) times B's panel (`b`: pairs ×
+    /// NR), each element a bf16 pair (even element in the low half).
+    pub(super) fn tile(
+        self,
+        a: &[u32],
+        (si, sp): (usize, usize),
+        b: &[u32],
+        pairs: usize,
+        tile: &mut Tile,
+    ) {
+        if pairs == 0 {
+            *tile = [[0.0; NR]; MR];
+            return;
+        }
+        assert!(a.len() > (MR - 1) * si + (pairs - 1) * sp && b.len() >= pairs * NR);
         match self {
-            Self::Portable => tile_portable(a, b, pairs, tile),
+            Self::Portable => tile_portable(a, (si, sp), b, pairs, tile),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => {
                 assert!(self.supported(), "the CPU lacks AVX512-BF16");
                 // SAFETY: the CPU has AVX512F and AVX512-BF16 (asserted);
-                // `a` and `b` hold `pairs` rows of MR and NR (asserted).
-                unsafe { tile_avx512(a.as_ptr(), b.as_ptr(), pairs, tile) }
+                // `a` holds the MR rows' `pairs` pairs at these strides and
+                // `b` `pairs` rows of NR (asserted).
+                unsafe { tile_avx512(a.as_ptr(), (si, sp), b.as_ptr(), pairs, tile) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Self::Avx512 => unreachable!("AVX-512 is x86-64's"),
@@ -86,7 +98,7 @@ fn halves(pair: u32) -> (f32, f32) {
     )
 }
 
-fn tile_portable(a: &[u32], b: &[u32], pairs: usize, tile: &mut Tile) {
+fn tile_portable(a: &[u32], (si, sp): (usize, usize), b: &[u32], pairs: usize, tile: &mut Tile) {
     *tile = [[0.0; NR]; MR];
     let (mut even, mut odd) = ([0f32; NR], [0f32; NR]);
     for p in 0..pairs {
@@ -95,7 +107,7 @@ fn tile_portable(a: &[u32], b: &[u32], pairs: usize, tile: &mut Tile) {
             (even[j], odd[j]) = halves(bp[j]);
         }
         for (i, row) in tile.iter_mut().enumerate() {
-            let (ae, ao) = halves(a[p * MR + i]);
+            let (ae, ao) = halves(a[i * si + p * sp]);
             for j in 0..NR {
                 row[j] = (row[j] + ao * odd[j]) + ae * even[j];
             }
@@ -113,12 +125,20 @@ fn as_bf16(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
 }
 
 /// # Safety
-/// The CPU has AVX512F and AVX512-BF16; `a` points at `pairs` × MR and `b`
-/// at `pairs` × NR readable pairs.
+/// The CPU has AVX512F and AVX512-BF16; `a` points at MR rows of `pairs`
+/// readable pairs at strides (si, sp), and `b` at `pairs` × NR.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn tile_avx512(a: *const u32, b: *const u32, pairs: usize, tile: &mut Tile) {
+unsafe fn tile_avx512(
+    a: *const u32,
+    (si, sp): (usize, usize),
+    b: *const u32,
+    pairs: usize,
+    tile: &mut Tile,
+) {
     use std::arch::x86_64::*;
+    // SAFETY: each row's first pair is in bounds (the contract).
+    let rows: [*const u32; MR] = std::array::from_fn(|i| unsafe { a.add(i * si) });
     let mut lo = [_mm512_setzero_ps(); MR];
     let mut hi = [_mm512_setzero_ps(); MR];
     for p in 0..pairs {
@@ -133,8 +153,8 @@ unsafe fn tile_avx512(a: *const u32, b: *const u32, pairs: usize, tile: &mut Til
         };
         let (b0, b1) = (as_bf16(b0), as_bf16(b1));
         for i in 0..MR {
-            // SAFETY: as above, for A's row `p` of MR pairs.
-            let ai = as_bf16(_mm512_set1_epi32(unsafe { *a.add(p * MR + i) } as i32));
+            // SAFETY: row i's pair p is in bounds (the contract).
+            let ai = as_bf16(_mm512_set1_epi32(unsafe { *rows[i].add(p * sp) } as i32));
             lo[i] = _mm512_dpbf16_ps(lo[i], ai, b0);
             hi[i] = _mm512_dpbf16_ps(hi[i], ai, b1);
         }

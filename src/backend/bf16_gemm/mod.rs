@@ -176,6 +176,61 @@ fn pack_values<T: Bf16Bits>(v: &[T], k_major: bool, r: usize, k: usize, b: Block
     }
 }
 
+/// A's bf16 pairs as the tiles read them, A(i, pair p) at `i · si + p ·
+/// sp` for `strides` = (si, sp).
+#[derive(Clone, Copy)]
+struct APairs<'a> {
+    pairs: &'a [u32],
+    strides: (usize, usize),
+}
+
+/// Writes A (M × K) as bf16 pairs into `buf`, its rows padded with zeros to
+/// whole blocks of MR (and a last odd k with a zero), and returns the
+/// strides (si, sp) it reads with: rows of pairs where A is stored by rows
+/// (each element rounded where it lies), and pairs of rows where A is
+/// stored k-major (two rows of k interleaved), so that either is one
+/// streaming pass.
+fn a_pairs(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize) {
+    let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
+    buf.clear();
+    buf.resize(mp * kp, 0);
+    match a.values {
+        Values::F32(v) => pairs_of(v, a.k_major, m, k, buf),
+        Values::Bf16(v) => pairs_of(v, a.k_major, m, k, buf),
+    }
+    if a.k_major {
+        (1, mp)
+    } else {
+        (kp, 1)
+    }
+}
+
+fn pairs_of<T: Bf16Bits>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [u32]) {
+    let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
+    if k_major {
+        for p in 0..kp {
+            let out = &mut buf[p * mp..][..m];
+            let even = &v[2 * p * m..][..m];
+            if 2 * p + 1 < k {
+                let odd = &v[(2 * p + 1) * m..][..m];
+                for ((o, e), d) in out.iter_mut().zip(even).zip(odd) {
+                    *o = e.bf16() | d.bf16() << 16;
+                }
+            } else {
+                out.iter_mut().zip(even).for_each(|(o, e)| *o = e.bf16());
+            }
+        }
+    } else {
+        // The pairs of a row, read as u16, are its elements in order.
+        let halves: &mut [u16] = bytemuck::cast_slice_mut(&mut buf[..m * kp]);
+        for (row, out) in v.chunks_exact(k).zip(halves.chunks_exact_mut(2 * kp)) {
+            out.iter_mut()
+                .zip(row)
+                .for_each(|(o, x)| *o = x.bf16() as u16);
+        }
+    }
+}
+
 /// out (M, N) (+)= A (M, K) · B (N, K)ᵀ on bf16-rounded operands, as
 /// `write` says, on the compute threads with this CPU's kernel.
 #[allow(clippy::too_many_arguments)]
@@ -188,7 +243,20 @@ pub(crate) fn gemm_bf16(
     k: usize,
     n: usize,
 ) {
-    let parts = threads_for(m * k * n, compute_threads());
+    gemm_bf16_on(compute_threads(), out, write, a, b, (m, k, n));
+}
+
+/// [`gemm_bf16`] on at most `threads` threads (one of GEMMs that run side
+/// by side).
+pub(crate) fn gemm_bf16_on(
+    threads: usize,
+    out: &mut [f32],
+    write: Write,
+    a: Operand,
+    b: Operand,
+    (m, k, n): (usize, usize, usize),
+) {
+    let parts = threads_for(m * k * n, threads);
     gemm_bf16_with(Bf16Kernel::detected(), parts, out, write, a, b, (m, k, n));
 }
 
@@ -228,27 +296,17 @@ pub(crate) fn gemm_bf16_with(
         return;
     }
     let kp = k.div_ceil(2);
-    let blocks = m.div_ceil(MR);
-    // Reused from call to call on this thread (every element is written
-    // by `pack`).
-    let mut a_packed = A_PACKED.take();
-    a_packed.resize(blocks * kp * MR, 0);
-    for (i, out) in a_packed.chunks_mut(kp * MR).enumerate() {
-        let r0 = i * MR;
-        let block = Block {
-            r0,
-            nr: MR.min(m - r0),
-            p0: 0,
-            pairs: kp,
-            width: MR,
-        };
-        pack(a, m, k, block, out);
-    }
+    // Reused from call to call on this thread.
+    let mut a_buf = A_PAIRS.take();
+    let strides = a_pairs(a, m, k, &mut a_buf);
     let panels = n.div_ceil(NR);
     let parts = parts.clamp(1, panels);
     let per_part = panels.div_ceil(parts);
     let dst = OutPtr(out.as_mut_ptr());
-    let a = &a_packed;
+    let a = APairs {
+        pairs: &a_buf,
+        strides,
+    };
     let job = move |first: usize| {
         let shape = Shape { m, k, n, kp };
         let mut b_packed = B_PACKED.take();
@@ -265,12 +323,12 @@ pub(crate) fn gemm_bf16_with(
     } else {
         run_all((0..parts).map(|i| move || job(i * per_part)).collect());
     }
-    A_PACKED.set(a_packed);
+    A_PAIRS.set(a_buf);
 }
 
 thread_local! {
-    /// A's packed blocks, kept for the thread's next call.
-    static A_PACKED: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A's pairs (`a_pairs`), kept for the thread's next call.
+    static A_PAIRS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
     /// A block of B's panel, likewise.
     static B_PACKED: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }
@@ -293,7 +351,7 @@ struct Shape {
 unsafe fn panel_product(
     kernel: Bf16Kernel,
     s: Shape,
-    a_packed: &[u32],
+    a: APairs,
     b_packed: &mut [u32],
     b: Operand,
     panel: usize,
@@ -315,8 +373,9 @@ unsafe fn panel_product(
         pack(b, s.n, s.k, block, b_packed);
         let add = p0 > 0 || write == Write::Add;
         for r0 in (0..s.m).step_by(MR) {
-            let a_block = &a_packed[(r0 / MR * s.kp + p0) * MR..][..pairs * MR];
-            kernel.tile(a_block, b_packed, pairs, &mut tile);
+            let (si, sp) = a.strides;
+            let a_block = &a.pairs[r0 * si + p0 * sp..];
+            kernel.tile(a_block, a.strides, b_packed, pairs, &mut tile);
             for (i, sums) in tile.iter().enumerate().take(MR.min(s.m - r0)) {
                 // SAFETY: row r0 + i < M, columns c0..c0 + cols < N, this
                 // thread's alone (the caller's contract).
