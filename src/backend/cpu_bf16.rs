@@ -6,7 +6,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::bf16_gemm::{gemm_bf16, gemm_bf16_on, Operand, Values};
+use super::bf16_gemm::{bf16_work, gemm_bf16, gemm_bf16_on, Operand, Values};
 use super::cpu::{for_part_pairs, for_parts, hidden_into, sized, swiglu_grads, FfnScratch};
 use super::gemm::{threads_for, Write};
 use crate::math::{gelu_grad, ExpertKind, ExpertSaved};
@@ -19,7 +19,7 @@ use crate::parallel::{compute_threads, run_all};
 /// not depend on its threads, so the results are the same bits either way.
 fn side_by_side(macs: usize, a: impl FnOnce(usize) + Send, b: impl FnOnce(usize) + Send) {
     let threads = compute_threads();
-    if threads_for(macs, threads) < 2 {
+    if threads_for(bf16_work(macs), threads) < 2 {
         a(threads);
         b(threads);
         return;

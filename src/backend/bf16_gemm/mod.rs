@@ -256,8 +256,15 @@ pub(crate) fn gemm_bf16_on(
     b: Operand,
     (m, k, n): (usize, usize, usize),
 ) {
-    let parts = threads_for(m * k * n, threads);
+    let parts = threads_for(bf16_work(m * k * n), threads);
     gemm_bf16_with(Bf16Kernel::detected(), parts, out, write, a, b, (m, k, n));
+}
+
+/// `macs` bf16 multiply-adds as the f32 multiply-adds `threads_for`
+/// weighs: `vdpbf16ps` does twice as many a cycle as an f32 FMA, so a
+/// split pays only past twice as many.
+pub(crate) fn bf16_work(macs: usize) -> usize {
+    macs / 2
 }
 
 /// The output's address, shared by the threads that write its disjoint
