@@ -2,13 +2,15 @@
 //! (`ExpertGemm::Bf16`): every GEMM through `bf16_gemm`, its activations
 //! and output gradients rounded to bf16 as they are packed, products summed
 //! in f32; the activations between the GEMMs (SwiGLU, GELU and their
-//! gradients) stay f32, as in `cpu.rs`, whose f32 FFN this mirrors.
+//! gradients) stay f32, as in `cpu.rs`, whose f32 FFN this mirrors, with
+//! SwiGLU's sigmoids from a vectorized exp (`math::fast_exp`).
 
 #![allow(clippy::too_many_arguments)]
 
 use super::bf16_gemm::{bf16_work, gemm_bf16, gemm_bf16_on, Operand, Values};
 use super::cpu::{for_part_pairs, for_parts, hidden_into, sized, swiglu_grads, FfnScratch};
 use super::gemm::{threads_for, Write};
+use crate::math::fast_exp::sigmoid_approx;
 use crate::math::{gelu_grad, ExpertKind, ExpertSaved};
 use crate::parallel::{compute_threads, run_all};
 
@@ -40,6 +42,38 @@ fn rows_f32(v: &[f32]) -> Operand<'_> {
 /// `v` stored transposed (X(r, k) at k·R + r).
 fn k_major_f32(v: &[f32]) -> Operand<'_> {
     Operand::k_major(Values::F32(v))
+}
+
+/// The hidden activation as `cpu::hidden_into` computes it, but SwiGLU's
+/// sigmoids from the vectorized [`sigmoid_approx`] (its exp within 1 ulp of
+/// libm's) rather than a libm call an element.
+fn swiglu_or_hidden(
+    kind: ExpertKind,
+    saved: &ExpertSaved<f32>,
+    h: &mut Vec<f32>,
+    sig: Option<&mut Vec<f32>>,
+) {
+    if kind != ExpertKind::SwiGlu {
+        return hidden_into(kind, saved, h, sig);
+    }
+    let (a, b) = (&saved.a, &saved.b);
+    let h = sized(h, a.len());
+    match sig {
+        Some(sig) => for_part_pairs(h, sized(sig, a.len()), |at, h, sig| {
+            let (a, b) = (&a[at..at + h.len()], &b[at..at + h.len()]);
+            for (((h, sig), &a), &b) in h.iter_mut().zip(sig).zip(a).zip(b) {
+                let s = sigmoid_approx(a);
+                *sig = s;
+                *h = a * s * b;
+            }
+        }),
+        None => for_parts(h, |at, h| {
+            let (a, b) = (&a[at..at + h.len()], &b[at..at + h.len()]);
+            for ((h, &a), &b) in h.iter_mut().zip(a).zip(b) {
+                *h = a * sigmoid_approx(a) * b;
+            }
+        }),
+    }
 }
 
 /// An expert's weight matrices, bf16 bits, as the cpu's FFN lays them out:
@@ -92,7 +126,7 @@ pub(crate) fn ffn_forward_bf16(
         up(compute_threads(), &mut saved.a, w.w1);
         saved.b.clear();
     }
-    hidden_into(kind, saved, &mut scratch.h, None);
+    swiglu_or_hidden(kind, saved, &mut scratch.h, None);
     let w2 = Operand::rows(Values::Bf16(w.w2));
     gemm_bf16(out, Write::Set, rows_f32(&scratch.h), w2, n, f, d);
 }
@@ -114,7 +148,7 @@ pub(crate) fn ffn_backward_bf16(
     scratch: &mut FfnScratch,
 ) {
     let w = Weights::split(kind, params, d, f);
-    hidden_into(kind, saved, &mut scratch.h, Some(&mut scratch.sig));
+    swiglu_or_hidden(kind, saved, &mut scratch.h, Some(&mut scratch.sig));
     let split = dparams.len() - d * f;
     let (dw_in, dw2) = dparams.split_at_mut(split);
     // dh (n, F) = dout · w2 (w2 (D, F) is B (F × D) stored transposed),

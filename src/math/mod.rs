@@ -23,6 +23,7 @@ use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
 pub mod attention;
 pub mod attention_rows;
+pub mod fast_exp;
 mod permute;
 mod router;
 
