@@ -602,6 +602,49 @@ mod tests {
         }
     }
 
+    /// A row whose target is ignored adds nothing to the loss and gets
+    /// zero d logits, whatever the buffer held before (the engine reuses
+    /// it from step to step); the other rows are as a fresh buffer's.
+    #[test]
+    fn ignored_rows_get_zero_d_logits_whatever_the_buffer_held() {
+        let (t, v) = (6, 7);
+        let logits: Vec<f32> = (0..t * v)
+            .map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.25)
+            .collect();
+        let mut targets: Vec<u32> = (0..t).map(|i| (i * 3 % v) as u32).collect();
+        for i in [0, 2, 5] {
+            targets[i] = IGNORED_TARGET;
+        }
+        let mut fresh = vec![0.0f32; t * v];
+        let loss = cross_entropy_forward_backward(&mut fresh, &logits, &targets, v, t);
+        let mut stale = vec![f32::NAN; t * v];
+        let l = cross_entropy_forward_backward(&mut stale, &logits, &targets, v, t);
+        assert_eq!(l.to_bits(), loss.to_bits());
+        for i in 0..t {
+            let row = &stale[i * v..(i + 1) * v];
+            if targets[i] == IGNORED_TARGET {
+                assert!(row.iter().all(|&g| g == 0.0), "row {i}: {row:?}");
+            } else {
+                assert!(row == &fresh[i * v..(i + 1) * v], "row {i}: {row:?}");
+            }
+        }
+        let kept: Vec<u32> = targets
+            .iter()
+            .copied()
+            .filter(|&t| t != IGNORED_TARGET)
+            .collect();
+        let kept_logits: Vec<f32> = (0..t)
+            .filter(|&i| targets[i] != IGNORED_TARGET)
+            .flat_map(|i| logits[i * v..(i + 1) * v].to_vec())
+            .collect();
+        let alone = cross_entropy_loss(&kept_logits, &kept, v, t);
+        assert_eq!(
+            alone.to_bits(),
+            loss.to_bits(),
+            "the ignored rows add nothing"
+        );
+    }
+
     /// Evaluation's loss is training's loss, to the bit.
     #[test]
     fn the_loss_alone_equals_the_loss_with_its_gradient() {
