@@ -603,8 +603,10 @@ mod tests {
     }
 
     /// A row whose target is ignored adds nothing to the loss and gets
-    /// zero d logits, whatever the buffer held before (the engine reuses
-    /// it from step to step); the other rows are as a fresh buffer's.
+    /// zero d logits, whatever the buffer held before (d logits are
+    /// written whole, so a caller may hand any buffer; today's hand zeroed
+    /// ones, which hid a wrong range); the other rows are as a fresh
+    /// buffer's.
     #[test]
     fn ignored_rows_get_zero_d_logits_whatever_the_buffer_held() {
         let (t, v) = (6, 7);
