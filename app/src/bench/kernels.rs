@@ -295,27 +295,9 @@ fn fma_peak(threads: usize, time: Duration) -> Option<f64> {
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             return None;
         }
-        let t0 = Instant::now();
-        let chains: u64 = std::thread::scope(|scope| {
-            let runs: Vec<_> = (0..threads.max(1))
-                .map(|_| {
-                    scope.spawn(move || {
-                        let mut blocks = 0u64;
-                        while t0.elapsed() < time {
-                            // SAFETY: AVX2 and FMA were detected above.
-                            std::hint::black_box(unsafe { fma_block(FMA_BLOCK) });
-                            blocks += 1;
-                        }
-                        blocks
-                    })
-                })
-                .collect();
-            runs.into_iter()
-                .map(|r| r.join().expect("a peak thread"))
-                .sum()
-        });
-        let flops = chains as f64 * FMA_BLOCK as f64 * FMA_FLOPS_PER_ITER;
-        Some(flops / t0.elapsed().as_secs_f64())
+        // SAFETY: AVX2 and FMA were detected above.
+        let block = || std::hint::black_box(unsafe { fma_block(FMA_BLOCK) });
+        Some(peak_flops(threads, time, block, FMA_FLOPS_PER_ITER))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -333,34 +315,48 @@ fn bf16_dot_peak(threads: usize, time: Duration) -> Option<f64> {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let t0 = Instant::now();
-        let blocks: u64 = std::thread::scope(|scope| {
-            let runs: Vec<_> = (0..threads.max(1))
-                .map(|_| {
-                    scope.spawn(move || {
-                        let mut blocks = 0u64;
-                        while t0.elapsed() < time {
-                            // SAFETY: the detected kernel is AVX-512's, so
-                            // the CPU has AVX512F and AVX512-BF16.
-                            std::hint::black_box(unsafe { bf16_dot_block(FMA_BLOCK) });
-                            blocks += 1;
-                        }
-                        blocks
-                    })
-                })
-                .collect();
-            runs.into_iter()
-                .map(|r| r.join().expect("a peak thread"))
-                .sum()
-        });
-        let flops = blocks as f64 * FMA_BLOCK as f64 * BF16_FLOPS_PER_ITER;
-        Some(flops / t0.elapsed().as_secs_f64())
+        // SAFETY: the detected kernel is AVX-512's, so the CPU has AVX512F
+        // and AVX512-BF16.
+        let block = || std::hint::black_box(unsafe { bf16_dot_block(FMA_BLOCK) });
+        Some(peak_flops(threads, time, block, BF16_FLOPS_PER_ITER))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (threads, time);
         None
     }
+}
+
+/// Flops a second of `block` (`FMA_BLOCK` iterations of
+/// `flops_per_iter` each) called over and over on `threads` threads for
+/// about `time`.
+#[cfg(target_arch = "x86_64")]
+fn peak_flops(
+    threads: usize,
+    time: Duration,
+    block: impl Fn() -> f32 + Copy + Send,
+    flops_per_iter: f64,
+) -> f64 {
+    let t0 = Instant::now();
+    let blocks: u64 = std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                scope.spawn(move || {
+                    let mut blocks = 0u64;
+                    while t0.elapsed() < time {
+                        block();
+                        blocks += 1;
+                    }
+                    blocks
+                })
+            })
+            .collect();
+        runs.into_iter()
+            .map(|r| r.join().expect("a peak thread"))
+            .sum()
+    });
+    let flops = blocks as f64 * FMA_BLOCK as f64 * flops_per_iter;
+    flops / t0.elapsed().as_secs_f64()
 }
 
 /// Flops an iteration: 12 chains × 16 lanes × 2 pairs × a multiply and an

@@ -101,17 +101,17 @@ impl Bf16Bits for u16 {
 }
 
 /// A block of an operand to pack: rows `r0..r0 + nr` of R, pairs
-/// `p0..p0 + pairs` of K, into `width` (MR or NR) lanes a pair.
+/// `p0..p0 + pairs` of K, into NR lanes a pair (B's panel; A is read in
+/// place, see [`a_pairs`]).
 #[derive(Clone, Copy)]
 struct Block {
     r0: usize,
     nr: usize,
     p0: usize,
     pairs: usize,
-    width: usize,
 }
 
-/// Packs `block` of X (R × K) into `out` (pairs × width u32, the even k
+/// Packs `block` of X (R × K) into `out` (pairs × NR u32, the even k
 /// in the low half); lanes past the rows, and a last k past K, are zero.
 fn pack(x: Operand, r: usize, k: usize, block: Block, out: &mut [u32]) {
     match x.values {
@@ -131,28 +131,28 @@ fn pack(x: Operand, r: usize, k: usize, block: Block, out: &mut [u32]) {
 
 /// [`pack_values`] for rows of `kp` whole pairs each.
 fn pack_pairs(v: &[u32], kp: usize, b: Block, out: &mut [u32]) {
-    let out = &mut out[..b.pairs * b.width];
-    if b.nr < b.width {
+    let out = &mut out[..b.pairs * NR];
+    if b.nr < NR {
         out.fill(0);
     }
     for i in 0..b.nr {
         let row = &v[(b.r0 + i) * kp + b.p0..][..b.pairs];
         for (p, &pair) in row.iter().enumerate() {
-            out[p * b.width + i] = pair;
+            out[p * NR + i] = pair;
         }
     }
 }
 
 fn pack_values<T: Bf16Bits>(v: &[T], k_major: bool, r: usize, k: usize, b: Block, out: &mut [u32]) {
-    let out = &mut out[..b.pairs * b.width];
-    if b.nr < b.width {
+    let out = &mut out[..b.pairs * NR];
+    if b.nr < NR {
         out.fill(0);
     }
     if k_major {
         for p in 0..b.pairs {
             let k0 = 2 * (b.p0 + p);
             let even = &v[k0 * r + b.r0..][..b.nr];
-            let lanes = &mut out[p * b.width..][..b.nr];
+            let lanes = &mut out[p * NR..][..b.nr];
             if k0 + 1 < k {
                 let odd = &v[(k0 + 1) * r + b.r0..][..b.nr];
                 for ((o, e), d) in lanes.iter_mut().zip(even).zip(odd) {
@@ -170,7 +170,7 @@ fn pack_values<T: Bf16Bits>(v: &[T], k_major: bool, r: usize, k: usize, b: Block
             for p in 0..b.pairs {
                 let k0 = 2 * (b.p0 + p);
                 let odd = if k0 + 1 < k { row[k0 + 1].bf16() } else { 0 };
-                out[p * b.width + i] = row[k0].bf16() | odd << 16;
+                out[p * NR + i] = row[k0].bf16() | odd << 16;
             }
         }
     }
@@ -192,7 +192,8 @@ struct APairs<'a> {
 /// streaming pass.
 fn a_pairs(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize) {
     let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
-    buf.clear();
+    // Every element is written below (`pairs_of` writes the padding), so
+    // the old contents need no zeroing.
     buf.resize(mp * kp, 0);
     match a.values {
         Values::F32(v) => pairs_of(v, a.k_major, m, k, buf),
@@ -209,7 +210,8 @@ fn pairs_of<T: Bf16Bits>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [
     let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
     if k_major {
         for p in 0..kp {
-            let out = &mut buf[p * mp..][..m];
+            let (out, padding) = buf[p * mp..][..mp].split_at_mut(m);
+            padding.fill(0);
             let even = &v[2 * p * m..][..m];
             if 2 * p + 1 < k {
                 let odd = &v[(2 * p + 1) * m..][..m];
@@ -221,12 +223,18 @@ fn pairs_of<T: Bf16Bits>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [
             }
         }
     } else {
-        // The pairs of a row, read as u16, are its elements in order.
-        let halves: &mut [u16] = bytemuck::cast_slice_mut(&mut buf[..m * kp]);
+        // The pairs of a row, read as u16, are its elements in order (and
+        // a zero after an odd K's last).
+        let (rows, padding) = buf[..mp * kp].split_at_mut(m * kp);
+        padding.fill(0);
+        let halves: &mut [u16] = bytemuck::cast_slice_mut(rows);
         for (row, out) in v.chunks_exact(k).zip(halves.chunks_exact_mut(2 * kp)) {
-            out.iter_mut()
+            let (values, odd_end) = out.split_at_mut(k);
+            values
+                .iter_mut()
                 .zip(row)
                 .for_each(|(o, x)| *o = x.bf16() as u16);
+            odd_end.fill(0);
         }
     }
 }
@@ -375,7 +383,6 @@ unsafe fn panel_product(
             nr: cols,
             p0,
             pairs,
-            width: NR,
         };
         pack(b, s.n, s.k, block, b_packed);
         let add = p0 > 0 || write == Write::Add;
