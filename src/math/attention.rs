@@ -150,7 +150,7 @@ fn rope_apply<R: Real>(
 /// is fixed, so every call, thread and split gives the same bits; unlike
 /// one running sum (a chain of dependent adds the compiler may not
 /// reorder), the eight sums are independent and become SIMD lanes.
-#[inline]
+#[inline(always)]
 pub(super) fn dot<R: Real>(a: &[R], b: &[R]) -> R {
     debug_assert_eq!(a.len(), b.len());
     const LANES: usize = 8;

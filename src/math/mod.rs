@@ -26,6 +26,7 @@ pub mod attention_rows;
 pub mod fast_exp;
 mod permute;
 mod router;
+pub mod vector_isa;
 
 pub use permute::{
     combine_backward_weights, combine_forward, gather_backward, gather_forward,

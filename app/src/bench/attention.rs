@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use strata::math::attention::{attention_backward, attention_forward, AttnShape};
 use strata::math::attention_rows::{
-    attention_rows_backward, attention_rows_forward, row_stats_len, Kept,
+    attention_rows_backward_on, attention_rows_forward_on, row_stats_len, Kept,
 };
+use strata::math::vector_isa::VectorIsa;
 
 use super::Timing;
 
@@ -27,7 +28,8 @@ pub struct AttentionBenchConfig {
     pub threads: usize,
     /// Timed repetitions of each variant; one untimed warm-up first.
     pub steps: usize,
-    /// Only this variant (`plain` or `rows`); `None`: both, alternated.
+    /// Only this variant; `None`: the plain one and the engine's in every
+    /// vector instruction set this CPU has, alternated.
     pub only: Option<Variant>,
 }
 
@@ -35,7 +37,7 @@ pub struct AttentionBenchConfig {
 #[derive(Clone, Debug, Serialize)]
 pub struct AttentionBenchRecord {
     pub bench: &'static str,
-    pub variant: &'static str,
+    pub variant: String,
     pub seqs: usize,
     pub seq_len: usize,
     pub heads: usize,
@@ -57,24 +59,47 @@ pub struct AttentionBenchRecord {
 pub enum Variant {
     /// Every probability kept (B, H, S, S), on one thread.
     Plain,
-    /// Each row's max and sum kept (B, H, S, 2): the engine's.
-    Rows,
+    /// Each row's max and sum kept (B, H, S, 2): the engine's, its loops
+    /// compiled for these vectors (the same bits in each).
+    Rows(VectorIsa),
 }
 
 impl Variant {
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            Variant::Plain => "plain",
-            Variant::Rows => "rows",
+            Variant::Plain => "plain".into(),
+            Variant::Rows(isa) => format!("rows-{}", isa.name()),
         }
     }
 
+    /// `plain`, `rows` (the engine's, in the vectors this CPU has) or
+    /// `rows-ISA` (`baseline`, `avx2` or `avx512`).
     pub fn from_name(name: &str) -> Result<Self, String> {
+        let isas = [VectorIsa::Baseline, VectorIsa::Avx2, VectorIsa::Avx512];
         match name {
             "plain" => Ok(Variant::Plain),
-            "rows" => Ok(Variant::Rows),
-            other => Err(format!("unknown variant `{other}`; one of: plain, rows")),
+            "rows" => Ok(Variant::Rows(VectorIsa::detected())),
+            other => isas
+                .into_iter()
+                .find(|isa| other.strip_prefix("rows-") == Some(isa.name()))
+                .map(Variant::Rows)
+                .ok_or_else(|| {
+                    format!(
+                        "unknown variant `{other}`; one of: plain, rows, rows-baseline, \
+                         rows-avx2, rows-avx512"
+                    )
+                }),
         }
+    }
+
+    /// The default comparison: the plain one, then the engine's in every
+    /// vector instruction set this CPU runs, widest first.
+    fn all_here() -> Vec<Self> {
+        let rows = VectorIsa::supported_here()
+            .into_iter()
+            .rev()
+            .map(Variant::Rows);
+        std::iter::once(Variant::Plain).chain(rows).collect()
     }
 }
 
@@ -116,9 +141,14 @@ pub fn run(
         v: &v,
         dout: &dout,
     };
+    if let Some(Variant::Rows(isa)) = config.only {
+        if !isa.supported() {
+            return Err(format!("this CPU does not run {}", isa.name()));
+        }
+    }
     let variants: Vec<Variant> = match config.only {
         Some(v) => vec![v],
-        None => vec![Variant::Plain, Variant::Rows],
+        None => Variant::all_here(),
     };
     let mut samples: Vec<Samples> = variants.iter().map(|_| Samples::new()).collect();
     for step in 0..=config.steps {
@@ -167,7 +197,7 @@ impl Samples {
 fn saved_len(variant: Variant, shape: &AttnShape) -> usize {
     match variant {
         Variant::Plain => shape.probs_len(),
-        Variant::Rows => row_stats_len(shape),
+        Variant::Rows(_) => row_stats_len(shape),
     }
 }
 
@@ -186,9 +216,9 @@ fn once(variant: Variant, x: &Inputs<'_>, config: &AttentionBenchConfig) -> (Dur
     let start = Instant::now();
     match variant {
         Variant::Plain => attention_forward(&mut out, &mut saved, x.q, x.k, x.v, None, shape),
-        Variant::Rows => {
-            let kept = Kept::RowStats;
-            attention_rows_forward(&mut out, &mut saved, kept, qkv, None, shape, config.threads)
+        Variant::Rows(isa) => {
+            let (kept, threads) = (Kept::RowStats, config.threads);
+            attention_rows_forward_on(isa, &mut out, &mut saved, kept, qkv, None, shape, threads)
         }
     }
     let forward = start.elapsed();
@@ -197,7 +227,8 @@ fn once(variant: Variant, x: &Inputs<'_>, config: &AttentionBenchConfig) -> (Dur
         Variant::Plain => attention_backward(
             &mut dq, &mut dk, &mut dv, x.dout, &saved, x.q, x.k, x.v, shape,
         ),
-        Variant::Rows => attention_rows_backward(
+        Variant::Rows(isa) => attention_rows_backward_on(
+            isa,
             [&mut dq, &mut dk, &mut dv],
             x.dout,
             &saved,
@@ -230,7 +261,7 @@ fn record(
         head_dim: shape.head_dim,
         threads: match variant {
             Variant::Plain => 1,
-            Variant::Rows => config.threads,
+            Variant::Rows(_) => config.threads,
         },
         steps: config.steps,
         forward_median_s: Timing::of(&samples.forward).median_s,
@@ -259,18 +290,26 @@ mod tests {
             only: None,
         };
         let records = run(&config, |_| {}).unwrap();
-        assert_eq!(records.len(), 2);
+        let here = VectorIsa::supported_here();
+        assert_eq!(records.len(), 1 + here.len(), "plain and each vector set");
         assert_eq!(records[0].saved_bytes, 4 * 2 * 64 * 64);
-        assert_eq!(records[1].saved_bytes, 4 * 2 * 2 * 64);
+        assert!(records[1..].iter().all(|r| r.saved_bytes == 4 * 2 * 2 * 64));
+        let names: Vec<_> = records.iter().map(|r| r.variant.clone()).collect();
+        assert_eq!(names[0], "plain");
+        assert_eq!(names[1], format!("rows-{}", VectorIsa::detected().name()));
+        assert_eq!(names.last().unwrap(), "rows-baseline");
         assert!(records.iter().all(|r| r.forward_median_s > 0.0));
         assert!(records.iter().all(|r| r.peak_rss_bytes.is_none()));
         let alone = AttentionBenchConfig {
-            only: Some(Variant::Rows),
+            only: Some(Variant::from_name("rows-baseline").unwrap()),
             ..config.clone()
         };
         let records = run(&alone, |_| {}).unwrap();
         assert_eq!(records.len(), 1);
-        assert_eq!(records[0].variant, "rows");
+        assert_eq!(records[0].variant, "rows-baseline");
+        assert!(Variant::from_name("rows-sse9")
+            .unwrap_err()
+            .contains("rows-avx512"));
         let bad = AttentionBenchConfig {
             shape: AttnShape {
                 kv_heads: 3,

@@ -88,7 +88,7 @@ fn bench_attention(args: AttentionArgs) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:<8} {:>8} {:>12} {:>12} {:>12} {:>13}",
+        "{:<13} {:>8} {:>12} {:>12} {:>12} {:>13}",
         "variant", "threads", "forward_ms", "backward_ms", "saved_MiB", "peak_rss_MiB"
     )?;
     for r in &records {
@@ -97,7 +97,7 @@ fn bench_attention(args: AttentionArgs) -> Result<(), CliError> {
             .map_or("-".to_string(), |b| format!("{:.1}", b as f64 / 1048576.0));
         writeln!(
             out,
-            "{:<8} {:>8} {:>12.1} {:>12.1} {:>12.2} {:>13}",
+            "{:<13} {:>8} {:>12.1} {:>12.1} {:>12.2} {:>13}",
             r.variant,
             r.threads,
             r.forward_median_s * 1e3,

@@ -78,8 +78,10 @@ pub struct AttentionArgs {
     /// Timed repetitions of each variant (after 1 warm-up).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
-    /// Only this variant, `plain` or `rows` (default: both, alternated);
-    /// alone, its peak resident memory is reported too.
+    /// Only this variant: `plain`, `rows` (the engine's, in the widest
+    /// vectors this CPU has) or `rows-baseline|avx2|avx512` (default: the
+    /// plain one and the engine's in each vector set this CPU runs,
+    /// alternated); alone, its peak resident memory is reported too.
     #[arg(long, value_parser = bench::attention::Variant::from_name)]
     pub variant: Option<bench::attention::Variant>,
     /// One JSON object a line on stdout instead of a table.

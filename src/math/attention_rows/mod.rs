@@ -13,17 +13,25 @@
 //! same `exp(score − max) / sum`, and every gradient sums its terms in the
 //! same order. The plain backward also adds, for the keys before a
 //! token's document, zero-probability terms (±0), which change no sum that
-//! starts from +0; here they are skipped.
+//! starts from +0; here they are skipped. The loops (`unit.rs`) take a
+//! row's dot products a block of keys at a time, a key a vector lane, and
+//! are compiled for the widest vectors the CPU has ([`VectorIsa`]), the
+//! same bits in each.
 
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
-use super::attention::{dot, AttnShape};
+mod unit;
+
+use super::attention::AttnShape;
+use super::vector_isa::VectorIsa;
 use crate::math::Real;
+use unit::{backward_unit, forward_unit, Scratch};
 
 /// Above this many bytes of probabilities (B·H·S² f32, one call's) the
 /// attention keeps each row's max and sum instead: below it, keeping them
-/// spares the backward a q·kᵀ and an exp a probability (its backward ran
-/// 1.7–1.8× the plain one's time on the development machine), at a cost
+/// spares the backward a q·kᵀ and an exp a probability (recomputing them
+/// took the backward 1.44–1.47× the time on the development machine, at
+/// 16 × 64 and 1 × 512 tokens of small's heads), at a cost
 /// in memory that the rest of a layer's activations dwarf (small's
 /// default batch); above it, the probabilities would grow with the square
 /// of the sequence (64 MiB a layer for small's heads at 2048 tokens).
@@ -100,44 +108,29 @@ struct Operands<'a, R> {
     starts: Option<&'a [u32]>,
     shape: &'a AttnShape,
     kept: Kept,
+    /// The vectors the units' loops are compiled for.
+    isa: VectorIsa,
 }
 
 impl<R: Real> Operands<'_, R> {
     /// Query heads a kv head serves.
+    #[inline(always)]
     fn group(&self) -> usize {
         self.shape.heads / self.shape.kv_heads
     }
 
     /// Where token j of sequence b's kv head g starts in k and v.
+    #[inline(always)]
     fn key(&self, b: usize, g: usize, j: usize) -> usize {
         let s = self.shape;
         (b * s.seq_len + j) * s.kv_width() + g * s.head_dim
     }
 
     /// The first key token i of sequence b attends to.
+    #[inline(always)]
     fn first(&self, b: usize, i: usize) -> usize {
         let ti = b * self.shape.seq_len + i;
         self.starts.map_or(0, |st| st[ti] as usize).min(i)
-    }
-
-    /// Query head h's scores of token i of sequence b in `row[first..=i]`
-    /// (scaled q·k); returns their max.
-    fn scores(&self, row: &mut [R], b: usize, h: usize, i: usize) -> R {
-        let s = self.shape;
-        let hd = s.head_dim;
-        let scale = R::one() / R::from_f64(hd as f64).sqrt();
-        let qi_at = (b * s.seq_len + i) * s.q_width() + h * hd;
-        let qi = &self.q[qi_at..qi_at + hd];
-        let g = h / self.group();
-        let mut max = R::from_f64(f64::NEG_INFINITY);
-        for j in self.first(b, i)..=i {
-            let at = self.key(b, g, j);
-            row[j] = dot(qi, &self.k[at..at + hd]) * scale;
-            if row[j] > max {
-                max = row[j];
-            }
-        }
-        max
     }
 
     /// Values kept for one unit (a sequence's heads of one kv head).
@@ -146,123 +139,15 @@ impl<R: Real> Operands<'_, R> {
     }
 }
 
-/// The forward of one unit, kv head g of sequence b: `out` (S, group·hd)
-/// its heads' outputs, `saved` what they keep.
-fn forward_unit<R: Real>(
-    x: &Operands<'_, R>,
-    (b, g): (usize, usize),
-    out: &mut [R],
-    saved: &mut [R],
-    scratch: &mut [R],
-) {
-    let (s, hd, group) = (x.shape.seq_len, x.shape.head_dim, x.group());
-    let ow = group * hd;
-    for (n, h) in (g * group..(g + 1) * group).enumerate() {
-        for i in 0..s {
-            let first = x.first(b, i);
-            let r = n * s + i; // this unit's row
-            let row = match x.kept {
-                Kept::Probabilities => &mut saved[r * s..(r + 1) * s],
-                Kept::RowStats => &mut scratch[..],
-            };
-            let max = x.scores(row, b, h, i);
-            let mut sum = R::zero();
-            for j in first..=i {
-                row[j] = (row[j] - max).exp();
-                sum += row[j];
-            }
-            for p in &mut row[first..=i] {
-                *p = *p / sum;
-            }
-            let oi = &mut out[i * ow + n * hd..i * ow + (n + 1) * hd];
-            for j in first..=i {
-                let at = x.key(b, g, j);
-                let p = row[j];
-                for (o, &vc) in oi.iter_mut().zip(&x.v[at..at + hd]) {
-                    *o += p * vc;
-                }
-            }
-            if x.kept == Kept::RowStats {
-                saved[2 * r] = max;
-                saved[2 * r + 1] = sum;
-            }
-        }
-    }
-}
-
-/// The backward of one unit: `dq` (S, group·hd) and `dk`, `dv` (S, hd)
-/// its slices, added to.
-fn backward_unit<R: Real>(
-    x: &Operands<'_, R>,
-    (b, g): (usize, usize),
-    dout: &[R],
-    saved: &[R],
-    [dq, dk, dv]: [&mut [R]; 3],
-    [scratch, dp]: [&mut [R]; 2],
-) {
-    let s = x.shape;
-    let (sl, hd, group, qw) = (s.seq_len, s.head_dim, x.group(), s.q_width());
-    let scale = R::one() / R::from_f64(hd as f64).sqrt();
-    let ow = group * hd;
-    for (n, h) in (g * group..(g + 1) * group).enumerate() {
-        for i in 0..sl {
-            let first = x.first(b, i);
-            let r = n * sl + i;
-            let row: &[R] = match x.kept {
-                Kept::Probabilities => &saved[r * sl..(r + 1) * sl],
-                Kept::RowStats => {
-                    x.scores(scratch, b, h, i);
-                    let (max, sum) = (saved[2 * r], saved[2 * r + 1]);
-                    for p in &mut scratch[first..=i] {
-                        *p = (*p - max).exp();
-                    }
-                    for p in &mut scratch[first..=i] {
-                        *p = *p / sum;
-                    }
-                    scratch
-                }
-            };
-            let qi_at = (b * sl + i) * qw + h * hd;
-            let doi = &dout[qi_at..qi_at + hd];
-            // dP_ij = dout_i · v_j;  dv_j += P_ij dout_i
-            let mut weighted = R::zero();
-            for j in first..=i {
-                let at = x.key(b, g, j);
-                let dot = dot(doi, &x.v[at..at + hd]);
-                dp[j] = dot;
-                weighted += row[j] * dot;
-                let p = row[j];
-                for (d, &o) in dv[j * hd..(j + 1) * hd].iter_mut().zip(doi) {
-                    *d += p * o;
-                }
-            }
-            // dScore_ij = P_ij (dP_ij − Σ_j' P_ij' dP_ij') · scale
-            let qi = &x.q[qi_at..qi_at + hd];
-            let dqi = &mut dq[i * ow + n * hd..i * ow + (n + 1) * hd];
-            for j in first..=i {
-                let ds = row[j] * (dp[j] - weighted) * scale;
-                let at = x.key(b, g, j);
-                let kj = &x.k[at..at + hd];
-                let dkj = &mut dk[j * hd..(j + 1) * hd];
-                for ((dqc, dkc), (&kc, &qc)) in dqi.iter_mut().zip(dkj).zip(kj.iter().zip(qi)) {
-                    *dqc += ds * kc;
-                    *dkc += ds * qc;
-                }
-            }
-        }
-    }
-}
-
 /// Runs `work(unit, slices, scratch)` for every unit (kv head g of
 /// sequence b, sequence-major), the units shared out in order over `jobs`
 /// jobs; each of `parts` (a buffer and its values a unit) is cut into one
-/// slice a unit, and each job lends its units one scratch of two rows of
-/// keys (2·S values).
+/// slice a unit, and each job lends its units one [`Scratch`].
 fn for_units<R: Real>(
     shape: &AttnShape,
     jobs: usize,
     parts: Vec<(&mut [R], usize)>,
-    work: impl Fn((usize, usize), &mut [&mut [R]], &mut [R]) + Sync,
+    work: impl Fn((usize, usize), &mut [&mut [R]], &mut Scratch<R>) + Sync,
 ) {
     let (units, kv) = (shape.seqs * shape.kv_heads, shape.kv_heads);
     let per = units.div_ceil(jobs.max(1)).max(1);
@@ -286,7 +171,7 @@ fn for_units<R: Real>(
                 .collect();
             let lens = lens.clone();
             move || {
-                let mut scratch = vec![R::zero(); 2 * shape.seq_len];
+                let mut scratch = Scratch::new(shape.seq_len, shape.head_dim);
                 let mut slices: Vec<_> = mine
                     .into_iter()
                     .zip(&lens)
@@ -344,6 +229,30 @@ pub fn attention_rows_forward<R: Real>(
     shape: &AttnShape,
     threads: usize,
 ) {
+    attention_rows_forward_on(
+        VectorIsa::detected(),
+        out,
+        saved,
+        kept,
+        (q, k, v),
+        starts,
+        shape,
+        threads,
+    )
+}
+
+/// [`attention_rows_forward`] in the loops compiled for `isa` (the same
+/// bits in each; the baseline's where this CPU lacks it).
+pub fn attention_rows_forward_on<R: Real>(
+    isa: VectorIsa,
+    out: &mut [R],
+    saved: &mut [R],
+    kept: Kept,
+    (q, k, v): (&[R], &[R], &[R]),
+    starts: Option<&[u32]>,
+    shape: &AttnShape,
+    threads: usize,
+) {
     assert_eq!(saved.len(), kept.len(shape), "what the backward needs");
     assert_eq!(out.len(), shape.tokens() * shape.q_width(), "out (T, H·hd)");
     let x = Operands {
@@ -353,6 +262,7 @@ pub fn attention_rows_forward<R: Real>(
         starts,
         shape,
         kept,
+        isa,
     };
     let (s, cols) = (shape.seq_len, x.group() * shape.head_dim);
     if kept == Kept::Probabilities {
@@ -364,7 +274,7 @@ pub fn attention_rows_forward<R: Real>(
         let [out, saved] = bufs else {
             unreachable!("two parts")
         };
-        forward_unit(&x, unit, out, saved, &mut scratch[..s]);
+        forward_unit(x.isa, &x, unit, out, saved, scratch);
     });
     unit_columns(out, &mut outs, shape, cols, false);
 }
@@ -372,6 +282,33 @@ pub fn attention_rows_forward<R: Real>(
 /// dq, dk, dv += the gradients of [`attention_rows_forward`] from dout,
 /// given what it kept and the same `starts`; shared out as the forward.
 pub fn attention_rows_backward<R: Real>(
+    [dq, dk, dv]: [&mut [R]; 3],
+    dout: &[R],
+    saved: &[R],
+    kept: Kept,
+    (q, k, v): (&[R], &[R], &[R]),
+    starts: Option<&[u32]>,
+    shape: &AttnShape,
+    threads: usize,
+) {
+    let qkv = (q, k, v);
+    let isa = VectorIsa::detected();
+    attention_rows_backward_on(
+        isa,
+        [dq, dk, dv],
+        dout,
+        saved,
+        kept,
+        qkv,
+        starts,
+        shape,
+        threads,
+    )
+}
+
+/// [`attention_rows_backward`] in the loops compiled for `isa`.
+pub fn attention_rows_backward_on<R: Real>(
+    isa: VectorIsa,
     [dq, dk, dv]: [&mut [R]; 3],
     dout: &[R],
     saved: &[R],
@@ -389,6 +326,7 @@ pub fn attention_rows_backward<R: Real>(
         starts,
         shape,
         kept,
+        isa,
     };
     let (s, hd) = (shape.seq_len, shape.head_dim);
     let cols = x.group() * hd;
@@ -414,8 +352,7 @@ pub fn attention_rows_backward<R: Real>(
             };
             let unit = b * shape.kv_heads + g;
             let saved = &saved[unit * per_unit..(unit + 1) * per_unit];
-            let (row, dp) = scratch.split_at_mut(s);
-            backward_unit(&x, (b, g), dout, saved, [dq, dk, dv], [row, dp]);
+            backward_unit(x.isa, &x, (b, g), dout, saved, [dq, dk, dv], scratch);
         },
     );
     for (full, mut units, cols) in grads {
@@ -424,100 +361,4 @@ pub fn attention_rows_backward<R: Real>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::math::attention::{attention_backward, attention_forward};
-
-    fn filled(len: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-            })
-            .collect()
-    }
-
-    fn bits(x: &[f32]) -> Vec<u32> {
-        x.iter().map(|v| v.to_bits()).collect()
-    }
-
-    /// Against the plain functions, bit for bit, keeping either the
-    /// probabilities or each row's max and sum: seven sequences of 64
-    /// tokens and one of 300 (enough work to be split over units, a
-    /// ragged last job), 4 query heads over 2 kv heads, with and without
-    /// documents packed in a sequence, gradients added to what they held,
-    /// on one thread and on several.
-    #[test]
-    fn the_engine_s_attention_gives_the_plain_one_s_bits() {
-        for (seqs, seq_len) in [(7, 64), (1, 300)] {
-            let shape = AttnShape {
-                seqs,
-                seq_len,
-                heads: 4,
-                kv_heads: 2,
-                head_dim: 32,
-            };
-            assert!(jobs(&shape, 3) > 1, "big enough to split");
-            same_bits_as_the_plain_one(&shape);
-        }
-    }
-
-    fn same_bits_as_the_plain_one(shape: &AttnShape) {
-        let (t, qw, kw) = (shape.tokens(), shape.q_width(), shape.kv_width());
-        let (q, k, v) = (filled(t * qw, 1), filled(t * kw, 2), filled(t * kw, 3));
-        let dout = filled(t * qw, 4);
-        let grads = || (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
-        // Documents of 20 tokens, packed.
-        let s = shape.seq_len;
-        let starts: Vec<u32> = (0..t).map(|i| ((i % s) / 20 * 20) as u32).collect();
-        let kept_threads = [1, 2, 3, 8]
-            .map(|n| (Kept::RowStats, n))
-            .into_iter()
-            .chain([(Kept::Probabilities, 1), (Kept::Probabilities, 3)]);
-        for starts in [None, Some(&starts[..])] {
-            let mut want = vec![0.0f32; t * qw];
-            let mut probs = vec![0.0f32; shape.probs_len()];
-            attention_forward(&mut want, &mut probs, &q, &k, &v, starts, shape);
-            let (mut wq, mut wk, mut wv) = grads();
-            attention_backward(&mut wq, &mut wk, &mut wv, &dout, &probs, &q, &k, &v, shape);
-            for (kept, threads) in kept_threads.clone() {
-                let what = format!("{}×{s}, {kept:?}, {threads} threads", shape.seqs);
-                let mut out = vec![7.0f32; t * qw];
-                let mut saved = vec![3.0f32; kept.len(shape)];
-                let qkv = (&q[..], &k[..], &v[..]);
-                attention_rows_forward(&mut out, &mut saved, kept, qkv, starts, shape, threads);
-                assert_eq!(bits(&out), bits(&want), "out, {what}");
-                if kept == Kept::Probabilities {
-                    assert_eq!(bits(&saved), bits(&probs), "probabilities, {what}");
-                }
-                let (mut gq, mut gk, mut gv) = grads();
-                let grads = [&mut gq[..], &mut gk[..], &mut gv[..]];
-                attention_rows_backward(grads, &dout, &saved, kept, qkv, starts, shape, threads);
-                assert_eq!(bits(&gq), bits(&wq), "dq, {what}");
-                assert_eq!(bits(&gk), bits(&wk), "dk, {what}");
-                assert_eq!(bits(&gv), bits(&wv), "dv, {what}");
-            }
-        }
-    }
-
-    /// The probabilities are kept up to the bound, each row's max and sum
-    /// past it.
-    #[test]
-    fn long_sequences_keep_two_values_a_row() {
-        let shape = |seq_len| AttnShape {
-            seqs: 1,
-            seq_len,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 32,
-        };
-        // 4 heads × S² × 4 bytes = 16 MiB at S = 1024.
-        assert_eq!(Kept::at(&shape(1024)), Kept::Probabilities);
-        assert_eq!(saved_len(&shape(1024)), 4 * 1024 * 1024);
-        assert_eq!(Kept::at(&shape(1025)), Kept::RowStats);
-        assert_eq!(saved_len(&shape(2048)), 2 * 4 * 2048);
-    }
-}
+mod tests;
