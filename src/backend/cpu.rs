@@ -102,6 +102,7 @@ pub(super) fn hidden_into(
 /// and da = dh·b·silu′(a), from σ(a) with the operations of `math::silu`
 /// and `math::silu_grad` (so the same bits, for one sigmoid instead of
 /// two).
+#[inline(always)]
 pub(super) fn swiglu_grads(
     da: &mut [f32],
     db: &mut [f32],

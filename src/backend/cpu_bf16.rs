@@ -11,6 +11,7 @@ use super::bf16_gemm::{bf16_work, gemm_bf16, gemm_bf16_on, Operand, Values};
 use super::cpu::{for_part_pairs, for_parts, hidden_into, sized, swiglu_grads, FfnScratch};
 use super::gemm::{threads_for, Write};
 use crate::math::fast_exp::sigmoid_approx;
+use crate::math::vector_isa::{multiversioned, VectorIsa};
 use crate::math::{gelu_grad, ExpertKind, ExpertSaved};
 use crate::parallel::{compute_threads, run_all};
 
@@ -58,22 +59,57 @@ fn swiglu_or_hidden(
     }
     let (a, b) = (&saved.a, &saved.b);
     let h = sized(h, a.len());
+    let isa = VectorIsa::detected();
     match sig {
         Some(sig) => for_part_pairs(h, sized(sig, a.len()), |at, h, sig| {
-            let (a, b) = (&a[at..at + h.len()], &b[at..at + h.len()]);
-            for (((h, sig), &a), &b) in h.iter_mut().zip(sig).zip(a).zip(b) {
-                let s = sigmoid_approx(a);
-                *sig = s;
-                *h = a * s * b;
-            }
+            let r = at..at + h.len();
+            swiglu_saving_sigmoid(isa, h, sig, &a[r.clone()], &b[r]);
         }),
         None => for_parts(h, |at, h| {
-            let (a, b) = (&a[at..at + h.len()], &b[at..at + h.len()]);
-            for ((h, &a), &b) in h.iter_mut().zip(a).zip(b) {
-                *h = a * sigmoid_approx(a) * b;
-            }
+            let r = at..at + h.len();
+            swiglu(isa, h, &a[r.clone()], &b[r]);
         }),
     }
+}
+
+multiversioned! {
+    /// h = silu(a)·b and sig = σ(a), element by element.
+    fn swiglu_saving_sigmoid(h: &mut [f32], sig: &mut [f32], a: &[f32], b: &[f32])
+        => swiglu_saving_sigmoid_body;
+}
+
+#[inline(always)]
+fn swiglu_saving_sigmoid_body(h: &mut [f32], sig: &mut [f32], a: &[f32], b: &[f32]) {
+    for (((h, sig), &a), &b) in h.iter_mut().zip(sig).zip(a).zip(b) {
+        let s = sigmoid_approx(a);
+        *sig = s;
+        *h = a * s * b;
+    }
+}
+
+multiversioned! {
+    /// h = silu(a)·b, element by element.
+    fn swiglu(h: &mut [f32], a: &[f32], b: &[f32]) => swiglu_body;
+}
+
+#[inline(always)]
+fn swiglu_body(h: &mut [f32], a: &[f32], b: &[f32]) {
+    for ((h, &a), &b) in h.iter_mut().zip(a).zip(b) {
+        *h = a * sigmoid_approx(a) * b;
+    }
+}
+
+multiversioned! {
+    /// SwiGLU's input gradients from dh and the saved σ(a)
+    /// ([`swiglu_grads`], compiled for wider vectors).
+    fn swiglu_grads_wide(
+        da: &mut [f32],
+        db: &mut [f32],
+        dh: &[f32],
+        a: &[f32],
+        b: &[f32],
+        sig: &[f32],
+    ) => swiglu_grads;
 }
 
 /// An expert's weight matrices, bf16 bits, as the cpu's FFN lays them out:
@@ -178,7 +214,7 @@ pub(crate) fn ffn_backward_bf16(
             for_part_pairs(da, db, |at, da, db| {
                 let r = at..at + da.len();
                 let (dh, a, b, sig) = (&dh[r.clone()], &a[r.clone()], &b[r.clone()], &sig[r]);
-                swiglu_grads(da, db, dh, a, b, sig);
+                swiglu_grads_wide(VectorIsa::detected(), da, db, dh, a, b, sig);
             });
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
             let (da, db) = (&scratch.da[..], &scratch.db[..]);
@@ -284,4 +320,41 @@ pub fn gemm_forward_bf16(out: &mut [f32], x: &[f32], w: &[u16], m: usize, k: usi
         k,
         n,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The SwiGLU loops give the baseline copy's bits in every vector set
+    /// this CPU runs, over inputs past the exp's clamp, zeros and an odd
+    /// length (a vector tail).
+    #[test]
+    fn the_swiglu_loops_give_the_same_bits_in_every_vector_set() {
+        let n = 1001;
+        let wave = |i: usize, k: f32| ((i as f32 * k).sin() * 120.0).clamp(-100.0, 100.0);
+        let a: Vec<f32> = (0..n)
+            .map(|i| wave(i, 0.37))
+            .map(|x| if x.abs() < 0.5 { 0.0 } else { x })
+            .collect();
+        let b: Vec<f32> = (0..n).map(|i| wave(i, 0.11) / 30.0).collect();
+        let dh: Vec<f32> = (0..n).map(|i| wave(i, 0.73) / 50.0).collect();
+        let run = |isa: VectorIsa| {
+            let (mut h, mut sig, mut h2) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            swiglu_saving_sigmoid(isa, &mut h, &mut sig, &a, &b);
+            swiglu(isa, &mut h2, &a, &b);
+            let (mut da, mut db) = (vec![0.0; n], vec![0.0; n]);
+            swiglu_grads_wide(isa, &mut da, &mut db, &dh, &a, &b, &sig);
+            [h, sig, h2, da, db].map(|v| bits(&v))
+        };
+        let want = run(VectorIsa::Baseline);
+        assert_eq!(want[0], want[2], "h with and without σ saved");
+        for isa in VectorIsa::supported_here() {
+            assert_eq!(run(isa), want, "{}", isa.name());
+        }
+    }
 }

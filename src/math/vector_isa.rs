@@ -70,24 +70,30 @@ impl VectorIsa {
 }
 
 /// Defines `$name`, which runs `$body` (an `#[inline(always)]` function
-/// taking the same arguments) compiled for the [`VectorIsa`] it is given,
-/// falling back to the baseline copy for one this CPU lacks.
+/// taking the same arguments, generic over one type or not) compiled for
+/// the [`VectorIsa`] it is given, falling back to the baseline copy for
+/// one this CPU lacks.
 macro_rules! multiversioned {
     (
         $(#[$meta:meta])*
-        $vis:vis fn $name:ident<$r:ident: $bound:path>($($arg:ident: $ty:ty),* $(,)?) => $body:ident;
+        $vis:vis fn $name:ident $(<$r:ident: $bound:path>)? (
+            $($arg:ident: $ty:ty),* $(,)?
+        ) => $body:ident;
     ) => {
         $(#[$meta])*
-        $vis fn $name<$r: $bound>(isa: $crate::math::vector_isa::VectorIsa, $($arg: $ty),*) {
+        $vis fn $name $(<$r: $bound>)? (
+            isa: $crate::math::vector_isa::VectorIsa,
+            $($arg: $ty),*
+        ) {
             use $crate::math::vector_isa::VectorIsa;
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
-            unsafe fn avx512<$r: $bound>($($arg: $ty),*) {
+            unsafe fn avx512 $(<$r: $bound>)? ($($arg: $ty),*) {
                 $body($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2<$r: $bound>($($arg: $ty),*) {
+            unsafe fn avx2 $(<$r: $bound>)? ($($arg: $ty),*) {
                 $body($($arg),*)
             }
             match isa {
