@@ -324,8 +324,9 @@ fn bench_affinity_places_a_trace_and_names_a_file_that_is_not_one() {
     assert!(err.contains("not a routing trace"), "{err}");
 }
 
-/// `bench attention` measures both attentions side by side, or one alone
-/// with its peak resident memory, and names a variant it does not know.
+/// `bench attention` measures the plain attention and the engine's, in
+/// each vector set this CPU runs, side by side, or one alone with its peak
+/// resident memory, and names a variant it does not know.
 #[test]
 fn bench_attention_compares_the_engine_s_attention_with_the_plain_one() {
     let out = strata_bin()
@@ -343,7 +344,15 @@ fn bench_attention_compares_the_engine_s_attention_with_the_plain_one() {
         .iter()
         .map(|l| l["variant"].as_str().unwrap())
         .collect();
-    assert_eq!(variants, ["plain", "rows"]);
+    let here = strata::math::vector_isa::VectorIsa::supported_here();
+    let rows: Vec<String> = here
+        .iter()
+        .rev()
+        .map(|isa| format!("rows-{}", isa.name()))
+        .collect();
+    assert_eq!(variants[0], "plain");
+    assert_eq!(variants[1..], rows, "the widest vector set first");
+    assert_eq!(variants.last(), Some(&"rows-baseline"));
     let saved = |i: usize| lines[i]["saved_bytes"].as_u64().unwrap();
     // The plain one keeps S × S values a head, the engine's two a row.
     assert_eq!(saved(0), saved(1) * 64 / 2);
@@ -354,6 +363,7 @@ fn bench_attention_compares_the_engine_s_attention_with_the_plain_one() {
         .unwrap();
     let lines = json_lines(&alone.stdout);
     assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["variant"].as_str(), Some(rows[0].as_str()));
     assert!(lines[0]["peak_rss_bytes"].as_u64().unwrap() > 0);
     let bad = strata_bin()
         .args(["bench", "attention", "--variant", "flash"])
