@@ -124,4 +124,35 @@ mod tests {
         assert_eq!(here[0], VectorIsa::Baseline);
         assert_eq!(Some(&VectorIsa::detected()), here.last());
     }
+
+    /// Which sets this CPU runs, asked of the kernel's record of its flags
+    /// (`/proc/cpuinfo`, where there is one) rather than of the detection
+    /// the code uses; the names are the ones `bench attention` prints.
+    #[test]
+    fn the_cpu_s_flags_choose_the_vector_set() {
+        if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+            let flags: Vec<&str> = info
+                .lines()
+                .find(|l| l.starts_with("flags"))
+                .map(|l| l.split_whitespace().collect())
+                .unwrap_or_default();
+            if !flags.is_empty() && cfg!(target_arch = "x86_64") {
+                let has = |f: &str| flags.contains(&f);
+                let avx2 = has("avx2") && has("fma");
+                let avx512 = ["avx512f", "avx512vl", "avx512bw", "avx512dq"]
+                    .iter()
+                    .all(|f| has(f))
+                    && avx2;
+                assert_eq!(VectorIsa::Avx2.supported(), avx2, "{flags:?}");
+                assert_eq!(VectorIsa::Avx512.supported(), avx512, "{flags:?}");
+                let want = [(avx512, VectorIsa::Avx512), (avx2, VectorIsa::Avx2)]
+                    .into_iter()
+                    .find(|(here, _)| *here)
+                    .map_or(VectorIsa::Baseline, |(_, isa)| isa);
+                assert_eq!(VectorIsa::detected(), want);
+            }
+        }
+        let names = [VectorIsa::Baseline, VectorIsa::Avx2, VectorIsa::Avx512].map(VectorIsa::name);
+        assert_eq!(names, ["baseline", "avx2", "avx512"]);
+    }
 }
