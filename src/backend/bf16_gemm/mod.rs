@@ -113,6 +113,7 @@ struct Block {
 
 /// Packs `block` of X (R × K) into `out` (pairs × NR u32, the even k
 /// in the low half); lanes past the rows, and a last k past K, are zero.
+#[inline(always)]
 fn pack(x: Operand, r: usize, k: usize, block: Block, out: &mut [u32]) {
     match x.values {
         Values::F32(v) => pack_values(v, x.k_major, r, k, block, out),
@@ -130,6 +131,7 @@ fn pack(x: Operand, r: usize, k: usize, block: Block, out: &mut [u32]) {
 }
 
 /// [`pack_values`] for rows of `kp` whole pairs each.
+#[inline(always)]
 fn pack_pairs(v: &[u32], kp: usize, b: Block, out: &mut [u32]) {
     let out = &mut out[..b.pairs * NR];
     if b.nr < NR {
@@ -143,6 +145,7 @@ fn pack_pairs(v: &[u32], kp: usize, b: Block, out: &mut [u32]) {
     }
 }
 
+#[inline(always)]
 fn pack_values<T: Bf16Bits>(v: &[T], k_major: bool, r: usize, k: usize, b: Block, out: &mut [u32]) {
     let out = &mut out[..b.pairs * NR];
     if b.nr < NR {
@@ -364,6 +367,54 @@ struct Shape {
 /// thread reads or writes meanwhile.
 #[allow(clippy::too_many_arguments)]
 unsafe fn panel_product(
+    kernel: Bf16Kernel,
+    s: Shape,
+    a: APairs,
+    b_packed: &mut [u32],
+    b: Operand,
+    panel: usize,
+    dst: OutPtr,
+    write: Write,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Bf16Kernel::Avx512 {
+        assert!(kernel.supported(), "the CPU lacks AVX512-BF16");
+        // SAFETY: the CPU has AVX512F (asserted: the kernel needs it); the
+        // output's columns are the caller's (its contract, passed on).
+        return unsafe { panel_product_avx512(kernel, s, a, b_packed, b, panel, dst, write) };
+    }
+    // SAFETY: the caller's contract, passed on.
+    unsafe { panel_product_body(kernel, s, a, b_packed, b, panel, dst, write) }
+}
+
+/// [`panel_product`] compiled for AVX-512, so that the packing of B and
+/// the tile's write into the output (plain loops, the same bits on any
+/// target) use 512-bit registers beside the `vdpbf16ps` tile.
+///
+/// # Safety
+/// The CPU has AVX512F; the caller's contract of [`panel_product`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_product_avx512(
+    kernel: Bf16Kernel,
+    s: Shape,
+    a: APairs,
+    b_packed: &mut [u32],
+    b: Operand,
+    panel: usize,
+    dst: OutPtr,
+    write: Write,
+) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { panel_product_body(kernel, s, a, b_packed, b, panel, dst, write) }
+}
+
+/// # Safety
+/// As [`panel_product`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_product_body(
     kernel: Bf16Kernel,
     s: Shape,
     a: APairs,
