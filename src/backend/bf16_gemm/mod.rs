@@ -193,6 +193,7 @@ struct APairs<'a> {
 /// (each element rounded where it lies), and pairs of rows where A is
 /// stored k-major (two rows of k interleaved), so that either is one
 /// streaming pass.
+#[inline(always)]
 fn a_pairs(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize) {
     let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
     // Every element is written below (`pairs_of` writes the padding), so
@@ -209,6 +210,18 @@ fn a_pairs(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize)
     }
 }
 
+/// [`a_pairs`] compiled for AVX-512 (the same bits: the rounding to bf16
+/// is integer arithmetic on the f32 bits).
+///
+/// # Safety
+/// The CPU has AVX512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn a_pairs_avx512(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize) {
+    a_pairs(a, m, k, buf)
+}
+
+#[inline(always)]
 fn pairs_of<T: Bf16Bits>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [u32]) {
     let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
     if k_major {
@@ -316,7 +329,15 @@ pub(crate) fn gemm_bf16_with(
     let kp = k.div_ceil(2);
     // Reused from call to call on this thread.
     let mut a_buf = A_PAIRS.take();
-    let strides = a_pairs(a, m, k, &mut a_buf);
+    let strides = match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Bf16Kernel::Avx512 => {
+            assert!(kernel.supported(), "the CPU lacks AVX512-BF16");
+            // SAFETY: the CPU has AVX512F (asserted: the kernel needs it).
+            unsafe { a_pairs_avx512(a, m, k, &mut a_buf) }
+        }
+        _ => a_pairs(a, m, k, &mut a_buf),
+    };
     let panels = n.div_ceil(NR);
     let parts = parts.clamp(1, panels);
     let per_part = panels.div_ceil(parts);
