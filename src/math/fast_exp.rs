@@ -20,7 +20,8 @@ pub fn exp_approx(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     // n stays within 2ⁿ's normal exponents, −126..=127.
     let x = x.clamp(-87.3, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = (x - n * C1) - n * C2;
     let p = 1.987_569_1e-4;
     let p = p * r + 1.398_2e-3;
@@ -29,7 +30,12 @@ pub fn exp_approx(x: f32) -> f32 {
     let p = p * r + 1.666_666_5e-1;
     let p = p * r + 0.5; // Cephes 5.0000001201e-1, as an f32
     let y = p * (r * r) + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // n sits in `shifted`'s low mantissa bits (its unit there is 1): read
+    // it from them, integer arithmetic that vectorizes, where `n as i32`
+    // (a saturating conversion) becomes a scalar compare-and-convert per
+    // lane. Wrapping, for a NaN's bits (whose y is NaN either way).
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    y * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// σ(x) = 1 / (1 + e^−x) from [`exp_approx`].
