@@ -250,7 +250,8 @@ fn pairs_of<T: Bf16Bits>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [
                 .iter_mut()
                 .zip(row)
                 .for_each(|(o, x)| *o = x.bf16() as u16);
-            odd_end.fill(0);
+            // Zero or one element: no call to memset a row.
+            odd_end.iter_mut().for_each(|z| *z = 0);
         }
     }
 }
@@ -467,10 +468,12 @@ unsafe fn panel_product_body(
                 // thread's alone (the caller's contract).
                 let row =
                     unsafe { std::slice::from_raw_parts_mut(dst.0.add((r0 + i) * s.n + c0), cols) };
-                if add {
-                    row.iter_mut().zip(sums).for_each(|(o, v)| *o += v);
-                } else {
-                    row.copy_from_slice(&sums[..cols]);
+                match (add, <&mut [f32; NR]>::try_from(&mut *row)) {
+                    // A whole row of the tile: fixed-size, so registers
+                    // rather than a call to memcpy.
+                    (false, Ok(whole)) => *whole = *sums,
+                    (false, Err(_)) => row.copy_from_slice(&sums[..cols]),
+                    (true, _) => row.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
                 }
             }
         }
