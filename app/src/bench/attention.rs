@@ -1,20 +1,20 @@
 //! `strata bench attention`: the cpu's causal attention as the engine runs
 //! it past `KEPT_PROBABILITIES_MAX_BYTES` of probabilities
 //! (`math::attention_rows`: each query row's softmax max and sum kept, the
-//! probabilities recomputed in the backward) against the plain one that
-//! keeps every probability (`math::attention`, its oracle, and the
-//! engine's below that bound), at one shape. Per variant: the forward's and the backward's time (medians over
-//! repetitions that alternate the two variants) and the bytes each keeps
-//! for its backward; run alone (`--variant`), also the process's peak
-//! resident memory, which then holds that variant's alone.
+//! probabilities recomputed in the backward), or as it runs below that
+//! bound (`--kept probabilities`: every probability kept, no recompute),
+//! against the plain one that keeps every probability (`math::attention`,
+//! its oracle), at one shape. Per variant: the forward's and the
+//! backward's time (medians over repetitions that alternate the variants)
+//! and the bytes each keeps for its backward; run alone (`--variant`),
+//! also the process's peak resident memory, which then holds that
+//! variant's alone.
 
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use strata::math::attention::{attention_backward, attention_forward, AttnShape};
-use strata::math::attention_rows::{
-    attention_rows_backward_on, attention_rows_forward_on, row_stats_len, Kept,
-};
+use strata::math::attention_rows::{attention_rows_backward_on, attention_rows_forward_on, Kept};
 use strata::math::vector_isa::VectorIsa;
 
 use super::Timing;
@@ -28,6 +28,8 @@ pub struct AttentionBenchConfig {
     pub threads: usize,
     /// Timed repetitions of each variant; one untimed warm-up first.
     pub steps: usize,
+    /// What the engine's attention keeps for its backward.
+    pub kept: Kept,
     /// Only this variant; `None`: the plain one and the engine's in every
     /// vector instruction set this CPU has, alternated.
     pub only: Option<Variant>,
@@ -47,6 +49,9 @@ pub struct AttentionBenchRecord {
     pub steps: usize,
     pub forward_median_s: f64,
     pub backward_median_s: f64,
+    /// What the forward keeps for the backward: `probabilities` or
+    /// `row_stats` (the plain one: always `probabilities`).
+    pub kept: &'static str,
     /// What the forward keeps for the backward, in bytes.
     pub saved_bytes: u64,
     /// The process's peak resident memory at the end, where this variant
@@ -194,10 +199,10 @@ impl Samples {
     }
 }
 
-fn saved_len(variant: Variant, shape: &AttnShape) -> usize {
+fn saved_len(variant: Variant, kept: Kept, shape: &AttnShape) -> usize {
     match variant {
         Variant::Plain => shape.probs_len(),
-        Variant::Rows(_) => row_stats_len(shape),
+        Variant::Rows(_) => kept.len(shape),
     }
 }
 
@@ -211,13 +216,13 @@ fn once(variant: Variant, x: &Inputs<'_>, config: &AttentionBenchConfig) -> (Dur
         vec![0.0f32; t * shape.kv_width()],
         vec![0.0f32; t * shape.kv_width()],
     );
-    let mut saved = vec![0.0f32; saved_len(variant, shape)];
+    let (kept, threads) = (config.kept, config.threads);
+    let mut saved = vec![0.0f32; saved_len(variant, kept, shape)];
     let qkv = (x.q, x.k, x.v);
     let start = Instant::now();
     match variant {
         Variant::Plain => attention_forward(&mut out, &mut saved, x.q, x.k, x.v, None, shape),
         Variant::Rows(isa) => {
-            let (kept, threads) = (Kept::RowStats, config.threads);
             attention_rows_forward_on(isa, &mut out, &mut saved, kept, qkv, None, shape, threads)
         }
     }
@@ -232,11 +237,11 @@ fn once(variant: Variant, x: &Inputs<'_>, config: &AttentionBenchConfig) -> (Dur
             [&mut dq, &mut dk, &mut dv],
             x.dout,
             &saved,
-            Kept::RowStats,
+            kept,
             qkv,
             None,
             shape,
-            config.threads,
+            threads,
         ),
     }
     let backward = start.elapsed();
@@ -266,7 +271,11 @@ fn record(
         steps: config.steps,
         forward_median_s: Timing::of(&samples.forward).median_s,
         backward_median_s: Timing::of(&samples.backward).median_s,
-        saved_bytes: 4 * saved_len(variant, shape) as u64,
+        kept: match (variant, config.kept) {
+            (Variant::Rows(_), Kept::RowStats) => "row_stats",
+            _ => "probabilities",
+        },
+        saved_bytes: 4 * saved_len(variant, config.kept, shape) as u64,
         peak_rss_bytes,
     }
 }
@@ -287,6 +296,7 @@ mod tests {
             },
             threads: 1,
             steps: 1,
+            kept: Kept::RowStats,
             only: None,
         };
         let records = run(&config, |_| {}).unwrap();

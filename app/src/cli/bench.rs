@@ -79,6 +79,7 @@ fn bench_attention(args: AttentionArgs) -> Result<(), CliError> {
         },
         threads: args.threads,
         steps: args.steps.max(1),
+        kept: args.kept,
         only: args.variant,
     };
     let records = bench::attention::run(&config, |line| eprintln!("# {line}"))?;
@@ -109,13 +110,14 @@ fn bench_attention(args: AttentionArgs) -> Result<(), CliError> {
     writeln!(
         out,
         "preset {} attention: {} sequence(s) of {} tokens, {} heads over {} kv heads of {}; \
-         medians of {} alternated repetitions",
+         the engine's keeping {:?}; medians of {} alternated repetitions",
         args.preset,
         config.shape.seqs,
         config.shape.seq_len,
         config.shape.heads,
         config.shape.kv_heads,
         config.shape.head_dim,
+        config.kept,
         config.steps
     )?;
     Ok(())

@@ -84,6 +84,11 @@ pub struct AttentionArgs {
     /// alternated); alone, its peak resident memory is reported too.
     #[arg(long, value_parser = bench::attention::Variant::from_name)]
     pub variant: Option<bench::attention::Variant>,
+    /// What the engine's attention keeps for its backward: `row-stats`
+    /// (each row's max and sum, the probabilities recomputed: the engine's
+    /// choice past 16 MiB of them) or `probabilities` (its choice below).
+    #[arg(long, default_value = "row-stats", value_parser = parse_kept)]
+    pub kept: strata::math::attention_rows::Kept,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -372,4 +377,15 @@ fn parse_kernel(name: &str) -> Result<Kernel, String> {
         ));
     }
     Ok(kernel)
+}
+
+fn parse_kept(name: &str) -> Result<strata::math::attention_rows::Kept, String> {
+    use strata::math::attention_rows::Kept;
+    match name {
+        "row-stats" => Ok(Kept::RowStats),
+        "probabilities" => Ok(Kept::Probabilities),
+        other => Err(format!(
+            "unknown `{other}`; one of: row-stats, probabilities"
+        )),
+    }
 }
