@@ -6,10 +6,11 @@
 //! summed in the same eight partial sums and the same order as
 //! [`dot`](super::super::attention::dot) sums one key, so the same bits,
 //! at the full width of the vectors rather than one key at a time with a
-//! horizontal add. Everything else runs as the plain functions do: the
-//! chains that sum over a row's keys (the softmax's sum, the backward's
-//! Σ P·dP) one key after the other, the updates of a token's outputs and
-//! gradients vectorized over the head dimension.
+//! horizontal add. Everything else sums as the plain functions do: the
+//! chains over a row's keys (the softmax's sum, the backward's Σ P·dP)
+//! one key after the other; a row's output and its dq, key after key,
+//! held in registers across the keys; dk's and dv's rows, one query row
+//! after the other, vectorized over the head dimension.
 
 #![allow(clippy::needless_range_loop)]
 
