@@ -86,11 +86,13 @@ macro_rules! multiversioned {
             $($arg: $ty),*
         ) {
             use $crate::math::vector_isa::VectorIsa;
+            // Safety: called only where `supported` detected these features.
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
             unsafe fn avx512 $(<$r: $bound>)? ($($arg: $ty),*) {
                 $body($($arg),*)
             }
+            // Safety: called only where `supported` detected these features.
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2 $(<$r: $bound>)? ($($arg: $ty),*) {
@@ -112,6 +114,17 @@ macro_rules! multiversioned {
 
 pub(crate) use multiversioned;
 
+/// The CPU's flags as the kernel lists them in `/proc/cpuinfo` (its first
+/// `flags` line), where there is one: what the tests of a kernel's choice
+/// compare the run-time detection with.
+#[cfg(test)]
+pub(crate) fn cpuinfo_flags() -> Option<Vec<String>> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("flags"))?;
+    let flags: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+    (!flags.is_empty()).then_some(flags)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,27 +143,20 @@ mod tests {
     /// the code uses; the names are the ones `bench attention` prints.
     #[test]
     fn the_cpu_s_flags_choose_the_vector_set() {
-        if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
-            let flags: Vec<&str> = info
-                .lines()
-                .find(|l| l.starts_with("flags"))
-                .map(|l| l.split_whitespace().collect())
-                .unwrap_or_default();
-            if !flags.is_empty() && cfg!(target_arch = "x86_64") {
-                let has = |f: &str| flags.contains(&f);
-                let avx2 = has("avx2") && has("fma");
-                let avx512 = ["avx512f", "avx512vl", "avx512bw", "avx512dq"]
-                    .iter()
-                    .all(|f| has(f))
-                    && avx2;
-                assert_eq!(VectorIsa::Avx2.supported(), avx2, "{flags:?}");
-                assert_eq!(VectorIsa::Avx512.supported(), avx512, "{flags:?}");
-                let want = [(avx512, VectorIsa::Avx512), (avx2, VectorIsa::Avx2)]
-                    .into_iter()
-                    .find(|(here, _)| *here)
-                    .map_or(VectorIsa::Baseline, |(_, isa)| isa);
-                assert_eq!(VectorIsa::detected(), want);
-            }
+        if let Some(flags) = cpuinfo_flags().filter(|_| cfg!(target_arch = "x86_64")) {
+            let has = |f: &str| flags.iter().any(|g| g == f);
+            let avx2 = has("avx2") && has("fma");
+            let avx512 = ["avx512f", "avx512vl", "avx512bw", "avx512dq"]
+                .iter()
+                .all(|f| has(f))
+                && avx2;
+            assert_eq!(VectorIsa::Avx2.supported(), avx2, "{flags:?}");
+            assert_eq!(VectorIsa::Avx512.supported(), avx512, "{flags:?}");
+            let want = [(avx512, VectorIsa::Avx512), (avx2, VectorIsa::Avx2)]
+                .into_iter()
+                .find(|(here, _)| *here)
+                .map_or(VectorIsa::Baseline, |(_, isa)| isa);
+            assert_eq!(VectorIsa::detected(), want);
         }
         let names = [VectorIsa::Baseline, VectorIsa::Avx2, VectorIsa::Avx512].map(VectorIsa::name);
         assert_eq!(names, ["baseline", "avx2", "avx512"]);

@@ -200,23 +200,16 @@ fn add_sums_into_the_output_and_set_replaces_it() {
 #[test]
 fn the_cpu_s_flags_choose_the_kernel() {
     assert!(Bf16Kernel::Portable.supported());
-    if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
-        let flags: Vec<&str> = info
-            .lines()
-            .find(|l| l.starts_with("flags"))
-            .map(|l| l.split_whitespace().collect())
-            .unwrap_or_default();
-        if !flags.is_empty() {
-            let has = |f: &str| flags.contains(&f);
-            let avx512 = has("avx512f") && has("avx512_bf16");
-            assert_eq!(Bf16Kernel::Avx512.supported(), avx512, "{flags:?}");
-            let fastest = if avx512 {
-                Bf16Kernel::Avx512
-            } else {
-                Bf16Kernel::Portable
-            };
-            assert_eq!(Bf16Kernel::detected(), fastest);
-        }
+    if let Some(flags) = crate::math::vector_isa::cpuinfo_flags() {
+        let has = |f: &str| flags.iter().any(|g| g == f);
+        let avx512 = has("avx512f") && has("avx512_bf16");
+        assert_eq!(Bf16Kernel::Avx512.supported(), avx512, "{flags:?}");
+        let fastest = if avx512 {
+            Bf16Kernel::Avx512
+        } else {
+            Bf16Kernel::Portable
+        };
+        assert_eq!(Bf16Kernel::detected(), fastest);
     }
     assert_eq!(Bf16Kernel::Portable.name(), "portable");
     assert_eq!(Bf16Kernel::Avx512.name(), "avx512-bf16");

@@ -142,11 +142,12 @@ impl<R: Real> Operands<'_, R> {
 /// Runs `work(unit, slices, scratch)` for every unit (kv head g of
 /// sequence b, sequence-major), the units shared out in order over `jobs`
 /// jobs; each of `parts` (a buffer and its values a unit) is cut into one
-/// slice a unit, and each job lends its units one [`Scratch`].
+/// slice a unit, and each job lends its units one `new_scratch()`.
 fn for_units<R: Real>(
     shape: &AttnShape,
     jobs: usize,
     parts: Vec<(&mut [R], usize)>,
+    new_scratch: impl Fn() -> Scratch<R> + Sync,
     work: impl Fn((usize, usize), &mut [&mut [R]], &mut Scratch<R>) + Sync,
 ) {
     let (units, kv) = (shape.seqs * shape.kv_heads, shape.kv_heads);
@@ -169,9 +170,9 @@ fn for_units<R: Real>(
                 .iter_mut()
                 .map(|c| c.next().expect("a chunk a job"))
                 .collect();
-            let lens = lens.clone();
+            let (lens, new_scratch) = (lens.clone(), &new_scratch);
             move || {
-                let mut scratch = Scratch::new(shape.seq_len, shape.head_dim);
+                let mut scratch = new_scratch();
                 let mut slices: Vec<_> = mine
                     .into_iter()
                     .zip(&lens)
@@ -224,7 +225,7 @@ pub fn attention_rows_forward<R: Real>(
     out: &mut [R],
     saved: &mut [R],
     kept: Kept,
-    (q, k, v): (&[R], &[R], &[R]),
+    qkv: (&[R], &[R], &[R]),
     starts: Option<&[u32]>,
     shape: &AttnShape,
     threads: usize,
@@ -234,7 +235,7 @@ pub fn attention_rows_forward<R: Real>(
         out,
         saved,
         kept,
-        (q, k, v),
+        qkv,
         starts,
         shape,
         threads,
@@ -270,12 +271,19 @@ pub fn attention_rows_forward_on<R: Real>(
     }
     let mut outs = vec![R::zero(); out.len()];
     let parts = vec![(&mut outs[..], s * cols), (saved, x.kept_per_unit())];
-    for_units(shape, jobs(shape, threads), parts, |unit, bufs, scratch| {
-        let [out, saved] = bufs else {
-            unreachable!("two parts")
-        };
-        forward_unit(x.isa, &x, unit, out, saved, scratch);
-    });
+    let new_scratch = || Scratch::forward(s, shape.head_dim);
+    for_units(
+        shape,
+        jobs(shape, threads),
+        parts,
+        new_scratch,
+        |unit, bufs, scratch| {
+            let [out, saved] = bufs else {
+                unreachable!("two parts")
+            };
+            forward_unit(x.isa, &x, unit, out, saved, scratch);
+        },
+    );
     unit_columns(out, &mut outs, shape, cols, false);
 }
 
@@ -286,15 +294,13 @@ pub fn attention_rows_backward<R: Real>(
     dout: &[R],
     saved: &[R],
     kept: Kept,
-    (q, k, v): (&[R], &[R], &[R]),
+    qkv: (&[R], &[R], &[R]),
     starts: Option<&[u32]>,
     shape: &AttnShape,
     threads: usize,
 ) {
-    let qkv = (q, k, v);
-    let isa = VectorIsa::detected();
     attention_rows_backward_on(
-        isa,
+        VectorIsa::detected(),
         [dq, dk, dv],
         dout,
         saved,
@@ -346,6 +352,7 @@ pub fn attention_rows_backward_on<R: Real>(
         shape,
         jobs(shape, threads),
         parts,
+        || Scratch::backward(s, hd, kept),
         |(b, g), bufs, scratch| {
             let [dq, dk, dv] = bufs else {
                 unreachable!("three parts")

@@ -27,11 +27,12 @@ const SUMS: usize = 8;
 
 /// A job's working space: a row of probabilities, a row of dP (then dS),
 /// a query row (or dout row) padded with zeros to a multiple of [`SUMS`]
-/// columns, and a unit's keys and values transposed, (hd padded, S +
-/// [`KEYS`]) each, the rows and columns past the real ones zero so that a
-/// block may run past the last key and the last column. A zero column
-/// adds +0 to a sum, which leaves it as it was: a sum that starts at +0
-/// is never −0 (in round-to-nearest, x + y = −0 only where both are −0).
+/// columns, and a unit's keys and values transposed where the pass reads
+/// them, (hd padded, S + [`KEYS`]) each, the rows and columns past the
+/// real ones zero so that a block may run past the last key and the last
+/// column. A zero column adds +0 to a sum, which leaves it as it was: a
+/// sum that starts at +0 is never −0 (in round-to-nearest, x + y = −0 only
+/// where both are −0).
 pub(super) struct Scratch<R> {
     row: Vec<R>,
     dp: Vec<R>,
@@ -42,14 +43,26 @@ pub(super) struct Scratch<R> {
 }
 
 impl<R: Real> Scratch<R> {
-    pub(super) fn new(seq_len: usize, head_dim: usize) -> Self {
+    /// The forward's: the keys transposed, not the values.
+    pub(super) fn forward(seq_len: usize, head_dim: usize) -> Self {
+        Self::new(seq_len, head_dim, (true, false))
+    }
+
+    /// The backward's: the values transposed, and the keys where it
+    /// recomputes the probabilities.
+    pub(super) fn backward(seq_len: usize, head_dim: usize, kept: Kept) -> Self {
+        Self::new(seq_len, head_dim, (kept == Kept::RowStats, true))
+    }
+
+    fn new(seq_len: usize, head_dim: usize, (keys, values): (bool, bool)) -> Self {
         let (stride, rows) = (seq_len + KEYS, head_dim.div_ceil(SUMS) * SUMS);
+        let transposed = |wanted: bool| vec![R::zero(); if wanted { rows * stride } else { 0 }];
         Self {
             row: vec![R::zero(); seq_len],
             dp: vec![R::zero(); seq_len],
             padded: vec![R::zero(); rows],
-            kt: vec![R::zero(); rows * stride],
-            vt: vec![R::zero(); rows * stride],
+            kt: transposed(keys),
+            vt: transposed(values),
             stride,
         }
     }
