@@ -23,13 +23,24 @@ fn sparse_batch(model: &ModelConfig, step: usize) -> Batch {
 }
 
 /// An engine's configuration whose host tier holds `host_records` of the
-/// 16 records.
+/// 16 records (and whose device, 2 experts' compute params).
 fn config(dir: &std::path::Path, host_records: u64, train: bool) -> EngineConfig {
+    config_on_device(dir, host_records, 2, train)
+}
+
+/// `config`, with a device that holds `device_experts` experts' compute
+/// params.
+fn config_on_device(
+    dir: &std::path::Path,
+    host_records: u64,
+    device_experts: u64,
+    train: bool,
+) -> EngineConfig {
     let model = model(1, ExpertKind::SwiGlu);
     let expert_bytes = (model.expert_params() * 4) as u64;
     EngineConfig {
-        store_path: Some(dir.join(format!("{host_records}-{train}.strata"))),
-        device_budget_bytes: 2 * expert_bytes,
+        store_path: Some(dir.join(format!("{host_records}-{device_experts}-{train}.strata"))),
+        device_budget_bytes: device_experts * expert_bytes,
         host_budget_bytes: host_records * record_bytes(&model),
         compute_dtype: Dtype::F32,
         hyper: hyper(),
@@ -207,6 +218,71 @@ fn the_prediction_follows_the_last_routing_and_the_traced_affinity() {
             *t = n;
         }
         before = Some((m, pairs));
+    }
+}
+
+/// Where the device holds every expert's compute params, an expert's
+/// backward finds them there from its forward, so its update reads its
+/// optimizer state alone: each routed expert's compute part is read once
+/// (for its forward) and its state part once (for its update). Without
+/// the prefetcher that is all a step reads (updates that read whole
+/// records read each compute part twice); with it, the prediction's
+/// names add what they cost (a compute part, and a state part where the
+/// prefetcher reaches an unrouted layer's backward). Results are the bits
+/// of a run whose updates read whole records (the device holding 2
+/// experts).
+#[test]
+fn an_update_of_an_expert_still_on_the_device_reads_its_state_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(1, ExpertKind::SwiGlu);
+    let part = |bytes: usize| (bytes as u64 + 64).div_ceil(4096) * 4096;
+    let compute_part = part(model.expert_params() * 4);
+    let state_part = part(model.expert_params() * 12);
+    let (whole, params_whole) = run(4, dir.path());
+    for prefetch in [0, EngineConfig::default().prefetch_ahead_max] {
+        let config = EngineConfig {
+            prefetch_ahead_max: prefetch,
+            store_path: Some(dir.path().join(format!("device-{prefetch}.strata"))),
+            ..config_on_device(dir.path(), 4, 16, true)
+        };
+        let mut engine = Engine::new(model.clone(), config).unwrap();
+        let metrics: Vec<StepMetrics> = (0..STEPS)
+            .map(|s| engine.step(&sparse_batch(&model, s)).unwrap())
+            .collect();
+        let (mut moved, mut least) = (0, 0);
+        for m in &metrics[1..] {
+            let routed_count = (0..2).map(|l| routed(m, l).len() as u64).sum::<u64>();
+            let named = match prefetch {
+                0 => routed_count,
+                _ => routed_count + m.prediction_unused,
+            };
+            eprintln!(
+                "prefetch {prefetch}, step {}: {routed_count} experts routed, {} named for \
+                 nothing, {} B read, {} B least",
+                m.step, m.prediction_unused, m.bytes_ssd_to_host, m.bytes_ssd_min
+            );
+            assert!(
+                m.bytes_ssd_to_host <= (compute_part + state_part) * named,
+                "prefetch {prefetch}, step {}: {} B read",
+                m.step,
+                m.bytes_ssd_to_host
+            );
+            moved += m.bytes_ssd_to_host + m.bytes_host_to_ssd;
+            least += m.bytes_ssd_min;
+        }
+        // Whole records moved 1.11 and 1.14× the least with the prefetcher.
+        eprintln!("prefetch {prefetch}: moved {moved} B for {least} B needed");
+        if prefetch == 0 {
+            assert!(moved <= least, "{moved} B moved for {least} B needed");
+        }
+        for (a, b) in metrics.iter().zip(&whole) {
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
+        }
+        let params: Vec<Vec<f32>> = (0..model.layers)
+            .flat_map(|l| (0..model.experts).map(move |e| (l, e)))
+            .map(|(l, e)| engine.expert_params(l, e).unwrap())
+            .collect();
+        assert_eq!(params, params_whole);
     }
 }
 

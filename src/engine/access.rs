@@ -5,7 +5,10 @@
 //! One device: forward layers 0..L-1 (compute params, experts in index
 //! order), then backward L-1..0 (experts in reverse order: compute params
 //! for the backward, then the full record for the update), each over the
-//! experts its routing sends tokens to (`routed_io.rs`). When the
+//! experts its routing sends tokens to (`routed_io.rs`). An expert whose
+//! compute params are still on the device from its forward asks the
+//! backward for its optimizer state alone (`Parts::State`), as its update
+//! writes the compute part whole. When the
 //! pipeline overlaps, the next expert's compute params are asked for before
 //! this one's update, so a layer's backward reads C(r0), C(r1), F(r0),
 //! C(r2), F(r1), …, F(rn).
@@ -70,16 +73,21 @@ fn forward_of(l: usize, experts: &[usize]) -> Vec<Access> {
 
 /// One device's backward accesses over `experts` (already in reverse).
 fn backward_of(l: usize, experts: &[usize], overlapped: bool) -> Vec<Access> {
-    backward_deferring(l, experts, overlapped, &HashSet::new())
+    backward_deferring(l, experts, overlapped, &HashSet::new(), &HashSet::new())
 }
 
 /// `backward_of`, without the update's access of the experts in
-/// `holding` (their updates come in a later step's forward).
+/// `holding` (their updates come in a later step's forward); an expert in
+/// `on_device` has its compute params on the device from its forward, so
+/// the host tier is asked for no compute params of it, and its update
+/// for its optimizer state alone (`Parts::State`: the update writes the
+/// compute part whole).
 fn backward_deferring(
     l: usize,
     experts: &[usize],
     overlapped: bool,
     holding: &HashSet<ExpertId>,
+    on_device: &HashSet<ExpertId>,
 ) -> Vec<Access> {
     let mut order = Vec::new();
     let Some(&first) = experts.first() else {
@@ -99,6 +107,12 @@ fn backward_deferring(
         }
     }
     order.retain(|a| !(a.1 == Parts::Full && holding.contains(&a.0)));
+    order.retain(|a| !(a.1 == Parts::Compute && on_device.contains(&a.0)));
+    for a in order.iter_mut() {
+        if a.1 == Parts::Full && on_device.contains(&a.0) {
+            a.1 = Parts::State;
+        }
+    }
     order
 }
 
@@ -115,6 +129,10 @@ pub(crate) struct Expected<'a> {
     /// Whether experts update: where they are frozen, no access asks for
     /// a full record.
     pub updates: bool,
+    /// Experts whose backward will find their compute params on the
+    /// device (`DeviceSlots::replay_hits`): the backward asks the host
+    /// tier for their optimizer state alone.
+    pub on_device: &'a HashSet<ExpertId>,
 }
 
 /// The one-device schedule of a whole step over every expert; the
@@ -137,6 +155,7 @@ pub(crate) fn access_schedule(
         holding: &deferred,
         held: &deferred,
         updates,
+        on_device: &HashSet::new(),
     };
     routed_schedule(model, overlapped, tail_slots, &expected, Phase::Forward(0))
 }
@@ -180,7 +199,13 @@ pub(crate) fn routed_schedule(
             start = order.len();
         }
         let reversed: Vec<usize> = experts.iter().rev().copied().collect();
-        let mut backward = backward_deferring(l, &reversed, overlapped, expected.holding);
+        let mut backward = backward_deferring(
+            l,
+            &reversed,
+            overlapped,
+            expected.holding,
+            expected.on_device,
+        );
         if !expected.updates {
             backward.retain(|a| a.1 == Parts::Compute);
         }
@@ -354,5 +379,46 @@ mod tests {
             ]
         );
         assert_eq!(order.len(), access_schedule(&m, true, 0, &[], true).len());
+    }
+
+    #[test]
+    fn an_expert_on_the_device_asks_the_backward_for_its_state_alone() {
+        let m = model();
+        let (c, f) = (
+            |l, e| (id(l, e), Parts::Compute),
+            |l, e| (id(l, e), Parts::Full),
+        );
+        let s = |l, e| (id(l, e), Parts::State);
+        let all: Vec<Vec<usize>> = vec![(0..4).collect(); 2];
+        let on_device: HashSet<ExpertId> = [id(1, 2), id(1, 0), id(0, 3)].into();
+        let holding = [id(1, 2)].into();
+        let expected = Expected {
+            layers: &all,
+            holding: &holding,
+            held: &HashSet::new(),
+            updates: true,
+            on_device: &on_device,
+        };
+        let order = routed_schedule(&m, true, 0, &expected, Phase::Forward(0));
+        // The forward is unchanged.
+        assert!(order[..8].iter().all(|a| a.1 == Parts::Compute));
+        // Layer 1's backward over 3, 2, 1, 0: 2's update is held, 2 and 0
+        // are on the device.
+        assert_eq!(
+            &order[8..13],
+            &[c(1, 3), f(1, 3), c(1, 1), f(1, 1), s(1, 0)]
+        );
+        assert_eq!(
+            &order[13..],
+            &[
+                c(0, 2),
+                s(0, 3),
+                c(0, 1),
+                f(0, 2),
+                c(0, 0),
+                f(0, 1),
+                f(0, 0)
+            ]
+        );
     }
 }

@@ -297,9 +297,11 @@ impl Engine {
             1 => {
                 let overlapped = self.config.schedule.overlaps(self.device_slots());
                 let from = Phase::Forward(0);
-                self.devices[0]
+                let device = &self.devices[0];
+                let slots = &device.slots;
+                device
                     .io
-                    .schedule(&self.model, &self.shared, overlapped, from)
+                    .schedule(&self.model, &self.shared, overlapped, from, slots)
             }
             _ => step_schedule(
                 &self.model,

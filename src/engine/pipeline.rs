@@ -102,10 +102,13 @@ impl DeviceRunner<'_> {
         self.dev.acc.prediction_unused += unused;
         if streams(&self.shared.cache, self.model) {
             let from = Phase::Forward(layer);
-            let order = self
-                .dev
-                .io
-                .schedule(self.model, self.shared, self.overlapped(), from);
+            let order = self.dev.io.schedule(
+                self.model,
+                self.shared,
+                self.overlapped(),
+                from,
+                &self.dev.slots,
+            );
             self.shared.cache.set_schedule(order);
         }
     }

@@ -27,10 +27,13 @@
 //! experts. A host tier that still holds some records from the step
 //! before (the streaming slots' last ones) can move less than that.
 
+use std::collections::HashSet;
+
 use strata_tiers::{ExpertId, HostCache, Layout};
 
 use super::access::{routed_schedule, Expected, Phase};
 use super::routing_trace::LayerPairs;
+use super::slot_table::DeviceSlots;
 use super::updates::SharedExperts;
 use crate::math::Permutation;
 use crate::model::ModelConfig;
@@ -157,6 +160,7 @@ impl RoutedIo {
         shared: &SharedExperts,
         overlapped: bool,
         from: Phase,
+        slots: &DeviceSlots,
     ) -> Vec<(ExpertId, strata_tiers::Parts)> {
         let cache = &shared.cache;
         let holding = shared.deferring();
@@ -171,11 +175,13 @@ impl RoutedIo {
             let ids = experts.iter().map(|&e| ExpertId::new(l as u32, e as u32));
             held.extend(ids.filter(|id| holding.contains(id)));
         }
+        let on_device = self.backward_on_device(model, shared.train, overlapped, past, slots);
         let expected = Expected {
             layers: &self.routed,
             holding: &holding,
             held: &held,
             updates: shared.train,
+            on_device: &on_device,
         };
         // The forward's tail reads the last layer's full records ahead of
         // its backward: only once that layer is routed, or a prediction's
@@ -185,6 +191,44 @@ impl RoutedIo {
             false => 0,
         };
         routed_schedule(model, overlapped, tail_slots, &expected, from)
+    }
+}
+
+impl RoutedIo {
+    /// The experts whose backward will find their compute params on the
+    /// device: the forward from layer `from` on and then the backward,
+    /// over the experts each layer is expected to route to, replayed on
+    /// the device's slot table (each backward frees its expert's slot
+    /// where experts `update`). A wrong guess costs a read, never a
+    /// result: an expert not on the device after all reads its compute
+    /// params on demand.
+    fn backward_on_device(
+        &self,
+        model: &ModelConfig,
+        updates: bool,
+        overlapped: bool,
+        from: usize,
+        slots: &DeviceSlots,
+    ) -> HashSet<ExpertId> {
+        let key = |l: usize, e: usize| ExpertId::new(l as u32, e as u32).dense_index(self.experts);
+        let forward = (from..model.layers).map(|l| {
+            let keys = self.routed[l].iter().map(|&e| key(l, e)).collect();
+            (keys, false)
+        });
+        let backward = (0..model.layers).rev().map(|l| {
+            let keys = self.routed[l].iter().rev().map(|&e| key(l, e)).collect();
+            (keys, updates)
+        });
+        let passes: Vec<(Vec<usize>, bool)> = forward.chain(backward).collect();
+        let hits = slots.replay_hits(&passes, overlapped);
+        let forward_passes = model.layers - from.min(model.layers);
+        let mut on_device = HashSet::new();
+        for (pass, hits) in passes.iter().zip(&hits).skip(forward_passes) {
+            for (&k, _) in pass.0.iter().zip(hits).filter(|(_, &hit)| hit) {
+                on_device.insert(ExpertId::from_dense_index(k, self.experts));
+            }
+        }
+        on_device
     }
 }
 

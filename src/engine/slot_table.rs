@@ -39,6 +39,7 @@ impl Accumulators {
 }
 
 /// Which expert (and which version of its params) each device slot holds.
+#[derive(Clone)]
 pub(crate) struct DeviceSlots {
     owner: Vec<Option<(usize, u64)>>,
     last_use: Vec<u64>,
@@ -109,6 +110,54 @@ impl DeviceSlots {
             self.pinned[k] = true;
         }
         debug_assert!(self.pinned.iter().filter(|&&p| p).count() + 2 <= self.owner.len().max(2));
+    }
+
+    /// Which experts of `passes` will find their compute params on this
+    /// device when staged: the stagings of `DeviceRunner::pipeline`
+    /// replayed on a copy of the table, pass after pass. A pass is its
+    /// experts' keys in staging order and whether each expert's slot is
+    /// freed after its compute (a backward whose updates change the
+    /// params); with `overlapped`, the next expert is staged before this
+    /// one's compute, as the pipeline does. A slot's version is taken as
+    /// current: one goes stale only by an update, which frees it.
+    pub fn replay_hits(&self, passes: &[(Vec<usize>, bool)], overlapped: bool) -> Vec<Vec<bool>> {
+        let mut table = self.clone();
+        passes
+            .iter()
+            .map(|(order, frees)| table.replay_pass(order, *frees, overlapped))
+            .collect()
+    }
+
+    fn replay_pass(&mut self, order: &[usize], frees: bool, overlapped: bool) -> Vec<bool> {
+        let mut hits = vec![false; order.len()];
+        let mut next = order.first().map(|&key| self.replay_stage(key, None));
+        for (i, &key) in order.iter().enumerate() {
+            let (slot, hit) = next.take().expect("staged");
+            hits[i] = hit;
+            if overlapped && i + 1 < order.len() {
+                next = Some(self.replay_stage(order[i + 1], Some(slot)));
+            }
+            if frees {
+                self.invalidate(key);
+            }
+            if next.is_none() && i + 1 < order.len() {
+                let protect = Some(slot).filter(|_| self.slot_count() > 1);
+                next = Some(self.replay_stage(order[i + 1], protect));
+            }
+        }
+        hits
+    }
+
+    /// A replayed stage of `key`: its slot, and whether it was there.
+    fn replay_stage(&mut self, key: usize, protect: Option<usize>) -> (usize, bool) {
+        let held = self.owner.iter().flatten().find(|(k, _)| *k == key);
+        match held
+            .copied()
+            .and_then(|(_, version)| self.lookup(key, version))
+        {
+            Some(slot) => (slot, true),
+            None => (self.claim(key, 0, protect), false),
+        }
     }
 
     /// Experts pinned on this device.
@@ -191,6 +240,42 @@ mod tests {
         assert_eq!(s.lookup(0, 5), Some(a));
         assert_eq!(s.lookup(0, 6), None);
         assert_eq!(s.lookup(0, 5), None);
+    }
+
+    /// The replay follows the table's least-recently-used choice, the
+    /// protected slot and the slots an update frees (worked by hand).
+    #[test]
+    fn a_replay_predicts_each_stage_s_hit() {
+        for overlapped in [false, true] {
+            let mut table = DeviceSlots::new(3, 8);
+            for key in [5, 6, 7, 1] {
+                table.claim(key, 1, None); // 1 takes 5's slot: {6, 7, 1}
+            }
+            let passes = vec![
+                // 2 takes 6's slot (1's protected), 3 takes 1's.
+                (vec![1, 2, 7, 3], false),
+                // 3, 7 and 2 are there; freed after each, so 1 and 6
+                // take free slots and find nothing.
+                (vec![3, 7, 2, 1, 6], true),
+            ];
+            let hits = table.replay_hits(&passes, overlapped);
+            let expected = vec![
+                vec![true, false, true, false],
+                vec![true, true, true, false, false],
+            ];
+            assert_eq!(hits, expected, "overlapped {overlapped}");
+            // The table itself is unchanged.
+            assert!(table.lookup(1, 1).is_some() && table.lookup(5, 1).is_none());
+        }
+        // 3, there before the pass, is the least recently used when 6
+        // needs a slot: gone by the next pass, where 6 is found.
+        let mut table = DeviceSlots::new(3, 8);
+        table.claim(3, 0, None);
+        let passes = vec![(vec![1, 2, 6], false), (vec![6, 3], false)];
+        assert_eq!(
+            table.replay_hits(&passes, true),
+            vec![vec![false, false, false], vec![true, false]]
+        );
     }
 
     #[test]

@@ -293,7 +293,7 @@ impl SharedExperts {
         if !self.defers[key] {
             return Ok(0.0); // nothing to look for, and no lock to take
         }
-        if only_if_ready && !self.cache.full_record_ready(self.expert_id(key)) {
+        if only_if_ready && !self.cache.ready_to_update(self.expert_id(key)) {
             return Ok(0.0);
         }
         let (_, grad, hyper) = {
@@ -379,7 +379,8 @@ impl SharedExperts {
     ) -> Result<f64, EngineError> {
         self.reap_finished()?;
         let expert = self.expert_id(key);
-        let (guard, stall) = self.acquire(|cache, wait| cache.acquire_mut_within(expert, wait))?;
+        let (guard, stall) =
+            self.acquire(|cache, wait| cache.acquire_to_update_within(expert, wait))?;
         let step = self.book().steps[key];
         let target = ExpertUpdate {
             guard,

@@ -6,7 +6,9 @@
 //! the schedule needs sooner than the one it brings in, so following the
 //! schedule never makes it fight compute. With nothing to load, it writes
 //! back the dirty records that will be evicted unchanged, so the loads
-//! that evict them later only read. Where a record is wanted and every
+//! that evict them later only read. An update's access (`Parts::State`)
+//! reads the record's optimizer state alone, as the update writes its
+//! compute part whole. Where a record is wanted and every
 //! record slot holds one needed sooner, it moves a clean one that is next
 //! read for its compute params alone into a compute cell.
 
@@ -58,8 +60,14 @@ pub(crate) fn run(shared: &Shared) {
             if let Some(slot) = resident {
                 let m = inner.slots[slot];
                 if shared.kind(slot) == SlotKind::Record {
-                    let needs_state = parts == Parts::Full && m.parts == Parts::Compute;
-                    if m.state == SlotState::Ready && needs_state && !m.upgrading && !m.writer {
+                    // A record loaded for its update gets its compute part
+                    // from the update, if that comes first.
+                    let lacks = parts.missing_from(m.parts).is_some()
+                        && !(m.parts == Parts::State
+                            && (0..distance).any(|earlier| {
+                                inner.schedule.upcoming(earlier) == Some((expert, Parts::State))
+                            }));
+                    if m.state == SlotState::Ready && lacks && !m.upgrading && !m.writer {
                         upgrades.push((shared.begin_upgrade(&mut inner, slot), expert));
                     }
                     continue;
@@ -72,10 +80,14 @@ pub(crate) fn run(shared: &Shared) {
             }
             // If the window shows this expert's full record needed soon,
             // read it whole now rather than its compute part and then its
-            // state in a second read.
-            let parts = if parts == Parts::Compute
-                && (distance + 1..ahead)
-                    .any(|later| inner.schedule.upcoming(later) == Some((expert, Parts::Full)))
+            // state in a second read. (Not for an update's state access:
+            // that one is asked for where the compute part is elsewhere.)
+            // From a cell, the compute part is copied over: the record is
+            // whole.
+            let wanted_whole =
+                |later| inner.schedule.upcoming(later) == Some((expert, Parts::Full));
+            let parts = if resident.is_some()
+                || (parts == Parts::Compute && (distance + 1..ahead).any(wanted_whole))
             {
                 Parts::Full
             } else {
@@ -175,7 +187,7 @@ pub(crate) fn run(shared: &Shared) {
             jobs.push((ReadInto::Owned(&load.slot), load.expert, load.reads()));
         }
         for (upgrade, expert) in &upgrades {
-            jobs.push((ReadInto::Upgrading(upgrade), *expert, Parts::State));
+            jobs.push((ReadInto::Upgrading(upgrade), *expert, upgrade.part()));
         }
         let read = shared.read_slots(&jobs).is_ok();
         drop(jobs);

@@ -13,7 +13,10 @@ pub enum Parts {
     Compute,
     /// Compute params and optimizer state.
     Full,
-    /// The optimizer state alone: the buffer holds just the state part.
+    /// The optimizer state alone. A buffer read for it holds just the
+    /// state part; a host slot loaded with it holds the state part at its
+    /// place in the record and a compute part that is not the record's
+    /// (an update writes it whole, from the new master params).
     State,
 }
 
@@ -43,6 +46,19 @@ impl Parts {
 
     pub fn includes_state(self) -> bool {
         self != Parts::Compute
+    }
+
+    /// The part a buffer holding `held` must still read to serve an
+    /// access to `self`: none where `held` covers it.
+    pub fn missing_from(self, held: Parts) -> Option<Parts> {
+        if held == Parts::Full || held == self {
+            return None;
+        }
+        match (self, held) {
+            (Parts::Compute, Parts::State) | (Parts::Full, Parts::State) => Some(Parts::Compute),
+            (Parts::State, Parts::Compute) | (Parts::Full, Parts::Compute) => Some(Parts::State),
+            _ => None, // `self` Compute or State, held Full: covered above
+        }
     }
 }
 
@@ -130,6 +146,19 @@ mod tests {
     use super::*;
     use crate::format::Dtype;
     use crate::io::AlignedBuf;
+
+    #[test]
+    fn a_held_part_serves_the_accesses_it_covers() {
+        use Parts::{Compute, Full, State};
+        for held in [Compute, Full, State] {
+            assert_eq!(held.missing_from(held), None);
+            assert_eq!(held.missing_from(Full), None);
+        }
+        assert_eq!(Compute.missing_from(State), Some(Compute));
+        assert_eq!(Full.missing_from(State), Some(Compute));
+        assert_eq!(State.missing_from(Compute), Some(State));
+        assert_eq!(Full.missing_from(Compute), Some(State));
+    }
 
     #[test]
     fn views_cover_disjoint_parts_of_the_record() {

@@ -35,8 +35,10 @@ enum Op {
     Hold(u32),
     ReleaseOldest,
     /// An update that ends by `mark_dirty` and dropping the guard, or
-    /// (true) by `seal`, which checksums and hands the slot back at once.
-    Update(u32, bool),
+    /// (true) by `seal`, which checksums and hands the slot back at once;
+    /// taken by `acquire_to_update` (true: the compute part may be stale
+    /// until written) or `acquire_mut`.
+    Update(u32, bool, bool),
     Flush,
     Checkpoint,
 }
@@ -46,7 +48,8 @@ fn op(experts: u32) -> impl Strategy<Value = Op> {
         4 => (0..experts, any::<bool>()).prop_map(|(e, full)| Op::Read(e, full)),
         1 => (0..experts).prop_map(Op::Hold),
         1 => Just(Op::ReleaseOldest),
-        3 => (0..experts, any::<bool>()).prop_map(|(e, seal)| Op::Update(e, seal)),
+        3 => (0..experts, any::<bool>(), any::<bool>())
+            .prop_map(|(e, seal, to_update)| Op::Update(e, seal, to_update)),
         1 => Just(Op::Flush),
         1 => Just(Op::Checkpoint),
     ]
@@ -62,6 +65,7 @@ proptest! {
         cell_slots in 0usize..2,
         lru in any::<bool>(),
         prefetch in any::<bool>(),
+        update_reads_state in any::<bool>(),
     ) {
         let layout = layout(7);
         let store = populated(layout);
@@ -74,9 +78,11 @@ proptest! {
         }).unwrap();
         if prefetch {
             // A schedule the ops do not follow (compute reads, then full
-            // ones, which move records between record slots and compute
-            // cells): prefetching must not change results.
-            cache.set_schedule(moe_schedule(7));
+            // ones or updates' state reads, which move records between
+            // record slots and compute cells): prefetching must not
+            // change results.
+            let update = if update_reads_state { Parts::State } else { Parts::Full };
+            cache.set_schedule(moe_schedule_with(7, update));
         }
         // The model: each expert's current version.
         let mut model: BTreeMap<u32, u64> = (0..7).map(|i| (i, 0)).collect();
@@ -107,12 +113,15 @@ proptest! {
                         held.remove(0);
                     }
                 }
-                Op::Update(i, seal) => {
+                Op::Update(i, seal, to_update) => {
                     if held.iter().any(|(g, _)| g.expert().index == i) {
                         continue; // a writer would wait for our own pin
                     }
                     let e = ExpertId::new(0, i);
-                    let mut g = cache.acquire_mut(e).unwrap();
+                    let mut g = match to_update {
+                        true => cache.acquire_to_update(e).unwrap(),
+                        false => cache.acquire_mut(e).unwrap(),
+                    };
                     let version = model[&i] + 1;
                     let r = g.record_mut();
                     let n = r.compute.len();
@@ -167,10 +176,15 @@ proptest! {
 
 /// forward over every expert, then backward (full records for the optimizer).
 fn moe_schedule(experts: u32) -> Vec<(ExpertId, Parts)> {
+    moe_schedule_with(experts, Parts::Full)
+}
+
+/// forward over every expert, then backward: each expert's `update`
+/// access (its full record, or its state alone where its compute params
+/// are still on the device).
+fn moe_schedule_with(experts: u32, update: Parts) -> Vec<(ExpertId, Parts)> {
     let forward = (0..experts).map(|i| (ExpertId::new(0, i), Parts::Compute));
-    let backward = (0..experts)
-        .rev()
-        .map(|i| (ExpertId::new(0, i), Parts::Full));
+    let backward = (0..experts).rev().map(|i| (ExpertId::new(0, i), update));
     forward.chain(backward).collect()
 }
 
@@ -342,23 +356,102 @@ fn an_acquire_within_waits_for_a_pin_to_be_released() {
 }
 
 #[test]
-fn a_full_record_is_ready_to_write_only_when_loaded_in_full_and_free() {
+fn a_record_is_ready_to_update_only_when_its_state_is_loaded_and_free() {
     let layout = layout(4);
     let cache = cache_without_prefetch(populated(layout), 2);
     let (e0, e1) = (ExpertId::new(0, 0), ExpertId::new(0, 1));
-    assert!(!cache.full_record_ready(e0), "not resident");
+    assert!(!cache.ready_to_update(e0), "not resident");
     let compute = cache.acquire(e0, Parts::Compute).unwrap();
-    assert!(!cache.full_record_ready(e0), "compute params only, pinned");
+    assert!(!cache.ready_to_update(e0), "compute params only, pinned");
     drop(compute);
-    assert!(!cache.full_record_ready(e0), "compute params only");
+    assert!(!cache.ready_to_update(e0), "compute params only");
     let full = cache.acquire(e0, Parts::Full).unwrap();
-    assert!(!cache.full_record_ready(e0), "pinned by a reader");
+    assert!(!cache.ready_to_update(e0), "pinned by a reader");
     drop(full);
-    assert!(cache.full_record_ready(e0));
+    assert!(cache.ready_to_update(e0));
     let writer = cache.acquire_mut_within(e0, Duration::ZERO).unwrap();
-    assert!(!cache.full_record_ready(e0), "taken by a writer");
+    assert!(!cache.ready_to_update(e0), "taken by a writer");
     drop(writer);
-    assert!(cache.full_record_ready(e0) && !cache.full_record_ready(e1));
+    assert!(cache.ready_to_update(e0) && !cache.ready_to_update(e1));
+    // Its state alone is enough for an update.
+    drop(cache.acquire_to_update(e1).unwrap());
+    assert!(cache.ready_to_update(e1));
+}
+
+/// An update of a record not in host memory reads its optimizer state
+/// alone, the writer writes the compute part whole, and the record reads
+/// back at the new version; one whose writer stops before writing keeps a
+/// compute part that is not the record's, which a reader then reads in
+/// from the store (and no write-back ever sees).
+#[test]
+fn an_update_reads_the_state_alone_and_writes_the_compute_part_whole() {
+    let layout = layout(4);
+    let store = populated(layout);
+    let cache = cache_without_prefetch(store.clone(), 2);
+    let [e0, e1, e2, e3] = [0, 1, 2, 3].map(|i| ExpertId::new(0, i));
+    let state = layout.state_part_bytes();
+    let compute = layout.compute_part_bytes();
+
+    let mut g = cache.acquire_to_update(e0).unwrap();
+    assert_eq!(cache.stats().bytes_read, state, "the state part alone");
+    assert_eq!(cache.resident(), vec![(e0, Parts::State, false)]);
+    set_version(&mut g, e0, 1);
+    g.seal(1);
+    assert_eq!(cache.resident(), vec![(e0, Parts::Full, true)]);
+    let r = cache.acquire(e0, Parts::Full).unwrap();
+    check_read(&layout, &r, 1);
+    drop(r);
+
+    // A writer that stops before writing leaves the slot clean and lacking
+    // its compute part: a reader reads it in.
+    drop(cache.acquire_to_update(e1).unwrap());
+    let before = cache.stats().bytes_read;
+    let r = cache.acquire(e1, Parts::Compute).unwrap();
+    check_read(&layout, &r, 0);
+    assert_eq!(cache.stats().bytes_read - before, compute);
+    drop(r);
+
+    // Evicting both (the dirty one written back first) and flushing leaves
+    // the store at the versions written.
+    for e in [e2, e3] {
+        let mut g = cache.acquire_to_update(e).unwrap();
+        set_version(&mut g, e, 2);
+        g.seal(2);
+    }
+    cache.checkpoint(1).unwrap();
+    for (e, version) in [(e0, 1), (e1, 0), (e2, 2), (e3, 2)] {
+        check_stored(&store, e, version);
+    }
+    drop(cache);
+
+    // The prefetcher reads an update's access as the state part alone.
+    let cache = HostCache::new(
+        store.clone(),
+        HostCacheConfig {
+            host_budget_bytes: 2 * layout.record_bytes(),
+            prefetch_ahead_max: 4,
+            ..HostCacheConfig::default()
+        },
+    )
+    .unwrap();
+    cache.set_schedule(vec![(e1, Parts::State), (e1, Parts::Compute)]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while cache.resident() != vec![(e1, Parts::State, false)] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            cache.resident()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(cache.stats().bytes_read, state);
+    let mut g = cache.acquire_to_update(e1).unwrap();
+    assert_eq!(cache.stats().hits, 1);
+    set_version(&mut g, e1, 3);
+    g.seal(3);
+    let r = cache.acquire(e1, Parts::Compute).unwrap();
+    check_read(&layout, &r, 3);
+    assert_eq!(cache.stats().bytes_read, state, "nothing more read");
 }
 
 /// A sealed write guard hands its slot back while it lives: with both

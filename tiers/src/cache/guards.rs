@@ -69,7 +69,11 @@ impl Drop for ReadGuard {
     }
 }
 
-/// An exclusive pin of one expert's full record.
+/// An exclusive pin of one expert's full record. From
+/// [`HostCache::acquire_to_update`](super::HostCache::acquire_to_update),
+/// the compute payload may hold bytes that are not the record's until
+/// the writer writes it: [`Self::seal`] and [`Self::mark_dirty`] declare
+/// every payload written.
 pub struct WriteGuard {
     pub(super) shared: Arc<Shared>,
     /// `None` once `seal` has handed the slot back.
@@ -95,21 +99,20 @@ impl WriteGuard {
         crate::record::record_mut(&self.shared.layout, bytes).expect("a slot holds a full record")
     }
 
-    /// Records that the slot now differs from the store; it is written back
-    /// (with `step` in its headers) before eviction and at `flush`.
+    /// Records that the slot now differs from the store, every payload
+    /// written; it is written back (with `step` in its headers) before
+    /// eviction and at `flush`.
     pub fn mark_dirty(&mut self, step: u64) {
         let writer = self
             .writer
             .as_ref()
             .expect("a sealed WriteGuard no longer holds its slot");
-        let mut inner = self.shared.lock();
-        let m = &mut inner.slots[writer.slot()];
-        m.dirty = Some(step);
-        m.stamped = None;
+        self.shared
+            .mark_written(&mut self.shared.lock(), writer, step);
     }
 
-    /// The writer is done: marks the record dirty as `step` and gives the
-    /// slot back at once. The guard holds nothing afterwards; dropping it
+    /// The writer is done, every payload written: marks the record dirty
+    /// as `step` and gives the slot back at once. The guard holds nothing afterwards; dropping it
     /// is a no-op.
     ///
     /// Where records get evicted (the host tier holds fewer than all of

@@ -14,8 +14,11 @@
 //! this protocol (all transitions under the one mutex):
 //! - `Loading` / `Evicting`: the I/O thread that set it owns the whole slot;
 //! - `Ready` + `writer`: the one `WriteGuard` owns the payloads;
-//! - `Ready` + `upgrading`: an I/O thread fills the state part, while read
-//!   guards of the compute part go on (disjoint bytes);
+//! - `Ready` + `upgrading`: an I/O thread fills the part the slot lacks:
+//!   the state part, while read guards of the compute part go on
+//!   (disjoint bytes), or the compute part of a slot loaded with its state
+//!   part alone (`Parts::State`, for an update that overwrites the compute
+//!   part), which has no guards (readers and writers wait);
 //! - `Ready` + `writing_back`: an I/O thread stamps the two 64-byte headers
 //!   and reads the payloads; read guards go on (they never see headers);
 //! - a demotion: the prefetcher pins the record slot (a reader's share)
@@ -321,7 +324,7 @@ impl HostCache {
         parts: Parts,
         pin_wait: Duration,
     ) -> Result<ReadGuard, TierError> {
-        assert_ne!(parts, Parts::State, "acquire Compute or Full");
+        assert_ne!(parts, Parts::State, "read Compute or Full");
         let Acquired::Pin(pin) = self.acquire_slot(expert, parts, false, pin_wait)? else {
             unreachable!("a reader is given a pin")
         };
@@ -344,8 +347,38 @@ impl HostCache {
         expert: ExpertId,
         pin_wait: Duration,
     ) -> Result<WriteGuard, TierError> {
-        let Acquired::Writer(writer) = self.acquire_slot(expert, Parts::Full, true, pin_wait)?
-        else {
+        self.acquire_writer(expert, Parts::Full, pin_wait)
+    }
+
+    /// Pins `expert`'s record exclusively for an update that writes its
+    /// compute params whole (from the new master params) before it seals:
+    /// where the record is not in host memory, only its optimizer state is
+    /// read, and the compute payload holds bytes that are not the
+    /// record's until the writer writes them. Saves a compute part's read
+    /// an update where the compute params went to the device earlier.
+    pub fn acquire_to_update(&self, expert: ExpertId) -> Result<WriteGuard, TierError> {
+        self.acquire_to_update_within(expert, Duration::ZERO)
+    }
+
+    /// `acquire_to_update`, waiting up to `pin_wait` as `acquire_within`
+    /// does.
+    pub fn acquire_to_update_within(
+        &self,
+        expert: ExpertId,
+        pin_wait: Duration,
+    ) -> Result<WriteGuard, TierError> {
+        self.acquire_writer(expert, Parts::State, pin_wait)
+    }
+
+    /// The writer's hold of `expert` with `parts` read (Full, or State for
+    /// a writer of every payload).
+    fn acquire_writer(
+        &self,
+        expert: ExpertId,
+        parts: Parts,
+        pin_wait: Duration,
+    ) -> Result<WriteGuard, TierError> {
+        let Acquired::Writer(writer) = self.acquire_slot(expert, parts, true, pin_wait)? else {
             unreachable!("a writer is given the writer's hold")
         };
         Ok(WriteGuard {
@@ -394,11 +427,12 @@ impl HostCache {
                     inner = shared.wait(inner);
                     continue;
                 }
-                if parts == Parts::Full && m.parts == Parts::Compute {
+                if parts.missing_from(m.parts).is_some() {
                     let upgrade = shared.begin_upgrade(&mut inner, slot);
+                    let part = upgrade.part();
                     drop(inner);
                     let result =
-                        shared.read_slots(&[(ReadInto::Upgrading(&upgrade), expert, Parts::State)]);
+                        shared.read_slots(&[(ReadInto::Upgrading(&upgrade), expert, part)]);
                     inner = shared.lock();
                     shared.end_upgrade(&mut inner, upgrade, result.is_ok());
                     shared.changed.notify_all();
@@ -524,17 +558,18 @@ impl HostCache {
         self.shared.store.checkpoint(step)
     }
 
-    /// Whether `expert`'s full record is in a host slot that a writer could
-    /// take now, without a read or a wait: loaded in full, unpinned, not
-    /// being written back or taken by another writer. A caller that must
-    /// not block (one starting an update ahead of its need) asks first; the
-    /// answer can go stale, after which `acquire_mut_within` still works,
-    /// waiting or loading as it must.
-    pub fn full_record_ready(&self, expert: ExpertId) -> bool {
+    /// Whether `expert`'s record is in a host slot that an update's writer
+    /// (`acquire_to_update`) could take now, without a read or a wait:
+    /// its optimizer state loaded, unpinned, not being written back or
+    /// taken by another writer. A caller that must not block (one starting
+    /// an update ahead of its need) asks first; the answer can go stale,
+    /// after which `acquire_to_update_within` still works, waiting or
+    /// loading as it must.
+    pub fn ready_to_update(&self, expert: ExpertId) -> bool {
         let inner = self.shared.lock();
         inner.by_expert.get(&expert).is_some_and(|&slot| {
             let m = &inner.slots[slot];
-            !m.busy_for(Parts::Full, true) && m.parts == Parts::Full
+            !m.busy_for(Parts::State, true) && m.parts.includes_state()
         })
     }
 

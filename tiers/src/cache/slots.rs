@@ -74,16 +74,21 @@ impl SlotMeta {
     };
 
     /// Whether an access to `parts` (a writer's when `write`) must wait:
-    /// the slot is loading or evicting, another writer has it, its state
-    /// part is arriving for a full access, or (for a writer) it is pinned
-    /// or being written back.
+    /// the slot is loading or evicting, another writer has it, a part it
+    /// reads is arriving (the state part, for a full access; the compute
+    /// part, for any reader), or (for a writer) it is pinned, being
+    /// written back or having a part read in.
     pub fn busy_for(&self, parts: Parts, write: bool) -> bool {
         match self.state {
             SlotState::Loading | SlotState::Evicting => true,
             SlotState::Empty => unreachable!("a mapped slot is not empty"),
             SlotState::Ready => {
+                let arriving = match self.parts {
+                    Parts::State => true, // its compute part
+                    _ => parts == Parts::Full,
+                };
                 self.writer
-                    || (parts == Parts::Full && self.upgrading)
+                    || (self.upgrading && (write || arriving))
                     || (write && (self.pins > 0 || self.writing_back))
             }
         }
@@ -150,9 +155,18 @@ pub(crate) struct Pinned {
     slot: usize,
 }
 
-/// A slot's state part, for the thread reading it in (`upgrading`).
+/// The part a slot lacks (its state part, or the compute part of one
+/// loaded for an update), for the thread reading it in (`upgrading`).
 pub(crate) struct Upgrading {
     slot: usize,
+    part: Parts,
+}
+
+impl Upgrading {
+    /// The part being read in.
+    pub fn part(&self) -> Parts {
+        self.part
+    }
 }
 
 /// A slot's headers and reads of its payloads, for the thread writing it
@@ -164,12 +178,6 @@ pub(crate) struct WritingBack {
 /// A slot's payloads and headers, for its one writer (`writer`).
 pub(crate) struct Writing {
     slot: usize,
-}
-
-impl Writing {
-    pub fn slot(&self) -> usize {
-        self.slot
-    }
 }
 
 pub(crate) struct Shared {
@@ -315,12 +323,19 @@ impl Shared {
         Ok(jobs)
     }
 
-    /// Sets a ready slot `upgrading`: this thread reads its state part in.
+    /// Sets a ready slot `upgrading`: this thread reads in the part it
+    /// lacks (its state part where it holds compute params, its compute
+    /// part where it holds the state part alone).
     pub fn begin_upgrade(&self, inner: &mut Inner, slot: usize) -> Upgrading {
         let m = &mut inner.slots[slot];
         assert!(m.state == SlotState::Ready && !m.upgrading && !m.writer);
+        let part = match m.parts {
+            Parts::Compute => Parts::State,
+            Parts::State => Parts::Compute,
+            Parts::Full => unreachable!("a full record lacks no part"),
+        };
         m.upgrading = true;
-        Upgrading { slot }
+        Upgrading { slot, part }
     }
 
     /// Ends an upgrade; with `read`, the slot now holds its full record.
@@ -330,7 +345,7 @@ impl Shared {
         if read {
             m.parts = Parts::Full;
             inner.stats.loads += 1;
-            inner.stats.bytes_read += self.layout.state_part_bytes();
+            inner.stats.bytes_read += hold.part.range(&self.layout).len() as u64;
         }
     }
 
@@ -357,7 +372,7 @@ impl Shared {
     }
 
     /// Ends a writer's hold; with `sealed`, as `expert`'s record of that
-    /// step (dirty, and stamped if `stamped`).
+    /// step (dirty, and stamped if `stamped`), every payload written.
     pub fn release_writer(&self, inner: &mut Inner, writer: Writing, sealed: Option<(u64, bool)>) {
         let m = &mut inner.slots[writer.slot];
         assert!(m.writer, "releasing a slot without its writer");
@@ -365,7 +380,17 @@ impl Shared {
         if let Some((step, stamped)) = sealed {
             m.dirty = Some(step);
             m.stamped = stamped.then_some(step);
+            m.parts = Parts::Full;
         }
+    }
+
+    /// Marks a writer's slot dirty as of `step`, every payload written.
+    pub fn mark_written(&self, inner: &mut Inner, writer: &Writing, step: u64) {
+        let m = &mut inner.slots[writer.slot];
+        assert!(m.writer, "marking a slot without its writer");
+        m.dirty = Some(step);
+        m.stamped = None;
+        m.parts = Parts::Full;
     }
 
     /// The slot of `kind` to give to a new expert, by policy, among

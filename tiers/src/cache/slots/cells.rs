@@ -70,7 +70,10 @@ impl Shared {
             .filter_map(|slot| {
                 let m = &inner.slots[slot];
                 let e = m.expert?;
-                let clean = m.state == SlotState::Ready && m.evictable() && m.dirty.is_none();
+                let clean = m.state == SlotState::Ready
+                    && m.evictable()
+                    && m.dirty.is_none()
+                    && m.parts.includes_compute();
                 let d = inner.schedule.distance(e)?;
                 let compute_next = inner.schedule.upcoming(d) == Some((e, Parts::Compute));
                 let full_later = inner.schedule.full_distance(e).is_none_or(|f| f > distance);

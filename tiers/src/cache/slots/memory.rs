@@ -18,7 +18,7 @@ use crate::{ExpertId, TierError};
 use super::expert_detail;
 
 /// A hold that lets a read fill a slot's bytes: a whole slot being loaded,
-/// or the state part of one being upgraded.
+/// or the part one being upgraded lacks.
 pub(crate) enum ReadInto<'a> {
     Owned(&'a Owned),
     Upgrading(&'a Upgrading),
@@ -151,12 +151,14 @@ impl Shared {
         let mut requests: Vec<(ExpertId, Parts, &mut [u8])> = jobs
             .iter()
             .map(|(hold, expert, parts)| {
-                if let ReadInto::Upgrading(_) = hold {
-                    assert_eq!(*parts, Parts::State, "an upgrade reads the state part");
+                if let ReadInto::Upgrading(h) = hold {
+                    assert_eq!(*parts, h.part(), "an upgrade reads the part it lacks");
                 }
                 // SAFETY: `Owned` gives this thread the whole slot;
-                // `Upgrading` its state part (compute readers keep to the
-                // compute part), the only range read then (asserted).
+                // `Upgrading` the part the slot lacks, the only range read
+                // then (asserted): readers of a slot holding compute params
+                // keep to that part, and a slot holding its state part
+                // alone has no readers or writer (they wait).
                 let buf = unsafe { self.bytes_mut(hold.slot(), parts.range(&self.layout)) };
                 (*expert, *parts, buf)
             })
