@@ -317,3 +317,72 @@ fn a_step_that_fails_mid_batch_leaves_no_partial_gradient_behind() {
         fresh.dense_params().unwrap()
     );
 }
+
+/// A language model's batch that does not fit it is refused by name
+/// before any work, and one that fits counts its sequences' tokens.
+#[test]
+fn a_language_model_batch_that_does_not_fit_is_refused_by_name() {
+    use strata::lm::{LmConfig, MoeLm, TokenBatch};
+    use strata::model::Network;
+
+    let config = LmConfig::preset("tiny").unwrap();
+    let (vocab, max_seq) = (config.vocab as u32, config.max_seq);
+    let lm = MoeLm::new(config).unwrap();
+    let good = TokenBatch {
+        seq_len: 4,
+        tokens: (0..10).map(|i| i % vocab).collect(), // 2 × (4 + 1)
+        loss_mask: Some(vec![true; 10]),
+        doc_starts: Some(vec![false; 10]),
+    };
+    lm.validate_batch(&good).unwrap();
+    assert_eq!(lm.processed_tokens(&good), 8);
+    let longest = TokenBatch {
+        seq_len: max_seq,
+        tokens: vec![1; max_seq + 1],
+        loss_mask: None,
+        doc_starts: None,
+    };
+    lm.validate_batch(&longest).unwrap();
+    assert_eq!(lm.processed_tokens(&longest), max_seq);
+
+    let refused = |batch: TokenBatch, says: &str| {
+        let err = lm.validate_batch(&batch).unwrap_err();
+        assert!(matches!(err, EngineError::Batch(_)), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    };
+    let with = |f: fn(&mut TokenBatch)| {
+        let mut b = good.clone();
+        f(&mut b);
+        b
+    };
+    refused(with(|b| b.tokens.clear()), "the batch is empty");
+    refused(with(|b| b.seq_len = 0), "the batch is empty");
+    let too_long = TokenBatch {
+        seq_len: max_seq + 1,
+        tokens: vec![1; max_seq + 2],
+        ..longest.clone()
+    };
+    refused(too_long, &format!("sequence length {}", max_seq + 1));
+    refused(
+        with(|b| b.tokens.push(1)),
+        "11 tokens do not make whole sequences",
+    );
+    refused(
+        with(|b| b.tokens[7] = 1 << 30),
+        "token id 1073741824 is out of range",
+    );
+    let mut past_the_vocabulary = good.clone();
+    past_the_vocabulary.tokens[3] = vocab;
+    refused(
+        past_the_vocabulary,
+        &format!("token id {vocab} is out of range"),
+    );
+    refused(
+        with(|b| b.loss_mask = Some(vec![true; 9])),
+        "the loss mask has 9 entries",
+    );
+    refused(
+        with(|b| b.doc_starts = Some(vec![false; 11])),
+        "the document starts has 11 entries",
+    );
+}

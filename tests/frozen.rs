@@ -1,6 +1,8 @@
-//! Frozen tensors (`MoeLm::with_trained`, `EngineConfig::train_experts`):
-//! a step leaves them as they were and steps every other tensor to the
-//! same bits as an engine that trains everything.
+//! The language model's dense tensors by group: where each starts
+//! (`MoeLm::init_params`), and frozen tensors (`MoeLm::with_trained`,
+//! `EngineConfig::train_experts`): a step leaves them as they were and
+//! steps every other tensor to the same bits as an engine that trains
+//! everything.
 
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{LmConfig, MoeLm, TensorGroup, TokenBatch};
@@ -63,4 +65,33 @@ fn a_step_moves_the_trained_groups_alone_and_to_the_same_bits() {
     // The network an engine steps must freeze what it was built with.
     let err = frozen.step_network(&lm, &batch).unwrap_err().to_string();
     assert!(err.contains("freezes other dense tensors"), "{err}");
+}
+
+/// Norm gains start at 1, buffers (correction biases) at 0, and every
+/// matrix uniform within ±1/√fan_in, each from its own stream (no two
+/// matrices alike), filling the whole dense vector.
+#[test]
+fn each_dense_tensor_starts_as_its_group_says() {
+    let lm = MoeLm::new(LmConfig::preset("tiny").unwrap()).unwrap();
+    let p = lm.init_params();
+    assert_eq!(p.len(), lm.config().dense_params());
+    let mut firsts = Vec::new();
+    for t in lm.tensors() {
+        let values = &p[t.range.clone()];
+        match (TensorGroup::of_dense(&t.name), t.shape.len()) {
+            (None, _) => assert!(values.iter().all(|&v| v == 0.0), "{}", t.name),
+            (Some(_), 1) => assert!(values.iter().all(|&v| v == 1.0), "{}", t.name),
+            (Some(_), _) => {
+                let bound = (t.shape[1] as f32).sqrt().recip();
+                assert!(values.iter().all(|v| v.abs() <= bound), "{}", t.name);
+                let spread = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(spread > 0.5 * bound, "{}: {spread} of {bound}", t.name);
+                firsts.push(values[..4].to_vec());
+            }
+        }
+    }
+    let count = firsts.len();
+    firsts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    firsts.dedup();
+    assert_eq!(firsts.len(), count, "two matrices drew the same values");
 }
