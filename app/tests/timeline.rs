@@ -187,9 +187,13 @@ fn held_updates_move_a_layers_state_reads_into_the_forward() {
     }
     let (none, held) = (seen[0], seen[1]);
     assert_eq!((none.0, held.0), (4, 12), "held updates: {seen:?}");
-    assert_eq!(
-        none.1 .0, 0,
-        "without: no layer-0 state read in the forward"
+    // Without held updates, layer 0's records are read for its backward:
+    // in the forward only what the prefetcher reads ahead into the
+    // streaming slots at its end, fewer than the 4 there are (layer 1's
+    // backward takes some first; 0–2 in twelve runs).
+    assert!(
+        none.1 .0 < 4,
+        "without: layer-0 state read in the forward ({seen:?})"
     );
     // Each of layer 0's 8 streamed records is read in full at least once
     // a step (twice where one was evicted before its use).
@@ -197,7 +201,8 @@ fn held_updates_move_a_layers_state_reads_into_the_forward() {
         none.1 .0 + none.1 .1 >= 8 && held.1 .0 + held.1 .1 >= 8,
         "{seen:?}"
     );
-    // At most the 4 streaming slots' worth come in before the step starts.
+    // With them, the forward reads at least the 4 streaming slots' worth
+    // (at most that many come in before the step starts).
     assert!(held.1 .0 >= 4, "held: at least 4 in the forward ({seen:?})");
 }
 
