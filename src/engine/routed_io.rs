@@ -192,9 +192,7 @@ impl RoutedIo {
         };
         routed_schedule(model, overlapped, tail_slots, &expected, from)
     }
-}
 
-impl RoutedIo {
     /// The experts whose backward will find their compute params on the
     /// device: the forward from layer `from` on and then the backward,
     /// over the experts each layer is expected to route to, replayed on
@@ -222,13 +220,12 @@ impl RoutedIo {
         let passes: Vec<(Vec<usize>, bool)> = forward.chain(backward).collect();
         let hits = slots.replay_hits(&passes, overlapped);
         let forward_passes = model.layers - from.min(model.layers);
-        let mut on_device = HashSet::new();
-        for (pass, hits) in passes.iter().zip(&hits).skip(forward_passes) {
-            for (&k, _) in pass.0.iter().zip(hits).filter(|(_, &hit)| hit) {
-                on_device.insert(ExpertId::from_dense_index(k, self.experts));
-            }
-        }
-        on_device
+        let backward_stages = passes.iter().zip(&hits).skip(forward_passes);
+        backward_stages
+            .flat_map(|((keys, _), hits)| keys.iter().zip(hits))
+            .filter(|&(_, &hit)| hit)
+            .map(|(&k, _)| ExpertId::from_dense_index(k, self.experts))
+            .collect()
     }
 }
 
