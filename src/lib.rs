@@ -43,6 +43,7 @@
 
 pub mod backend;
 pub mod comm;
+pub mod condense;
 pub mod engine;
 mod error;
 pub mod lm;

@@ -167,6 +167,12 @@ pub struct EngineConfig {
     /// params widened to f32. A GPU computes its experts in bf16 either
     /// way.
     pub expert_gemm: ExpertGemm,
+    /// Token condensation (LUFFY; [`crate::condense`]): of the tokens a
+    /// device sends to one expert, near duplicates are computed once. It
+    /// changes results; `None` (the default) trains exactly. The cpu
+    /// backend only, without `trace_routing` or `affinity_prefetch` (which
+    /// pair tokens across layers that condensation no longer keeps whole).
+    pub condense: Option<crate::condense::CondenseConfig>,
 }
 
 impl Default for EngineConfig {
@@ -199,6 +205,7 @@ impl Default for EngineConfig {
             dense_on_device: true,
             dense_gemm: DenseGemm::Bf16,
             expert_gemm: ExpertGemm::Bf16,
+            condense: None,
         }
     }
 }

@@ -52,7 +52,14 @@ pub struct StepMetrics {
     /// the layer before predicts (`routed_io.rs`).
     pub prediction_missed: u64,
     pub prediction_unused: u64,
-    /// `[layer][expert]` assignments this step (all devices).
+    /// Assignments condensed into another row of their expert
+    /// (`EngineConfig::condense`: computed once, their output copied),
+    /// over every layer and device; 0 without condensation.
+    pub condensed: u64,
+    /// The condensation threshold this step ran with, where it condenses.
+    pub condense_threshold: Option<f32>,
+    /// `[layer][expert]` assignments this step (all devices); with
+    /// condensation, the rows the experts computed.
     pub tokens_per_expert: Vec<Vec<u32>>,
     /// Per device: expert assignments it computed, forward and backward
     /// (placement's balance; one entry with one device).
@@ -131,6 +138,8 @@ pub(crate) fn gather<'a>(
         },
         prediction_missed: sum(|a| a.prediction_missed),
         prediction_unused: sum(|a| a.prediction_unused),
+        condensed: sum(|a| a.condensed),
+        condense_threshold: None, // the engine's
         tokens_per_expert,
         assignments_per_device: devices.iter().map(|a| a.assignments_computed).collect(),
         expert_compute_s_per_device: devices.iter().map(|a| a.expert_compute_s).collect(),

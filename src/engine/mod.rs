@@ -22,6 +22,7 @@
 //! ```
 
 mod access;
+mod condensing;
 mod config;
 mod dense_state;
 mod dense_update;
@@ -53,10 +54,11 @@ pub use open::{host_cell_slot_count, host_kept_count};
 pub use routing_trace::RoutingTrace;
 pub use verify::{verify_checkpoint, CheckpointReport};
 
-use crate::model::{Batch, DenseKernels, Evaluation, ModelConfig, Network};
+use crate::model::{Batch, DenseKernels, Evaluation, ExpertRunner, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 use access::Phase;
+use condensing::{Condensing, StepCondense};
 use open::step_schedule;
 use pipeline::{DeviceRunner, PassOptions};
 use slot_table::{Accumulators, DeviceState};
@@ -82,6 +84,11 @@ pub struct Engine {
     dense_v: Vec<f32>,
     /// The network's frozen dense ranges (`Network::frozen_dense`).
     frozen: Vec<std::ops::Range<usize>>,
+    /// Where `EngineConfig::condense` searches by signatures: its planes.
+    signatures: Option<crate::condense::SignatureTables>,
+    /// The first and the last step's losses, which an adaptive condensation
+    /// threshold follows ([`Engine::set_condense_losses`]).
+    condense_losses: (Option<f32>, Option<f32>),
     /// Where `EngineConfig::trace_routing`: every step's transitions.
     routing_trace: Option<RoutingTrace>,
     dense_step: u64,
@@ -209,6 +216,20 @@ impl Engine {
                 counter.clear();
             }
         }
+    }
+
+    /// The first step's loss and the last one's, which an adaptive
+    /// condensation threshold ([`crate::condense::Threshold::Adaptive`])
+    /// follows. The engine keeps them from its own steps; a resumed run
+    /// hands them back from its metrics, so that it continues with the
+    /// thresholds of a run that never stopped.
+    pub fn set_condense_losses(&mut self, first: Option<f32>, last: Option<f32>) {
+        self.condense_losses = (first, last);
+    }
+
+    /// See [`Engine::set_condense_losses`].
+    pub fn condense_losses(&self) -> (Option<f32>, Option<f32>) {
+        self.condense_losses
     }
 
     /// The routing trace of every step since the engine opened (or since
@@ -377,6 +398,11 @@ impl Engine {
             self.devices.iter().map(|d| &d.acc),
         );
         metrics.grad_norm = clipped.map(|c| c.norm);
+        metrics.condense_threshold =
+            step_condense(&self.config, None, self.condense_losses).map(|c| c.threshold);
+        if loss.is_finite() {
+            self.condense_losses = (self.condense_losses.0.or(Some(loss)), Some(loss));
+        }
         metrics.bytes_pcie_other = self.pcie_other_bytes() - pcie_before;
         metrics.bytes_ssd_min = routed_io::min_ssd_bytes(
             &self.shared.cache,
@@ -418,6 +444,7 @@ impl Engine {
         kernels.grads_begin(&dense_grad);
         let mut loss = 0.0f32;
         let options = self.pass_options();
+        let condense = step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let mut runner = DeviceRunner {
             model: &self.model,
             shared: &self.shared,
@@ -426,7 +453,14 @@ impl Engine {
             pending: None,
             landing: None,
         };
+        let (layers, k, d) = (self.model.layers, self.model.top_k, self.model.d_model);
+        let mut condensed = 0;
         for (i, part) in parts.iter().enumerate() {
+            let mut condensing = None;
+            let runner: &mut dyn ExpertRunner = match condense {
+                Some(c) => condensing.insert(Condensing::new(&mut runner, c, layers, k, d)),
+                None => &mut runner,
+            };
             loss += net
                 .forward_backward(
                     &self.dense,
@@ -435,11 +469,13 @@ impl Engine {
                     tokens_total,
                     count,
                     i + 1 == count,
-                    &mut runner,
+                    runner,
                     &*kernels,
                 )?
                 .total;
+            condensed += condensing.map_or(0, |c| c.condensed);
         }
+        self.devices[0].acc.condensed += condensed;
         let held_norm_sq = self.end_dense_grad(&*kernels, &mut dense_grad, keep_norm)?;
         Ok((loss, dense_grad, held_norm_sq))
     }
@@ -553,6 +589,20 @@ fn trainable_runs(
         .zip(ends)
         .filter(|(a, b)| a < b)
         .map(|(a, b)| a..b)
+}
+
+/// This step's condensation, where the engine condenses: its threshold
+/// from the losses so far.
+fn step_condense<'a>(
+    config: &EngineConfig,
+    signatures: Option<&'a crate::condense::SignatureTables>,
+    (first, last): (Option<f32>, Option<f32>),
+) -> Option<StepCondense<'a>> {
+    config.condense.map(|c| StepCondense {
+        threshold: c.threshold.at(first, last),
+        max_share: c.max_share,
+        signatures,
+    })
 }
 
 #[cfg(test)]

@@ -16,11 +16,12 @@ use std::time::Instant;
 
 use strata_tiers::{ExpertId, Layout};
 
+use super::condensing::Condensing;
 use super::exchange::ExchangeRunner;
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm};
-use crate::model::{ModelConfig, Network};
+use crate::model::{ExpertRunner, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 
@@ -87,6 +88,8 @@ impl Engine {
         let pinned = self.pin_plan();
         let options = self.pass_options();
         let cost = self.cost;
+        let condense =
+            super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
             model,
             shared,
@@ -120,7 +123,19 @@ impl Engine {
                             let mut grad = vec![0.0f32; dense.len()];
                             kernels.grads_begin(&grad);
                             let mut loss = 0.0f32;
+                            let mut condensed = 0;
                             for (j, part) in parts[rank * m..(rank + 1) * m].iter().enumerate() {
+                                let mut condensing = None;
+                                let experts: &mut dyn ExpertRunner = match condense {
+                                    Some(c) => condensing.insert(Condensing::new(
+                                        &mut runner,
+                                        c,
+                                        model.layers,
+                                        model.top_k,
+                                        model.d_model,
+                                    )),
+                                    None => &mut runner,
+                                };
                                 loss += net
                                     .forward_backward(
                                         dense,
@@ -129,11 +144,13 @@ impl Engine {
                                         tokens_total,
                                         n * m,
                                         j + 1 == m,
-                                        &mut runner,
+                                        experts,
                                         &**kernels,
                                     )?
                                     .total;
+                                condensed += condensing.map_or(0, |c| c.condensed);
                             }
+                            runner.inner.dev.acc.condensed += condensed;
                             kernels.grads_flush(&mut grad)?;
                             runner.comm.all_reduce_sum(&mut grad)?;
                             let mut total = [loss];

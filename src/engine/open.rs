@@ -172,6 +172,25 @@ impl Engine {
                 ));
             }
         }
+        if let Some(c) = &config.condense {
+            c.check().map_err(|e| EngineError::Config(e.0))?;
+            let pairs = (config.trace_routing.then_some("trace_routing"))
+                .or(config.affinity_prefetch.then_some("affinity_prefetch"));
+            if let Some(what) = pairs {
+                return Err(EngineError::Config(format!(
+                    "token condensation with {what}: {what} pairs each token's experts across \
+                     layers, and a condensed layer computes fewer tokens; turn one off"
+                )));
+            }
+            if config.backend != crate::backend::BackendKind::Cpu {
+                return Err(EngineError::Config(
+                    "token condensation runs on the cpu backend (its rows in host memory); \
+                     a GPU's activations stay in its memory: use the cpu backend or turn \
+                     condensation off"
+                        .into(),
+                ));
+            }
+        }
         if !(0.0..=1.0).contains(&config.pin_fraction) {
             return Err(EngineError::Config(format!(
                 "pin_fraction = {} must be between 0 and 1",
@@ -361,6 +380,13 @@ impl Engine {
             dense_m: state.m,
             dense_v: state.v,
             frozen,
+            signatures: config.condense.and_then(|c| match c.search {
+                crate::condense::Search::Lsh { tables, bits } => Some(
+                    crate::condense::SignatureTables::new(tables, bits, model.d_model),
+                ),
+                crate::condense::Search::AllPairs => None,
+            }),
+            condense_losses: (None, None),
             routing_trace: config
                 .trace_routing
                 .then(|| RoutingTrace::new(model.layers, model.experts, model.top_k)),

@@ -27,6 +27,9 @@ pub(crate) struct Accumulators {
     /// experts it named that got no token (`routed_io.rs`).
     pub prediction_missed: u64,
     pub prediction_unused: u64,
+    /// Assignments condensed into another of their expert's rows before
+    /// this device sent them (`EngineConfig::condense`).
+    pub condensed: u64,
 }
 
 impl Accumulators {
