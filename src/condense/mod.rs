@@ -66,6 +66,11 @@ impl Threshold {
     }
 }
 
+/// Where an adaptive threshold starts unless told: LUFFY's schedule scaled
+/// so that the held-out loss of `strata train` stays within 1 % of exact
+/// training's (docs/performance.md, token condensation).
+pub const ADAPTIVE_START: f32 = 0.9;
+
 /// Which search finds a row's representative.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Search {

@@ -63,6 +63,27 @@ impl MetricsLog {
     }
 }
 
+/// The `"loss"` of the first step in `path` and of step `last` (a run's
+/// record up to a checkpoint): what an adaptive condensation threshold
+/// follows. `None` for what the file does not hold.
+pub(super) fn first_and_last_loss(path: &Path, last: u64) -> (Option<f32>, Option<f32>) {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return (None, None);
+    };
+    let mut steps = text.lines().filter_map(|line| {
+        let value: serde_json::Value = serde_json::from_str(line).ok()?;
+        let step = value.get("step")?.as_u64()?;
+        Some((step, value.get("loss")?.as_f64()? as f32))
+    });
+    let first = steps.next();
+    let at_last = first
+        .into_iter()
+        .chain(steps)
+        .find(|&(s, _)| s == last)
+        .map(|(_, l)| l);
+    (first.map(|(_, l)| l), at_last)
+}
+
 /// The `"step"` of one line, if it is a JSON object that has one.
 fn step_of(line: &str) -> Option<u64> {
     let value: serde_json::Value = serde_json::from_str(line).ok()?;

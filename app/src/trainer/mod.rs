@@ -32,6 +32,7 @@ pub use options::{Packing, StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles, RunLock};
 pub use run_dir::{export_run, verify_run};
+use strata::condense::{CondenseConfig, Search, Threshold};
 use strata::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
 use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use strata::lm::{LmConfig, MoeLm, TensorGroup};
@@ -209,6 +210,56 @@ fn expert_gemm(o: &TrainOptions) -> Result<ExpertGemm, String> {
     ExpertGemm::parse(&o.expert_gemm).map_err(|e| format!("--expert-gemm: {e}"))
 }
 
+/// `--condense`, `--condense-cap` and `--condense-search`'s choice.
+fn condense_config(o: &TrainOptions) -> Result<Option<CondenseConfig>, String> {
+    let threshold = match o.condense.as_str() {
+        "off" => return Ok(None),
+        "adaptive" => Threshold::Adaptive {
+            start: strata::condense::ADAPTIVE_START,
+        },
+        other => match other.strip_prefix("adaptive:") {
+            Some(start) => Threshold::Adaptive {
+                start: start.parse().map_err(|_| bad_condense(other))?,
+            },
+            None => Threshold::Fixed(other.parse().map_err(|_| bad_condense(other))?),
+        },
+    };
+    let search = match o.condense_search.as_str() {
+        "lsh" => Search::LSH,
+        "all-pairs" => Search::AllPairs,
+        other => {
+            return Err(format!(
+                "--condense-search {other:?}: give lsh or all-pairs"
+            ))
+        }
+    };
+    let config = CondenseConfig {
+        threshold,
+        max_share: o.condense_cap,
+        search,
+    };
+    config.check().map_err(|e| format!("--condense: {e}"))?;
+    let pairs = (o.trace_routing.is_some().then_some("--trace-routing"))
+        .or(o.affinity_prefetch.then_some("--affinity-prefetch"));
+    if let Some(flag) = pairs {
+        return Err(format!(
+            "--condense with {flag}: {flag} pairs each token's experts across layers, and a \
+             condensed layer computes fewer tokens; leave one out"
+        ));
+    }
+    if o.backend == "cuda" {
+        return Err(
+            "--condense runs on the cpu backend (its rows in host memory): add --backend cpu"
+                .into(),
+        );
+    }
+    Ok(Some(config))
+}
+
+fn bad_condense(given: &str) -> String {
+    format!("--condense {given:?}: give off, adaptive, adaptive:START or a threshold such as 0.9")
+}
+
 /// How the run's GEMMs compute, for its first line.
 fn gemms_described(o: &TrainOptions) -> String {
     match o.backend.as_str() {
@@ -291,6 +342,7 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
         .map_err(|e| format!("--backend: {e}"))?
         .check(o.devices, parse_dtype(&o.compute_dtype)?)
         .map_err(|e| format!("--backend {}: {e}", o.backend))?;
+    condense_config(o)?;
     // --lr 0 is legitimate: a frozen evaluation (nothing changes).
     if !(o.lr >= 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
         return Err("--lr must be 0 or more and --min-lr-ratio in [0, 1]".into());
@@ -447,6 +499,7 @@ fn run_locked(
         dense_on_device: !o.dense_on_host,
         dense_gemm: dense_gemm(&o)?,
         expert_gemm: expert_gemm(&o)?,
+        condense: condense_config(&o)?,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,
@@ -469,7 +522,7 @@ fn run_locked(
         }
     };
     say(format!(
-        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}, backend {}{}{}",
+        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}, backend {}{}{}{}",
         match (&source, o.resume) {
             (_, true) => "resume",
             (Source::Finetune(_), false) => "finetune",
@@ -494,7 +547,11 @@ fn run_locked(
             Some(found) => format!(" (auto: {found}; --backend cpu or cuda to choose)"),
             None => String::new(),
         },
-        gemms_described(&o)
+        gemms_described(&o),
+        match &engine_config.condense {
+            Some(c) => format!("; {}", c.describe()),
+            None => String::new(),
+        }
     ));
     if let Some(sized) = &o.device_mem_sized {
         say(sized.clone());
@@ -508,9 +565,16 @@ fn run_locked(
         ));
     }
     let mut engine = if o.resume {
+        let condensing = engine_config.condense.is_some();
         let mut engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
         data.skip_batches(engine.steps())
             .map_err(|e| e.to_string())?;
+        if condensing {
+            // The adaptive threshold goes on from the losses so far.
+            let (first, last) =
+                metrics_log::first_and_last_loss(&o.out.join("metrics.jsonl"), engine.steps());
+            engine.set_condense_losses(first, last);
+        }
         if let Some(path) = &o.trace_routing {
             routing_file::resume(&mut engine, path)?;
         }

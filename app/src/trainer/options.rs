@@ -118,6 +118,22 @@ pub struct TrainFlags {
     /// way.
     #[arg(long, value_name = "bf16|f32")]
     pub expert_gemm: Option<String>,
+    /// Token condensation (LUFFY): of the tokens sent to one expert, near
+    /// duplicates (cosine similarity at or above a threshold) are computed
+    /// once, their output copied. `off` (default), `adaptive` (LUFFY's
+    /// threshold, falling from its start as the loss does), `adaptive:START`,
+    /// or a fixed threshold such as 0.9. It changes results; the cpu
+    /// backend only.
+    #[arg(long, value_name = "off|adaptive[:START]|THRESHOLD")]
+    pub condense: Option<String>,
+    /// The most of an expert's rows condensation may fold into others (0
+    /// to 1, default 0.5).
+    #[arg(long, value_name = "SHARE")]
+    pub condense_cap: Option<f32>,
+    /// How condensation finds similar rows: `lsh` (signature tables,
+    /// default) or `all-pairs` (every earlier representative).
+    #[arg(long, value_name = "lsh|all-pairs")]
+    pub condense_search: Option<String>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -238,6 +254,13 @@ pub struct TrainOptions {
     /// the cpu in f32.
     #[serde(default = "dense_gemm_before_the_option")]
     pub expert_gemm: String,
+    /// A run recorded before the option trained exactly.
+    #[serde(default = "off")]
+    pub condense: String,
+    #[serde(default = "half")]
+    pub condense_cap: f32,
+    #[serde(default = "lsh")]
+    pub condense_search: String,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -277,6 +300,18 @@ fn all_groups() -> Vec<String> {
         .iter()
         .map(|g| g.name().to_string())
         .collect()
+}
+
+fn off() -> String {
+    "off".into()
+}
+
+fn half() -> f32 {
+    0.5
+}
+
+fn lsh() -> String {
+    "lsh".into()
 }
 
 fn cpu() -> String {
@@ -398,6 +433,9 @@ impl TrainFlags {
             dense_on_host: cli.dense_on_host || file.dense_on_host,
             dense_gemm: pick!(cli, file, dense_gemm, "bf16".into()),
             expert_gemm: pick!(cli, file, expert_gemm, "bf16".into()),
+            condense: pick!(cli, file, condense, off()),
+            condense_cap: pick!(cli, file, condense_cap, half()),
+            condense_search: pick!(cli, file, condense_search, lsh()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,
