@@ -162,11 +162,14 @@ fn an_adaptive_threshold_starts_at_its_start_and_falls_as_the_loss_does() {
         engine.condense_losses(),
         (Some(first.loss), Some(first.loss))
     );
-    // As if the loss had halved: the paper's 2 · 0.9 / (1 + e^0.5).
+    // As if the loss had halved: 1 − 0.1 · (1 + e^0.5) / 2.
     engine.set_condense_losses(Some(4.0), Some(2.0));
     let m = engine.step_network(&lm, &twin_batch(2, 1)).unwrap();
     let h = m.condense_threshold.unwrap();
-    assert!((h - 1.8 / (1.0 + 0.5f32.exp())).abs() < 1e-6, "{h}");
+    assert!(
+        (h - (1.0 - 0.05 * (1.0 + 0.5f32.exp()))).abs() < 1e-6,
+        "{h}"
+    );
     assert_eq!(engine.condense_losses(), (Some(4.0), Some(m.loss)));
 }
 

@@ -1,8 +1,8 @@
 //! `strata bench …` through the binary: `overlap`'s JSON lines, its
 //! refusal of a directory that is not there, `step`'s refusal of a token
 //! count, its table's line on the host tier and its timelines, its
-//! `--compute-threads`, `affinity` on a trace file, `attention`'s two
-//! variants, and a quiet exit when the reader of stdout goes away.
+//! `--compute-threads`, `affinity` on a trace file, `condense`'s rows,
+//! `attention`'s two variants, and a quiet exit when the reader of stdout goes away.
 
 use std::process::{Command, Stdio};
 
@@ -322,6 +322,51 @@ fn bench_affinity_places_a_trace_and_names_a_file_that_is_not_one() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a routing trace"), "{err}");
+}
+
+/// `bench condense` trains a little, then measures every layer at each
+/// threshold with both searches, and the link rows; it refuses a device
+/// count the batch cannot split into.
+#[test]
+fn bench_condense_measures_the_captured_layers_and_refuses_too_many_devices() {
+    let out = strata_bin()
+        .args(["bench", "condense", "--json", "--train-steps", "2"])
+        .args([
+            "--seq-len",
+            "16",
+            "--batch",
+            "4",
+            "--devices",
+            "2",
+            "--reps",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = json_lines(&out.stdout);
+    let benches = |name: &str| rows.iter().filter(|r| r["bench"] == name).count();
+    // tiny's 2 layers × 4 thresholds × 2 searches; off and 4 thresholds.
+    assert_eq!((benches("condense"), benches("condense-link")), (16, 5));
+    for r in rows.iter().filter(|r| r["bench"] == "condense") {
+        let share = r["share"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&share), "{r}");
+    }
+
+    let out = strata_bin()
+        .args(["bench", "condense", "--batch", "4", "--devices", "8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--devices 8") && err.contains("raise --batch"),
+        "{err}"
+    );
 }
 
 /// `bench attention` measures the plain attention and the engine's, in

@@ -39,11 +39,15 @@ use std::fmt;
 pub enum Threshold {
     /// The same cosine threshold every step.
     Fixed(f32),
-    /// LUFFY's schedule (eq. 2) scaled to start at `start`:
-    /// h_t = 2 · start / (1 + exp(l_norm)), l_norm = (l_first − l_{t−1}) /
-    /// l_first, from the first step's loss and the last one's. It starts at
-    /// `start` and falls as the loss does (to 0.54 · start where the loss
-    /// has fallen to nothing); the paper's own is `start` = 0.5.
+    /// LUFFY's schedule (eq. 2) on the distance 1 − h: with l_norm =
+    /// (l_first − l_{t−1}) / l_first, from the first step's loss and the
+    /// last one's, 1 − h_t = (1 − start) · (1 + exp(l_norm)) / 2. It
+    /// starts at `start` and falls as the loss does, the distance growing
+    /// by the factor the paper's threshold shrinks by (to 1.86 × where the
+    /// loss has fallen to nothing). The paper scales the threshold itself,
+    /// h_t = 1 / (1 + exp(l_norm)); a model whose expert inputs are as
+    /// alike as strata's presets' (most pairs above 0.9) then condenses
+    /// every row it may from the first steps (docs/performance.md).
     Adaptive { start: f32 },
 }
 
@@ -60,7 +64,7 @@ impl Threshold {
                     }
                     _ => 0.0,
                 };
-                2.0 * start / (1.0 + l_norm.exp())
+                1.0 - (1.0 - start) * (1.0 + l_norm.exp()) / 2.0
             }
         }
     }
@@ -69,7 +73,7 @@ impl Threshold {
 /// Where an adaptive threshold starts unless told: LUFFY's schedule scaled
 /// so that the held-out loss of `strata train` stays within 1 % of exact
 /// training's (docs/performance.md, token condensation).
-pub const ADAPTIVE_START: f32 = 0.9;
+pub const ADAPTIVE_START: f32 = 0.99;
 
 /// Which search finds a row's representative.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,16 +168,20 @@ mod tests {
 
     #[test]
     fn the_adaptive_threshold_starts_high_and_falls_with_the_loss() {
-        let t = Threshold::Adaptive { start: 0.5 };
-        assert_eq!(t.at(None, None), 0.5);
-        assert_eq!(t.at(Some(4.0), Some(4.0)), 0.5);
-        // The paper's eq. 2: 1 / (1 + e^{l_norm}).
+        let t = Threshold::Adaptive { start: 0.9 };
+        assert_eq!(t.at(None, None), 0.9);
+        assert_eq!(t.at(Some(4.0), Some(4.0)), 0.9);
+        // The paper's factor (1 + e^{l_norm}) / 2 on the distance.
         let h = t.at(Some(4.0), Some(2.0));
-        assert!((h - 1.0 / (1.0 + 0.5f32.exp())).abs() < 1e-7, "{h}");
+        assert!(
+            (h - (1.0 - 0.1 * (1.0 + 0.5f32.exp()) / 2.0)).abs() < 1e-6,
+            "{h}"
+        );
         assert!(t.at(Some(4.0), Some(1.0)) < h);
+        assert!(t.at(Some(4.0), Some(0.0)) > 1.0 - 0.1 * 1.86);
         // A loss that rose, or one that is not finite, leaves the start.
-        assert_eq!(t.at(Some(4.0), Some(5.0)), 0.5);
-        assert_eq!(t.at(Some(4.0), Some(f32::NAN)), 0.5);
+        assert_eq!(t.at(Some(4.0), Some(5.0)), 0.9);
+        assert_eq!(t.at(Some(4.0), Some(f32::NAN)), 0.9);
         assert_eq!(Threshold::Fixed(0.75).at(Some(4.0), Some(1.0)), 0.75);
     }
 

@@ -5,6 +5,7 @@
 
 pub mod affinity;
 pub mod attention;
+pub mod condense;
 pub mod kernels;
 pub mod optim;
 pub mod overlap;

@@ -6,8 +6,8 @@ use std::io::Write;
 use strata_optim::Kernel;
 
 use super::bench_args::{
-    AffinityArgs, AttentionArgs, BenchCommand, KernelsArgs, OptimArgs, OverlapArgs, PlacementArgs,
-    StepArgs, StepTokens, TiersArgs, UploadArgs,
+    AffinityArgs, AttentionArgs, BenchCommand, CondenseArgs, KernelsArgs, OptimArgs, OverlapArgs,
+    PlacementArgs, StepArgs, StepTokens, TiersArgs, UploadArgs,
 };
 use super::step_table;
 use super::CliError;
@@ -23,6 +23,7 @@ pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Placement(args) => bench_placement(args),
         BenchCommand::Upload(args) => bench_upload(args),
         BenchCommand::Affinity(args) => bench_affinity(args),
+        BenchCommand::Condense(args) => bench_condense(args),
         BenchCommand::Attention(args) => bench_attention(args),
         BenchCommand::Kernels(args) => bench_kernels(args),
     }
@@ -120,6 +121,85 @@ fn bench_attention(args: AttentionArgs) -> Result<(), CliError> {
         config.kept,
         config.steps
     )?;
+    Ok(())
+}
+
+fn bench_condense(args: CondenseArgs) -> Result<(), CliError> {
+    if args.devices.contains(&0) || args.batch == 0 || args.seq_len == 0 {
+        return Err("--devices, --batch and --seq-len must be at least 1"
+            .to_string()
+            .into());
+    }
+    if let Some(&n) = args.devices.iter().find(|&&n| n > args.batch) {
+        return Err(format!(
+            "--devices {n}: the captured batch has {} sequences to split; raise --batch",
+            args.batch
+        )
+        .into());
+    }
+    eprintln!(
+        "training {} for {} steps on the built-in text, then condensing one batch…",
+        args.preset, args.train_steps
+    );
+    let (shares, links) = bench::condense::run(&bench::condense::CondenseBench {
+        preset: args.preset,
+        train_steps: args.train_steps,
+        seq_len: args.seq_len,
+        batch: args.batch,
+        devices: args.devices,
+        link_gb_per_s: args.link_gb_per_s,
+        reps: args.reps,
+    })?;
+    if args.json {
+        write_json_lines(&shares)?;
+        return write_json_lines(&links);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:>7} {:>5} {:<16} {:<9} {:>6} {:>9} {:>6} {:>7} {:>9}",
+        "devices",
+        "layer",
+        "threshold",
+        "search",
+        "rows",
+        "condensed",
+        "share",
+        "missed",
+        "search ms"
+    )?;
+    for r in &shares {
+        writeln!(
+            out,
+            "{:>7} {:>5} {:<16} {:<9} {:>6} {:>9} {:>6.3} {:>7} {:>9.3}",
+            r.devices,
+            r.layer,
+            format!("{} ({:.3})", r.threshold, r.threshold_value),
+            r.search,
+            r.rows,
+            r.condensed,
+            r.share,
+            r.missed_vs_exact.map_or("-".into(), |m| m.to_string()),
+            r.search_s * 1e3
+        )?;
+    }
+    writeln!(
+        out,
+        "\n{:>7} {:<9} {:>13} {:>12} {:>12} {:>14}",
+        "devices", "threshold", "rows crossing", "MiB crossing", "expert GFLOP", "modeled step s"
+    )?;
+    for r in &links {
+        writeln!(
+            out,
+            "{:>7} {:<9} {:>13} {:>12.2} {:>12.3} {:>14.4}",
+            r.devices,
+            r.threshold,
+            r.rows_crossing,
+            r.bytes_crossing as f64 / (1 << 20) as f64,
+            r.expert_flops / 1e9,
+            r.modeled_step_s
+        )?;
+    }
     Ok(())
 }
 

@@ -30,6 +30,12 @@ pub enum BenchCommand {
     /// exact integer program where small enough), on a `train --trace-routing`
     /// file or, without one, on synthetic traces.
     Affinity(AffinityArgs),
+    /// Token condensation (LUFFY) on hidden states from training a preset
+    /// on the built-in text: the share of each layer's expert rows
+    /// condensed at fixed thresholds and the adaptive one, the exact search
+    /// against the signature search (time, rows missed), and the rows and
+    /// bytes crossing between devices with the step over a modeled link.
+    Condense(CondenseArgs),
     /// The cpu's causal attention as the engine runs it (each row's softmax
     /// max and sum kept, the probabilities recomputed in the backward)
     /// against the plain one that keeps every probability: time and memory.
@@ -89,6 +95,35 @@ pub struct AttentionArgs {
     /// choice past 16 MiB of them) or `probabilities` (its choice below).
     #[arg(long, default_value = "row-stats", value_parser = parse_kept)]
     pub kept: strata::math::attention_rows::Kept,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CondenseArgs {
+    /// The preset to train.
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// Training steps before the hidden states are taken.
+    #[arg(long, default_value_t = 300)]
+    pub train_steps: u64,
+    /// Tokens a sequence.
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// Sequences a step.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Device counts the captured batch's sequences are split over
+    /// (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pub devices: Vec<usize>,
+    /// The modeled link between devices, GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    pub link_gb_per_s: f64,
+    /// Timed repetitions of each search.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -130,8 +130,10 @@ pub struct TrainFlags {
     /// to 1, default 0.5).
     #[arg(long, value_name = "SHARE")]
     pub condense_cap: Option<f32>,
-    /// How condensation finds similar rows: `lsh` (signature tables,
-    /// default) or `all-pairs` (every earlier representative).
+    /// How condensation finds similar rows: `all-pairs` (each row against
+    /// every earlier representative, default) or `lsh` (only those sharing
+    /// a signature: bounded work where few rows condense, and it may miss
+    /// some).
     #[arg(long, value_name = "lsh|all-pairs")]
     pub condense_search: Option<String>,
     /// Held-out loss every N steps, 0 for never (default 50).
@@ -259,7 +261,7 @@ pub struct TrainOptions {
     pub condense: String,
     #[serde(default = "half")]
     pub condense_cap: f32,
-    #[serde(default = "lsh")]
+    #[serde(default = "all_pairs")]
     pub condense_search: String,
     pub eval_every: u64,
     pub checkpoint_every: u64,
@@ -310,8 +312,8 @@ fn half() -> f32 {
     0.5
 }
 
-fn lsh() -> String {
-    "lsh".into()
+fn all_pairs() -> String {
+    "all-pairs".into()
 }
 
 fn cpu() -> String {
@@ -435,7 +437,7 @@ impl TrainFlags {
             expert_gemm: pick!(cli, file, expert_gemm, "bf16".into()),
             condense: pick!(cli, file, condense, off()),
             condense_cap: pick!(cli, file, condense_cap, half()),
-            condense_search: pick!(cli, file, condense_search, lsh()),
+            condense_search: pick!(cli, file, condense_search, all_pairs()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,
