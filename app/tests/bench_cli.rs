@@ -322,6 +322,67 @@ fn bench_affinity_places_a_trace_and_names_a_file_that_is_not_one() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a routing trace"), "{err}");
+
+    // Two nodes of two GPUs: a node share on each row and a two-level row;
+    // a later trace whose steps route as the earlier ones moves nothing.
+    let mut later = trace.clone();
+    later.steps = 2;
+    later.add(&trace);
+    let later_path = dir.path().join("later.json");
+    std::fs::write(&later_path, later.to_json()).unwrap();
+    let mut earlier = trace.clone();
+    earlier.steps = 1;
+    let earlier_path = dir.path().join("earlier.json");
+    std::fs::write(&earlier_path, earlier.to_json()).unwrap();
+    let out = strata_bin()
+        .args([
+            "bench",
+            "affinity",
+            "--json",
+            "--devices",
+            "4",
+            "--nodes",
+            "2",
+        ])
+        .arg("--trace")
+        .arg(&earlier_path)
+        .arg("--later")
+        .arg(&later_path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = json_lines(&out.stdout);
+    let policies: Vec<&str> = rows.iter().filter_map(|r| r["policy"].as_str()).collect();
+    assert_eq!(policies, ["balanced", "affinity", "exact", "two-level"]);
+    assert!(rows[..4].iter().all(|r| r["node_share"].as_f64().is_some()));
+    assert_eq!(rows[4]["bench"], "affinity-drift");
+    assert_eq!(rows[4]["steps_after"], 1);
+    assert_eq!(rows[4]["experts_moved"], 0);
+    assert_eq!(rows[4]["replaced"], false);
+
+    // A trace is no later than itself.
+    let out = strata_bin()
+        .args(["bench", "affinity", "--devices", "4", "--trace"])
+        .arg(&earlier_path)
+        .arg("--later")
+        .arg(&earlier_path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no steps beyond"), "{err}");
+
+    let out = strata_bin()
+        .args(["bench", "affinity", "--devices", "4", "--nodes", "3"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--nodes 3"), "{err}");
 }
 
 /// `bench condense` trains a little, then measures every layer at each

@@ -424,6 +424,9 @@ fn improve_layer(
 }
 
 pub use super::affinity_exact::{place_exact, EXACT_MAX_CELLS};
+pub use super::affinity_levels::{
+    level_shares, place_two_level, replace_if_it_pays, LevelShares, Replacement,
+};
 
 #[cfg(test)]
 pub(crate) mod tests {

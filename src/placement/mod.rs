@@ -11,6 +11,7 @@
 
 pub mod affinity;
 mod affinity_exact;
+mod affinity_levels;
 
 /// Calibrated cost of running an expert.
 #[derive(Clone, Copy, Debug, PartialEq)]

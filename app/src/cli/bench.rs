@@ -203,30 +203,62 @@ fn bench_condense(args: CondenseArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// A routing trace file, or why it is not one.
+fn read_trace(path: &std::path::Path) -> Result<strata::engine::RoutingTrace, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| {
+        format!(
+            "{}: not a routing trace (`strata train --trace-routing` writes one): {e}",
+            path.display()
+        )
+    })
+}
+
 fn bench_affinity(args: AffinityArgs) -> Result<(), CliError> {
+    if let Some(n) = args
+        .nodes
+        .filter(|&n| n == 0 || args.devices.iter().any(|d| d % n != 0))
+    {
+        return Err(
+            format!("--nodes {n}: give a node count that divides every --devices count").into(),
+        );
+    }
     let rows = match &args.trace {
         Some(path) => {
-            let text =
-                std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let trace: strata::engine::RoutingTrace = serde_json::from_str(&text).map_err(|e| {
-                format!(
-                    "{}: not a routing trace (`strata train --trace-routing` writes one): {e}",
-                    path.display()
-                )
-            })?;
+            let trace = read_trace(path)?;
             let source = path.display().to_string();
-            bench::affinity::on_trace(&source, &trace, &args.devices, args.load_slack)?
+            let slack = args.load_slack;
+            bench::affinity::on_trace(&source, &trace, &args.devices, slack, args.nodes)?
         }
         None => bench::affinity::synthetic(args.load_slack)?,
     };
+    let drift = match (&args.trace, &args.later) {
+        (Some(earlier), Some(later)) => bench::affinity::drift(
+            &read_trace(earlier)?,
+            &read_trace(later)?,
+            &args.devices,
+            args.load_slack,
+            (args.row_bytes, args.record_bytes, args.horizon),
+        )?,
+        _ => Vec::new(),
+    };
     if args.json {
-        return write_json_lines(&rows);
+        write_json_lines(&rows)?;
+        return write_json_lines(&drift);
     }
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:<18} {:>6} {:>7} {:>7} {:<9} {:>12} {:>8} {:>9}",
-        "source", "layers", "experts", "devices", "policy", "transitions", "staying", "seconds"
+        "{:<18} {:>6} {:>7} {:>7} {:<9} {:>12} {:>8} {:>6} {:>9}",
+        "source",
+        "layers",
+        "experts",
+        "devices",
+        "policy",
+        "transitions",
+        "staying",
+        "node",
+        "seconds"
     )?;
     for r in &rows {
         let source = std::path::Path::new(&r.source)
@@ -234,7 +266,7 @@ fn bench_affinity(args: AffinityArgs) -> Result<(), CliError> {
             .map_or(r.source.clone(), |n| n.to_string_lossy().into_owned());
         writeln!(
             out,
-            "{:<18} {:>6} {:>7} {:>7} {:<9} {:>12} {:>8.3} {:>9.3}",
+            "{:<18} {:>6} {:>7} {:>7} {:<9} {:>12} {:>8.3} {:>6} {:>9.3}",
             source,
             r.layers,
             r.experts,
@@ -242,7 +274,26 @@ fn bench_affinity(args: AffinityArgs) -> Result<(), CliError> {
             r.policy,
             r.transitions,
             r.staying_share,
+            r.node_share.map_or("-".into(), |s| format!("{s:.3}")),
             r.seconds
+        )?;
+    }
+    for r in &drift {
+        writeln!(
+            out,
+            "{} devices, steps {}+{}: pairs kept a step {:.0} by the earlier placement, {:.0} \
+             placed afresh, moving {} experts: {}",
+            r.devices,
+            r.steps_before,
+            r.steps_after,
+            r.kept_a_step_now,
+            r.kept_a_step_fresh,
+            r.experts_moved,
+            if r.replaced {
+                format!("pays within {} steps, re-placed", r.horizon_steps)
+            } else {
+                format!("does not pay within {} steps, kept", r.horizon_steps)
+            }
         )?;
     }
     Ok(())

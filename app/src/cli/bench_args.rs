@@ -141,6 +141,28 @@ pub struct AffinityArgs {
     /// tokens may go in a layer (0.1: 10 %).
     #[arg(long, default_value_t = 0.1)]
     pub load_slack: f64,
+    /// The devices are GPUs in this many nodes: each placement's share of
+    /// pairs kept within a node, and the two-level placement (nodes
+    /// first, then GPUs within each).
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// A later trace of the same run (written at a later checkpoint): the
+    /// earlier trace's placement against one made afresh on the steps in
+    /// between, and whether moving the records it moves pays.
+    #[arg(long, requires = "trace")]
+    pub later: Option<std::path::PathBuf>,
+    /// With --later: the bytes of a token's row on the link (d_model × 4
+    /// for f32 rows; default Mixtral-8x7B's).
+    #[arg(long, default_value_t = 16384)]
+    pub row_bytes: u64,
+    /// With --later: the bytes of one expert's record that a move copies
+    /// (default Mixtral-8x7B's: 176 M params × 14 bytes, the f32 master
+    /// and moments and the bf16 copy).
+    #[arg(long, default_value_t = 2_466_250_752)]
+    pub record_bytes: u64,
+    /// With --later: the steps a new placement has to pay for its moves.
+    #[arg(long, default_value_t = 1000)]
+    pub horizon: u64,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
