@@ -27,6 +27,9 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
+mod link;
+pub use link::{Link, ModeledLink};
+
 /// A collective could not finish: a peer stopped (its step failed) or
 /// called a different collective.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

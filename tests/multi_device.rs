@@ -249,3 +249,28 @@ fn a_failure_on_one_device_stops_the_others_and_names_the_cause() {
     let err = engine.step(&b).unwrap_err();
     assert!(matches!(err, EngineError::NonFiniteLoss { .. }), "{err}");
 }
+
+/// A modeled link (`EngineConfig::link`) changes no bit, and each step's
+/// collectives take at least its latency each.
+#[test]
+fn a_modeled_link_changes_no_bit_and_takes_its_time() {
+    let model = model(2, ExpertKind::SwiGlu);
+    let plain = train(&model, base(&model, 2, 1));
+    let link = strata::comm::Link::new(1.0, 10_000.0).unwrap();
+    let slow = train(
+        &model,
+        EngineConfig {
+            link: Some(link),
+            ..base(&model, 2, 1)
+        },
+    );
+    assert_eq!(plain.dense, slow.dense);
+    assert_eq!(plain.experts, slow.experts);
+    for (a, b) in plain.metrics.iter().zip(&slow.metrics) {
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits());
+        // Per layer the counts and two exchanges each pass, then the
+        // dense all-reduce and the loss's: at least 10 collectives of
+        // 10 ms a step.
+        assert!(b.comm_s >= 0.1, "{} s in collectives", b.comm_s);
+    }
+}

@@ -115,4 +115,20 @@ fn settings_condensation_cannot_run_with_are_refused_before_anything_is_written(
         },
         "--trace-routing",
     );
+    // The modeled link (measured beside condensation) is between devices.
+    refused(
+        TrainFlags {
+            link_gb_per_s: Some(10.0),
+            ..flags_holding(&out, 6)
+        },
+        "give --devices 2 or more",
+    );
+    refused(
+        TrainFlags {
+            link_gb_per_s: Some(-1.0),
+            devices: Some(2),
+            ..flags_holding(&out, 6)
+        },
+        "-1 GB/s",
+    );
 }

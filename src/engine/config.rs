@@ -173,6 +173,11 @@ pub struct EngineConfig {
     /// backend only, without `trace_routing` or `affinity_prefetch` (which
     /// pair tokens across layers that condensation no longer keeps whole).
     pub condense: Option<crate::condense::CondenseConfig>,
+    /// Several devices: their collectives take at least the time this
+    /// link would ([`crate::comm::ModeledLink`]; the same results), so
+    /// that a slower interconnect can be measured on one machine. `None`
+    /// (the default): as fast as the in-process exchange goes.
+    pub link: Option<crate::comm::Link>,
 }
 
 impl Default for EngineConfig {
@@ -206,6 +211,7 @@ impl Default for EngineConfig {
             dense_gemm: DenseGemm::Bf16,
             expert_gemm: ExpertGemm::Bf16,
             condense: None,
+            link: None,
         }
     }
 }

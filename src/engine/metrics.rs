@@ -52,6 +52,10 @@ pub struct StepMetrics {
     /// the layer before predicts (`routed_io.rs`).
     pub prediction_missed: u64,
     pub prediction_unused: u64,
+    /// Several devices: seconds a step in collectives (token exchanges,
+    /// counts, the dense all-reduce), the mean over devices; with a
+    /// modeled link (`EngineConfig::link`), its waits included.
+    pub comm_s: f64,
     /// Assignments condensed into another row of their expert
     /// (`EngineConfig::condense`: computed once, their output copied),
     /// over every layer and device; 0 without condensation.
@@ -138,6 +142,7 @@ pub(crate) fn gather<'a>(
         },
         prediction_missed: sum(|a| a.prediction_missed),
         prediction_unused: sum(|a| a.prediction_unused),
+        comm_s: mean(|a| a.comm_s),
         condensed: sum(|a| a.condensed),
         condense_threshold: None, // the engine's
         tokens_per_expert,

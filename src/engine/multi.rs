@@ -20,7 +20,7 @@ use super::condensing::Condensing;
 use super::exchange::ExchangeRunner;
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
-use crate::comm::{Comm, InProcessComm};
+use crate::comm::{Comm, InProcessComm, ModeledLink};
 use crate::model::{ExpertRunner, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
@@ -88,6 +88,7 @@ impl Engine {
         let pinned = self.pin_plan();
         let options = self.pass_options();
         let cost = self.cost;
+        let link = self.config.link;
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
@@ -105,7 +106,11 @@ impl Engine {
             let handles: Vec<_> = devices
                 .iter_mut()
                 .zip(dense_kernels.iter())
-                .zip(InProcessComm::endpoints(n))
+                .zip(
+                    InProcessComm::endpoints(n)
+                        .into_iter()
+                        .map(|c| ModeledLink::new(c, link)),
+                )
                 .enumerate()
                 .map(|(rank, ((dev, kernels), comm))| {
                     std::thread::Builder::new()
@@ -155,6 +160,7 @@ impl Engine {
                             runner.comm.all_reduce_sum(&mut grad)?;
                             let mut total = [loss];
                             runner.comm.all_reduce_sum(&mut total)?;
+                            runner.inner.dev.acc.comm_s = runner.comm.comm_time.as_secs_f64();
                             Ok((total[0], grad))
                         })
                 })

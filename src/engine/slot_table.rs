@@ -30,6 +30,9 @@ pub(crate) struct Accumulators {
     /// Assignments condensed into another of their expert's rows before
     /// this device sent them (`EngineConfig::condense`).
     pub condensed: u64,
+    /// Seconds in collectives with the other devices (modeled waits of
+    /// `EngineConfig::link` included).
+    pub comm_s: f64,
 }
 
 impl Accumulators {

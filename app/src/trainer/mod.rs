@@ -210,6 +210,21 @@ fn expert_gemm(o: &TrainOptions) -> Result<ExpertGemm, String> {
     ExpertGemm::parse(&o.expert_gemm).map_err(|e| format!("--expert-gemm: {e}"))
 }
 
+/// `--link-gb-per-s` and `--link-latency-us`'s link, if any.
+fn link(o: &TrainOptions) -> Result<Option<strata::comm::Link>, String> {
+    let Some(rate) = o.link_gb_per_s else {
+        return Ok(None);
+    };
+    if o.devices < 2 {
+        return Err(format!(
+            "--link-gb-per-s {rate}: the link is between devices; give --devices 2 or more"
+        ));
+    }
+    strata::comm::Link::new(rate, o.link_latency_us)
+        .map(Some)
+        .map_err(|e| format!("--link-gb-per-s / --link-latency-us: {e}"))
+}
+
 /// `--condense`, `--condense-cap` and `--condense-search`'s choice.
 fn condense_config(o: &TrainOptions) -> Result<Option<CondenseConfig>, String> {
     let threshold = match o.condense.as_str() {
@@ -343,6 +358,7 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
         .check(o.devices, parse_dtype(&o.compute_dtype)?)
         .map_err(|e| format!("--backend {}: {e}", o.backend))?;
     condense_config(o)?;
+    link(o)?;
     // --lr 0 is legitimate: a frozen evaluation (nothing changes).
     if !(o.lr >= 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
         return Err("--lr must be 0 or more and --min-lr-ratio in [0, 1]".into());
@@ -500,6 +516,7 @@ fn run_locked(
         dense_gemm: dense_gemm(&o)?,
         expert_gemm: expert_gemm(&o)?,
         condense: condense_config(&o)?,
+        link: link(&o)?,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(&o)?,
@@ -537,7 +554,10 @@ fn run_locked(
         config.experts,
         config.top_k,
         if o.devices > 1 {
-            format!("{} {} devices, ", o.devices, o.backend)
+            let over = o.link_gb_per_s.map_or(String::new(), |r| {
+                format!(" over a modeled {r} GB/s link ({} µs)", o.link_latency_us)
+            });
+            format!("{} {} devices{over}, ", o.devices, o.backend)
         } else {
             String::new()
         },

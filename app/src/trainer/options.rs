@@ -136,6 +136,15 @@ pub struct TrainFlags {
     /// some).
     #[arg(long, value_name = "lsh|all-pairs")]
     pub condense_search: Option<String>,
+    /// With several devices: their collectives over a modeled link of
+    /// this many GB/s each way (each takes at least the time such a link
+    /// would; the same results), to measure a slower interconnect on one
+    /// machine. Default: none (the in-process exchange's speed).
+    #[arg(long, value_name = "GB_PER_S")]
+    pub link_gb_per_s: Option<f64>,
+    /// With --link-gb-per-s: each collective's latency in µs (default 10).
+    #[arg(long, value_name = "US")]
+    pub link_latency_us: Option<f64>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -263,6 +272,10 @@ pub struct TrainOptions {
     pub condense_cap: f32,
     #[serde(default = "all_pairs")]
     pub condense_search: String,
+    #[serde(default)]
+    pub link_gb_per_s: Option<f64>,
+    #[serde(default = "ten")]
+    pub link_latency_us: f64,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -302,6 +315,10 @@ fn all_groups() -> Vec<String> {
         .iter()
         .map(|g| g.name().to_string())
         .collect()
+}
+
+fn ten() -> f64 {
+    10.0
 }
 
 fn off() -> String {
@@ -438,6 +455,8 @@ impl TrainFlags {
             condense: pick!(cli, file, condense, off()),
             condense_cap: pick!(cli, file, condense_cap, half()),
             condense_search: pick!(cli, file, condense_search, all_pairs()),
+            link_gb_per_s: cli.link_gb_per_s.or(file.link_gb_per_s),
+            link_latency_us: pick!(cli, file, link_latency_us, ten()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),
             device_mem: parse_bytes(&pick!(cli, file, device_mem, "1GiB".into()))?,
