@@ -454,7 +454,11 @@ pub(crate) mod tests {
             .collect()
     }
 
-    fn problem(transitions: &[Vec<u64>], experts: usize, devices: usize) -> AffinityProblem<'_> {
+    pub(crate) fn problem(
+        transitions: &[Vec<u64>],
+        experts: usize,
+        devices: usize,
+    ) -> AffinityProblem<'_> {
         AffinityProblem {
             layers: transitions.len() + 1,
             experts,

@@ -185,18 +185,8 @@ fn renamed_to_match(fresh: Owners, current: &Owners, devices: usize) -> Owners {
 
 #[cfg(test)]
 mod tests {
-    use super::super::affinity::tests::random_trace;
+    use super::super::affinity::tests::{problem, random_trace};
     use super::*;
-
-    fn problem(transitions: &[Vec<u64>], experts: usize, devices: usize) -> AffinityProblem<'_> {
-        AffinityProblem {
-            layers: transitions.len() + 1,
-            experts,
-            devices,
-            transitions,
-            load_slack: 0.1,
-        }
-    }
 
     #[test]
     fn two_levels_keep_more_within_nodes_and_stay_feasible() {
