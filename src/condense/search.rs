@@ -242,6 +242,22 @@ mod tests {
     }
 
     #[test]
+    fn each_row_s_signatures_are_its_own_whatever_the_rows_beside_it() {
+        let (t, d) = (300, 40);
+        let x = clustered(t, d, 5, 0.5, 13);
+        let tables = SignatureTables::new(8, 6, d);
+        let all = tables.sign(&x, t);
+        for i in (0..t).step_by(7) {
+            let alone = tables.sign(&x[i * d..(i + 1) * d], 1);
+            assert_eq!(&all[i * 8..(i + 1) * 8], &alone[..], "row {i}");
+        }
+        // Opposite rows differ in every bit of every table.
+        let neg: Vec<f32> = x[..d].iter().map(|v| -v).collect();
+        let (a, b) = (tables.sign(&x[..d], 1), tables.sign(&neg, 1));
+        assert!(a.iter().zip(&b).all(|(p, q)| p ^ q == 0x3f), "{a:?} {b:?}");
+    }
+
+    #[test]
     fn the_exact_search_groups_each_tight_cluster_into_one() {
         let (t, d) = (140, 32);
         let x = clustered(t, d, 7, 0.02, 9);
