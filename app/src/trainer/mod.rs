@@ -9,6 +9,8 @@
 //! form), the expert store `experts.strata` with its dense checkpoint
 //! files, and `metrics.jsonl`.
 
+mod engine_choices;
+use engine_choices::{condense_config, dense_gemm, gemms_described, link};
 pub mod hf;
 pub mod interrupt;
 mod metrics_log;
@@ -24,21 +26,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use strata_optim::AdamWHyper;
 use strata_tiers::{Dtype, Timeline};
 
 use metrics_log::MetricsLog;
 pub use options::{Packing, StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
-use run_dir::{create_run, resume_options, store_path, update_record, ModelFiles, RunLock};
+use run_dir::{create_run, resume_options, update_record, ModelFiles, RunLock};
 pub use run_dir::{export_run, verify_run};
-use strata::condense::{CondenseConfig, Search, Threshold};
-use strata::engine::{Engine, EngineConfig, ScheduleKind, StepMetrics};
+use strata::engine::{Engine, StepMetrics};
 use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
 use strata::lm::{LmConfig, MoeLm, TensorGroup};
 use strata::model::Network;
 
-use strata::backend::{BackendKind, DenseGemm, ExpertGemm};
+use strata::backend::BackendKind;
 
 /// Where the model comes from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -198,93 +198,6 @@ pub(crate) fn model_for(o: &TrainOptions, config: &LmConfig) -> Result<MoeLm, St
         ));
     }
     Ok(lm)
-}
-
-/// `--dense-gemm`'s choice.
-fn dense_gemm(o: &TrainOptions) -> Result<DenseGemm, String> {
-    DenseGemm::parse(&o.dense_gemm).map_err(|e| format!("--dense-gemm: {e}"))
-}
-
-/// `--expert-gemm`'s choice.
-fn expert_gemm(o: &TrainOptions) -> Result<ExpertGemm, String> {
-    ExpertGemm::parse(&o.expert_gemm).map_err(|e| format!("--expert-gemm: {e}"))
-}
-
-/// `--link-gb-per-s` and `--link-latency-us`'s link, if any.
-fn link(o: &TrainOptions) -> Result<Option<strata::comm::Link>, String> {
-    let Some(rate) = o.link_gb_per_s else {
-        return Ok(None);
-    };
-    if o.devices < 2 {
-        return Err(format!(
-            "--link-gb-per-s {rate}: the link is between devices; give --devices 2 or more"
-        ));
-    }
-    strata::comm::Link::new(rate, o.link_latency_us)
-        .map(Some)
-        .map_err(|e| format!("--link-gb-per-s / --link-latency-us: {e}"))
-}
-
-/// `--condense`, `--condense-cap` and `--condense-search`'s choice.
-fn condense_config(o: &TrainOptions) -> Result<Option<CondenseConfig>, String> {
-    let threshold = match o.condense.as_str() {
-        "off" => return Ok(None),
-        "adaptive" => Threshold::Adaptive {
-            start: strata::condense::ADAPTIVE_START,
-        },
-        other => match other.strip_prefix("adaptive:") {
-            Some(start) => Threshold::Adaptive {
-                start: start.parse().map_err(|_| bad_condense(other))?,
-            },
-            None => Threshold::Fixed(other.parse().map_err(|_| bad_condense(other))?),
-        },
-    };
-    let search = match o.condense_search.as_str() {
-        "lsh" => Search::LSH,
-        "all-pairs" => Search::AllPairs,
-        other => {
-            return Err(format!(
-                "--condense-search {other:?}: give lsh or all-pairs"
-            ))
-        }
-    };
-    let config = CondenseConfig {
-        threshold,
-        max_share: o.condense_cap,
-        search,
-    };
-    config.check().map_err(|e| format!("--condense: {e}"))?;
-    let pairs = (o.trace_routing.is_some().then_some("--trace-routing"))
-        .or(o.affinity_prefetch.then_some("--affinity-prefetch"));
-    if let Some(flag) = pairs {
-        return Err(format!(
-            "--condense with {flag}: {flag} pairs each token's experts across layers, and a \
-             condensed layer computes fewer tokens; leave one out"
-        ));
-    }
-    if o.backend == "cuda" {
-        return Err(
-            "--condense runs on the cpu backend (its rows in host memory): add --backend cpu"
-                .into(),
-        );
-    }
-    Ok(Some(config))
-}
-
-fn bad_condense(given: &str) -> String {
-    format!("--condense {given:?}: give off, adaptive, adaptive:START or a threshold such as 0.9")
-}
-
-/// How the run's GEMMs compute, for its first line.
-fn gemms_described(o: &TrainOptions) -> String {
-    match o.backend.as_str() {
-        "cuda" => format!(", dense GEMMs in {}", o.dense_gemm),
-        _ if o.compute_dtype == "bf16" && o.expert_gemm == "bf16" => format!(
-            ", expert GEMMs in bf16 ({})",
-            strata::backend::Bf16Kernel::detected().name()
-        ),
-        _ => String::new(),
-    }
 }
 
 /// Plans `o` for `config` (no allocation, nothing written).
@@ -492,40 +405,7 @@ fn run_locked(
     // Every step is recorded (a few hundred events) until the one asked
     // for; what did not fit is dropped, and `take` starts that step afresh.
     let timeline = o.timeline_step.map(|_| Arc::new(Timeline::new(1 << 16)));
-    let engine_config = EngineConfig {
-        timeline: timeline.clone(),
-        store_path: Some(store_path(&o.out)),
-        device_budget_bytes: plan.expert_device_bytes,
-        host_budget_bytes: plan.expert_host_bytes,
-        optimizer_threads: o.threads,
-        hyper: AdamWHyper {
-            lr: lr_at(&o, 1),
-            weight_decay: o.weight_decay,
-            ..AdamWHyper::default()
-        },
-        compute_dtype: parse_dtype(&o.compute_dtype)?,
-        micro_batches: o.micro_batches,
-        devices: o.devices,
-        backend: BackendKind::parse(&o.backend)?,
-        host_stream_slots: o.host_stream_slots.0,
-        host_cell_slots: o.host_cell_slots,
-        deferred_update_share: o.defer_share,
-        trace_routing: o.trace_routing.is_some(),
-        affinity_prefetch: o.affinity_prefetch,
-        dense_on_device: !o.dense_on_host,
-        dense_gemm: dense_gemm(&o)?,
-        expert_gemm: expert_gemm(&o)?,
-        condense: condense_config(&o)?,
-        link: link(&o)?,
-        // The global norm is known when the backward ends.
-        clip_grad_norm: o.clip_grad_norm,
-        train_experts: trains_experts(&o)?,
-        schedule: match o.clip_grad_norm {
-            Some(_) => ScheduleKind::Naive,
-            None => ScheduleKind::ExpertWise,
-        },
-        ..EngineConfig::default()
-    };
+    let engine_config = engine_choices::engine_config(&o, &plan, timeline.clone())?;
     // A closed stdout (`strata train | head`) is no reason to lose the
     // run, nor to go on with no one reading: the run checkpoints after the
     // step in progress and stops, as on Ctrl-C.
