@@ -258,6 +258,25 @@ mod tests {
     }
 
     #[test]
+    fn every_bit_of_the_signatures_comes_from_a_plane_of_its_own() {
+        // Rows in every direction: two random planes' bits agree on about
+        // half of them (1 − θ/π, θ their angle, near 90° in 256
+        // dimensions), one plane used twice on all.
+        let (t, d) = (2000, 256);
+        let x = clustered(t, d, t, 1.0, 17);
+        let (tables, bits) = (8, 6);
+        let sigs = SignatureTables::new(tables, bits, d).sign(&x, t);
+        let bit = |r: usize, k: usize| (sigs[r * tables + k / bits] >> (k % bits)) & 1;
+        for a in 0..tables * bits {
+            for b in a + 1..tables * bits {
+                let agree = (0..t).filter(|&r| bit(r, a) == bit(r, b)).count();
+                let share = agree as f64 / t as f64;
+                assert!((0.35..0.65).contains(&share), "bits {a} and {b}: {share}");
+            }
+        }
+    }
+
+    #[test]
     fn the_exact_search_groups_each_tight_cluster_into_one() {
         let (t, d) = (140, 32);
         let x = clustered(t, d, 7, 0.02, 9);
