@@ -315,6 +315,18 @@ mod tests {
     }
 
     #[test]
+    fn a_row_joins_the_most_similar_representative() {
+        // Unit rows at 0°, 30° and 20°: the first two are 0.866 apart, so
+        // both represent at 0.9; the third is within 0.9 of both (0.940
+        // and 0.985) and joins the second, the closer.
+        let deg = |a: f32| [a.to_radians().cos(), a.to_radians().sin()];
+        let x: Vec<f32> = [0.0, 30.0, 20.0].into_iter().flat_map(deg).collect();
+        let inv = inverse_norms(&x, 3, 2);
+        let g = condense_rows(&[0, 1, 2], &x, 2, &inv, None, 0.9, 1.0);
+        assert_eq!(g.rep_of, vec![0, 1, 1]);
+    }
+
+    #[test]
     fn only_the_listed_tokens_are_grouped() {
         let (t, d) = (60, 16);
         let x = clustered(t, d, 3, 0.01, 11);
