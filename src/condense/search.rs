@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use crate::math::attention::dot;
+
 /// Random hyperplanes for SimHash signatures of D-wide rows: `tables`
 /// signatures of `bits` bits a row, bit j of table i set where the row's
 /// dot product with plane (i, j) is not negative. Two rows at angle θ
@@ -171,20 +173,6 @@ pub fn inverse_norms(x: &[f32], t: usize, d: usize) -> Vec<f32> {
             }
         })
         .collect()
-}
-
-/// a · b in eight interleaved partial sums (a fixed order).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]

@@ -16,8 +16,25 @@
 
 use crate::condense::{condense_rows, inverse_norms, SignatureTables};
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
-use crate::model::ExpertRunner;
+use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
+
+/// Runs `pass` (a micro-batch's forward and backward) on `runner`, in
+/// front of which a [`Condensing`] stands where `step` says the step
+/// condenses; returns what `pass` did and the assignments condensed.
+pub(crate) fn condensed_pass<T>(
+    runner: &mut dyn ExpertRunner,
+    step: Option<StepCondense<'_>>,
+    model: &ModelConfig,
+    pass: impl FnOnce(&mut dyn ExpertRunner) -> Result<T, EngineError>,
+) -> Result<(T, u64), EngineError> {
+    let Some(step) = step else {
+        return pass(runner).map(|t| (t, 0));
+    };
+    let mut condensing = Condensing::new(runner, step, model);
+    let t = pass(&mut condensing)?;
+    Ok((t, condensing.condensed))
+}
 
 /// The condensation of a step, as the engine decided it.
 #[derive(Clone, Copy)]
@@ -36,8 +53,14 @@ struct LayerGroups {
     reps: Vec<u32>,
     /// Per row of the layer's expert order: its representative's token.
     source: Vec<u32>,
-    /// Per row of the layer's expert order: whether it is a representative.
-    is_rep: Vec<bool>,
+}
+
+impl LayerGroups {
+    /// Whether row `i` of the layer's expert order (assignment `a`) is a
+    /// representative.
+    fn is_rep(&self, i: usize, a: u32) -> bool {
+        self.reps[self.source[i] as usize] == a
+    }
 }
 
 /// The runner that condenses each layer's rows before `inner` runs them.
@@ -52,19 +75,13 @@ pub(crate) struct Condensing<'r> {
 }
 
 impl<'r> Condensing<'r> {
-    pub fn new(
-        inner: &'r mut dyn ExpertRunner,
-        step: StepCondense<'r>,
-        layers: usize,
-        top_k: usize,
-        d_model: usize,
-    ) -> Self {
+    fn new(inner: &'r mut dyn ExpertRunner, step: StepCondense<'r>, model: &ModelConfig) -> Self {
         Self {
             inner,
             step,
-            k: top_k,
-            d: d_model,
-            layers: (0..layers).map(|_| None).collect(),
+            k: model.top_k,
+            d: model.d_model,
+            layers: (0..model.layers).map(|_| None).collect(),
             condensed: 0,
         }
     }
@@ -80,7 +97,6 @@ impl<'r> Condensing<'r> {
         let mut reps = Vec::new();
         let mut counts = vec![0u32; experts];
         let mut source = vec![0u32; perm.order.len()];
-        let mut is_rep = vec![false; perm.order.len()];
         let mut condensed = 0;
         let mut tokens = Vec::new();
         for (e, count) in counts.iter_mut().enumerate() {
@@ -100,7 +116,6 @@ impl<'r> Condensing<'r> {
             let base = perm.span(e).start;
             for (r, &rep) in g.rep_of.iter().enumerate() {
                 if rep as usize == r {
-                    is_rep[base + r] = true;
                     source[base + r] = reps.len() as u32;
                     reps.push(rows[r]);
                     *count += 1;
@@ -112,22 +127,13 @@ impl<'r> Condensing<'r> {
         if condensed == 0 {
             return None;
         }
-        let n = reps.len();
-        let mut offsets = vec![0u32; experts + 1];
-        for (e, &c) in counts.iter().enumerate() {
-            offsets[e + 1] = offsets[e] + c;
-        }
+        // The runners read each expert's rows (`order`) and spans, never
+        // `position`, which `from_counts` leaves empty.
         let perm = Permutation {
-            order: (0..n as u32).map(|j| j * k as u32).collect(),
-            offsets,
-            position: (0..n * k).map(|a| (a / k) as u32).collect(),
+            order: (0..reps.len() as u32).map(|j| j * k as u32).collect(),
+            ..Permutation::from_counts(&counts)
         };
-        Some(LayerGroups {
-            perm,
-            reps,
-            source,
-            is_rep,
-        })
+        Some(LayerGroups { perm, reps, source })
     }
 
     /// The representatives' input rows (one token each).
@@ -194,13 +200,14 @@ impl ExpertRunner for Condensing<'_> {
             let j = groups.source[i] as usize;
             let (w, t) = (dout.weights[a as usize], a as usize / k);
             let (to, from) = (&mut dy[j * d..(j + 1) * d], &dout.dy[t * d..(t + 1) * d]);
-            if groups.is_rep[i] {
+            if groups.is_rep(i, a) {
                 to.iter_mut().zip(from).for_each(|(o, &g)| *o = w * g);
             } else {
                 to.iter_mut().zip(from).for_each(|(o, &g)| *o += w * g);
             }
         }
-        let ones = vec![1.0f32; n * k];
+        let mut ones = self.inner.take_buffer(n * k);
+        ones.fill(1.0);
         let xr = self.rep_rows(&groups, x);
         let mut dxr = self.inner.take_buffer(n * d); // written whole
         let summed = AssignmentGrads {
@@ -214,9 +221,10 @@ impl ExpertRunner for Condensing<'_> {
                 .backward_layer(layer, &groups.perm, &xr, summed, &mut dxr, last_micro_batch);
         self.inner.give_buffer(xr);
         self.inner.give_buffer(dy);
+        self.inner.give_buffer(ones);
         ran?;
-        for (i, row) in dx.chunks_exact_mut(d).enumerate() {
-            if groups.is_rep[i] {
+        for ((i, row), &a) in dx.chunks_exact_mut(d).enumerate().zip(&perm.order) {
+            if groups.is_rep(i, a) {
                 let j = groups.source[i] as usize;
                 row.copy_from_slice(&dxr[j * d..(j + 1) * d]);
             } else {

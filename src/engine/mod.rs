@@ -54,11 +54,11 @@ pub use open::{host_cell_slot_count, host_kept_count};
 pub use routing_trace::RoutingTrace;
 pub use verify::{verify_checkpoint, CheckpointReport};
 
-use crate::model::{Batch, DenseKernels, Evaluation, ExpertRunner, ModelConfig, Network};
+use crate::model::{Batch, DenseKernels, Evaluation, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 use access::Phase;
-use condensing::{Condensing, StepCondense};
+use condensing::{condensed_pass, StepCondense};
 use open::step_schedule;
 use pipeline::{DeviceRunner, PassOptions};
 use slot_table::{Accumulators, DeviceState};
@@ -453,16 +453,10 @@ impl Engine {
             pending: None,
             landing: None,
         };
-        let (layers, k, d) = (self.model.layers, self.model.top_k, self.model.d_model);
         let mut condensed = 0;
         for (i, part) in parts.iter().enumerate() {
-            let mut condensing = None;
-            let runner: &mut dyn ExpertRunner = match condense {
-                Some(c) => condensing.insert(Condensing::new(&mut runner, c, layers, k, d)),
-                None => &mut runner,
-            };
-            loss += net
-                .forward_backward(
+            let (losses, n) = condensed_pass(&mut runner, condense, &self.model, |runner| {
+                net.forward_backward(
                     &self.dense,
                     &mut dense_grad,
                     part,
@@ -471,9 +465,10 @@ impl Engine {
                     i + 1 == count,
                     runner,
                     &*kernels,
-                )?
-                .total;
-            condensed += condensing.map_or(0, |c| c.condensed);
+                )
+            })?;
+            loss += losses.total;
+            condensed += n;
         }
         self.devices[0].acc.condensed += condensed;
         let held_norm_sq = self.end_dense_grad(&*kernels, &mut dense_grad, keep_norm)?;

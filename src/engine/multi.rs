@@ -16,12 +16,12 @@ use std::time::Instant;
 
 use strata_tiers::{ExpertId, Layout};
 
-use super::condensing::Condensing;
+use super::condensing::condensed_pass;
 use super::exchange::ExchangeRunner;
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm, ModeledLink};
-use crate::model::{ExpertRunner, ModelConfig, Network};
+use crate::model::{ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 
@@ -130,30 +130,21 @@ impl Engine {
                             let mut loss = 0.0f32;
                             let mut condensed = 0;
                             for (j, part) in parts[rank * m..(rank + 1) * m].iter().enumerate() {
-                                let mut condensing = None;
-                                let experts: &mut dyn ExpertRunner = match condense {
-                                    Some(c) => condensing.insert(Condensing::new(
-                                        &mut runner,
-                                        c,
-                                        model.layers,
-                                        model.top_k,
-                                        model.d_model,
-                                    )),
-                                    None => &mut runner,
-                                };
-                                loss += net
-                                    .forward_backward(
-                                        dense,
-                                        &mut grad,
-                                        part,
-                                        tokens_total,
-                                        n * m,
-                                        j + 1 == m,
-                                        experts,
-                                        &**kernels,
-                                    )?
-                                    .total;
-                                condensed += condensing.map_or(0, |c| c.condensed);
+                                let (losses, c) =
+                                    condensed_pass(&mut runner, condense, model, |experts| {
+                                        net.forward_backward(
+                                            dense,
+                                            &mut grad,
+                                            part,
+                                            tokens_total,
+                                            n * m,
+                                            j + 1 == m,
+                                            experts,
+                                            &**kernels,
+                                        )
+                                    })?;
+                                loss += losses.total;
+                                condensed += c;
                             }
                             runner.inner.dev.acc.condensed += condensed;
                             kernels.grads_flush(&mut grad)?;

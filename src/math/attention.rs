@@ -145,13 +145,14 @@ fn rope_apply<R: Real>(
     }
 }
 
-/// Σ a[c]·b[c] over one head's dimension, in eight interleaved partial
-/// sums (element c goes to sum c % 8) added pairwise at the end. The order
+/// Σ a[c]·b[c] over one head's dimension (and condensation's cosines over
+/// a row), in eight interleaved partial sums (element c goes to sum c % 8)
+/// added pairwise at the end. The order
 /// is fixed, so every call, thread and split gives the same bits; unlike
 /// one running sum (a chain of dependent adds the compiler may not
 /// reorder), the eight sums are independent and become SIMD lanes.
 #[inline(always)]
-pub(super) fn dot<R: Real>(a: &[R], b: &[R]) -> R {
+pub(crate) fn dot<R: Real>(a: &[R], b: &[R]) -> R {
     debug_assert_eq!(a.len(), b.len());
     const LANES: usize = 8;
     let mut sums = [R::zero(); LANES];
