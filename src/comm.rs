@@ -28,7 +28,11 @@
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 mod link;
+#[cfg(feature = "mpi")]
+mod mpi;
 pub use link::{Link, ModeledLink};
+#[cfg(feature = "mpi")]
+pub use mpi::MpiComm;
 
 /// A collective could not finish: a peer stopped (its step failed) or
 /// called a different collective.
@@ -50,6 +54,13 @@ pub enum CommError {
         got: usize,
         ranks: usize,
     },
+    #[error(
+        "{what}: {values} values are more than MPI can move in one call (2^31 - 1): \
+         give the step fewer tokens per rank"
+    )]
+    TooLarge { what: &'static str, values: usize },
+    #[error("the communicator could not start: {why}")]
+    Init { why: String },
 }
 
 /// One rank's endpoint. Every rank calls the same collectives in the same
@@ -72,6 +83,34 @@ pub trait Comm: Send {
 
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<(), CommError>;
+}
+
+/// A borrowed endpoint is one too, so an engine can lend the endpoint it
+/// keeps to a step.
+impl<C: Comm + ?Sized> Comm for &mut C {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+
+    fn all_to_all(&mut self, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError> {
+        (**self).all_to_all(sends)
+    }
+
+    fn all_gather_u32(&mut self, mine: Vec<u32>) -> Result<Vec<Vec<u32>>, CommError> {
+        (**self).all_gather_u32(mine)
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        (**self).all_reduce_sum(buf)
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        (**self).barrier()
+    }
 }
 
 /// What travels between two in-process endpoints.

@@ -151,6 +151,106 @@ fn a_deferred_update_share_outside_0_to_1_is_refused() {
     }
 }
 
+/// Ranks as processes: what they do not combine with is refused when the
+/// engine opens; a rank that steps before joining its world, one given a
+/// communicator of another size, and a question about an expert another
+/// rank holds are refused by name.
+#[test]
+fn ranks_as_processes_refuse_what_they_cannot_do() {
+    let refused = [
+        (
+            EngineConfig {
+                ranks: 2,
+                devices: 2,
+                ..EngineConfig::default()
+            },
+            "several devices per rank",
+        ),
+        (
+            EngineConfig {
+                ranks: 2,
+                trace_routing: true,
+                ..EngineConfig::default()
+            },
+            "with trace_routing",
+        ),
+        (
+            EngineConfig {
+                ranks: 0,
+                ..EngineConfig::default()
+            },
+            "ranks = 0",
+        ),
+    ];
+    for (config, says) in refused {
+        let err = Engine::new(model(), config).err().unwrap();
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    let config = EngineConfig {
+        ranks: 2,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(model(), config).unwrap();
+    let err = engine.step(&batch(8, 8)).err().unwrap();
+    assert!(
+        err.to_string().contains("has not joined the others"),
+        "{err}"
+    );
+    // A world of three for a config of two.
+    let comm = strata::comm::InProcessComm::endpoints(3).swap_remove(0);
+    let err = engine.join_ranks(Box::new(comm)).err().unwrap();
+    assert!(
+        err.to_string().contains("the communicator has 3 ranks"),
+        "{err}"
+    );
+    assert_eq!(engine.rank(), None);
+    assert!(
+        engine.owns_expert(0, 1),
+        "before joining, every expert is here"
+    );
+}
+
+/// One rank of two, joined over the in-process `Comm` (its peer a thread):
+/// it holds experts 0 and 2 of each layer; asking it for expert 1 names
+/// the rank that holds it, and a forward of the whole batch is refused.
+#[test]
+fn a_rank_names_where_the_experts_it_lacks_live() {
+    let mut ends = strata::comm::InProcessComm::endpoints(2);
+    let (second, first) = (ends.pop().unwrap(), ends.pop().unwrap());
+    let engines: Vec<Engine> = std::thread::scope(|s| {
+        let handles: Vec<_> = [first, second]
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let config = EngineConfig {
+                        ranks: 2,
+                        ..EngineConfig::default()
+                    };
+                    let mut engine = Engine::new(model(), config).unwrap();
+                    engine.join_ranks(Box::new(comm)).unwrap();
+                    engine
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut rank0 = engines.into_iter().next().unwrap();
+    assert_eq!(rank0.rank(), Some((0, 2)));
+    assert!(rank0.owns_expert(0, 0) && rank0.owns_expert(0, 2));
+    assert!(!rank0.owns_expert(0, 1) && !rank0.owns_expert(0, 3));
+    assert!(rank0.expert_params(0, 2).is_ok());
+    let err = rank0.expert_params(0, 1).err().unwrap();
+    assert!(
+        err.to_string()
+            .contains("expert 1 of layer 0 lives on rank 1, not on rank 0"),
+        "{err}"
+    );
+    let err = rank0.expert_step(0, 3).err().unwrap();
+    assert!(err.to_string().contains("lives on rank 1"), "{err}");
+    let err = rank0.evaluate(&model(), &batch(8, 8)).err().unwrap();
+    assert!(err.to_string().contains("holds only its own"), "{err}");
+}
+
 /// Budgets and a model that need more host memory than the machine has are
 /// refused before anything is allocated, naming the parts and the fix.
 #[test]

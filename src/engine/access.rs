@@ -230,11 +230,13 @@ fn interleave(sequences: Vec<Vec<Access>>) -> Vec<Access> {
 }
 
 /// The step's schedule with the placed layers' accesses interleaved across
-/// `devices`, rotated to start at `from` (the schedule is cyclic).
+/// `devices` (those whose experts this host tier holds: every device of a
+/// process, or a rank's own), rotated to start at `from` (the schedule is
+/// cyclic).
 pub(crate) fn placed_schedule(
     model: &ModelConfig,
     overlapped: bool,
-    devices: usize,
+    devices: std::ops::Range<usize>,
     placed: &[Option<PlacedLayer<'_>>],
     from: Phase,
 ) -> Vec<Access> {
@@ -253,7 +255,10 @@ pub(crate) fn placed_schedule(
         }
         match layer {
             Some(p) => order.extend(interleave(
-                (0..devices).map(|d| forward_of(l, &mine(p, d))).collect(),
+                devices
+                    .clone()
+                    .map(|d| forward_of(l, &mine(p, d)))
+                    .collect(),
             )),
             None => order.extend(forward_of(l, &all)),
         }
@@ -264,7 +269,8 @@ pub(crate) fn placed_schedule(
         }
         match &placed[l] {
             Some(p) => order.extend(interleave(
-                (0..devices)
+                devices
+                    .clone()
                     .map(|d| {
                         let mut m = mine(p, d);
                         m.reverse();
@@ -297,13 +303,13 @@ mod tests {
         let one = access_schedule(&m, true, 0, &[], true);
         let placed = [None, None];
         assert_eq!(
-            placed_schedule(&m, true, 2, &placed, Phase::Forward(0)),
+            placed_schedule(&m, true, 0..2, &placed, Phase::Forward(0)),
             one
         );
         let mut rotated = one.clone();
         rotated.rotate_left(8 + 8);
         assert_eq!(
-            placed_schedule(&m, true, 2, &placed, Phase::Backward(0)),
+            placed_schedule(&m, true, 0..2, &placed, Phase::Backward(0)),
             rotated
         );
     }
@@ -321,7 +327,7 @@ mod tests {
             }),
             None,
         ];
-        let order = placed_schedule(&m, false, 2, &placed, Phase::Forward(0));
+        let order = placed_schedule(&m, false, 0..2, &placed, Phase::Forward(0));
         let c = |l, e| (id(l, e), Parts::Compute);
         let f = |l, e| (id(l, e), Parts::Full);
         // Forward of layer 0: device 0 has [1], device 1 has [0, 3].

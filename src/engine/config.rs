@@ -178,6 +178,16 @@ pub struct EngineConfig {
     /// that a slower interconnect can be measured on one machine. `None`
     /// (the default): as fast as the in-process exchange goes.
     pub link: Option<crate::comm::Link>,
+    /// Ranks as processes this engine is one of (one process per rank,
+    /// started by `mpirun` with [`crate::comm::MpiComm`]), each with one
+    /// device worker; it joins the others with
+    /// [`Engine::join_ranks`](super::Engine::join_ranks) before its first
+    /// step. Each rank owns a fixed share of every layer's experts (expert
+    /// e on rank e mod N), whose records live in its own tiers alone, and
+    /// takes its share of every batch as a device does; the results are
+    /// the bits of `devices = N` in one process. 1 (the default): this
+    /// process is the whole world.
+    pub ranks: usize,
 }
 
 impl Default for EngineConfig {
@@ -212,6 +222,14 @@ impl Default for EngineConfig {
             expert_gemm: ExpertGemm::Bf16,
             condense: None,
             link: None,
+            ranks: 1,
         }
+    }
+}
+
+impl EngineConfig {
+    /// Device workers in the whole world: this process's, times the ranks.
+    pub(crate) fn workers(&self) -> usize {
+        self.devices * self.ranks
     }
 }

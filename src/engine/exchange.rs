@@ -35,6 +35,10 @@ pub(crate) struct ExchangeRunner<'a, C: Comm> {
     cost: CostModel,
     /// [layer][expert] the device where the expert is pinned.
     pinned: &'a [Vec<Option<u16>>],
+    /// Ranks as processes: [layer][expert] the rank that owns the expert,
+    /// whose tiers alone hold its record; it computes the expert at every
+    /// step instead of LPT's choice. `None`: LPT places every layer.
+    owners: Option<&'a [Vec<u16>]>,
     plans: Vec<LayerPlan>,
 }
 
@@ -44,6 +48,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         comm: C,
         cost: CostModel,
         pinned: &'a [Vec<Option<u16>>],
+        owners: Option<&'a [Vec<u16>]>,
     ) -> Self {
         let (layers, experts) = (inner.model.layers, inner.model.experts);
         let devices = comm.size();
@@ -53,6 +58,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             placer: LptPlacer::new(experts, devices),
             cost,
             pinned,
+            owners,
             plans: vec![LayerPlan::default(); layers],
         }
     }
@@ -83,11 +89,15 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             .collect()
     }
 
-    /// Rank 0 tells the host tier the order the devices will now ask for
-    /// experts in (every device is past the layer's first collective, and
-    /// none stages an expert before rank 0 joins the next one).
+    /// Tells the host tier the order its devices will now ask for experts
+    /// in. Devices of one process share it, and rank 0 speaks for them all
+    /// (every device is past the layer's first collective, and none stages
+    /// an expert before rank 0 joins the next one); a rank of its own
+    /// (`owners`) lists its own experts alone, those of layers still to be
+    /// routed included.
     fn reschedule(&self, from: Phase) {
-        if self.comm.rank() != 0 {
+        let me = self.comm.rank();
+        if self.owners.is_none() && me != 0 {
             return;
         }
         let model = self.inner.model;
@@ -95,21 +105,25 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             Phase::Forward(l) => l,
             Phase::Backward(_) => model.layers - 1,
         };
+        let unrouted = [vec![1u32; model.experts]];
         let placed: Vec<Option<PlacedLayer<'_>>> = (0..model.layers)
-            .map(|l| {
-                (l <= placed_upto).then(|| PlacedLayer {
+            .map(|l| match (l <= placed_upto, self.owners) {
+                (true, _) => Some(PlacedLayer {
                     owner: &self.plans[l].owner,
                     counts: &self.plans[l].counts,
-                })
+                }),
+                (false, Some(owners)) => Some(PlacedLayer {
+                    owner: &owners[l],
+                    counts: &unrouted,
+                }),
+                (false, None) => None,
             })
             .collect();
-        let order = placed_schedule(
-            model,
-            self.inner.overlapped(),
-            self.comm.size(),
-            &placed,
-            from,
-        );
+        let devices = match self.owners {
+            Some(_) => me..me + 1,
+            None => 0..self.comm.size(),
+        };
+        let order = placed_schedule(model, self.inner.overlapped(), devices, &placed, from);
         self.inner.shared.cache.set_schedule(order);
     }
 
@@ -256,9 +270,15 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         let global: Vec<u32> = (0..experts)
             .map(|e| counts.iter().map(|c| c[e]).sum())
             .collect();
-        let mut owner = vec![0u16; experts];
-        self.placer
-            .place(&global, &self.pinned[layer], &self.cost, &mut owner);
+        let owner = match self.owners {
+            Some(owners) => owners[layer].clone(),
+            None => {
+                let mut owner = vec![0u16; experts];
+                self.placer
+                    .place(&global, &self.pinned[layer], &self.cost, &mut owner);
+                owner
+            }
+        };
         self.plans[layer] = LayerPlan { counts, owner };
         self.reschedule(Phase::Forward(layer));
         let mine = self.mine(layer, false);

@@ -62,12 +62,7 @@ impl Engine {
         self.reset_counters();
         let tokens_total = net.batch_tokens(batch);
         self.shared.collect_gradients();
-        let result = if self.devices.len() == 1 {
-            self.passes_one_device(net, batch, tokens_total, None)
-        } else {
-            let passes = self.passes_devices(net, batch, tokens_total);
-            passes.map(|(loss, grad)| (loss, grad, 0.0))
-        };
+        let result = self.passes(net, batch, tokens_total, None);
         // The gradients of experts only earlier micro-batches reached.
         let result = result.and_then(|r| self.shared.finish_step(None).map(|_| r));
         let (loss, dense, _) = match result {

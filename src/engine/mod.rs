@@ -34,6 +34,7 @@ mod metrics;
 mod multi;
 mod open;
 mod pipeline;
+mod ranks;
 mod routed_io;
 mod routing_trace;
 mod slot_table;
@@ -100,6 +101,9 @@ pub struct Engine {
     cost: CostModel,
     /// [layer][expert] the previous step's global load (pinning's input).
     prev_load: Option<Vec<Vec<u32>>>,
+    /// Ranks as processes: this rank's endpoint and the experts it owns,
+    /// from [`Engine::join_ranks`].
+    ranks: Option<ranks::Ranks>,
     step: u64,
 }
 
@@ -302,6 +306,7 @@ impl Engine {
     ) -> Result<Evaluation, EngineError> {
         self.check_network(net)?;
         net.validate_batch(batch)?;
+        self.whole_world("a forward pass on one process (forward, evaluate)")?;
         self.reset_counters();
         let options = self.pass_options();
         let mut runner = DeviceRunner {
@@ -356,12 +361,7 @@ impl Engine {
         let keep_norm = self
             .residence()
             .map(|_| self.config.clip_grad_norm.is_some());
-        let result = if self.devices.len() == 1 {
-            self.passes_one_device(net, batch, tokens_total, keep_norm)
-        } else {
-            let passes = self.passes_devices(net, batch, tokens_total);
-            passes.map(|(loss, grad)| (loss, grad, 0.0))
-        };
+        let result = self.passes(net, batch, tokens_total, keep_norm);
         let (loss, mut dense_grad, held_norm_sq) = match result {
             Ok(r) => r,
             Err(e) => {
@@ -412,6 +412,7 @@ impl Engine {
             &metrics.tokens_per_expert,
         );
         if self.devices.len() > 1 {
+            // LPT's cost model; ranks' experts stay with their owners.
             self.recalibrate(&metrics);
         }
         self.prev_load = Some(metrics.tokens_per_expert.clone());
@@ -424,6 +425,36 @@ impl Engine {
             trace.steps += 1;
         }
         Ok(metrics)
+    }
+
+    /// The step's passes on this engine's devices, or its rank's share;
+    /// returns the loss, the dense gradient and (one device) what
+    /// [`Engine::end_dense_grad`] returns.
+    fn passes<N>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+        tokens_total: usize,
+        keep_norm: Option<bool>,
+    ) -> Result<(f32, Vec<f32>, f64), EngineError>
+    where
+        N: Network + Sync,
+        N::Batch: Sync,
+    {
+        let passes = if self.ranks.is_some() {
+            self.passes_rank(net, batch, tokens_total)
+        } else if self.config.ranks > 1 {
+            return Err(EngineError::Config(format!(
+                "EngineConfig::ranks is {}, and this rank has not joined the others: call \
+                 Engine::join_ranks with its communicator before the first step",
+                self.config.ranks
+            )));
+        } else if self.devices.len() == 1 {
+            return self.passes_one_device(net, batch, tokens_total, keep_norm);
+        } else {
+            self.passes_devices(net, batch, tokens_total)
+        };
+        passes.map(|(loss, grad)| (loss, grad, 0.0))
     }
 
     /// Every micro-batch on the only device; returns the loss and the dense
@@ -484,6 +515,7 @@ impl Engine {
 
     /// An expert's f32 master params (after every update in flight).
     pub fn expert_params(&mut self, layer: usize, expert: usize) -> Result<Vec<f32>, EngineError> {
+        self.held_here(layer, expert)?;
         self.drain()?;
         let guard = self
             .shared
@@ -494,6 +526,7 @@ impl Engine {
 
     /// An expert's AdamW step count.
     pub fn expert_step(&mut self, layer: usize, expert: usize) -> Result<u64, EngineError> {
+        self.held_here(layer, expert)?;
         self.drain()?;
         let id = ExpertId::new(layer as u32, expert as u32);
         Ok(self.shared.version(id.dense_index(self.model.experts)))

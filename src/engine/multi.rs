@@ -16,12 +16,12 @@ use std::time::Instant;
 
 use strata_tiers::{ExpertId, Layout};
 
-use super::condensing::condensed_pass;
+use super::condensing::{condensed_pass, StepCondense};
 use super::exchange::ExchangeRunner;
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm, ModeledLink};
-use crate::model::{ModelConfig, Network};
+use crate::model::{DenseKernels, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 
@@ -124,35 +124,16 @@ impl Engine {
                                 pending: None,
                                 landing: None,
                             };
-                            let mut runner = ExchangeRunner::new(inner, comm, cost, pinned);
-                            let mut grad = vec![0.0f32; dense.len()];
-                            kernels.grads_begin(&grad);
-                            let mut loss = 0.0f32;
-                            let mut condensed = 0;
-                            for (j, part) in parts[rank * m..(rank + 1) * m].iter().enumerate() {
-                                let (losses, c) =
-                                    condensed_pass(&mut runner, condense, model, |experts| {
-                                        net.forward_backward(
-                                            dense,
-                                            &mut grad,
-                                            part,
-                                            tokens_total,
-                                            n * m,
-                                            j + 1 == m,
-                                            experts,
-                                            &**kernels,
-                                        )
-                                    })?;
-                                loss += losses.total;
-                                condensed += c;
-                            }
-                            runner.inner.dev.acc.condensed += condensed;
-                            kernels.grads_flush(&mut grad)?;
-                            runner.comm.all_reduce_sum(&mut grad)?;
-                            let mut total = [loss];
-                            runner.comm.all_reduce_sum(&mut total)?;
-                            runner.inner.dev.acc.comm_s = runner.comm.comm_time.as_secs_f64();
-                            Ok((total[0], grad))
+                            let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
+                            let share = Share {
+                                net,
+                                parts: &parts[rank * m..(rank + 1) * m],
+                                dense,
+                                tokens_total,
+                                shares: n * m,
+                                condense,
+                            };
+                            device_share(&mut runner, &**kernels, share)
                         })
                 })
                 .collect();
@@ -178,10 +159,15 @@ impl Engine {
 
     /// Which experts each device pins this step: per layer, the
     /// `pin_fraction` most loaded of the previous step, hottest first,
-    /// dealt to the devices in turn (the turn carries across layers); at
-    /// most `slots − 2` per device.
-    fn pin_plan(&mut self) -> Vec<Vec<Option<u16>>> {
-        let (layers, experts, n) = (self.model.layers, self.model.experts, self.devices.len());
+    /// dealt to the devices in turn (the turn carries across layers), or
+    /// on ranks as processes each to the rank that owns it; at most
+    /// `slots − 2` per device.
+    pub(super) fn pin_plan(&mut self) -> Vec<Vec<Option<u16>>> {
+        let (layers, experts) = (self.model.layers, self.model.experts);
+        let n = self.config.workers();
+        // The world's index of this process's first device.
+        let first = self.ranks.as_ref().map_or(0, |r| r.comm.rank());
+        let owners = self.ranks.as_ref().map(|r| &r.owners);
         let mut plan = vec![vec![None; experts]; layers];
         let per_layer = (self.config.pin_fraction * experts as f64).ceil() as usize;
         let cap = self.device_slots().saturating_sub(2);
@@ -192,7 +178,7 @@ impl Engine {
                 let mut ranked: Vec<usize> = (0..experts).filter(|&e| load[l][e] > 0).collect();
                 ranked.sort_by_key(|&e| (std::cmp::Reverse(load[l][e]), e));
                 for &e in ranked.iter().take(per_layer) {
-                    let d = turn % n;
+                    let d = owners.map_or(turn % n, |o| o[l][e] as usize);
                     turn += 1;
                     if count[d] < cap {
                         plan[l][e] = Some(d as u16);
@@ -201,7 +187,8 @@ impl Engine {
                 }
             }
         }
-        for (d, dev) in self.devices.iter_mut().enumerate() {
+        for (local, dev) in self.devices.iter_mut().enumerate() {
+            let d = first + local;
             let plan = &plan;
             dev.slots
                 .set_pinned((0..layers * experts).filter(move |&k| {
@@ -229,6 +216,56 @@ impl Engine {
             .map(|d| d.slots.pinned_count())
             .collect()
     }
+}
+
+/// One device's share of a step, besides its runner.
+pub(super) struct Share<'a, N: Network> {
+    pub net: &'a N,
+    /// This device's micro-batches.
+    pub parts: &'a [N::Batch],
+    pub dense: &'a [f32],
+    pub tokens_total: usize,
+    /// Micro-batches in the whole step, over every device.
+    pub shares: usize,
+    pub condense: Option<StepCondense<'a>>,
+}
+
+/// One device's micro-batches through its exchange; returns the step's
+/// loss and dense gradient, both all-reduced over the devices (rank order).
+pub(super) fn device_share<N: Network, C: Comm>(
+    runner: &mut ExchangeRunner<'_, ModeledLink<C>>,
+    kernels: &dyn DenseKernels,
+    share: Share<'_, N>,
+) -> Result<(f32, Vec<f32>), EngineError> {
+    let model = runner.inner.model;
+    let mut grad = vec![0.0f32; share.dense.len()];
+    kernels.grads_begin(&grad);
+    let mut loss = 0.0f32;
+    let mut condensed = 0;
+    let m = share.parts.len();
+    for (j, part) in share.parts.iter().enumerate() {
+        let (losses, c) = condensed_pass(runner, share.condense, model, |experts| {
+            share.net.forward_backward(
+                share.dense,
+                &mut grad,
+                part,
+                share.tokens_total,
+                share.shares,
+                j + 1 == m,
+                experts,
+                kernels,
+            )
+        })?;
+        loss += losses.total;
+        condensed += c;
+    }
+    runner.inner.dev.acc.condensed += condensed;
+    kernels.grads_flush(&mut grad)?;
+    runner.comm.all_reduce_sum(&mut grad)?;
+    let mut total = [loss];
+    runner.comm.all_reduce_sum(&mut total)?;
+    runner.inner.dev.acc.comm_s = runner.comm.comm_time.as_secs_f64();
+    Ok((total[0], grad))
 }
 
 /// The error to report from the devices' results: the first that is not

@@ -137,6 +137,7 @@ impl Engine {
                 u16::MAX
             )));
         }
+        Self::check_ranks(config)?;
         if let Some(n) = config
             .host_stream_slots
             .filter(|&n| n < MIN_HOST_STREAM_SLOTS)
@@ -212,6 +213,37 @@ impl Engine {
             }
         }
         HostMemoryPlan::of(&layout, config).check(host_plan::available_host_memory())
+    }
+
+    /// What ranks as processes do not yet combine with.
+    fn check_ranks(config: &EngineConfig) -> Result<(), EngineError> {
+        if config.ranks == 0 || config.ranks > usize::from(u16::MAX) {
+            return Err(EngineError::Config(format!(
+                "ranks = {}: between 1 and {} ranks are supported",
+                config.ranks,
+                u16::MAX
+            )));
+        }
+        if config.ranks == 1 {
+            return Ok(());
+        }
+        let clash = [
+            (config.devices > 1, "several devices per rank (devices > 1)"),
+            (
+                config.clip_grad_norm.is_some(),
+                "clip_grad_norm (the global norm would need every rank's experts)",
+            ),
+            (config.trace_routing, "trace_routing"),
+            (config.affinity_prefetch, "affinity_prefetch"),
+        ];
+        match clash.iter().find(|(on, _)| *on) {
+            Some((_, what)) => Err(EngineError::Config(format!(
+                "ranks as processes ({} ranks) with {what}: not supported yet; run one rank \
+                 per process with one device, or run the devices in one process (devices = N)",
+                config.ranks
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The store layout of `model`'s experts under `config`.
@@ -394,6 +426,7 @@ impl Engine {
             dense_newer_on_device: false,
             cost,
             prev_load: None,
+            ranks: None,
             step: state.step,
             model,
             config,
@@ -460,7 +493,7 @@ pub(super) fn deferred_experts(
     overlapped: bool,
     host_slots: usize,
 ) -> Vec<ExpertId> {
-    if !overlapped || config.devices != 1 || layers == 0 {
+    if !overlapped || config.workers() != 1 || layers == 0 {
         return Vec::new();
     }
     let kept = kept_experts(layers, experts, config, host_slots);
@@ -506,7 +539,7 @@ pub fn host_kept_count(config: &EngineConfig, host_slots: usize, records: usize)
 /// the expert-wise schedule on one device, with fewer than the store's
 /// `records` fitting in `host_slots`.
 fn streams_on_one_device(config: &EngineConfig, host_slots: usize, records: usize) -> bool {
-    config.schedule == ScheduleKind::ExpertWise && config.devices == 1 && host_slots < records
+    config.schedule == ScheduleKind::ExpertWise && config.workers() == 1 && host_slots < records
 }
 
 /// How many of the host budget's `budget_slots` record slots are split
@@ -530,7 +563,7 @@ pub(super) fn step_schedule(
     cache: &HostCache,
 ) -> Vec<(ExpertId, Parts)> {
     let overlapped = config.schedule.overlaps(device_slots);
-    let tail_slots = if config.devices == 1 {
+    let tail_slots = if config.workers() == 1 {
         cache.slot_count() - cache.kept_count()
     } else {
         0

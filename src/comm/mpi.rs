@@ -1,0 +1,257 @@
+//! Ranks as processes over MPI (`--features mpi`): one process per rank,
+//! started by `mpirun` or `srun`, each holding one [`MpiComm`] on
+//! `MPI_COMM_WORLD`.
+//!
+//! The collectives are MPI's own (`MPI_Allgather(v)`, `MPI_Alltoall(v)`,
+//! `MPI_Barrier`), and they give the bits [`InProcessComm`] gives: the
+//! all-reduce gathers every rank's buffer and sums them on every rank,
+//! rank 0 first, then 1, …, instead of `MPI_Allreduce`, whose order of
+//! additions the library chooses (and may change with the message size).
+//! For the few ranks of a node this costs little more than a ring
+//! all-reduce: each rank receives (n − 1) buffers instead of 2(n − 1)/n.
+//!
+//! Every collective begins with a small all-gather of what each rank is
+//! calling (which collective, and the length an all-reduce sums), so ranks
+//! out of step fail with [`CommError::OutOfStep`] naming the rank, instead
+//! of matching the wrong MPI calls. A rank that dies ends the job: the
+//! launcher (mpirun, srun) stops the others, as MPI's errors are fatal by
+//! default, so no rank waits for it forever. A rank that lives on and never
+//! calls again is not detected here; its peers wait in MPI, as they would
+//! for such a thread with the in-process `Comm`.
+//!
+//! [`InProcessComm`]: super::InProcessComm
+
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator, CommunicatorCollectives};
+use mpi::{Count, Threading};
+
+use super::{Comm, CommError};
+
+/// One process's endpoint of `MPI_COMM_WORLD`. Dropping it finalizes MPI,
+/// which a process may initialize only once: create one per process, at
+/// its start, and keep it until the process ends.
+pub struct MpiComm {
+    /// Finalizes MPI when the communicator is dropped.
+    _universe: Universe,
+    rank: usize,
+    size: usize,
+}
+
+/// The collective a rank is calling, agreed before each one.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    AllToAll = 1,
+    AllGather = 2,
+    AllReduce = 3,
+    Barrier = 4,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllToAll => "all_to_all",
+            Kind::AllGather => "all_gather",
+            Kind::AllReduce => "all_reduce",
+            Kind::Barrier => "barrier",
+        }
+    }
+
+    /// What a peer calling `self` is said to have sent.
+    fn called(self) -> &'static str {
+        match self {
+            Kind::AllToAll => "its all_to_all",
+            Kind::AllGather => "its all_gather",
+            Kind::AllReduce => "its all_reduce",
+            Kind::Barrier => "its barrier",
+        }
+    }
+
+    fn from_code(code: u64) -> Option<Kind> {
+        [
+            Kind::AllToAll,
+            Kind::AllGather,
+            Kind::AllReduce,
+            Kind::Barrier,
+        ]
+        .into_iter()
+        .find(|k| *k as u64 == code)
+    }
+}
+
+impl MpiComm {
+    /// Initializes MPI for this process (serialized threading: any one
+    /// thread at a time may call the collectives, as the engine's device
+    /// thread does) and returns its endpoint of the world. A process
+    /// started without a launcher is a world of one rank.
+    pub fn init() -> Result<MpiComm, CommError> {
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| CommError::Init {
+                why: "MPI is already initialized in this process: create one MpiComm per \
+                      process and keep it"
+                    .into(),
+            })?;
+        if provided < Threading::Serialized {
+            return Err(CommError::Init {
+                why: format!(
+                    "this MPI library offers {provided:?} threading, and strata calls MPI from \
+                     its device thread, which needs Serialized: use an MPI built with thread \
+                     support (Open MPI and MPICH are, as packaged by Debian)"
+                ),
+            });
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        Ok(MpiComm {
+            _universe: universe,
+            rank,
+            size,
+        })
+    }
+
+    fn world(&self) -> SimpleCommunicator {
+        SimpleCommunicator::world()
+    }
+
+    /// Every rank's (collective, length), checked: the first rank calling
+    /// another collective, or an all-reduce of another length, is named.
+    /// Returns every rank's length, by rank.
+    fn agree(&self, kind: Kind, len: usize) -> Result<Vec<usize>, CommError> {
+        let mine = [kind as u64, len as u64];
+        let mut all = vec![0u64; 2 * self.size];
+        self.world().all_gather_into(&mine[..], &mut all[..]);
+        for (peer, header) in all.chunks_exact(2).enumerate() {
+            let theirs = Kind::from_code(header[0]);
+            if theirs != Some(kind) {
+                return Err(CommError::OutOfStep {
+                    peer,
+                    expected: kind.name(),
+                    got: theirs.map_or("an unknown call", Kind::called),
+                });
+            }
+            if kind == Kind::AllReduce && header[1] != len as u64 {
+                return Err(CommError::OutOfStep {
+                    peer,
+                    expected: "all_reduce of equal lengths",
+                    got: "a buffer of another length",
+                });
+            }
+        }
+        Ok(all.chunks_exact(2).map(|h| h[1] as usize).collect())
+    }
+}
+
+/// `len` as an MPI count, or the error naming what is too large.
+fn count(what: &'static str, len: usize) -> Result<Count, CommError> {
+    Count::try_from(len).map_err(|_| CommError::TooLarge { what, values: len })
+}
+
+/// Counts and their displacements (exclusive prefix sums), each within
+/// MPI's count range.
+fn counts_and_displs(
+    what: &'static str,
+    lens: &[usize],
+) -> Result<(Vec<Count>, Vec<Count>), CommError> {
+    let counts = lens
+        .iter()
+        .map(|&l| count(what, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut at = 0usize;
+    let displs = lens
+        .iter()
+        .map(|&l| {
+            let here = count(what, at);
+            at += l;
+            here
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    count(what, at)?;
+    Ok((counts, displs))
+}
+
+/// `flat` cut into consecutive pieces of `lens`.
+fn split<T: Clone>(flat: &[T], lens: &[usize]) -> Vec<Vec<T>> {
+    let mut at = 0;
+    lens.iter()
+        .map(|&l| {
+            let piece = flat[at..at + l].to_vec();
+            at += l;
+            piece
+        })
+        .collect()
+}
+
+impl Comm for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_to_all(&mut self, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError> {
+        let n = self.size;
+        if sends.len() != n {
+            return Err(CommError::WrongCount {
+                what: "all_to_all",
+                got: sends.len(),
+                ranks: n,
+            });
+        }
+        self.agree(Kind::AllToAll, 0)?;
+        let send_lens: Vec<usize> = sends.iter().map(Vec::len).collect();
+        let (send_counts, send_displs) = counts_and_displs("all_to_all's sends", &send_lens)?;
+        let mut recv_counts = vec![0 as Count; n];
+        self.world()
+            .all_to_all_into(&send_counts[..], &mut recv_counts[..]);
+        let recv_lens: Vec<usize> = recv_counts.iter().map(|&c| c as usize).collect();
+        let (_, recv_displs) = counts_and_displs("all_to_all's receives", &recv_lens)?;
+        let flat: Vec<f32> = sends.concat();
+        let mut received = vec![0f32; recv_lens.iter().sum()];
+        {
+            let send = Partition::new(&flat[..], &send_counts[..], &send_displs[..]);
+            let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
+            self.world().all_to_all_varcount_into(&send, &mut recv);
+        }
+        Ok(split(&received, &recv_lens))
+    }
+
+    fn all_gather_u32(&mut self, mine: Vec<u32>) -> Result<Vec<Vec<u32>>, CommError> {
+        let lens = self.agree(Kind::AllGather, mine.len())?;
+        let (counts, displs) = counts_and_displs("all_gather", &lens)?;
+        let mut gathered = vec![0u32; lens.iter().sum()];
+        {
+            let mut recv = PartitionMut::new(&mut gathered[..], &counts[..], &displs[..]);
+            self.world().all_gather_varcount_into(&mine[..], &mut recv);
+        }
+        Ok(split(&gathered, &lens))
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let n = self.size;
+        if n == 1 {
+            return Ok(());
+        }
+        self.agree(Kind::AllReduce, buf.len())?;
+        count("all_reduce", n * buf.len())?;
+        let mut all = vec![0f32; n * buf.len()];
+        self.world().all_gather_into(&*buf, &mut all[..]);
+        // Rank 0's part first, then 1, …: the same additions everywhere.
+        let mut parts = all.chunks_exact(buf.len().max(1));
+        if let Some(first) = parts.next() {
+            buf.copy_from_slice(&first[..buf.len()]);
+        }
+        for part in parts {
+            buf.iter_mut().zip(part).for_each(|(b, p)| *b += p);
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.agree(Kind::Barrier, 0)?;
+        self.world().barrier();
+        Ok(())
+    }
+}

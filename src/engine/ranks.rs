@@ -1,0 +1,200 @@
+//! Ranks as processes ([`EngineConfig::ranks`](super::EngineConfig::ranks)):
+//! this engine is one rank of N, one process each (started by `mpirun`,
+//! with [`MpiComm`](crate::comm::MpiComm)), with one device worker.
+//!
+//! A step runs as one device of `devices = N` in one process does
+//! (`multi.rs`): the same share of the batch, the same exchange, the same
+//! all-reduces in rank order. What differs is who owns an expert. LPT moves
+//! an expert from device to device as the load shifts, which ranks with
+//! tiers of their own could follow only by moving its record; so here
+//! expert e of every layer lives on rank e mod N and is computed there at
+//! every step. Its record, its gradient, its moments and its update never
+//! leave that rank: only tokens, the dense gradient and the loss cross.
+//! No record is held by two ranks, so ranks on one machine never hold one
+//! record twice in host memory.
+//!
+//! Placement changes no bit (an expert's rows arrive in rank order
+//! whichever device computes them), so N ranks train exactly what N
+//! in-process devices train under LPT; `tests/mpi_ranks.rs` compares them
+//! over 20 steps.
+
+use super::exchange::ExchangeRunner;
+use super::multi::{device_share, Share};
+use super::pipeline::DeviceRunner;
+use super::Engine;
+use crate::comm::{Comm, ModeledLink};
+use crate::model::Network;
+use crate::EngineError;
+
+/// This rank's endpoint and who owns which expert.
+pub(super) struct Ranks {
+    pub comm: Box<dyn Comm>,
+    /// [layer][expert] the rank that owns the expert.
+    pub owners: Vec<Vec<u16>>,
+}
+
+/// Expert e of every layer on rank e mod `ranks`: each rank gets every
+/// layer's share, within one expert of the others'.
+pub fn round_robin_owners(layers: usize, experts: usize, ranks: usize) -> Vec<Vec<u16>> {
+    let layer: Vec<u16> = (0..experts).map(|e| (e % ranks) as u16).collect();
+    vec![layer; layers]
+}
+
+impl Engine {
+    /// Joins the other ranks of `comm`'s world: from now on each step is
+    /// this rank's share of it. `comm` must have [`EngineConfig::ranks`]
+    /// ranks, and every rank must run the same model from the same step
+    /// (checked: a rank that differs is named). Join before the first
+    /// step, or after [`Engine::resume`] from this rank's own checkpoint.
+    ///
+    /// [`EngineConfig::ranks`]: super::EngineConfig::ranks
+    pub fn join_ranks(&mut self, mut comm: Box<dyn Comm>) -> Result<(), EngineError> {
+        let n = self.config.ranks;
+        if self.ranks.is_some() {
+            return Err(EngineError::Config(
+                "this engine has joined its ranks already".into(),
+            ));
+        }
+        if comm.size() != n {
+            return Err(EngineError::Config(format!(
+                "the communicator has {} ranks, and EngineConfig::ranks says {n}: start as many \
+                 processes as the config names (mpirun -n {n})",
+                comm.size()
+            )));
+        }
+        let m = &self.model;
+        let mine: Vec<u32> = [
+            m.layers,
+            m.experts,
+            m.d_model,
+            m.d_ff,
+            m.top_k,
+            self.config.micro_batches,
+            self.dense.len(),
+        ]
+        .iter()
+        .map(|&v| v as u32)
+        .chain([self.step as u32, (self.step >> 32) as u32])
+        .collect();
+        let all = comm.all_gather_u32(mine.clone())?;
+        if let Some(rank) = all.iter().position(|theirs| *theirs != mine) {
+            return Err(EngineError::Config(format!(
+                "rank {rank} runs another model, micro-batch count or step than rank {} \
+                 ((layers, experts, d_model, d_ff, top_k, micro_batches, dense params, step) \
+                 {:?} against {:?}): start every rank from the same model and checkpoint step",
+                comm.rank(),
+                &all[rank],
+                mine
+            )));
+        }
+        let owners = round_robin_owners(m.layers, m.experts, n);
+        self.ranks = Some(Ranks { comm, owners });
+        Ok(())
+    }
+
+    /// (this rank, ranks) once [`Engine::join_ranks`] has run.
+    pub fn rank(&self) -> Option<(usize, usize)> {
+        self.ranks.as_ref().map(|r| (r.comm.rank(), r.comm.size()))
+    }
+
+    /// Whether this process holds `expert` of `layer` up to date: always,
+    /// but on ranks as processes, where only its owner does.
+    pub fn owns_expert(&self, layer: usize, expert: usize) -> bool {
+        match &self.ranks {
+            Some(r) => {
+                r.owners.get(layer).and_then(|l| l.get(expert)).copied()
+                    == Some(r.comm.rank() as u16)
+            }
+            None => true,
+        }
+    }
+
+    /// An error naming the rank that holds `expert` of `layer`, where
+    /// another does.
+    pub(super) fn held_here(&self, layer: usize, expert: usize) -> Result<(), EngineError> {
+        match &self.ranks {
+            Some(r) if !self.owns_expert(layer, expert) => {
+                let owner = r.owners.get(layer).and_then(|l| l.get(expert));
+                Err(EngineError::Config(match owner {
+                    Some(o) => format!(
+                        "expert {expert} of layer {layer} lives on rank {o}, not on rank {}: \
+                         ask that rank",
+                        r.comm.rank()
+                    ),
+                    None => format!("there is no expert {expert} of layer {layer}"),
+                }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// An error for what needs the whole world's experts, on a rank.
+    pub(super) fn whole_world(&self, what: &str) -> Result<(), EngineError> {
+        match self.rank() {
+            Some((rank, n)) if n > 1 => Err(EngineError::Config(format!(
+                "{what} needs every expert, and rank {rank} of {n} holds only its own: \
+                 not supported on ranks as processes yet"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// This rank's micro-batches; returns the step's loss and dense
+    /// gradient, all-reduced over the ranks.
+    pub(super) fn passes_rank<N>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+        tokens_total: usize,
+    ) -> Result<(f32, Vec<f32>), EngineError>
+    where
+        N: Network,
+    {
+        let m = self.config.micro_batches;
+        let (rank, n) = self.rank().expect("a rank's pass runs after join_ranks");
+        let parts = net.split_batch(batch, n * m);
+        if parts.len() != n * m {
+            return Err(EngineError::Batch(format!(
+                "the batch splits into {} parts, but {n} ranks × {m} micro-batches need {}: \
+                 give the step at least {} sequences (or rows), or use fewer ranks",
+                parts.len(),
+                n * m,
+                n * m
+            )));
+        }
+        let pinned = self.pin_plan();
+        let options = self.pass_options();
+        let (cost, link) = (self.cost, self.config.link);
+        let condense =
+            super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
+        let Engine {
+            model,
+            shared,
+            devices,
+            dense_kernels,
+            dense,
+            ranks,
+            ..
+        } = self;
+        let ranks = ranks.as_mut().expect("joined");
+        let inner = DeviceRunner {
+            model,
+            shared,
+            dev: &mut devices[0],
+            options,
+            pending: None,
+            landing: None,
+        };
+        let comm = ModeledLink::new(&mut *ranks.comm, link);
+        let mut runner = ExchangeRunner::new(inner, comm, cost, &pinned, Some(&ranks.owners));
+        let share = Share {
+            net,
+            parts: &parts[rank * m..(rank + 1) * m],
+            dense,
+            tokens_total,
+            shares: n * m,
+            condense,
+        };
+        device_share(&mut runner, &*dense_kernels[0], share)
+    }
+}

@@ -1,0 +1,572 @@
+//! `MpiComm` between processes (`--features mpi`). Each case runs this
+//! test binary again under `mpirun -n N`, restricted to itself, with
+//! `STRATA_MPI_RANK_CASE` naming it: there the same function plays one
+//! rank, and the outer test checks what the job printed and how it ended,
+//! under a watchdog.
+//!
+//! Where mpirun is missing the cases say so and pass, unless
+//! `STRATA_REQUIRE_MPI=1` (as in `.ci/run`, which installs Open MPI) makes
+//! that a failure.
+
+#![cfg(feature = "mpi")]
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use strata::comm::{Comm, CommError, InProcessComm, MpiComm};
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::MoeLm;
+use strata::math::ExpertKind;
+use strata::model::Network;
+use strata_tiers::Dtype;
+
+mod common;
+
+use common::tiny_lm::{tiny_batch, tiny_config};
+
+const RANK_CASE: &str = "STRATA_MPI_RANK_CASE";
+
+/// Whether this process is one rank of `case`'s job.
+fn in_rank(case: &str) -> bool {
+    std::env::var(RANK_CASE).is_ok_and(|c| c == case)
+}
+
+/// mpirun, or why the case cannot run (a failure where MPI is expected).
+fn mpirun() -> Option<&'static str> {
+    let found = Command::new("mpirun")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if found {
+        return Some("mpirun");
+    }
+    assert!(
+        std::env::var("STRATA_REQUIRE_MPI").as_deref() != Ok("1"),
+        "mpirun is missing, and STRATA_REQUIRE_MPI=1 says MPI is expected here \
+         (Debian: apt-get install openmpi-bin libopenmpi-dev)"
+    );
+    eprintln!("mpi case skipped: mpirun is missing");
+    None
+}
+
+/// This binary, restricted to `case`, as `ranks` processes under mpirun
+/// (or one process with no launcher, for `ranks == 0`); killed, and the
+/// test failed, past `bound`.
+fn launch(case: &str, ranks: usize, bound: Duration) -> Output {
+    let me = std::env::current_exe().expect("the test binary's path");
+    let mut cmd = if ranks == 0 {
+        Command::new(&me)
+    } else {
+        let mut c = Command::new("mpirun");
+        // More ranks than cores is fine for a test; root runs as CI does.
+        c.args(["--oversubscribe", "-n", &ranks.to_string()])
+            .arg(&me);
+        c
+    };
+    cmd.args(["--exact", case, "--nocapture", "--test-threads", "1"])
+        .env(RANK_CASE, case)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("mpirun starts");
+    let start = Instant::now();
+    while child.try_wait().expect("the job's status").is_none() {
+        if start.elapsed() > bound {
+            // SIGTERM lets mpirun stop its ranks; then make sure.
+            let _ = Command::new("kill").arg(child.id().to_string()).status();
+            std::thread::sleep(Duration::from_secs(2));
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("the job's output");
+            panic!(
+                "{case} on {ranks} ranks did not end within {bound:?} (the watchdog's bound): \
+                 it hangs\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("the job's output")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+const BOUND: Duration = Duration::from_secs(120);
+
+/// Collectives whose results depend on the rank, the round and the order of
+/// float sums, as bits: what one rank saw.
+fn script<C: Comm>(c: &mut C) -> Vec<u32> {
+    let (r, n) = (c.rank(), c.size());
+    let mut seen = Vec::new();
+    for round in 0..12usize {
+        // To rank j: (r + j + round) % 4 values (empty ones included).
+        let sends = (0..n)
+            .map(|j| {
+                (0..(r + j + round) % 4)
+                    .map(|i| (1000 * r + 10 * j + i) as f32 * 0.5)
+                    .collect()
+            })
+            .collect();
+        for buf in c.all_to_all(sends).expect("all_to_all") {
+            seen.push(buf.len() as u32);
+            seen.extend(buf.iter().map(|x| x.to_bits()));
+        }
+        let gathered = c
+            .all_gather_u32((0..(r + round) % 3).map(|i| (r * 100 + i) as u32).collect())
+            .expect("all_gather");
+        for g in gathered {
+            seen.push(g.len() as u32);
+            seen.extend(g);
+        }
+        // Values whose float sum depends on the order of addition (from
+        // three ranks on): 1 + 1e8 − 1e8 is 0 in f32, −1e8 + 1e8 + 1 is 1.
+        let mut buf: Vec<f32> = (0..5)
+            .map(|i| match r % 3 {
+                0 => (1 + i + round) as f32,
+                1 => 1e8,
+                _ => -1e8,
+            })
+            .collect();
+        c.all_reduce_sum(&mut buf).expect("all_reduce");
+        seen.extend(buf.iter().map(|x| x.to_bits()));
+        c.barrier().expect("barrier");
+    }
+    seen
+}
+
+/// `script` as every rank of an in-process world of `n` sees it.
+fn in_process(n: usize) -> Vec<Vec<u32>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = InProcessComm::endpoints(n)
+            .into_iter()
+            .map(|mut c| s.spawn(move || script(&mut c)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn collectives_give_the_in_process_bits() {
+    let case = "collectives_give_the_in_process_bits";
+    if in_rank(case) {
+        let mut comm = MpiComm::init().expect("MPI starts");
+        let (r, n) = (comm.rank(), comm.size());
+        let seen = script(&mut comm);
+        let expected = &in_process(n)[r];
+        assert_eq!(
+            seen.len(),
+            expected.len(),
+            "rank {r}: another count of values"
+        );
+        assert!(
+            seen == *expected,
+            "rank {r} of {n}: other bits than in-process"
+        );
+        println!(
+            "rank {r} of {n}: {} values, the in-process bits",
+            seen.len()
+        );
+        return;
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    for ranks in [2, 3] {
+        let out = launch(case, ranks, BOUND);
+        let said = text(&out);
+        assert!(out.status.success(), "{ranks} ranks:\n{said}");
+        for r in 0..ranks {
+            assert!(
+                said.contains(&format!("rank {r} of {ranks}: ")),
+                "rank {r} of {ranks} did not report:\n{said}"
+            );
+        }
+        println!("mpi case: {ranks} ranks, the in-process bits");
+    }
+}
+
+#[test]
+fn a_process_started_without_a_launcher_is_one_rank() {
+    let case = "a_process_started_without_a_launcher_is_one_rank";
+    if in_rank(case) {
+        let mut comm = MpiComm::init().expect("MPI starts");
+        assert_eq!((comm.rank(), comm.size()), (0, 1));
+        let mut buf = vec![2.5f32; 3];
+        comm.all_reduce_sum(&mut buf).unwrap();
+        assert_eq!(buf, vec![2.5; 3]);
+        assert_eq!(comm.all_to_all(vec![vec![7.0]]).unwrap(), vec![vec![7.0]]);
+        assert_eq!(
+            comm.all_to_all(vec![vec![7.0]; 2]),
+            Err(CommError::WrongCount {
+                what: "all_to_all",
+                got: 2,
+                ranks: 1
+            })
+        );
+        // A second communicator in the same process is refused by name.
+        let again = MpiComm::init().err().expect("a second init is refused");
+        assert!(
+            again.to_string().contains("one MpiComm per process"),
+            "{again}"
+        );
+        println!("one rank: ok");
+        return;
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    let out = launch(case, 0, BOUND);
+    let said = text(&out);
+    assert!(
+        out.status.success() && said.contains("one rank: ok"),
+        "{said}"
+    );
+}
+
+#[test]
+fn ranks_out_of_step_are_named() {
+    let case = "ranks_out_of_step_are_named";
+    if in_rank(case) {
+        let mut comm = MpiComm::init().expect("MPI starts");
+        let err = if comm.rank() == 0 {
+            comm.all_gather_u32(vec![1]).map(|_| ())
+        } else {
+            let mut buf = [1.0f32; 2];
+            comm.all_reduce_sum(&mut buf)
+        }
+        .expect_err("ranks out of step fail");
+        let other = 1 - comm.rank();
+        assert!(
+            matches!(err, CommError::OutOfStep { peer, .. } if peer == other),
+            "{err}"
+        );
+        // Out-of-step all-reduces of other lengths are named too.
+        let mut buf = vec![1.0f32; 2 + comm.rank()];
+        let err = comm.all_reduce_sum(&mut buf).expect_err("lengths differ");
+        assert!(
+            err.to_string().contains("a buffer of another length"),
+            "{err}"
+        );
+        // And the ranks are in step again after both failures.
+        comm.barrier().expect("a barrier after the errors");
+        println!("rank {}: {err}", comm.rank());
+        return;
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    let out = launch(case, 2, BOUND);
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("rank 0: ") && said.contains("rank 1: "),
+        "{said}"
+    );
+}
+
+#[test]
+fn a_rank_that_dies_ends_the_job_instead_of_hanging_it() {
+    let case = "a_rank_that_dies_ends_the_job_instead_of_hanging_it";
+    if in_rank(case) {
+        let mut comm = MpiComm::init().expect("MPI starts");
+        if comm.rank() == 1 {
+            std::process::exit(3);
+        }
+        let mut buf = vec![1.0f32; 4];
+        let _ = comm.all_reduce_sum(&mut buf);
+        panic!("rank 0 finished an all-reduce that rank 1 never joined");
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    let start = Instant::now();
+    let out = launch(case, 2, BOUND);
+    let said = text(&out);
+    assert!(!out.status.success(), "the job succeeded:\n{said}");
+    // The launcher names the rank that died and how (Open MPI: "Exit
+    // code: 3"; MPICH: "EXIT CODE: 3").
+    assert!(
+        said.to_lowercase().contains("exit code"),
+        "the launcher did not say how the rank ended:\n{said}"
+    );
+    assert!(
+        !said.contains("never joined"),
+        "rank 0 went on without rank 1:\n{said}"
+    );
+    println!(
+        "mpi case: a rank that died ended the job in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+}
+
+/// Steps each training case runs.
+const STEPS: usize = 20;
+
+/// What a run ends with, as bits: every step's loss, the dense params,
+/// each expert's params (`None` where this process does not hold the
+/// expert), and one more batch's gradients (dense; each expert's, `None`
+/// where no token reached it or another rank computed it).
+#[derive(PartialEq)]
+struct Run {
+    losses: Vec<u32>,
+    dense: Vec<u32>,
+    experts: Vec<Vec<Option<Vec<u32>>>>,
+    grad_dense: Vec<u32>,
+    grad_experts: Vec<Vec<Option<Vec<u32>>>>,
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// `STEPS` steps of `net` under `config` (joining `comm`'s ranks where
+/// given), then the gradients of one more batch.
+fn train<N>(
+    net: &N,
+    config: EngineConfig,
+    comm: Option<MpiComm>,
+    batch: impl Fn(usize) -> N::Batch,
+) -> Run
+where
+    N: Network + Sync,
+    N::Batch: Sync,
+{
+    let mut engine = Engine::new_network(net, config).expect("the engine opens");
+    if let Some(comm) = comm {
+        engine.join_ranks(Box::new(comm)).expect("the ranks join");
+    }
+    let losses = (0..STEPS)
+        .map(|s| {
+            engine
+                .step_network(net, &batch(s))
+                .expect("a step")
+                .loss
+                .to_bits()
+        })
+        .collect();
+    let model = engine.model().clone();
+    let experts = (0..model.layers)
+        .map(|l| {
+            (0..model.experts)
+                .map(|e| {
+                    engine
+                        .owns_expert(l, e)
+                        .then(|| bits(&engine.expert_params(l, e).expect("its params")))
+                })
+                .collect()
+        })
+        .collect();
+    let dense = bits(engine.dense_params().expect("the dense params"));
+    let grads = engine.gradients(net, &batch(STEPS)).expect("gradients");
+    let grad_experts = grads
+        .experts
+        .iter()
+        .map(|layer| layer.iter().map(|g| g.as_deref().map(bits)).collect())
+        .collect();
+    Run {
+        losses,
+        dense,
+        experts,
+        grad_dense: bits(&grads.dense),
+        grad_experts,
+    }
+}
+
+/// What a rank holds of an in-process run: its own experts' params and
+/// gradients.
+fn rank_share(run: &Run, owned: impl Fn(usize, usize) -> bool) -> Run {
+    let keep = |table: &Vec<Vec<Option<Vec<u32>>>>| -> Vec<Vec<Option<Vec<u32>>>> {
+        table
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                layer
+                    .iter()
+                    .enumerate()
+                    .map(|(e, v)| v.clone().filter(|_| owned(l, e)))
+                    .collect()
+            })
+            .collect()
+    };
+    Run {
+        losses: run.losses.clone(),
+        dense: run.dense.clone(),
+        experts: keep(&run.experts),
+        grad_dense: run.grad_dense.clone(),
+        grad_experts: keep(&run.grad_experts),
+    }
+}
+
+/// A config with every expert resident, as `multi_device` trains.
+fn resident(
+    layers: usize,
+    experts: usize,
+    record_bytes: u64,
+    micro_batches: usize,
+) -> EngineConfig {
+    let all = (layers * experts) as u64;
+    EngineConfig {
+        hyper: common::hyper(),
+        micro_batches,
+        compute_dtype: Dtype::F32,
+        optimizer_threads: 2,
+        device_budget_bytes: all * record_bytes,
+        host_budget_bytes: all * record_bytes,
+        ..EngineConfig::default()
+    }
+}
+
+/// One rank's side of a training case: the in-process run of as many
+/// devices, then this rank's, compared bit for bit.
+fn rank_trains_as_a_device<N>(
+    net: &N,
+    config: EngineConfig,
+    batch: impl Fn(usize) -> N::Batch + Copy,
+) where
+    N: Network + Sync,
+    N::Batch: Sync,
+{
+    let comm = MpiComm::init().expect("MPI starts");
+    let (r, n) = (comm.rank(), comm.size());
+    let in_process = train(
+        net,
+        EngineConfig {
+            devices: n,
+            ..config.clone()
+        },
+        None,
+        batch,
+    );
+    let mine = train(net, EngineConfig { ranks: n, ..config }, Some(comm), batch);
+    let experts = net.moe().experts;
+    let owned = |_l: usize, e: usize| e % n == r;
+    let held = mine
+        .experts
+        .iter()
+        .flatten()
+        .filter(|v| v.is_some())
+        .count();
+    assert!(held > 0, "rank {r} of {n} holds no expert");
+    assert!(
+        mine.losses == in_process.losses,
+        "rank {r} of {n}: other losses"
+    );
+    assert!(
+        mine.dense == in_process.dense,
+        "rank {r} of {n}: other dense params"
+    );
+    assert!(
+        mine == rank_share(&in_process, owned),
+        "rank {r} of {n}: other expert params or gradients than the in-process devices'"
+    );
+    println!(
+        "rank {r} of {n}: {STEPS} steps, {held} experts of {}: the in-process bits",
+        experts * net.moe().layers
+    );
+}
+
+/// The outer side: `case` as `ranks` processes, each reporting.
+fn ranks_report(case: &str, ranks: usize) {
+    let out = launch(case, ranks, BOUND);
+    let said = text(&out);
+    assert!(out.status.success(), "{ranks} ranks:\n{said}");
+    for r in 0..ranks {
+        assert!(
+            said.contains(&format!("rank {r} of {ranks}: {STEPS} steps")),
+            "rank {r} of {ranks} did not report:\n{said}"
+        );
+    }
+    println!("mpi case: {case} on {ranks} ranks, the in-process bits");
+}
+
+#[test]
+fn ranks_train_the_moe_stack_as_in_process_devices_do() {
+    let case = "ranks_train_the_moe_stack_as_in_process_devices_do";
+    if in_rank(case) {
+        let model = common::model(2, ExpertKind::SwiGlu);
+        let size: usize = std::env::var("OMPI_COMM_WORLD_SIZE")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(2);
+        // 48 rows: two micro-batches a rank on 2 ranks, one on 3.
+        let micro_batches = if size == 2 { 2 } else { 1 };
+        let config = resident(
+            model.layers,
+            model.experts,
+            common::record_bytes(&model),
+            micro_batches,
+        );
+        rank_trains_as_a_device(&model, config, |s| common::batch(&model, s));
+        return;
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    ranks_report(case, 2);
+    ranks_report(case, 3);
+}
+
+#[test]
+fn ranks_train_the_language_model_as_in_process_devices_do() {
+    let case = "ranks_train_the_language_model_as_in_process_devices_do";
+    if in_rank(case) {
+        let lm = MoeLm::new(tiny_config()).expect("the tiny model");
+        let model = lm.moe().clone();
+        let record = 16 * (model.expert_params() as u64 * 4).div_ceil(4096) * 4096;
+        // 4 sequences: two micro-batches a rank on 2 ranks.
+        let config = resident(model.layers, model.experts, record, 2);
+        rank_trains_as_a_device(&lm, config, |s| tiny_batch(s as u32));
+        return;
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    ranks_report(case, 2);
+}
+
+#[test]
+fn ranks_that_differ_are_named_when_they_join() {
+    let case = "ranks_that_differ_are_named_when_they_join";
+    if in_rank(case) {
+        let comm = MpiComm::init().expect("MPI starts");
+        let rank = comm.rank();
+        let model = common::model(1, ExpertKind::SwiGlu);
+        // Rank 1 runs two micro-batches, rank 0 one.
+        let config = EngineConfig {
+            ranks: 2,
+            ..resident(
+                model.layers,
+                model.experts,
+                common::record_bytes(&model),
+                1 + rank,
+            )
+        };
+        let mut engine = Engine::new(model, config).expect("the engine opens");
+        let err = engine
+            .join_ranks(Box::new(comm))
+            .expect_err("ranks that differ are refused");
+        let other = format!("rank {} runs another", 1 - rank);
+        assert!(err.to_string().contains(&other), "{err}");
+        println!("rank {rank}: {err}");
+        return;
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    let out = launch(case, 2, BOUND);
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("rank 0: ") && said.contains("rank 1: "),
+        "{said}"
+    );
+}
