@@ -32,7 +32,7 @@ mod link;
 mod mpi;
 pub use link::{Link, ModeledLink};
 #[cfg(feature = "mpi")]
-pub use mpi::MpiComm;
+pub use mpi::{MpiComm, MpiWorld};
 
 /// A collective could not finish: a peer stopped (its step failed) or
 /// called a different collective.

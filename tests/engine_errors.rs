@@ -212,7 +212,8 @@ fn ranks_as_processes_refuse_what_they_cannot_do() {
 
 /// One rank of two, joined over the in-process `Comm` (its peer a thread):
 /// it holds experts 0 and 2 of each layer; asking it for expert 1 names
-/// the rank that holds it, and a forward of the whole batch is refused.
+/// the rank that holds it, a forward of the whole batch is refused, and a
+/// collective whose peer has gone fails instead of waiting.
 #[test]
 fn a_rank_names_where_the_experts_it_lacks_live() {
     let mut ends = strata::comm::InProcessComm::endpoints(2);
@@ -247,8 +248,12 @@ fn a_rank_names_where_the_experts_it_lacks_live() {
     );
     let err = rank0.expert_step(0, 3).err().unwrap();
     assert!(err.to_string().contains("lives on rank 1"), "{err}");
-    let err = rank0.evaluate(&model(), &batch(8, 8)).err().unwrap();
+    let err = rank0.forward(&model(), &batch(8, 8)).err().unwrap();
     assert!(err.to_string().contains("holds only its own"), "{err}");
+    assert_eq!(
+        rank0.any_rank(true).unwrap_err().to_string(),
+        "device 1 stopped during a collective (its step failed)"
+    );
 }
 
 /// Budgets and a model that need more host memory than the machine has are

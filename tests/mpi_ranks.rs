@@ -158,7 +158,7 @@ fn in_process(n: usize) -> Vec<Vec<u32>> {
 fn collectives_give_the_in_process_bits() {
     let case = "collectives_give_the_in_process_bits";
     if in_rank(case) {
-        let mut comm = MpiComm::init().expect("MPI starts");
+        let (mut comm, world) = MpiComm::init().expect("MPI starts");
         let (r, n) = (comm.rank(), comm.size());
         let seen = script(&mut comm);
         let expected = &in_process(n)[r];
@@ -175,6 +175,7 @@ fn collectives_give_the_in_process_bits() {
             "rank {r} of {n}: {} values, the in-process bits",
             seen.len()
         );
+        world.finish();
         return;
     }
     if mpirun().is_none() {
@@ -198,7 +199,7 @@ fn collectives_give_the_in_process_bits() {
 fn a_process_started_without_a_launcher_is_one_rank() {
     let case = "a_process_started_without_a_launcher_is_one_rank";
     if in_rank(case) {
-        let mut comm = MpiComm::init().expect("MPI starts");
+        let (mut comm, world) = MpiComm::init().expect("MPI starts");
         assert_eq!((comm.rank(), comm.size()), (0, 1));
         let mut buf = vec![2.5f32; 3];
         comm.all_reduce_sum(&mut buf).unwrap();
@@ -219,6 +220,7 @@ fn a_process_started_without_a_launcher_is_one_rank() {
             "{again}"
         );
         println!("one rank: ok");
+        world.finish();
         return;
     }
     if mpirun().is_none() {
@@ -236,7 +238,7 @@ fn a_process_started_without_a_launcher_is_one_rank() {
 fn ranks_out_of_step_are_named() {
     let case = "ranks_out_of_step_are_named";
     if in_rank(case) {
-        let mut comm = MpiComm::init().expect("MPI starts");
+        let (mut comm, world) = MpiComm::init().expect("MPI starts");
         let err = if comm.rank() == 0 {
             comm.all_gather_u32(vec![1]).map(|_| ())
         } else {
@@ -259,6 +261,7 @@ fn ranks_out_of_step_are_named() {
         // And the ranks are in step again after both failures.
         comm.barrier().expect("a barrier after the errors");
         println!("rank {}: {err}", comm.rank());
+        world.finish();
         return;
     }
     if mpirun().is_none() {
@@ -277,7 +280,7 @@ fn ranks_out_of_step_are_named() {
 fn a_rank_that_dies_ends_the_job_instead_of_hanging_it() {
     let case = "a_rank_that_dies_ends_the_job_instead_of_hanging_it";
     if in_rank(case) {
-        let mut comm = MpiComm::init().expect("MPI starts");
+        let (mut comm, _world) = MpiComm::init().expect("MPI starts");
         if comm.rank() == 1 {
             std::process::exit(3);
         }
@@ -317,6 +320,9 @@ const STEPS: usize = 20;
 /// where no token reached it or another rank computed it).
 #[derive(PartialEq)]
 struct Run {
+    /// Held-out loss after training (not compared bit for bit: the ranks
+    /// sum their parts in another order than one device).
+    eval: Option<f32>,
     losses: Vec<u32>,
     dense: Vec<u32>,
     experts: Vec<Vec<Option<Vec<u32>>>>,
@@ -366,6 +372,13 @@ where
         })
         .collect();
     let dense = bits(engine.dense_params().expect("the dense params"));
+    let eval = engine
+        .evaluate(net, &batch(STEPS + 1))
+        .expect("an evaluation");
+    // Rank 0 alone asks: every rank hears it.
+    let asked = engine.rank().is_none_or(|(r, _)| r == 0);
+    assert!(engine.any_rank(asked).expect("the ranks agree"));
+    assert!(!engine.any_rank(false).expect("the ranks agree"));
     let grads = engine.gradients(net, &batch(STEPS)).expect("gradients");
     let grad_experts = grads
         .experts
@@ -373,6 +386,7 @@ where
         .map(|layer| layer.iter().map(|g| g.as_deref().map(bits)).collect())
         .collect();
     Run {
+        eval: Some(eval),
         losses,
         dense,
         experts,
@@ -398,6 +412,7 @@ fn rank_share(run: &Run, owned: impl Fn(usize, usize) -> bool) -> Run {
             .collect()
     };
     Run {
+        eval: None,
         losses: run.losses.clone(),
         dense: run.dense.clone(),
         experts: keep(&run.experts),
@@ -435,7 +450,7 @@ fn rank_trains_as_a_device<N>(
     N: Network + Sync,
     N::Batch: Sync,
 {
-    let comm = MpiComm::init().expect("MPI starts");
+    let (comm, world) = MpiComm::init().expect("MPI starts");
     let (r, n) = (comm.rank(), comm.size());
     let in_process = train(
         net,
@@ -464,6 +479,12 @@ fn rank_trains_as_a_device<N>(
         mine.dense == in_process.dense,
         "rank {r} of {n}: other dense params"
     );
+    let (a, b) = (mine.eval.unwrap(), in_process.eval.unwrap());
+    assert!(
+        (a - b).abs() <= 1e-6 * b.abs(),
+        "rank {r} of {n}: held-out loss {a} against {b} in one process"
+    );
+    let mine = Run { eval: None, ..mine };
     assert!(
         mine == rank_share(&in_process, owned),
         "rank {r} of {n}: other expert params or gradients than the in-process devices'"
@@ -472,6 +493,7 @@ fn rank_trains_as_a_device<N>(
         "rank {r} of {n}: {STEPS} steps, {held} experts of {}: the in-process bits",
         experts * net.moe().layers
     );
+    world.finish();
 }
 
 /// The outer side: `case` as `ranks` processes, each reporting.
@@ -537,7 +559,7 @@ fn ranks_train_the_language_model_as_in_process_devices_do() {
 fn ranks_that_differ_are_named_when_they_join() {
     let case = "ranks_that_differ_are_named_when_they_join";
     if in_rank(case) {
-        let comm = MpiComm::init().expect("MPI starts");
+        let (comm, world) = MpiComm::init().expect("MPI starts");
         let rank = comm.rank();
         let model = common::model(1, ExpertKind::SwiGlu);
         // Rank 1 runs two micro-batches, rank 0 one.
@@ -557,6 +579,7 @@ fn ranks_that_differ_are_named_when_they_join() {
         let other = format!("rank {} runs another", 1 - rank);
         assert!(err.to_string().contains(&other), "{err}");
         println!("rank {rank}: {err}");
+        world.finish();
         return;
     }
     if mpirun().is_none() {
@@ -568,5 +591,35 @@ fn ranks_that_differ_are_named_when_they_join() {
     assert!(
         said.contains("rank 0: ") && said.contains("rank 1: "),
         "{said}"
+    );
+}
+
+#[test]
+fn a_rank_that_ends_on_an_error_aborts_the_job_instead_of_hanging_it() {
+    let case = "a_rank_that_ends_on_an_error_aborts_the_job_instead_of_hanging_it";
+    if in_rank(case) {
+        let (mut comm, world) = MpiComm::init().expect("MPI starts");
+        if comm.rank() == 1 {
+            // An error of its own: the rank returns without finishing, and
+            // its MpiWorld, dropped, aborts the job (finalizing would wait
+            // for rank 0, which waits for it in the all-reduce).
+            drop(world);
+            unreachable!("MpiWorld's drop aborts");
+        }
+        let mut buf = vec![1.0f32; 4];
+        let _ = comm.all_reduce_sum(&mut buf);
+        panic!("rank 0 finished an all-reduce that rank 1 never joined");
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    let start = Instant::now();
+    let out = launch(case, 2, BOUND);
+    let said = text(&out);
+    assert!(!out.status.success(), "the job succeeded:\n{said}");
+    assert!(!said.contains("never joined"), "rank 0 went on:\n{said}");
+    println!(
+        "mpi case: a rank that ended on an error aborted the job in {:.1} s",
+        start.elapsed().as_secs_f64()
     );
 }

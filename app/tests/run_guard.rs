@@ -292,3 +292,19 @@ fn after_a_kill_and_a_torn_line_a_resumed_run_records_each_step_once() {
         "a torn line is left"
     );
 }
+
+/// A process that a launcher says is one of several ranks, where this
+/// strata cannot join them (built without MPI, or an MPI world that does
+/// not match), is refused before it writes anything, naming the ranks.
+#[test]
+fn a_rank_that_cannot_join_its_world_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut cmd = strata();
+    cmd.args(args(&out, 2)).env("PMI_SIZE", "2");
+    let done = bounded("a rank refused", BOUND, move || cmd.output().unwrap());
+    let said = String::from_utf8_lossy(&done.stderr).to_string();
+    assert!(!done.status.success(), "{said}");
+    assert!(said.contains("2 ranks"), "{said}");
+    assert!(!out.exists(), "a refused rank wrote {}", out.display());
+}

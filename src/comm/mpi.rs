@@ -15,9 +15,13 @@
 //! out of step fail with [`CommError::OutOfStep`] naming the rank, instead
 //! of matching the wrong MPI calls. A rank that dies ends the job: the
 //! launcher (mpirun, srun) stops the others, as MPI's errors are fatal by
-//! default, so no rank waits for it forever. A rank that lives on and never
-//! calls again is not detected here; its peers wait in MPI, as they would
-//! for such a thread with the in-process `Comm`.
+//! default, so no rank waits for it forever. A rank that ends early
+//! without dying, on an error of its own, must not finalize MPI (that
+//! waits for the others, which wait for it in their next collective): the
+//! [`MpiWorld`] it holds aborts the job when dropped unless every rank
+//! reached [`MpiWorld::finish`]. A rank that lives on and never calls
+//! again is not detected here; its peers wait in MPI, as they would for
+//! such a thread with the in-process `Comm`.
 //!
 //! [`InProcessComm`]: super::InProcessComm
 
@@ -29,14 +33,35 @@ use mpi::{Count, Threading};
 
 use super::{Comm, CommError};
 
-/// One process's endpoint of `MPI_COMM_WORLD`. Dropping it finalizes MPI,
-/// which a process may initialize only once: create one per process, at
-/// its start, and keep it until the process ends.
+/// One process's endpoint of `MPI_COMM_WORLD` (see [`MpiComm::init`]).
 pub struct MpiComm {
-    /// Finalizes MPI when the communicator is dropped.
-    _universe: Universe,
     rank: usize,
     size: usize,
+}
+
+/// MPI's lifetime in this process: [`MpiWorld::finish`] finalizes it once
+/// the rank's work is done; dropped without it (an error, a panic), it
+/// aborts every rank of the job (`MPI_Abort`), so that no rank waits for
+/// this one forever. Keep it until the process ends; MPI may be
+/// initialized only once a process.
+pub struct MpiWorld {
+    universe: Option<Universe>,
+}
+
+impl MpiWorld {
+    /// Finalizes MPI: every rank calls it at its end, after its last
+    /// collective.
+    pub fn finish(mut self) {
+        drop(self.universe.take());
+    }
+}
+
+impl Drop for MpiWorld {
+    fn drop(&mut self) {
+        if self.universe.is_some() {
+            SimpleCommunicator::world().abort(1);
+        }
+    }
 }
 
 /// The collective a rank is calling, agreed before each one.
@@ -83,9 +108,10 @@ impl Kind {
 impl MpiComm {
     /// Initializes MPI for this process (serialized threading: any one
     /// thread at a time may call the collectives, as the engine's device
-    /// thread does) and returns its endpoint of the world. A process
-    /// started without a launcher is a world of one rank.
-    pub fn init() -> Result<MpiComm, CommError> {
+    /// thread does) and returns its endpoint of the world, and the
+    /// [`MpiWorld`] that ends MPI. A process started without a launcher is
+    /// a world of one rank.
+    pub fn init() -> Result<(MpiComm, MpiWorld), CommError> {
         let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| CommError::Init {
                 why: "MPI is already initialized in this process: create one MpiComm per \
@@ -103,11 +129,12 @@ impl MpiComm {
         }
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        Ok(MpiComm {
-            _universe: universe,
-            rank,
-            size,
-        })
+        Ok((
+            MpiComm { rank, size },
+            MpiWorld {
+                universe: Some(universe),
+            },
+        ))
     }
 
     fn world(&self) -> SimpleCommunicator {

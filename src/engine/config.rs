@@ -179,7 +179,7 @@ pub struct EngineConfig {
     /// (the default): as fast as the in-process exchange goes.
     pub link: Option<crate::comm::Link>,
     /// Ranks as processes this engine is one of (one process per rank,
-    /// started by `mpirun` with [`crate::comm::MpiComm`]), each with one
+    /// started by `mpirun` with `comm::MpiComm`, feature `mpi`), each with one
     /// device worker; it joins the others with
     /// [`Engine::join_ranks`](super::Engine::join_ranks) before its first
     /// step. Each rank owns a fixed share of every layer's experts (expert

@@ -275,9 +275,15 @@ impl Engine {
     }
 
     /// The mean loss of `batch`, forward only: nothing is updated. It runs
-    /// on the first device. The prefetch schedule restarts at the next
-    /// step's forward.
+    /// on the first device, or on ranks as processes each rank's part of
+    /// the batch. The prefetch schedule restarts at the next step's
+    /// forward.
     pub fn evaluate<N: Network>(&mut self, net: &N, batch: &N::Batch) -> Result<f32, EngineError> {
+        if self.ranks.is_some() {
+            self.check_network(net)?;
+            net.validate_batch(batch)?;
+            return self.evaluate_rank(net, batch);
+        }
         Ok(self.forward(net, batch)?.loss)
     }
 
@@ -306,7 +312,7 @@ impl Engine {
     ) -> Result<Evaluation, EngineError> {
         self.check_network(net)?;
         net.validate_batch(batch)?;
-        self.whole_world("a forward pass on one process (forward, evaluate)")?;
+        self.whole_world("Engine::forward (every token's logits)")?;
         self.reset_counters();
         let options = self.pass_options();
         let mut runner = DeviceRunner {

@@ -1,6 +1,6 @@
 //! Ranks as processes ([`EngineConfig::ranks`](super::EngineConfig::ranks)):
 //! this engine is one rank of N, one process each (started by `mpirun`,
-//! with [`MpiComm`](crate::comm::MpiComm)), with one device worker.
+//! with `comm::MpiComm`, feature `mpi`), with one device worker.
 //!
 //! A step runs as one device of `devices = N` in one process does
 //! (`multi.rs`): the same share of the batch, the same exchange, the same
@@ -137,6 +137,77 @@ impl Engine {
             ))),
             _ => Ok(()),
         }
+    }
+
+    /// Whether this rank or any other says `mine`: for what every rank
+    /// must do at the same step, as stopping after a signal. Without ranks,
+    /// `mine`.
+    pub fn any_rank(&mut self, mine: bool) -> Result<bool, EngineError> {
+        let Some(ranks) = self.ranks.as_mut() else {
+            return Ok(mine);
+        };
+        let mut said = [f32::from(u8::from(mine))];
+        ranks.comm.all_reduce_sum(&mut said)?;
+        Ok(said[0] > 0.0)
+    }
+
+    /// [`Engine::evaluate`] on a rank: its part of the batch (one of N,
+    /// split as a step splits it) through the exchange, and the mean over
+    /// every rank's counted tokens. The sums run in another order than one
+    /// device's, so the mean may differ from it in the last bits.
+    pub(super) fn evaluate_rank<N: Network>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+    ) -> Result<f32, EngineError> {
+        let (rank, n) = self.rank().expect("a rank's pass runs after join_ranks");
+        let parts = net.split_batch(batch, n);
+        if parts.len() != n {
+            return Err(EngineError::Batch(format!(
+                "evaluating on {n} ranks takes one part of the batch a rank, and it splits \
+                 into {}: give it at least {n} sequences (or rows)",
+                parts.len()
+            )));
+        }
+        self.reset_counters();
+        let unpinned = vec![vec![None; self.model.experts]; self.model.layers];
+        let options = self.pass_options();
+        let Engine {
+            model,
+            shared,
+            devices,
+            dense_kernels,
+            dense,
+            ranks,
+            cost,
+            ..
+        } = self;
+        let ranks = ranks.as_mut().expect("joined");
+        let inner = DeviceRunner {
+            model,
+            shared,
+            dev: &mut devices[0],
+            options,
+            pending: None,
+            landing: None,
+        };
+        let comm = ModeledLink::new(&mut *ranks.comm, None);
+        let mut runner = ExchangeRunner::new(inner, comm, *cost, &unpinned, Some(&ranks.owners));
+        let out = net.forward_eval(dense, &parts[rank], &mut runner, &*dense_kernels[0])?;
+        let counted = out
+            .targets
+            .iter()
+            .filter(|&&t| t != crate::math::IGNORED_TARGET)
+            .count();
+        // A part with no counted token adds nothing (its own mean is 0/0).
+        let sum = if counted > 0 {
+            out.loss * counted as f32
+        } else {
+            0.0
+        };
+        let mut sums = [sum, counted as f32];
+        runner.comm.all_reduce_sum(&mut sums)?;
+        Ok(sums[0] / sums[1])
     }
 
     /// This rank's micro-batches; returns the step's loss and dense

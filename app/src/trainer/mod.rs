@@ -16,6 +16,7 @@ pub mod interrupt;
 mod metrics_log;
 pub mod options;
 pub mod plan;
+mod ranks;
 mod routing_file;
 mod run_dir;
 mod tensorboard;
@@ -318,6 +319,37 @@ pub fn run(
     source: Source,
     interrupt: &AtomicBool,
 ) -> Result<RunSummary, String> {
+    // Started by mpirun as one of several ranks: this rank's run lives in
+    // its own directory within --out.
+    match ranks::join_world()? {
+        Some((world, session)) => {
+            let rank = world.rank;
+            let result = run_in(flags, source, interrupt, Some(world));
+            ranks::end(session, rank, &result);
+            result
+        }
+        None => run_in(flags, source, interrupt, None),
+    }
+}
+
+/// [`run`] as one of `world`'s ranks, or on its own.
+fn run_in(
+    flags: &TrainFlags,
+    source: Source,
+    interrupt: &AtomicBool,
+    world: Option<ranks::RankWorld>,
+) -> Result<RunSummary, String> {
+    let rank_flags;
+    let flags = match &world {
+        Some(w) => {
+            rank_flags = TrainFlags {
+                out: Some(ranks::rank_out(&flags.resolve()?.out, w.rank)),
+                ..flags.clone()
+            };
+            &rank_flags
+        }
+        None => flags,
+    };
     let (mut o, source, files) = if flags.resume {
         resume_options(flags)?
     } else {
@@ -329,6 +361,16 @@ pub fn run(
             Source::Finetune(_) => Packing::Apart,
             Source::Scratch => Packing::Stream,
         });
+    }
+    if let Some(w) = &world {
+        if o.backend == "auto" {
+            o.backend = "cpu".into();
+            o.backend_chosen = Some("ranks as processes run on the cpu".into());
+        }
+        if w.rank > 0 {
+            o.tensorboard = None; // rank 0 writes the run's scalars
+        }
+        ranks::refuse(&o, w)?;
     }
     if o.backend == "auto" {
         let (kind, found) = BackendKind::detect(o.devices, parse_dtype(&o.compute_dtype)?);
@@ -354,7 +396,7 @@ pub fn run(
     // One process at a time in a run directory: a second is refused
     // before it reads or writes anything there.
     let lock = RunLock::take(&o.out)?;
-    let result = run_locked(o, source, files, interrupt, lock.created());
+    let result = run_locked(o, source, files, interrupt, lock.created(), world);
     if result.is_err() {
         lock.remove_if_unused();
     }
@@ -369,6 +411,7 @@ fn run_locked(
     files: ModelFiles,
     interrupt: &AtomicBool,
     created_out: bool,
+    world: Option<ranks::RankWorld>,
 ) -> Result<RunSummary, String> {
     let record_path = o.out.join("run.json");
     if !o.resume && record_path.exists() {
@@ -405,13 +448,17 @@ fn run_locked(
     // Every step is recorded (a few hundred events) until the one asked
     // for; what did not fit is dropped, and `take` starts that step afresh.
     let timeline = o.timeline_step.map(|_| Arc::new(Timeline::new(1 << 16)));
-    let engine_config = engine_choices::engine_config(&o, &plan, timeline.clone())?;
+    let mut engine_config = engine_choices::engine_config(&o, &plan, timeline.clone())?;
+    engine_config.ranks = world.as_ref().map_or(1, |w| w.size);
+    // Rank 0 speaks for the ranks.
+    let speaks = world.as_ref().is_none_or(|w| w.rank == 0);
     // A closed stdout (`strata train | head`) is no reason to lose the
     // run, nor to go on with no one reading: the run checkpoints after the
     // step in progress and stops, as on Ctrl-C.
     let stdout_closed = AtomicBool::new(false);
     let say = |line: String| {
-        if (!o.quiet || !line.starts_with("  "))
+        if speaks
+            && (!o.quiet || !line.starts_with("  "))
             && writeln!(std::io::stdout().lock(), "{line}").is_err()
         {
             stdout_closed.store(true, Ordering::SeqCst);
@@ -433,13 +480,21 @@ fn run_locked(
         config.layers,
         config.experts,
         config.top_k,
-        if o.devices > 1 {
-            let over = o.link_gb_per_s.map_or(String::new(), |r| {
-                format!(" over a modeled {r} GB/s link ({} µs)", o.link_latency_us)
-            });
-            format!("{} {} devices{over}, ", o.devices, o.backend)
-        } else {
-            String::new()
+        match &world {
+            Some(w) => format!(
+                "{} cpu ranks as processes (MPI; rank R's run in {}), ",
+                w.size,
+                ranks::rank_out(o.out.parent().unwrap_or(Path::new(".")), 0)
+                    .with_file_name("rank-R")
+                    .display()
+            ),
+            None if o.devices > 1 => {
+                let over = o.link_gb_per_s.map_or(String::new(), |r| {
+                    format!(" over a modeled {r} GB/s link ({} µs)", o.link_latency_us)
+                });
+                format!("{} {} devices{over}, ", o.devices, o.backend)
+            }
+            None => String::new(),
         },
         plan.mode.describe(),
         o.backend,
@@ -491,6 +546,9 @@ fn run_locked(
             created_out,
         )?
     };
+    if let Some(w) = world {
+        engine.join_ranks(w.comm).map_err(|e| e.to_string())?;
+    }
     if let Some(n) = o.compute_threads {
         say(format!(
             "  compute: the cpu backend splits over {n} of the {} cores",
@@ -551,7 +609,10 @@ fn run_locked(
         Some(dir) => Some(tensorboard::EventWriter::create(dir)?),
         None => None,
     };
-    let bar = progress_bar(&o, start_step);
+    let bar = match speaks {
+        true => progress_bar(&o, start_step),
+        false => indicatif::ProgressBar::hidden(),
+    };
     let log_every = (o.steps / 20).max(1);
     let mut summary = RunSummary {
         plan,
@@ -629,7 +690,10 @@ fn run_locked(
                 bar.println(line);
             }
         }
-        let interrupted = interrupt.load(Ordering::SeqCst);
+        // Every rank stops at the same step, whichever was signalled.
+        let interrupted = engine
+            .any_rank(interrupt.load(Ordering::SeqCst))
+            .map_err(err)?;
         if interrupted || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) {
             engine.checkpoint().map_err(err)?;
             if let Some(path) = &o.trace_routing {
