@@ -13,7 +13,7 @@
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use strata::comm::{Comm, CommError, InProcessComm, MpiComm};
+use strata::comm::{Comm, CommError, InProcessComm, MpiComm, MpiWorld};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::MoeLm;
 use strata::math::ExpertKind;
@@ -276,39 +276,65 @@ fn ranks_out_of_step_are_named() {
     );
 }
 
-#[test]
-fn a_rank_that_dies_ends_the_job_instead_of_hanging_it() {
-    let case = "a_rank_that_dies_ends_the_job_instead_of_hanging_it";
-    if in_rank(case) {
-        let (mut comm, _world) = MpiComm::init().expect("MPI starts");
-        if comm.rank() == 1 {
-            std::process::exit(3);
-        }
-        let mut buf = vec![1.0f32; 4];
-        let _ = comm.all_reduce_sum(&mut buf);
-        panic!("rank 0 finished an all-reduce that rank 1 never joined");
+/// The rank side of a case where rank 1 leaves (`leave`) and rank 0
+/// waits for it in an all-reduce.
+fn rank_1_leaves(leave: impl FnOnce(MpiWorld)) {
+    let (mut comm, world) = MpiComm::init().expect("MPI starts");
+    if comm.rank() == 1 {
+        leave(world);
+        unreachable!("rank 1 has left");
     }
-    if mpirun().is_none() {
-        return;
-    }
+    let mut buf = vec![1.0f32; 4];
+    let _ = comm.all_reduce_sum(&mut buf);
+    panic!("rank 0 finished an all-reduce that rank 1 never joined");
+}
+
+/// The outer side: the job fails within the watchdog's bound, rank 0
+/// never going on; returns what it printed.
+fn the_job_ends(case: &str, how: &str) -> String {
     let start = Instant::now();
     let out = launch(case, 2, BOUND);
     let said = text(&out);
     assert!(!out.status.success(), "the job succeeded:\n{said}");
+    assert!(!said.contains("never joined"), "rank 0 went on:\n{said}");
+    println!(
+        "mpi case: {how} ended the job in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    said
+}
+
+#[test]
+fn a_rank_that_dies_ends_the_job_instead_of_hanging_it() {
+    let case = "a_rank_that_dies_ends_the_job_instead_of_hanging_it";
+    if in_rank(case) {
+        rank_1_leaves(|_| std::process::exit(3));
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    let said = the_job_ends(case, "a rank that died");
     // The launcher names the rank that died and how (Open MPI: "Exit
     // code: 3"; MPICH: "EXIT CODE: 3").
     assert!(
         said.to_lowercase().contains("exit code"),
         "the launcher did not say how the rank ended:\n{said}"
     );
-    assert!(
-        !said.contains("never joined"),
-        "rank 0 went on without rank 1:\n{said}"
-    );
-    println!(
-        "mpi case: a rank that died ended the job in {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
+}
+
+#[test]
+fn a_rank_that_ends_on_an_error_aborts_the_job_instead_of_hanging_it() {
+    let case = "a_rank_that_ends_on_an_error_aborts_the_job_instead_of_hanging_it";
+    if in_rank(case) {
+        // An error of its own: the rank returns without finishing, and its
+        // MpiWorld, dropped, aborts the job (finalizing would wait for rank
+        // 0, which waits for it in the all-reduce).
+        rank_1_leaves(drop);
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    the_job_ends(case, "a rank that ended on an error");
 }
 
 /// Steps each training case runs.
@@ -591,35 +617,5 @@ fn ranks_that_differ_are_named_when_they_join() {
     assert!(
         said.contains("rank 0: ") && said.contains("rank 1: "),
         "{said}"
-    );
-}
-
-#[test]
-fn a_rank_that_ends_on_an_error_aborts_the_job_instead_of_hanging_it() {
-    let case = "a_rank_that_ends_on_an_error_aborts_the_job_instead_of_hanging_it";
-    if in_rank(case) {
-        let (mut comm, world) = MpiComm::init().expect("MPI starts");
-        if comm.rank() == 1 {
-            // An error of its own: the rank returns without finishing, and
-            // its MpiWorld, dropped, aborts the job (finalizing would wait
-            // for rank 0, which waits for it in the all-reduce).
-            drop(world);
-            unreachable!("MpiWorld's drop aborts");
-        }
-        let mut buf = vec![1.0f32; 4];
-        let _ = comm.all_reduce_sum(&mut buf);
-        panic!("rank 0 finished an all-reduce that rank 1 never joined");
-    }
-    if mpirun().is_none() {
-        return;
-    }
-    let start = Instant::now();
-    let out = launch(case, 2, BOUND);
-    let said = text(&out);
-    assert!(!out.status.success(), "the job succeeded:\n{said}");
-    assert!(!said.contains("never joined"), "rank 0 went on:\n{said}");
-    println!(
-        "mpi case: a rank that ended on an error aborted the job in {:.1} s",
-        start.elapsed().as_secs_f64()
     );
 }

@@ -75,16 +75,7 @@ impl Engine {
     {
         let n = self.devices.len();
         let m = self.config.micro_batches;
-        let parts = net.split_batch(batch, n * m);
-        if parts.len() != n * m {
-            return Err(EngineError::Batch(format!(
-                "the batch splits into {} parts, but {n} devices × {m} micro-batches need {}: \
-                 give the step at least {} sequences (or rows), or use fewer devices",
-                parts.len(),
-                n * m,
-                n * m
-            )));
-        }
+        let parts = split_into(net, batch, n, m, "devices")?;
         let pinned = self.pin_plan();
         let options = self.pass_options();
         let cost = self.cost;
@@ -216,6 +207,28 @@ impl Engine {
             .map(|d| d.slots.pinned_count())
             .collect()
     }
+}
+
+/// `batch` cut into `workers` × `m` micro-batches, or the error that says
+/// how many sequences that needs (`what`: devices or ranks).
+pub(super) fn split_into<N: Network>(
+    net: &N,
+    batch: &N::Batch,
+    workers: usize,
+    m: usize,
+    what: &str,
+) -> Result<Vec<N::Batch>, EngineError> {
+    let parts = net.split_batch(batch, workers * m);
+    if parts.len() != workers * m {
+        return Err(EngineError::Batch(format!(
+            "the batch splits into {} parts, but {workers} {what} × {m} micro-batches need {}: \
+             give the step at least {} sequences (or rows), or use fewer {what}",
+            parts.len(),
+            workers * m,
+            workers * m
+        )));
+    }
+    Ok(parts)
 }
 
 /// One device's share of a step, besides its runner.

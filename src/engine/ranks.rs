@@ -18,12 +18,13 @@
 //! in-process devices train under LPT; `tests/mpi_ranks.rs` compares them
 //! over 20 steps.
 
+use super::condensing::StepCondense;
 use super::exchange::ExchangeRunner;
-use super::multi::{device_share, Share};
+use super::multi::{device_share, split_into, Share};
 use super::pipeline::DeviceRunner;
 use super::Engine;
-use crate::comm::{Comm, ModeledLink};
-use crate::model::Network;
+use crate::comm::{Comm, Link, ModeledLink};
+use crate::model::{DenseKernels, Network};
 use crate::EngineError;
 
 /// This rank's endpoint and who owns which expert.
@@ -161,53 +162,25 @@ impl Engine {
         batch: &N::Batch,
     ) -> Result<f32, EngineError> {
         let (rank, n) = self.rank().expect("a rank's pass runs after join_ranks");
-        let parts = net.split_batch(batch, n);
-        if parts.len() != n {
-            return Err(EngineError::Batch(format!(
-                "evaluating on {n} ranks takes one part of the batch a rank, and it splits \
-                 into {}: give it at least {n} sequences (or rows)",
-                parts.len()
-            )));
-        }
+        let parts = split_into(net, batch, n, 1, "ranks")?;
         self.reset_counters();
         let unpinned = vec![vec![None; self.model.experts]; self.model.layers];
-        let options = self.pass_options();
-        let Engine {
-            model,
-            shared,
-            devices,
-            dense_kernels,
-            dense,
-            ranks,
-            cost,
-            ..
-        } = self;
-        let ranks = ranks.as_mut().expect("joined");
-        let inner = DeviceRunner {
-            model,
-            shared,
-            dev: &mut devices[0],
-            options,
-            pending: None,
-            landing: None,
-        };
-        let comm = ModeledLink::new(&mut *ranks.comm, None);
-        let mut runner = ExchangeRunner::new(inner, comm, *cost, &unpinned, Some(&ranks.owners));
-        let out = net.forward_eval(dense, &parts[rank], &mut runner, &*dense_kernels[0])?;
-        let counted = out
-            .targets
-            .iter()
-            .filter(|&&t| t != crate::math::IGNORED_TARGET)
-            .count();
-        // A part with no counted token adds nothing (its own mean is 0/0).
-        let sum = if counted > 0 {
-            out.loss * counted as f32
-        } else {
-            0.0
-        };
-        let mut sums = [sum, counted as f32];
-        runner.comm.all_reduce_sum(&mut sums)?;
-        Ok(sums[0] / sums[1])
+        self.with_rank_runner(&unpinned, None, |runner, dense, kernels, _| {
+            let out = net.forward_eval(dense, &parts[rank], runner, kernels)?;
+            let counted = out
+                .targets
+                .iter()
+                .filter(|&&t| t != crate::math::IGNORED_TARGET)
+                .count();
+            // A part with no counted token adds nothing (its mean is 0/0).
+            let sum = match counted {
+                0 => 0.0,
+                c => out.loss * c as f32,
+            };
+            let mut sums = [sum, counted as f32];
+            runner.comm.all_reduce_sum(&mut sums)?;
+            Ok(sums[0] / sums[1])
+        })
     }
 
     /// This rank's micro-batches; returns the step's loss and dense
@@ -223,19 +196,38 @@ impl Engine {
     {
         let m = self.config.micro_batches;
         let (rank, n) = self.rank().expect("a rank's pass runs after join_ranks");
-        let parts = net.split_batch(batch, n * m);
-        if parts.len() != n * m {
-            return Err(EngineError::Batch(format!(
-                "the batch splits into {} parts, but {n} ranks × {m} micro-batches need {}: \
-                 give the step at least {} sequences (or rows), or use fewer ranks",
-                parts.len(),
-                n * m,
-                n * m
-            )));
-        }
+        let parts = split_into(net, batch, n, m, "ranks")?;
         let pinned = self.pin_plan();
+        let link = self.config.link;
+        self.with_rank_runner(&pinned, link, |runner, dense, kernels, condense| {
+            let share = Share {
+                net,
+                parts: &parts[rank * m..(rank + 1) * m],
+                dense,
+                tokens_total,
+                shares: n * m,
+                condense,
+            };
+            device_share(runner, kernels, share)
+        })
+    }
+
+    /// Runs `f` with this rank's exchange runner (its device, its endpoint
+    /// over `link`, the fixed owners, `pinned`), the dense params, the
+    /// device's dense kernels and the step's condensation.
+    fn with_rank_runner<T>(
+        &mut self,
+        pinned: &[Vec<Option<u16>>],
+        link: Option<Link>,
+        f: impl FnOnce(
+            &mut ExchangeRunner<'_, ModeledLink<&mut dyn Comm>>,
+            &[f32],
+            &dyn DenseKernels,
+            Option<StepCondense<'_>>,
+        ) -> T,
+    ) -> T {
         let options = self.pass_options();
-        let (cost, link) = (self.cost, self.config.link);
+        let cost = self.cost;
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
@@ -256,16 +248,8 @@ impl Engine {
             pending: None,
             landing: None,
         };
-        let comm = ModeledLink::new(&mut *ranks.comm, link);
-        let mut runner = ExchangeRunner::new(inner, comm, cost, &pinned, Some(&ranks.owners));
-        let share = Share {
-            net,
-            parts: &parts[rank * m..(rank + 1) * m],
-            dense,
-            tokens_total,
-            shares: n * m,
-            condense,
-        };
-        device_share(&mut runner, &*dense_kernels[0], share)
+        let comm = ModeledLink::new(&mut *ranks.comm as &mut dyn Comm, link);
+        let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, Some(&ranks.owners));
+        f(&mut runner, dense, &*dense_kernels[0], condense)
     }
 }
