@@ -182,16 +182,7 @@ fn collectives_give_the_in_process_bits() {
         return;
     }
     for ranks in [2, 3] {
-        let out = launch(case, ranks, BOUND);
-        let said = text(&out);
-        assert!(out.status.success(), "{ranks} ranks:\n{said}");
-        for r in 0..ranks {
-            assert!(
-                said.contains(&format!("rank {r} of {ranks}: ")),
-                "rank {r} of {ranks} did not report:\n{said}"
-            );
-        }
-        println!("mpi case: {ranks} ranks, the in-process bits");
+        ranks_report(case, ranks, "");
     }
 }
 
@@ -522,14 +513,15 @@ fn rank_trains_as_a_device<N>(
     world.finish();
 }
 
-/// The outer side: `case` as `ranks` processes, each reporting.
-fn ranks_report(case: &str, ranks: usize) {
+/// The outer side: `case` as `ranks` processes, each reporting
+/// "rank R of N: {says}…".
+fn ranks_report(case: &str, ranks: usize, says: &str) {
     let out = launch(case, ranks, BOUND);
     let said = text(&out);
     assert!(out.status.success(), "{ranks} ranks:\n{said}");
     for r in 0..ranks {
         assert!(
-            said.contains(&format!("rank {r} of {ranks}: {STEPS} steps")),
+            said.contains(&format!("rank {r} of {ranks}: {says}")),
             "rank {r} of {ranks} did not report:\n{said}"
         );
     }
@@ -559,8 +551,8 @@ fn ranks_train_the_moe_stack_as_in_process_devices_do() {
     if mpirun().is_none() {
         return;
     }
-    ranks_report(case, 2);
-    ranks_report(case, 3);
+    ranks_report(case, 2, &format!("{STEPS} steps"));
+    ranks_report(case, 3, &format!("{STEPS} steps"));
 }
 
 #[test]
@@ -578,7 +570,7 @@ fn ranks_train_the_language_model_as_in_process_devices_do() {
     if mpirun().is_none() {
         return;
     }
-    ranks_report(case, 2);
+    ranks_report(case, 2, &format!("{STEPS} steps"));
 }
 
 #[test]
