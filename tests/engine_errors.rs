@@ -24,6 +24,26 @@ fn batch(t: usize, d: usize) -> Batch {
     }
 }
 
+/// Each size alone at zero is refused (not only all of them together).
+#[test]
+fn a_zero_size_is_refused_naming_the_sizes() {
+    for name in ["layers", "d_model", "d_ff", "classes"] {
+        let mut m = model();
+        *match name {
+            "layers" => &mut m.layers,
+            "d_model" => &mut m.d_model,
+            "d_ff" => &mut m.d_ff,
+            _ => &mut m.classes,
+        } = 0;
+        let err = Engine::new(m, EngineConfig::default()).err().unwrap();
+        assert!(
+            err.to_string()
+                .contains("layers, d_model, d_ff and classes must be at least 1"),
+            "{name} = 0: {err}"
+        );
+    }
+}
+
 #[test]
 fn top_k_above_the_expert_count_is_refused() {
     let err = Engine::new(
@@ -254,6 +274,73 @@ fn a_rank_names_where_the_experts_it_lacks_live() {
         rank0.any_rank(true).unwrap_err().to_string(),
         "device 1 stopped during a collective (its step failed)"
     );
+}
+
+/// On ranks a checkpoint returns only once every rank has committed, so
+/// a rank never writes past a checkpoint another may lack: one whose peer
+/// has gone fails. A resume of ranks whose checkpoints do not meet names
+/// each rank's steps.
+#[test]
+fn rank_checkpoints_wait_for_every_rank_and_ranks_that_do_not_meet_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |rank: usize| EngineConfig {
+        ranks: 2,
+        store_path: Some(dir.path().join(format!("rank-{rank}.strata"))),
+        ..EngineConfig::default()
+    };
+    let each_rank = |f: &(dyn Fn(usize, strata::comm::InProcessComm) -> Option<Engine> + Sync)| {
+        let ends = strata::comm::InProcessComm::endpoints(2);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = ends
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| s.spawn(move || f(rank, comm)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    };
+    let mut engines = each_rank(&|rank, comm| {
+        let mut engine = Engine::new(model(), config(rank)).unwrap();
+        engine.join_ranks(Box::new(comm)).unwrap();
+        Some(engine)
+    });
+    drop(engines.pop()); // rank 1 goes
+    let mut rank0 = engines.pop().flatten().unwrap();
+    let err = rank0.checkpoint().unwrap_err().to_string();
+    assert!(
+        err.contains("device 1 stopped during a collective"),
+        "{err}"
+    );
+    drop(rank0);
+
+    // Rank 0 two checkpoints on, rank 1 where it started.
+    let store = strata_tiers::ExpertStore::open(
+        &dir.path().join("rank-0.strata"),
+        None,
+        &Default::default(),
+    )
+    .unwrap();
+    store.checkpoint(3).unwrap();
+    store.checkpoint(5).unwrap();
+    drop(store);
+    let refused = each_rank(&|rank, comm| {
+        let err = Engine::resume_rank(&model(), config(rank), Box::new(comm))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains(
+                "the ranks hold no checkpoint at one step: rank 0 at step 5 (and 3), rank 1 at \
+                 step 0"
+            ),
+            "rank {rank}: {err}"
+        );
+        None
+    });
+    assert_eq!(refused.len(), 2);
 }
 
 /// Budgets and a model that need more host memory than the machine has are

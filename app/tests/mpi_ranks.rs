@@ -280,3 +280,168 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     }
     println!("mpi case: SIGTERM to rank 1 stopped both ranks at step {at}; resumed to --devices 2's bits");
 }
+
+/// Flags whose results do not depend on `--steps` (a constant learning
+/// rate), so that a run extended by `--resume --steps` trains what one
+/// run of that length trains.
+const CONSTANT_LR: &[&str] = &[
+    "train",
+    "--batch",
+    "4",
+    "--seq-len",
+    "16",
+    "--eval-every",
+    "0",
+    "--threads",
+    "1",
+    "--warmup",
+    "0",
+    "--min-lr-ratio",
+    "1",
+];
+
+/// `mpirun -n ranks strata train` with `flags`, `--steps steps`, in `out`.
+fn mpirun(ranks: usize, flags: &[&str], steps: u64, resume: bool, out: &Path) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--oversubscribe", "-n", &ranks.to_string()])
+        .arg(env!("CARGO_BIN_EXE_strata"))
+        .args(flags)
+        .args(["--steps", &steps.to_string()])
+        .args(resume.then_some("--resume"))
+        .arg("--out")
+        .arg(out)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    c
+}
+
+/// `strata train --devices devices` with `flags` for `steps`, in `out`:
+/// what the ranks must end on.
+fn devices_run(devices: usize, flags: &[&str], steps: u64, out: &Path) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.args(flags)
+        .args(["--steps", &steps.to_string()])
+        .args(["--devices", &devices.to_string(), "--out"])
+        .arg(out);
+    let done = run_bounded(c, "strata train --devices", Duration::from_secs(600));
+    assert!(done.status.success(), "{}", said(&done));
+}
+
+/// Every rank's losses and dense params are those of the devices' run.
+fn ranks_match(devices: &Path, ranks: &Path, n: usize) {
+    let (want, _) = losses(devices);
+    let lm = MoeLm::new(read_config(devices).unwrap()).unwrap();
+    let (dense, _) = run_params_of(devices, &lm, true);
+    for rank in 0..n {
+        let run = ranks.join(format!("rank-{rank}"));
+        let (got, _) = losses(&run);
+        assert_eq!(got, want, "rank {rank}: other losses than --devices {n}");
+        assert!(
+            run_params_of(&run, &lm, true).0 == dense,
+            "rank {rank}: other dense params"
+        );
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    let done = Command::new("cp").arg("-a").arg(from).arg(to).status();
+    assert!(done.is_ok_and(|s| s.success()), "cp -a {from:?} {to:?}");
+}
+
+/// Four ranks, two of them a checkpoint behind the others (as a job
+/// killed while its ranks committed leaves them): the resume rolls the
+/// two ahead back, and the ranks end on the bits of `--devices 4`.
+#[test]
+fn ranks_a_checkpoint_apart_resume_from_the_step_all_of_them_hold() {
+    if !mpirun_found() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
+    let flags = [CONSTANT_LR, &["--checkpoint-every", "0"]].concat();
+    let bound = Duration::from_secs(600);
+    devices_run(4, &flags, 12, &devices);
+
+    let out = run_bounded(mpirun(4, &flags, 4, false, &ranks), "mpirun -n 4", bound);
+    assert!(out.status.success(), "{}", said(&out));
+    let behind = |r: usize| dir.path().join(format!("behind-{r}"));
+    for r in [1, 3] {
+        copy_dir(&ranks.join(format!("rank-{r}")), &behind(r));
+    }
+    let out = run_bounded(mpirun(4, &flags, 8, true, &ranks), "a resume to 8", bound);
+    assert!(out.status.success(), "{}", said(&out));
+    for r in [1, 3] {
+        copy_dir(&behind(r), &ranks.join(format!("rank-{r}")));
+    }
+    let out = run_bounded(mpirun(4, &flags, 12, true, &ranks), "a resume to 12", bound);
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("rank 0: rolled back from its checkpoint at step 8 to step 4"),
+        "{text}"
+    );
+    ranks_match(&devices, &ranks, 4);
+    println!(
+        "mpi case: 4 ranks, two a checkpoint behind, resumed from step 4 to --devices 4's bits"
+    );
+}
+
+/// SIGKILL to one rank in the middle of a run: mpirun ends every rank
+/// within the bound and names the one that died; a resume ends on the
+/// bits of `--devices 2`, wherever the kill fell (in a step or in a
+/// commit).
+#[test]
+fn a_killed_rank_ends_the_job_and_the_ranks_resume_exactly() {
+    if !mpirun_found() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
+    let flags = [CONSTANT_LR, &["--checkpoint-every", "2"]].concat();
+    let bound = Duration::from_secs(600);
+    devices_run(2, &flags, 40, &devices);
+
+    let mut run = mpirun(2, &flags, 40, false, &ranks);
+    let mut child = run
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let progress = ranks.join("rank-1").join("metrics.jsonl");
+    while std::fs::read_to_string(&progress).map_or(0, |t| t.lines().count()) < 9 {
+        assert!(start.elapsed() < bound, "the ranks did not start training");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    let killed = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            killed.elapsed() < Duration::from_secs(60),
+            "the job went on for a minute after rank 1 died"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ended = killed.elapsed();
+    let out = child.wait_with_output().unwrap();
+    let text = said(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("rank 1"), "the end names no rank:\n{text}");
+
+    let out = run_bounded(mpirun(2, &flags, 40, true, &ranks), "the resume", bound);
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    ranks_match(&devices, &ranks, 2);
+    let rolled = if text.contains("rolled back") {
+        "rank 0 rolled back one checkpoint"
+    } else {
+        "both ranks at one checkpoint"
+    };
+    println!(
+        "mpi case: rank 1 killed, the job ended in {ended:?}; {rolled}; resumed to --devices 2's bits"
+    );
+}

@@ -34,6 +34,7 @@ mod metrics;
 mod multi;
 mod open;
 mod pipeline;
+mod rank_checkpoint;
 mod ranks;
 mod routed_io;
 mod routing_trace;
@@ -566,7 +567,7 @@ impl Engine {
     pub fn checkpoint_experts(&mut self) -> Result<(), EngineError> {
         self.drain()?;
         self.shared.cache.checkpoint(self.step)?;
-        Ok(())
+        self.every_rank_committed()
     }
 
     /// A full checkpoint at `self.steps()`: the dense state file first, then
@@ -597,7 +598,7 @@ impl Engine {
         )?;
         self.shared.cache.checkpoint(self.step)?;
         dense_state::remove_others(&path, &[previous, self.step]);
-        Ok(())
+        self.every_rank_committed()
     }
 }
 

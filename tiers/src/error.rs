@@ -66,6 +66,8 @@ pub enum TierError {
     },
     #[error("not a strata store: {0}")]
     NotAStore(String),
+    #[error("the store cannot roll back: {0}")]
+    RollBack(String),
     #[error("the store's superblock is damaged: {0}")]
     CorruptSuperblock(&'static str),
     #[error(

@@ -519,9 +519,15 @@ fn run_locked(
             options::show_count(plan.dense_params - plan.dense_trainable)
         ));
     }
+    let mut comm = world.map(|w| w.comm);
     let mut engine = if o.resume {
         let condensing = engine_config.condense.is_some();
-        let mut engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
+        // Ranks resume from the newest checkpoint all of them hold.
+        let mut engine = match comm.take() {
+            Some(comm) => Engine::resume_rank(&lm, engine_config, comm),
+            None => Engine::resume_network(&lm, engine_config),
+        }
+        .map_err(|e| e.to_string())?;
         data.skip_batches(engine.steps())
             .map_err(|e| e.to_string())?;
         if condensing {
@@ -546,8 +552,8 @@ fn run_locked(
             created_out,
         )?
     };
-    if let Some(w) = world {
-        engine.join_ranks(w.comm).map_err(|e| e.to_string())?;
+    if let Some(comm) = comm {
+        engine.join_ranks(comm).map_err(|e| e.to_string())?;
     }
     if let Some(n) = o.compute_threads {
         say(format!(

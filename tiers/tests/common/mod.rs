@@ -4,6 +4,8 @@
 
 #![allow(dead_code)] // each test file uses its own share of these
 
+pub mod store_files;
+
 use std::sync::Arc;
 
 use strata_tiers::io::{AlignedBuf, MemFile};

@@ -22,6 +22,8 @@ use crate::record::Parts;
 use crate::verify::{ChunkVerifier, PartsCheck};
 use crate::{ExpertId, TierError};
 
+mod roll_back;
+
 /// Reads are split into chunks of at most this many bytes (a multiple of
 /// the 4096-byte alignment O_DIRECT needs), each checked as it arrives.
 const READ_CHUNK_BYTES: usize = 1 << 20;
@@ -340,33 +342,51 @@ impl ExpertStore {
         &self,
         requests: &mut [(ExpertId, Parts, &mut [u8])],
     ) -> Result<Vec<u64>, TierError> {
-        let mut steps = Vec::with_capacity(requests.len());
-        let mut offsets = Vec::with_capacity(requests.len());
+        let mut located = Vec::with_capacity(requests.len());
         {
             let meta = lock(&self.meta);
-            for (expert, parts, buf) in requests.iter() {
+            for (expert, _, _) in requests.iter() {
                 let slot = self.layout.slot_of(*expert)? as usize;
-                let need = parts.bytes(&self.layout) as usize;
-                if buf.len() < need {
-                    return Err(TierError::BufferSize {
-                        what: "a record read",
-                        expected: need,
-                        got: buf.len(),
-                    });
-                }
-                let (copy, step) = match meta.pending[slot] {
-                    Some(step) => (1 - meta.committed[slot].copy, step),
+                located.push(match meta.pending[slot] {
+                    Some(step) => MapEntry {
+                        step,
+                        copy: 1 - meta.committed[slot].copy,
+                    },
                     None => {
                         let e = meta.committed[slot];
                         if e.step == NEVER_WRITTEN {
                             return Err(TierError::NeverWritten { expert: *expert });
                         }
-                        (e.copy, e.step)
+                        e
                     }
-                };
-                steps.push(step);
-                offsets.push(self.layout.record_offset(slot as u64, copy));
+                });
             }
+        }
+        self.read_copies(requests, &located)?;
+        Ok(located.iter().map(|e| e.step).collect())
+    }
+
+    /// Reads `requests` as [`ExpertStore::read_many`] does, each from the
+    /// copy `located` names, checked against the step it names.
+    fn read_copies(
+        &self,
+        requests: &mut [(ExpertId, Parts, &mut [u8])],
+        located: &[MapEntry],
+    ) -> Result<(), TierError> {
+        let mut steps = Vec::with_capacity(requests.len());
+        let mut offsets = Vec::with_capacity(requests.len());
+        for ((expert, parts, buf), entry) in requests.iter().zip(located) {
+            let slot = self.layout.slot_of(*expert)?;
+            let need = parts.bytes(&self.layout) as usize;
+            if buf.len() < need {
+                return Err(TierError::BufferSize {
+                    what: "a record read",
+                    expected: need,
+                    got: buf.len(),
+                });
+            }
+            steps.push(entry.step);
+            offsets.push(self.layout.record_offset(slot, entry.copy));
         }
         // Each read is split into chunks, and each chunk checked on a
         // verifier thread as soon as it and those before it have arrived:
@@ -437,7 +457,7 @@ impl ExpertStore {
         if let Some(e) = verify_error {
             return Err(e);
         }
-        Ok(steps)
+        Ok(())
     }
 
     /// Reads one expert's parts into `buf`; returns its record step.
