@@ -22,6 +22,7 @@ use strata_tiers::Dtype;
 
 mod common;
 
+use common::process::{output_within, said};
 use common::tiny_lm::{tiny_batch, tiny_config};
 
 const RANK_CASE: &str = "STRATA_MPI_RANK_CASE";
@@ -68,36 +69,8 @@ fn launch(case: &str, ranks: usize, bound: Duration) -> Output {
     cmd.args(["--exact", case, "--nocapture", "--test-threads", "1"])
         .env(RANK_CASE, case)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("mpirun starts");
-    let start = Instant::now();
-    while child.try_wait().expect("the job's status").is_none() {
-        if start.elapsed() > bound {
-            // SIGTERM lets mpirun stop its ranks; then make sure.
-            let _ = Command::new("kill").arg(child.id().to_string()).status();
-            std::thread::sleep(Duration::from_secs(2));
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("the job's output");
-            panic!(
-                "{case} on {ranks} ranks did not end within {bound:?} (the watchdog's bound): \
-                 it hangs\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("the job's output")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    output_within(cmd, &format!("{case} on {ranks} ranks"), bound)
 }
 
 const BOUND: Duration = Duration::from_secs(120);
@@ -218,7 +191,7 @@ fn a_process_started_without_a_launcher_is_one_rank() {
         return;
     }
     let out = launch(case, 0, BOUND);
-    let said = text(&out);
+    let said = said(&out);
     assert!(
         out.status.success() && said.contains("one rank: ok"),
         "{said}"
@@ -259,7 +232,7 @@ fn ranks_out_of_step_are_named() {
         return;
     }
     let out = launch(case, 2, BOUND);
-    let said = text(&out);
+    let said = said(&out);
     assert!(out.status.success(), "{said}");
     assert!(
         said.contains("rank 0: ") && said.contains("rank 1: "),
@@ -285,7 +258,7 @@ fn rank_1_leaves(leave: impl FnOnce(MpiWorld)) {
 fn the_job_ends(case: &str, how: &str) -> String {
     let start = Instant::now();
     let out = launch(case, 2, BOUND);
-    let said = text(&out);
+    let said = said(&out);
     assert!(!out.status.success(), "the job succeeded:\n{said}");
     assert!(!said.contains("never joined"), "rank 0 went on:\n{said}");
     println!(
@@ -517,7 +490,7 @@ fn rank_trains_as_a_device<N>(
 /// "rank R of N: {says}…".
 fn ranks_report(case: &str, ranks: usize, says: &str) {
     let out = launch(case, ranks, BOUND);
-    let said = text(&out);
+    let said = said(&out);
     assert!(out.status.success(), "{ranks} ranks:\n{said}");
     for r in 0..ranks {
         assert!(
@@ -604,7 +577,7 @@ fn ranks_that_differ_are_named_when_they_join() {
         return;
     }
     let out = launch(case, 2, BOUND);
-    let said = text(&out);
+    let said = said(&out);
     assert!(out.status.success(), "{said}");
     assert!(
         said.contains("rank 0: ") && said.contains("rank 1: "),

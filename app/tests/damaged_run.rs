@@ -7,6 +7,7 @@ mod common;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use common::process::{output_within, said};
 use common::tiny_lm::{small_flags, tiny_config, write_checkpoint};
 use common::{bounded, damage_record};
 use strata_cli::trainer::{self, Source, TrainFlags};
@@ -95,44 +96,14 @@ fn verify_says_an_intact_run_is_intact_and_names_what_is_damaged() {
     );
 }
 
-/// Runs `strata args…`, killing it (and failing) past `BOUND_EACH`:
-/// its exit status and stdout + stderr.
+/// Runs `strata args…` under a watchdog of 30 s: its exit status and
+/// stdout + stderr.
 fn run_bounded(args: &[&str]) -> (Option<i32>, String) {
-    use std::io::Read;
-    use std::process::{Command, Stdio};
-    const BOUND_EACH: Duration = Duration::from_secs(30);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > BOUND_EACH {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("`strata {}` still ran after {BOUND_EACH:?}", args.join(" "));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut said = String::new();
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut said)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut said)
-        .unwrap();
-    (status.code(), said)
+    let mut strata = std::process::Command::new(env!("CARGO_BIN_EXE_strata"));
+    strata.args(args);
+    let what = format!("`strata {}`", args.join(" "));
+    let out = output_within(strata, &what, Duration::from_secs(30));
+    (out.status.code(), said(&out))
 }
 
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {

@@ -9,9 +9,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::process::{output_within, said, wait_within};
 use common::tiny_lm::run_params_of;
 use strata::lm::MoeLm;
 use strata_cli::trainer::hf::read_config;
@@ -31,36 +32,6 @@ const FLAGS: &[&str] = &[
     "--threads",
     "1",
 ];
-
-/// `cmd`, killed and the test failed past `bound`.
-fn run_bounded(mut cmd: Command, what: &str, bound: Duration) -> Output {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("the command starts");
-    let start = Instant::now();
-    while child.try_wait().expect("its status").is_none() {
-        if start.elapsed() > bound {
-            let _ = Command::new("kill").arg(child.id().to_string()).status();
-            std::thread::sleep(Duration::from_secs(2));
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("its output");
-            panic!(
-                "{what} did not end within {bound:?} (the watchdog's bound)\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.wait_with_output().expect("its output")
-}
-
-fn said(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 /// Each step's loss (as written) and each evaluation's, from a run's
 /// metrics.jsonl.
@@ -110,7 +81,7 @@ fn mpirun_trains_what_devices_in_one_process_train() {
     one.args(FLAGS)
         .args(["--devices", "2", "--out"])
         .arg(&devices);
-    let out = run_bounded(one, "strata train --devices 2", bound);
+    let out = output_within(one, "strata train --devices 2", bound);
     assert!(out.status.success(), "{}", said(&out));
 
     let mut mpi = Command::new("mpirun");
@@ -120,7 +91,7 @@ fn mpirun_trains_what_devices_in_one_process_train() {
         .arg(&ranks)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-    let out = run_bounded(mpi, "mpirun -n 2 strata train", bound);
+    let out = output_within(mpi, "mpirun -n 2 strata train", bound);
     let text = said(&out);
     assert!(out.status.success(), "{text}");
     // Rank 0 alone speaks: one first line, one summary.
@@ -213,7 +184,7 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     one.args(flags)
         .args(["--devices", "2", "--out"])
         .arg(&devices);
-    let out = run_bounded(one, "strata train --devices 2", bound);
+    let out = output_within(one, "strata train --devices 2", bound);
     assert!(out.status.success(), "{}", said(&out));
 
     let mpi = |resume: bool| {
@@ -230,7 +201,7 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
         c
     };
     // SIGTERM to rank 1 alone once the ranks have trained a few steps.
-    let mut child = mpi(false).spawn().unwrap();
+    let child = mpi(false).spawn().unwrap();
     let start = Instant::now();
     let progress = ranks.join("rank-1").join("metrics.jsonl");
     loop {
@@ -245,14 +216,7 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     let _ = Command::new("kill")
         .args(["-TERM", &pid.to_string()])
         .status();
-    while child.try_wait().unwrap().is_none() {
-        assert!(
-            start.elapsed() < bound,
-            "the ranks did not stop after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let text = said(&child.wait_with_output().unwrap());
+    let text = said(&wait_within(child, "the ranks after SIGTERM", bound));
     let stopped: Vec<Option<u64>> = (0..2)
         .map(|r| last_checkpoint(&ranks.join(format!("rank-{r}"))))
         .collect();
@@ -264,7 +228,7 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     let at = stopped[0].unwrap();
     assert!(at < 150, "the run ended before the signal came:\n{text}");
 
-    let out = run_bounded(mpi(true), "mpirun -n 2 strata train --resume", bound);
+    let out = output_within(mpi(true), "mpirun -n 2 strata train --resume", bound);
     assert!(out.status.success(), "{}", said(&out));
     let (want, _) = losses(&devices);
     let lm = MoeLm::new(read_config(&devices).unwrap()).unwrap();
@@ -323,7 +287,7 @@ fn devices_run(devices: usize, flags: &[&str], steps: u64, out: &Path) {
         .args(["--steps", &steps.to_string()])
         .args(["--devices", &devices.to_string(), "--out"])
         .arg(out);
-    let done = run_bounded(c, "strata train --devices", Duration::from_secs(600));
+    let done = output_within(c, "strata train --devices", Duration::from_secs(600));
     assert!(done.status.success(), "{}", said(&done));
 }
 
@@ -363,18 +327,18 @@ fn ranks_a_checkpoint_apart_resume_from_the_step_all_of_them_hold() {
     let bound = Duration::from_secs(600);
     devices_run(4, &flags, 12, &devices);
 
-    let out = run_bounded(mpirun(4, &flags, 4, false, &ranks), "mpirun -n 4", bound);
+    let out = output_within(mpirun(4, &flags, 4, false, &ranks), "mpirun -n 4", bound);
     assert!(out.status.success(), "{}", said(&out));
     let behind = |r: usize| dir.path().join(format!("behind-{r}"));
     for r in [1, 3] {
         copy_dir(&ranks.join(format!("rank-{r}")), &behind(r));
     }
-    let out = run_bounded(mpirun(4, &flags, 8, true, &ranks), "a resume to 8", bound);
+    let out = output_within(mpirun(4, &flags, 8, true, &ranks), "a resume to 8", bound);
     assert!(out.status.success(), "{}", said(&out));
     for r in [1, 3] {
         copy_dir(&behind(r), &ranks.join(format!("rank-{r}")));
     }
-    let out = run_bounded(mpirun(4, &flags, 12, true, &ranks), "a resume to 12", bound);
+    let out = output_within(mpirun(4, &flags, 12, true, &ranks), "a resume to 12", bound);
     let text = said(&out);
     assert!(out.status.success(), "{text}");
     assert!(
@@ -403,7 +367,7 @@ fn a_killed_rank_ends_the_job_and_the_ranks_resume_exactly() {
     devices_run(2, &flags, 40, &devices);
 
     let mut run = mpirun(2, &flags, 40, false, &ranks);
-    let mut child = run
+    let child = run
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -419,20 +383,13 @@ fn a_killed_rank_ends_the_job_and_the_ranks_resume_exactly() {
         .args(["-KILL", &pid.to_string()])
         .status();
     let killed = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        assert!(
-            killed.elapsed() < Duration::from_secs(60),
-            "the job went on for a minute after rank 1 died"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let out = wait_within(child, "the job after rank 1 died", Duration::from_secs(60));
     let ended = killed.elapsed();
-    let out = child.wait_with_output().unwrap();
     let text = said(&out);
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("rank 1"), "the end names no rank:\n{text}");
 
-    let out = run_bounded(mpirun(2, &flags, 40, true, &ranks), "the resume", bound);
+    let out = output_within(mpirun(2, &flags, 40, true, &ranks), "the resume", bound);
     let text = said(&out);
     assert!(out.status.success(), "{text}");
     ranks_match(&devices, &ranks, 2);

@@ -316,14 +316,8 @@ impl Engine {
         self.whole_world("Engine::forward (every token's logits)")?;
         self.reset_counters();
         let options = self.pass_options();
-        let mut runner = DeviceRunner {
-            model: &self.model,
-            shared: &self.shared,
-            dev: &mut self.devices[0],
-            options,
-            pending: None,
-            landing: None,
-        };
+        let mut runner =
+            DeviceRunner::new(&self.model, &self.shared, &mut self.devices[0], options);
         let out = net.forward_eval(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
         // The next step starts from its forward again.
         let order = match self.devices.len() {
@@ -483,14 +477,8 @@ impl Engine {
         let mut loss = 0.0f32;
         let options = self.pass_options();
         let condense = step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
-        let mut runner = DeviceRunner {
-            model: &self.model,
-            shared: &self.shared,
-            dev: &mut self.devices[0],
-            options,
-            pending: None,
-            landing: None,
-        };
+        let mut runner =
+            DeviceRunner::new(&self.model, &self.shared, &mut self.devices[0], options);
         let mut condensed = 0;
         for (i, part) in parts.iter().enumerate() {
             let (losses, n) = condensed_pass(&mut runner, condense, &self.model, |runner| {

@@ -107,14 +107,7 @@ impl Engine {
                     std::thread::Builder::new()
                         .name(format!("strata-device-{rank}"))
                         .spawn_scoped(s, move || {
-                            let inner = DeviceRunner {
-                                model,
-                                shared,
-                                dev,
-                                options,
-                                pending: None,
-                                landing: None,
-                            };
+                            let inner = DeviceRunner::new(model, shared, dev, options);
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
                             let share = Share {
                                 net,

@@ -45,6 +45,25 @@ pub(crate) struct DeviceRunner<'a> {
     pub landing: Option<Landing>,
 }
 
+impl<'a> DeviceRunner<'a> {
+    /// A runner for `dev`'s passes, with nothing pending or landing.
+    pub fn new(
+        model: &'a ModelConfig,
+        shared: &'a SharedExperts,
+        dev: &'a mut DeviceState,
+        options: PassOptions,
+    ) -> Self {
+        Self {
+            model,
+            shared,
+            dev,
+            options,
+            pending: None,
+            landing: None,
+        }
+    }
+}
+
 /// An upload the device orders its compute after, not yet waited for.
 pub(crate) struct Landing {
     upload: CopyEvent,

@@ -240,14 +240,7 @@ impl Engine {
             ..
         } = self;
         let ranks = ranks.as_mut().expect("joined");
-        let inner = DeviceRunner {
-            model,
-            shared,
-            dev: &mut devices[0],
-            options,
-            pending: None,
-            landing: None,
-        };
+        let inner = DeviceRunner::new(model, shared, &mut devices[0], options);
         let comm = ModeledLink::new(&mut *ranks.comm as &mut dyn Comm, link);
         let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, Some(&ranks.owners));
         f(&mut runner, dense, &*dense_kernels[0], condense)

@@ -87,12 +87,6 @@ impl ModelConfig {
         if self.experts == 0 {
             return bad("a MoE layer needs at least one expert".into());
         }
-        if self.top_k == 0 || self.top_k > self.experts {
-            return bad(format!(
-                "top_k = {} must be between 1 and the number of experts ({})",
-                self.top_k, self.experts
-            ));
-        }
         if !(self.aux_loss_coef.is_finite() && self.z_loss_coef.is_finite()) {
             return bad("loss coefficients must be finite".into());
         }
@@ -102,6 +96,7 @@ impl ModelConfig {
                 self.z_loss_coef
             ));
         }
+        // top_k and the router's own settings.
         self.router().check().or_else(bad)
     }
 
