@@ -44,6 +44,42 @@ fn a_zero_size_is_refused_naming_the_sizes() {
     }
 }
 
+/// Either loss coefficient alone not finite is refused; a z-loss is
+/// refused for a sigmoid router, which has none, and its absence accepted.
+#[test]
+fn loss_coefficients_are_checked_one_by_one() {
+    for (aux, z) in [(f32::NAN, 0.0), (0.01, f32::INFINITY)] {
+        let m = ModelConfig {
+            aux_loss_coef: aux,
+            z_loss_coef: z,
+            ..model()
+        };
+        let err = Engine::new(m, EngineConfig::default()).err().unwrap();
+        assert!(
+            err.to_string().contains("loss coefficients must be finite"),
+            "aux {aux}, z {z}: {err}"
+        );
+    }
+    let sigmoid = |z_loss_coef| ModelConfig {
+        scoring: strata::math::Scoring::SigmoidGrouped {
+            groups: 2,
+            kept_groups: 1,
+            scale: 1.0,
+        },
+        z_loss_coef,
+        ..model()
+    };
+    assert!(Engine::new(sigmoid(0.0), EngineConfig::default()).is_ok());
+    let err = Engine::new(sigmoid(0.01), EngineConfig::default())
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("the z-loss is a softmax router's; a sigmoid router has none"),
+        "{err}"
+    );
+}
+
 #[test]
 fn top_k_above_the_expert_count_is_refused() {
     let err = Engine::new(

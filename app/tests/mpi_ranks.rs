@@ -77,10 +77,13 @@ fn mpirun_trains_what_devices_in_one_process_train() {
     let strata = env!("CARGO_BIN_EXE_strata");
     let bound = Duration::from_secs(600);
 
+    let exported = |name: &str| dir.path().join(format!("{name}-export"));
     let mut one = Command::new(strata);
     one.args(FLAGS)
         .args(["--devices", "2", "--out"])
-        .arg(&devices);
+        .arg(&devices)
+        .arg("--export")
+        .arg(exported("devices"));
     let out = output_within(one, "strata train --devices 2", bound);
     assert!(out.status.success(), "{}", said(&out));
 
@@ -89,6 +92,8 @@ fn mpirun_trains_what_devices_in_one_process_train() {
         .args(FLAGS)
         .arg("--out")
         .arg(&ranks)
+        .arg("--export")
+        .arg(exported("ranks"))
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     let out = output_within(mpi, "mpirun -n 2 strata train", bound);
@@ -128,7 +133,42 @@ fn mpirun_trains_what_devices_in_one_process_train() {
             }
         }
     }
-    println!("mpi case: mpirun -n 2 strata train, the bits of --devices 2 over 20 steps");
+    // The exports, at the end of the run and by `strata export` after it,
+    // are the in-process run's, byte for byte.
+    let mut export = Command::new(strata);
+    export
+        .args(["export", "--run"])
+        .arg(&ranks)
+        .arg("--to")
+        .arg(exported("after"));
+    let out = output_within(export, "strata export of the ranks' run", bound);
+    assert!(out.status.success(), "{}", said(&out));
+    let files = |d: &Path| {
+        let mut names: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    let want = files(&exported("devices"));
+    assert!(want
+        .iter()
+        .any(|n| n.to_string_lossy().ends_with(".safetensors")));
+    for got in ["ranks", "after"] {
+        assert_eq!(files(&exported(got)), want, "{got}: other files");
+        for name in &want {
+            let read = |d: &Path| std::fs::read(d.join(name)).unwrap();
+            assert!(
+                read(&exported(got)) == read(&exported("devices")),
+                "{got}: {name:?} differs from --devices 2's"
+            );
+        }
+    }
+    println!(
+        "mpi case: mpirun -n 2 strata train, the bits of --devices 2 over 20 steps, and its \
+         exports' bytes"
+    );
 }
 
 /// The pid of rank `rank` among `mpirun`'s children (Open MPI names each
@@ -338,6 +378,20 @@ fn ranks_a_checkpoint_apart_resume_from_the_step_all_of_them_hold() {
     for r in [1, 3] {
         copy_dir(&behind(r), &ranks.join(format!("rank-{r}")));
     }
+    // An export needs every rank at one step, and says how to get there.
+    let mut export = Command::new(env!("CARGO_BIN_EXE_strata"));
+    export
+        .args(["export", "--run"])
+        .arg(&ranks)
+        .arg("--to")
+        .arg(dir.path().join("export"));
+    let out = output_within(export, "strata export", bound);
+    let text = said(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("checkpoints are at steps [8, 4, 8, 4]") && text.contains("--resume"),
+        "{text}"
+    );
     let out = output_within(mpirun(4, &flags, 12, true, &ranks), "a resume to 12", bound);
     let text = said(&out);
     assert!(out.status.success(), "{text}");

@@ -53,6 +53,7 @@ pub use gradients::Gradients;
 pub use host_plan::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
 pub use open::{host_cell_slot_count, host_kept_count};
+pub use ranks::rank_of_expert;
 pub use routing_trace::RoutingTrace;
 pub use verify::{verify_checkpoint, CheckpointReport};
 

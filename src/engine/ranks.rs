@@ -26,6 +26,7 @@ use super::Engine;
 use crate::comm::{Comm, Link, ModeledLink};
 use crate::model::{DenseKernels, Network};
 use crate::EngineError;
+use strata_tiers::ExpertId;
 
 /// This rank's endpoint and who owns which expert.
 pub(super) struct Ranks {
@@ -34,10 +35,18 @@ pub(super) struct Ranks {
     pub owners: Vec<Vec<u16>>,
 }
 
+/// The rank of `ranks` that owns `expert` (and holds its record up to
+/// date): its index mod `ranks`, in every layer.
+pub fn rank_of_expert(expert: ExpertId, ranks: usize) -> usize {
+    expert.index as usize % ranks
+}
+
 /// Expert e of every layer on rank e mod `ranks`: each rank gets every
 /// layer's share, within one expert of the others'.
 pub fn round_robin_owners(layers: usize, experts: usize, ranks: usize) -> Vec<Vec<u16>> {
-    let layer: Vec<u16> = (0..experts).map(|e| (e % ranks) as u16).collect();
+    let layer: Vec<u16> = (0..experts)
+        .map(|e| rank_of_expert(ExpertId::new(0, e as u32), ranks) as u16)
+        .collect();
     vec![layer; layers]
 }
 

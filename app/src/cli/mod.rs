@@ -68,7 +68,8 @@ pub struct PlanArgs {
 
 #[derive(Args, Debug)]
 pub struct ExportArgs {
-    /// The run directory (a train or finetune --out).
+    /// The run directory (a train or finetune --out; for ranks started by
+    /// mpirun, the --out holding their rank-R directories).
     #[arg(long)]
     pub run: PathBuf,
     /// Where to write config.json and the safetensors.

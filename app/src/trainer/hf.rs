@@ -46,7 +46,8 @@ pub fn import_store(
 }
 
 /// Writes the model — dense params from `dense`, experts' master params
-/// from `store` — as safetensors shards of at most `shard_bytes_max` in
+/// from `stores` (one; or one a rank, expert e of every layer read from
+/// rank e mod N's, the rank that owns it) — as safetensors shards of at most `shard_bytes_max` in
 /// `dtype` (frozen tensors, a sigmoid router's correction biases, in f32
 /// as transformers keeps them), with its `config.json` and the side files
 /// of `source_dir`. Everything is written under temporary names and
@@ -55,11 +56,20 @@ pub fn export(
     dir: &Path,
     lm: &MoeLm,
     dense: &[f32],
-    store: &ExpertStore,
+    stores: &[&ExpertStore],
     dtype: Dtype,
     shard_bytes_max: u64,
     source_dir: Option<&Path>,
 ) -> Result<Vec<PathBuf>, String> {
+    let store = stores.first().ok_or("no expert store to export from")?;
+    if let Some(other) = stores.iter().find(|s| s.layout() != store.layout()) {
+        return Err(format!(
+            "the ranks' stores differ in layout ({:?} against {:?}): export one run's ranks",
+            other.layout(),
+            store.layout()
+        ));
+    }
+    let owner = |e: strata_tiers::ExpertId| stores[strata::engine::rank_of_expert(e, stores.len())];
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let config = lm.config();
     let shape = ExpertShape {
@@ -99,7 +109,8 @@ pub fn export(
         }
         let slot = ((i - dense_count) / 3) as u64;
         if loaded != Some(slot) {
-            store.read(layout.expert_at(slot), Parts::Full, record.as_mut_slice())?;
+            let e = layout.expert_at(slot);
+            owner(e).read(e, Parts::Full, record.as_mut_slice())?;
             loaded = Some(slot);
         }
         let r = record_mut(&layout, record.as_mut_slice())?;

@@ -16,6 +16,7 @@ pub mod interrupt;
 mod metrics_log;
 pub mod options;
 pub mod plan;
+mod rank_export;
 mod ranks;
 mod routing_file;
 mod run_dir;
@@ -742,17 +743,28 @@ fn run_locked(
         } else {
             Some(o.out.as_path())
         };
-        say(format!("exporting to {}", dir.display()));
+        let rank = engine.rank();
         let (dense, store) = engine.dense_params_and_store().map_err(|e| e.to_string())?;
-        summary.exported = hf::export(
-            dir,
-            &lm,
-            dense,
-            store,
-            run_dir::export_dtype(None, &o.out)?,
-            2 << 30,
-            source_dir,
-        )?;
+        // On ranks, rank 0 exports, the other ranks' experts read from
+        // their stores (every rank has committed its last checkpoint).
+        let peers = match rank {
+            Some((0, n)) => rank_export::peer_stores(&o.out, n, store)?,
+            _ => Vec::new(),
+        };
+        if rank.is_none_or(|(r, _)| r == 0) {
+            say(format!("exporting to {}", dir.display()));
+            let stores: Vec<&strata_tiers::ExpertStore> =
+                std::iter::once(store).chain(&peers).collect();
+            summary.exported = hf::export(
+                dir,
+                &lm,
+                dense,
+                &stores,
+                run_dir::export_dtype(None, &o.out)?,
+                2 << 30,
+                source_dir,
+            )?;
+        }
     }
     say(format!(
         "done: step {}  loss {} → {}  eval {}  {:.0} tokens/s (median)",

@@ -101,10 +101,6 @@ pub(crate) fn refuse(o: &super::TrainOptions, world: &RankWorld) -> Result<(), S
     let clash = [
         (o.devices > 1, "--devices above 1 (one device a rank)"),
         (o.backend == "cuda", "--backend cuda (GPU ranks need NCCL)"),
-        (
-            o.export.is_some(),
-            "--export (each rank holds its own experts)",
-        ),
         (o.clip_grad_norm.is_some(), "--clip-grad-norm"),
         (o.trace_routing.is_some(), "--trace-routing"),
     ];

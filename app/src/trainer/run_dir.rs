@@ -323,15 +323,15 @@ fn read_record(dir: &Path, verb: &str, flag: &str) -> Result<RunRecord, String> 
 /// A finished or stopped run, opened to be read (`strata verify`, `strata
 /// export`): locked, so no trainer commits to its store meanwhile and no
 /// other reader runs, with its options, source, model files and model.
-struct OpenedRun {
+pub(super) struct OpenedRun {
     _lock: RunLock,
-    options: TrainOptions,
-    source: Source,
-    files: ModelFiles,
-    lm: MoeLm,
+    pub options: TrainOptions,
+    pub source: Source,
+    pub files: ModelFiles,
+    pub lm: MoeLm,
 }
 
-fn open_run(run_dir: &Path, verb: &str) -> Result<OpenedRun, String> {
+pub(super) fn open_run(run_dir: &Path, verb: &str) -> Result<OpenedRun, String> {
     let record = read_record(run_dir, verb, "--run")?;
     let lock = RunLock::take(run_dir)?;
     let files = record.model_files()?;
@@ -362,15 +362,32 @@ pub fn verify_run(run_dir: &Path) -> Result<strata::engine::CheckpointReport, St
 
 /// `strata export`: the run's last checkpoint as a Hugging Face model.
 /// `dtype` None: the precision the source declares (`torch_dtype`), f32 for
-/// a model trained from scratch.
+/// a model trained from scratch. A run of ranks as processes (`--out`
+/// holding `rank-R` directories) is exported whole, each expert from the
+/// rank that owns it.
 pub fn export_run(run_dir: &Path, to: &Path, dtype: Option<&str>) -> Result<Vec<PathBuf>, String> {
-    let OpenedRun {
-        _lock,
-        options: o,
-        source,
-        files,
-        lm,
-    } = open_run(run_dir, "export")?;
+    if let Some(ranks) = super::rank_export::rank_dirs(run_dir) {
+        return super::rank_export::export_ranks_run(&ranks, to, dtype);
+    }
+    let run = open_run(run_dir, "export")?;
+    let mut engine = export_engine(&run, run_dir)?;
+    let source_dir = run.files.side_files_dir(&run.options, &run.source);
+    let (dense, store) = engine.dense_params_and_store().map_err(|e| e.to_string())?;
+    hf::export(
+        to,
+        &run.lm,
+        dense,
+        &[store],
+        export_dtype(dtype, run_dir)?,
+        2 << 30,
+        source_dir,
+    )
+}
+
+/// An engine that reads `run`'s checkpoint for an export: room for one
+/// expert in each tier.
+pub(super) fn export_engine(run: &OpenedRun, run_dir: &Path) -> Result<Engine, String> {
+    let (o, lm) = (&run.options, &run.lm);
     let engine_config = EngineConfig {
         store_path: Some(store_path(run_dir)),
         device_budget_bytes: 2 * lm.config().expert_params() as u64 * 4,
@@ -379,26 +396,15 @@ pub fn export_run(run_dir: &Path, to: &Path, dtype: Option<&str>) -> Result<Vec<
             experts_per_layer: 1,
             params_per_expert: lm.config().expert_params() as u64,
             compute_dtype: parse_dtype(&o.compute_dtype)?,
-            moments: super::trains_experts(&o)?,
+            moments: super::trains_experts(o)?,
         }
         .record_bytes(),
         compute_dtype: parse_dtype(&o.compute_dtype)?,
-        train_experts: super::trains_experts(&o)?,
+        train_experts: super::trains_experts(o)?,
         optimizer_threads: 1,
         ..EngineConfig::default()
     };
-    let mut engine = Engine::resume_network(&lm, engine_config).map_err(|e| e.to_string())?;
-    let source_dir = files.side_files_dir(&o, &source);
-    let (dense, store) = engine.dense_params_and_store().map_err(|e| e.to_string())?;
-    hf::export(
-        to,
-        &lm,
-        dense,
-        store,
-        export_dtype(dtype, run_dir)?,
-        2 << 30,
-        source_dir,
-    )
+    Engine::resume_network(lm, engine_config).map_err(|e| e.to_string())
 }
 
 /// Makes the run directory, its record and its store (initialized or
