@@ -336,17 +336,22 @@ where
     N: Network + Sync,
     N::Batch: Sync,
 {
+    let clip = config.clip_grad_norm;
     let mut engine = Engine::new_network(net, config).expect("the engine opens");
     if let Some(comm) = comm {
         engine.join_ranks(Box::new(comm)).expect("the ranks join");
     }
     let losses = (0..STEPS)
         .map(|s| {
-            engine
-                .step_network(net, &batch(s))
-                .expect("a step")
-                .loss
-                .to_bits()
+            let m = engine.step_network(net, &batch(s)).expect("a step");
+            if let Some(max) = clip {
+                let norm = m.grad_norm.expect("a clipped step's norm");
+                assert!(
+                    norm > f64::from(max),
+                    "step {s} was not clipped: norm {norm}"
+                );
+            }
+            m.loss.to_bits()
         })
         .collect();
     let model = engine.model().clone();
@@ -535,8 +540,13 @@ fn ranks_train_the_language_model_as_in_process_devices_do() {
         let lm = MoeLm::new(tiny_config()).expect("the tiny model");
         let model = lm.moe().clone();
         let record = 16 * (model.expert_params() as u64 * 4).div_ceil(4096) * 4096;
-        // 4 sequences: two micro-batches a rank on 2 ranks.
-        let config = resident(model.layers, model.experts, record, 2);
+        // 4 sequences: two micro-batches a rank on 2 ranks; every step
+        // clipped, which sums the squares of every rank's experts.
+        let config = EngineConfig {
+            clip_grad_norm: Some(1e-3),
+            schedule: strata::engine::ScheduleKind::Naive,
+            ..resident(model.layers, model.experts, record, 2)
+        };
         rank_trains_as_a_device(&lm, config, |s| tiny_batch(s as u32));
         return;
     }

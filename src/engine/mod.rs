@@ -371,6 +371,10 @@ impl Engine {
                 return Err(e);
             }
         };
+        let ranks = self
+            .ranks
+            .as_mut()
+            .map(|r| &mut *r.comm as &mut dyn crate::comm::Comm);
         let clip = self.config.clip_grad_norm.map(|max_norm| ClipInput {
             max_norm,
             // Frozen tensors have no gradient, as in torch.
@@ -379,6 +383,7 @@ impl Engine {
                     .flat_map(|r| &dense_grad[r])
                     .map(|&g| g as f64 * g as f64)
                     .sum::<f64>(),
+            ranks,
         });
         let (finish_stall, clipped) = self.shared.finish_step(clip)?;
         let scale = clipped.map_or(1.0, |c| c.scale.min(1.0));

@@ -229,10 +229,6 @@ impl Engine {
         }
         let clash = [
             (config.devices > 1, "several devices per rank (devices > 1)"),
-            (
-                config.clip_grad_norm.is_some(),
-                "clip_grad_norm (the global norm would need every rank's experts)",
-            ),
             (config.trace_routing, "trace_routing"),
             (config.affinity_prefetch, "affinity_prefetch"),
         ];

@@ -16,6 +16,7 @@ use strata_tiers::{ExpertId, HostCache, Layout, TierError, Timeline};
 use super::grad_buffers::GradBuffers;
 use super::update::ExpertUpdate;
 use super::ScheduleKind;
+use crate::comm::Comm;
 use crate::EngineError;
 
 /// How long an acquire waits for other devices to release host slots
@@ -34,11 +35,13 @@ pub(crate) enum When {
 }
 
 /// What clipping the global gradient norm needs from the dense side.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ClipInput {
+pub(crate) struct ClipInput<'a> {
     pub max_norm: f32,
     /// Σ g² over the dense gradient, in f64.
     pub dense_norm_sq: f64,
+    /// On ranks as processes, the endpoint to the others, whose experts'
+    /// squares count too.
+    pub ranks: Option<&'a mut dyn Comm>,
 }
 
 /// The global norm and the factor every gradient was multiplied by.
@@ -48,16 +51,21 @@ pub(crate) struct Clipped {
     pub scale: f32,
 }
 
-impl ClipInput {
+impl ClipInput<'_> {
     /// Sums the experts' squares in key order (so the norm does not depend
-    /// on which device finished first), and scales every expert gradient
-    /// by min(1, max / (norm + 1e-6)), as torch's clip_grad_norm_.
-    fn apply(self, experts: &mut [(usize, Vec<f32>)]) -> Clipped {
+    /// on which device finished first, nor on which rank holds an expert),
+    /// and scales every expert gradient by min(1, max / (norm + 1e-6)), as
+    /// torch's clip_grad_norm_.
+    fn apply(self, experts: &mut [(usize, Vec<f32>)]) -> Result<Clipped, EngineError> {
         experts.sort_unstable_by_key(|(key, _)| *key);
-        let experts_sq: f64 = experts
+        let mut squares: Vec<(usize, f64)> = experts
             .iter()
-            .map(|(_, g)| g.iter().map(|&x| x as f64 * x as f64).sum::<f64>())
-            .sum();
+            .map(|(key, g)| (*key, g.iter().map(|&x| x as f64 * x as f64).sum::<f64>()))
+            .collect();
+        if let Some(comm) = self.ranks {
+            squares = every_ranks_squares(comm, &squares)?;
+        }
+        let experts_sq: f64 = squares.iter().map(|(_, sq)| sq).sum();
         let norm = (self.dense_norm_sq + experts_sq).sqrt();
         let coef = self.max_norm as f64 / (norm + 1e-6);
         let scale = if coef < 1.0 { coef as f32 } else { 1.0 };
@@ -66,8 +74,33 @@ impl ClipInput {
                 g.iter_mut().for_each(|x| *x *= scale);
             }
         }
-        Clipped { norm, scale }
+        Ok(Clipped { norm, scale })
     }
+}
+
+/// Every rank's (expert key, Σ g²), in key order.
+fn every_ranks_squares(
+    comm: &mut dyn Comm,
+    mine: &[(usize, f64)],
+) -> Result<Vec<(usize, f64)>, EngineError> {
+    let words = mine
+        .iter()
+        .flat_map(|&(key, sq)| {
+            let bits = sq.to_bits();
+            [key as u32, bits as u32, (bits >> 32) as u32]
+        })
+        .collect();
+    let mut all: Vec<(usize, f64)> = comm
+        .all_gather_u32(words)?
+        .iter()
+        .flat_map(|w| w.chunks_exact(3))
+        .map(|w| {
+            let bits = u64::from(w[1]) | u64::from(w[2]) << 32;
+            (w[0] as usize, f64::from_bits(bits))
+        })
+        .collect();
+    all.sort_unstable_by_key(|&(key, _)| key);
+    Ok(all)
 }
 
 /// Which held updates [`SharedExperts::release_held`] submits.
@@ -401,7 +434,7 @@ impl SharedExperts {
     /// seconds stalled and the clipping (`None` without `clip`).
     pub fn finish_step(
         &self,
-        clip: Option<ClipInput>,
+        clip: Option<ClipInput<'_>>,
     ) -> Result<(f64, Option<Clipped>), EngineError> {
         let mut stall = 0.0;
         let leftovers: Vec<(usize, Vec<f32>)> = {
@@ -417,7 +450,7 @@ impl SharedExperts {
         if self.schedule == ScheduleKind::Naive {
             let mut ended = std::mem::take(&mut self.book().until_backward_ends);
             if let Some(clip) = clip {
-                let c = clip.apply(&mut ended);
+                let c = clip.apply(&mut ended)?;
                 clipped = Some(c);
             }
             for (key, grad) in ended {
