@@ -225,10 +225,10 @@ fn ranks_as_processes_refuse_what_they_cannot_do() {
         (
             EngineConfig {
                 ranks: 2,
-                trace_routing: true,
+                affinity_prefetch: true,
                 ..EngineConfig::default()
             },
-            "with trace_routing",
+            "with affinity_prefetch",
         ),
         (
             EngineConfig {

@@ -356,7 +356,8 @@ fn copy_dir(from: &Path, to: &Path) {
 /// Four ranks, two of them a checkpoint behind the others (as a job
 /// killed while its ranks committed leaves them): the resume rolls the
 /// two ahead back, and the ranks end on the bits of `--devices 4`, every
-/// step's gradient clipped to a global norm over every rank's experts.
+/// step's gradient clipped to a global norm over every rank's experts,
+/// and the routing trace of every rank's tokens `--devices 4`'s.
 #[test]
 fn ranks_a_checkpoint_apart_resume_from_the_step_all_of_them_hold() {
     if !mpirun_found() {
@@ -364,14 +365,20 @@ fn ranks_a_checkpoint_apart_resume_from_the_step_all_of_them_hold() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
-    let flags = [
-        CONSTANT_LR,
-        &["--checkpoint-every", "0", "--clip-grad-norm", "0.01"],
-    ]
-    .concat();
+    let traced = |name: &str| dir.path().join(format!("{name}-routing.json"));
+    let (devices_trace, ranks_trace) = (traced("devices"), traced("ranks"));
+    fn with_trace(trace: &Path) -> Vec<&str> {
+        [
+            CONSTANT_LR,
+            &["--checkpoint-every", "0", "--clip-grad-norm", "0.01"],
+            &["--trace-routing", trace.to_str().unwrap()],
+        ]
+        .concat()
+    }
     let bound = Duration::from_secs(600);
-    devices_run(4, &flags, 12, &devices);
+    devices_run(4, &with_trace(&devices_trace), 12, &devices);
 
+    let flags = with_trace(&ranks_trace);
     let out = output_within(mpirun(4, &flags, 4, false, &ranks), "mpirun -n 4", bound);
     assert!(out.status.success(), "{}", said(&out));
     let behind = |r: usize| dir.path().join(format!("behind-{r}"));
@@ -405,6 +412,16 @@ fn ranks_a_checkpoint_apart_resume_from_the_step_all_of_them_hold() {
         "{text}"
     );
     ranks_match(&devices, &ranks, 4);
+    // Rank 0 wrote the routing of every rank's tokens, resumed from the
+    // trace of step 4: the in-process devices' trace.
+    let read = |p: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    assert_eq!(read(&ranks_trace)["steps"], 12);
+    assert!(
+        read(&ranks_trace) == read(&devices_trace),
+        "the ranks' routing trace differs from --devices 4's"
+    );
     println!(
         "mpi case: 4 ranks, two a checkpoint behind, resumed from step 4 to --devices 4's bits"
     );

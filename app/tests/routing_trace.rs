@@ -1,5 +1,7 @@
 //! `--trace-routing FILE`: written with every checkpoint, continued by a
-//! resumed run, its counts and conditional probabilities consistent.
+//! resumed run (from the trace of the checkpoint before where the last
+//! one did not commit), its counts and conditional probabilities
+//! consistent.
 
 mod common;
 
@@ -59,6 +61,15 @@ fn the_routing_trace_follows_the_checkpoints_and_the_resume() {
         assert!(sum == 0.0 || (sum - 1.0).abs() < 1e-9, "{sum}");
     }
 
+    // The trace of the checkpoint before is kept beside it.
+    let prev = dir.path().join("routing.json.prev");
+    assert_eq!(read(&prev)["steps"], 2);
+    // As a run stopped between its trace of step 4 and that checkpoint's
+    // commit leaves them: the resume takes the trace of step 3.
+    std::fs::rename(&trace, &prev).unwrap();
+    let mut ahead = first.clone();
+    ahead["steps"] = 4.into();
+    std::fs::write(&trace, ahead.to_string()).unwrap();
     let resumed = TrainFlags {
         resume: true,
         ..flags(5)

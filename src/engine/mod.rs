@@ -244,8 +244,24 @@ impl Engine {
         self.routing_trace.as_ref()
     }
 
+    /// [`Engine::routing_trace`] of every rank's tokens: on ranks as
+    /// processes each rank traces its own, and this sums them (a
+    /// collective: every rank calls it at the same point); elsewhere, the
+    /// engine's own.
+    pub fn routing_trace_of_ranks(&mut self) -> Result<Option<RoutingTrace>, EngineError> {
+        let Some(mine) = self.routing_trace.clone() else {
+            return Ok(None);
+        };
+        match self.ranks.as_mut() {
+            Some(r) => Ok(Some(routing_trace::sum_over_ranks(&mut *r.comm, mine)?)),
+            None => Ok(Some(mine)),
+        }
+    }
+
     /// Continues from `trace` (a resumed run's earlier steps); it must be
-    /// of this engine's shape, and tracing on.
+    /// of this engine's shape, and tracing on. On ranks, give rank 0 the
+    /// whole trace and the others an empty one of as many steps
+    /// ([`RoutingTrace::empty_at`]): their sum is the whole.
     pub fn set_routing_trace(&mut self, trace: RoutingTrace) -> Result<(), EngineError> {
         let m = &self.model;
         if self.routing_trace.is_none()

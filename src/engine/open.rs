@@ -229,7 +229,6 @@ impl Engine {
         }
         let clash = [
             (config.devices > 1, "several devices per rank (devices > 1)"),
-            (config.trace_routing, "trace_routing"),
             (config.affinity_prefetch, "affinity_prefetch"),
         ];
         match clash.iter().find(|(on, _)| *on) {

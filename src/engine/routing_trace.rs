@@ -5,7 +5,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::comm::Comm;
 use crate::math::Permutation;
+use crate::EngineError;
 
 /// Transition counts between consecutive MoE layers, summed over steps.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,6 +64,15 @@ impl RoutingTrace {
         serde_json::to_string(&value).expect("JSON")
     }
 
+    /// No transitions, `steps` steps counted: a rank's own share of a
+    /// resumed trace other than rank 0's.
+    pub fn empty_at(&self, steps: u64) -> Self {
+        Self {
+            steps,
+            ..Self::new(self.layers, self.experts, self.top_k)
+        }
+    }
+
     /// Adds another trace's counts and steps (the same shape).
     pub fn add(&mut self, other: &RoutingTrace) {
         assert_eq!(
@@ -74,6 +85,32 @@ impl RoutingTrace {
             mine.iter_mut().zip(theirs).for_each(|(a, b)| *a += b);
         }
     }
+}
+
+/// Every rank's `mine` summed: the counts added, the steps (the same on
+/// every rank) kept.
+pub(super) fn sum_over_ranks(
+    comm: &mut dyn Comm,
+    mine: RoutingTrace,
+) -> Result<RoutingTrace, EngineError> {
+    let words: Vec<u32> = mine
+        .transitions
+        .iter()
+        .flatten()
+        .flat_map(|&c| [c as u32, (c >> 32) as u32])
+        .collect();
+    let mut total = mine.empty_at(mine.steps);
+    for theirs in comm.all_gather_u32(words)? {
+        let mut counts = theirs
+            .chunks_exact(2)
+            .map(|w| u64::from(w[0]) | u64::from(w[1]) << 32);
+        for c in total.transitions.iter_mut().flatten() {
+            *c += counts.next().ok_or_else(|| {
+                EngineError::Config("the ranks trace routing of other shapes".into())
+            })?;
+        }
+    }
+    Ok(total)
 }
 
 /// The last MoE layer's choices of the micro-batch in progress, to pair

@@ -702,10 +702,10 @@ fn run_locked(
             .any_rank(interrupt.load(Ordering::SeqCst))
             .map_err(err)?;
         if interrupted || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) {
-            engine.checkpoint().map_err(err)?;
             if let Some(path) = &o.trace_routing {
-                routing_file::write(&engine, path)?;
+                routing_file::write(&mut engine, path)?;
             }
+            engine.checkpoint().map_err(err)?;
             metrics_log.append(&format!("{{\"step\":{step},\"checkpoint\":true}}"))?;
         }
         if interrupted {
@@ -715,10 +715,10 @@ fn run_locked(
     }
     bar.finish_and_clear();
     if !summary.interrupted {
-        engine.checkpoint().map_err(err)?;
         if let Some(path) = &o.trace_routing {
-            routing_file::write(&engine, path)?;
+            routing_file::write(&mut engine, path)?;
         }
+        engine.checkpoint().map_err(err)?;
     }
     rates.sort_by(f64::total_cmp);
     summary.tokens_per_s = rates.get(rates.len() / 2).copied().unwrap_or(0.0);

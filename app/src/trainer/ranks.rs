@@ -101,7 +101,6 @@ pub(crate) fn refuse(o: &super::TrainOptions, world: &RankWorld) -> Result<(), S
     let clash = [
         (o.devices > 1, "--devices above 1 (one device a rank)"),
         (o.backend == "cuda", "--backend cuda (GPU ranks need NCCL)"),
-        (o.trace_routing.is_some(), "--trace-routing"),
     ];
     match clash.iter().find(|(on, _)| *on) {
         Some((_, what)) => Err(format!(
