@@ -17,10 +17,11 @@ pub(crate) struct RankWorld {
 }
 
 /// How many ranks the launcher that started this process started, from
-/// its environment: Open MPI's `OMPI_COMM_WORLD_SIZE`, MPICH's and Slurm's
-/// `PMI_SIZE`.
+/// its environment: Open MPI's `OMPI_COMM_WORLD_SIZE`, MPICH's (and
+/// Slurm's PMI-2) `PMI_SIZE`, and Slurm's `SLURM_STEP_NUM_TASKS` for
+/// `srun`, whose PMIx launch leaves the others unset until MPI starts.
 fn launched_size() -> Option<usize> {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
         .iter()
         .find_map(|k| std::env::var(k).ok()?.parse().ok())
 }
