@@ -390,6 +390,24 @@ fn ranks_a_checkpoint_apart_resume_from_the_step_all_of_them_hold() {
     for r in [1, 3] {
         copy_dir(&behind(r), &ranks.join(format!("rank-{r}")));
     }
+    // Each rank's checkpoint is intact, and verify says they differ.
+    let mut verify = Command::new(env!("CARGO_BIN_EXE_strata"));
+    verify.args(["verify", "--run"]).arg(&ranks);
+    let out = output_within(verify, "strata verify", bound);
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    for (r, step) in [(0, 8), (1, 4), (2, 8), (3, 4)] {
+        assert!(
+            text.contains(&format!(
+                "rank-{r}: the checkpoint at step {step} is intact"
+            )),
+            "{text}"
+        );
+    }
+    assert!(
+        text.contains("checkpoints are at steps [8, 4, 8, 4]"),
+        "{text}"
+    );
     // An export needs every rank at one step, and says how to get there.
     let mut export = Command::new(env!("CARGO_BIN_EXE_strata"));
     export

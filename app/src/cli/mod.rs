@@ -196,7 +196,33 @@ fn execute(cli: Cli) -> Result<ExitCode, CliError> {
     }
 }
 
+/// `strata verify`: the run's checkpoint, or each rank's of a ranks run.
 fn verify(run: &std::path::Path) -> Result<ExitCode, CliError> {
+    let Some(ranks) = trainer::rank_dirs(run) else {
+        return verify_one(run).map(|(code, _)| code);
+    };
+    let mut steps = Vec::new();
+    let mut code = ExitCode::SUCCESS;
+    for dir in &ranks {
+        let (one, step) = verify_one(dir)?;
+        if one != ExitCode::SUCCESS {
+            code = one;
+        }
+        steps.push(step);
+    }
+    if steps.iter().any(|&s| s != steps[0]) {
+        writeln!(
+            std::io::stdout().lock(),
+            "note: the ranks' checkpoints are at steps {steps:?} (rank 0 first); --resume \
+             with as many ranks goes on from the newest step all of them hold"
+        )?;
+    }
+    Ok(code)
+}
+
+/// Verifies one run directory's checkpoint, saying what it found: the
+/// exit code and the checkpoint's step.
+fn verify_one(run: &std::path::Path) -> Result<(ExitCode, u64), CliError> {
     let report = trainer::verify_run(run)?;
     let mut out = std::io::stdout().lock();
     for note in &report.notes {
@@ -216,7 +242,7 @@ fn verify(run: &std::path::Path) -> Result<ExitCode, CliError> {
             report.step,
             report.experts
         )?;
-        return Ok(ExitCode::SUCCESS);
+        return Ok((ExitCode::SUCCESS, report.step));
     }
     writeln!(
         out,
@@ -232,5 +258,5 @@ fn verify(run: &std::path::Path) -> Result<ExitCode, CliError> {
             ""
         }
     )?;
-    Ok(ExitCode::FAILURE)
+    Ok((ExitCode::FAILURE, report.step))
 }

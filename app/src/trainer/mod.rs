@@ -33,6 +33,7 @@ use strata_tiers::{Dtype, Timeline};
 use metrics_log::MetricsLog;
 pub use options::{Packing, StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
+pub use rank_export::rank_dirs;
 use run_dir::{create_run, resume_options, update_record, ModelFiles, RunLock};
 pub use run_dir::{export_run, verify_run};
 use strata::engine::{Engine, StepMetrics};

@@ -17,7 +17,7 @@ use super::run_dir::{export_dtype, export_engine, open_run, store_path};
 /// The run directories of a ranks run in `out` (`rank-0`, `rank-1`, … as
 /// far as they go), where `out` is one: no run of its own, a `rank-0`
 /// with one.
-pub(super) fn rank_dirs(out: &Path) -> Option<Vec<PathBuf>> {
+pub fn rank_dirs(out: &Path) -> Option<Vec<PathBuf>> {
     let is_run = |d: &Path| d.join("run.json").is_file();
     if is_run(out) || !is_run(&rank_out(out, 0)) {
         return None;
