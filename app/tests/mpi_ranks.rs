@@ -198,6 +198,24 @@ fn last_checkpoint(dir: &Path) -> Option<u64> {
         .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
 }
 
+/// Sends `signal` to rank 1 of the job `mpirun` once that rank's
+/// metrics.jsonl in `ranks` has `lines` lines (it has trained a few steps).
+fn signal_rank_1(mpirun: &std::process::Child, ranks: &Path, lines: usize, signal: &str) {
+    let start = Instant::now();
+    let progress = ranks.join("rank-1").join("metrics.jsonl");
+    while std::fs::read_to_string(&progress).map_or(0, |t| t.lines().count()) < lines {
+        assert!(
+            start.elapsed() < Duration::from_secs(600),
+            "the ranks did not start training"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = rank_pid(mpirun.id(), 1).expect("rank 1's process");
+    let _ = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status();
+}
+
 #[test]
 fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     if !mpirun_found() {
@@ -205,57 +223,17 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
-    let strata = env!("CARGO_BIN_EXE_strata");
     let bound = Duration::from_secs(600);
-    let flags = [
-        "train",
-        "--steps",
-        "150",
-        "--batch",
-        "4",
-        "--seq-len",
-        "16",
-        "--eval-every",
-        "0",
-        "--threads",
-        "1",
-    ];
-    let mut one = Command::new(strata);
-    one.args(flags)
-        .args(["--devices", "2", "--out"])
-        .arg(&devices);
-    let out = output_within(one, "strata train --devices 2", bound);
-    assert!(out.status.success(), "{}", said(&out));
+    devices_run(2, CONSTANT_LR, 150, &devices);
 
-    let mpi = |resume: bool| {
-        let mut c = Command::new("mpirun");
-        c.args(["--oversubscribe", "-n", "2", strata])
-            .args(flags)
-            .args(resume.then_some("--resume"))
-            .arg("--out")
-            .arg(&ranks)
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        c
-    };
     // SIGTERM to rank 1 alone once the ranks have trained a few steps.
-    let child = mpi(false).spawn().unwrap();
-    let start = Instant::now();
-    let progress = ranks.join("rank-1").join("metrics.jsonl");
-    loop {
-        let steps = std::fs::read_to_string(&progress).map_or(0, |t| t.lines().count());
-        if steps >= 3 {
-            break;
-        }
-        assert!(start.elapsed() < bound, "the ranks did not start training");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
-    let _ = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
+    let mut run = mpirun(2, CONSTANT_LR, 150, false, &ranks);
+    let child = run
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    signal_rank_1(&child, &ranks, 3, "TERM");
     let text = said(&wait_within(child, "the ranks after SIGTERM", bound));
     let stopped: Vec<Option<u64>> = (0..2)
         .map(|r| last_checkpoint(&ranks.join(format!("rank-{r}"))))
@@ -268,20 +246,10 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     let at = stopped[0].unwrap();
     assert!(at < 150, "the run ended before the signal came:\n{text}");
 
-    let out = output_within(mpi(true), "mpirun -n 2 strata train --resume", bound);
+    let resume = mpirun(2, CONSTANT_LR, 150, true, &ranks);
+    let out = output_within(resume, "mpirun -n 2 strata train --resume", bound);
     assert!(out.status.success(), "{}", said(&out));
-    let (want, _) = losses(&devices);
-    let lm = MoeLm::new(read_config(&devices).unwrap()).unwrap();
-    let (dense, _) = run_params_of(&devices, &lm, true);
-    for rank in 0..2 {
-        let run = ranks.join(format!("rank-{rank}"));
-        let (got, _) = losses(&run);
-        assert_eq!(got, want, "rank {rank}: other losses after the resume");
-        assert!(
-            run_params_of(&run, &lm, true).0 == dense,
-            "rank {rank}: other dense params"
-        );
-    }
+    ranks_match(&devices, &ranks, 2);
     println!("mpi case: SIGTERM to rank 1 stopped both ranks at step {at}; resumed to --devices 2's bits");
 }
 
@@ -466,16 +434,7 @@ fn a_killed_rank_ends_the_job_and_the_ranks_resume_exactly() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let start = Instant::now();
-    let progress = ranks.join("rank-1").join("metrics.jsonl");
-    while std::fs::read_to_string(&progress).map_or(0, |t| t.lines().count()) < 9 {
-        assert!(start.elapsed() < bound, "the ranks did not start training");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status();
+    signal_rank_1(&child, &ranks, 9, "KILL");
     let killed = Instant::now();
     let out = wait_within(child, "the job after rank 1 died", Duration::from_secs(60));
     let ended = killed.elapsed();
