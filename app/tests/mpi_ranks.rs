@@ -19,8 +19,6 @@ use strata_cli::trainer::hf::read_config;
 
 const FLAGS: &[&str] = &[
     "train",
-    "--steps",
-    "20",
     "--batch",
     "4",
     "--seq-len",
@@ -78,24 +76,12 @@ fn mpirun_trains_what_devices_in_one_process_train() {
     let bound = Duration::from_secs(600);
 
     let exported = |name: &str| dir.path().join(format!("{name}-export"));
-    let mut one = Command::new(strata);
-    one.args(FLAGS)
-        .args(["--devices", "2", "--out"])
-        .arg(&devices)
-        .arg("--export")
-        .arg(exported("devices"));
-    let out = output_within(one, "strata train --devices 2", bound);
-    assert!(out.status.success(), "{}", said(&out));
-
-    let mut mpi = Command::new("mpirun");
-    mpi.args(["--oversubscribe", "-n", "2", strata])
-        .args(FLAGS)
-        .arg("--out")
-        .arg(&ranks)
-        .arg("--export")
-        .arg(exported("ranks"))
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    let (to_devices, to_ranks) = (exported("devices"), exported("ranks"));
+    fn export_to(to: &Path) -> Vec<&str> {
+        [FLAGS, &["--export", to.to_str().unwrap()]].concat()
+    }
+    devices_run(2, &export_to(&to_devices), 20, &devices);
+    let mpi = mpirun(2, &export_to(&to_ranks), 20, false, &ranks);
     let out = output_within(mpi, "mpirun -n 2 strata train", bound);
     let text = said(&out);
     assert!(out.status.success(), "{text}");
