@@ -503,7 +503,7 @@ fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
     use strata::backend::cuda::CudaBackend;
     use strata::backend::{BackendKind, CpuBackend, DenseGemm};
     use strata::model::{DenseKernels, HeadShape};
-    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+    if let Err(e) = BackendKind::Cuda.check(0..1, strata_tiers::Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
     }
@@ -714,7 +714,7 @@ fn dense_gradients_sum_on_the_gpu_until_the_flush() {
 fn one_engine_step_on_the_gpu_computes_the_gradients_of_the_cpu() {
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
-    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+    if let Err(e) = BackendKind::Cuda.check(0..1, strata_tiers::Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
     }
@@ -825,7 +825,7 @@ fn one_engine_step_on_the_gpu_computes_the_gradients_of_the_cpu() {
 fn five_engine_steps_on_the_gpu_match_the_cpu() {
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
-    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+    if let Err(e) = BackendKind::Cuda.check(0..1, strata_tiers::Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
     }
@@ -896,7 +896,7 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
     use strata::lm::{MoeLm, TokenBatch};
-    if let Err(e) = BackendKind::Cuda.check(1, strata_tiers::Dtype::Bf16) {
+    if let Err(e) = BackendKind::Cuda.check(0..1, strata_tiers::Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
     }

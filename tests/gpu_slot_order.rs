@@ -27,7 +27,7 @@ mod on_the_gpu {
     use strata_tiers::Dtype;
 
     fn available() -> bool {
-        match BackendKind::Cuda.check(1, Dtype::Bf16) {
+        match BackendKind::Cuda.check(0..1, Dtype::Bf16) {
             Ok(()) => true,
             Err(e) => {
                 common::cuda_case_skipped(e);

@@ -234,19 +234,24 @@ fn cross_entropy_gradient_matches_finite_differences() {
 /// The plain stack reports its router losses as the sums of its layers'
 /// (each a mean of squares or of positive products, so above zero: a sum
 /// that subtracts a layer shows), and its total as the cross-entropy plus
-/// both, each times its coefficient.
+/// both, each times its coefficient, in one micro-batch or in two.
 #[test]
 fn the_stack_adds_every_layers_router_losses() {
     let model = common::model(2, ExpertKind::SwiGlu);
     assert_eq!(model.layers, 2);
-    let mut trainer =
-        strata::reference::ReferenceTrainer::new(model.clone(), common::hyper()).unwrap();
-    let l = trainer.step(&common::batch(&model, 0), 1).unwrap();
-    assert!(l.z > 0.0 && l.aux > 0.0, "aux {} and z {}", l.aux, l.z);
-    let total = l.ce + model.aux_loss_coef * l.aux + model.z_loss_coef * l.z;
-    assert!(
-        (l.total - total).abs() <= 1e-6 * total,
-        "{} against {total}",
-        l.total
-    );
+    // In micro-batches, each adds its share of the router losses.
+    for micro_batches in [1, 2] {
+        let mut trainer =
+            strata::reference::ReferenceTrainer::new(model.clone(), common::hyper()).unwrap();
+        let l = trainer
+            .step(&common::batch(&model, 0), micro_batches)
+            .unwrap();
+        assert!(l.z > 0.0 && l.aux > 0.0, "aux {} and z {}", l.aux, l.z);
+        let total = l.ce + model.aux_loss_coef * l.aux + model.z_loss_coef * l.z;
+        assert!(
+            (l.total - total).abs() <= 1e-6 * total,
+            "{micro_batches} micro-batches: {} against {total}",
+            l.total
+        );
+    }
 }

@@ -441,3 +441,33 @@ fn a_killed_rank_ends_the_job_and_the_ranks_resume_exactly() {
         "mpi case: rank 1 killed, the job ended in {ended:?}; {rolled}; resumed to --devices 2's bits"
     );
 }
+
+/// GPU ranks: `mpirun -n 2 strata train --backend cuda`, each rank on the
+/// GPU of its local rank, the tokens exchanged through host memory over
+/// MPI, trains what `--devices 2 --backend cuda` trains in one process,
+/// bit for bit. Runs where CUDA is (a GPU, or CI's driver model).
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_ranks_train_what_gpus_in_one_process_train() {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(0..2, strata_tiers::Dtype::Bf16) {
+        common::cuda_case_skipped(e);
+        return;
+    }
+    if !mpirun_found() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
+    let flags = [CONSTANT_LR, &["--backend", "cuda"]].concat();
+    devices_run(2, &flags, 8, &devices);
+    let out = output_within(
+        mpirun(2, &flags, 8, false, &ranks),
+        "mpirun -n 2 strata train --backend cuda",
+        Duration::from_secs(600),
+    );
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("2 GPU ranks as processes"), "{text}");
+    ranks_match(&devices, &ranks, 2);
+    println!("cuda case: mpirun -n 2 strata train --backend cuda, the bits of --devices 2");
+}

@@ -23,7 +23,7 @@ use strata_tiers::Dtype;
 #[cfg(feature = "cuda")]
 #[test]
 fn the_dense_params_train_alike_on_the_gpu_and_on_the_host() {
-    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(0..1, Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
     }
@@ -76,11 +76,11 @@ fn the_dense_params_train_alike_on_the_gpu_and_on_the_host() {
 #[test]
 fn the_trainer_runs_on_the_gpus() {
     let gpus = if strata::backend::BackendKind::Cuda
-        .check(2, Dtype::Bf16)
+        .check(0..2, Dtype::Bf16)
         .is_ok()
     {
         2
-    } else if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+    } else if let Err(e) = strata::backend::BackendKind::Cuda.check(0..1, Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
     } else {
@@ -507,7 +507,7 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
     // Without the cuda feature, or on a machine without a GPU, --backend
     // cuda says why and how to run without it.
     if strata::backend::BackendKind::Cuda
-        .check(1, Dtype::Bf16)
+        .check(0..1, Dtype::Bf16)
         .is_err()
     {
         refused(
@@ -802,7 +802,7 @@ fn the_first_line_names_the_backend_it_chose() {
 /// one that can be given a size and reports its peak; else says why the
 /// `what` case skips.
 fn on_the_driver_model(what: &str) -> bool {
-    if let Err(e) = strata::backend::BackendKind::Cuda.check(1, Dtype::Bf16) {
+    if let Err(e) = strata::backend::BackendKind::Cuda.check(0..1, Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return false;
     }

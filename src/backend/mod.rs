@@ -30,12 +30,12 @@ pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
 /// take (their gradient as much again; a block holds one row at least).
 pub const HEAD_BLOCK_BYTES: usize = 1 << 30;
 
-/// The least free memory, in bytes, of GPUs 0..`devices` (what a run may
-/// size its `--device-mem` from).
+/// The least free memory, in bytes, of the GPUs `gpus` (at least the
+/// first; what a run may size its `--device-mem` from).
 #[cfg(feature = "cuda")]
-pub fn gpu_free_bytes(devices: usize) -> Result<u64, EngineError> {
+pub fn gpu_free_bytes(gpus: Range<usize>) -> Result<u64, EngineError> {
     let mut least = u64::MAX;
-    for ordinal in 0..devices.max(1) {
+    for ordinal in gpus.start..gpus.end.max(gpus.start + 1) {
         let (ctx, _) = strata_tiers::device_cuda::open_gpu(ordinal)?;
         let (free, _) = ctx.mem_get_info().map_err(|e| EngineError::Device {
             device: ordinal,
@@ -48,7 +48,7 @@ pub fn gpu_free_bytes(devices: usize) -> Result<u64, EngineError> {
 
 /// Without the cuda feature there is no GPU to ask.
 #[cfg(not(feature = "cuda"))]
-pub fn gpu_free_bytes(_devices: usize) -> Result<u64, EngineError> {
+pub fn gpu_free_bytes(_gpus: Range<usize>) -> Result<u64, EngineError> {
     Err(EngineError::Config(
         "this strata was built without --features cuda".into(),
     ))
@@ -64,6 +64,7 @@ pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
 pub use narrow::NarrowCpuKernels;
 
+use std::ops::Range;
 use strata_tiers::{Dtype, Layout};
 
 use crate::EngineError;
@@ -167,7 +168,7 @@ impl BackendKind {
     pub fn detect(devices: usize, compute_dtype: Dtype) -> (Self, String) {
         #[cfg(feature = "cuda")]
         {
-            match BackendKind::Cuda.check(devices, compute_dtype) {
+            match BackendKind::Cuda.check(0..devices, compute_dtype) {
                 Ok(()) => {
                     let name = strata_tiers::device_cuda::open_gpu(0)
                         .map(|(_, info)| info.name)
@@ -185,10 +186,10 @@ impl BackendKind {
         }
     }
 
-    /// Checks, without building anything, that `devices` devices of this
-    /// kind can be opened (a GPU each for `Cuda`) and compute from expert
-    /// params stored as `compute_dtype`.
-    pub fn check(self, devices: usize, compute_dtype: Dtype) -> Result<(), EngineError> {
+    /// Checks, without building anything, that devices `gpus` of this kind
+    /// can be opened (those GPUs for `Cuda`) and compute from expert params
+    /// stored as `compute_dtype`.
+    pub fn check(self, gpus: Range<usize>, compute_dtype: Dtype) -> Result<(), EngineError> {
         if self == BackendKind::Cuda && compute_dtype == Dtype::F16 {
             return Err(EngineError::Config(
                 "the cuda backend computes from bf16 (or f32) expert params: use \
@@ -200,17 +201,17 @@ impl BackendKind {
             BackendKind::Cpu => Ok(()),
             #[cfg(feature = "cuda")]
             BackendKind::Cuda => {
-                for ordinal in 0..devices {
+                for ordinal in gpus.clone() {
                     strata_tiers::device_cuda::open_gpu(ordinal)?;
                 }
-                match devices {
-                    0 => Ok(()),
-                    _ => cuda::check_libraries(0),
+                match gpus.is_empty() {
+                    true => Ok(()),
+                    false => cuda::check_libraries(gpus.start),
                 }
             }
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {
-                let _ = devices;
+                let _ = gpus;
                 Err(Self::no_cuda_feature())
             }
         }

@@ -119,6 +119,10 @@ pub struct EngineConfig {
     /// of every batch, experts are placed per layer by greedy LPT and the
     /// tokens exchanged (see `multi.rs`).
     pub devices: usize,
+    /// With the cuda backend, the GPU of device 0: device i computes on
+    /// GPU `first_gpu + i`. Ranks as processes on one machine give each
+    /// rank its own (the trainer: the launcher's local rank).
+    pub first_gpu: usize,
     /// Several devices: the share of each layer's experts kept resident
     /// (pinned) on a device, chosen by the previous step's load; 0 turns
     /// pinning off. Capped so two slots per device stay free to stream.
@@ -212,6 +216,7 @@ impl Default for EngineConfig {
             io_queue_depth: 32,
             expert_compute: ExpertCompute::Run,
             devices: 1,
+            first_gpu: 0,
             pin_fraction: 0.25,
             backend: BackendKind::Cpu,
             timeline: None,

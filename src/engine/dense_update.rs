@@ -17,9 +17,10 @@ use crate::EngineError;
 
 impl Engine {
     /// The device that keeps and steps the dense params it computes with,
-    /// where this engine lets it (one device, `dense_on_device`).
+    /// where this engine lets it (one device in the world,
+    /// `dense_on_device`: ranks all-reduce the dense gradient on the host).
     pub(super) fn residence(&self) -> Option<&dyn DenseResidence> {
-        if !self.config.dense_on_device || self.devices.len() != 1 {
+        if !self.config.dense_on_device || self.config.workers() != 1 {
             return None;
         }
         self.dense_kernels[0].residence()

@@ -306,7 +306,7 @@ impl Engine {
         let mut devices = (0..config.devices)
             .map(|ordinal| {
                 let device = config.backend.open_device(
-                    ordinal,
+                    config.first_gpu + ordinal,
                     config.device_budget_bytes,
                     &layout,
                     (config.dense_gemm, config.expert_gemm),

@@ -33,6 +33,7 @@ pub(super) fn engine_config(
         compute_dtype: parse_dtype(&o.compute_dtype)?,
         micro_batches: o.micro_batches,
         devices: o.devices,
+        first_gpu: o.first_gpu,
         backend: BackendKind::parse(&o.backend)?,
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,

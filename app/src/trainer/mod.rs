@@ -271,7 +271,7 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
     }
     BackendKind::parse(&o.backend)
         .map_err(|e| format!("--backend: {e}"))?
-        .check(o.devices, parse_dtype(&o.compute_dtype)?)
+        .check(o.gpus(), parse_dtype(&o.compute_dtype)?)
         .map_err(|e| format!("--backend {}: {e}", o.backend))?;
     condense_config(o)?;
     link(o)?;
@@ -367,7 +367,11 @@ fn run_in(
     if let Some(w) = &world {
         if o.backend == "auto" {
             o.backend = "cpu".into();
-            o.backend_chosen = Some("ranks as processes run on the cpu".into());
+            o.backend_chosen =
+                Some("ranks as processes run on the cpu unless --backend cuda".into());
+        }
+        if o.backend == "cuda" {
+            o.first_gpu = w.local_rank;
         }
         if w.rank > 0 {
             o.tensorboard = None; // rank 0 writes the run's scalars
@@ -381,7 +385,7 @@ fn run_in(
     }
     validate_options(&o)?;
     if o.backend == "cuda" && !flags.resume && !flags.gives_device_mem()? {
-        let free = strata::backend::gpu_free_bytes(o.devices).map_err(|e| e.to_string())?;
+        let free = strata::backend::gpu_free_bytes(o.gpus()).map_err(|e| e.to_string())?;
         o.device_mem = free / 10 * 9;
         o.device_mem_sized = Some(format!(
             "--device-mem {}: 90 % of the GPU's {} free (--device-mem to choose)",
@@ -484,8 +488,14 @@ fn run_locked(
         config.top_k,
         match &world {
             Some(w) => format!(
-                "{} cpu ranks as processes (MPI; rank R's run in {}), ",
+                "{} {} ranks as processes (MPI{}; rank R's run in {}), ",
                 w.size,
+                if o.backend == "cuda" { "GPU" } else { "cpu" },
+                if o.backend == "cuda" {
+                    ", each on the GPU of its local rank, exchanging through host memory"
+                } else {
+                    ""
+                },
                 ranks::rank_out(o.out.parent().unwrap_or(Path::new(".")), 0)
                     .with_file_name("rank-R")
                     .display()

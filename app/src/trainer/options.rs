@@ -243,6 +243,11 @@ pub struct TrainOptions {
     /// flag or file gave it (not recorded: a resumed run keeps its size).
     #[serde(skip)]
     pub device_mem_sized: Option<String>,
+    /// The GPU of device 0 (`EngineConfig::first_gpu`): a rank's local
+    /// rank where ranks as processes compute on GPUs (not recorded: each
+    /// start takes it from its launcher).
+    #[serde(skip)]
+    pub first_gpu: usize,
     pub lr: f32,
     pub warmup: u64,
     pub min_lr_ratio: f32,
@@ -356,6 +361,13 @@ pub enum Packing {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamSlots(pub Option<usize>);
 
+impl TrainOptions {
+    /// The GPUs the run's devices compute on (with `--backend cuda`).
+    pub fn gpus(&self) -> std::ops::Range<usize> {
+        self.first_gpu..self.first_gpu + self.devices
+    }
+}
+
 impl StreamSlots {
     pub fn parse(value: &str) -> Result<Self, String> {
         let least = MIN_HOST_STREAM_SLOTS;
@@ -441,6 +453,7 @@ impl TrainFlags {
             backend: pick!(cli, file, backend, "auto".into()),
             backend_chosen: None,
             device_mem_sized: None,
+            first_gpu: 0,
             lr: pick!(cli, file, lr, 3e-3),
             warmup: pick!(cli, file, warmup, 20),
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),

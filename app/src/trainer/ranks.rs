@@ -14,6 +14,9 @@ pub(crate) struct RankWorld {
     pub comm: Box<dyn Comm>,
     pub rank: usize,
     pub size: usize,
+    /// This rank among those on its machine: with `--backend cuda`, the
+    /// GPU it computes on.
+    pub local_rank: usize,
 }
 
 /// How many ranks the launcher that started this process started, from
@@ -24,6 +27,20 @@ fn launched_size() -> Option<usize> {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
         .iter()
         .find_map(|k| std::env::var(k).ok()?.parse().ok())
+}
+
+/// This process's place among the ranks on its machine, from its
+/// launcher's environment: Open MPI's `OMPI_COMM_WORLD_LOCAL_RANK`,
+/// MPICH's `MPI_LOCALRANKID`, Slurm's `SLURM_LOCALID`.
+#[cfg(feature = "mpi")]
+fn local_rank() -> Option<usize> {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok()?.parse().ok())
 }
 
 /// MPI's lifetime in this rank: finished where the run ends well, else
@@ -78,6 +95,7 @@ fn world_of(n: usize) -> Result<Option<(RankWorld, Session)>, String> {
         comm: Box::new(comm),
         rank,
         size,
+        local_rank: local_rank().unwrap_or(rank),
     };
     Ok(Some((world, session)))
 }
@@ -99,10 +117,7 @@ pub(crate) fn rank_out(out: &Path, rank: usize) -> PathBuf {
 /// What ranks as processes cannot yet do with these options.
 pub(crate) fn refuse(o: &super::TrainOptions, world: &RankWorld) -> Result<(), String> {
     let n = world.size;
-    let clash = [
-        (o.devices > 1, "--devices above 1 (one device a rank)"),
-        (o.backend == "cuda", "--backend cuda (GPU ranks need NCCL)"),
-    ];
+    let clash = [(o.devices > 1, "--devices above 1 (one device a rank)")];
     match clash.iter().find(|(on, _)| *on) {
         Some((_, what)) => Err(format!(
             "{n} ranks as processes with {what}: not supported yet; run the devices in one \

@@ -75,7 +75,7 @@ impl CudaExpertDevice {
         layout: &Layout,
         dense: DenseGemm,
     ) -> Result<Self, EngineError> {
-        crate::backend::BackendKind::Cuda.check(0, layout.compute_dtype)?;
+        crate::backend::BackendKind::Cuda.check(0..0, layout.compute_dtype)?;
         let backend = Arc::new(CudaBackend::new(ordinal, dense)?);
         let arena = CudaDeviceArena::new(
             Arc::clone(backend.context()),
