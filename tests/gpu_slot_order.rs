@@ -11,7 +11,10 @@
 //! overwrites the expert under it, every time rather than by chance. (On a
 //! GPU, which has no such delays, the cases run as they are.) Every expert
 //! that got tokens in a step is stepped once for it: an expert's gradient
-//! is taken from the GPU one expert late, and none is left behind. Cases skip
+//! is taken from the GPU one expert late, and none is left behind. With one
+//! micro-batch, a gradient comes down into a page-locked buffer while the
+//! optimizer's worker waits for it: slow copies make a worker that does not
+//! wait read the buffer's last gradient. Cases skip
 //! without a CUDA device (fail under `STRATA_REQUIRE_CUDA=1`), and contain
 //! only that skip without `--features cuda`.
 
@@ -21,10 +24,11 @@ mod common;
 mod on_the_gpu {
     use super::common;
     use common::tiny_lm::{tiny_batch as batch, tiny_config};
+    use std::sync::Arc;
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
     use strata::lm::{LmConfig, MoeLm};
-    use strata_tiers::Dtype;
+    use strata_tiers::{Dtype, Timeline};
 
     fn available() -> bool {
         match BackendKind::Cuda.check(0..1, Dtype::Bf16) {
@@ -36,7 +40,7 @@ mod on_the_gpu {
         }
     }
 
-    /// Sets the driver model's delays (microseconds an upload, a kernel);
+    /// Sets the driver model's delays (microseconds a copy, a kernel);
     /// false on a GPU, whose driver has no such call.
     fn set_delays(copies_us: u32, compute_us: u32) -> bool {
         // SAFETY: opens the CUDA driver library the engine has loaded (the
@@ -63,15 +67,25 @@ mod on_the_gpu {
         }
     }
 
-    /// Losses, then every expert's params, after 3 steps with `slots`
-    /// device slots of `dtype` compute params, and every record in host
-    /// memory or, with `host_records`, that many (the rest streaming).
+    /// What a case's 3 steps gave.
+    struct Ran {
+        losses: Vec<f32>,
+        /// Every expert's params at the end.
+        experts: Vec<f32>,
+        /// Updates whose worker waited for their gradient to come down.
+        arrivals: usize,
+    }
+
+    /// 3 steps with `slots` device slots of `dtype` compute params, every
+    /// record in host memory or, with `host_records`, that many (the rest
+    /// streaming), in `micro_batches`.
     fn run(
         lm: &MoeLm,
         dtype: Dtype,
         slots: u64,
         host_records: Option<u64>,
-    ) -> (Vec<f32>, Vec<f32>) {
+        micro_batches: usize,
+    ) -> Ran {
         let c = lm.config();
         let expert_bytes = (3 * c.d_model * c.d_ff) as u64 * dtype.bytes();
         let record = strata_tiers::Layout {
@@ -88,10 +102,12 @@ mod on_the_gpu {
             compute_dtype: dtype,
             device_budget_bytes: slots * expert_bytes,
             host_budget_bytes: host_records.map_or(defaults.host_budget_bytes, |n| n * record),
-            micro_batches: 2,
+            micro_batches,
             optimizer_threads: 2,
+            timeline: Some(Arc::new(Timeline::new(1 << 16))),
             ..defaults
         };
+        let timeline = config.timeline.clone().unwrap();
         let mut engine = Engine::new_network(lm, config).unwrap();
         assert_eq!(engine.device_slots() as u64, slots, "{dtype:?}");
         let mut losses = Vec::new();
@@ -122,7 +138,13 @@ mod on_the_gpu {
                 experts.extend(engine.expert_params(l, e).unwrap());
             }
         }
-        (losses, experts)
+        let events = timeline.take().events;
+        let arrivals = events.iter().filter(|e| e.name == "gradient lands").count();
+        Ran {
+            losses,
+            experts,
+            arrivals,
+        }
     }
 
     #[test]
@@ -140,40 +162,89 @@ mod on_the_gpu {
         let all = (config().layers * config().experts) as u64;
         for dtype in [Dtype::Bf16, Dtype::F32] {
             set_delays(0, 0);
-            let own = run(&lm, dtype, all, None);
+            let own = run(&lm, dtype, all, None, 2);
             let mut cases = vec![
-                ("two slots", run(&lm, dtype, 2, None)),
+                ("two slots", run(&lm, dtype, 2, None, 2)),
                 // The least a plan allows: one device slot, refilled for
                 // every expert, and two host records, the rest streaming
                 // (an update's record then needs the slot an upload in
                 // flight pins, until the host has waited for it).
-                ("one slot, two host records", run(&lm, dtype, 1, Some(2))),
-                ("two slots, two host records", run(&lm, dtype, 2, Some(2))),
+                ("one slot, two host records", run(&lm, dtype, 1, Some(2), 2)),
+                (
+                    "two slots, two host records",
+                    run(&lm, dtype, 2, Some(2), 2),
+                ),
             ];
-            // Slow uploads: a compute that does not wait reads the slot's
+            // Slow copies: a compute that does not wait reads the slot's
             // last expert (or, in a slot of its own, nothing yet).
             if set_delays(3000, 0) {
-                cases.push(("two slots, slow uploads", run(&lm, dtype, 2, None)));
-                cases.push(("own slots, slow uploads", run(&lm, dtype, all, None)));
-                let one = run(&lm, dtype, 1, Some(2));
-                cases.push(("one slot, two host records, slow uploads", one));
+                cases.push(("two slots, slow copies", run(&lm, dtype, 2, None, 2)));
+                cases.push(("own slots, slow copies", run(&lm, dtype, all, None, 2)));
+                let one = run(&lm, dtype, 1, Some(2), 2);
+                cases.push(("one slot, two host records, slow copies", one));
                 // Slow kernels: an upload that does not wait for the
                 // compute still reading its slot overwrites that expert.
                 set_delays(0, 300);
-                cases.push(("two slots, slow kernels", run(&lm, dtype, 2, None)));
-                let one = run(&lm, dtype, 1, Some(2));
+                cases.push(("two slots, slow kernels", run(&lm, dtype, 2, None, 2)));
+                let one = run(&lm, dtype, 1, Some(2), 2);
                 cases.push(("one slot, two host records, slow kernels", one));
                 set_delays(0, 0);
             }
-            for (name, (losses, experts)) in &cases {
-                assert_eq!(losses, &own.0, "{dtype:?}, {name}: the losses differ");
-                assert!(experts == &own.1, "{dtype:?}, {name}: the experts differ");
-            }
+            let n = cases.len();
+            same_bits(dtype, &own, &cases);
+            let arrivals = one_micro_batch(&lm, dtype);
             eprintln!(
-                "gpu slot order, {dtype:?}: {} runs the same bits as slots of their own",
-                cases.len()
+                "gpu slot order, {dtype:?}: {n} runs in two micro-batches and {} in one \
+                 the same bits as slots of their own; in one, {arrivals:?} gradients \
+                 waited for by their updates",
+                arrivals.len()
             );
         }
+    }
+
+    fn same_bits(dtype: Dtype, own: &Ran, cases: &[(&str, Ran)]) {
+        for (name, ran) in cases {
+            assert_eq!(
+                ran.losses, own.losses,
+                "{dtype:?}, {name}: the losses differ"
+            );
+            assert!(
+                ran.experts == own.experts,
+                "{dtype:?}, {name}: the experts differ"
+            );
+        }
+    }
+
+    /// One micro-batch, where every routed expert's gradient goes to its
+    /// update at once: it comes down into a page-locked buffer and the
+    /// update's worker waits for it (slow copies and slow kernels each
+    /// delay its landing). Returns each case's count of such updates.
+    fn one_micro_batch(lm: &MoeLm, dtype: Dtype) -> Vec<usize> {
+        let all = (config().layers * config().experts) as u64;
+        set_delays(0, 0);
+        let own = run(lm, dtype, all, None, 1);
+        let mut cases = vec![("one micro-batch, two slots", run(lm, dtype, 2, None, 1))];
+        if set_delays(3000, 0) {
+            let slow = run(lm, dtype, 2, None, 1);
+            cases.push(("one micro-batch, two slots, slow copies", slow));
+            set_delays(0, 300);
+            let slow = run(lm, dtype, 1, Some(2), 1);
+            cases.push((
+                "one micro-batch, one slot, two host records, slow kernels",
+                slow,
+            ));
+            set_delays(0, 0);
+        }
+        same_bits(dtype, &own, &cases);
+        let arrivals: Vec<usize> = cases.iter().map(|(_, ran)| ran.arrivals).collect();
+        // Three steps route to at least one expert each.
+        assert!(
+            own.arrivals >= 3,
+            "{dtype:?}: {} updates waited",
+            own.arrivals
+        );
+        assert!(arrivals.iter().all(|&n| n >= 3), "{dtype:?}: {arrivals:?}");
+        arrivals
     }
 }
 

@@ -38,6 +38,8 @@ pub enum OptimError {
         "expert {key} waits for the global gradient norm: call finish_gradients() before wait()"
     )]
     AwaitingGradientNorm { key: ExpertId },
+    #[error("its gradient never reached host memory: {0}")]
+    GradientUnavailable(String),
     #[error("the update of expert {key} panicked: {message}")]
     UpdatePanicked { key: ExpertId, message: String },
     #[error("an optimizer worker thread panicked: {message}")]

@@ -40,6 +40,16 @@ pub struct UpdateViews<'a> {
 /// guard, or plain vectors. It is moved into the pool on `submit` and
 /// returned by `wait`; the pool never moves it in between.
 pub trait UpdateTarget: Send + 'static {
+    /// Called on a worker before each [`Self::views`] that reads the
+    /// gradient (twice under [`GradientPolicy::GlobalNorm`]: for the norm,
+    /// then for the update): where a gradient is still arriving (a
+    /// download from a GPU), the wait for it, which returns at once once
+    /// it has arrived. An error fails the update
+    /// ([`OptimError::GradientUnavailable`]).
+    fn prepare(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
     fn views(&mut self) -> UpdateViews<'_>;
 
     /// Called once the update has been applied (not when it failed or the

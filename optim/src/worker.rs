@@ -72,6 +72,7 @@ fn run_norm<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize) {
         // NormRunning and is the only one touching the target until it
         // publishes NormReady or Done below.
         let target = unsafe { slot.target_mut() }.as_mut().expect("claimed slot");
+        target.prepare().map_err(OptimError::GradientUnavailable)?;
         let views = target.views();
         if views.grad.len() != views.params.len() {
             return Err(OptimError::LengthMismatch {
@@ -120,6 +121,7 @@ fn run_start<T: UpdateTarget>(shared: &Shared<T>, slot_index: usize) {
         // it alone touches the target until Done, and chunk workers use the
         // RawStep pointers taken here.
         let target = unsafe { slot.target_mut() }.as_mut().expect("claimed slot");
+        target.prepare().map_err(OptimError::GradientUnavailable)?;
         let mut views = target.views();
         let raw =
             RawStep::from_slices(views.params, views.m, views.v, views.grad, &mut views.copy)?;

@@ -1,7 +1,9 @@
 //! The expert-wise optimizer pool: concurrency, errors, splitting, and the
 //! global-norm options.
 
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
+use std::time::Duration;
 
 use half::bf16;
 use strata_optim::{
@@ -79,6 +81,32 @@ impl UpdateTarget for VecExpert {
 
     fn finished(&mut self) {
         self.finished += 1;
+    }
+}
+
+/// An expert whose gradient arrives from another thread after it was
+/// submitted, as a GPU's download does (`UpdateTarget::prepare`).
+#[derive(Debug)]
+struct ArrivingExpert {
+    expert: VecExpert,
+    arrival: Option<Receiver<Result<Vec<bf16>, String>>>,
+}
+
+impl UpdateTarget for ArrivingExpert {
+    fn prepare(&mut self) -> Result<(), String> {
+        if let Some(arrival) = self.arrival.take() {
+            let waited = arrival.recv_timeout(Duration::from_secs(60));
+            self.expert.grad = waited.map_err(|e| format!("no word of it: {e}"))??;
+        }
+        Ok(())
+    }
+
+    fn views(&mut self) -> UpdateViews<'_> {
+        self.expert.views()
+    }
+
+    fn finished(&mut self) {
+        self.expert.finished();
     }
 }
 
@@ -336,4 +364,73 @@ fn a_nonfinite_gradient_skips_the_whole_step() {
         assert_eq!(after, before, "a skipped step changes nothing");
         assert_eq!(after.step, 0);
     }
+}
+
+#[test]
+fn an_update_reads_its_gradient_only_once_it_has_arrived() {
+    let policies = [
+        GradientPolicy::PerExpert,
+        GradientPolicy::GlobalNorm {
+            clip_max_norm: Some(1e9),
+            skip_nonfinite: true,
+        },
+    ];
+    for policy in policies {
+        let mut c = config(2);
+        c.policy = policy;
+        let pool = ExpertOptimizer::<ArrivingExpert>::new(c).unwrap();
+        let hyper = pool.config().hyper;
+        let key = ExpertId::new(1, 3);
+        let gradient = VecExpert::new(300, 2).grad;
+        let mut expected = VecExpert::new(300, 1);
+        expected.grad = gradient.clone();
+        let expected = expected.stepped_inline(&hyper, 1.0);
+        // What the buffer holds before the gradient lands: read, it would
+        // make every param NaN (and the global norm skip the step).
+        let mut submitted = VecExpert::new(300, 1);
+        submitted.grad.fill(bf16::NAN);
+        let (send, arrival) = channel();
+        let arriving = ArrivingExpert {
+            expert: submitted,
+            arrival: Some(arrival),
+        };
+        pool.submit(key, arriving).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        send.send(Ok(gradient)).unwrap();
+        if policy != GradientPolicy::PerExpert {
+            assert_eq!(pool.finish_gradients().unwrap().grad_scale, 1.0);
+        }
+        let (got, report) = pool.wait(key).unwrap();
+        assert!(!report.skipped, "{policy:?}");
+        assert_eq!(got.expert, expected, "{policy:?}");
+    }
+}
+
+#[test]
+fn a_gradient_that_never_arrives_fails_its_update_by_name() {
+    let pool = ExpertOptimizer::<ArrivingExpert>::new(config(1)).unwrap();
+    let (send, arrival) = channel();
+    let arriving = ArrivingExpert {
+        expert: VecExpert::new(10, 1),
+        arrival: Some(arrival),
+    };
+    pool.submit(ExpertId::new(0, 3), arriving).unwrap();
+    send.send(Err("the copy failed".into())).unwrap();
+    let err = pool.wait(ExpertId::new(0, 3)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "expert 0.3: its gradient never reached host memory: the copy failed"
+    );
+    // The pool goes on.
+    let (send, arrival) = channel();
+    let mut later = VecExpert::new(10, 2);
+    later.grad = VecExpert::new(10, 3).grad;
+    let expected = later.stepped_inline(&pool.config().hyper, 1.0);
+    send.send(Ok(later.grad.clone())).unwrap();
+    let arriving = ArrivingExpert {
+        expert: later,
+        arrival: Some(arrival),
+    };
+    pool.submit(ExpertId::new(0, 3), arriving).unwrap();
+    assert_eq!(pool.wait(ExpertId::new(0, 3)).unwrap().0.expert, expected);
 }

@@ -66,6 +66,41 @@ pub trait DeviceGradient: Send {
     /// Copies the gradient into `dparams` (the expert's params' count of
     /// f32) in host memory, once the backward that makes it has run.
     fn take(self: Box<Self>, dparams: &mut [f32]) -> Result<(), EngineError>;
+
+    /// Queues the gradient's copy into a page-locked buffer of the
+    /// device's own and returns at once, the copy in flight: whoever reads
+    /// the gradient waits for it ([`ArrivingGradient::wait`]), so that the
+    /// CPU AdamW starts when the copy ends and no engine thread waits for
+    /// it. Where every such buffer is still in use, the gradient comes
+    /// back unmoved, to [`Self::take`].
+    fn start_download(self: Box<Self>) -> Result<Download, EngineError>;
+}
+
+/// What [`DeviceGradient::start_download`] did.
+pub enum Download {
+    /// The copy is queued.
+    Started(Box<dyn ArrivingGradient>),
+    /// No page-locked buffer was free: nothing was queued.
+    NoBuffer(Box<dyn DeviceGradient>),
+}
+
+/// Page-locked gradient buffers a GPU keeps for
+/// [`DeviceGradient::start_download`]: one for the copy in flight, two for
+/// updates still reading theirs. Each holds an expert's gradient in f32;
+/// the host memory plan counts them.
+pub const GRADIENT_DOWNLOAD_BUFFERS: usize = 3;
+
+/// An expert's gradient on its way to host memory
+/// ([`DeviceGradient::start_download`]). Dropped, its buffer goes back to
+/// the device, whose next copy into it waits for this one.
+pub trait ArrivingGradient: Send {
+    /// Waits until the copy has ended (a bounded wait: the GPU either
+    /// completes it or reports its failure); returns at once once it has.
+    fn wait(&mut self) -> Result<(), EngineError>;
+
+    /// The gradient (the expert's params' count of f32). Panics unless
+    /// [`Self::wait`] has returned `Ok`.
+    fn values(&self) -> &[f32];
 }
 
 /// The error of a device asked to compute from rows in its memory that

@@ -59,7 +59,10 @@ pub fn head_block_rows(v: usize) -> usize {
     (HEAD_BLOCK_BYTES / (4 * v)).max(1)
 }
 pub use cpu_bf16::gemm_forward_bf16;
-pub use expert_device::{CpuExpertDevice, DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
+pub use expert_device::{
+    ArrivingGradient, CpuExpertDevice, DeviceGradient, DeviceRows, Download, ExpertDevice,
+    SlotParams, GRADIENT_DOWNLOAD_BUFFERS,
+};
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};
 pub use narrow::NarrowCpuKernels;

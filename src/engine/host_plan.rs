@@ -4,7 +4,7 @@
 
 use strata_tiers::Layout;
 
-use crate::backend::BackendKind;
+use crate::backend::{BackendKind, GRADIENT_DOWNLOAD_BUFFERS};
 use crate::engine::{EngineConfig, ScheduleKind};
 use crate::EngineError;
 
@@ -24,7 +24,9 @@ pub struct HostMemoryPlan {
     /// Expert gradients (f32) alive at once: one per expert where the
     /// naive schedule holds them to the end of the backward or several
     /// micro-batches sum them; else one per update in flight (each holds a
-    /// host slot), one per deferred update, plus one per device computing.
+    /// host slot), one per deferred update, plus one per device computing
+    /// and, on a GPU, its page-locked buffers for gradients coming down
+    /// ([`GRADIENT_DOWNLOAD_BUFFERS`]).
     /// Kept for reuse between steps, so held for the whole run.
     pub gradients: u64,
 }
@@ -61,7 +63,13 @@ impl HostMemoryPlan {
             );
             slots + deferred.len() as u64
         };
-        let gradients = (held + config.devices as u64) * layout.params_per_expert * 4;
+        // A GPU's page-locked buffers its gradients come down to.
+        let downloads = match config.backend {
+            BackendKind::Cpu => 0,
+            BackendKind::Cuda => GRADIENT_DOWNLOAD_BUFFERS as u64,
+        };
+        let buffers = held + config.devices as u64 * (1 + downloads);
+        let gradients = buffers * layout.params_per_expert * 4;
         Self {
             host_tier,
             store_in_memory,
@@ -187,6 +195,15 @@ mod tests {
             HostMemoryPlan::of(&layout, &deferring).gradients,
             (3 + 2 + 1) * 1000 * 4
         );
+        // Each GPU keeps three page-locked buffers its gradients come
+        // down to, and has no slots in host memory.
+        let gpus = EngineConfig {
+            backend: BackendKind::Cuda,
+            ..config.clone()
+        };
+        let plan = HostMemoryPlan::of(&layout, &gpus);
+        assert_eq!(plan.gradients, (3 + 2 + 2 * 3) * 1000 * 4);
+        assert_eq!(plan.cpu_device_tiers, 0);
         let on_file = EngineConfig {
             store_path: Some("x.store".into()),
             ..config

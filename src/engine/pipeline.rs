@@ -20,7 +20,7 @@ use super::slot_table::DeviceState;
 use super::updates::{Held, SharedExperts, When};
 use super::ScheduleKind;
 
-use crate::backend::{DeviceGradient, DeviceRows, SlotParams};
+use crate::backend::{ArrivingGradient, DeviceGradient, DeviceRows, Download, SlotParams};
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
@@ -371,10 +371,7 @@ impl DeviceRunner<'_> {
         t0: Instant,
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
-        if self.dev.device.computes() {
-            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
-        }
-        self.dev.acc.bytes_device_to_host += 4 * grad.len() as u64;
+        self.count_gradient(t0);
         if let Some(grad) = self.shared.accumulate(key, grad, last_micro_batch) {
             if self.shared.train {
                 self.dev.slots.invalidate(key); // its params are about to change
@@ -467,21 +464,58 @@ impl DeviceRunner<'_> {
         Ok(())
     }
 
-    /// Takes [`Self::pending`]'s gradient into a host buffer and hands it on
-    /// as [`Self::expert_backward`] does. The wait for it is compute time.
+    /// Hands [`Self::pending`]'s gradient on as [`Self::expert_backward`]
+    /// does. Where it goes to the optimizer at once and the device has a
+    /// page-locked buffer free, its download is queued and the update's
+    /// worker waits for it; else it is taken into a host buffer here, and
+    /// that wait is compute time.
     fn take_pending_gradient(&mut self) -> Result<(), EngineError> {
         let Some(p) = self.pending.take() else {
             return Ok(());
         };
-        let mut grad = self.shared.grads.take(); // overwritten whole
         let t0 = Instant::now();
-        p.grad.take(&mut grad)?;
+        let mut device_grad = p.grad;
+        if self.shared.submits_at_once(p.key, p.last_micro_batch) {
+            match device_grad.start_download()? {
+                Download::Started(arriving) => {
+                    self.wait_landing()?;
+                    return self.arriving_gradient(p.key, arriving, t0);
+                }
+                Download::NoBuffer(unmoved) => device_grad = unmoved,
+            }
+        }
+        let mut grad = self.shared.grads.take(); // overwritten whole
+        device_grad.take(&mut grad)?;
         // Its update may need a host slot for the record: the upload in
         // flight unpins its own first (with two host slots it and the
         // next expert's hold both). The device has mostly run it by now,
         // its compute being queued after it.
         self.wait_landing()?;
         self.expert_gradient(p.key, grad, t0, p.last_micro_batch)
+    }
+
+    /// An expert's gradient in the step's metrics: its bytes to the host,
+    /// and the time since `t0` (its backward's start, or the wait for it)
+    /// as compute.
+    fn count_gradient(&mut self, t0: Instant) {
+        if self.dev.device.computes() {
+            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
+        }
+        self.dev.acc.bytes_device_to_host += 4 * self.shared.layout.params_per_expert;
+    }
+
+    /// [`Self::expert_gradient`] for a gradient still coming down, which
+    /// goes to the optimizer at once (`SharedExperts::submits_at_once`).
+    fn arriving_gradient(
+        &mut self,
+        key: usize,
+        grad: Box<dyn ArrivingGradient>,
+        t0: Instant,
+    ) -> Result<(), EngineError> {
+        self.count_gradient(t0);
+        self.dev.slots.invalidate(key); // its params are about to change
+        self.dev.acc.stall_optimizer_s += self.shared.submit_arriving(key, grad)?;
+        Ok(())
     }
 }
 

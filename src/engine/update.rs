@@ -1,6 +1,7 @@
 //! An expert's optimizer update as the pool sees it: the exclusive host
 //! slot of its record (master params, moments, compute copy) plus its f32
-//! gradient and its own step count.
+//! gradient (in host memory, or still coming down from a GPU) and its own
+//! step count.
 
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -9,9 +10,30 @@ use strata_optim::{CopyOut, GradRef, UpdateTarget, UpdateViews};
 
 use strata_tiers::{Dtype, Timeline, WriteGuard};
 
+use crate::backend::ArrivingGradient;
+
+/// An expert's complete gradient as its update reads it.
+pub(crate) enum ExpertGradient {
+    /// In host memory.
+    Host(Vec<f32>),
+    /// Coming down from a GPU: the update's worker waits for it
+    /// ([`UpdateTarget::prepare`]).
+    Arriving(Box<dyn ArrivingGradient>),
+}
+
+impl ExpertGradient {
+    /// The values; an arriving gradient must have been waited for.
+    fn values(&self) -> &[f32] {
+        match self {
+            Self::Host(grad) => grad,
+            Self::Arriving(grad) => grad.values(),
+        }
+    }
+}
+
 pub(crate) struct ExpertUpdate {
     pub guard: WriteGuard,
-    pub grad: Vec<f32>,
+    pub grad: ExpertGradient,
     pub step: u64,
     pub dtype: Dtype,
     /// Where the update is recorded, from its first chunk's start to its
@@ -21,6 +43,19 @@ pub(crate) struct ExpertUpdate {
 }
 
 impl UpdateTarget for ExpertUpdate {
+    fn prepare(&mut self) -> Result<(), String> {
+        let ExpertGradient::Arriving(grad) = &mut self.grad else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        grad.wait().map_err(|e| e.to_string())?;
+        if let Some(timeline) = &self.timeline {
+            let expert = self.guard.expert();
+            timeline.record("optimizer", "gradient lands", t0, || expert.to_string());
+        }
+        Ok(())
+    }
+
     fn views(&mut self) -> UpdateViews<'_> {
         if self.timeline.is_some() && self.started.is_none() {
             self.started = Some(Instant::now());
@@ -37,7 +72,7 @@ impl UpdateTarget for ExpertUpdate {
             params: record.master,
             m: record.m,
             v: record.v,
-            grad: GradRef::F32(&self.grad),
+            grad: GradRef::F32(self.grad.values()),
             copy,
             step: &mut self.step,
         }

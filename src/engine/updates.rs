@@ -14,8 +14,9 @@ use strata_optim::{AdamWHyper, ExpertOptimizer};
 use strata_tiers::{ExpertId, HostCache, Layout, TierError, Timeline};
 
 use super::grad_buffers::GradBuffers;
-use super::update::ExpertUpdate;
+use super::update::{ExpertGradient, ExpertUpdate};
 use super::ScheduleKind;
+use crate::backend::ArrivingGradient;
 use crate::comm::Comm;
 use crate::EngineError;
 
@@ -230,7 +231,7 @@ impl SharedExperts {
         let t0 = Instant::now();
         let (target, _) = self.optimizer.wait(self.expert_id(key))?;
         self.book().steps[key] = target.step;
-        self.grads.give(target.grad);
+        self.give_gradient(target.grad);
         Ok(t0.elapsed().as_secs_f64())
     }
 
@@ -245,10 +246,18 @@ impl SharedExperts {
             if let Some((target, _)) = self.optimizer.try_wait(self.expert_id(key))? {
                 book.pending[key] = false;
                 book.steps[key] = target.step;
-                self.grads.give(target.grad);
+                self.give_gradient(target.grad);
             }
         }
         Ok(())
+    }
+
+    /// A finished update's gradient buffer, back to where it came from.
+    fn give_gradient(&self, grad: ExpertGradient) {
+        match grad {
+            ExpertGradient::Host(grad) => self.grads.give(grad),
+            ExpertGradient::Arriving(grad) => drop(grad), // to its device
+        }
     }
 
     /// Waits for every update in flight; returns the seconds waited.
@@ -311,6 +320,32 @@ impl SharedExperts {
                 return Ok(0.0);
             }
         }
+        self.submit_with(key, ExpertGradient::Host(grad), self.optimizer.hyper())
+    }
+
+    /// Whether `key`'s complete gradient, coming from its last
+    /// micro-batch, would go to the optimizer at once: nothing summed from
+    /// earlier micro-batches, no holding schedule, no pass collecting
+    /// gradients. Such a gradient may be handed over still arriving
+    /// ([`Self::submit_arriving`]).
+    pub fn submits_at_once(&self, key: usize, last_micro_batch: bool) -> bool {
+        if !(last_micro_batch && self.train) || self.schedule == ScheduleKind::Naive {
+            return false;
+        }
+        let book = self.book();
+        !self.defers[key] && book.collected.is_none() && book.grad_accum[key].is_none()
+    }
+
+    /// Hands `key`'s complete gradient, still coming down from its device,
+    /// to the optimizer, whose worker waits for it; only where
+    /// [`Self::submits_at_once`]. Returns the seconds spent waiting for
+    /// host slots held by updates.
+    pub fn submit_arriving(
+        &self,
+        key: usize,
+        grad: Box<dyn ArrivingGradient>,
+    ) -> Result<f64, EngineError> {
+        let grad = ExpertGradient::Arriving(grad);
         self.submit_with(key, grad, self.optimizer.hyper())
     }
 
@@ -336,7 +371,7 @@ impl SharedExperts {
                 None => return Ok(0.0),
             }
         };
-        self.submit_with(key, grad, hyper)
+        self.submit_with(key, ExpertGradient::Host(grad), hyper)
     }
 
     /// Every held update, in the order their gradients came.
@@ -344,7 +379,7 @@ impl SharedExperts {
         let mut held = std::mem::take(&mut self.book().held).into_iter();
         let mut stall = 0.0;
         while let Some((key, grad, hyper)) = held.next() {
-            match self.submit_with(key, grad, hyper) {
+            match self.submit_with(key, ExpertGradient::Host(grad), hyper) {
                 Ok(waited) => stall += waited,
                 Err(e) => {
                     // The rest stay held for a later call.
@@ -407,7 +442,7 @@ impl SharedExperts {
     fn submit_with(
         &self,
         key: usize,
-        grad: Vec<f32>,
+        grad: ExpertGradient,
         hyper: AdamWHyper,
     ) -> Result<f64, EngineError> {
         self.reap_finished()?;

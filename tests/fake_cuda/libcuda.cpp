@@ -144,16 +144,25 @@ struct Stream {
     uint64_t done = 0;    // items ever finished
     bool stop = false;
     std::thread worker;
+    uint64_t id = 0;  // never reused, unlike the address
 };
 
 struct Event {
     Stream* stream = nullptr;
+    uint64_t stream_id = 0;
     uint64_t ticket = 0;  // complete once stream->done reaches it
     std::chrono::steady_clock::time_point at;
 };
 
 static std::mutex streams_lock;
 static std::set<Stream*> live_streams;
+static uint64_t streams_made = 0;  // under streams_lock
+
+// Whether the stream `e` was recorded on still lives (under streams_lock).
+static bool recorded_on_live_stream(const Event* e) {
+    return e->stream != nullptr && live_streams.count(e->stream) != 0 &&
+           e->stream->id == e->stream_id;
+}
 
 // Host joins: calls that return only once a stream (or all of them) has
 // run what was queued before them. STRATA_FAKE_CUDA_JOINS names a file
@@ -175,11 +184,11 @@ static void count_join() {
 }
 
 // Delays a test may set (strata_fake_cuda_set_delays), in microseconds:
-// each host-to-device copy, and each kernel or cuBLAS call, sleeps that
-// long in its stream's turn before it runs. A stream that reads a copy's
-// destination without waiting for the copy's event, or a copy that
-// overwrites what a queued kernel has still to read, then sees other
-// bytes every time rather than by chance.
+// each asynchronous copy between host and device, and each kernel or
+// cuBLAS call, sleeps that long in its stream's turn before it runs. A
+// stream (or host thread) that reads a copy's destination without waiting
+// for the copy's event, or a copy that overwrites what a queued kernel has
+// still to read, then sees other bytes every time rather than by chance.
 static std::atomic<unsigned> copy_delay_us{0};
 static std::atomic<unsigned> compute_delay_us{0};
 API void strata_fake_cuda_set_delays(unsigned copies_us, unsigned compute_us) {
@@ -256,6 +265,7 @@ static CUresult stream_create(CUstream* stream) {
     s->worker = std::thread(stream_run, s);
     {
         std::lock_guard<std::mutex> g(streams_lock);
+        s->id = ++streams_made;
         live_streams.insert(s);
     }
     *stream = s;
@@ -302,6 +312,10 @@ API CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned) {
     Stream* on = e->stream;
     uint64_t ticket = e->ticket;
     if (on == nullptr || on == (Stream*)stream) return CUDA_SUCCESS;  // already in order
+    {
+        std::lock_guard<std::mutex> g(streams_lock);
+        if (!recorded_on_live_stream(e)) return CUDA_SUCCESS;  // complete
+    }
     enqueue(stream, [on, ticket] { stream_wait_until(on, ticket); });
     return CUDA_SUCCESS;
 }
@@ -320,7 +334,7 @@ API CUresult cuEventDestroy_v2(CUevent event) {
     // wait strata owes.
     Event* e = (Event*)event;
     std::lock_guard<std::mutex> g(streams_lock);
-    if (e->stream != nullptr && live_streams.count(e->stream) != 0)
+    if (recorded_on_live_stream(e))
         enqueue((CUstream)e->stream, [e] { delete e; });
     else
         delete e;
@@ -337,20 +351,26 @@ API CUresult cuEventRecord(CUevent event, CUstream stream) {
     Stream* s = (Stream*)stream;
     enqueue(stream, [e] { e->at = std::chrono::steady_clock::now(); });
     e->stream = s;
+    e->stream_id = s->id;
     e->ticket = stream_tail(s);
     return CUDA_SUCCESS;
 }
 API CUresult cuEventRecordWithFlags(CUevent event, CUstream stream, unsigned) {
     return cuEventRecord(event, stream);
 }
+// An event recorded on a stream since destroyed is complete: the stream
+// ran all its work first. Both hold streams_lock, as sync_all_streams
+// does, so that the stream is not destroyed (and freed) under them.
 API CUresult cuEventSynchronize(CUevent event) {
     Event* e = (Event*)event;
-    if (e->stream != nullptr) stream_wait_until(e->stream, e->ticket);
+    std::lock_guard<std::mutex> g(streams_lock);
+    if (recorded_on_live_stream(e)) stream_wait_until(e->stream, e->ticket);
     return CUDA_SUCCESS;
 }
 API CUresult cuEventQuery(CUevent event) {
     Event* e = (Event*)event;
-    if (e->stream == nullptr) return CUDA_SUCCESS;
+    std::lock_guard<std::mutex> streams(streams_lock);
+    if (!recorded_on_live_stream(e)) return CUDA_SUCCESS;
     std::lock_guard<std::mutex> g(e->stream->lock);
     return e->stream->done >= e->ticket ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
@@ -503,7 +523,10 @@ API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     return CUDA_SUCCESS;
 }
 API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream stream) {
-    enqueue(stream, [=] { memcpy(dst, (const void*)(uintptr_t)src, n); });
+    enqueue(stream, [=] {
+        sleep_us(copy_delay_us);
+        memcpy(dst, (const void*)(uintptr_t)src, n);
+    });
     if (!is_pinned(dst, n)) cuStreamSynchronize(stream);  // pageable: done on return
     return CUDA_SUCCESS;
 }

@@ -10,7 +10,9 @@
 //! (`ExpertDevice::finish_pass`). (With staged uploads the engine also waits
 //! for each upload's event on the host, see `orders_uploads`.) An expert's
 //! gradient stays on the GPU ([`GradOnGpu`]) until the engine takes it,
-//! once the next expert's backward is queued.
+//! once the next expert's backward is queued: into a page-locked buffer,
+//! waited for by its update (`grad_download.rs`), or into host memory of
+//! the engine's, waited for at once.
 
 use std::sync::Arc;
 
@@ -20,8 +22,9 @@ use strata_tiers::io::HostRegion;
 use strata_tiers::{DeviceArena, Dtype, Layout};
 
 use super::expert::{download_expert_grad, GradStart, Weights};
+use super::grad_download::{start_download, GradientBuffers};
 use super::{gpu_error, CudaBackend};
-use crate::backend::{DenseGemm, DeviceGradient, DeviceRows, ExpertDevice, SlotParams};
+use crate::backend::{DenseGemm, DeviceGradient, DeviceRows, Download, ExpertDevice, SlotParams};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -36,14 +39,40 @@ struct GradOnGpu {
     /// Recorded on the compute stream behind the backward.
     ready: CudaEvent,
     stream: Arc<CudaStream>,
+    /// The GPU's page-locked buffers for `start_download`.
+    buffers: Arc<GradientBuffers>,
+}
+
+impl GradOnGpu {
+    fn order_after_backward(&self) -> Result<(), EngineError> {
+        self.stream
+            .wait(&self.ready)
+            .map_err(|e| gpu_error("ordering a gradient's download after its backward", e))
+    }
 }
 
 impl DeviceGradient for GradOnGpu {
     fn take(self: Box<Self>, dparams: &mut [f32]) -> Result<(), EngineError> {
-        self.stream
-            .wait(&self.ready)
-            .map_err(|e| gpu_error("ordering a gradient's download after its backward", e))?;
+        self.order_after_backward()?;
         download_expert_grad(&self.stream, &self.grad, dparams)
+    }
+
+    fn start_download(self: Box<Self>) -> Result<Download, EngineError> {
+        self.order_after_backward()?;
+        let Self {
+            grad,
+            ready,
+            stream,
+            buffers,
+        } = *self;
+        start_download(&buffers, &stream, grad, |grad| {
+            Download::NoBuffer(Box::new(GradOnGpu {
+                grad,
+                ready,
+                stream: Arc::clone(&stream),
+                buffers: Arc::clone(&buffers),
+            }))
+        })
     }
 }
 
@@ -63,6 +92,8 @@ pub struct CudaExpertDevice {
     grad_stream: Arc<CudaStream>,
     /// The host tier's region, page-locked (see `page_lock_host_region`).
     host_region: Option<HostRegistration>,
+    /// Where the experts' gradients come down to (`grad_download.rs`).
+    grad_buffers: Arc<GradientBuffers>,
 }
 
 impl CudaExpertDevice {
@@ -86,11 +117,13 @@ impl CudaExpertDevice {
             .context()
             .new_stream()
             .map_err(|e| gpu_error("creating the gradient stream", e))?;
+        let grad_buffers = GradientBuffers::new(Arc::clone(backend.context()));
         Ok(Self {
             backend,
             arena,
             grad_stream,
             host_region: None,
+            grad_buffers,
         })
     }
 
@@ -244,6 +277,7 @@ impl ExpertDevice for CudaExpertDevice {
             grad,
             ready,
             stream: Arc::clone(&self.grad_stream),
+            buffers: Arc::clone(&self.grad_buffers),
         }))
     }
 

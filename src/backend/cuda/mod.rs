@@ -25,6 +25,7 @@ mod dense;
 mod expert;
 mod expert_device;
 mod gemm;
+mod grad_download;
 mod head;
 mod linear;
 mod moe;
