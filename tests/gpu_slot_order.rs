@@ -11,9 +11,10 @@
 //! overwrites the expert under it, every time rather than by chance. (On a
 //! GPU, which has no such delays, the cases run as they are.) Every expert
 //! that got tokens in a step is stepped once for it: an expert's gradient
-//! is taken from the GPU one expert late, and none is left behind. With one
-//! micro-batch, a gradient comes down into a page-locked buffer while the
-//! optimizer's worker waits for it: slow copies make a worker that does not
+//! is taken from the GPU one expert late, and none is left behind. An
+//! expert's gradient of the last micro-batch comes down into a page-locked
+//! buffer while the optimizer's worker waits for it (and adds it onto the
+//! earlier micro-batches' sum): slow copies make a worker that does not
 //! wait read the buffer's last gradient. Cases skip
 //! without a CUDA device (fail under `STRATA_REQUIRE_CUDA=1`), and contain
 //! only that skip without `--features cuda`.
@@ -28,6 +29,7 @@ mod on_the_gpu {
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
     use strata::lm::{LmConfig, MoeLm};
+    use strata_optim::AdamWHyper;
     use strata_tiers::{Dtype, Timeline};
 
     fn available() -> bool {
@@ -157,6 +159,76 @@ mod on_the_gpu {
         common::bounded("the slot-order runs", bound, slot_order_runs);
     }
 
+    /// A step with AdamW's ε far above every gradient element keeps the
+    /// gradient's scale (the first step moves each param by
+    /// lr · g / (|g| + ε)), so the params it leaves show the gradient it
+    /// applied: each expert's, summed over its micro-batches, as the
+    /// gradient-only pass computes it. A micro-batch's gradient dropped or
+    /// counted twice fails it.
+    #[test]
+    fn a_step_applies_each_experts_gradient_summed_over_its_micro_batches() {
+        if !available() {
+            return;
+        }
+        let bound = std::time::Duration::from_secs(600);
+        common::bounded("the micro-batch sums", bound, micro_batch_sums);
+    }
+
+    fn micro_batch_sums() {
+        let lm = MoeLm::new(config()).unwrap();
+        let c = lm.config();
+        let expert_bytes = (3 * c.d_model * c.d_ff) as u64 * 2;
+        let hyper = AdamWHyper {
+            lr: 1.0,
+            eps: 1.0,
+            weight_decay: 0.0,
+            ..AdamWHyper::default()
+        };
+        for micro_batches in [1, 2, 4] {
+            let config = EngineConfig {
+                backend: BackendKind::Cuda,
+                device_budget_bytes: 2 * expert_bytes,
+                micro_batches,
+                hyper,
+                ..EngineConfig::default()
+            };
+            let mut engine = Engine::new_network(&lm, config).unwrap();
+            let grads = engine.gradients(&lm, &batch(0)).unwrap();
+            let mut before = Vec::new();
+            for (l, row) in grads.experts.iter().enumerate() {
+                for e in 0..row.len() {
+                    before.push(engine.expert_params(l, e).unwrap());
+                }
+            }
+            engine.step_network(&lm, &batch(0)).unwrap();
+            let mut stepped = 0;
+            for (l, row) in grads.experts.iter().enumerate() {
+                for (e, g) in row.iter().enumerate() {
+                    let Some(g) = g else { continue };
+                    let after = engine.expert_params(l, e).unwrap();
+                    let was = &before[l * row.len() + e];
+                    let (mut err, mut norm) = (0.0f64, 0.0f64);
+                    for ((a, b), g) in after.iter().zip(was).zip(g) {
+                        let want = -(hyper.lr * g / (g.abs() + hyper.eps)) as f64;
+                        err += (f64::from(a - b) - want).powi(2);
+                        norm += want * want;
+                    }
+                    // f32 params near 0.1 round each move to ~1e-8, against
+                    // moves summing to a norm above 1e-4.
+                    let rel = (err / norm).sqrt();
+                    let at = format!("{micro_batches} micro-batches, expert {l}.{e}");
+                    assert!(norm.sqrt() > 1e-4, "{at}: a gradient too small to see");
+                    assert!(rel < 1e-3, "{at}: moved {rel:.2e} off its gradient");
+                    stepped += 1;
+                }
+            }
+            assert!(
+                stepped >= 3,
+                "{micro_batches} micro-batches: {stepped} experts"
+            );
+        }
+    }
+
     fn slot_order_runs() {
         let lm = MoeLm::new(config()).unwrap();
         let all = (config().layers * config().experts) as u64;
@@ -190,19 +262,21 @@ mod on_the_gpu {
                 cases.push(("one slot, two host records, slow kernels", one));
                 set_delays(0, 0);
             }
-            let n = cases.len();
-            same_bits(dtype, &own, &cases);
-            let arrivals = one_micro_batch(&lm, dtype);
+            let two = same_bits(dtype, &own, &cases);
+            let one = one_micro_batch(&lm, dtype);
             eprintln!(
-                "gpu slot order, {dtype:?}: {n} runs in two micro-batches and {} in one \
-                 the same bits as slots of their own; in one, {arrivals:?} gradients \
-                 waited for by their updates",
-                arrivals.len()
+                "gpu slot order, {dtype:?}: {} runs in two micro-batches and {} in one \
+                 the same bits as slots of their own; gradients waited for by their \
+                 updates {two:?} and {one:?}",
+                two.len(),
+                one.len()
             );
         }
     }
 
-    fn same_bits(dtype: Dtype, own: &Ran, cases: &[(&str, Ran)]) {
+    /// Checks each case against `own`; returns each case's count of
+    /// updates that waited for their gradient.
+    fn same_bits(dtype: Dtype, own: &Ran, cases: &[(&str, Ran)]) -> Vec<usize> {
         for (name, ran) in cases {
             assert_eq!(
                 ran.losses, own.losses,
@@ -212,13 +286,19 @@ mod on_the_gpu {
                 ran.experts == own.experts,
                 "{dtype:?}, {name}: the experts differ"
             );
+            // Three steps route to at least one expert each.
+            assert!(
+                ran.arrivals >= 3,
+                "{dtype:?}, {name}: {} waited",
+                ran.arrivals
+            );
         }
+        cases.iter().map(|(_, ran)| ran.arrivals).collect()
     }
 
-    /// One micro-batch, where every routed expert's gradient goes to its
-    /// update at once: it comes down into a page-locked buffer and the
-    /// update's worker waits for it (slow copies and slow kernels each
-    /// delay its landing). Returns each case's count of such updates.
+    /// One micro-batch, where no sum waits for a gradient (slow copies and
+    /// slow kernels each delay its landing). Returns each case's count of
+    /// updates that waited for their gradient.
     fn one_micro_batch(lm: &MoeLm, dtype: Dtype) -> Vec<usize> {
         let all = (config().layers * config().experts) as u64;
         set_delays(0, 0);
@@ -235,16 +315,7 @@ mod on_the_gpu {
             ));
             set_delays(0, 0);
         }
-        same_bits(dtype, &own, &cases);
-        let arrivals: Vec<usize> = cases.iter().map(|(_, ran)| ran.arrivals).collect();
-        // Three steps route to at least one expert each.
-        assert!(
-            own.arrivals >= 3,
-            "{dtype:?}: {} updates waited",
-            own.arrivals
-        );
-        assert!(arrivals.iter().all(|&n| n >= 3), "{dtype:?}: {arrivals:?}");
-        arrivals
+        same_bits(dtype, &own, &cases)
     }
 }
 

@@ -11,14 +11,20 @@ use strata_optim::{CopyOut, GradRef, UpdateTarget, UpdateViews};
 use strata_tiers::{Dtype, Timeline, WriteGuard};
 
 use crate::backend::ArrivingGradient;
+use crate::EngineError;
 
 /// An expert's complete gradient as its update reads it.
 pub(crate) enum ExpertGradient {
     /// In host memory.
     Host(Vec<f32>),
-    /// Coming down from a GPU: the update's worker waits for it
-    /// ([`UpdateTarget::prepare`]).
-    Arriving(Box<dyn ArrivingGradient>),
+    /// The last micro-batch's, coming down from a GPU: the update's worker
+    /// waits for it ([`UpdateTarget::prepare`]) and adds it onto the
+    /// earlier micro-batches' sum, where there is one, as
+    /// `SharedExperts::accumulate` would have.
+    Arriving {
+        last: Box<dyn ArrivingGradient>,
+        onto: Option<Vec<f32>>,
+    },
 }
 
 impl ExpertGradient {
@@ -26,8 +32,24 @@ impl ExpertGradient {
     fn values(&self) -> &[f32] {
         match self {
             Self::Host(grad) => grad,
-            Self::Arriving(grad) => grad.values(),
+            Self::Arriving { last, .. } => last.values(),
         }
+    }
+
+    /// Waits for an arriving gradient and adds it onto its sum, which then
+    /// stands in for it (its buffer goes back to the device). Returns
+    /// whether it waited.
+    fn land(&mut self) -> Result<bool, EngineError> {
+        let Self::Arriving { last, onto } = self else {
+            return Ok(false);
+        };
+        last.wait()?;
+        if let Some(mut sum) = onto.take() {
+            let values = last.values();
+            sum.iter_mut().zip(values).for_each(|(s, g)| *s += g);
+            *self = Self::Host(sum);
+        }
+        Ok(true)
     }
 }
 
@@ -44,11 +66,10 @@ pub(crate) struct ExpertUpdate {
 
 impl UpdateTarget for ExpertUpdate {
     fn prepare(&mut self) -> Result<(), String> {
-        let ExpertGradient::Arriving(grad) = &mut self.grad else {
-            return Ok(());
-        };
         let t0 = Instant::now();
-        grad.wait().map_err(|e| e.to_string())?;
+        if !self.grad.land().map_err(|e| e.to_string())? {
+            return Ok(());
+        }
         if let Some(timeline) = &self.timeline {
             let expert = self.guard.expert();
             timeline.record("optimizer", "gradient lands", t0, || expert.to_string());

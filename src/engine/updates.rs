@@ -256,7 +256,11 @@ impl SharedExperts {
     fn give_gradient(&self, grad: ExpertGradient) {
         match grad {
             ExpertGradient::Host(grad) => self.grads.give(grad),
-            ExpertGradient::Arriving(grad) => drop(grad), // to its device
+            // Its buffer goes back to its device; a sum it was not added
+            // onto (the update failed first) to the pool.
+            ExpertGradient::Arriving { onto, .. } => {
+                onto.into_iter().for_each(|g| self.grads.give(g))
+            }
         }
     }
 
@@ -323,29 +327,29 @@ impl SharedExperts {
         self.submit_with(key, ExpertGradient::Host(grad), self.optimizer.hyper())
     }
 
-    /// Whether `key`'s complete gradient, coming from its last
-    /// micro-batch, would go to the optimizer at once: nothing summed from
-    /// earlier micro-batches, no holding schedule, no pass collecting
-    /// gradients. Such a gradient may be handed over still arriving
-    /// ([`Self::submit_arriving`]).
+    /// Whether `key`'s gradient of its last micro-batch completes it and
+    /// goes to the optimizer at once: no holding schedule, no pass
+    /// collecting gradients. Such a gradient may be handed over still
+    /// arriving ([`Self::submit_arriving`]).
     pub fn submits_at_once(&self, key: usize, last_micro_batch: bool) -> bool {
         if !(last_micro_batch && self.train) || self.schedule == ScheduleKind::Naive {
             return false;
         }
-        let book = self.book();
-        !self.defers[key] && book.collected.is_none() && book.grad_accum[key].is_none()
+        !self.defers[key] && self.book().collected.is_none()
     }
 
-    /// Hands `key`'s complete gradient, still coming down from its device,
-    /// to the optimizer, whose worker waits for it; only where
+    /// Hands `key`'s last micro-batch's gradient, still coming down from
+    /// its device, to the optimizer, whose worker waits for it and adds it
+    /// onto the earlier micro-batches' sum; only where
     /// [`Self::submits_at_once`]. Returns the seconds spent waiting for
     /// host slots held by updates.
     pub fn submit_arriving(
         &self,
         key: usize,
-        grad: Box<dyn ArrivingGradient>,
+        last: Box<dyn ArrivingGradient>,
     ) -> Result<f64, EngineError> {
-        let grad = ExpertGradient::Arriving(grad);
+        let onto = self.book().grad_accum[key].take();
+        let grad = ExpertGradient::Arriving { last, onto };
         self.submit_with(key, grad, self.optimizer.hyper())
     }
 
