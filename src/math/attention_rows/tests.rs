@@ -41,9 +41,10 @@ fn the_engine_s_attention_gives_the_plain_one_s_bits() {
 
 /// Head widths the blocked loops take apart: not a multiple of the eight
 /// partial sums (12: a padded column block), of 16 (40: a block of 32
-/// columns and a one-by-one tail), and 16 and 48 (whole blocks of 16 and
-/// 32); a group of one query head and of three; sequences shorter than a
-/// block of keys and not a multiple of it.
+/// columns and a one-by-one tail; 24: a block of 16 and a tail, too few
+/// columns for a block of 32), and 16 and 48 (whole blocks of 16 and 32);
+/// a group of one query head and of three; sequences shorter than a block
+/// of keys and not a multiple of it.
 #[test]
 fn every_head_width_gives_the_plain_one_s_bits() {
     for (head_dim, heads, kv_heads, seq_len) in [
@@ -51,6 +52,7 @@ fn every_head_width_gives_the_plain_one_s_bits() {
         (40, 3, 1, 21),
         (16, 4, 2, 9),
         (48, 2, 1, 50),
+        (24, 2, 2, 19),
     ] {
         let shape = AttnShape {
             seqs: 2,
