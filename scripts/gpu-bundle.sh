@@ -19,8 +19,9 @@ if [ -n "${1:-}" ]; then
     (cd "$tree" && cargo build --release --features cuda -p strata-cli)
     cp "$tree/target/release/strata" "gpu-bin/strata-$1"
 fi
-for pt in strata:backend strata:multi_device strata:equivalence strata:gpu_dense_layers strata:gpu_dense_step \
-    strata:routing_trace strata:gpu_slot_order strata-cli:trainer; do
+for pt in strata:backend strata:multi_device strata:equivalence strata:gpu_attention \
+    strata:gpu_dense_layers strata:gpu_dense_step strata:routing_trace strata:gpu_slot_order \
+    strata-cli:trainer; do
     p=${pt%%:*} t=${pt#*:}
     exe=$(cargo test --release -p "$p" --features cuda --no-run --test "$t" --message-format=json 2>/dev/null \
         | python3 -c 'import json,sys

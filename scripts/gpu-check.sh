@@ -260,10 +260,11 @@ quick)
         echo "== $1 $2"
         STRATA_REQUIRE_CUDA=1 timeout 150 "$1" $2 --nocapture > "$out/tests-$(basename "$1").log" 2>&1 \
             || { echo "FAILED: $1"; status=1; }
-        grep -E "test result|FAILED|panicked|skipped|gpu vs cpu|gpu notes|dense layers on|dense step on|gpu slot order" \
+        grep -E "test result|FAILED|panicked|skipped|gpu vs cpu|gpu notes|bf16 attention|dense layers on|dense step on|gpu slot order" \
             "$out/tests-$(basename "$1").log"
     }
     run_test gpu-bin/test-backend ""
+    run_test gpu-bin/test-gpu_attention ""
     run_test gpu-bin/test-gpu_dense_layers ""
     run_test gpu-bin/test-gpu_dense_step ""
     run_test gpu-bin/test-routing_trace ""

@@ -107,13 +107,17 @@ API cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa,
                                               long long stride_b, const void* beta, void* c,
                                               int ctype, int ldc, long long stride_c, int batch,
                                               int compute, int algo) {
-    if (atype != CUDA_R_32F || btype != CUDA_R_32F || ctype != CUDA_R_32F)
-        return CUBLAS_STATUS_NOT_SUPPORTED;  // strata batches f32 only
+    if (ctype != CUDA_R_32F || (atype != CUDA_R_32F && atype != CUDA_R_16BF) ||
+        (btype != CUDA_R_32F && btype != CUDA_R_16BF))
+        return CUBLAS_STATUS_NOT_SUPPORTED;  // f32 or bf16 in, f32 out, as strata asks
     if (batch < 0 || stride_a < 0 || stride_b < 0 || stride_c < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    // Strides count elements of each operand's own type.
+    long long a_size = atype == CUDA_R_32F ? 4 : 2, b_size = btype == CUDA_R_32F ? 4 : 2;
     for (int i = 0; i < batch; ++i) {
         cublasStatus_t status =
-            cublasGemmEx(handle, transa, transb, m, n, k, alpha, (const float*)a + i * stride_a,
-                         atype, lda, (const float*)b + i * stride_b, btype, ldb, beta,
+            cublasGemmEx(handle, transa, transb, m, n, k, alpha,
+                         (const char*)a + i * stride_a * a_size, atype, lda,
+                         (const char*)b + i * stride_b * b_size, btype, ldb, beta,
                          (float*)c + i * stride_c, ctype, ldc, compute, algo);
         if (status != CUBLAS_STATUS_SUCCESS) return status;
     }

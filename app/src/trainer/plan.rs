@@ -142,8 +142,10 @@ pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
 /// computes its logits a block of rows at a time. Besides what it
 /// keeps, a layer's pass holds a workspace, the largest of which counts:
 /// the attention's scores and d probabilities (at most
-/// [`ATTENTION_BLOCK_BYTES`] each) with its operands laid out head by
-/// head (q, k, v, the output and their gradients: 8 × T·H·hd), a MoE
+/// [`ATTENTION_BLOCK_BYTES`] each, and a bf16 copy of one for bf16 GEMMs,
+/// counted whatever the choice) with its operands laid out head by head
+/// (q, k, v, the output and their gradients: 8 × T·H·hd f32, more than
+/// their bf16 copies and the f32 head each is rounded from), a MoE
 /// layer's rows gathered for its experts and their outputs (2·T·K·D) with
 /// one expert's pass (`expert_pass_bytes`), and the head's logits and d
 /// logits for a block of rows.
@@ -152,8 +154,8 @@ pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let stats = (2 * seqs * m.heads * seq_len) as u64;
     let kept = 4 * (layer_values(m, t, stats) + 2 * t);
     let scores = (4 * seqs * m.heads * seq_len * seq_len) as u64;
-    let attention =
-        2 * scores.min(ATTENTION_BLOCK_BYTES as u64) + 4 * 8 * t * (m.heads * m.head_dim) as u64;
+    let block = scores.min(ATTENTION_BLOCK_BYTES as u64);
+    let attention = 2 * block + block / 2 + 4 * 8 * t * (m.heads * m.head_dim) as u64;
     let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t);
     let head_rows = t.min(head_block_rows(m.vocab) as u64);
     // A block's logits and their gradient (f32), and, for bf16 GEMMs, the

@@ -2,6 +2,13 @@
 //! (batched GEMMs over every (sequence, head)), the masked softmax and its
 //! backward in `kernels.cu`, a block of query rows at a time.
 //!
+//! The GEMMs read what the backend's [`DenseGemm`] says, as the dense
+//! layers' do: bf16 (the default) rounds q, k, v and d out head by head,
+//! and each block's probabilities and d scores, to bf16 before they enter
+//! a product, which accumulates into f32 scores, outputs and gradients;
+//! the softmax and its backward read and write f32 (flash attention's
+//! choice). f32 reads every operand unrounded.
+//!
 //! q, k and v are first laid out head by head (`attn_to_heads`; a kv head
 //! copied to each query head of its group), so that every head's (S × hd)
 //! rows are one strided-batched operand. A block of query rows [q0, q1)
@@ -14,15 +21,18 @@
 //! bit for bit (the same scores, from the same GEMM, through the same
 //! kernel), instead of the (B, H, S, S) probabilities the cpu keeps. The
 //! `_device` functions work on GPU memory (the network's `CudaOps`); the
-//! `_host` wrappers upload, launch and download, what the tests compare
-//! with the cpu.
+//! wrappers on host slices (`attention_host.rs`) upload, launch and
+//! download, what the tests compare with the cpu.
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{sys::CUdeviceptr, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{
+    sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, SyncOnDrop,
+};
 
 use super::dense::threads;
-use super::expert::GradStart;
+use super::gemm::blas_type;
 use super::{gpu_error, CudaBackend, F32};
+use crate::backend::DenseGemm;
 use crate::math::attention::AttnShape;
 use crate::EngineError;
 
@@ -34,7 +44,7 @@ pub fn attention_stats_len(shape: &AttnShape) -> usize {
 }
 
 /// One operand of a strided-batched GEMM: a device address, its leading
-/// dimension and the distance between batch items, both in f32.
+/// dimension and the distance between batch items, both in values.
 #[derive(Clone, Copy)]
 struct Operand {
     ptr: CUdeviceptr,
@@ -44,11 +54,11 @@ struct Operand {
 
 impl Operand {
     /// Every head's (S × hd) rows from row `row` on, in a (B, H, S, hd)
-    /// buffer at `base`.
-    fn heads(base: CUdeviceptr, shape: &AttnShape, row: usize) -> Self {
+    /// buffer at `base` of `bytes`-byte values.
+    fn heads(base: CUdeviceptr, bytes: usize, shape: &AttnShape, row: usize) -> Self {
         let hd = shape.head_dim;
         Self {
-            ptr: base + (row * hd * std::mem::size_of::<f32>()) as CUdeviceptr,
+            ptr: base + (row * hd * bytes) as CUdeviceptr,
             ld: hd,
             stride: shape.seq_len * hd,
         }
@@ -89,11 +99,53 @@ impl Block {
     }
 }
 
-/// The device buffers of q, k and v head by head (B, H, S, hd).
+/// Values a GEMM of the attention reads, in the type [`DenseGemm`] gives
+/// its inputs.
+enum GemmValues {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl GemmValues {
+    fn view(&self) -> Values<'_> {
+        match self {
+            GemmValues::F32(x) => Values::F32(x),
+            GemmValues::Bf16(x) => Values::Bf16(x),
+        }
+    }
+}
+
+/// A borrowed [`GemmValues`]: the f32 values a kernel wrote, or their
+/// bf16 copy.
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<u16>),
+}
+
+impl<'a> Values<'a> {
+    /// The device address (with the guard that records its use on
+    /// `stream`) and the bytes of a value.
+    fn device_ptr(self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>, usize) {
+        match self {
+            Values::F32(x) => {
+                let (ptr, guard) = x.device_ptr(stream);
+                (ptr, guard, 4)
+            }
+            Values::Bf16(x) => {
+                let (ptr, guard) = x.device_ptr(stream);
+                (ptr, guard, 2)
+            }
+        }
+    }
+}
+
+/// The device buffers of q, k and v head by head (B, H, S, hd), as the
+/// GEMMs read them.
 struct Heads {
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    q: GemmValues,
+    k: GemmValues,
+    v: GemmValues,
 }
 
 impl CudaBackend {
@@ -111,13 +163,14 @@ impl CudaBackend {
     }
 
     /// Column-major `c = op(a)·op(b) + beta·c` over every (sequence, head)
-    /// (cublasGemmStridedBatchedEx, f32 in, f32 accumulation and out).
+    /// (cublasGemmStridedBatchedEx, `a` and `b` of the type [`DenseGemm`]
+    /// gives the inputs, f32 accumulation and `c`).
     ///
     /// # Safety
     /// Each operand addresses device memory of this context holding
     /// B·H matrices as `dims`, its leading dimension and stride describe,
     /// alive and not written by another stream until this stream has run
-    /// the product.
+    /// the product; `a` and `b` hold values of that type.
     #[allow(clippy::too_many_arguments)]
     unsafe fn gemm_heads(
         &self,
@@ -131,6 +184,7 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         let alpha = 1.0f32;
         let batch = shape.seqs * shape.heads;
+        let inputs = blas_type(self.dense_gemm);
         // SAFETY: the operands are valid per this function's contract;
         // alpha and beta point to host f32s alive for the call.
         unsafe {
@@ -143,11 +197,11 @@ impl CudaBackend {
                 k as i32,
                 (&alpha as *const f32).cast(),
                 a.ptr as *const _,
-                F32,
+                inputs,
                 a.ld as i32,
                 a.stride as i64,
                 b.ptr as *const _,
-                F32,
+                inputs,
                 b.ld as i32,
                 b.stride as i64,
                 (&beta as *const f32).cast(),
@@ -230,25 +284,26 @@ impl CudaBackend {
     fn block_scores(
         &self,
         scores: &mut CudaSlice<f32>,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
+        q: Values<'_>,
+        k: Values<'_>,
         block: Block,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let (rows, keys) = (block.rows, block.keys());
-        let (q_ptr, _rq) = q.device_ptr(&self.stream);
-        let (k_ptr, _rk) = k.device_ptr(&self.stream);
+        let (q_ptr, _rq, qb) = q.device_ptr(&self.stream);
+        let (k_ptr, _rk, kb) = k.device_ptr(&self.stream);
         let (s_ptr, _ws) = scores.device_ptr_mut(&self.stream);
-        // SAFETY: q and k hold B·H·S·hd f32 and `scores` at least
-        // B·H·rows·keys (sized for the tallest block); column-major,
-        // scoresᵀ (keys × rows) = k-as-(hd × keys)ᵀ · q-as-(hd × rows).
+        // SAFETY: q and k hold B·H·S·hd values of the GEMMs' input type
+        // and `scores` at least B·H·rows·keys f32 (sized for the tallest
+        // block); column-major, scoresᵀ (keys × rows) = k-as-(hd × keys)ᵀ
+        // · q-as-(hd × rows).
         unsafe {
             self.gemm_heads(
                 shape,
                 (T, N),
                 (keys, rows, shape.head_dim),
-                Operand::heads(k_ptr, shape, 0),
-                Operand::heads(q_ptr, shape, block.q0),
+                Operand::heads(k_ptr, kb, shape, 0),
+                Operand::heads(q_ptr, qb, shape, block.q0),
                 0.0,
                 Operand::scores(s_ptr, rows, keys),
             )
@@ -293,26 +348,26 @@ impl CudaBackend {
     fn block_times_keys(
         &self,
         out: &mut CudaSlice<f32>,
-        probs: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
+        probs: Values<'_>,
+        v: Values<'_>,
         block: Block,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let (rows, keys) = (block.rows, block.keys());
-        let (p_ptr, _rp) = probs.device_ptr(&self.stream);
-        let (v_ptr, _rv) = v.device_ptr(&self.stream);
+        let (p_ptr, _rp, _) = probs.device_ptr(&self.stream);
+        let (v_ptr, _rv, vb) = v.device_ptr(&self.stream);
         let (o_ptr, _wo) = out.device_ptr_mut(&self.stream);
-        // SAFETY: sizes as in `block_scores`; column-major, outᵀ (hd ×
-        // rows) = v-as-(hd × keys) · P-as-(keys × rows).
+        // SAFETY: sizes as in `block_scores`, `out` f32; column-major,
+        // outᵀ (hd × rows) = v-as-(hd × keys) · P-as-(keys × rows).
         unsafe {
             self.gemm_heads(
                 shape,
                 (N, N),
                 (shape.head_dim, rows, keys),
-                Operand::heads(v_ptr, shape, 0),
+                Operand::heads(v_ptr, vb, shape, 0),
                 Operand::scores(p_ptr, rows, keys),
                 0.0,
-                Operand::heads(o_ptr, shape, block.q0),
+                Operand::heads(o_ptr, 4, shape, block.q0),
             )
         }
     }
@@ -322,95 +377,91 @@ impl CudaBackend {
     fn block_keys_grad(
         &self,
         grad: &mut CudaSlice<f32>,
-        probs: &CudaSlice<f32>,
-        x: &CudaSlice<f32>,
+        probs: Values<'_>,
+        x: Values<'_>,
         block: Block,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let (rows, keys) = (block.rows, block.keys());
-        let (p_ptr, _rp) = probs.device_ptr(&self.stream);
-        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        let (p_ptr, _rp, _) = probs.device_ptr(&self.stream);
+        let (x_ptr, _rx, xb) = x.device_ptr(&self.stream);
         let (g_ptr, _wg) = grad.device_ptr_mut(&self.stream);
-        // SAFETY: sizes as in `block_scores`; column-major, gradᵀ (hd ×
-        // keys) += x-as-(hd × rows) · (P-as-(keys × rows))ᵀ.
+        // SAFETY: sizes as in `block_scores`, `grad` f32; column-major,
+        // gradᵀ (hd × keys) += x-as-(hd × rows) · (P-as-(keys × rows))ᵀ.
         unsafe {
             self.gemm_heads(
                 shape,
                 (N, T),
                 (shape.head_dim, keys, rows),
-                Operand::heads(x_ptr, shape, block.q0),
+                Operand::heads(x_ptr, xb, shape, block.q0),
                 Operand::scores(p_ptr, rows, keys),
                 1.0,
-                Operand::heads(g_ptr, shape, 0),
+                Operand::heads(g_ptr, 4, shape, 0),
             )
         }
     }
 
-    /// q, k and v laid out head by head.
+    /// q, k and v laid out head by head, as the GEMMs read them.
     fn heads(
         &self,
         [q, k, v]: [&CudaSlice<f32>; 3],
         shape: &AttnShape,
     ) -> Result<Heads, EngineError> {
         Ok(Heads {
-            q: self.tokens_to_heads(q, shape.heads, shape)?,
-            k: self.tokens_to_heads(k, shape.kv_heads, shape)?,
-            v: self.tokens_to_heads(v, shape.kv_heads, shape)?,
+            q: self.gemm_heads_of(q, shape.heads, shape)?,
+            k: self.gemm_heads_of(k, shape.kv_heads, shape)?,
+            v: self.gemm_heads_of(v, shape.kv_heads, shape)?,
         })
     }
 
-    /// `math::attention::attention_forward` on the GPU, into `out` and the
-    /// rows' softmax statistics (`attention_stats_len` values).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_forward_host(
+    /// `tokens_to_heads`, rounded to bf16 where the GEMMs read bf16.
+    fn gemm_heads_of(
         &self,
-        out_host: &mut [f32],
-        stats_host: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        starts: Option<&[u32]>,
+        src: &CudaSlice<f32>,
+        heads_in: usize,
         shape: &AttnShape,
-    ) -> Result<(), EngineError> {
-        self.attention_forward_blocks(
-            out_host,
-            stats_host,
-            [q, k, v],
-            starts,
-            shape,
-            ATTENTION_BLOCK_BYTES,
-        )
+    ) -> Result<GemmValues, EngineError> {
+        let heads = self.tokens_to_heads(src, heads_in, shape)?;
+        Ok(match self.dense_gemm {
+            DenseGemm::F32 => GemmValues::F32(heads),
+            // The f32 heads are freed in stream order, after the copy.
+            DenseGemm::Bf16 => GemmValues::Bf16(self.to_bf16(&heads)?),
+        })
     }
 
-    /// As `attention_forward_host`, blocks of query rows whose scores fit
-    /// in `block_bytes`.
-    pub fn attention_forward_blocks(
+    /// A buffer for a block's probabilities (or d scores) rounded to bf16,
+    /// `len` values, where the GEMMs read bf16.
+    fn block_copy(&self, len: usize) -> Result<Option<CudaSlice<u16>>, EngineError> {
+        match self.dense_gemm {
+            DenseGemm::F32 => Ok(None),
+            DenseGemm::Bf16 => self
+                .stream
+                .alloc_zeros::<u16>(len)
+                .map(Some)
+                .map_err(|e| self.memory_error("allocating GPU memory", e)),
+        }
+    }
+
+    /// The block's f32 probabilities (or d scores) `x` as the GEMMs read
+    /// them: `x` itself, or its first (B·H·rows·keys) values rounded
+    /// into `copy`.
+    fn block_operand<'a>(
         &self,
-        out_host: &mut [f32],
-        stats_host: &mut [f32],
-        [q, k, v]: [&[f32]; 3],
-        starts: Option<&[u32]>,
+        x: &'a CudaSlice<f32>,
+        copy: &'a mut Option<CudaSlice<u16>>,
+        block: Block,
         shape: &AttnShape,
-        block_bytes: usize,
-    ) -> Result<(), EngineError> {
-        assert_eq!(stats_host.len(), attention_stats_len(shape));
-        assert_eq!(out_host.len(), shape.tokens() * shape.q_width());
-        self.bind()?;
-        let qkv = [self.upload(q)?, self.upload(k)?, self.upload(v)?];
-        let mut out = self.zeros(out_host.len())?;
-        let mut stats = self.zeros(stats_host.len())?;
-        let [q, k, v] = &qkv;
-        let starts = self.attention_starts(starts, shape)?;
-        self.attention_forward_device(
-            &mut out,
-            &mut stats,
-            [q, k, v],
-            &starts,
-            shape,
-            block_bytes,
-        )?;
-        self.download(&out, out_host)?;
-        self.download(&stats, stats_host)
+    ) -> Result<Values<'a>, EngineError> {
+        let Some(copy) = copy else {
+            return Ok(Values::F32(x));
+        };
+        let n = shape.seqs * shape.heads * block.rows * block.keys();
+        assert!(n <= x.len() && n <= copy.len());
+        let (x_ptr, _rx) = x.device_ptr(&self.stream);
+        // SAFETY: x holds at least n f32 (asserted), read in stream order
+        // before anything on this stream writes it again.
+        unsafe { self.to_bf16_into(copy, x_ptr, n)? };
+        Ok(Values::Bf16(copy))
     }
 
     /// The attention forward on q, k, v (T, heads·hd and T, kv_heads·hd)
@@ -430,95 +481,20 @@ impl CudaBackend {
         assert_eq!(out.len(), shape.tokens() * shape.q_width());
         assert_eq!(dstarts.len(), shape.tokens());
         let heads = self.heads(qkv, shape)?;
-        let mut out_heads = self.zeros(heads.q.len())?;
+        let mut out_heads = self.zeros(shape.tokens() * shape.q_width())?;
         let rows = shape.query_block_rows(block_bytes);
-        let mut scores = self.zeros(shape.seqs * shape.heads * rows * shape.seq_len)?;
+        let block_len = shape.seqs * shape.heads * rows * shape.seq_len;
+        let mut scores = self.zeros(block_len)?;
+        let mut rounded = self.block_copy(block_len)?;
+        let (q, k, v) = (heads.q.view(), heads.k.view(), heads.v.view());
         for block in Block::all(shape, block_bytes) {
-            self.block_scores(&mut scores, &heads.q, &heads.k, block, shape)?;
+            self.block_scores(&mut scores, q, k, block, shape)?;
             self.block_softmax(&mut scores, stats, dstarts, block, shape, false)?;
-            self.block_times_keys(&mut out_heads, &scores, &heads.v, block, shape)?;
+            let probs = self.block_operand(&scores, &mut rounded, block, shape)?;
+            self.block_times_keys(&mut out_heads, probs, v, block, shape)?;
         }
         self.memset_zeros(out)?;
         self.heads_to_tokens(&out_heads, out, shape.heads, shape)
-    }
-
-    /// `math::attention::attention_backward` on the GPU from the forward's
-    /// statistics and the same `starts`: dq, dk, dv accumulate.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward_host(
-        &self,
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-        dout: &[f32],
-        stats: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        starts: Option<&[u32]>,
-        shape: &AttnShape,
-    ) -> Result<(), EngineError> {
-        let grads = [dq, dk, dv];
-        let inputs = [dout, stats, q, k, v];
-        self.attention_backward_blocks(grads, inputs, starts, shape, ATTENTION_BLOCK_BYTES)
-    }
-
-    /// As `attention_backward_host` (the gradients accumulate), in blocks
-    /// of query rows whose scores fit in `block_bytes`. `inputs`: dout,
-    /// stats, q, k, v.
-    pub fn attention_backward_blocks(
-        &self,
-        grads: [&mut [f32]; 3],
-        inputs: [&[f32]; 5],
-        starts: Option<&[u32]>,
-        shape: &AttnShape,
-        block_bytes: usize,
-    ) -> Result<(), EngineError> {
-        self.attention_backward_from(grads, inputs, starts, shape, GradStart::Held, block_bytes)
-    }
-
-    /// As `attention_backward_host`, the gradients overwritten
-    /// (`GradStart::Zero`: the caller's buffers are not uploaded) or added
-    /// to what they held, in blocks whose scores fit in `block_bytes`.
-    /// `inputs`: dout, stats, q, k, v.
-    pub(super) fn attention_backward_from(
-        &self,
-        [dq, dk, dv]: [&mut [f32]; 3],
-        [dout, stats, q, k, v]: [&[f32]; 5],
-        starts: Option<&[u32]>,
-        shape: &AttnShape,
-        grad_from: GradStart,
-        block_bytes: usize,
-    ) -> Result<(), EngineError> {
-        assert_eq!(stats.len(), attention_stats_len(shape));
-        self.bind()?;
-        let inputs = [dout, stats, q, k, v].map(|x| self.upload(x));
-        let [dout, stats, q, k, v] = inputs;
-        let (dout, mut stats, q, k, v) = (dout?, stats?, q?, k?, v?);
-        let mut grads = Vec::with_capacity(3);
-        for g in [&*dq, &*dk, &*dv] {
-            grads.push(match grad_from {
-                GradStart::Held => self.upload(g)?,
-                GradStart::Zero => self.zeros(g.len())?,
-            });
-        }
-        let [gq, gk, gv] = &mut grads[..] else {
-            unreachable!("three gradients")
-        };
-        let starts = self.attention_starts(starts, shape)?;
-        self.attention_backward_device(
-            [gq, gk, gv],
-            &dout,
-            &mut stats,
-            [&q, &k, &v],
-            &starts,
-            shape,
-            block_bytes,
-        )?;
-        for (dev, host) in grads.iter().zip([dq, dk, dv]) {
-            self.download(dev, host)?;
-        }
-        Ok(())
     }
 
     /// The attention backward in GPU memory from dout (T, heads·hd), the
@@ -538,20 +514,24 @@ impl CudaBackend {
         assert_eq!(stats.len(), attention_stats_len(shape));
         assert_eq!(dstarts.len(), shape.tokens());
         let heads = self.heads(qkv, shape)?;
-        let dout = self.tokens_to_heads(dout, shape.heads, shape)?;
-        let n = heads.q.len();
+        let dout = self.gemm_heads_of(dout, shape.heads, shape)?;
+        let n = shape.tokens() * shape.q_width();
         let (mut gq, mut gk, mut gv) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
         let rows = shape.query_block_rows(block_bytes);
         let block_len = shape.seqs * shape.heads * rows * shape.seq_len;
         let (mut probs, mut dprobs) = (self.zeros(block_len)?, self.zeros(block_len)?);
+        let mut rounded = self.block_copy(block_len)?;
+        let (q, k, v, dout) = (heads.q.view(), heads.k.view(), heads.v.view(), dout.view());
         for block in Block::all(shape, block_bytes) {
-            self.block_scores(&mut probs, &heads.q, &heads.k, block, shape)?;
+            self.block_scores(&mut probs, q, k, block, shape)?;
             self.block_softmax(&mut probs, stats, dstarts, block, shape, true)?;
-            self.block_keys_grad(&mut gv, &probs, &dout, block, shape)?;
-            self.block_scores(&mut dprobs, &dout, &heads.v, block, shape)?;
+            let p = self.block_operand(&probs, &mut rounded, block, shape)?;
+            self.block_keys_grad(&mut gv, p, dout, block, shape)?;
+            self.block_scores(&mut dprobs, dout, v, block, shape)?;
             self.block_softmax_backward(&probs, &mut dprobs, block, shape)?;
-            self.block_times_keys(&mut gq, &dprobs, &heads.k, block, shape)?;
-            self.block_keys_grad(&mut gk, &dprobs, &heads.q, block, shape)?;
+            let ds = self.block_operand(&dprobs, &mut rounded, block, shape)?;
+            self.block_times_keys(&mut gq, ds, k, block, shape)?;
+            self.block_keys_grad(&mut gk, ds, q, block, shape)?;
         }
         self.heads_to_tokens(&gq, dq, shape.heads, shape)?;
         self.heads_to_tokens(&gk, dk, shape.kv_heads, shape)?;

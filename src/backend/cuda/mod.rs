@@ -21,6 +21,7 @@
 //! params and gradients is counted ([`CudaBackend::pcie_other_bytes`]).
 
 mod attention;
+mod attention_host;
 mod dense;
 mod expert;
 mod expert_device;
@@ -320,14 +321,31 @@ impl CudaBackend {
             .stream
             .alloc_zeros::<u16>(n)
             .map_err(|e| self.memory_error("allocating GPU memory", e))?;
+        // SAFETY: the caller's contract, and `y` holds n values.
+        unsafe { self.to_bf16_into(&mut y, x, n)? };
+        Ok(y)
+    }
+
+    /// The first `n` values of `y`: a bf16 copy of the `n` f32 at device
+    /// address `x`.
+    ///
+    /// # Safety
+    /// As `to_bf16_raw`'s.
+    unsafe fn to_bf16_into(
+        &self,
+        y: &mut CudaSlice<u16>,
+        x: CUdeviceptr,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        assert!(n <= y.len(), "{n} values into a copy of {}", y.len());
         let n32 = n as u32;
         let mut launch = self.stream.launch_builder(&self.f.f32_to_bf16);
-        launch.arg(&x).arg(&mut y).arg(&n32);
+        launch.arg(&x).arg(y).arg(&n32);
         // SAFETY: the kernel reads n f32 at `x` (the caller's contract) and
-        // writes n u16 of `y`, allocated with n elements.
+        // writes the first n u16 of `y`, which holds at least n (asserted).
         unsafe { launch.launch(Self::launch_config(n)) }
-            .map_err(|e| gpu_error("f32_to_bf16", e))?;
-        Ok(y)
+            .map(|_| ())
+            .map_err(|e| gpu_error("f32_to_bf16", e))
     }
 
     /// `src` copied to device address `dst`, in stream order.
