@@ -9,35 +9,36 @@
 //! form), the expert store `experts.strata` with its dense checkpoint
 //! files, and `metrics.jsonl`.
 
+mod announce;
 mod engine_choices;
-use engine_choices::{condense_config, dense_gemm, gemms_described, link};
+use engine_choices::{condense_config, dense_gemm, link};
 pub mod hf;
 pub mod interrupt;
 mod metrics_log;
+mod open_run;
 pub mod options;
 pub mod plan;
 mod rank_export;
 mod ranks;
 mod routing_file;
 mod run_dir;
+mod steps;
 mod tensorboard;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use strata_tiers::{Dtype, Timeline};
 
-use metrics_log::MetricsLog;
 pub use options::{Packing, StreamSlots, TrainFlags, TrainOptions};
 use plan::{MemoryPlan, PlanInput};
 pub use rank_export::rank_dirs;
-use run_dir::{create_run, resume_options, update_record, ModelFiles, RunLock};
 pub use run_dir::{export_run, verify_run};
-use strata::engine::{Engine, StepMetrics};
-use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
+use run_dir::{resume_options, ModelFiles, RunLock};
+use strata::lm::data::Tokenizer;
 use strata::lm::{LmConfig, MoeLm, TensorGroup};
 use strata::model::Network;
 
@@ -71,6 +72,24 @@ pub struct RunSummary {
     /// checkpointed and stopped, and printed nothing more.
     pub stdout_closed: bool,
     pub exported: Vec<PathBuf>,
+}
+
+impl RunSummary {
+    /// A run about to train from `start_step`.
+    fn starting(plan: MemoryPlan, start_step: u64) -> Self {
+        Self {
+            plan,
+            start_step,
+            steps: start_step,
+            first_loss: None,
+            last_loss: None,
+            last_eval_loss: None,
+            tokens_per_s: 0.0,
+            interrupted: false,
+            stdout_closed: false,
+            exported: Vec::new(),
+        }
+    }
 }
 
 /// The learning rate of (1-based) step `step`: linear warmup to `lr`, then
@@ -410,7 +429,9 @@ fn run_in(
 }
 
 /// [`run`] once the run directory is locked for this process
-/// (`created_out`: the lock made it).
+/// (`created_out`: the lock made it): everything that can be refused is
+/// checked, the run says what it is, the engine is created or resumed,
+/// the steps run, and the model is exported where asked.
 fn run_locked(
     o: TrainOptions,
     source: Source,
@@ -430,23 +451,7 @@ fn run_locked(
     let (tok, config) = files.read(&o, &source)?;
     let plan = plan_for(&o, &config)?;
     let lm = model_for(&o, &config)?;
-    let mut data = Dataset::open(
-        DataConfig {
-            corpus: if o.data.is_empty() {
-                Corpus::Builtin { documents: 200_000 }
-            } else {
-                Corpus::Files(o.data.clone())
-            },
-            seq_len: o.seq_len,
-            batch_seqs: o.batch,
-            seed: o.seed,
-            chat_template: files.chat_template(&o, &source)?,
-            documents_apart: o.packing == Some(Packing::Apart),
-            ..DataConfig::default()
-        },
-        tok,
-    )
-    .map_err(|e| e.to_string())?;
+    let mut data = open_run::dataset(&o, &files, &source, tok)?;
     let imported = match (&source, o.resume) {
         (Source::Finetune(dir), false) => Some(hf::read_dense(dir, &lm)?),
         _ => None,
@@ -458,432 +463,53 @@ fn run_locked(
     engine_config.ranks = world.as_ref().map_or(1, |w| w.size);
     // Rank 0 speaks for the ranks.
     let speaks = world.as_ref().is_none_or(|w| w.rank == 0);
-    // A closed stdout (`strata train | head`) is no reason to lose the
-    // run, nor to go on with no one reading: the run checkpoints after the
-    // step in progress and stops, as on Ctrl-C.
-    let stdout_closed = AtomicBool::new(false);
-    let say = |line: String| {
-        if speaks
-            && (!o.quiet || !line.starts_with("  "))
-            && writeln!(std::io::stdout().lock(), "{line}").is_err()
-        {
-            stdout_closed.store(true, Ordering::SeqCst);
-            interrupt.store(true, Ordering::SeqCst);
-        }
-    };
-    say(format!(
-        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}, backend {}{}{}{}",
-        match (&source, o.resume) {
-            (_, true) => "resume",
-            (Source::Finetune(_), false) => "finetune",
-            (Source::Scratch, false) => "train",
-        },
-        match &source {
-            Source::Scratch => format!("preset {}", o.preset),
-            Source::Finetune(d) => d.display().to_string(),
-        },
-        config.total_params() as f64 / 1e6,
-        config.layers,
-        config.experts,
-        config.top_k,
-        match &world {
-            Some(w) => format!(
-                "{} {} ranks as processes (MPI{}; rank R's run in {}), ",
-                w.size,
-                if o.backend == "cuda" { "GPU" } else { "cpu" },
-                if o.backend == "cuda" {
-                    ", each on the GPU of its local rank, exchanging through host memory"
-                } else {
-                    ""
-                },
-                ranks::rank_out(o.out.parent().unwrap_or(Path::new(".")), 0)
-                    .with_file_name("rank-R")
-                    .display()
-            ),
-            None if o.devices > 1 => {
-                let over = o.link_gb_per_s.map_or(String::new(), |r| {
-                    format!(" over a modeled {r} GB/s link ({} µs)", o.link_latency_us)
-                });
-                format!("{} {} devices{over}, ", o.devices, o.backend)
-            }
-            None => String::new(),
-        },
-        plan.mode.describe(),
-        o.backend,
-        match &o.backend_chosen {
-            Some(found) => format!(" (auto: {found}; --backend cpu or cuda to choose)"),
-            None => String::new(),
-        },
-        gemms_described(&o),
-        match &engine_config.condense {
-            Some(c) => format!("; {}", c.describe()),
-            None => String::new(),
-        }
-    ));
+    let speaker = announce::Speaker::new(speaks, o.quiet, interrupt);
+    let first = announce::first_line(&o, &source, &config, world.as_ref(), &plan, &engine_config);
+    speaker.say(first);
     if let Some(sized) = &o.device_mem_sized {
-        say(sized.clone());
+        speaker.say(sized.clone());
     }
     let trained = trained_groups(&o)?;
     if TensorGroup::ALL.iter().any(|g| !trained.contains(g)) {
-        say(format!(
-            "training {} alone; the rest is frozen ({} dense params without moments)",
-            o.train.join(", "),
-            options::show_count(plan.dense_params - plan.dense_trainable)
-        ));
+        speaker.say(announce::frozen_line(&o, &plan));
     }
-    let mut comm = world.map(|w| w.comm);
-    let mut engine = if o.resume {
-        let condensing = engine_config.condense.is_some();
-        // Ranks resume from the newest checkpoint all of them hold.
-        let mut engine = match comm.take() {
-            Some(comm) => Engine::resume_rank(&lm, engine_config, comm),
-            None => Engine::resume_network(&lm, engine_config),
-        }
-        .map_err(|e| e.to_string())?;
-        data.skip_batches(engine.steps())
-            .map_err(|e| e.to_string())?;
-        if condensing {
-            // The adaptive threshold goes on from the losses so far.
-            let (first, last) =
-                metrics_log::first_and_last_loss(&o.out.join("metrics.jsonl"), engine.steps());
-            engine.set_condense_losses(first, last);
-        }
-        if let Some(path) = &o.trace_routing {
-            routing_file::resume(&mut engine, path)?;
-        }
-        update_record(&o)?;
-        engine
-    } else {
-        create_run(
-            &o,
-            &source,
-            &config,
-            &lm,
-            engine_config,
-            imported,
-            created_out,
-        )?
+    let opened = open_run::OpenRun {
+        o: &o,
+        source: &source,
+        config: &config,
+        lm: &lm,
+        created_out,
     };
-    if let Some(comm) = comm {
-        engine.join_ranks(comm).map_err(|e| e.to_string())?;
-    }
-    if let Some(n) = o.compute_threads {
-        say(format!(
-            "  compute: the cpu backend splits over {n} of the {} cores",
-            strata::machine_cores()
-        ));
-    }
-    for note in engine.notes() {
-        say(format!("note: {note}"));
-    }
-    for note in unused_split(&o, engine.host_cells(), engine.deferred_updates()) {
-        say(format!("note: {note}"));
-    }
-    if engine.host_kept() > 0 || engine.host_cells() > 0 {
-        let cells = match engine.host_cells() {
-            0 => String::new(),
-            n => format!(", and {n} compute cells"),
-        };
-        let kept = match engine.host_kept() {
-            0 => "none stays resident, all stream from the SSD".to_string(),
-            n => format!(
-                "{n} stay resident, the others stream from the SSD through {} slots",
-                engine.host_slots() - n
-            ),
-        };
-        say(format!(
-            "  host memory: {} expert records; {kept}{cells}",
-            engine.host_slots()
-        ));
-    }
-    if engine.deferred_updates() > 0 {
-        say(format!(
-            "  {} experts' updates wait for the next step's forward",
-            engine.deferred_updates()
-        ));
+    let mut engine = opened.engine(engine_config, imported, world, &mut data)?;
+    for line in announce::engine_lines(&o, &engine) {
+        speaker.say(line);
     }
     let start_step = engine.steps();
-    if let Some(n) = o
-        .timeline_step
-        .filter(|n| !(start_step + 1..=o.steps).contains(n))
-    {
-        return Err(format!(
-            "--timeline-step {n}: this run goes from step {} to {}; ask for one of those",
-            start_step + 1,
-            o.steps
-        ));
+    for line in announce::start_lines(&o, start_step)? {
+        speaker.say(line);
     }
-    if o.steps == 0 {
-        say("--steps 0: nothing to train".to_string());
-    } else if start_step >= o.steps {
-        say(format!(
-            "the run is already at step {start_step} of {}",
-            o.steps
-        ));
-    }
-    let eval = data.eval_batches();
-    let mut metrics_log = MetricsLog::open(&o.out.join("metrics.jsonl"), start_step)?;
-    let mut tensorboard = match &o.tensorboard {
-        Some(dir) => Some(tensorboard::EventWriter::create(dir)?),
-        None => None,
+    let mut summary = RunSummary::starting(plan, start_step);
+    let steps = steps::StepLoop {
+        o: &o,
+        lm: &lm,
+        speaker: &speaker,
+        interrupt,
+        timeline,
     };
-    let bar = match speaks {
-        true => progress_bar(&o, start_step),
-        false => indicatif::ProgressBar::hidden(),
-    };
-    let log_every = (o.steps / 20).max(1);
-    let mut summary = RunSummary {
-        plan,
-        start_step,
-        steps: start_step,
-        first_loss: None,
-        last_loss: None,
-        last_eval_loss: None,
-        tokens_per_s: 0.0,
-        interrupted: false,
-        stdout_closed: false,
-        exported: Vec::new(),
-    };
-    let mut rates = Vec::new();
-    let err = |e: strata::EngineError| e.to_string();
-    for step in start_step + 1..=o.steps {
-        let lr = lr_at(&o, step);
-        engine.set_lr(lr).map_err(err)?;
-        let batch = data.next_batch().map_err(err)?;
-        let traced = timeline.as_ref().filter(|_| o.timeline_step == Some(step));
-        if let Some(timeline) = traced {
-            timeline.take(); // this step's events start now
-        }
-        let m = engine.step_network(&lm, &batch).map_err(err)?;
-        if let Some(timeline) = traced {
-            engine.drain().map_err(err)?; // its last updates, on the trace
-            let path = o.out.join(format!("timeline-step-{step}.json"));
-            strata_tiers::timeline::write_chrome_trace_file(&timeline.take().events, &path)
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-            let line = format!("  step {step}'s timeline: {}", path.display());
-            if bar.is_hidden() {
-                say(line);
-            } else {
-                bar.println(line);
-            }
-        }
-        rates.push(m.tokens as f64 / m.wall_s);
-        summary.first_loss.get_or_insert(m.loss);
-        summary.last_loss = Some(m.loss);
-        summary.steps = step;
-        metrics_log.append(&metrics_line(&m, lr))?;
-        if let Some(tb) = tensorboard.as_mut() {
-            tb.step(step, &m, lr)?;
-        }
-        bar.set_position(step);
-        bar.set_message(status(&m));
-        let mut line = None;
-        if o.eval_every > 0 && step % o.eval_every == 0 && !eval.is_empty() {
-            let mut sum = 0.0f64;
-            for b in &eval {
-                sum += engine.evaluate(&lm, b).map_err(err)? as f64;
-            }
-            let loss = (sum / eval.len() as f64) as f32;
-            summary.last_eval_loss = Some(loss);
-            metrics_log.append(&format!("{{\"step\":{step},\"eval_loss\":{loss}}}"))?;
-            if let Some(tb) = tensorboard.as_mut() {
-                tb.scalars(step, &[("eval/loss", loss)])?;
-            }
-            line = Some(format!(
-                "  step {step:>6}  loss {:.4}  eval {loss:.4}  {}",
-                m.loss,
-                status(&m)
-            ));
-        } else if step % log_every == 0 || step == start_step + 1 {
-            line = Some(format!(
-                "  step {step:>6}  loss {:.4}  {}",
-                m.loss,
-                status(&m)
-            ));
-        }
-        if let Some(line) = line {
-            if bar.is_hidden() {
-                say(line);
-            } else {
-                bar.println(line);
-            }
-        }
-        // Every rank stops at the same step, whichever was signalled.
-        let interrupted = engine
-            .any_rank(interrupt.load(Ordering::SeqCst))
-            .map_err(err)?;
-        if interrupted || (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) {
-            if let Some(path) = &o.trace_routing {
-                routing_file::write(&mut engine, path)?;
-            }
-            engine.checkpoint().map_err(err)?;
-            metrics_log.append(&format!("{{\"step\":{step},\"checkpoint\":true}}"))?;
-        }
-        if interrupted {
-            summary.interrupted = true;
-            break;
-        }
-    }
-    bar.finish_and_clear();
-    if !summary.interrupted {
-        if let Some(path) = &o.trace_routing {
-            routing_file::write(&mut engine, path)?;
-        }
-        engine.checkpoint().map_err(err)?;
-    }
-    rates.sort_by(f64::total_cmp);
-    summary.tokens_per_s = rates.get(rates.len() / 2).copied().unwrap_or(0.0);
+    steps.run(&mut engine, &mut data, &mut summary)?;
     if summary.interrupted {
-        let line = format!(
-            "interrupted: checkpoint written at step {}; continue with --resume --out {}",
-            summary.steps,
-            o.out.display()
-        );
-        summary.stdout_closed = stdout_closed.load(Ordering::SeqCst);
+        let line = announce::interrupted_line(&o, &summary);
+        summary.stdout_closed = speaker.stdout_closed();
         if summary.stdout_closed {
             let _ = writeln!(std::io::stderr(), "stdout was closed; {line}");
         } else {
-            say(line);
+            speaker.say(line);
         }
         return Ok(summary);
     }
     if let Some(dir) = &o.export {
-        // A new run's directory keeps the side files from its start.
-        let source_dir = if o.resume {
-            files.side_files_dir(&o, &source)
-        } else {
-            Some(o.out.as_path())
-        };
-        let rank = engine.rank();
-        let (dense, store) = engine.dense_params_and_store().map_err(|e| e.to_string())?;
-        // On ranks, rank 0 exports, the other ranks' experts read from
-        // their stores (every rank has committed its last checkpoint).
-        let peers = match rank {
-            Some((0, n)) => rank_export::peer_stores(&o.out, n, store)?,
-            _ => Vec::new(),
-        };
-        if rank.is_none_or(|(r, _)| r == 0) {
-            say(format!("exporting to {}", dir.display()));
-            let stores: Vec<&strata_tiers::ExpertStore> =
-                std::iter::once(store).chain(&peers).collect();
-            summary.exported = hf::export(
-                dir,
-                &lm,
-                dense,
-                &stores,
-                run_dir::export_dtype(None, &o.out)?,
-                2 << 30,
-                source_dir,
-            )?;
-        }
+        summary.exported = opened.export(&mut engine, dir, &files, &speaker)?;
     }
-    say(format!(
-        "done: step {}  loss {} → {}  eval {}  {:.0} tokens/s (median)",
-        summary.steps,
-        summary.first_loss.map_or("-".into(), |l| format!("{l:.4}")),
-        summary.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
-        summary
-            .last_eval_loss
-            .map_or("-".into(), |l| format!("{l:.4}")),
-        summary.tokens_per_s
-    ));
+    speaker.say(announce::done_line(&summary));
     Ok(summary)
-}
-
-/// What of the host tier's split that `o` asks for does not apply: cells
-/// and held updates are only for records streaming from the SSD through
-/// one device's host tier, and a share may round to no expert.
-fn unused_split(o: &TrainOptions, cells: usize, deferred: usize) -> Vec<String> {
-    let mut notes = Vec::new();
-    let why = "it applies where expert records stream from the SSD, on one device";
-    if o.host_cell_slots > 0 && cells == 0 {
-        notes.push(format!(
-            "--host-cell-slots {} is not used: {why}",
-            o.host_cell_slots
-        ));
-    }
-    if o.defer_share > 0.0 && deferred == 0 {
-        notes.push(format!(
-            "--defer-share {} holds no update: {why}, where the share of a layer's experts \
-             rounds to one or more",
-            o.defer_share
-        ));
-    }
-    notes
-}
-
-/// A step's line of metrics.jsonl: its metrics, learning rate, and the
-/// process's resident memory after it and minor page faults since it
-/// started (where the OS tells).
-fn metrics_line(m: &StepMetrics, lr: f32) -> String {
-    let mut value = serde_json::to_value(m).expect("metrics serialize");
-    value["lr"] = serde_json::json!(lr);
-    if let Some(rss) = crate::sys::resident_bytes() {
-        value["rss_bytes"] = serde_json::json!(rss);
-    }
-    if let Some((_, faults)) = crate::sys::process_usage() {
-        value["minor_faults"] = serde_json::json!(faults as u64);
-    }
-    value.to_string()
-}
-
-/// tokens/s, the share of the step stalled on each tier, the share the
-/// SSD was busy (near 100 %: the SSD bounds the step), and what it moved
-/// against the least the step's routing needed.
-fn status(m: &StepMetrics) -> String {
-    let share = |s: f64| 100.0 * s / m.wall_s.max(1e-9);
-    let mut line = format!(
-        "{:.0} tok/s  stall: ssd {:.0}% upload {:.0}% optimizer {:.0}%  ssd busy {:.0}%",
-        m.tokens as f64 / m.wall_s.max(1e-9),
-        share(m.stall_ssd_s),
-        share(m.stall_upload_s),
-        share(m.stall_optimizer_s),
-        share(m.ssd_busy_s)
-    );
-    let moved = m.bytes_ssd_to_host + m.bytes_host_to_ssd;
-    if moved > 0 {
-        let mib = |b: u64| b as f64 / (1 << 20) as f64;
-        line += &format!(
-            "  ssd {:.0} MiB (routing needs {:.0})",
-            mib(moved),
-            mib(m.bytes_ssd_min)
-        );
-    }
-    line
-}
-
-fn progress_bar(o: &TrainOptions, start: u64) -> indicatif::ProgressBar {
-    if o.quiet {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(o.steps);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .expect("a valid template"),
-    );
-    bar.set_position(start);
-    bar
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_split_that_does_not_apply_is_named() {
-        let o = TrainFlags::default().resolve().unwrap();
-        assert!(unused_split(&o, 0, 0).is_empty());
-        let asked = TrainOptions {
-            host_cell_slots: 1,
-            defer_share: 0.5,
-            ..o
-        };
-        let notes = unused_split(&asked, 0, 0);
-        assert_eq!(notes.len(), 2, "{notes:?}");
-        assert!(notes[0].starts_with("--host-cell-slots 1 is not used"));
-        assert!(notes[1].starts_with("--defer-share 0.5 holds no update"));
-        assert!(unused_split(&asked, 6, 4).is_empty());
-    }
 }

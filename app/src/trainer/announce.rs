@@ -1,0 +1,281 @@
+//! What a run says before its first step: the line that names the run
+//! (what trains, on what, how), and what the opened engine chose (notes,
+//! the host tier's split, held updates). [`Speaker`] prints them, rank 0
+//! alone speaking for ranks.
+
+use std::io::Write as _;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::LmConfig;
+
+use super::engine_choices::gemms_described;
+use super::plan::MemoryPlan;
+use super::{options, ranks, RunSummary, Source, TrainOptions};
+
+/// Prints a run's lines to standard output. A closed stdout (`strata
+/// train | head`) is no reason to lose the run, nor to go on with no one
+/// reading: the speaker raises `interrupt`, so the run checkpoints after
+/// the step in progress and stops, as on Ctrl-C.
+pub(super) struct Speaker<'a> {
+    /// This process speaks: one alone, or rank 0 of ranks.
+    speaks: bool,
+    /// `--quiet`: only the lines that do not start with two spaces.
+    quiet: bool,
+    stdout_closed: AtomicBool,
+    interrupt: &'a AtomicBool,
+}
+
+impl<'a> Speaker<'a> {
+    pub fn new(speaks: bool, quiet: bool, interrupt: &'a AtomicBool) -> Self {
+        Self {
+            speaks,
+            quiet,
+            stdout_closed: AtomicBool::new(false),
+            interrupt,
+        }
+    }
+
+    pub fn speaks(&self) -> bool {
+        self.speaks
+    }
+
+    pub fn say(&self, line: String) {
+        if self.speaks
+            && (!self.quiet || !line.starts_with("  "))
+            && writeln!(std::io::stdout().lock(), "{line}").is_err()
+        {
+            self.stdout_closed.store(true, Ordering::SeqCst);
+            self.interrupt.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// `say`, above the progress bar where one is drawn.
+    pub fn say_over(&self, bar: &indicatif::ProgressBar, line: String) {
+        if bar.is_hidden() {
+            self.say(line);
+        } else {
+            bar.println(line);
+        }
+    }
+
+    /// Standard output was found closed.
+    pub fn stdout_closed(&self) -> bool {
+        self.stdout_closed.load(Ordering::SeqCst)
+    }
+}
+
+/// A run's first line: what starts (train, finetune, resume), the model,
+/// where it runs (ranks, devices, the modeled link), the memory plan's
+/// mode, the backend (and why, where `auto` chose it), the GEMMs'
+/// types and condensation where it is on.
+pub(super) fn first_line(
+    o: &TrainOptions,
+    source: &Source,
+    config: &LmConfig,
+    world: Option<&ranks::RankWorld>,
+    plan: &MemoryPlan,
+    engine_config: &EngineConfig,
+) -> String {
+    format!(
+        "strata {}: {} ({:.1}M params, {} layers × {} experts, top-{}), {}{}, backend {}{}{}{}",
+        match (source, o.resume) {
+            (_, true) => "resume",
+            (Source::Finetune(_), false) => "finetune",
+            (Source::Scratch, false) => "train",
+        },
+        match source {
+            Source::Scratch => format!("preset {}", o.preset),
+            Source::Finetune(d) => d.display().to_string(),
+        },
+        config.total_params() as f64 / 1e6,
+        config.layers,
+        config.experts,
+        config.top_k,
+        placement(o, world),
+        plan.mode.describe(),
+        o.backend,
+        match &o.backend_chosen {
+            Some(found) => format!(" (auto: {found}; --backend cpu or cuda to choose)"),
+            None => String::new(),
+        },
+        gemms_described(o),
+        match &engine_config.condense {
+            Some(c) => format!("; {}", c.describe()),
+            None => String::new(),
+        }
+    )
+}
+
+/// Where the run's devices are: ranks as processes, several devices of
+/// this process (over a modeled link), or nothing to say for one.
+fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>) -> String {
+    match world {
+        Some(w) => format!(
+            "{} {} ranks as processes (MPI{}; rank R's run in {}), ",
+            w.size,
+            if o.backend == "cuda" { "GPU" } else { "cpu" },
+            if o.backend == "cuda" {
+                ", each on the GPU of its local rank, exchanging through host memory"
+            } else {
+                ""
+            },
+            ranks::rank_out(o.out.parent().unwrap_or(Path::new(".")), 0)
+                .with_file_name("rank-R")
+                .display()
+        ),
+        None if o.devices > 1 => {
+            let over = o.link_gb_per_s.map_or(String::new(), |r| {
+                format!(" over a modeled {r} GB/s link ({} µs)", o.link_latency_us)
+            });
+            format!("{} {} devices{over}, ", o.devices, o.backend)
+        }
+        None => String::new(),
+    }
+}
+
+/// What the opened engine chose that a user should know: the compute
+/// threads asked for, the engine's notes, a split of the host tier that
+/// does not apply, the records kept resident and the compute cells, and
+/// the updates held for the next forward.
+pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
+    let mut lines = Vec::new();
+    if let Some(n) = o.compute_threads {
+        lines.push(format!(
+            "  compute: the cpu backend splits over {n} of the {} cores",
+            strata::machine_cores()
+        ));
+    }
+    for note in engine.notes() {
+        lines.push(format!("note: {note}"));
+    }
+    for note in unused_split(o, engine.host_cells(), engine.deferred_updates()) {
+        lines.push(format!("note: {note}"));
+    }
+    if engine.host_kept() > 0 || engine.host_cells() > 0 {
+        let cells = match engine.host_cells() {
+            0 => String::new(),
+            n => format!(", and {n} compute cells"),
+        };
+        let kept = match engine.host_kept() {
+            0 => "none stays resident, all stream from the SSD".to_string(),
+            n => format!(
+                "{n} stay resident, the others stream from the SSD through {} slots",
+                engine.host_slots() - n
+            ),
+        };
+        lines.push(format!(
+            "  host memory: {} expert records; {kept}{cells}",
+            engine.host_slots()
+        ));
+    }
+    if engine.deferred_updates() > 0 {
+        lines.push(format!(
+            "  {} experts' updates wait for the next step's forward",
+            engine.deferred_updates()
+        ));
+    }
+    lines
+}
+
+/// The line that says which groups train, where some are frozen.
+pub(super) fn frozen_line(o: &TrainOptions, plan: &MemoryPlan) -> String {
+    format!(
+        "training {} alone; the rest is frozen ({} dense params without moments)",
+        o.train.join(", "),
+        options::show_count(plan.dense_params - plan.dense_trainable)
+    )
+}
+
+/// What a run starting at `start_step` says before its loop: nothing to
+/// train, or already done; `--timeline-step` outside the steps it will
+/// run is refused.
+pub(super) fn start_lines(o: &TrainOptions, start_step: u64) -> Result<Vec<String>, String> {
+    if let Some(n) = o
+        .timeline_step
+        .filter(|n| !(start_step + 1..=o.steps).contains(n))
+    {
+        return Err(format!(
+            "--timeline-step {n}: this run goes from step {} to {}; ask for one of those",
+            start_step + 1,
+            o.steps
+        ));
+    }
+    Ok(if o.steps == 0 {
+        vec!["--steps 0: nothing to train".to_string()]
+    } else if start_step >= o.steps {
+        vec![format!(
+            "the run is already at step {start_step} of {}",
+            o.steps
+        )]
+    } else {
+        Vec::new()
+    })
+}
+
+/// The line of a run stopped early, with how to go on.
+pub(super) fn interrupted_line(o: &TrainOptions, summary: &RunSummary) -> String {
+    format!(
+        "interrupted: checkpoint written at step {}; continue with --resume --out {}",
+        summary.steps,
+        o.out.display()
+    )
+}
+
+/// The last line of a run that reached its steps.
+pub(super) fn done_line(summary: &RunSummary) -> String {
+    let loss = |l: Option<f32>| l.map_or("-".into(), |l| format!("{l:.4}"));
+    format!(
+        "done: step {}  loss {} → {}  eval {}  {:.0} tokens/s (median)",
+        summary.steps,
+        loss(summary.first_loss),
+        loss(summary.last_loss),
+        loss(summary.last_eval_loss),
+        summary.tokens_per_s
+    )
+}
+
+/// What of the host tier's split that `o` asks for does not apply: cells
+/// and held updates are only for records streaming from the SSD through
+/// one device's host tier, and a share may round to no expert.
+fn unused_split(o: &TrainOptions, cells: usize, deferred: usize) -> Vec<String> {
+    let mut notes = Vec::new();
+    let why = "it applies where expert records stream from the SSD, on one device";
+    if o.host_cell_slots > 0 && cells == 0 {
+        notes.push(format!(
+            "--host-cell-slots {} is not used: {why}",
+            o.host_cell_slots
+        ));
+    }
+    if o.defer_share > 0.0 && deferred == 0 {
+        notes.push(format!(
+            "--defer-share {} holds no update: {why}, where the share of a layer's experts \
+             rounds to one or more",
+            o.defer_share
+        ));
+    }
+    notes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trainer::TrainFlags;
+
+    #[test]
+    fn a_split_that_does_not_apply_is_named() {
+        let o = TrainFlags::default().resolve().unwrap();
+        assert!(unused_split(&o, 0, 0).is_empty());
+        let asked = TrainOptions {
+            host_cell_slots: 1,
+            defer_share: 0.5,
+            ..o
+        };
+        let notes = unused_split(&asked, 0, 0);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(notes[0].starts_with("--host-cell-slots 1 is not used"));
+        assert!(notes[1].starts_with("--defer-share 0.5 holds no update"));
+        assert!(unused_split(&asked, 6, 4).is_empty());
+    }
+}
