@@ -46,9 +46,9 @@ mod guards;
 mod slots;
 
 pub use guards::{ReadGuard, WriteGuard};
-use slots::{Inner, SlotMeta};
+use slots::SlotMeta;
 pub(crate) use slots::{
-    Owned, Pinned, ReadInto, Shared, SlotKind, SlotState, Upgrading, WriteFrom,
+    Demotion, Inner, Owned, Pinned, ReadInto, Shared, SlotKind, SlotState, Upgrading, WriteFrom,
 };
 
 /// Slots `HostCache::keep_resident` leaves to stream records through: one

@@ -25,6 +25,7 @@ use crate::timeline::Timeline;
 use crate::{ExpertId, TierError};
 
 mod cells;
+pub(crate) use cells::Demotion;
 mod memory;
 
 pub(crate) use memory::{ReadInto, WriteFrom};
