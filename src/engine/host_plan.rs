@@ -54,7 +54,7 @@ impl HostMemoryPlan {
             // across the step boundary (as if the pipeline overlapped:
             // the most it defers).
             let slots = host_tier / record;
-            let deferred = super::open::deferred_experts(
+            let deferred = super::build::deferred_experts(
                 layout.layers as usize,
                 layout.experts_per_layer as usize,
                 config,

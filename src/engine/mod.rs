@@ -22,6 +22,7 @@
 //! ```
 
 mod access;
+mod build;
 mod condensing;
 mod config;
 mod dense_state;
@@ -48,11 +49,11 @@ use std::sync::Arc;
 use strata_optim::AdamWHyper;
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
+pub use build::{host_cell_slot_count, host_kept_count};
 pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
 pub use gradients::Gradients;
 pub use host_plan::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
-pub use open::{host_cell_slot_count, host_kept_count};
 pub use ranks::rank_of_expert;
 pub use routing_trace::RoutingTrace;
 pub use verify::{verify_checkpoint, CheckpointReport};
@@ -61,8 +62,8 @@ use crate::model::{Batch, DenseKernels, Evaluation, ModelConfig, Network};
 use crate::placement::CostModel;
 use crate::EngineError;
 use access::Phase;
+use build::step_schedule;
 use condensing::{condensed_pass, StepCondense};
-use open::step_schedule;
 use pipeline::{DeviceRunner, PassOptions};
 use slot_table::{Accumulators, DeviceState};
 use updates::{ClipInput, Held, SharedExperts};
