@@ -18,11 +18,12 @@ use std::path::Path;
 use strata_tiers::{Dtype, Layout};
 
 use super::options::{show_bytes, show_count};
-use strata::backend::{head_block_rows, DenseGemm, ATTENTION_BLOCK_BYTES};
+use strata::backend::DenseGemm;
 use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
-use strata::lm::{LmConfig, QkNorm};
-use strata::math::attention::AttnShape;
-use strata::math::attention_rows;
+use strata::lm::LmConfig;
+
+mod activations;
+pub use activations::{activation_bytes, gpu_activation_bytes};
 
 /// Where the experts end up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,115 +114,6 @@ pub struct PlanInput<'a> {
     pub dense_gemm: DenseGemm,
 }
 
-/// Bytes one micro-batch keeps for its backward (f32): per layer the
-/// residual stream and norms (5·D), q/k/v and the attention output,
-/// what the attention keeps (its probabilities, H·S² a sequence, up to
-/// `KEPT_PROBABILITIES_MAX_BYTES`, else each query row's and head's
-/// softmax max and sum, 2·H·S: `attention_rows::saved_len`); per sparse layer the
-/// router's outputs, each assignment's expert output (K·D) and hidden
-/// activations (2·K·F), and a shared expert's activations (3·F_s, and
-/// D + 1 more for a gated one) where the family has them; per dense layer
-/// its MLP's (3·F_d); q and
-/// k before their norms and q/k/v before a clamp where the family has
-/// them; then the logits and their gradient (2·V).
-pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
-    let t = (seq_len * seqs) as u64;
-    let shape = AttnShape {
-        seqs,
-        seq_len,
-        heads: m.heads,
-        kv_heads: m.kv_heads,
-        head_dim: m.head_dim,
-    };
-    let kept = attention_rows::saved_len(&shape) as u64;
-    4 * (layer_values(m, t, kept) + 2 * t * m.vocab as u64)
-}
-
-/// [`activation_bytes`] on a GPU (`cuda/ops.rs`): the attention keeps
-/// two values a query row and head whatever the sequence, and the head
-/// computes its logits a block of rows at a time. Besides what it
-/// keeps, a layer's pass holds a workspace, the largest of which counts:
-/// the attention's scores and d probabilities (at most
-/// [`ATTENTION_BLOCK_BYTES`] each, and a bf16 copy of one for bf16 GEMMs,
-/// counted whatever the choice) with its operands laid out head by head
-/// (q, k, v, the output and their gradients: 8 × T·H·hd f32, more than
-/// their bf16 copies and the f32 head each is rounded from), a MoE
-/// layer's rows gathered for its experts and their outputs (2·T·K·D) with
-/// one expert's pass (`expert_pass_bytes`), and the head's logits and d
-/// logits for a block of rows.
-pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
-    let t = (seq_len * seqs) as u64;
-    let stats = (2 * seqs * m.heads * seq_len) as u64;
-    let kept = 4 * (layer_values(m, t, stats) + 2 * t);
-    let scores = (4 * seqs * m.heads * seq_len * seq_len) as u64;
-    let block = scores.min(ATTENTION_BLOCK_BYTES as u64);
-    let attention = 2 * block + block / 2 + 4 * 8 * t * (m.heads * m.head_dim) as u64;
-    let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t);
-    let head_rows = t.min(head_block_rows(m.vocab) as u64);
-    // A block's logits and their gradient (f32), and, for bf16 GEMMs, the
-    // head's input rows and the block's gradient rounded to bf16.
-    let head = 4 * 2 * head_rows * m.vocab as u64
-        + 2 * (t * m.d_model as u64 + head_rows * m.vocab as u64);
-    kept + attention.max(experts).max(head).max(dense_gemm_bytes(m, t))
-}
-
-/// The bf16 copies a dense GEMM's backward makes of its input rows and
-/// output gradient (`DenseGemm::Bf16`, counted whatever the choice): at
-/// most the model width plus the widest of the projections and MLPs.
-fn dense_gemm_bytes(m: &LmConfig, t: u64) -> u64 {
-    let widest = [
-        m.heads * m.head_dim,
-        m.dense_ff,
-        m.shared_expert_ff,
-        m.d_model,
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0) as u64;
-    2 * t * (m.d_model as u64 + widest)
-}
-
-/// What one expert's backward holds on a GPU (`cuda/expert.rs`), its
-/// forward holding less: for each of its rows, at most the batch's `t`
-/// tokens (a dropless router may send every token to one expert), the
-/// hidden-size values (a, b, h, their gradients: 6·F f32; h, da, db in
-/// bf16: 3·F) and the row-size ones (dx in f32, x and dout in bf16); the
-/// weights' gradients of two experts (12·D·F bytes each: one comes down
-/// while the next computes); and a bf16 copy of the weights, made where
-/// the compute params are f32.
-fn expert_pass_bytes(m: &LmConfig, t: u64) -> u64 {
-    let (d, f) = (m.d_model as u64, m.d_ff as u64);
-    let per_row = 4 * (6 * f + d) + 2 * (3 * f + 2 * d);
-    let weights = m.expert_params() as u64;
-    t * per_row + 2 * 4 * weights + 2 * weights
-}
-
-/// f32 values the layers keep, `attention` a layer for its attention.
-fn layer_values(m: &LmConfig, t: u64, attention: u64) -> u64 {
-    let (d, k, f) = (m.d_model as u64, m.top_k as u64, m.d_ff as u64);
-    let q = (m.heads * m.head_dim) as u64;
-    let kv = (m.kv_heads * m.head_dim) as u64;
-    let mut per_token = 5 * d + 2 * q + 2 * kv;
-    if m.qk_norm != QkNorm::None {
-        per_token += q + kv + m.heads as u64 + m.kv_heads as u64;
-    }
-    if m.clip_qkv.is_some() {
-        per_token += q + 2 * kv;
-    }
-    let mut per_sparse_token = 2 * m.experts as u64 + k * d + 2 * k * f;
-    if m.shared_expert_ff > 0 {
-        per_sparse_token += 3 * m.shared_expert_ff as u64;
-        if m.family.shared_expert().1 {
-            per_sparse_token += d + 1; // its output and gate
-        }
-    }
-    let per_dense_token = 3 * m.dense_ff as u64;
-    let (dense, sparse) = (m.dense_layers.len() as u64, m.moe().layers as u64);
-    m.layers as u64 * (t * per_token + attention)
-        + sparse * t * per_sparse_token
-        + dense * t * per_dense_token
-}
-
 /// Plans a run, or says what is short and by how much.
 pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let m = input.model;
@@ -235,6 +127,61 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let experts = layout.expert_count();
     let dense = m.dense_params() as u64;
     let dense_trainable = dense - input.frozen_dense.min(dense);
+    let devices = input.devices.max(1);
+    let device = device_share(input, &layout, dense_trainable)?;
+    let host = host_share(input, &layout, dense_trainable)?;
+    let (ssd, ssd_free) = store_share(input, &layout)?;
+    // Records that do not all fit in host memory stream from the SSD for
+    // their updates, however many experts the device holds.
+    let mode = if host.slots < experts {
+        OffloadMode::HostAndSsd
+    } else if device.slots == experts {
+        OffloadMode::AllOnDevice
+    } else {
+        OffloadMode::HostOffload
+    };
+    Ok(MemoryPlan {
+        mode,
+        devices: devices as u64,
+        dense_params: dense,
+        dense_trainable,
+        expert_count: experts,
+        expert_params: m.expert_params() as u64,
+        dense_device_bytes: device.dense,
+        activation_bytes: device.activations,
+        expert_device_bytes: device.slots * layout.compute_payload_bytes(),
+        device_slots: device.slots,
+        dense_host_bytes: host.dense,
+        expert_host_bytes: host.slots * layout.record_bytes(),
+        host_slots: host.slots,
+        host_cell_slots: host.cell_slots,
+        host_kept: host.kept,
+        ssd_bytes: ssd,
+        ssd_free_bytes: ssd_free,
+        frozen_expert_moment_bytes: match input.train_experts {
+            true => 0,
+            false => 2 * experts * 8 * layout.params_per_expert,
+        },
+    })
+}
+
+/// Each device's bytes: the dense params, what the activations keep and
+/// their largest workspace, and the expert slots the rest holds.
+struct DeviceShare {
+    dense: u64,
+    activations: u64,
+    slots: u64,
+}
+
+/// The device's share of `input`, or what is short: one expert slot at
+/// least besides the dense params and activations.
+fn device_share(
+    input: &PlanInput,
+    layout: &Layout,
+    dense_trainable: u64,
+) -> Result<DeviceShare, String> {
+    let m = input.model;
+    let dense = m.dense_params() as u64;
     let devices = input.devices.max(1);
     // Params and gradient, and, stepped there, the moments.
     let kept = input.dense_on_device && devices == 1;
@@ -266,7 +213,31 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
             show_bytes(need_device - input.device_mem),
         ));
     }
-    let device_slots = ((input.device_mem - fixed_device) / slot).min(experts);
+    Ok(DeviceShare {
+        dense: dense_device,
+        activations,
+        slots: ((input.device_mem - fixed_device) / slot).min(layout.expert_count()),
+    })
+}
+
+/// Host memory's bytes: the dense moments, and the expert record slots
+/// the rest holds, split into cells and kept records as asked.
+struct HostShare {
+    dense: u64,
+    slots: u64,
+    cell_slots: u64,
+    kept: u64,
+}
+
+/// The host's share of `input`, or what is short: two expert records at
+/// least besides the dense moments, and enough record slots left to
+/// stream beside the compute cells.
+fn host_share(
+    input: &PlanInput,
+    layout: &Layout,
+    dense_trainable: u64,
+) -> Result<HostShare, String> {
+    let experts = layout.expert_count();
     let record = layout.record_bytes();
     let dense_host = 8 * dense_trainable;
     let host_min_slots = 2u64.min(experts);
@@ -285,7 +256,7 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     }
     let host_slots = ((input.host_mem - dense_host) / record).min(experts);
     let split = EngineConfig {
-        devices,
+        devices: input.devices.max(1),
         host_stream_slots: input.host_stream_slots,
         host_cell_slots: input.host_cell_slots,
         ..EngineConfig::default()
@@ -300,9 +271,22 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
             show_bytes((MIN_HOST_STREAM_SLOTS as u64 - record_slots) * record)
         ));
     }
+    Ok(HostShare {
+        dense: dense_host,
+        slots: host_slots,
+        cell_slots,
+        kept: host_kept_count(&split, record_slots as usize, experts as usize) as u64,
+    })
+}
+
+/// The store's bytes on disk and the free bytes where it goes, or what is
+/// short there.
+fn store_share(input: &PlanInput, layout: &Layout) -> Result<(u64, Option<u64>), String> {
+    let dense = input.model.dense_params() as u64;
+    let experts = layout.expert_count();
     // Store file: superblocks and maps, then two copies of each record;
     // plus two dense checkpoint files (params and moments) during a commit.
-    let ssd = layout.data_offset() + 2 * experts * record + 2 * 12 * dense;
+    let ssd = layout.data_offset() + 2 * experts * layout.record_bytes() + 2 * 12 * dense;
     // A store that is already there (a resume) needs only what it lacks.
     let existing = input
         .store_dir
@@ -310,52 +294,22 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         .map_or(0, |m| m.len());
     let ssd_free = input.store_dir.and_then(free_bytes);
     if let Some(free) = ssd_free {
-        if free < ssd.saturating_sub(existing) {
+        let needed = ssd.saturating_sub(existing);
+        if free < needed {
             return Err(format!(
                 "does not fit: the store needs {} more on disk but {} has {} free: {} short. \
                  Free space there, or (for a new run) choose another --out",
-                show_bytes(ssd.saturating_sub(existing)),
+                show_bytes(needed),
                 input
                     .store_dir
                     .map(|p| p.display().to_string())
                     .unwrap_or_default(),
                 show_bytes(free),
-                show_bytes(ssd.saturating_sub(existing) - free),
+                show_bytes(needed - free),
             ));
         }
     }
-    // Records that do not all fit in host memory stream from the SSD for
-    // their updates, however many experts the device holds.
-    let mode = if host_slots < experts {
-        OffloadMode::HostAndSsd
-    } else if device_slots == experts {
-        OffloadMode::AllOnDevice
-    } else {
-        OffloadMode::HostOffload
-    };
-    Ok(MemoryPlan {
-        mode,
-        devices: devices as u64,
-        dense_params: dense,
-        dense_trainable,
-        expert_count: experts,
-        expert_params: m.expert_params() as u64,
-        dense_device_bytes: dense_device,
-        activation_bytes: activations,
-        expert_device_bytes: device_slots * slot,
-        device_slots,
-        dense_host_bytes: dense_host,
-        expert_host_bytes: host_slots * record,
-        host_slots,
-        host_cell_slots: cell_slots,
-        host_kept: host_kept_count(&split, record_slots as usize, experts as usize) as u64,
-        ssd_bytes: ssd,
-        ssd_free_bytes: ssd_free,
-        frozen_expert_moment_bytes: match input.train_experts {
-            true => 0,
-            false => 2 * experts * 8 * layout.params_per_expert,
-        },
-    })
+    Ok((ssd, ssd_free))
 }
 
 /// Free bytes of the file system holding `dir` (or its nearest existing

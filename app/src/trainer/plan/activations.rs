@@ -1,0 +1,117 @@
+//! The activations a micro-batch keeps for its backward and the largest
+//! workspace a layer's pass holds, on the cpu and on a GPU: the device
+//! share of the memory plan that grows with the batch and the sequence.
+
+use strata::backend::{head_block_rows, ATTENTION_BLOCK_BYTES};
+use strata::lm::{LmConfig, QkNorm};
+use strata::math::attention::AttnShape;
+use strata::math::attention_rows;
+
+/// Bytes one micro-batch keeps for its backward (f32): per layer the
+/// residual stream and norms (5·D), q/k/v and the attention output,
+/// what the attention keeps (its probabilities, H·S² a sequence, up to
+/// `KEPT_PROBABILITIES_MAX_BYTES`, else each query row's and head's
+/// softmax max and sum, 2·H·S: `attention_rows::saved_len`); per sparse layer the
+/// router's outputs, each assignment's expert output (K·D) and hidden
+/// activations (2·K·F), and a shared expert's activations (3·F_s, and
+/// D + 1 more for a gated one) where the family has them; per dense layer
+/// its MLP's (3·F_d); q and
+/// k before their norms and q/k/v before a clamp where the family has
+/// them; then the logits and their gradient (2·V).
+pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
+    let t = (seq_len * seqs) as u64;
+    let shape = AttnShape {
+        seqs,
+        seq_len,
+        heads: m.heads,
+        kv_heads: m.kv_heads,
+        head_dim: m.head_dim,
+    };
+    let kept = attention_rows::saved_len(&shape) as u64;
+    4 * (layer_values(m, t, kept) + 2 * t * m.vocab as u64)
+}
+
+/// [`activation_bytes`] on a GPU (`cuda/ops.rs`): the attention keeps
+/// two values a query row and head whatever the sequence, and the head
+/// computes its logits a block of rows at a time. Besides what it
+/// keeps, a layer's pass holds a workspace, the largest of which counts:
+/// the attention's scores and d probabilities (at most
+/// [`ATTENTION_BLOCK_BYTES`] each, and a bf16 copy of one for bf16 GEMMs,
+/// counted whatever the choice) with its operands laid out head by head
+/// (q, k, v, the output and their gradients: 8 × T·H·hd f32, more than
+/// their bf16 copies and the f32 head each is rounded from), a MoE
+/// layer's rows gathered for its experts and their outputs (2·T·K·D) with
+/// one expert's pass (`expert_pass_bytes`), and the head's logits and d
+/// logits for a block of rows.
+pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
+    let t = (seq_len * seqs) as u64;
+    let stats = (2 * seqs * m.heads * seq_len) as u64;
+    let kept = 4 * (layer_values(m, t, stats) + 2 * t);
+    let scores = (4 * seqs * m.heads * seq_len * seq_len) as u64;
+    let block = scores.min(ATTENTION_BLOCK_BYTES as u64);
+    let attention = 2 * block + block / 2 + 4 * 8 * t * (m.heads * m.head_dim) as u64;
+    let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t);
+    let head_rows = t.min(head_block_rows(m.vocab) as u64);
+    // A block's logits and their gradient (f32), and, for bf16 GEMMs, the
+    // head's input rows and the block's gradient rounded to bf16.
+    let head = 4 * 2 * head_rows * m.vocab as u64
+        + 2 * (t * m.d_model as u64 + head_rows * m.vocab as u64);
+    kept + attention.max(experts).max(head).max(dense_gemm_bytes(m, t))
+}
+
+/// The bf16 copies a dense GEMM's backward makes of its input rows and
+/// output gradient (`DenseGemm::Bf16`, counted whatever the choice): at
+/// most the model width plus the widest of the projections and MLPs.
+fn dense_gemm_bytes(m: &LmConfig, t: u64) -> u64 {
+    let widest = [
+        m.heads * m.head_dim,
+        m.dense_ff,
+        m.shared_expert_ff,
+        m.d_model,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0) as u64;
+    2 * t * (m.d_model as u64 + widest)
+}
+
+/// What one expert's backward holds on a GPU (`cuda/expert.rs`), its
+/// forward holding less: for each of its rows, at most the batch's `t`
+/// tokens (a dropless router may send every token to one expert), the
+/// hidden-size values (a, b, h, their gradients: 6·F f32; h, da, db in
+/// bf16: 3·F) and the row-size ones (dx in f32, x and dout in bf16); the
+/// weights' gradients of two experts (12·D·F bytes each: one comes down
+/// while the next computes); and a bf16 copy of the weights, made where
+/// the compute params are f32.
+fn expert_pass_bytes(m: &LmConfig, t: u64) -> u64 {
+    let (d, f) = (m.d_model as u64, m.d_ff as u64);
+    let per_row = 4 * (6 * f + d) + 2 * (3 * f + 2 * d);
+    let weights = m.expert_params() as u64;
+    t * per_row + 2 * 4 * weights + 2 * weights
+}
+
+/// f32 values the layers keep, `attention` a layer for its attention.
+fn layer_values(m: &LmConfig, t: u64, attention: u64) -> u64 {
+    let (d, k, f) = (m.d_model as u64, m.top_k as u64, m.d_ff as u64);
+    let q = (m.heads * m.head_dim) as u64;
+    let kv = (m.kv_heads * m.head_dim) as u64;
+    let mut per_token = 5 * d + 2 * q + 2 * kv;
+    if m.qk_norm != QkNorm::None {
+        per_token += q + kv + m.heads as u64 + m.kv_heads as u64;
+    }
+    if m.clip_qkv.is_some() {
+        per_token += q + 2 * kv;
+    }
+    let mut per_sparse_token = 2 * m.experts as u64 + k * d + 2 * k * f;
+    if m.shared_expert_ff > 0 {
+        per_sparse_token += 3 * m.shared_expert_ff as u64;
+        if m.family.shared_expert().1 {
+            per_sparse_token += d + 1; // its output and gate
+        }
+    }
+    let per_dense_token = 3 * m.dense_ff as u64;
+    let (dense, sparse) = (m.dense_layers.len() as u64, m.moe().layers as u64);
+    m.layers as u64 * (t * per_token + attention)
+        + sparse * t * per_sparse_token
+        + dense * t * per_dense_token
+}
