@@ -8,6 +8,99 @@ use super::config::{AuxLoss, Family, LmConfig, QkNorm};
 use crate::math::Scoring;
 use crate::EngineError;
 
+/// A `config.json`'s keys, read as the config's fields need them.
+struct Keys<'a> {
+    map: &'a Map<String, Value>,
+}
+
+impl Keys<'_> {
+    fn int(&self, key: &str) -> Result<usize, EngineError> {
+        self.map
+            .get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| {
+                EngineError::Config(format!(
+                    "config.json: {key} is missing or not a non-negative integer"
+                ))
+            })
+    }
+
+    /// The first of several names a key goes by (transformers maps
+    /// num_experts and num_local_experts onto each other).
+    fn int_of(&self, keys: &[&str]) -> Result<usize, EngineError> {
+        match keys
+            .iter()
+            .find(|k| self.map.get(**k).is_some_and(|v| !v.is_null()))
+        {
+            Some(key) => self.int(key),
+            None => self.int(keys[0]),
+        }
+    }
+
+    fn uint_or(&self, key: &str, default: usize) -> usize {
+        self.map
+            .get(key)
+            .and_then(Value::as_u64)
+            .map_or(default, |v| v as usize)
+    }
+
+    fn float(&self, key: &str, default: f64) -> f64 {
+        self.map.get(key).and_then(Value::as_f64).unwrap_or(default)
+    }
+
+    fn flag(&self, key: &str, default: bool) -> bool {
+        self.map
+            .get(key)
+            .and_then(Value::as_bool)
+            .unwrap_or(default)
+    }
+
+    /// An expert's hidden size, under its family's key.
+    fn expert_ff(&self, family: Family) -> Result<usize, EngineError> {
+        match family {
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::Glm4Moe => {
+                self.int("moe_intermediate_size")
+            }
+            Family::Mixtral | Family::Olmoe => self.int("intermediate_size"),
+        }
+    }
+
+    /// The shared expert's hidden size (0: none): Qwen2-MoE's own key,
+    /// GLM-4.5's shared experts side by side.
+    fn shared_expert_ff(&self, family: Family) -> Result<usize, EngineError> {
+        Ok(match family {
+            Family::Qwen2Moe => self.int("shared_expert_intermediate_size")?,
+            Family::Glm4Moe => {
+                self.int("moe_intermediate_size")? * self.uint_or("n_shared_experts", 1)
+            }
+            _ => 0,
+        })
+    }
+
+    /// The router's scoring: GLM-4.5's grouped sigmoid, else softmax.
+    fn scoring(&self, family: Family) -> Scoring {
+        match family {
+            Family::Glm4Moe => Scoring::SigmoidGrouped {
+                groups: self.uint_or("n_group", 1),
+                kept_groups: self.uint_or("topk_group", 1),
+                scale: self.float("routed_scaling_factor", 1.0) as f32,
+            },
+            _ => Scoring::Softmax,
+        }
+    }
+
+    /// The family's own rule: the load-balancing term is part of the
+    /// training loss only with `output_router_logits`. (GLM-4.5 has none:
+    /// its balance is the correction bias.)
+    fn aux_loss_coef(&self, family: Family, default: f64) -> f32 {
+        match self.flag("output_router_logits", false) && family != Family::Glm4Moe {
+            true => self.float("router_aux_loss_coef", default) as f32,
+            false => 0.0,
+        }
+    }
+}
+
 impl LmConfig {
     /// Reads a Hugging Face `config.json`'s text.
     pub fn from_hf_json(text: &str) -> Result<Self, EngineError> {
@@ -20,86 +113,44 @@ impl LmConfig {
         let family = Family::from_model_type(model_type).ok_or_else(|| unsupported_family(map))?;
         refuse_unsupported(map, family)?;
         let defaults = FamilyDefaults::of(family);
-        let int = |key: &str| -> Result<usize, EngineError> {
-            map.get(key)
-                .and_then(Value::as_u64)
-                .map(|v| v as usize)
-                .ok_or_else(|| {
-                    EngineError::Config(format!(
-                        "config.json: {key} is missing or not a non-negative integer"
-                    ))
-                })
-        };
-        // The first of several names a key goes by (transformers maps
-        // num_experts and num_local_experts onto each other).
-        let int_of = |keys: &[&str]| -> Result<usize, EngineError> {
-            match keys
-                .iter()
-                .find(|k| map.get(**k).is_some_and(|v| !v.is_null()))
-            {
-                Some(key) => int(key),
-                None => int(keys[0]),
-            }
-        };
-        let float = |key: &str, default: f64| -> f64 {
-            map.get(key).and_then(Value::as_f64).unwrap_or(default)
-        };
-        let flag = |key: &str, default: bool| -> bool {
-            map.get(key).and_then(Value::as_bool).unwrap_or(default)
-        };
-        let d_model = int("hidden_size")?;
-        let heads = int("num_attention_heads")?;
+        let keys = Keys { map };
+        let d_model = keys.int("hidden_size")?;
+        let heads = keys.int("num_attention_heads")?;
         let head_dim = match map.get("head_dim").and_then(Value::as_u64) {
             Some(h) => h as usize,
             None if heads > 0 => d_model / heads,
             None => 0,
         };
+        let dense_layers = dense_layers(map, family)?;
         let config = LmConfig {
             family,
-            vocab: int("vocab_size")?,
+            vocab: keys.int("vocab_size")?,
             d_model,
-            layers: int("num_hidden_layers")?,
+            layers: keys.int("num_hidden_layers")?,
             heads,
-            kv_heads: map
-                .get("num_key_value_heads")
-                .and_then(Value::as_u64)
-                .map_or(heads, |v| v as usize),
+            kv_heads: keys.uint_or("num_key_value_heads", heads),
             head_dim,
-            d_ff: match family {
-                Family::Qwen3Moe | Family::Qwen2Moe | Family::Glm4Moe => {
-                    int("moe_intermediate_size")?
-                }
-                Family::Mixtral | Family::Olmoe => int("intermediate_size")?,
-            },
-            experts: int_of(&["num_experts", "num_local_experts", "n_routed_experts"])?,
-            top_k: int("num_experts_per_tok")?,
+            d_ff: keys.expert_ff(family)?,
+            experts: keys.int_of(&["num_experts", "num_local_experts", "n_routed_experts"])?,
+            top_k: keys.int("num_experts_per_tok")?,
             // Mixtral renormalizes its top-k weights (transformers' class
             // has no key for it; strata's own configs write one).
-            renormalize: flag(
+            renormalize: keys.flag(
                 "norm_topk_prob",
                 matches!(family, Family::Mixtral | Family::Glm4Moe),
             ),
             rope_theta: rope_theta(map, defaults.rope_theta)?,
-            rms_eps: float("rms_norm_eps", defaults.rms_eps),
-            tie_embeddings: flag("tie_word_embeddings", false),
-            max_seq: map
-                .get("max_position_embeddings")
-                .and_then(Value::as_u64)
-                .map_or(defaults.max_positions, |v| v as usize),
-            // The family's own rule: the load-balancing term is part of
-            // the training loss only with `output_router_logits`.
-            // (GLM-4.5 has none: its balance is the correction bias.)
-            aux_loss_coef: match flag("output_router_logits", false) && family != Family::Glm4Moe {
-                true => float("router_aux_loss_coef", defaults.aux_loss_coef) as f32,
-                false => 0.0,
-            },
+            rms_eps: keys.float("rms_norm_eps", defaults.rms_eps),
+            tie_embeddings: keys.flag("tie_word_embeddings", false),
+            max_seq: keys.uint_or("max_position_embeddings", defaults.max_positions),
+            aux_loss_coef: keys.aux_loss_coef(family, defaults.aux_loss_coef),
             // transformers' form, unless the config is strata's own (a run
             // directory's, or an export of a model trained from scratch).
             aux_loss: match map.get(STRATA_AUX_LOSS_KEY).and_then(Value::as_str) {
                 Some("per_layer") => AuxLoss::PerLayer,
                 _ => AuxLoss::AllLayers,
             },
-            z_loss_coef: float("router_z_loss_coef", 0.0) as f32,
+            z_loss_coef: keys.float("router_z_loss_coef", 0.0) as f32,
             clip_qkv: match family {
                 Family::Olmoe => map
                     .get("clip_qkv")
@@ -110,45 +161,26 @@ impl LmConfig {
             // Qwen2MoeConfig's qkv_bias defaults to true (transformers 4
             // had no key, and always a bias).
             qkv_bias: match family {
-                Family::Qwen2Moe => flag("qkv_bias", true),
-                Family::Glm4Moe => flag("attention_bias", false),
+                Family::Qwen2Moe => keys.flag("qkv_bias", true),
+                Family::Glm4Moe => keys.flag("attention_bias", false),
                 _ => false,
             },
-            shared_expert_ff: match family {
-                Family::Qwen2Moe => int("shared_expert_intermediate_size")?,
-                Family::Glm4Moe => {
-                    let n = map.get("n_shared_experts").and_then(Value::as_u64);
-                    int("moe_intermediate_size")? * n.unwrap_or(1) as usize
-                }
-                _ => 0,
+            shared_expert_ff: keys.shared_expert_ff(family)?,
+            dense_ff: match dense_layers.is_empty() {
+                true => 0,
+                false => keys.int("intermediate_size")?,
             },
-            dense_layers: dense_layers(map, family)?,
-            dense_ff: 0,
+            dense_layers,
             qk_norm: match family {
-                Family::Glm4Moe if flag("use_qk_norm", false) => QkNorm::PerHead,
+                Family::Glm4Moe if keys.flag("use_qk_norm", false) => QkNorm::PerHead,
                 _ => family.qk_norm(),
             },
             partial_rotary: match family {
                 Family::Glm4Moe => partial_rotary_factor(map),
                 _ => 1.0,
             },
-            scoring: match family {
-                Family::Glm4Moe => Scoring::SigmoidGrouped {
-                    groups: map.get("n_group").and_then(Value::as_u64).unwrap_or(1) as usize,
-                    kept_groups: map.get("topk_group").and_then(Value::as_u64).unwrap_or(1)
-                        as usize,
-                    scale: float("routed_scaling_factor", 1.0) as f32,
-                },
-                _ => Scoring::Softmax,
-            },
+            scoring: keys.scoring(family),
             seed: 0,
-        };
-        let config = LmConfig {
-            dense_ff: match config.dense_layers.is_empty() {
-                true => 0,
-                false => int("intermediate_size")?,
-            },
-            ..config
         };
         config.validate()?;
         Ok(config)
