@@ -12,6 +12,18 @@ pub(super) fn print(
     summary: &StepBenchSummary,
 ) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
+    runs(&mut out, records)?;
+    ratios(&mut out, summary)?;
+    ssd_idle(&mut out, records)?;
+    host_tier(&mut out, records)?;
+    quiet_steps(&mut out, records, summary)?;
+    by_round(&mut out, summary)?;
+    balance(&mut out, records, summary)?;
+    Ok(())
+}
+
+/// A row a run: its step, tokens/s, stalls, bytes and hit rates.
+fn runs(out: &mut impl Write, records: &[StepBenchRecord]) -> std::io::Result<()> {
     writeln!(
         out,
         "{:<13} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}",
@@ -50,6 +62,11 @@ pub(super) fn print(
                 r.steal_s.map_or("-".to_string(), |s| format!("{s:.3}"))
             )?;
     }
+    Ok(())
+}
+
+/// The two ratios, and whether the device's compute was modeled.
+fn ratios(out: &mut impl Write, summary: &StepBenchSummary) -> std::io::Result<()> {
     writeln!(
         out,
         "expert-wise is {:.2}x the naive schedule; its step is {:.2}x max(compute only, I/O only)",
@@ -62,6 +79,11 @@ pub(super) fn print(
              its time slept on the device's thread)"
         )?;
     }
+    Ok(())
+}
+
+/// Where the SSD sat idle in each phase of a run that records them.
+fn ssd_idle(out: &mut impl Write, records: &[StepBenchRecord]) -> std::io::Result<()> {
     let with_phases: Vec<_> = records
         .iter()
         .filter_map(|r| Some((r.run, r.phases?)))
@@ -86,6 +108,12 @@ pub(super) fn print(
             )?;
         }
     }
+    Ok(())
+}
+
+/// The expert-wise run's host tier: its slots, kept, streaming, cells
+/// and held updates.
+fn host_tier(out: &mut impl Write, records: &[StepBenchRecord]) -> std::io::Result<()> {
     if let Some(ew) = records.iter().find(|r| r.run == "expert_wise") {
         writeln!(
             out,
@@ -104,6 +132,16 @@ pub(super) fn print(
             ew.deferred_updates
         )?;
     }
+    Ok(())
+}
+
+/// The ratios over the quiet steps, or, with none, whose steal spoiled
+/// them.
+fn quiet_steps(
+    out: &mut impl Write,
+    records: &[StepBenchRecord],
+    summary: &StepBenchSummary,
+) -> std::io::Result<()> {
     if let (Some(n), Some(b)) = (
         summary.quiet_expert_wise_over_naive,
         summary.quiet_expert_wise_over_bound,
@@ -151,6 +189,11 @@ pub(super) fn print(
             )?;
         }
     }
+    Ok(())
+}
+
+/// The ratios round by round, and the cores the cpu backend used.
+fn by_round(out: &mut impl Write, summary: &StepBenchSummary) -> std::io::Result<()> {
     let list = |v: &[f64]| {
         v.iter()
             .map(|x| format!("{x:.2}"))
@@ -174,6 +217,16 @@ pub(super) fn print(
             summary.compute_threads, summary.machine_cores
         )?;
     }
+    Ok(())
+}
+
+/// The balanced token count, what the search tried, and whether the
+/// disk drifted from it.
+fn balance(
+    out: &mut impl Write,
+    records: &[StepBenchRecord],
+    summary: &StepBenchSummary,
+) -> std::io::Result<()> {
     if let Some(balance) = &summary.balance {
         let tried: Vec<String> = balance
             .compute_only_s
