@@ -93,6 +93,9 @@ impl HostCache {
         })
     }
 
+    /// Finds or loads `expert` with `parts` and hands out a reader's pin
+    /// or (`write`) the writer's hold, waiting while its slot is busy and,
+    /// where every slot is pinned, up to `pin_wait` for one to be freed.
     fn acquire_slot(
         &self,
         expert: ExpertId,
@@ -102,107 +105,61 @@ impl HostCache {
     ) -> Result<Acquired, TierError> {
         let shared = &*self.shared;
         shared.layout.slot_of(expert)?;
-        let start = Instant::now();
+        let mut ask = Asking {
+            expert,
+            parts,
+            write,
+            pin_wait,
+            start: Instant::now(),
+            waited: false,
+            loaded: false,
+        };
         let mut inner = shared.lock();
-        let mut waited = false;
-        let mut loaded = false;
         loop {
-            if let Some(&slot) = inner.by_expert.get(&expert) {
-                let m = inner.slots[slot];
-                let cell = shared.kind(slot) == SlotKind::Cell;
-                if cell && (write || parts != Parts::Compute) && m.state == SlotState::Ready {
-                    // A cell holds compute params only: the record goes to
-                    // a record slot, readers of the cell keeping theirs.
-                    // With one free to evict now, its compute part is
-                    // copied from the cell (pinned for the copy; the lock
-                    // is held from here to the claim, so the cell still
-                    // matches the store) and only its state part is read;
-                    // else it is read whole once one is (below).
-                    let place = shared.choose_victim(&inner, None, SlotKind::Record);
-                    let from_cell = place.map(|_| shared.pin(&mut inner, slot));
-                    shared.leave_cell(&mut inner, slot);
-                    if let Some(victim) = place {
-                        inner = self.load_here(inner, victim, expert, Parts::Full, from_cell)?;
-                        loaded = true;
+            let Some(&slot) = inner.by_expert.get(&expert) else {
+                // Not resident: load it here, once a slot can be had.
+                match shared.choose_place(&inner, expert, parts, None) {
+                    Some(victim) => {
+                        inner = self.load_here(inner, victim, expert, parts, None)?;
+                        ask.loaded = true;
                     }
-                    continue;
+                    None => inner = ask.wait_for_place(shared, inner)?,
                 }
-                if m.busy_for(parts, write) {
-                    waited = true;
-                    inner = shared.wait(inner);
-                    continue;
-                }
-                if parts.missing_from(m.parts).is_some() {
-                    let upgrade = shared.begin_upgrade(&mut inner, slot);
-                    let part = upgrade.part();
-                    drop(inner);
-                    let result =
-                        shared.read_slots(&[(ReadInto::Upgrading(&upgrade), expert, part)]);
-                    inner = shared.lock();
-                    shared.end_upgrade(&mut inner, upgrade, result.is_ok());
-                    shared.changed.notify_all();
-                    result?;
-                    loaded = true;
-                    continue;
-                }
-                let held = match write {
-                    true => Acquired::Writer(shared.take_writer(&mut inner, slot)),
-                    false => Acquired::Pin(shared.pin(&mut inner, slot)),
-                };
-                inner.recency.put(slot, ());
-                let window = shared.ahead_max.max(1) * 4;
-                inner.schedule.advance(expert, window);
-                let stats = &mut inner.stats;
-                if loaded {
-                    stats.misses += 1;
-                } else if waited {
-                    stats.late += 1;
-                } else {
-                    stats.hits += 1;
-                }
-                if loaded || waited {
-                    stats.stall_ns += start.elapsed().as_nanos() as u64;
-                    if let Some(timeline) = &shared.timeline {
-                        let name = if loaded { "load" } else { "wait for record" };
-                        timeline.record("stall", name, start, || expert_detail(expert, parts));
-                    }
-                }
-                drop(inner);
-                shared.changed.notify_all();
-                return Ok(held);
-            }
-            // Not resident: load it here.
-            let Some(victim) = shared.choose_place(&inner, expert, parts, None) else {
-                // Loads, write-backs and upgrades finish on their own.
-                let transient = inner.slots.iter().any(|m| {
-                    matches!(m.state, SlotState::Loading | SlotState::Evicting)
-                        || m.upgrading
-                        || m.writing_back
-                });
-                if transient {
-                    waited = true;
-                    inner = shared.wait(inner);
-                    continue;
-                }
-                // Pins held elsewhere end when their holders drop them.
-                if let Some(left) = pin_wait
-                    .checked_sub(start.elapsed())
-                    .filter(|d| !d.is_zero())
-                {
-                    waited = true;
-                    inner = shared.wait_timeout(inner, left);
-                    continue;
-                }
-                // The slots this load could have taken (`choose_place`).
-                let slots = if parts == Parts::Compute && !inner.keep.contains(&expert) {
-                    inner.slots.len()
-                } else {
-                    shared.record_slots
-                };
-                return Err(TierError::AllSlotsPinned { slots });
+                continue;
             };
-            inner = self.load_here(inner, victim, expert, parts, None)?;
-            loaded = true;
+            let m = inner.slots[slot];
+            let cell = shared.kind(slot) == SlotKind::Cell;
+            if cell && (write || parts != Parts::Compute) && m.state == SlotState::Ready {
+                // A cell holds compute params only: the record goes to
+                // a record slot, readers of the cell keeping theirs.
+                // With one free to evict now, its compute part is
+                // copied from the cell (pinned for the copy; the lock
+                // is held from here to the claim, so the cell still
+                // matches the store) and only its state part is read;
+                // else it is read whole once one is (above).
+                let place = shared.choose_victim(&inner, None, SlotKind::Record);
+                let from_cell = place.map(|_| shared.pin(&mut inner, slot));
+                shared.leave_cell(&mut inner, slot);
+                if let Some(victim) = place {
+                    inner = self.load_here(inner, victim, expert, Parts::Full, from_cell)?;
+                    ask.loaded = true;
+                }
+                continue;
+            }
+            if m.busy_for(parts, write) {
+                ask.waited = true;
+                inner = shared.wait(inner);
+                continue;
+            }
+            if parts.missing_from(m.parts).is_some() {
+                inner = upgrade_here(shared, inner, slot, expert)?;
+                ask.loaded = true;
+                continue;
+            }
+            let held = ask.hand_out(shared, &mut inner, slot);
+            drop(inner);
+            shared.changed.notify_all();
+            return Ok(held);
         }
     }
 
@@ -254,6 +211,109 @@ impl HostCache {
 enum Acquired {
     Pin(Pinned),
     Writer(Writing),
+}
+
+/// One `acquire_slot` call: what it asks for, since when, and whether it
+/// has waited or loaded (a late hit, or a miss, in the cache's stats).
+struct Asking {
+    expert: ExpertId,
+    parts: Parts,
+    write: bool,
+    pin_wait: Duration,
+    start: Instant,
+    waited: bool,
+    loaded: bool,
+}
+
+impl Asking {
+    /// Where no slot can be had for the load: waits for a load, write-back
+    /// or upgrade in flight, or, with none, up to what is left of
+    /// `pin_wait` for a pin to end; past that, every slot is pinned.
+    fn wait_for_place<'a>(
+        &mut self,
+        shared: &'a Shared,
+        inner: MutexGuard<'a, Inner>,
+    ) -> Result<MutexGuard<'a, Inner>, TierError> {
+        // Loads, write-backs and upgrades finish on their own.
+        let transient = inner.slots.iter().any(|m| {
+            matches!(m.state, SlotState::Loading | SlotState::Evicting)
+                || m.upgrading
+                || m.writing_back
+        });
+        if transient {
+            self.waited = true;
+            return Ok(shared.wait(inner));
+        }
+        // Pins held elsewhere end when their holders drop them.
+        if let Some(left) = self
+            .pin_wait
+            .checked_sub(self.start.elapsed())
+            .filter(|d| !d.is_zero())
+        {
+            self.waited = true;
+            return Ok(shared.wait_timeout(inner, left));
+        }
+        // The slots this load could have taken (`choose_place`).
+        let slots = if self.parts == Parts::Compute && !inner.keep.contains(&self.expert) {
+            inner.slots.len()
+        } else {
+            shared.record_slots
+        };
+        Err(TierError::AllSlotsPinned { slots })
+    }
+
+    /// The pin or writer's hold of the ready `slot`, the schedule moved on
+    /// past it, and the call counted: a hit, a late hit or a miss, with its
+    /// stall (and on the timeline).
+    fn hand_out(&self, shared: &Shared, inner: &mut Inner, slot: usize) -> Acquired {
+        let held = match self.write {
+            true => Acquired::Writer(shared.take_writer(inner, slot)),
+            false => Acquired::Pin(shared.pin(inner, slot)),
+        };
+        inner.recency.put(slot, ());
+        let window = shared.ahead_max.max(1) * 4;
+        inner.schedule.advance(self.expert, window);
+        let stats = &mut inner.stats;
+        if self.loaded {
+            stats.misses += 1;
+        } else if self.waited {
+            stats.late += 1;
+        } else {
+            stats.hits += 1;
+        }
+        if self.loaded || self.waited {
+            stats.stall_ns += self.start.elapsed().as_nanos() as u64;
+            if let Some(timeline) = &shared.timeline {
+                let name = if self.loaded {
+                    "load"
+                } else {
+                    "wait for record"
+                };
+                let (expert, parts) = (self.expert, self.parts);
+                timeline.record("stall", name, self.start, || expert_detail(expert, parts));
+            }
+        }
+        held
+    }
+}
+
+/// Reads the part `slot`'s record lacks for `expert` on this thread (an
+/// upgrade), the lock released while it reads.
+fn upgrade_here<'a>(
+    shared: &'a Shared,
+    mut inner: MutexGuard<'a, Inner>,
+    slot: usize,
+    expert: ExpertId,
+) -> Result<MutexGuard<'a, Inner>, TierError> {
+    let upgrade = shared.begin_upgrade(&mut inner, slot);
+    let part = upgrade.part();
+    drop(inner);
+    let result = shared.read_slots(&[(ReadInto::Upgrading(&upgrade), expert, part)]);
+    let mut inner = shared.lock();
+    shared.end_upgrade(&mut inner, upgrade, result.is_ok());
+    shared.changed.notify_all();
+    result?;
+    Ok(inner)
 }
 
 /// Writes back (if needed) and loads one slot, on the calling thread:
