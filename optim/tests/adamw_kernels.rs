@@ -396,3 +396,23 @@ fn one_minus_beta_is_formed_from_the_decimal_as_torch_does() {
         }
     }
 }
+
+/// The bandwidth ceiling's sweep (`strata bench optim`) reads p, m, v and
+/// g and writes p, m and v at every element, its vector copy's tail
+/// included: each element ends as the plain formula gives it (β 0.9 and
+/// 0.999, p moved by −1e-7·(m + v)), none left as it was.
+#[test]
+fn the_memory_sweep_touches_every_element() {
+    use strata_optim::memory_sweep;
+    let n = 1037;
+    let g: Vec<f32> = (0..n).map(|i| 1.0 + (i % 7) as f32).collect();
+    let (mut p, mut m, mut v) = (vec![1.0f32; n], vec![0.5f32; n], vec![0.25f32; n]);
+    memory_sweep(&mut p, &mut m, &mut v, &g);
+    for i in 0..n {
+        let mi = 0.5f32 * 0.9 + g[i];
+        let vi = 0.25f32 * 0.999 + g[i] * g[i];
+        assert_eq!((m[i], v[i]), (mi, vi), "m, v at {i}");
+        assert_eq!(p[i], 1.0 + -1e-7f32 * (mi + vi), "p at {i}");
+        assert_ne!(p[i], 1.0, "p at {i} unchanged");
+    }
+}
