@@ -70,9 +70,15 @@ fn same_bits_as_the_plain_one(shape: &AttnShape) {
     let (q, k, v) = (filled(t * qw, 1), filled(t * kw, 2), filled(t * kw, 3));
     let dout = filled(t * qw, 4);
     let grads = || (filled(t * qw, 5), filled(t * kw, 6), filled(t * kw, 7));
-    // Documents of 20 tokens, packed.
+    // Documents packed, of 13, 20 or 27 tokens by sequence, so that each
+    // sequence's starts are its own.
     let s = shape.seq_len;
-    let starts: Vec<u32> = (0..t).map(|i| ((i % s) / 20 * 20) as u32).collect();
+    let starts: Vec<u32> = (0..t)
+        .map(|i| {
+            let doc = 13 + 7 * (i / s % 3);
+            ((i % s) / doc * doc) as u32
+        })
+        .collect();
     let kept_threads = [1, 2, 3, 8]
         .map(|n| (Kept::RowStats, n))
         .into_iter()
