@@ -30,8 +30,7 @@ use cudarc::driver::{
 };
 
 use super::dense::threads;
-use super::gemm::blas_type;
-use super::{gpu_error, CudaBackend, F32};
+use super::{gpu_error, CudaBackend, BF16, F32};
 use crate::backend::DenseGemm;
 use crate::math::attention::AttnShape;
 use crate::EngineError;
@@ -43,32 +42,42 @@ pub fn attention_stats_len(shape: &AttnShape) -> usize {
     2 * shape.seqs * shape.heads * shape.seq_len
 }
 
-/// One operand of a strided-batched GEMM: a device address, its leading
-/// dimension and the distance between batch items, both in values.
+/// One operand of a strided-batched GEMM: a device address, the type of
+/// its values (f32 or bf16), its leading dimension and the distance
+/// between batch items, both in values.
 #[derive(Clone, Copy)]
 struct Operand {
     ptr: CUdeviceptr,
+    dtype: blas_sys::cudaDataType,
     ld: usize,
     stride: usize,
 }
 
 impl Operand {
     /// Every head's (S × hd) rows from row `row` on, in a (B, H, S, hd)
-    /// buffer at `base` of `bytes`-byte values.
-    fn heads(base: CUdeviceptr, bytes: usize, shape: &AttnShape, row: usize) -> Self {
+    /// buffer at `base` of `dtype` values.
+    fn heads(
+        base: CUdeviceptr,
+        dtype: blas_sys::cudaDataType,
+        shape: &AttnShape,
+        row: usize,
+    ) -> Self {
         let hd = shape.head_dim;
+        let bytes = if dtype == F32 { 4 } else { 2 };
         Self {
             ptr: base + (row * hd * bytes) as CUdeviceptr,
+            dtype,
             ld: hd,
             stride: shape.seq_len * hd,
         }
     }
 
     /// Every head's block of `rows` score rows of `keys` each, in a block
-    /// buffer at `base`.
-    fn scores(base: CUdeviceptr, rows: usize, keys: usize) -> Self {
+    /// buffer at `base` of `dtype` values.
+    fn scores(base: CUdeviceptr, dtype: blas_sys::cudaDataType, rows: usize, keys: usize) -> Self {
         Self {
             ptr: base,
+            dtype,
             ld: keys,
             stride: rows * keys,
         }
@@ -125,16 +134,19 @@ enum Values<'a> {
 
 impl<'a> Values<'a> {
     /// The device address (with the guard that records its use on
-    /// `stream`) and the bytes of a value.
-    fn device_ptr(self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>, usize) {
+    /// `stream`) and cuBLAS's name for the values' type.
+    fn device_ptr(
+        self,
+        stream: &'a CudaStream,
+    ) -> (CUdeviceptr, SyncOnDrop<'a>, blas_sys::cudaDataType) {
         match self {
             Values::F32(x) => {
                 let (ptr, guard) = x.device_ptr(stream);
-                (ptr, guard, 4)
+                (ptr, guard, F32)
             }
             Values::Bf16(x) => {
                 let (ptr, guard) = x.device_ptr(stream);
-                (ptr, guard, 2)
+                (ptr, guard, BF16)
             }
         }
     }
@@ -163,14 +175,14 @@ impl CudaBackend {
     }
 
     /// Column-major `c = op(a)·op(b) + beta·c` over every (sequence, head)
-    /// (cublasGemmStridedBatchedEx, `a` and `b` of the type [`DenseGemm`]
-    /// gives the inputs, f32 accumulation and `c`).
+    /// (cublasGemmStridedBatchedEx, `a` and `b` of one type, f32 or bf16
+    /// as [`DenseGemm`] gives them, f32 accumulation and `c`).
     ///
     /// # Safety
     /// Each operand addresses device memory of this context holding
-    /// B·H matrices as `dims`, its leading dimension and stride describe,
-    /// alive and not written by another stream until this stream has run
-    /// the product; `a` and `b` hold values of that type.
+    /// B·H matrices of its type as `dims`, its leading dimension and stride
+    /// describe, alive and not written by another stream until this stream
+    /// has run the product.
     #[allow(clippy::too_many_arguments)]
     unsafe fn gemm_heads(
         &self,
@@ -184,7 +196,10 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         let alpha = 1.0f32;
         let batch = shape.seqs * shape.heads;
-        let inputs = blas_type(self.dense_gemm);
+        assert!(
+            a.dtype == b.dtype && c.dtype == F32,
+            "the attention's GEMM types"
+        );
         // SAFETY: the operands are valid per this function's contract;
         // alpha and beta point to host f32s alive for the call.
         unsafe {
@@ -197,11 +212,11 @@ impl CudaBackend {
                 k as i32,
                 (&alpha as *const f32).cast(),
                 a.ptr as *const _,
-                inputs,
+                a.dtype,
                 a.ld as i32,
                 a.stride as i64,
                 b.ptr as *const _,
-                inputs,
+                b.dtype,
                 b.ld as i32,
                 b.stride as i64,
                 (&beta as *const f32).cast(),
@@ -290,8 +305,8 @@ impl CudaBackend {
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let (rows, keys) = (block.rows, block.keys());
-        let (q_ptr, _rq, qb) = q.device_ptr(&self.stream);
-        let (k_ptr, _rk, kb) = k.device_ptr(&self.stream);
+        let (q_ptr, _rq, qt) = q.device_ptr(&self.stream);
+        let (k_ptr, _rk, kt) = k.device_ptr(&self.stream);
         let (s_ptr, _ws) = scores.device_ptr_mut(&self.stream);
         // SAFETY: q and k hold B·H·S·hd values of the GEMMs' input type
         // and `scores` at least B·H·rows·keys f32 (sized for the tallest
@@ -302,10 +317,10 @@ impl CudaBackend {
                 shape,
                 (T, N),
                 (keys, rows, shape.head_dim),
-                Operand::heads(k_ptr, kb, shape, 0),
-                Operand::heads(q_ptr, qb, shape, block.q0),
+                Operand::heads(k_ptr, kt, shape, 0),
+                Operand::heads(q_ptr, qt, shape, block.q0),
                 0.0,
-                Operand::scores(s_ptr, rows, keys),
+                Operand::scores(s_ptr, F32, rows, keys),
             )
         }
     }
@@ -354,8 +369,8 @@ impl CudaBackend {
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let (rows, keys) = (block.rows, block.keys());
-        let (p_ptr, _rp, _) = probs.device_ptr(&self.stream);
-        let (v_ptr, _rv, vb) = v.device_ptr(&self.stream);
+        let (p_ptr, _rp, pt) = probs.device_ptr(&self.stream);
+        let (v_ptr, _rv, vt) = v.device_ptr(&self.stream);
         let (o_ptr, _wo) = out.device_ptr_mut(&self.stream);
         // SAFETY: sizes as in `block_scores`, `out` f32; column-major,
         // outᵀ (hd × rows) = v-as-(hd × keys) · P-as-(keys × rows).
@@ -364,10 +379,10 @@ impl CudaBackend {
                 shape,
                 (N, N),
                 (shape.head_dim, rows, keys),
-                Operand::heads(v_ptr, vb, shape, 0),
-                Operand::scores(p_ptr, rows, keys),
+                Operand::heads(v_ptr, vt, shape, 0),
+                Operand::scores(p_ptr, pt, rows, keys),
                 0.0,
-                Operand::heads(o_ptr, 4, shape, block.q0),
+                Operand::heads(o_ptr, F32, shape, block.q0),
             )
         }
     }
@@ -383,8 +398,8 @@ impl CudaBackend {
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
         let (rows, keys) = (block.rows, block.keys());
-        let (p_ptr, _rp, _) = probs.device_ptr(&self.stream);
-        let (x_ptr, _rx, xb) = x.device_ptr(&self.stream);
+        let (p_ptr, _rp, pt) = probs.device_ptr(&self.stream);
+        let (x_ptr, _rx, xt) = x.device_ptr(&self.stream);
         let (g_ptr, _wg) = grad.device_ptr_mut(&self.stream);
         // SAFETY: sizes as in `block_scores`, `grad` f32; column-major,
         // gradᵀ (hd × keys) += x-as-(hd × rows) · (P-as-(keys × rows))ᵀ.
@@ -393,10 +408,10 @@ impl CudaBackend {
                 shape,
                 (N, T),
                 (shape.head_dim, keys, rows),
-                Operand::heads(x_ptr, xb, shape, block.q0),
-                Operand::scores(p_ptr, rows, keys),
+                Operand::heads(x_ptr, xt, shape, block.q0),
+                Operand::scores(p_ptr, pt, rows, keys),
                 1.0,
-                Operand::heads(g_ptr, 4, shape, 0),
+                Operand::heads(g_ptr, F32, shape, 0),
             )
         }
     }
