@@ -83,6 +83,15 @@ pub trait Comm: Send {
 
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<(), CommError>;
+
+    /// A second endpoint of the same ranks, whose collectives may run on
+    /// another thread while this one's run (the dense gradient's buckets,
+    /// reduced beside the backward's all-to-alls), or `None` where this
+    /// communicator cannot give one. A collective: every rank calls it at
+    /// the same point.
+    fn second_endpoint(&mut self) -> Result<Option<Box<dyn Comm>>, CommError> {
+        Ok(None)
+    }
 }
 
 /// A borrowed endpoint is one too, so an engine can lend the endpoint it
@@ -110,6 +119,42 @@ impl<C: Comm + ?Sized> Comm for &mut C {
 
     fn barrier(&mut self) -> Result<(), CommError> {
         (**self).barrier()
+    }
+
+    fn second_endpoint(&mut self) -> Result<Option<Box<dyn Comm>>, CommError> {
+        (**self).second_endpoint()
+    }
+}
+
+/// A boxed endpoint is one too, so that an endpoint the engine keeps
+/// between steps can be lent to a thread and given back.
+impl<C: Comm + ?Sized> Comm for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+
+    fn all_to_all(&mut self, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError> {
+        (**self).all_to_all(sends)
+    }
+
+    fn all_gather_u32(&mut self, mine: Vec<u32>) -> Result<Vec<Vec<u32>>, CommError> {
+        (**self).all_gather_u32(mine)
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        (**self).all_reduce_sum(buf)
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        (**self).barrier()
+    }
+
+    fn second_endpoint(&mut self) -> Result<Option<Box<dyn Comm>>, CommError> {
+        (**self).second_endpoint()
     }
 }
 

@@ -127,6 +127,36 @@ fn in_process(n: usize) -> Vec<Vec<u32>> {
     })
 }
 
+/// A second endpoint's all-reduce on another thread while the first's
+/// all-to-all runs (as the engine reduces the dense gradient beside the
+/// backward's exchanges): each gives its own results.
+fn second_endpoint_beside_the_first(comm: &mut MpiComm) {
+    let (r, n) = (comm.rank(), comm.size());
+    let mut second = comm
+        .second_endpoint()
+        .expect("every rank asks")
+        .expect("Open MPI grants Multiple threading");
+    let mine = vec![r as f32 + 1.0; 1000];
+    let reduced = std::thread::scope(|s| {
+        let reducer = s.spawn(move || {
+            let mut buf = mine;
+            second.all_reduce_sum(&mut buf).map(|()| buf)
+        });
+        let sends = (0..n).map(|j| vec![(10 * r + j) as f32; 3]).collect();
+        let got = comm.all_to_all(sends).unwrap();
+        for (j, g) in got.iter().enumerate() {
+            assert_eq!(g, &vec![(10 * j + r) as f32; 3], "rank {r}: from rank {j}");
+        }
+        reducer.join().unwrap().unwrap()
+    });
+    let want: f32 = (1..=n).map(|x| x as f32).sum();
+    assert!(
+        reduced.iter().all(|&v| v == want),
+        "rank {r}: {}",
+        reduced[0]
+    );
+}
+
 #[test]
 fn collectives_give_the_in_process_bits() {
     let case = "collectives_give_the_in_process_bits";
@@ -144,6 +174,7 @@ fn collectives_give_the_in_process_bits() {
             seen == *expected,
             "rank {r} of {n}: other bits than in-process"
         );
+        second_endpoint_beside_the_first(&mut comm);
         println!(
             "rank {r} of {n}: {} values, the in-process bits",
             seen.len()

@@ -153,6 +153,9 @@ fn engine_config(devices: usize, micro_batches: usize) -> EngineConfig {
         optimizer_threads: 2,
         device_budget_bytes: 1 << 24,
         host_budget_bytes: 1 << 26,
+        // Several devices: each layer's dense gradient is its own bucket,
+        // reduced as the backward leaves the layer.
+        dense_bucket_bytes: 0,
         ..EngineConfig::default()
     }
 }

@@ -872,6 +872,7 @@ fn the_plan_holds_what_a_gpu_run_allocates() {
             batch,
             micro_batches: 1,
             devices: 1,
+            ranks: 1,
             device_mem,
             host_mem: 1 << 40,
             store_dir: None,

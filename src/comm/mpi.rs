@@ -33,11 +33,24 @@ use mpi::{Count, Threading};
 
 use super::{Comm, CommError};
 
-/// One process's endpoint of `MPI_COMM_WORLD` (see [`MpiComm::init`]).
+/// One process's endpoint of `MPI_COMM_WORLD` (see [`MpiComm::init`]), or
+/// of a duplicate of it ([`Comm::second_endpoint`]).
 pub struct MpiComm {
+    comm: SimpleCommunicator,
     rank: usize,
     size: usize,
+    /// What the library granted: `Multiple` lets a second endpoint's
+    /// collectives run on another thread beside this one's.
+    threading: Threading,
 }
+
+// SAFETY: an MPI communicator handle may be used from any thread of a
+// process whose MPI runs with `Serialized` threading or better (checked in
+// `init`), as long as no two threads call MPI at once. Every collective
+// takes `&mut self`, so one endpoint is used by one thread at a time; two
+// endpoints are used at once only where MPI granted `Multiple`
+// (`second_endpoint` refuses otherwise).
+unsafe impl Send for MpiComm {}
 
 /// MPI's lifetime in this process: [`MpiWorld::finish`] finalizes it once
 /// the rank's work is done; dropped without it (an error, a panic), it
@@ -71,6 +84,7 @@ enum Kind {
     AllGather = 2,
     AllReduce = 3,
     Barrier = 4,
+    Duplicate = 5,
 }
 
 impl Kind {
@@ -80,6 +94,7 @@ impl Kind {
             Kind::AllGather => "all_gather",
             Kind::AllReduce => "all_reduce",
             Kind::Barrier => "barrier",
+            Kind::Duplicate => "second_endpoint",
         }
     }
 
@@ -90,6 +105,7 @@ impl Kind {
             Kind::AllGather => "its all_gather",
             Kind::AllReduce => "its all_reduce",
             Kind::Barrier => "its barrier",
+            Kind::Duplicate => "its second_endpoint",
         }
     }
 
@@ -99,6 +115,7 @@ impl Kind {
             Kind::AllGather,
             Kind::AllReduce,
             Kind::Barrier,
+            Kind::Duplicate,
         ]
         .into_iter()
         .find(|k| *k as u64 == code)
@@ -106,14 +123,15 @@ impl Kind {
 }
 
 impl MpiComm {
-    /// Initializes MPI for this process (serialized threading: any one
-    /// thread at a time may call the collectives, as the engine's device
-    /// thread does) and returns its endpoint of the world, and the
-    /// [`MpiWorld`] that ends MPI. A process started without a launcher is
-    /// a world of one rank.
+    /// Initializes MPI for this process and returns its endpoint of the
+    /// world, and the [`MpiWorld`] that ends MPI. A process started
+    /// without a launcher is a world of one rank. Asks for `Multiple`
+    /// threading (a second endpoint's collectives on another thread) and
+    /// needs at least `Serialized` (any one thread at a time, as the
+    /// engine's device thread calls them).
     pub fn init() -> Result<(MpiComm, MpiWorld), CommError> {
-        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
-            .ok_or_else(|| CommError::Init {
+        let (universe, provided) =
+            mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| CommError::Init {
                 why: "MPI is already initialized in this process: create one MpiComm per \
                       process and keep it"
                     .into(),
@@ -130,15 +148,20 @@ impl MpiComm {
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         Ok((
-            MpiComm { rank, size },
+            MpiComm {
+                comm: world,
+                rank,
+                size,
+                threading: provided,
+            },
             MpiWorld {
                 universe: Some(universe),
             },
         ))
     }
 
-    fn world(&self) -> SimpleCommunicator {
-        SimpleCommunicator::world()
+    fn world(&self) -> &SimpleCommunicator {
+        &self.comm
     }
 
     /// Every rank's (collective, length), checked: the first rank calling
@@ -280,5 +303,18 @@ impl Comm for MpiComm {
         self.agree(Kind::Barrier, 0)?;
         self.world().barrier();
         Ok(())
+    }
+
+    /// A duplicate of this endpoint's communicator (`MPI_Comm_dup`, itself
+    /// a collective), where MPI granted `Multiple` threading.
+    fn second_endpoint(&mut self) -> Result<Option<Box<dyn Comm>>, CommError> {
+        if self.threading < Threading::Multiple {
+            return Ok(None);
+        }
+        self.agree(Kind::Duplicate, 0)?;
+        Ok(Some(Box::new(MpiComm {
+            comm: self.world().duplicate(),
+            ..*self
+        })))
     }
 }

@@ -153,6 +153,10 @@ impl ExpertRunner for Condensing<'_> {
         self.inner.give_buffer(buf);
     }
 
+    fn dense_grad_final(&mut self, grad: &[f32], range: std::ops::Range<usize>) {
+        self.inner.dense_grad_final(grad, range);
+    }
+
     fn forward_layer(
         &mut self,
         layer: usize,

@@ -182,6 +182,13 @@ pub struct EngineConfig {
     /// that a slower interconnect can be measured on one machine. `None`
     /// (the default): as fast as the in-process exchange goes.
     pub link: Option<crate::comm::Link>,
+    /// Several devices or ranks: the ranges of the dense gradient the
+    /// backward has finished are all-reduced beside the rest of the
+    /// backward, in buckets of at least this many bytes, so that many
+    /// small layers pay a collective's latency a few times a step (1 MiB,
+    /// the default; 0: each range alone). The results are the same bits
+    /// whatever it is.
+    pub dense_bucket_bytes: usize,
     /// Ranks as processes this engine is one of (one process per rank,
     /// started by `mpirun` with `comm::MpiComm`, feature `mpi`), each with one
     /// device worker; it joins the others with
@@ -227,6 +234,7 @@ impl Default for EngineConfig {
             expert_gemm: ExpertGemm::Bf16,
             condense: None,
             link: None,
+            dense_bucket_bytes: 1 << 20,
             ranks: 1,
         }
     }

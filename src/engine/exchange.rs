@@ -11,6 +11,7 @@
 //! the numbers.
 
 use super::access::{placed_schedule, Phase, PlacedLayer};
+use super::dense_buckets::DenseBuckets;
 use super::pipeline::{DeviceRunner, Pass};
 use crate::comm::Comm;
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
@@ -40,6 +41,9 @@ pub(crate) struct ExchangeRunner<'a, C: Comm> {
     /// step instead of LPT's choice. `None`: LPT places every layer.
     owners: Option<&'a [Vec<u16>]>,
     plans: Vec<LayerPlan>,
+    /// Where the dense gradient's final ranges go during the backward, if
+    /// they are reduced beside it.
+    pub buckets: Option<DenseBuckets>,
 }
 
 impl<'a, C: Comm> ExchangeRunner<'a, C> {
@@ -60,6 +64,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             pinned,
             owners,
             plans: vec![LayerPlan::default(); layers],
+            buckets: None,
         }
     }
 
@@ -245,6 +250,12 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
 
     fn give_buffer(&mut self, buf: Vec<f32>) {
         self.inner.give_buffer(buf);
+    }
+
+    fn dense_grad_final(&mut self, grad: &[f32], range: std::ops::Range<usize>) {
+        if let Some(buckets) = self.buckets.as_mut() {
+            buckets.final_range(grad, range);
+        }
     }
 
     fn forward_layer(

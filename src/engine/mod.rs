@@ -25,6 +25,7 @@ mod access;
 mod build;
 mod condensing;
 mod config;
+mod dense_buckets;
 mod dense_state;
 mod dense_update;
 mod exchange;

@@ -1,7 +1,9 @@
 //! Several devices (ES-MoE §4.2–4.3): each device worker runs on its own
 //! thread with its own device tier and takes an equal, contiguous share of
 //! the batch's micro-batches; dense params are shared read-only and their
-//! gradients all-reduced in rank order before the one AdamW update; the
+//! gradients all-reduced in rank order before the one AdamW update (in
+//! buckets, as the backward finishes each, beside the rest of the
+//! backward: `dense_buckets.rs`); the
 //! experts of each layer are placed by greedy LPT over the global token
 //! counts and the tokens exchanged (`exchange.rs`); each device pins the
 //! hottest experts of the previous step.
@@ -17,6 +19,7 @@ use std::time::Instant;
 use strata_tiers::{ExpertId, Layout};
 
 use super::condensing::{condensed_pass, StepCondense};
+use super::dense_buckets::DenseBuckets;
 use super::exchange::ExchangeRunner;
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
@@ -80,6 +83,7 @@ impl Engine {
         let options = self.pass_options();
         let cost = self.cost;
         let link = self.config.link;
+        let bucket_bytes = self.config.dense_bucket_bytes;
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
@@ -100,10 +104,11 @@ impl Engine {
                 .zip(
                     InProcessComm::endpoints(n)
                         .into_iter()
-                        .map(|c| ModeledLink::new(c, link)),
+                        .map(|c| ModeledLink::new(c, link))
+                        .zip(InProcessComm::endpoints(n)),
                 )
                 .enumerate()
-                .map(|(rank, ((dev, kernels), comm))| {
+                .map(|(rank, ((dev, kernels), (comm, second)))| {
                     std::thread::Builder::new()
                         .name(format!("strata-device-{rank}"))
                         .spawn_scoped(s, move || {
@@ -115,9 +120,11 @@ impl Engine {
                                 dense,
                                 tokens_total,
                                 shares: n * m,
+                                bucket_bytes,
                                 condense,
                             };
-                            device_share(&mut runner, &**kernels, share)
+                            let mut second = Some(Box::new(second) as Box<dyn Comm>);
+                            device_share(&mut runner, &**kernels, share, &mut second)
                         })
                 })
                 .collect();
@@ -233,27 +240,69 @@ pub(super) struct Share<'a, N: Network> {
     pub tokens_total: usize,
     /// Micro-batches in the whole step, over every device.
     pub shares: usize,
+    /// `EngineConfig::dense_bucket_bytes`.
+    pub bucket_bytes: usize,
     pub condense: Option<StepCondense<'a>>,
 }
 
 /// One device's micro-batches through its exchange; returns the step's
 /// loss and dense gradient, both all-reduced over the devices (rank order).
+/// With a `second` endpoint, and a dense gradient summed on the host, the
+/// gradient is reduced in buckets beside the backward, over `second`,
+/// which is put back for the next step once the step has succeeded.
 pub(super) fn device_share<N: Network, C: Comm>(
     runner: &mut ExchangeRunner<'_, ModeledLink<C>>,
     kernels: &dyn DenseKernels,
     share: Share<'_, N>,
+    second: &mut Option<Box<dyn Comm>>,
 ) -> Result<(f32, Vec<f32>), EngineError> {
-    let model = runner.inner.model;
     let mut grad = vec![0.0f32; share.dense.len()];
     kernels.grads_begin(&grad);
+    runner.buckets = match second.take() {
+        Some(endpoint) if !kernels.grads_on_device() && runner.comm.size() > 1 => Some(
+            DenseBuckets::start(endpoint, &runner.comm, grad.len(), share.bucket_bytes)?,
+        ),
+        kept => {
+            *second = kept;
+            None
+        }
+    };
+    let passed = micro_batches(runner, kernels, &share, &mut grad);
+    // A failed step drops its buckets here: its reducer stops.
+    let buckets = runner.buckets.take();
+    let loss = passed?;
+    kernels.grads_flush(&mut grad)?;
+    let mut waited = std::time::Duration::ZERO;
+    match buckets {
+        Some(buckets) => {
+            let (endpoint, wait) = buckets.finish(&mut grad)?;
+            *second = Some(endpoint);
+            waited = wait;
+        }
+        None => runner.comm.all_reduce_sum(&mut grad)?,
+    }
+    let mut total = [loss];
+    runner.comm.all_reduce_sum(&mut total)?;
+    runner.inner.dev.acc.comm_s = (runner.comm.comm_time + waited).as_secs_f64();
+    Ok((total[0], grad))
+}
+
+/// This device's micro-batches, forward and backward, the dense gradient
+/// summed into `grad`; returns their loss.
+fn micro_batches<N: Network, C: Comm>(
+    runner: &mut ExchangeRunner<'_, ModeledLink<C>>,
+    kernels: &dyn DenseKernels,
+    share: &Share<'_, N>,
+    grad: &mut [f32],
+) -> Result<f32, EngineError> {
+    let model = runner.inner.model;
     let mut loss = 0.0f32;
-    let mut condensed = 0;
     let m = share.parts.len();
     for (j, part) in share.parts.iter().enumerate() {
-        let (losses, c) = condensed_pass(runner, share.condense, model, |experts| {
+        let (losses, condensed) = condensed_pass(runner, share.condense, model, |experts| {
             share.net.forward_backward(
                 share.dense,
-                &mut grad,
+                grad,
                 part,
                 share.tokens_total,
                 share.shares,
@@ -263,15 +312,9 @@ pub(super) fn device_share<N: Network, C: Comm>(
             )
         })?;
         loss += losses.total;
-        condensed += c;
+        runner.inner.dev.acc.condensed += condensed;
     }
-    runner.inner.dev.acc.condensed += condensed;
-    kernels.grads_flush(&mut grad)?;
-    runner.comm.all_reduce_sum(&mut grad)?;
-    let mut total = [loss];
-    runner.comm.all_reduce_sum(&mut total)?;
-    runner.inner.dev.acc.comm_s = runner.comm.comm_time.as_secs_f64();
-    Ok((total[0], grad))
+    Ok(loss)
 }
 
 /// The error to report from the devices' results: the first that is not

@@ -31,6 +31,9 @@ use strata_tiers::ExpertId;
 /// This rank's endpoint and who owns which expert.
 pub(super) struct Ranks {
     pub comm: Box<dyn Comm>,
+    /// A second endpoint, over which the dense gradient is reduced beside
+    /// the backward, where the communicator gives one.
+    pub second: Option<Box<dyn Comm>>,
     /// [layer][expert] the rank that owns the expert.
     pub owners: Vec<Vec<u16>>,
 }
@@ -98,7 +101,12 @@ impl Engine {
             )));
         }
         let owners = round_robin_owners(m.layers, m.experts, n);
-        self.ranks = Some(Ranks { comm, owners });
+        let second = comm.second_endpoint()?;
+        self.ranks = Some(Ranks {
+            comm,
+            second,
+            owners,
+        });
         Ok(())
     }
 
@@ -208,17 +216,24 @@ impl Engine {
         let parts = split_into(net, batch, n, m, "ranks")?;
         let pinned = self.pin_plan();
         let link = self.config.link;
-        self.with_rank_runner(&pinned, link, |runner, dense, kernels, condense| {
+        let bucket_bytes = self.config.dense_bucket_bytes;
+        let mut second = self.ranks.as_mut().and_then(|r| r.second.take());
+        let result = self.with_rank_runner(&pinned, link, |runner, dense, kernels, condense| {
             let share = Share {
                 net,
                 parts: &parts[rank * m..(rank + 1) * m],
                 dense,
                 tokens_total,
                 shares: n * m,
+                bucket_bytes,
                 condense,
             };
-            device_share(runner, kernels, share)
-        })
+            device_share(runner, kernels, share, &mut second)
+        });
+        if let Some(r) = self.ranks.as_mut() {
+            r.second = second;
+        }
+        result
     }
 
     /// Runs `f` with this rank's exchange runner (its device, its endpoint

@@ -214,6 +214,17 @@ impl MoeLm {
         &self.config
     }
 
+    /// Where layer `l`'s dense tensors lie in the dense vector: from its
+    /// first (the attention's norm) to the next layer's first, or to the
+    /// final norm.
+    fn layer_span(&self, l: usize) -> Range<usize> {
+        let end = match self.layers.get(l + 1) {
+            Some(next) => next.attention.norm.start,
+            None => self.final_norm.start,
+        };
+        self.layers[l].attention.norm.start..end
+    }
+
     /// The model with only the dense tensors of `groups` trainable: the
     /// others, and every buffer, are frozen (`Network::frozen_dense`;
     /// whether the experts train is the engine's
@@ -386,6 +397,10 @@ impl MoeLm {
         )?;
         drop(span);
         drop(dnf);
+        if step.last_micro_batch {
+            // The final norm and an untied head, laid out last.
+            runner.dense_grad_final(dense_grad, self.final_norm.start..dense_grad.len());
+        }
         let daux = c.aux_loss_coef * share;
         let dz = c.z_loss_coef * share;
         let starts = batch.attention_starts();
@@ -427,6 +442,9 @@ impl MoeLm {
             )?;
             if let Some(moe) = f.layers[l].ffn.moe_mut() {
                 ops.moe_release(moe, runner);
+            }
+            if step.last_micro_batch {
+                runner.dense_grad_final(dense_grad, self.layer_span(l));
             }
         }
         let span = kernels.host_span("embedding backward");

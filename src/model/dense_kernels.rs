@@ -73,6 +73,13 @@ pub trait DenseKernels {
     /// of it on its device rather than into the slice.
     fn grads_begin(&self, _grad: &[f32]) {}
 
+    /// Whether, after `grads_begin`, this backend sums weight gradients on
+    /// its device: the host's slice of one is then not its sum before
+    /// `grads_flush`, whatever the backward has passed.
+    fn grads_on_device(&self) -> bool {
+        false
+    }
+
     /// Adds into `grad` (the vector given to `grads_begin`) every weight
     /// gradient summed on the device since; `grad` is complete after it.
     fn grads_flush(&self, _grad: &mut [f32]) -> Result<(), EngineError> {

@@ -281,6 +281,14 @@ pub trait ExpertRunner {
         drop(buf);
     }
 
+    /// Says that `range` of the dense gradient `grad` holds its sum for
+    /// the whole step: the step's last micro-batch's backward has passed
+    /// every tensor in it, and nothing adds to it again. A runner of
+    /// several devices may start reducing it over them while the backward
+    /// goes on; a range never said final is reduced after the backward,
+    /// so saying nothing is always right, only later.
+    fn dense_grad_final(&mut self, _grad: &[f32], _range: std::ops::Range<usize>) {}
+
     /// Whether [`Self::forward_layer_rows`] and
     /// [`Self::backward_layer_rows`] may be called: the experts compute on
     /// the one device whose memory holds a network's activations (a GPU

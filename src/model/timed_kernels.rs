@@ -80,6 +80,10 @@ impl DenseKernels for TimedKernels {
         self.inner.grads_begin(grad)
     }
 
+    fn grads_on_device(&self) -> bool {
+        self.inner.grads_on_device()
+    }
+
     fn grads_flush(&self, grad: &mut [f32]) -> Result<(), EngineError> {
         let _span = self.span("dense gradients");
         self.inner.grads_flush(grad)

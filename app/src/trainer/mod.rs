@@ -222,8 +222,9 @@ pub(crate) fn model_for(o: &TrainOptions, config: &LmConfig) -> Result<MoeLm, St
     Ok(lm)
 }
 
-/// Plans `o` for `config` (no allocation, nothing written).
-pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, String> {
+/// Plans `o` for `config` as one of `ranks` ranks as processes (no
+/// allocation, nothing written).
+pub fn plan_for(o: &TrainOptions, config: &LmConfig, ranks: usize) -> Result<MemoryPlan, String> {
     let lm = model_for(o, config)?;
     let frozen_dense = lm.frozen_dense().iter().map(|r| r.len() as u64).sum();
     plan::plan(&PlanInput {
@@ -235,6 +236,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig) -> Result<MemoryPlan, Strin
         batch: o.batch,
         micro_batches: o.micro_batches,
         devices: o.devices,
+        ranks,
         device_mem: o.device_mem,
         host_mem: o.host_mem,
         store_dir: Some(&o.out),
@@ -252,7 +254,7 @@ pub fn plan_command(flags: &TrainFlags, model: Option<&Path>) -> Result<MemoryPl
     let source = model.map_or(Source::Scratch, |d| Source::Finetune(d.to_path_buf()));
     let tok = tokenizer_for(&o, &source)?;
     let config = model_config(&o, &source, &tok)?;
-    plan_for(&o, &config)
+    plan_for(&o, &config, 1)
 }
 
 fn validate_options(o: &TrainOptions) -> Result<(), String> {
@@ -449,7 +451,7 @@ fn run_locked(
     }
     // Everything that can be refused is checked before anything is written.
     let (tok, config) = files.read(&o, &source)?;
-    let plan = plan_for(&o, &config)?;
+    let plan = plan_for(&o, &config, world.as_ref().map_or(1, |w| w.size))?;
     let lm = model_for(&o, &config)?;
     let mut data = open_run::dataset(&o, &files, &source, tok)?;
     let imported = match (&source, o.resume) {

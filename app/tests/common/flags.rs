@@ -37,6 +37,7 @@ pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFl
         batch: 4,
         micro_batches: 2,
         devices: 1,
+        ranks: 1,
         device_mem: 1 << 40,
         host_mem: 1 << 40,
         store_dir: None,

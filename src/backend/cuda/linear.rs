@@ -88,6 +88,10 @@ impl DenseKernels for CudaBackend {
             .begin(grad);
     }
 
+    fn grads_on_device(&self) -> bool {
+        true
+    }
+
     fn grads_flush(&self, grad: &mut [f32]) -> Result<(), EngineError> {
         self.bind()?;
         let sums = self

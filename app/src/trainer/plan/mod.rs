@@ -94,6 +94,8 @@ pub struct PlanInput<'a> {
     pub micro_batches: usize,
     /// Devices, each with `device_mem`; they share the host memory.
     pub devices: usize,
+    /// Ranks as processes this run is one of (1: the whole world).
+    pub ranks: usize,
     pub device_mem: u64,
     pub host_mem: u64,
     /// Where the store will be (for its file system's free space).
@@ -186,9 +188,13 @@ fn device_share(
     // Params and gradient, and, stepped there, the moments.
     let kept = input.dense_on_device && devices == 1;
     let bf16_copies = input.gpu && input.dense_gemm == DenseGemm::Bf16;
+    // Several cpu devices (or ranks) reduce the gradient in buckets beside
+    // the backward: a copy of it, at most, is on its way.
+    let buckets = (devices > 1 || input.ranks > 1) && !input.gpu;
     let dense_device = 8 * dense
         + if kept { 8 * dense_trainable } else { 0 }
-        + if bf16_copies { 2 * dense } else { 0 };
+        + if bf16_copies { 2 * dense } else { 0 }
+        + if buckets { 4 * dense } else { 0 };
     let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
     let activations = match input.gpu {
         true => gpu_activation_bytes(m, input.seq_len, seqs),
@@ -200,7 +206,8 @@ fn device_share(
     if input.device_mem < need_device {
         return Err(format!(
             "does not fit: the device needs at least {} (dense params, grads, their \
-             bf16 copies with bf16 GEMMs and, stepped there, moments {}, \
+             bf16 copies with bf16 GEMMs, the grads' copy reduced beside the backward \
+             with several cpu devices or ranks and, stepped there, moments {}, \
              activations {} for {seqs} sequences of {} tokens, one expert slot {}) but \
              --device-mem (per device) is {}: {} short. Raise --device-mem, or lower \
              --batch / raise --micro-batches or --devices / lower --seq-len",
@@ -418,6 +425,7 @@ mod tests {
             batch: 8,
             micro_batches: 1,
             devices: 1,
+            ranks: 1,
             device_mem,
             host_mem,
             store_dir: None,
@@ -565,13 +573,15 @@ mod tests {
 
     /// Stepped on one GPU, the dense params' moments take device memory
     /// (8 bytes a trainable param) besides params and gradient; several
-    /// devices step them on the host.
+    /// devices step them on the host, and on the cpu reduce the gradient in
+    /// buckets, which holds a copy of it.
     #[test]
     fn moments_stepped_on_the_gpu_count_on_the_device() {
         let m = LmConfig::preset("tiny").unwrap();
         let frozen = 1000;
         let on = |devices, dense_on_device| PlanInput {
             devices,
+            ranks: 1,
             dense_on_device,
             frozen_dense: frozen,
             ..input(&m, 1 << 30, 1 << 30)
@@ -582,8 +592,16 @@ mod tests {
         assert_eq!(host.dense_device_bytes, 8 * dense);
         assert_eq!(gpu.dense_device_bytes, 8 * dense + 8 * (dense - frozen));
         assert!(gpu.device_slots <= host.device_slots);
+        // Two cpu devices, or two ranks, keep a copy of the gradient on its
+        // way to the all-reduce beside the backward.
         let two = plan(&on(2, true)).unwrap();
-        assert_eq!(two.dense_device_bytes, 8 * dense);
+        assert_eq!(two.dense_device_bytes, 12 * dense);
+        let ranks = plan(&PlanInput {
+            ranks: 2,
+            ..on(1, false)
+        })
+        .unwrap();
+        assert_eq!(ranks.dense_device_bytes, 12 * dense);
     }
 
     /// On a GPU, bf16 dense GEMMs keep a bf16 copy of each weight: 2 bytes

@@ -1,0 +1,181 @@
+//! The dense gradient all-reduced in buckets beside the backward
+//! (`engine/dense_buckets.rs`): whatever the buckets, the same bits; a
+//! device that fails with a bucket on its way fails the step, within a
+//! bound, and leaves nothing behind for the next.
+//!
+//! That the bucketed gradient is the right one is `oracle_lm`'s to show
+//! (its two-device cases send each layer alone and compare every tensor
+//! with the independent oracle).
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::tiny_lm::{tiny_batch, tiny_config};
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::{MoeLm, TokenBatch};
+use strata::model::{DenseKernels, Evaluation, ExpertRunner, Losses, ModelConfig, Network};
+use strata::EngineError;
+
+fn config(bucket_bytes: usize) -> EngineConfig {
+    EngineConfig {
+        devices: 2,
+        dense_bucket_bytes: bucket_bytes,
+        ..EngineConfig::default()
+    }
+}
+
+/// Each step's loss and, at the end, the dense params.
+fn train(lm: &(impl Network<Batch = TokenBatch> + Sync), config: EngineConfig, steps: u32) -> Run {
+    let mut engine = Engine::new_network(lm, config).unwrap();
+    let losses = (0..steps)
+        .map(|s| engine.step_network(lm, &tiny_batch(s)).unwrap().loss)
+        .collect();
+    Run {
+        losses,
+        dense: engine.dense_params().unwrap().to_vec(),
+    }
+}
+
+#[derive(Debug, PartialEq)]
+struct Run {
+    losses: Vec<f32>,
+    dense: Vec<f32>,
+}
+
+#[test]
+fn any_bucket_size_trains_the_same_bits() {
+    let lm = MoeLm::new(tiny_config()).unwrap();
+    let dense_bytes = 4 * lm.dense_params();
+    // Each layer alone; a few layers a bucket; everything after the backward.
+    let runs: Vec<Run> = [0, dense_bytes / 3, 2 * dense_bytes]
+        .into_iter()
+        .map(|bytes| train(&lm, config(bytes), 4))
+        .collect();
+    for run in &runs[1..] {
+        assert!(
+            *run == runs[0],
+            "{:?} against {:?}",
+            run.losses,
+            runs[0].losses
+        );
+    }
+}
+
+/// The language model, except that device 1's step fails once, before
+/// its forward, after saying its whole dense gradient final: a bucket is on
+/// its way to the reducer of a peer that never sends one.
+struct FailsOnDevice1 {
+    inner: MoeLm,
+    armed: AtomicBool,
+}
+
+impl Network for FailsOnDevice1 {
+    type Batch = TokenBatch;
+
+    fn moe(&self) -> &ModelConfig {
+        self.inner.moe()
+    }
+    fn dense_params(&self) -> usize {
+        self.inner.dense_params()
+    }
+    fn init_dense(&self) -> Vec<f32> {
+        self.inner.init_dense()
+    }
+    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), EngineError> {
+        self.inner.validate_batch(batch)
+    }
+    fn batch_tokens(&self, batch: &TokenBatch) -> usize {
+        self.inner.batch_tokens(batch)
+    }
+    fn processed_tokens(&self, batch: &TokenBatch) -> usize {
+        self.inner.processed_tokens(batch)
+    }
+    fn frozen_dense(&self) -> Vec<std::ops::Range<usize>> {
+        self.inner.frozen_dense()
+    }
+    fn split_batch(&self, batch: &TokenBatch, n: usize) -> Vec<TokenBatch> {
+        self.inner.split_batch(batch, n)
+    }
+    fn forward_backward(
+        &self,
+        dense: &[f32],
+        dense_grad: &mut [f32],
+        batch: &TokenBatch,
+        tokens_total: usize,
+        micro_batches: usize,
+        last_micro_batch: bool,
+        runner: &mut dyn ExpertRunner,
+        kernels: &dyn DenseKernels,
+    ) -> Result<Losses, EngineError> {
+        let on_device_1 = std::thread::current().name() == Some("strata-device-1");
+        if on_device_1 && self.armed.swap(false, Ordering::SeqCst) {
+            runner.dense_grad_final(dense_grad, 0..dense_grad.len());
+            return Err(EngineError::Data("device 1's step failed".into()));
+        }
+        self.inner.forward_backward(
+            dense,
+            dense_grad,
+            batch,
+            tokens_total,
+            micro_batches,
+            last_micro_batch,
+            runner,
+            kernels,
+        )
+    }
+    fn forward_eval(
+        &self,
+        dense: &[f32],
+        batch: &TokenBatch,
+        runner: &mut dyn ExpertRunner,
+        kernels: &dyn DenseKernels,
+    ) -> Result<Evaluation, EngineError> {
+        self.inner.forward_eval(dense, batch, runner, kernels)
+    }
+}
+
+#[test]
+fn a_device_that_fails_with_a_bucket_on_its_way_fails_the_step_and_leaves_nothing_behind() {
+    let lm = MoeLm::new(tiny_config()).unwrap();
+    let expected = train(&lm, config(0), 3);
+    let (said, failed) = mpsc::channel();
+    let (ended, run) = mpsc::channel();
+    // Its own thread, not joined: a device left waiting for its peer's
+    // bucket would hang the step, and the watchdogs below fail the test.
+    std::thread::spawn(move || {
+        let failing = FailsOnDevice1 {
+            inner: MoeLm::new(tiny_config()).unwrap(),
+            armed: AtomicBool::new(false),
+        };
+        let mut engine = Engine::new_network(&failing, config(0)).unwrap();
+        let mut losses = vec![engine.step_network(&failing, &tiny_batch(0)).unwrap().loss];
+        failing.armed.store(true, Ordering::SeqCst);
+        let err = engine.step_network(&failing, &tiny_batch(1)).err();
+        let _ = said.send(err.map(|e| e.to_string()));
+        // The failed step again, then one more.
+        for s in 1..3 {
+            losses.push(engine.step_network(&failing, &tiny_batch(s)).unwrap().loss);
+        }
+        let _ = ended.send(Run {
+            losses,
+            dense: engine.dense_params().unwrap().to_vec(),
+        });
+    });
+    let err = failed
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the failed step returned within 60 s")
+        .expect("the step failed");
+    assert!(err.contains("device 1's step failed"), "{err}");
+    let run = run
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the steps after it ended within 60 s");
+    assert!(
+        run == expected,
+        "{:?} against {:?}",
+        run.losses,
+        expected.losses
+    );
+}
