@@ -30,9 +30,11 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 mod link;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod rendezvous;
 pub use link::{Link, ModeledLink};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
+pub use rendezvous::{rendezvous, World};
 
 /// A collective could not finish: a peer stopped (its step failed) or
 /// called a different collective.
