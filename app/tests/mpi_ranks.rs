@@ -157,6 +157,33 @@ fn mpirun_trains_what_devices_in_one_process_train() {
     );
 }
 
+/// `strata launch --nproc 2 -- train …` starts the ranks itself (mpirun
+/// under it, with the flags Open MPI needs, as root too) and trains what
+/// `--devices 2` trains, bit for bit.
+#[test]
+fn launch_trains_what_devices_in_one_process_train() {
+    if !mpirun_found() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
+    devices_run(2, FLAGS, 20, &devices);
+    let mut launch = Command::new(env!("CARGO_BIN_EXE_strata"));
+    launch
+        .args(["launch", "--nproc", "2", "--"])
+        .args(FLAGS)
+        .args(["--steps", "20", "--out"])
+        .arg(&ranks);
+    let out = output_within(launch, "strata launch --nproc 2", Duration::from_secs(600));
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("strata launch: 2 ranks: "), "{text}");
+    assert!(text.contains(" -n 2 "), "{text}");
+    assert_eq!(text.matches("done: step 20").count(), 1, "{text}");
+    ranks_match(&devices, &ranks, 2);
+    println!("mpi case: strata launch --nproc 2, the bits of --devices 2 over 20 steps");
+}
+
 /// The pid of rank `rank` among `mpirun`'s children (Open MPI names each
 /// child's rank in its environment).
 fn rank_pid(mpirun: u32, rank: usize) -> Option<u32> {

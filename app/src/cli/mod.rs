@@ -46,6 +46,23 @@ pub enum Command {
     /// Performance measurements (JSON lines with --json).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Start N ranks of a run on this machine, each a process: `strata
+    /// launch --nproc 2 -- train …` runs `mpirun -n 2 strata train …` (a
+    /// strata built with --features mpi).
+    Launch(LaunchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct LaunchArgs {
+    /// Ranks (processes) to start.
+    #[arg(long)]
+    pub nproc: usize,
+    /// The MPI launcher to run (default: mpirun on PATH).
+    #[arg(long)]
+    pub mpirun: Option<PathBuf>,
+    /// What each rank runs: `train …` or `finetune …`, after `--`.
+    #[arg(last = true, required = true)]
+    pub command: Vec<std::ffi::OsString>,
 }
 
 #[derive(Args, Debug)]
@@ -179,6 +196,7 @@ fn execute(cli: Cli) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(command) => bench::execute(command).map(|()| ExitCode::SUCCESS),
+        Command::Launch(args) => launch(args),
         Command::Verify(args) => verify(&args.run),
         Command::Plot(args) => {
             let size = (args.width, args.height);
@@ -194,6 +212,31 @@ fn execute(cli: Cli) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `strata launch`: says what it runs, then becomes it (so that signals
+/// reach the launcher and its exit status is the run's).
+fn launch(args: LaunchArgs) -> Result<ExitCode, CliError> {
+    use std::os::unix::process::CommandExt;
+    let strata = std::env::current_exe()
+        .map_err(|e| format!("strata launch could not find its own executable: {e}"))?;
+    let mut command = crate::launch::Launch {
+        nproc: args.nproc,
+        mpirun: args.mpirun,
+        command: args.command,
+    }
+    .command(&strata)?;
+    eprintln!(
+        "strata launch: {} ranks: {}",
+        args.nproc,
+        crate::launch::describe(&command)
+    );
+    let e = command.exec();
+    Err(format!(
+        "{} could not start: {e}",
+        command.get_program().to_string_lossy()
+    )
+    .into())
 }
 
 /// `strata verify`: the run's checkpoint, or each rank's of a ranks run.
