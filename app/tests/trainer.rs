@@ -11,7 +11,9 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use common::max_rel;
-use common::tiny_lm::{flags_holding, run_params, small_flags, tiny_config, write_checkpoint};
+use common::tiny_lm::{
+    flags_holding, run_params, small_flags, small_flags_on, tiny_config, write_checkpoint,
+};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{LmConfig, MoeLm};
 use strata_cli::trainer::{self, hf, Source, TrainFlags};
@@ -322,11 +324,7 @@ fn two_devices_train_the_model_one_device_trains_with_two_micro_batches() {
     write_checkpoint(&model, &config);
     let run = |name: &str, devices: usize, micro_batches: usize| {
         let out = dir.path().join(name);
-        let flags = TrainFlags {
-            devices: Some(devices),
-            micro_batches: Some(micro_batches),
-            ..small_flags(&out)
-        };
+        let flags = small_flags_on(&out, devices, micro_batches);
         let summary = trainer::run(
             &flags,
             Source::Finetune(model.clone()),

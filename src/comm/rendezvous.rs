@@ -16,7 +16,7 @@
 //! use strata::comm::{rendezvous, World};
 //!
 //! let port = 29_517;
-//! let world = |rank| World {
+//! let world = move |rank| World {
 //!     rank,
 //!     size: 2,
 //!     local_rank: rank,

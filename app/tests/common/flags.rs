@@ -18,6 +18,13 @@ pub fn small_flags(out: &Path) -> TrainFlags {
     flags_holding(out, 3)
 }
 
+/// `small_flags` for `devices` cpu devices and `micro_batches`, each
+/// device with the room its share needs (several also hold the gradient's
+/// copy reduced beside the backward).
+pub fn small_flags_on(out: &Path, devices: usize, micro_batches: usize) -> TrainFlags {
+    flags_on(&tiny_config(), out, 3, devices, micro_batches)
+}
+
 /// `small_flags` with host memory for `records` of the eight records.
 pub fn flags_holding(out: &Path, records: u64) -> TrainFlags {
     flags_holding_for(&tiny_config(), out, records)
@@ -27,6 +34,16 @@ pub fn flags_holding(out: &Path, records: u64) -> TrainFlags {
 /// Where `--backend auto` finds a GPU, which then keeps the dense params'
 /// moments too, the device memory counts them.
 pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFlags {
+    flags_on(config, out, records, 1, 2)
+}
+
+fn flags_on(
+    config: &LmConfig,
+    out: &Path,
+    records: u64,
+    devices: usize,
+    micro_batches: usize,
+) -> TrainFlags {
     let on_gpu = BackendKind::detect(1, Dtype::Bf16).0 == BackendKind::Cuda;
     let fixed = trainer::plan::plan(&trainer::plan::PlanInput {
         model: config,
@@ -35,8 +52,8 @@ pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFl
         compute_dtype: Dtype::Bf16,
         seq_len: 16,
         batch: 4,
-        micro_batches: 2,
-        devices: 1,
+        micro_batches,
+        devices,
         ranks: 1,
         device_mem: 1 << 40,
         host_mem: 1 << 40,
@@ -57,7 +74,8 @@ pub fn flags_holding_for(config: &LmConfig, out: &Path, records: u64) -> TrainFl
         steps: Some(6),
         seq_len: Some(16),
         batch: Some(4),
-        micro_batches: Some(2),
+        micro_batches: Some(micro_batches),
+        devices: Some(devices),
         eval_every: Some(3),
         checkpoint_every: Some(2),
         device_mem: Some(device.to_string()),

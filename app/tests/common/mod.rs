@@ -14,7 +14,7 @@ pub use engine::*;
 /// the SSD.
 pub mod tiny_lm {
     pub use super::engine::tiny_lm::*;
-    pub use super::flags::{flags_holding, flags_holding_for, small_flags};
+    pub use super::flags::{flags_holding, flags_holding_for, small_flags, small_flags_on};
 }
 
 /// Sends `signal` (`INT`, `TERM`) to our own child, not yet reaped.
