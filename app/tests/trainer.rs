@@ -324,7 +324,12 @@ fn two_devices_train_the_model_one_device_trains_with_two_micro_batches() {
     write_checkpoint(&model, &config);
     let run = |name: &str, devices: usize, micro_batches: usize| {
         let out = dir.path().join(name);
-        let flags = small_flags_on(&out, devices, micro_batches);
+        let flags = TrainFlags {
+            // Each layer's exchange in two parts where there are devices
+            // to exchange with: the same bits as one (below).
+            pipeline: Some(if name == "in-parts" { "2" } else { "off" }.into()),
+            ..small_flags_on(&out, devices, micro_batches)
+        };
         let summary = trainer::run(
             &flags,
             Source::Finetune(model.clone()),
@@ -336,6 +341,8 @@ fn two_devices_train_the_model_one_device_trains_with_two_micro_batches() {
         run_params(&out, &config)
     };
     let (dense2, experts2) = run("two-devices", 2, 1);
+    let (dense_parts, experts_parts) = run("in-parts", 2, 1);
+    assert!(dense_parts == dense2 && experts_parts == experts2);
     let (dense1, experts1) = run("one-device", 1, 2);
     let dense = max_rel(&dense2, &dense1);
     let experts = experts2
@@ -461,6 +468,10 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
     refused(
         &["train", "--out", o, "--data", "/no/such/file.txt"],
         "does not exist",
+    );
+    refused(
+        &["train", "--out", o, "--devices", "2", "--pipeline", "auto"],
+        "--pipeline \"auto\": give off, or the parts",
     );
     refused(
         &["finetune", "--out", o, "--model", "/no/such/model"],

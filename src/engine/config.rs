@@ -189,6 +189,13 @@ pub struct EngineConfig {
     /// the default; 0: each range alone). The results are the same bits
     /// whatever it is.
     pub dense_bucket_bytes: usize,
+    /// With several devices or ranks: each MoE layer's exchange of tokens
+    /// in up to this many parts, each part's dispatch and combine on the
+    /// wire while the experts of another part compute (MPMoE's pipelined
+    /// all-to-all; a part is a share of every device's experts, so the
+    /// results are the same bits). 1 (the default): one exchange each way.
+    /// A layer has at most as many parts as a device has experts in it.
+    pub exchange_parts: usize,
     /// Ranks as processes this engine is one of (one process per rank,
     /// started by `mpirun` with `comm::MpiComm`, feature `mpi`), each with one
     /// device worker; it joins the others with
@@ -235,6 +242,7 @@ impl Default for EngineConfig {
             condense: None,
             link: None,
             dense_bucket_bytes: 1 << 20,
+            exchange_parts: 1,
             ranks: 1,
         }
     }

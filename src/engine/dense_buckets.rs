@@ -212,6 +212,37 @@ mod tests {
         assert_eq!(unsent(&[0..4, 4..10], 10), Vec::<Range<usize>>::new());
     }
 
+    /// Ranges said final are sent as soon as they, joined to the
+    /// contiguous ranges said before them, reach the bucket size; a range
+    /// that does not meet the pending one sends it; an empty range, or one
+    /// past the gradient, is not a range of it. (A rank of its own: what is
+    /// sent is what the reducer would sum while the backward goes on.)
+    #[test]
+    fn final_ranges_join_into_buckets_sent_once_large_enough() {
+        let mut ends = InProcessComm::endpoints(1);
+        let main = ModeledLink::new(ends.pop().unwrap(), None);
+        let second = InProcessComm::endpoints(1).pop().unwrap();
+        let len = 16;
+        let mut buckets = DenseBuckets::start(Box::new(second), &main, len, 32).unwrap();
+        let mut g: Vec<f32> = (0..len).map(|i| i as f32).collect();
+        buckets.final_range(&g, 8..12); // 16 bytes: held
+        assert!(buckets.sent.is_empty());
+        assert_eq!(buckets.pending, Some(8..12));
+        buckets.final_range(&g, 4..8); // joined: 32 bytes, sent
+        assert_eq!(buckets.sent, vec![4..12]);
+        assert_eq!(buckets.pending, None);
+        buckets.final_range(&g, 12..12);
+        buckets.final_range(&g, 10..17);
+        assert_eq!(buckets.pending, None, "nothing of the gradient");
+        buckets.final_range(&g, 2..3); // held
+        buckets.final_range(&g, 0..1); // does not meet 2..3: sends it
+        assert_eq!(buckets.sent, vec![4..12, 2..3]);
+        assert_eq!(buckets.pending, Some(0..1));
+        let want = g.clone(); // one rank: the sum is its own
+        buckets.finish(&mut g).unwrap();
+        assert_eq!(g, want);
+    }
+
     /// Two ranks say ranges final in a given order, with values changed
     /// after each says so only outside what it said; every rank ends with
     /// the sum of both ranks' final values, in rank order.

@@ -19,6 +19,8 @@ use crate::model::{ExpertRunner, ScratchBuf};
 use crate::placement::{CostModel, LptPlacer};
 use crate::EngineError;
 
+mod pipelined;
+
 /// This micro-batch's decisions for one layer, kept from its forward for
 /// its backward (the experts' saved activations live where they ran).
 #[derive(Clone, Default)]
@@ -44,6 +46,10 @@ pub(crate) struct ExchangeRunner<'a, C: Comm> {
     /// Where the dense gradient's final ranges go during the backward, if
     /// they are reduced beside it.
     pub buckets: Option<DenseBuckets>,
+    /// Each layer's exchange in up to this many parts, each on the wire
+    /// while the experts of another compute (`pipelined`); 1: one exchange
+    /// each way.
+    pub parts: usize,
 }
 
 impl<'a, C: Comm> ExchangeRunner<'a, C> {
@@ -65,6 +71,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             owners,
             plans: vec![LayerPlan::default(); layers],
             buckets: None,
+            parts: 1,
         }
     }
 
@@ -72,9 +79,10 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         self.comm.rank() as u16
     }
 
-    /// Per source device, where each of this device's experts starts in
-    /// the rows that device sends here (experts in index order), in values.
-    fn offsets(&self, layer: usize) -> Vec<Vec<usize>> {
+    /// Per source device, where each of this device's experts (those
+    /// `keep` keeps) starts in the rows that device sends here (experts in
+    /// index order), in values.
+    fn offsets(&self, layer: usize, keep: &dyn Fn(usize) -> bool) -> Vec<Vec<usize>> {
         let plan = &self.plans[layer];
         let d = self.inner.model.d_model;
         plan.counts
@@ -84,7 +92,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
                 (0..counts.len())
                     .map(|e| {
                         let here = at;
-                        if plan.owner[e] == self.me() {
+                        if plan.owner[e] == self.me() && keep(e) {
                             at += counts[e] as usize * d;
                         }
                         here
@@ -145,54 +153,16 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         mine
     }
 
-    /// Each device's rows for `expert`, concatenated in device order.
-    fn concat(
-        &self,
-        layer: usize,
-        expert: usize,
-        received: &[Vec<f32>],
-        offsets: &[Vec<usize>],
-    ) -> Vec<f32> {
-        let plan = &self.plans[layer];
-        let d = self.inner.model.d_model;
-        let mut rows = Vec::new();
-        for (src, buf) in received.iter().enumerate() {
-            let at = offsets[src][expert];
-            rows.extend_from_slice(&buf[at..at + plan.counts[src][expert] as usize * d]);
-        }
-        rows
-    }
-
-    /// Splits an expert's output rows back into the replies to each device.
-    fn split_into(
-        &self,
-        layer: usize,
-        expert: usize,
-        rows: &[f32],
-        replies: &mut [Vec<f32>],
-        offsets: &[Vec<usize>],
-    ) {
-        let plan = &self.plans[layer];
-        let d = self.inner.model.d_model;
-        let mut from = 0;
-        for (src, reply) in replies.iter_mut().enumerate() {
-            let n = plan.counts[src][expert] as usize * d;
-            let at = offsets[src][expert];
-            reply[at..at + n].copy_from_slice(&rows[from..from + n]);
-            from += n;
-        }
-    }
-
     /// Buffers for the replies: to each device, its rows of this device's
-    /// experts.
-    fn reply_buffers(&self, layer: usize) -> Vec<Vec<f32>> {
+    /// experts (those `keep` keeps).
+    fn reply_buffers(&self, layer: usize, keep: &dyn Fn(usize) -> bool) -> Vec<Vec<f32>> {
         let plan = &self.plans[layer];
         let d = self.inner.model.d_model;
         plan.counts
             .iter()
             .map(|counts| {
                 let n: usize = (0..counts.len())
-                    .filter(|&e| plan.owner[e] == self.me())
+                    .filter(|&e| plan.owner[e] == self.me() && keep(e))
                     .map(|e| counts[e] as usize * d)
                     .sum();
                 vec![0.0f32; n]
@@ -200,12 +170,13 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             .collect()
     }
 
-    /// This device's rows of every expert (from `fill`), grouped by the
-    /// device that computes the expert.
+    /// This device's rows of every expert `keep` keeps (from `fill`),
+    /// grouped by the device that computes the expert.
     fn outgoing(
         &self,
         layer: usize,
         perm: &Permutation,
+        keep: &dyn Fn(usize) -> bool,
         mut fill: impl FnMut(&mut [f32], &[u32]),
     ) -> Vec<Vec<f32>> {
         let plan = &self.plans[layer];
@@ -213,7 +184,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         let mut sends = vec![Vec::new(); self.comm.size()];
         for e in 0..plan.owner.len() {
             let rows = perm.rows(e);
-            if rows.is_empty() {
+            if rows.is_empty() || !keep(e) {
                 continue;
             }
             let buf = &mut sends[plan.owner[e] as usize];
@@ -225,14 +196,22 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
     }
 
     /// Writes what came back (rows of this device's tokens, from each
-    /// expert's device) to their expert's block of `out` (expert order).
-    fn scatter_back(&self, layer: usize, perm: &Permutation, back: &[Vec<f32>], out: &mut [f32]) {
+    /// expert's device) to their expert's block of `out` (expert order), for
+    /// the experts `keep` keeps.
+    fn scatter_back(
+        &self,
+        layer: usize,
+        perm: &Permutation,
+        keep: &dyn Fn(usize) -> bool,
+        back: &[Vec<f32>],
+        out: &mut [f32],
+    ) {
         let plan = &self.plans[layer];
         let d = self.inner.model.d_model;
         let mut cursor = vec![0usize; back.len()];
         for e in 0..plan.owner.len() {
             let block = perm.block_mut(out, e, d);
-            if block.is_empty() {
+            if block.is_empty() || !keep(e) {
                 continue;
             }
             let owner = plan.owner[e] as usize;
@@ -240,6 +219,40 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             crate::parallel::copy_into(block, &back[owner][cursor[owner]..cursor[owner] + n]);
             cursor[owner] += n;
         }
+    }
+}
+
+/// Each device's rows for `expert`, concatenated in device order.
+fn concat(
+    plan: &LayerPlan,
+    d: usize,
+    expert: usize,
+    received: &[Vec<f32>],
+    offsets: &[Vec<usize>],
+) -> Vec<f32> {
+    let mut rows = Vec::new();
+    for (src, buf) in received.iter().enumerate() {
+        let at = offsets[src][expert];
+        rows.extend_from_slice(&buf[at..at + plan.counts[src][expert] as usize * d]);
+    }
+    rows
+}
+
+/// Splits an expert's output rows back into the replies to each device.
+fn split_into(
+    plan: &LayerPlan,
+    d: usize,
+    expert: usize,
+    rows: &[f32],
+    replies: &mut [Vec<f32>],
+    offsets: &[Vec<usize>],
+) {
+    let mut from = 0;
+    for (src, reply) in replies.iter_mut().enumerate() {
+        let n = plan.counts[src][expert] as usize * d;
+        let at = offsets[src][expert];
+        reply[at..at + n].copy_from_slice(&rows[from..from + n]);
+        from += n;
     }
 }
 
@@ -295,14 +308,20 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         let mine = self.mine(layer, false);
         self.inner.dev.fit_saved(layer, &mine);
 
-        let sends = self.outgoing(layer, perm, |buf, rows| gather_forward(buf, x, rows, k, d));
+        let fill = |buf: &mut [f32], rows: &[u32]| gather_forward(buf, x, rows, k, d);
+        if let Some(parts) = self.partitions(layer, Pass::Forward) {
+            return self.forward_in_parts(layer, perm, &parts, fill, out);
+        }
+        let all = |_: usize| true;
+        let sends = self.outgoing(layer, perm, &all, fill);
+        self.inner.dev.acc.token_exchanges += 2;
         let received = self.comm.all_to_all(sends)?;
-        let offsets = self.offsets(layer);
-        let mut replies = self.reply_buffers(layer);
-        let mine = self.mine(layer, false);
+        let offsets = self.offsets(layer, &all);
+        let mut replies = self.reply_buffers(layer, &all);
+        let plan = &self.plans[layer];
         let inputs: Vec<Vec<f32>> = mine
             .iter()
-            .map(|&e| self.concat(layer, e, &received, &offsets))
+            .map(|&e| concat(plan, d, e, &received, &offsets))
             .collect();
         drop(received);
         let mut outputs: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
@@ -317,11 +336,11 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
                 Ok(())
             })?;
         for (expert, ye) in outputs {
-            self.split_into(layer, expert, &ye, &mut replies, &offsets);
+            split_into(&self.plans[layer], d, expert, &ye, &mut replies, &offsets);
             self.inner.dev.scratch.give(ye);
         }
         let back = self.comm.all_to_all(replies)?;
-        self.scatter_back(layer, perm, &back, out);
+        self.scatter_back(layer, perm, &all, &back, out);
         Ok(())
     }
 
@@ -335,14 +354,22 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
         self.reschedule(Phase::Backward(layer));
-        let sends = self.outgoing(layer, perm, |buf, rows| dout.gather(buf, rows));
+        let d = self.inner.model.d_model;
+        let fill = |buf: &mut [f32], rows: &[u32]| dout.gather(buf, rows);
+        if let Some(parts) = self.partitions(layer, Pass::Backward) {
+            return self.backward_in_parts(layer, perm, &parts, fill, dx, last_micro_batch);
+        }
+        let all = |_: usize| true;
+        let sends = self.outgoing(layer, perm, &all, fill);
+        self.inner.dev.acc.token_exchanges += 2;
         let received = self.comm.all_to_all(sends)?;
-        let offsets = self.offsets(layer);
-        let mut replies = self.reply_buffers(layer);
+        let offsets = self.offsets(layer, &all);
+        let mut replies = self.reply_buffers(layer, &all);
         let mine = self.mine(layer, true);
+        let plan = &self.plans[layer];
         let douts: Vec<Vec<f32>> = mine
             .iter()
-            .map(|&e| self.concat(layer, e, &received, &offsets))
+            .map(|&e| concat(plan, d, e, &received, &offsets))
             .collect();
         drop(received);
         let mut grads_in: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
@@ -358,11 +385,11 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
                 Ok(())
             })?;
         for (expert, dxe) in grads_in {
-            self.split_into(layer, expert, &dxe, &mut replies, &offsets);
+            split_into(&self.plans[layer], d, expert, &dxe, &mut replies, &offsets);
             self.inner.dev.scratch.give(dxe);
         }
         let back = self.comm.all_to_all(replies)?;
-        self.scatter_back(layer, perm, &back, dx);
+        self.scatter_back(layer, perm, &all, &back, dx);
         Ok(())
     }
 }

@@ -56,6 +56,11 @@ pub struct StepMetrics {
     /// counts, the dense all-reduce), the mean over devices; with a
     /// modeled link (`EngineConfig::link`), its waits included.
     pub comm_s: f64,
+    /// Several devices: the MoE layers' token exchanges (all-to-alls) a
+    /// device ran this step: 4 a layer and micro-batch (dispatch and
+    /// combine, forward and backward), more where a layer's exchange goes
+    /// in parts (`EngineConfig::exchange_parts`); 0 on one device.
+    pub token_exchanges: u64,
     /// Assignments condensed into another row of their expert
     /// (`EngineConfig::condense`: computed once, their output copied),
     /// over every layer and device; 0 without condensation.
@@ -143,6 +148,7 @@ pub(crate) fn gather<'a>(
         prediction_missed: sum(|a| a.prediction_missed),
         prediction_unused: sum(|a| a.prediction_unused),
         comm_s: mean(|a| a.comm_s),
+        token_exchanges: devices.iter().map(|a| a.token_exchanges).max().unwrap_or(0),
         condensed: sum(|a| a.condensed),
         condense_threshold: None, // the engine's
         tokens_per_expert,

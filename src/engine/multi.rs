@@ -84,6 +84,7 @@ impl Engine {
         let cost = self.cost;
         let link = self.config.link;
         let bucket_bytes = self.config.dense_bucket_bytes;
+        let exchange_parts = self.config.exchange_parts;
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
@@ -114,6 +115,7 @@ impl Engine {
                         .spawn_scoped(s, move || {
                             let inner = DeviceRunner::new(model, shared, dev, options);
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
+                            runner.parts = exchange_parts;
                             let share = Share {
                                 net,
                                 parts: &parts[rank * m..(rank + 1) * m],

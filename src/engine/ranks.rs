@@ -252,6 +252,7 @@ impl Engine {
     ) -> T {
         let options = self.pass_options();
         let cost = self.cost;
+        let exchange_parts = self.config.exchange_parts;
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
@@ -267,6 +268,7 @@ impl Engine {
         let inner = DeviceRunner::new(model, shared, &mut devices[0], options);
         let comm = ModeledLink::new(&mut *ranks.comm as &mut dyn Comm, link);
         let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, Some(&ranks.owners));
+        runner.parts = exchange_parts;
         f(&mut runner, dense, &*dense_kernels[0], condense)
     }
 }

@@ -33,6 +33,8 @@ pub(crate) struct Accumulators {
     /// Seconds in collectives with the other devices (modeled waits of
     /// `EngineConfig::link` included).
     pub comm_s: f64,
+    /// The MoE layers' token exchanges (all-to-alls) this device ran.
+    pub token_exchanges: u64,
 }
 
 impl Accumulators {

@@ -111,9 +111,13 @@ pub(super) fn first_line(
 /// Where the run's devices are: ranks as processes, several devices of
 /// this process (over a modeled link), or nothing to say for one.
 fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>) -> String {
+    let parts = match o.pipeline.as_str() {
+        "off" | "1" => String::new(),
+        n => format!(", each layer's exchange in up to {n} parts"),
+    };
     match world {
         Some(w) => format!(
-            "{} {} ranks as processes (MPI{}; rank R's run in {}), ",
+            "{} {} ranks as processes (MPI{}; rank R's run in {}){parts}, ",
             w.size,
             if o.backend == "cuda" { "GPU" } else { "cpu" },
             if o.backend == "cuda" {
@@ -129,7 +133,7 @@ fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>) -> String {
             let over = o.link_gb_per_s.map_or(String::new(), |r| {
                 format!(" over a modeled {r} GB/s link ({} µs)", o.link_latency_us)
             });
-            format!("{} {} devices{over}, ", o.devices, o.backend)
+            format!("{} {} devices{over}{parts}, ", o.devices, o.backend)
         }
         None => String::new(),
     }

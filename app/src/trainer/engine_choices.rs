@@ -45,6 +45,7 @@ pub(super) fn engine_config(
         expert_gemm: expert_gemm(o)?,
         condense: condense_config(o)?,
         link: link(o)?,
+        exchange_parts: exchange_parts(o)?,
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(o)?,
@@ -79,6 +80,19 @@ pub(super) fn link(o: &TrainOptions) -> Result<Option<strata::comm::Link>, Strin
     strata::comm::Link::new(rate, o.link_latency_us)
         .map(Some)
         .map_err(|e| format!("--link-gb-per-s / --link-latency-us: {e}"))
+}
+
+/// `--pipeline`'s parts of each layer's exchange (1: one exchange).
+pub(super) fn exchange_parts(o: &TrainOptions) -> Result<usize, String> {
+    match o.pipeline.as_str() {
+        "off" => Ok(1),
+        n => match n.parse::<usize>() {
+            Ok(parts) if parts >= 1 => Ok(parts),
+            _ => Err(format!(
+                "--pipeline {n:?}: give off, or the parts of each layer's exchange (2, 4, 8, …)"
+            )),
+        },
+    }
 }
 
 /// `--condense`, `--condense-cap` and `--condense-search`'s choice.

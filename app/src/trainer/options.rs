@@ -145,6 +145,13 @@ pub struct TrainFlags {
     /// With --link-gb-per-s: each collective's latency in µs (default 10).
     #[arg(long, value_name = "US")]
     pub link_latency_us: Option<f64>,
+    /// With several devices or ranks: each MoE layer's token exchange in
+    /// up to N parts, each part on the wire while another part's experts
+    /// compute (MPMoE's pipelined all-to-all; the same results). `off`
+    /// (default) or N (a layer has at most as many parts as a device has
+    /// experts in it).
+    #[arg(long, value_name = "off|N")]
+    pub pipeline: Option<String>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]
     pub eval_every: Option<u64>,
@@ -281,6 +288,8 @@ pub struct TrainOptions {
     pub link_gb_per_s: Option<f64>,
     #[serde(default = "ten")]
     pub link_latency_us: f64,
+    #[serde(default = "off")]
+    pub pipeline: String,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub device_mem: u64,
@@ -469,6 +478,7 @@ impl TrainFlags {
             condense_cap: pick!(cli, file, condense_cap, half()),
             condense_search: pick!(cli, file, condense_search, all_pairs()),
             link_gb_per_s: cli.link_gb_per_s.or(file.link_gb_per_s),
+            pipeline: pick!(cli, file, pipeline, off()),
             link_latency_us: pick!(cli, file, link_latency_us, ten()),
             eval_every: pick!(cli, file, eval_every, 50),
             checkpoint_every: pick!(cli, file, checkpoint_every, 100),

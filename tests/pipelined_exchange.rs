@@ -1,0 +1,268 @@
+//! Each MoE layer's exchange in parts, on the wire while other parts'
+//! experts compute (`EngineConfig::exchange_parts`,
+//! `engine/exchange/pipelined.rs`): whatever the parts, the same bits as
+//! one exchange; a device that fails between its layers fails the step on
+//! every device within a bound, and the steps after it are a fresh
+//! engine's.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::tiny_lm::{tiny_batch, tiny_config};
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::{LmConfig, MoeLm, TokenBatch};
+use strata::math::{AssignmentGrads, Permutation};
+use strata::model::{DenseKernels, Evaluation, ExpertRunner, Losses, ModelConfig, Network};
+use strata::EngineError;
+
+/// Eight experts a layer: four a device on two devices, so up to four
+/// parts.
+fn lm_config() -> LmConfig {
+    LmConfig {
+        experts: 8,
+        ..tiny_config()
+    }
+}
+
+fn config(devices: usize, micro_batches: usize, parts: usize) -> EngineConfig {
+    EngineConfig {
+        devices,
+        micro_batches,
+        exchange_parts: parts,
+        ..EngineConfig::default()
+    }
+}
+
+#[derive(Debug, PartialEq)]
+struct Run {
+    losses: Vec<f32>,
+    dense: Vec<f32>,
+    experts: Vec<Vec<f32>>,
+}
+
+fn train(lm: &(impl Network<Batch = TokenBatch> + Sync), config: EngineConfig, steps: u32) -> Run {
+    train_counting(lm, config, steps).0
+}
+
+/// The run, and each step's token exchanges.
+fn train_counting(
+    lm: &(impl Network<Batch = TokenBatch> + Sync),
+    config: EngineConfig,
+    steps: u32,
+) -> (Run, Vec<u64>) {
+    let mut engine = Engine::new_network(lm, config).unwrap();
+    let metrics: Vec<_> = (0..steps)
+        .map(|s| engine.step_network(lm, &tiny_batch(s)).unwrap())
+        .collect();
+    let losses = metrics.iter().map(|m| m.loss).collect();
+    let exchanges = metrics.iter().map(|m| m.token_exchanges).collect();
+    let moe = lm.moe().clone();
+    let experts = (0..moe.layers)
+        .flat_map(|l| (0..moe.experts).map(move |e| (l, e)))
+        .map(|(l, e)| engine.expert_params(l, e).unwrap())
+        .collect();
+    let run = Run {
+        losses,
+        dense: engine.dense_params().unwrap().to_vec(),
+        experts,
+    };
+    (run, exchanges)
+}
+
+#[test]
+fn any_number_of_parts_trains_the_same_bits() {
+    let lm = MoeLm::new(lm_config()).unwrap();
+    let layers = lm_config().layers as u64;
+    for (devices, micro_batches) in [(2, 1), (2, 2), (3, 1)] {
+        let (one, exchanges) = train_counting(&lm, config(devices, micro_batches, 1), 4);
+        // Dispatch and combine, forward and backward, a layer and
+        // micro-batch.
+        let each = 4 * layers * micro_batches as u64;
+        assert!(exchanges.iter().all(|&x| x == each), "{exchanges:?}");
+        // 8 parts is more than any device has experts: as many as the
+        // busiest device has.
+        for parts in [2, 3, 8] {
+            let (run, exchanges) = train_counting(&lm, config(devices, micro_batches, parts), 4);
+            let most = each * parts.min(lm_config().experts) as u64;
+            assert!(
+                exchanges.iter().all(|&x| x > each && x <= most),
+                "{parts} parts: {exchanges:?} exchanges, one exchange each way {each}"
+            );
+            assert!(
+                run == one,
+                "{devices} devices, {micro_batches} micro-batches, {parts} parts: {:?} \
+                 against {:?}",
+                run.losses,
+                one.losses
+            );
+        }
+    }
+}
+
+/// The language model, except that device 1's forward fails once, at its
+/// second MoE layer, while its peer is already in that layer's exchange.
+struct FailsOnDevice1 {
+    inner: MoeLm,
+    armed: AtomicBool,
+}
+
+/// Passes every call on, except `forward_layer` of layer 1 when armed.
+struct FailingRunner<'a> {
+    inner: &'a mut dyn ExpertRunner,
+    armed: &'a AtomicBool,
+}
+
+impl ExpertRunner for FailingRunner<'_> {
+    fn forward_layer(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        x: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        if layer == 1 && self.armed.swap(false, Ordering::SeqCst) {
+            return Err(EngineError::Data("device 1's layer 1 failed".into()));
+        }
+        self.inner.forward_layer(layer, perm, x, out)
+    }
+    fn backward_layer(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        x: &[f32],
+        dout: AssignmentGrads<'_, f32>,
+        dx: &mut [f32],
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        self.inner
+            .backward_layer(layer, perm, x, dout, dx, last_micro_batch)
+    }
+    fn take_buffer(&mut self, len: usize) -> Vec<f32> {
+        self.inner.take_buffer(len)
+    }
+    fn give_buffer(&mut self, buf: Vec<f32>) {
+        self.inner.give_buffer(buf);
+    }
+    fn dense_grad_final(&mut self, grad: &[f32], range: std::ops::Range<usize>) {
+        self.inner.dense_grad_final(grad, range);
+    }
+}
+
+impl Network for FailsOnDevice1 {
+    type Batch = TokenBatch;
+
+    fn moe(&self) -> &ModelConfig {
+        self.inner.moe()
+    }
+    fn dense_params(&self) -> usize {
+        self.inner.dense_params()
+    }
+    fn init_dense(&self) -> Vec<f32> {
+        self.inner.init_dense()
+    }
+    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), EngineError> {
+        self.inner.validate_batch(batch)
+    }
+    fn batch_tokens(&self, batch: &TokenBatch) -> usize {
+        self.inner.batch_tokens(batch)
+    }
+    fn processed_tokens(&self, batch: &TokenBatch) -> usize {
+        self.inner.processed_tokens(batch)
+    }
+    fn frozen_dense(&self) -> Vec<std::ops::Range<usize>> {
+        self.inner.frozen_dense()
+    }
+    fn split_batch(&self, batch: &TokenBatch, n: usize) -> Vec<TokenBatch> {
+        self.inner.split_batch(batch, n)
+    }
+    fn forward_backward(
+        &self,
+        dense: &[f32],
+        dense_grad: &mut [f32],
+        batch: &TokenBatch,
+        tokens_total: usize,
+        micro_batches: usize,
+        last_micro_batch: bool,
+        runner: &mut dyn ExpertRunner,
+        kernels: &dyn DenseKernels,
+    ) -> Result<Losses, EngineError> {
+        let never = AtomicBool::new(false);
+        let on_device_1 = std::thread::current().name() == Some("strata-device-1");
+        let mut runner = FailingRunner {
+            inner: runner,
+            armed: if on_device_1 { &self.armed } else { &never },
+        };
+        self.inner.forward_backward(
+            dense,
+            dense_grad,
+            batch,
+            tokens_total,
+            micro_batches,
+            last_micro_batch,
+            &mut runner,
+            kernels,
+        )
+    }
+    fn forward_eval(
+        &self,
+        dense: &[f32],
+        batch: &TokenBatch,
+        runner: &mut dyn ExpertRunner,
+        kernels: &dyn DenseKernels,
+    ) -> Result<Evaluation, EngineError> {
+        self.inner.forward_eval(dense, batch, runner, kernels)
+    }
+}
+
+#[test]
+fn a_device_that_fails_while_its_peer_exchanges_in_parts_fails_the_step_and_leaves_nothing_behind()
+{
+    let lm = MoeLm::new(lm_config()).unwrap();
+    let expected = train(&lm, config(2, 1, 4), 3);
+    let (said, failed) = mpsc::channel();
+    let (ended, run) = mpsc::channel();
+    // Its own thread, not joined: a device left waiting for its peer's
+    // part would hang the step, and the watchdogs below fail the test.
+    std::thread::spawn(move || {
+        let failing = FailsOnDevice1 {
+            inner: MoeLm::new(lm_config()).unwrap(),
+            armed: AtomicBool::new(false),
+        };
+        let mut engine = Engine::new_network(&failing, config(2, 1, 4)).unwrap();
+        let mut losses = vec![engine.step_network(&failing, &tiny_batch(0)).unwrap().loss];
+        failing.armed.store(true, Ordering::SeqCst);
+        let err = engine.step_network(&failing, &tiny_batch(1)).err();
+        let _ = said.send(err.map(|e| e.to_string()));
+        // The failed step again, then one more.
+        for s in 1..3 {
+            losses.push(engine.step_network(&failing, &tiny_batch(s)).unwrap().loss);
+        }
+        let moe = failing.moe().clone();
+        let experts = (0..moe.layers)
+            .flat_map(|l| (0..moe.experts).map(move |e| (l, e)))
+            .map(|(l, e)| engine.expert_params(l, e).unwrap())
+            .collect();
+        let _ = ended.send(Run {
+            losses,
+            dense: engine.dense_params().unwrap().to_vec(),
+            experts,
+        });
+    });
+    let err = failed
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the failed step returned within 60 s")
+        .expect("the step failed");
+    assert!(err.contains("device 1's layer 1 failed"), "{err}");
+    let run = run
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the steps after it ended within 60 s");
+    assert!(
+        run == expected,
+        "{:?} against {:?}",
+        run.losses,
+        expected.losses
+    );
+}
