@@ -572,10 +572,13 @@ fn ranks_train_the_language_model_as_in_process_devices_do() {
         let model = lm.moe().clone();
         let record = 16 * (model.expert_params() as u64 * 4).div_ceil(4096) * 4096;
         // 4 sequences: two micro-batches a rank on 2 ranks; every step
-        // clipped, which sums the squares of every rank's experts.
+        // clipped, which sums the squares of every rank's experts; each
+        // layer's exchange in two parts (the wire thread's collectives on
+        // MPI beside the dense gradient's buckets on the second endpoint).
         let config = EngineConfig {
             clip_grad_norm: Some(1e-3),
             schedule: strata::engine::ScheduleKind::Naive,
+            exchange_parts: 2,
             ..resident(model.layers, model.experts, record, 2)
         };
         rank_trains_as_a_device(&lm, config, |s| tiny_batch(s as u32));
