@@ -13,10 +13,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use common::hooked::{on_device_1, Hooked, Pass};
 use common::tiny_lm::{tiny_batch, tiny_config};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{MoeLm, TokenBatch};
-use strata::model::{DenseKernels, Evaluation, ExpertRunner, Losses, ModelConfig, Network};
+use strata::model::{ExpertRunner, Losses, Network};
 use strata::EngineError;
 
 fn config(bucket_bytes: usize) -> EngineConfig {
@@ -64,77 +65,20 @@ fn any_bucket_size_trains_the_same_bits() {
     }
 }
 
-/// The language model, except that device 1's step fails once, before
-/// its forward, after saying its whole dense gradient final: a bucket is on
-/// its way to the reducer of a peer that never sends one.
-struct FailsOnDevice1 {
-    inner: MoeLm,
-    armed: AtomicBool,
-}
-
-impl Network for FailsOnDevice1 {
-    type Batch = TokenBatch;
-
-    fn moe(&self) -> &ModelConfig {
-        self.inner.moe()
+/// The language model, except that device 1's step fails once (when
+/// armed), before its forward, after saying its whole dense gradient final:
+/// a bucket is on its way to the reducer of a peer that never sends one.
+fn fails_on_device_1(
+    lm: &MoeLm,
+    armed: &AtomicBool,
+    pass: Pass<'_, TokenBatch>,
+    runner: &mut dyn ExpertRunner,
+) -> Result<Losses, EngineError> {
+    if on_device_1() && armed.swap(false, Ordering::SeqCst) {
+        runner.dense_grad_final(pass.dense_grad, 0..pass.dense_grad.len());
+        return Err(EngineError::Data("device 1's step failed".into()));
     }
-    fn dense_params(&self) -> usize {
-        self.inner.dense_params()
-    }
-    fn init_dense(&self) -> Vec<f32> {
-        self.inner.init_dense()
-    }
-    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), EngineError> {
-        self.inner.validate_batch(batch)
-    }
-    fn batch_tokens(&self, batch: &TokenBatch) -> usize {
-        self.inner.batch_tokens(batch)
-    }
-    fn processed_tokens(&self, batch: &TokenBatch) -> usize {
-        self.inner.processed_tokens(batch)
-    }
-    fn frozen_dense(&self) -> Vec<std::ops::Range<usize>> {
-        self.inner.frozen_dense()
-    }
-    fn split_batch(&self, batch: &TokenBatch, n: usize) -> Vec<TokenBatch> {
-        self.inner.split_batch(batch, n)
-    }
-    fn forward_backward(
-        &self,
-        dense: &[f32],
-        dense_grad: &mut [f32],
-        batch: &TokenBatch,
-        tokens_total: usize,
-        micro_batches: usize,
-        last_micro_batch: bool,
-        runner: &mut dyn ExpertRunner,
-        kernels: &dyn DenseKernels,
-    ) -> Result<Losses, EngineError> {
-        let on_device_1 = std::thread::current().name() == Some("strata-device-1");
-        if on_device_1 && self.armed.swap(false, Ordering::SeqCst) {
-            runner.dense_grad_final(dense_grad, 0..dense_grad.len());
-            return Err(EngineError::Data("device 1's step failed".into()));
-        }
-        self.inner.forward_backward(
-            dense,
-            dense_grad,
-            batch,
-            tokens_total,
-            micro_batches,
-            last_micro_batch,
-            runner,
-            kernels,
-        )
-    }
-    fn forward_eval(
-        &self,
-        dense: &[f32],
-        batch: &TokenBatch,
-        runner: &mut dyn ExpertRunner,
-        kernels: &dyn DenseKernels,
-    ) -> Result<Evaluation, EngineError> {
-        self.inner.forward_eval(dense, batch, runner, kernels)
-    }
+    pass.run(lm, runner)
 }
 
 #[test]
@@ -146,10 +90,7 @@ fn a_device_that_fails_with_a_bucket_on_its_way_fails_the_step_and_leaves_nothin
     // Its own thread, not joined: a device left waiting for its peer's
     // bucket would hang the step, and the watchdogs below fail the test.
     std::thread::spawn(move || {
-        let failing = FailsOnDevice1 {
-            inner: MoeLm::new(tiny_config()).unwrap(),
-            armed: AtomicBool::new(false),
-        };
+        let failing = Hooked::new(MoeLm::new(tiny_config()).unwrap(), fails_on_device_1);
         let mut engine = Engine::new_network(&failing, config(0)).unwrap();
         let mut losses = vec![engine.step_network(&failing, &tiny_batch(0)).unwrap().loss];
         failing.armed.store(true, Ordering::SeqCst);

@@ -1,7 +1,12 @@
 //! Bad input to the engine gets a clear error, never a panic.
 
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use common::hooked::{Hooked, Pass};
 use strata::engine::{Engine, EngineConfig};
-use strata::model::{Batch, ModelConfig};
+use strata::model::{Batch, ExpertRunner, Losses, ModelConfig};
 use strata::EngineError;
 use strata_optim::AdamWHyper;
 
@@ -433,69 +438,19 @@ fn compute_cells_that_leave_too_few_record_slots_are_refused() {
     assert_eq!((engine.host_slots(), engine.host_cells()), (4, 0));
 }
 
-/// The plain stack, except that its first last micro-batch fails before it
-/// runs: the earlier micro-batch has summed its experts' gradients by then.
-struct FailsOnce {
-    inner: ModelConfig,
-    failed: std::sync::atomic::AtomicBool,
-}
-
-impl strata::model::Network for FailsOnce {
-    type Batch = Batch;
-
-    fn moe(&self) -> &ModelConfig {
-        &self.inner
+/// The plain stack, except that its last micro-batch fails (when armed)
+/// before it runs: the earlier micro-batch has summed its experts'
+/// gradients by then.
+fn fails_its_last_micro_batch(
+    stack: &ModelConfig,
+    armed: &AtomicBool,
+    pass: Pass<'_, Batch>,
+    runner: &mut dyn ExpertRunner,
+) -> Result<Losses, EngineError> {
+    if pass.last_micro_batch && armed.swap(false, Ordering::SeqCst) {
+        return Err(EngineError::Data("the second micro-batch failed".into()));
     }
-    fn dense_params(&self) -> usize {
-        self.inner.dense_params()
-    }
-    fn init_dense(&self) -> Vec<f32> {
-        self.inner.init_dense()
-    }
-    fn validate_batch(&self, batch: &Batch) -> Result<(), EngineError> {
-        batch.validate(&self.inner)
-    }
-    fn batch_tokens(&self, batch: &Batch) -> usize {
-        batch.tokens()
-    }
-    fn split_batch(&self, batch: &Batch, n: usize) -> Vec<Batch> {
-        batch.split(n, self.inner.d_model)
-    }
-    fn forward_backward(
-        &self,
-        dense: &[f32],
-        dense_grad: &mut [f32],
-        batch: &Batch,
-        tokens_total: usize,
-        micro_batches: usize,
-        last_micro_batch: bool,
-        runner: &mut dyn strata::model::ExpertRunner,
-        kernels: &dyn strata::model::DenseKernels,
-    ) -> Result<strata::model::Losses, EngineError> {
-        use std::sync::atomic::Ordering;
-        if last_micro_batch && !self.failed.swap(true, Ordering::SeqCst) {
-            return Err(EngineError::Data("the second micro-batch failed".into()));
-        }
-        self.inner.forward_backward(
-            dense,
-            dense_grad,
-            batch,
-            tokens_total,
-            micro_batches,
-            last_micro_batch,
-            runner,
-            kernels,
-        )
-    }
-    fn forward_eval(
-        &self,
-        dense: &[f32],
-        batch: &Batch,
-        runner: &mut dyn strata::model::ExpertRunner,
-        kernels: &dyn strata::model::DenseKernels,
-    ) -> Result<strata::model::Evaluation, EngineError> {
-        self.inner.forward_eval(dense, batch, runner, kernels)
-    }
+    pass.run(stack, runner)
 }
 
 #[test]
@@ -510,10 +465,8 @@ fn a_step_that_fails_mid_batch_leaves_no_partial_gradient_behind() {
 
     // The failed step, then the same batch again: it must see only its own
     // micro-batches' sums, through both a step and a gradient-only pass.
-    let failing = FailsOnce {
-        inner: model(),
-        failed: false.into(),
-    };
+    let failing = Hooked::new(model(), fails_its_last_micro_batch);
+    failing.armed.store(true, Ordering::SeqCst);
     let mut engine = Engine::new_network(&failing, config()).unwrap();
     let err = engine.gradients(&failing, &b).unwrap_err();
     assert!(err.to_string().contains("micro-batch failed"), "{err}");
@@ -525,9 +478,7 @@ fn a_step_that_fails_mid_batch_leaves_no_partial_gradient_behind() {
         "gradients differ from a fresh engine's"
     );
 
-    failing
-        .failed
-        .store(false, std::sync::atomic::Ordering::SeqCst);
+    failing.armed.store(true, Ordering::SeqCst);
     let err = engine.step_network(&failing, &b).unwrap_err();
     assert!(err.to_string().contains("micro-batch failed"), "{err}");
     let metrics = engine.step_network(&failing, &b).unwrap();

@@ -11,11 +11,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use common::hooked::{on_device_1, Hooked, Pass};
 use common::tiny_lm::{tiny_batch, tiny_config};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{LmConfig, MoeLm, TokenBatch};
 use strata::math::{AssignmentGrads, Permutation};
-use strata::model::{DenseKernels, Evaluation, ExpertRunner, Losses, ModelConfig, Network};
+use strata::model::{ExpertRunner, Losses, Network};
 use strata::EngineError;
 
 /// Eight experts a layer: four a device on two devices, so up to four
@@ -102,11 +103,21 @@ fn any_number_of_parts_trains_the_same_bits() {
     }
 }
 
-/// The language model, except that device 1's forward fails once, at its
-/// second MoE layer, while its peer is already in that layer's exchange.
-struct FailsOnDevice1 {
-    inner: MoeLm,
-    armed: AtomicBool,
+/// The language model, except that device 1's forward fails once (when
+/// armed), at its second MoE layer, while its peer is already in that
+/// layer's exchange.
+fn fails_on_device_1(
+    lm: &MoeLm,
+    armed: &AtomicBool,
+    pass: Pass<'_, TokenBatch>,
+    runner: &mut dyn ExpertRunner,
+) -> Result<Losses, EngineError> {
+    let never = AtomicBool::new(false);
+    let mut runner = FailingRunner {
+        inner: runner,
+        armed: if on_device_1() { armed } else { &never },
+    };
+    pass.run(lm, &mut runner)
 }
 
 /// Passes every call on, except `forward_layer` of layer 1 when armed.
@@ -151,72 +162,6 @@ impl ExpertRunner for FailingRunner<'_> {
     }
 }
 
-impl Network for FailsOnDevice1 {
-    type Batch = TokenBatch;
-
-    fn moe(&self) -> &ModelConfig {
-        self.inner.moe()
-    }
-    fn dense_params(&self) -> usize {
-        self.inner.dense_params()
-    }
-    fn init_dense(&self) -> Vec<f32> {
-        self.inner.init_dense()
-    }
-    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), EngineError> {
-        self.inner.validate_batch(batch)
-    }
-    fn batch_tokens(&self, batch: &TokenBatch) -> usize {
-        self.inner.batch_tokens(batch)
-    }
-    fn processed_tokens(&self, batch: &TokenBatch) -> usize {
-        self.inner.processed_tokens(batch)
-    }
-    fn frozen_dense(&self) -> Vec<std::ops::Range<usize>> {
-        self.inner.frozen_dense()
-    }
-    fn split_batch(&self, batch: &TokenBatch, n: usize) -> Vec<TokenBatch> {
-        self.inner.split_batch(batch, n)
-    }
-    fn forward_backward(
-        &self,
-        dense: &[f32],
-        dense_grad: &mut [f32],
-        batch: &TokenBatch,
-        tokens_total: usize,
-        micro_batches: usize,
-        last_micro_batch: bool,
-        runner: &mut dyn ExpertRunner,
-        kernels: &dyn DenseKernels,
-    ) -> Result<Losses, EngineError> {
-        let never = AtomicBool::new(false);
-        let on_device_1 = std::thread::current().name() == Some("strata-device-1");
-        let mut runner = FailingRunner {
-            inner: runner,
-            armed: if on_device_1 { &self.armed } else { &never },
-        };
-        self.inner.forward_backward(
-            dense,
-            dense_grad,
-            batch,
-            tokens_total,
-            micro_batches,
-            last_micro_batch,
-            &mut runner,
-            kernels,
-        )
-    }
-    fn forward_eval(
-        &self,
-        dense: &[f32],
-        batch: &TokenBatch,
-        runner: &mut dyn ExpertRunner,
-        kernels: &dyn DenseKernels,
-    ) -> Result<Evaluation, EngineError> {
-        self.inner.forward_eval(dense, batch, runner, kernels)
-    }
-}
-
 #[test]
 fn a_device_that_fails_while_its_peer_exchanges_in_parts_fails_the_step_and_leaves_nothing_behind()
 {
@@ -227,10 +172,7 @@ fn a_device_that_fails_while_its_peer_exchanges_in_parts_fails_the_step_and_leav
     // Its own thread, not joined: a device left waiting for its peer's
     // part would hang the step, and the watchdogs below fail the test.
     std::thread::spawn(move || {
-        let failing = FailsOnDevice1 {
-            inner: MoeLm::new(lm_config()).unwrap(),
-            armed: AtomicBool::new(false),
-        };
+        let failing = Hooked::new(MoeLm::new(lm_config()).unwrap(), fails_on_device_1);
         let mut engine = Engine::new_network(&failing, config(2, 1, 4)).unwrap();
         let mut losses = vec![engine.step_network(&failing, &tiny_batch(0)).unwrap().loss];
         failing.armed.store(true, Ordering::SeqCst);

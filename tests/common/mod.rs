@@ -4,6 +4,7 @@
 // Each test binary uses its own subset.
 #![allow(dead_code)]
 
+pub mod hooked;
 pub mod process;
 pub mod tiny_lm;
 
