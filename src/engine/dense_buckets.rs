@@ -225,18 +225,19 @@ mod tests {
         let len = 16;
         let mut buckets = DenseBuckets::start(Box::new(second), &main, len, 32).unwrap();
         let mut g: Vec<f32> = (0..len).map(|i| i as f32).collect();
-        buckets.final_range(&g, 8..12); // 16 bytes: held
+        buckets.final_range(&g, 12..16); // 16 bytes: held
         assert!(buckets.sent.is_empty());
-        assert_eq!(buckets.pending, Some(8..12));
-        buckets.final_range(&g, 4..8); // joined: 32 bytes, sent
-        assert_eq!(buckets.sent, vec![4..12]);
+        assert_eq!(buckets.pending, Some(12..16));
+        buckets.final_range(&g, 8..12); // joined: 32 bytes, sent
+        assert_eq!(buckets.sent, vec![8..16]);
         assert_eq!(buckets.pending, None);
-        buckets.final_range(&g, 12..12);
+        buckets.final_range(&g, 4..8); // held
+        buckets.final_range(&g, 6..6);
         buckets.final_range(&g, 10..17);
-        assert_eq!(buckets.pending, None, "nothing of the gradient");
-        buckets.final_range(&g, 2..3); // held
-        buckets.final_range(&g, 0..1); // does not meet 2..3: sends it
-        assert_eq!(buckets.sent, vec![4..12, 2..3]);
+        assert_eq!(buckets.pending, Some(4..8), "nothing of the gradient");
+        buckets.final_range(&g, 2..3); // does not meet 4..8: sends it
+        buckets.final_range(&g, 0..1); // nor 2..3
+        assert_eq!(buckets.sent, vec![8..16, 4..8, 2..3]);
         assert_eq!(buckets.pending, Some(0..1));
         let want = g.clone(); // one rank: the sum is its own
         buckets.finish(&mut g).unwrap();
