@@ -214,7 +214,11 @@ fn serve(
             }
             Err(e) => return Err(init(format!("rendezvous accept: {e}"))),
         };
-        let (rank, their_size) = read_hello(&mut stream, deadline)?;
+        let (rank, their_size) = match read_hello(&mut stream, deadline) {
+            Ok(hello) => hello,
+            Err(CommError::Init { why }) => return Err(refuse_all(&mut peers, why)),
+            Err(e) => return Err(e),
+        };
         let refusal = if their_size != size {
             Some(format!(
                 "rank {rank} says WORLD_SIZE={their_size}, rank 0 has {size}: every rank \

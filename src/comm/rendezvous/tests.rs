@@ -124,15 +124,19 @@ fn a_rank_with_no_rank_0_names_the_address_once_the_timeout_passes() {
 }
 
 #[test]
-fn something_else_on_the_port_is_refused_by_name() {
+fn something_else_on_the_port_is_refused_by_name_and_the_ranks_told() {
     let (listener, addr) = listener();
+    let came = peer(addr, 1, 3, LONG);
+    std::thread::sleep(Duration::from_millis(100));
     let stranger = std::thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
         s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
     });
-    let e = why(serve(listener, 2, vec![1], Instant::now() + LONG).unwrap_err());
+    let e = why(serve(listener, 3, vec![1], Instant::now() + LONG).unwrap_err());
     assert!(e.contains("something other than a strata rank"), "{e}");
     stranger.join().unwrap();
+    let e = why(came.join().unwrap().unwrap_err());
+    assert!(e.contains("something other than a strata rank"), "{e}");
 }
 
 #[test]
