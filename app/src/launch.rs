@@ -63,7 +63,7 @@ impl Launch {
             self.nproc,
             strata,
             &self.command,
-            is_root(),
+            crate::sys::is_root(),
         ))
     }
 }
@@ -119,11 +119,6 @@ pub fn mpirun_command(
     }
     c.args(["-n", &nproc.to_string()]).arg(strata).args(command);
     c
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid takes no argument and cannot fail.
-    unsafe { libc::geteuid() == 0 }
 }
 
 /// The command line as a shell would take it, and the variables it sets.

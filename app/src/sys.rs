@@ -67,6 +67,13 @@ pub fn clock_ticks_per_second() -> Option<f64> {
     (hz > 0).then_some(hz as f64)
 }
 
+/// Whether this process runs as root (its effective user id is 0).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid takes no argument, reads no memory of ours and
+    // cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// Installs `handler` for each of `signals`, reset to the default after
 /// its first delivery (so a second signal acts as if none were installed).
 /// The handler must be async-signal-safe (store to an atomic, no more).
