@@ -96,69 +96,43 @@ pub trait Comm: Send {
     }
 }
 
-/// A borrowed endpoint is one too, so an engine can lend the endpoint it
-/// keeps to a step.
-impl<C: Comm + ?Sized> Comm for &mut C {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-
-    fn size(&self) -> usize {
-        (**self).size()
-    }
-
-    fn all_to_all(&mut self, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError> {
-        (**self).all_to_all(sends)
-    }
-
-    fn all_gather_u32(&mut self, mine: Vec<u32>) -> Result<Vec<Vec<u32>>, CommError> {
-        (**self).all_gather_u32(mine)
-    }
-
-    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
-        (**self).all_reduce_sum(buf)
-    }
-
-    fn barrier(&mut self) -> Result<(), CommError> {
-        (**self).barrier()
-    }
-
-    fn second_endpoint(&mut self) -> Result<Option<Box<dyn Comm>>, CommError> {
-        (**self).second_endpoint()
-    }
-}
-
-/// A boxed endpoint is one too, so that an endpoint the engine keeps
+/// An endpoint behind a pointer is one too: borrowed, so an engine can
+/// lend the endpoint it keeps to a step; boxed, so an endpoint kept
 /// between steps can be lent to a thread and given back.
-impl<C: Comm + ?Sized> Comm for Box<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
+macro_rules! comm_through_pointer {
+    ($($pointer:ty),*) => {$(
+        impl<C: Comm + ?Sized> Comm for $pointer {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
 
-    fn size(&self) -> usize {
-        (**self).size()
-    }
+            fn size(&self) -> usize {
+                (**self).size()
+            }
 
-    fn all_to_all(&mut self, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError> {
-        (**self).all_to_all(sends)
-    }
+            fn all_to_all(&mut self, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, CommError> {
+                (**self).all_to_all(sends)
+            }
 
-    fn all_gather_u32(&mut self, mine: Vec<u32>) -> Result<Vec<Vec<u32>>, CommError> {
-        (**self).all_gather_u32(mine)
-    }
+            fn all_gather_u32(&mut self, mine: Vec<u32>) -> Result<Vec<Vec<u32>>, CommError> {
+                (**self).all_gather_u32(mine)
+            }
 
-    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
-        (**self).all_reduce_sum(buf)
-    }
+            fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+                (**self).all_reduce_sum(buf)
+            }
 
-    fn barrier(&mut self) -> Result<(), CommError> {
-        (**self).barrier()
-    }
+            fn barrier(&mut self) -> Result<(), CommError> {
+                (**self).barrier()
+            }
 
-    fn second_endpoint(&mut self) -> Result<Option<Box<dyn Comm>>, CommError> {
-        (**self).second_endpoint()
-    }
+            fn second_endpoint(&mut self) -> Result<Option<Box<dyn Comm>>, CommError> {
+                (**self).second_endpoint()
+            }
+        }
+    )*};
 }
+comm_through_pointer!(&mut C, Box<C>);
 
 /// What travels between two in-process endpoints.
 enum Message {

@@ -10,10 +10,8 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::time::Duration;
 
-use common::hooked::{on_device_1, Hooked, Pass};
+use common::hooked::{around_a_failed_step, on_device_1, Hooked, Pass};
 use common::tiny_lm::{tiny_batch, tiny_config};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{MoeLm, TokenBatch};
@@ -85,34 +83,13 @@ fn fails_on_device_1(
 fn a_device_that_fails_with_a_bucket_on_its_way_fails_the_step_and_leaves_nothing_behind() {
     let lm = MoeLm::new(tiny_config()).unwrap();
     let expected = train(&lm, config(0), 3);
-    let (said, failed) = mpsc::channel();
-    let (ended, run) = mpsc::channel();
-    // Its own thread, not joined: a device left waiting for its peer's
-    // bucket would hang the step, and the watchdogs below fail the test.
-    std::thread::spawn(move || {
-        let failing = Hooked::new(MoeLm::new(tiny_config()).unwrap(), fails_on_device_1);
-        let mut engine = Engine::new_network(&failing, config(0)).unwrap();
-        let mut losses = vec![engine.step_network(&failing, &tiny_batch(0)).unwrap().loss];
-        failing.armed.store(true, Ordering::SeqCst);
-        let err = engine.step_network(&failing, &tiny_batch(1)).err();
-        let _ = said.send(err.map(|e| e.to_string()));
-        // The failed step again, then one more.
-        for s in 1..3 {
-            losses.push(engine.step_network(&failing, &tiny_batch(s)).unwrap().loss);
-        }
-        let _ = ended.send(Run {
-            losses,
-            dense: engine.dense_params().unwrap().to_vec(),
-        });
-    });
-    let err = failed
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the failed step returned within 60 s")
-        .expect("the step failed");
+    let (err, losses, dense) = around_a_failed_step(
+        || Hooked::new(MoeLm::new(tiny_config()).unwrap(), fails_on_device_1),
+        config(0),
+        |engine, _| engine.dense_params().unwrap().to_vec(),
+    );
     assert!(err.contains("device 1's step failed"), "{err}");
-    let run = run
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the steps after it ended within 60 s");
+    let run = Run { losses, dense };
     assert!(
         run == expected,
         "{:?} against {:?}",

@@ -8,15 +8,13 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::time::Duration;
 
-use common::hooked::{on_device_1, Hooked, Pass};
+use common::hooked::{around_a_failed_step, on_device_1, Hooked, Pass};
 use common::tiny_lm::{tiny_batch, tiny_config};
 use strata::engine::{Engine, EngineConfig};
 use strata::lm::{LmConfig, MoeLm, TokenBatch};
 use strata::math::{AssignmentGrads, Permutation};
-use strata::model::{ExpertRunner, Losses, Network};
+use strata::model::{ExpertRunner, Losses, ModelConfig, Network};
 use strata::EngineError;
 
 /// Eight experts a layer: four a device on two devices, so up to four
@@ -60,17 +58,20 @@ fn train_counting(
         .collect();
     let losses = metrics.iter().map(|m| m.loss).collect();
     let exchanges = metrics.iter().map(|m| m.token_exchanges).collect();
-    let moe = lm.moe().clone();
-    let experts = (0..moe.layers)
-        .flat_map(|l| (0..moe.experts).map(move |e| (l, e)))
-        .map(|(l, e)| engine.expert_params(l, e).unwrap())
-        .collect();
     let run = Run {
         losses,
         dense: engine.dense_params().unwrap().to_vec(),
-        experts,
+        experts: experts_of(&mut engine, lm.moe()),
     };
     (run, exchanges)
+}
+
+/// Every expert's params, layer by layer.
+fn experts_of(engine: &mut Engine, moe: &ModelConfig) -> Vec<Vec<f32>> {
+    (0..moe.layers)
+        .flat_map(|l| (0..moe.experts).map(move |e| (l, e)))
+        .map(|(l, e)| engine.expert_params(l, e).unwrap())
+        .collect()
 }
 
 #[test]
@@ -167,40 +168,22 @@ fn a_device_that_fails_while_its_peer_exchanges_in_parts_fails_the_step_and_leav
 {
     let lm = MoeLm::new(lm_config()).unwrap();
     let expected = train(&lm, config(2, 1, 4), 3);
-    let (said, failed) = mpsc::channel();
-    let (ended, run) = mpsc::channel();
-    // Its own thread, not joined: a device left waiting for its peer's
-    // part would hang the step, and the watchdogs below fail the test.
-    std::thread::spawn(move || {
-        let failing = Hooked::new(MoeLm::new(lm_config()).unwrap(), fails_on_device_1);
-        let mut engine = Engine::new_network(&failing, config(2, 1, 4)).unwrap();
-        let mut losses = vec![engine.step_network(&failing, &tiny_batch(0)).unwrap().loss];
-        failing.armed.store(true, Ordering::SeqCst);
-        let err = engine.step_network(&failing, &tiny_batch(1)).err();
-        let _ = said.send(err.map(|e| e.to_string()));
-        // The failed step again, then one more.
-        for s in 1..3 {
-            losses.push(engine.step_network(&failing, &tiny_batch(s)).unwrap().loss);
-        }
-        let moe = failing.moe().clone();
-        let experts = (0..moe.layers)
-            .flat_map(|l| (0..moe.experts).map(move |e| (l, e)))
-            .map(|(l, e)| engine.expert_params(l, e).unwrap())
-            .collect();
-        let _ = ended.send(Run {
-            losses,
-            dense: engine.dense_params().unwrap().to_vec(),
-            experts,
-        });
-    });
-    let err = failed
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the failed step returned within 60 s")
-        .expect("the step failed");
+    let (err, losses, (dense, experts)) = around_a_failed_step(
+        || Hooked::new(MoeLm::new(lm_config()).unwrap(), fails_on_device_1),
+        config(2, 1, 4),
+        |engine, lm| {
+            (
+                engine.dense_params().unwrap().to_vec(),
+                experts_of(engine, lm.moe()),
+            )
+        },
+    );
     assert!(err.contains("device 1's layer 1 failed"), "{err}");
-    let run = run
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the steps after it ended within 60 s");
+    let run = Run {
+        losses,
+        dense,
+        experts,
+    };
     assert!(
         run == expected,
         "{:?} against {:?}",

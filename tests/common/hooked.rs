@@ -2,10 +2,16 @@
 //! goes through a test's hook: a failure on one device, a runner of the
 //! test's own around the engine's. `armed` is the hook's switch.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
 
+use strata::engine::{Engine, EngineConfig};
+use strata::lm::TokenBatch;
 use strata::model::{DenseKernels, Evaluation, ExpertRunner, Losses, ModelConfig, Network};
 use strata::EngineError;
+
+use super::tiny_lm::tiny_batch;
 
 /// One micro-batch's forward-backward as the engine asked for it, but
 /// for its runner, which the hook is given beside it.
@@ -130,4 +136,50 @@ where
     ) -> Result<Evaluation, EngineError> {
         self.inner.forward_eval(dense, batch, runner, kernels)
     }
+}
+
+/// Steps 0, then 1 armed (it must fail), then 1 again and 2, of
+/// `tiny_batch` on an engine of `config` over the network `net` makes, on
+/// a thread of its own that is never joined: a step left waiting for a
+/// peer fails this function's 60 s watchdogs instead of hanging the test
+/// run. Returns the failed step's error, the losses of the steps that
+/// passed, and what `end` takes from the engine after them.
+pub fn around_a_failed_step<N, F, T>(
+    net: impl FnOnce() -> Hooked<N, F> + Send + 'static,
+    config: EngineConfig,
+    end: impl FnOnce(&mut Engine, &N) -> T + Send + 'static,
+) -> (String, Vec<f32>, T)
+where
+    N: Network<Batch = TokenBatch> + Sync,
+    F: Fn(
+            &N,
+            &AtomicBool,
+            Pass<'_, TokenBatch>,
+            &mut dyn ExpertRunner,
+        ) -> Result<Losses, EngineError>
+        + Sync,
+    T: Send + 'static,
+{
+    let (said, failed) = mpsc::channel();
+    let (ended, run) = mpsc::channel();
+    std::thread::spawn(move || {
+        let failing = net();
+        let mut engine = Engine::new_network(&failing, config).unwrap();
+        let mut losses = vec![engine.step_network(&failing, &tiny_batch(0)).unwrap().loss];
+        failing.armed.store(true, Ordering::SeqCst);
+        let err = engine.step_network(&failing, &tiny_batch(1)).err();
+        let _ = said.send(err.map(|e| e.to_string()));
+        for s in 1..3 {
+            losses.push(engine.step_network(&failing, &tiny_batch(s)).unwrap().loss);
+        }
+        let _ = ended.send((losses, end(&mut engine, &failing.inner)));
+    });
+    let err = failed
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the failed step returned within 60 s")
+        .expect("the step failed");
+    let (losses, taken) = run
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the steps after it ended within 60 s");
+    (err, losses, taken)
 }

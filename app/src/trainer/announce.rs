@@ -93,7 +93,7 @@ pub(super) fn first_line(
         config.layers,
         config.experts,
         config.top_k,
-        placement(o, world),
+        placement(o, world, engine_config.exchange_parts),
         plan.mode.describe(),
         o.backend,
         match &o.backend_chosen {
@@ -109,11 +109,12 @@ pub(super) fn first_line(
 }
 
 /// Where the run's devices are: ranks as processes, several devices of
-/// this process (over a modeled link), or nothing to say for one.
-fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>) -> String {
-    let parts = match o.pipeline.as_str() {
-        "off" | "1" => String::new(),
-        n => format!(", each layer's exchange in up to {n} parts"),
+/// this process (over a modeled link, in `parts`), or nothing to say for
+/// one.
+fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>, parts: usize) -> String {
+    let parts = match parts {
+        n if n > 1 => format!(", each layer's exchange in up to {n} parts"),
+        _ => String::new(),
     };
     match world {
         Some(w) => format!(
