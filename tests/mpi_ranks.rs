@@ -14,7 +14,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use strata::comm::{Comm, CommError, InProcessComm, MpiComm, MpiWorld};
-use strata::engine::{Engine, EngineConfig};
+use strata::engine::{Engine, EngineConfig, ExchangeParts};
 use strata::lm::MoeLm;
 use strata::math::ExpertKind;
 use strata::model::Network;
@@ -578,8 +578,31 @@ fn ranks_train_the_language_model_as_in_process_devices_do() {
         let config = EngineConfig {
             clip_grad_norm: Some(1e-3),
             schedule: strata::engine::ScheduleKind::Naive,
-            exchange_parts: 2,
+            exchange_parts: ExchangeParts::Fixed(2),
             ..resident(model.layers, model.experts, record, 2)
+        };
+        rank_trains_as_a_device(&lm, config, |s| tiny_batch(s as u32));
+        return;
+    }
+    if mpirun().is_none() {
+        return;
+    }
+    ranks_report(case, 2, &format!("{STEPS} steps"));
+}
+
+#[test]
+fn ranks_search_their_part_counts_alike() {
+    let case = "ranks_search_their_part_counts_alike";
+    if in_rank(case) {
+        let lm = MoeLm::new(tiny_config()).expect("the tiny model");
+        let model = lm.moe().clone();
+        let record = 16 * (model.expert_params() as u64 * 4).div_ceil(4096) * 4096;
+        // The search moves on each rank from the ranks' mean times, so
+        // every rank runs the same parts: one, then two from the fourth
+        // step, then what it settles on.
+        let config = EngineConfig {
+            exchange_parts: ExchangeParts::Auto,
+            ..resident(model.layers, model.experts, record, 1)
         };
         rank_trains_as_a_device(&lm, config, |s| tiny_batch(s as u32));
         return;

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::hooked::{around_a_failed_step, on_device_1, Hooked, Pass};
 use common::tiny_lm::{tiny_batch, tiny_config};
-use strata::engine::{Engine, EngineConfig};
+use strata::engine::{Engine, EngineConfig, ExchangeParts, StepMetrics};
 use strata::lm::{LmConfig, MoeLm, TokenBatch};
 use strata::math::{AssignmentGrads, Permutation};
 use strata::model::{ExpertRunner, Losses, ModelConfig, Network};
@@ -30,7 +30,7 @@ fn config(devices: usize, micro_batches: usize, parts: usize) -> EngineConfig {
     EngineConfig {
         devices,
         micro_batches,
-        exchange_parts: parts,
+        exchange_parts: ExchangeParts::Fixed(parts),
         ..EngineConfig::default()
     }
 }
@@ -52,18 +52,26 @@ fn train_counting(
     config: EngineConfig,
     steps: u32,
 ) -> (Run, Vec<u64>) {
+    let (run, metrics) = train_measured(lm, config, steps);
+    (run, metrics.iter().map(|m| m.token_exchanges).collect())
+}
+
+/// The run, and each step's metrics.
+fn train_measured(
+    lm: &(impl Network<Batch = TokenBatch> + Sync),
+    config: EngineConfig,
+    steps: u32,
+) -> (Run, Vec<StepMetrics>) {
     let mut engine = Engine::new_network(lm, config).unwrap();
     let metrics: Vec<_> = (0..steps)
         .map(|s| engine.step_network(lm, &tiny_batch(s)).unwrap())
         .collect();
-    let losses = metrics.iter().map(|m| m.loss).collect();
-    let exchanges = metrics.iter().map(|m| m.token_exchanges).collect();
     let run = Run {
-        losses,
+        losses: metrics.iter().map(|m| m.loss).collect(),
         dense: engine.dense_params().unwrap().to_vec(),
         experts: experts_of(&mut engine, lm.moe()),
     };
-    (run, exchanges)
+    (run, metrics)
 }
 
 /// Every expert's params, layer by layer.
@@ -102,6 +110,89 @@ fn any_number_of_parts_trains_the_same_bits() {
             );
         }
     }
+}
+
+#[test]
+fn auto_measures_one_part_then_two_and_trains_the_same_bits() {
+    let lm = MoeLm::new(lm_config()).unwrap();
+    let layers = lm_config().layers;
+    let auto = EngineConfig {
+        exchange_parts: ExchangeParts::Auto,
+        ..config(2, 1, 1)
+    };
+    let (one, _) = train_measured(&lm, config(2, 1, 1), 6);
+    let (run, metrics) = train_measured(&lm, auto, 6);
+    assert!(run == one, "{:?} against {:?}", run.losses, one.losses);
+    let each = 4 * layers as u64;
+    for (step, m) in metrics.iter().enumerate() {
+        assert_eq!(m.exchange_layer_s.len(), layers, "{m:?}");
+        assert!(m.exchange_layer_s.iter().flatten().all(|&s| s > 0.0));
+        let parts = &m.exchange_layer_parts;
+        if step < 3 {
+            // An uncounted step, then two of one part.
+            assert_eq!(m.token_exchanges, each, "step {step}");
+            assert!(parts.iter().flatten().all(|&n| n == 1), "{parts:?}");
+        } else if step < 5 {
+            // Two steps of two parts, wherever a device has two experts
+            // with rows (which 4 a device and top-2 routing give here).
+            assert!(
+                m.token_exchanges > each,
+                "step {step}: {}",
+                m.token_exchanges
+            );
+            assert!(parts.iter().flatten().all(|&n| n == 2), "{parts:?}");
+        }
+    }
+    // No prediction without a fitted link.
+    assert!(metrics.iter().all(|m| m.exchange_model_s == 0.0));
+}
+
+#[test]
+fn auto_settles_within_its_bound_on_counts_the_layers_can_take() {
+    let lm = MoeLm::new(lm_config()).unwrap();
+    let mut engine = Engine::new_network(
+        &lm,
+        EngineConfig {
+            exchange_parts: ExchangeParts::Auto,
+            ..config(2, 1, 1)
+        },
+    )
+    .unwrap();
+    // An uncounted step, then two steps of each count to 8 at the most.
+    for s in 0..17 {
+        assert_eq!(engine.auto_parts(), None, "settled before step {s}");
+        engine.step_network(&lm, &tiny_batch(s)).unwrap();
+        if engine.auto_parts().is_some() {
+            break;
+        }
+    }
+    let chosen = engine.auto_parts().expect("settled within 17 steps");
+    // Four experts a device: at most four parts.
+    assert!(
+        chosen.iter().flatten().all(|&n| (1..=4).contains(&n)),
+        "{chosen:?}"
+    );
+    let m = engine.step_network(&lm, &tiny_batch(17)).unwrap();
+    for (ran, settled) in m.exchange_layer_parts.iter().zip(&chosen) {
+        assert!(
+            ran[0] <= settled[0] && ran[1] <= settled[1],
+            "{ran:?} {settled:?}"
+        );
+    }
+}
+
+#[test]
+fn a_fitted_link_predicts_each_exchange_and_one_device_fits_nothing() {
+    let lm = MoeLm::new(lm_config()).unwrap();
+    let mut one = Engine::new_network(&lm, config(1, 1, 1)).unwrap();
+    assert_eq!(one.calibrate_exchange().unwrap(), None);
+    let m = one.step_network(&lm, &tiny_batch(0)).unwrap();
+    assert!(m.exchange_layer_s.is_empty() && m.exchange_layer_parts.is_empty());
+    let mut two = Engine::new_network(&lm, config(2, 1, 2)).unwrap();
+    let fit = two.calibrate_exchange().unwrap().expect("two devices");
+    assert!(fit.fixed_s >= 0.0 && fit.s_per_byte >= 0.0, "{fit:?}");
+    let m = two.step_network(&lm, &tiny_batch(0)).unwrap();
+    assert!(m.exchange_model_s > 0.0 && m.exchange_s > 0.0, "{m:?}");
 }
 
 /// The language model, except that device 1's forward fails once (when

@@ -325,9 +325,17 @@ fn two_devices_train_the_model_one_device_trains_with_two_micro_batches() {
     let run = |name: &str, devices: usize, micro_batches: usize| {
         let out = dir.path().join(name);
         let flags = TrainFlags {
-            // Each layer's exchange in two parts where there are devices
-            // to exchange with: the same bits as one (below).
-            pipeline: Some(if name == "in-parts" { "2" } else { "off" }.into()),
+            // Each layer's exchange in two parts, or in those its cost
+            // model chooses, where there are devices to exchange with: the
+            // same bits as one (below).
+            pipeline: Some(
+                match name {
+                    "in-parts" => "2",
+                    "auto" => "auto",
+                    _ => "off",
+                }
+                .into(),
+            ),
             ..small_flags_on(&out, devices, micro_batches)
         };
         let summary = trainer::run(
@@ -343,6 +351,8 @@ fn two_devices_train_the_model_one_device_trains_with_two_micro_batches() {
     let (dense2, experts2) = run("two-devices", 2, 1);
     let (dense_parts, experts_parts) = run("in-parts", 2, 1);
     assert!(dense_parts == dense2 && experts_parts == experts2);
+    let (dense_auto, experts_auto) = run("auto", 2, 1);
+    assert!(dense_auto == dense2 && experts_auto == experts2);
     let (dense1, experts1) = run("one-device", 1, 2);
     let dense = max_rel(&dense2, &dense1);
     let experts = experts2
@@ -470,8 +480,8 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
         "does not exist",
     );
     refused(
-        &["train", "--out", o, "--devices", "2", "--pipeline", "auto"],
-        "--pipeline \"auto\": give off, or the parts",
+        &["train", "--out", o, "--devices", "2", "--pipeline", "fast"],
+        "--pipeline \"fast\": give off, auto, or the parts",
     );
     refused(
         &["finetune", "--out", o, "--model", "/no/such/model"],

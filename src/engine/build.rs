@@ -12,12 +12,15 @@ use strata_tiers::{
 };
 
 use super::access::access_schedule;
+use super::part_search::PartSearch;
 use super::routed_io::RoutedIo;
 use super::routing_trace::TransitionCounter;
 use super::slot_table::DeviceState;
 use super::updates::SharedExperts;
 use super::RoutingTrace;
-use super::{dense_state, multi, Engine, EngineConfig, ScheduleKind, MIN_HOST_STREAM_SLOTS};
+use super::{
+    dense_state, multi, Engine, EngineConfig, ExchangeParts, ScheduleKind, MIN_HOST_STREAM_SLOTS,
+};
 use crate::model::{DenseKernels, ModelConfig, TimedKernels};
 use crate::EngineError;
 
@@ -72,6 +75,9 @@ impl Engine {
             dense_step: state.dense_step,
             dense_newer_on_device: false,
             cost,
+            link_fit: None,
+            part_search: (config.exchange_parts == ExchangeParts::Auto)
+                .then(|| PartSearch::new(model.layers)),
             prev_load: None,
             ranks: None,
             step: state.step,

@@ -190,12 +190,12 @@ pub struct EngineConfig {
     /// whatever it is.
     pub dense_bucket_bytes: usize,
     /// With several devices or ranks: each MoE layer's exchange of tokens
-    /// in up to this many parts, each part's dispatch and combine on the
-    /// wire while the experts of another part compute (MPMoE's pipelined
-    /// all-to-all; a part is a share of every device's experts, so the
-    /// results are the same bits). 1 (the default): one exchange each way.
-    /// A layer has at most as many parts as a device has experts in it.
-    pub exchange_parts: usize,
+    /// in parts, each part's dispatch and combine on the wire while the
+    /// experts of another part compute (MPMoE's pipelined all-to-all; a
+    /// part is a share of every device's experts, so the results are the
+    /// same bits whatever the split). `Fixed(1)` (the default): one
+    /// exchange each way.
+    pub exchange_parts: ExchangeParts,
     /// Ranks as processes this engine is one of (one process per rank,
     /// started by `mpirun` with `comm::MpiComm`, feature `mpi`), each with one
     /// device worker; it joins the others with
@@ -242,7 +242,7 @@ impl Default for EngineConfig {
             condense: None,
             link: None,
             dense_bucket_bytes: 1 << 20,
-            exchange_parts: 1,
+            exchange_parts: ExchangeParts::Fixed(1),
             ranks: 1,
         }
     }
@@ -253,4 +253,18 @@ impl EngineConfig {
     pub(crate) fn workers(&self) -> usize {
         self.devices * self.ranks
     }
+}
+
+/// How each MoE layer's exchange of tokens is split into parts
+/// ([`EngineConfig::exchange_parts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExchangeParts {
+    /// Up to this many parts (1: one exchange each way). A layer has at
+    /// most as many parts as a device has experts with rows in it.
+    Fixed(usize),
+    /// For each layer and pass, the count of 1 … 8 parts measured the
+    /// fastest over the run's first steps (MPMoE's adaptive search,
+    /// `part_search.rs`): 1 part, then 2, 3, … two steps each, until a
+    /// count is slower than the one before.
+    Auto,
 }

@@ -10,7 +10,10 @@
 //! computes it: placement and pinning change where the work runs, never
 //! the numbers.
 
+use std::time::Instant;
+
 use super::access::{placed_schedule, Phase, PlacedLayer};
+use super::config::ExchangeParts;
 use super::dense_buckets::DenseBuckets;
 use super::pipeline::{DeviceRunner, Pass};
 use crate::comm::Comm;
@@ -19,7 +22,11 @@ use crate::model::{ExpertRunner, ScratchBuf};
 use crate::placement::{CostModel, LptPlacer};
 use crate::EngineError;
 
+mod granularity;
 mod pipelined;
+
+pub(crate) use granularity::calibrate;
+pub use granularity::{project_exchange, LinkFit, UniformLayer};
 
 /// This micro-batch's decisions for one layer, kept from its forward for
 /// its backward (the experts' saved activations live where they ran).
@@ -46,10 +53,15 @@ pub(crate) struct ExchangeRunner<'a, C: Comm> {
     /// Where the dense gradient's final ranges go during the backward, if
     /// they are reduced beside it.
     pub buckets: Option<DenseBuckets>,
-    /// Each layer's exchange in up to this many parts, each on the wire
-    /// while the experts of another compute (`pipelined`); 1: one exchange
-    /// each way.
-    pub parts: usize,
+    /// How each layer's exchange is split into parts, each on the wire
+    /// while the experts of another compute (`pipelined`).
+    pub parts: ExchangeParts,
+    /// The link's fitted cost (`granularity`): with it each layer's
+    /// predicted time is counted.
+    pub link_fit: Option<LinkFit>,
+    /// `ExchangeParts::Auto`: [layer][forward, backward] the parts the
+    /// search (`part_search.rs`) asks for this step.
+    pub auto_counts: Vec<[usize; 2]>,
 }
 
 impl<'a, C: Comm> ExchangeRunner<'a, C> {
@@ -71,7 +83,9 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             owners,
             plans: vec![LayerPlan::default(); layers],
             buckets: None,
-            parts: 1,
+            parts: ExchangeParts::Fixed(1),
+            link_fit: None,
+            auto_counts: Vec::new(),
         }
     }
 
@@ -100,6 +114,101 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
                     .collect()
             })
             .collect()
+    }
+
+    /// The layer's forward exchange in one part: every row dispatched,
+    /// this device's experts computed, every output combined.
+    fn forward_whole(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        mine: &[usize],
+        fill: impl FnMut(&mut [f32], &[u32]),
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let d = self.inner.model.d_model;
+        let all = |_: usize| true;
+        let sends = self.outgoing(layer, perm, &all, fill);
+        self.inner.dev.acc.token_exchanges += 2;
+        let received = self.comm.all_to_all(sends)?;
+        let offsets = self.offsets(layer, &all);
+        let mut replies = self.reply_buffers(layer, &all);
+        let plan = &self.plans[layer];
+        let inputs: Vec<Vec<f32>> = mine
+            .iter()
+            .map(|&e| concat(plan, d, e, &received, &offsets))
+            .collect();
+        drop(received);
+        let mut outputs: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
+        let mut inputs = inputs.into_iter();
+        self.inner
+            .pipeline(Pass::Forward, layer, mine, |runner, expert, params| {
+                let xe = inputs.next().expect("one input per expert");
+                let mut ye = runner.dev.scratch.take(xe.len()); // written whole
+                runner.expert_forward(layer, expert, &xe, params, &mut ye)?;
+                runner.dev.saved_x[layer][expert] = xe;
+                outputs.push((expert, ye));
+                Ok(())
+            })?;
+        for (expert, ye) in outputs {
+            split_into(&self.plans[layer], d, expert, &ye, &mut replies, &offsets);
+            self.inner.dev.scratch.give(ye);
+        }
+        let back = self.comm.all_to_all(replies)?;
+        self.scatter_back(layer, perm, &all, &back, out);
+        Ok(())
+    }
+
+    /// The layer's backward exchange in one part.
+    fn backward_whole(
+        &mut self,
+        layer: usize,
+        perm: &Permutation,
+        fill: impl FnMut(&mut [f32], &[u32]),
+        dx: &mut [f32],
+        last_micro_batch: bool,
+    ) -> Result<(), EngineError> {
+        let d = self.inner.model.d_model;
+        let all = |_: usize| true;
+        let sends = self.outgoing(layer, perm, &all, fill);
+        self.inner.dev.acc.token_exchanges += 2;
+        let received = self.comm.all_to_all(sends)?;
+        let offsets = self.offsets(layer, &all);
+        let mut replies = self.reply_buffers(layer, &all);
+        let mine = self.mine(layer, true);
+        let plan = &self.plans[layer];
+        let douts: Vec<Vec<f32>> = mine
+            .iter()
+            .map(|&e| concat(plan, d, e, &received, &offsets))
+            .collect();
+        drop(received);
+        let mut grads_in: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
+        let mut douts = douts.into_iter();
+        self.inner
+            .pipeline(Pass::Backward, layer, &mine, |runner, expert, params| {
+                let dye = douts.next().expect("one gradient per expert");
+                let xe = std::mem::take(&mut runner.dev.saved_x[layer][expert]);
+                let mut dxe = runner.dev.scratch.take(xe.len()); // written whole
+                let last = last_micro_batch;
+                runner.expert_backward(layer, expert, &xe, &dye, params, last, &mut dxe)?;
+                grads_in.push((expert, dxe));
+                Ok(())
+            })?;
+        for (expert, dxe) in grads_in {
+            split_into(&self.plans[layer], d, expert, &dxe, &mut replies, &offsets);
+            self.inner.dev.scratch.give(dxe);
+        }
+        let back = self.comm.all_to_all(replies)?;
+        self.scatter_back(layer, perm, &all, &back, dx);
+        Ok(())
+    }
+
+    /// Counts the time since `t0` as the layer's exchange in `pass`.
+    fn count_exchange(&mut self, layer: usize, pass: Pass, t0: Instant) {
+        let secs = t0.elapsed().as_secs_f64();
+        let acc = &mut self.inner.dev.acc;
+        acc.exchange_s += secs;
+        acc.exchange_layer_s[layer][pass_index(pass)] += secs;
     }
 
     /// Tells the host tier the order its devices will now ask for experts
@@ -222,6 +331,14 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
     }
 }
 
+/// A pass's index in per-layer [forward, backward] pairs.
+fn pass_index(pass: Pass) -> usize {
+    match pass {
+        Pass::Forward => 0,
+        Pass::Backward => 1,
+    }
+}
+
 /// Each device's rows for `expert`, concatenated in device order.
 fn concat(
     plan: &LayerPlan,
@@ -309,39 +426,13 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         self.inner.dev.fit_saved(layer, &mine);
 
         let fill = |buf: &mut [f32], rows: &[u32]| gather_forward(buf, x, rows, k, d);
-        if let Some(parts) = self.partitions(layer, Pass::Forward) {
-            return self.forward_in_parts(layer, perm, &parts, fill, out);
-        }
-        let all = |_: usize| true;
-        let sends = self.outgoing(layer, perm, &all, fill);
-        self.inner.dev.acc.token_exchanges += 2;
-        let received = self.comm.all_to_all(sends)?;
-        let offsets = self.offsets(layer, &all);
-        let mut replies = self.reply_buffers(layer, &all);
-        let plan = &self.plans[layer];
-        let inputs: Vec<Vec<f32>> = mine
-            .iter()
-            .map(|&e| concat(plan, d, e, &received, &offsets))
-            .collect();
-        drop(received);
-        let mut outputs: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
-        let mut inputs = inputs.into_iter();
-        self.inner
-            .pipeline(Pass::Forward, layer, &mine, |runner, expert, params| {
-                let xe = inputs.next().expect("one input per expert");
-                let mut ye = runner.dev.scratch.take(xe.len()); // written whole
-                runner.expert_forward(layer, expert, &xe, params, &mut ye)?;
-                runner.dev.saved_x[layer][expert] = xe;
-                outputs.push((expert, ye));
-                Ok(())
-            })?;
-        for (expert, ye) in outputs {
-            split_into(&self.plans[layer], d, expert, &ye, &mut replies, &offsets);
-            self.inner.dev.scratch.give(ye);
-        }
-        let back = self.comm.all_to_all(replies)?;
-        self.scatter_back(layer, perm, &all, &back, out);
-        Ok(())
+        let t0 = Instant::now();
+        let result = match self.partitions(layer, Pass::Forward) {
+            Some(parts) => self.forward_in_parts(layer, perm, &parts, fill, out),
+            None => self.forward_whole(layer, perm, &mine, fill, out),
+        };
+        self.count_exchange(layer, Pass::Forward, t0);
+        result
     }
 
     fn backward_layer(
@@ -354,42 +445,13 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
         self.reschedule(Phase::Backward(layer));
-        let d = self.inner.model.d_model;
         let fill = |buf: &mut [f32], rows: &[u32]| dout.gather(buf, rows);
-        if let Some(parts) = self.partitions(layer, Pass::Backward) {
-            return self.backward_in_parts(layer, perm, &parts, fill, dx, last_micro_batch);
-        }
-        let all = |_: usize| true;
-        let sends = self.outgoing(layer, perm, &all, fill);
-        self.inner.dev.acc.token_exchanges += 2;
-        let received = self.comm.all_to_all(sends)?;
-        let offsets = self.offsets(layer, &all);
-        let mut replies = self.reply_buffers(layer, &all);
-        let mine = self.mine(layer, true);
-        let plan = &self.plans[layer];
-        let douts: Vec<Vec<f32>> = mine
-            .iter()
-            .map(|&e| concat(plan, d, e, &received, &offsets))
-            .collect();
-        drop(received);
-        let mut grads_in: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
-        let mut douts = douts.into_iter();
-        self.inner
-            .pipeline(Pass::Backward, layer, &mine, |runner, expert, params| {
-                let dye = douts.next().expect("one gradient per expert");
-                let xe = std::mem::take(&mut runner.dev.saved_x[layer][expert]);
-                let mut dxe = runner.dev.scratch.take(xe.len()); // written whole
-                let last = last_micro_batch;
-                runner.expert_backward(layer, expert, &xe, &dye, params, last, &mut dxe)?;
-                grads_in.push((expert, dxe));
-                Ok(())
-            })?;
-        for (expert, dxe) in grads_in {
-            split_into(&self.plans[layer], d, expert, &dxe, &mut replies, &offsets);
-            self.inner.dev.scratch.give(dxe);
-        }
-        let back = self.comm.all_to_all(replies)?;
-        self.scatter_back(layer, perm, &all, &back, dx);
-        Ok(())
+        let t0 = Instant::now();
+        let result = match self.partitions(layer, Pass::Backward) {
+            Some(parts) => self.backward_in_parts(layer, perm, &parts, fill, dx, last_micro_batch),
+            None => self.backward_whole(layer, perm, fill, dx, last_micro_batch),
+        };
+        self.count_exchange(layer, Pass::Backward, t0);
+        result
     }
 }

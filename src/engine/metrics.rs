@@ -61,6 +61,21 @@ pub struct StepMetrics {
     /// combine, forward and backward), more where a layer's exchange goes
     /// in parts (`EngineConfig::exchange_parts`); 0 on one device.
     pub token_exchanges: u64,
+    /// Several devices: seconds a step in the MoE layers' exchanges, from
+    /// the first dispatch to the last combine written back (the experts'
+    /// compute and their waits inside), the most of any device.
+    pub exchange_s: f64,
+    /// Several devices with a fitted link (`--pipeline auto`, or
+    /// [`Engine::calibrate_exchange`](super::Engine::calibrate_exchange)):
+    /// what the exchange's cost model predicted for the same exchanges in
+    /// the parts they went in (`exchange_s`'s prediction); 0 without one.
+    pub exchange_model_s: f64,
+    /// Several devices: `[layer][forward, backward]` seconds in each
+    /// layer's exchange (`exchange_s` by layer, the most of any device),
+    /// and the parts it went in (`EngineConfig::exchange_parts`); empty on
+    /// one device.
+    pub exchange_layer_s: Vec<[f64; 2]>,
+    pub exchange_layer_parts: Vec<[usize; 2]>,
     /// Assignments condensed into another row of their expert
     /// (`EngineConfig::condense`: computed once, their output copied),
     /// over every layer and device; 0 without condensation.
@@ -97,6 +112,22 @@ impl StepMetrics {
     }
 }
 
+/// [layer][pass] the most seconds any device spent in the layer's
+/// exchange; empty where no device exchanged (one device).
+fn by_layer_max(devices: &[&Accumulators]) -> Vec<[f64; 2]> {
+    if devices.iter().all(|a| a.token_exchanges == 0) {
+        return Vec::new();
+    }
+    let mut most = devices[0].exchange_layer_s.clone();
+    for a in &devices[1..] {
+        for (m, o) in most.iter_mut().zip(&a.exchange_layer_s) {
+            m[0] = m[0].max(o[0]);
+            m[1] = m[1].max(o[1]);
+        }
+    }
+    most
+}
+
 /// One step's metrics from the host tier's counters and each device's.
 pub(crate) fn gather<'a>(
     step: u64,
@@ -116,6 +147,7 @@ pub(crate) fn gather<'a>(
     // The host tier's stall is summed over every acquirer.
     let stall_ssd_s = stats.stall_ns as f64 * 1e-9 / n;
     let (hits, misses) = (sum(|a| a.device_hits), sum(|a| a.device_misses));
+    let layer_s = by_layer_max(&devices);
     let mut tokens_per_expert = devices[0].tokens_per_expert.clone();
     for a in &devices[1..] {
         for (row, other) in tokens_per_expert.iter_mut().zip(&a.tokens_per_expert) {
@@ -149,6 +181,16 @@ pub(crate) fn gather<'a>(
         prediction_unused: sum(|a| a.prediction_unused),
         comm_s: mean(|a| a.comm_s),
         token_exchanges: devices.iter().map(|a| a.token_exchanges).max().unwrap_or(0),
+        exchange_s: devices.iter().map(|a| a.exchange_s).fold(0.0, f64::max),
+        exchange_model_s: devices
+            .iter()
+            .map(|a| a.exchange_model_s)
+            .fold(0.0, f64::max),
+        exchange_layer_parts: match layer_s.is_empty() {
+            true => Vec::new(),
+            false => devices[0].exchange_layer_parts.clone(),
+        },
+        exchange_layer_s: layer_s,
         condensed: sum(|a| a.condensed),
         condense_threshold: None, // the engine's
         tokens_per_expert,

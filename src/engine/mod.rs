@@ -35,7 +35,9 @@ mod host_plan;
 mod metrics;
 mod multi;
 mod open;
+mod part_search;
 mod pipeline;
+mod pipelining;
 mod rank_checkpoint;
 mod ranks;
 mod routed_io;
@@ -51,7 +53,8 @@ use strata_optim::AdamWHyper;
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
 pub use build::{host_cell_slot_count, host_kept_count};
-pub use config::{EngineConfig, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
+pub use config::{EngineConfig, ExchangeParts, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
+pub use exchange::{project_exchange, LinkFit, UniformLayer};
 pub use gradients::Gradients;
 pub use host_plan::{available_host_memory, HostMemoryPlan};
 pub use metrics::StepMetrics;
@@ -103,6 +106,11 @@ pub struct Engine {
     /// Several devices: the placement's cost model, recalibrated from each
     /// step's measured expert compute.
     cost: CostModel,
+    /// Several devices or ranks: the link's fitted cost, once measured
+    /// ([`Engine::calibrate_exchange`]).
+    link_fit: Option<LinkFit>,
+    /// `ExchangeParts::Auto`: each layer's search for its part count.
+    part_search: Option<part_search::PartSearch>,
     /// [layer][expert] the previous step's global load (pinning's input).
     prev_load: Option<Vec<Vec<u32>>>,
     /// Ranks as processes: this rank's endpoint and the experts it owns,
@@ -440,6 +448,7 @@ impl Engine {
             // LPT's cost model; ranks' experts stay with their owners.
             self.recalibrate(&metrics);
         }
+        self.advance_part_search(&metrics)?;
         self.prev_load = Some(metrics.tokens_per_expert.clone());
         if let Some(trace) = self.routing_trace.as_mut() {
             for dev in &mut self.devices {

@@ -85,6 +85,8 @@ impl Engine {
         let link = self.config.link;
         let bucket_bytes = self.config.dense_bucket_bytes;
         let exchange_parts = self.config.exchange_parts;
+        let link_fit = self.link_fit;
+        let auto_counts = self.auto_counts();
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
@@ -98,6 +100,7 @@ impl Engine {
         let (model, shared, dense) = (&*model, &*shared, &dense[..]);
         let pinned = &pinned[..];
         let parts = &parts[..];
+        let auto_counts = &auto_counts;
         let results: Vec<Result<(f32, Vec<f32>), EngineError>> = std::thread::scope(|s| {
             let handles: Vec<_> = devices
                 .iter_mut()
@@ -116,6 +119,8 @@ impl Engine {
                             let inner = DeviceRunner::new(model, shared, dev, options);
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
                             runner.parts = exchange_parts;
+                            runner.link_fit = link_fit;
+                            runner.auto_counts = auto_counts.clone();
                             let share = Share {
                                 net,
                                 parts: &parts[rank * m..(rank + 1) * m],

@@ -253,6 +253,8 @@ impl Engine {
         let options = self.pass_options();
         let cost = self.cost;
         let exchange_parts = self.config.exchange_parts;
+        let link_fit = self.link_fit;
+        let auto_counts = self.auto_counts();
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
@@ -269,6 +271,8 @@ impl Engine {
         let comm = ModeledLink::new(&mut *ranks.comm as &mut dyn Comm, link);
         let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, Some(&ranks.owners));
         runner.parts = exchange_parts;
+        runner.link_fit = link_fit;
+        runner.auto_counts = auto_counts;
         f(&mut runner, dense, &*dense_kernels[0], condense)
     }
 }

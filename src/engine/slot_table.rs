@@ -35,12 +35,22 @@ pub(crate) struct Accumulators {
     pub comm_s: f64,
     /// The MoE layers' token exchanges (all-to-alls) this device ran.
     pub token_exchanges: u64,
+    /// Seconds in the MoE layers' exchanges (compute inside), and what the
+    /// exchange's cost model predicted for them.
+    pub exchange_s: f64,
+    pub exchange_model_s: f64,
+    /// [layer][forward, backward] seconds in the layer's exchange (summed
+    /// over micro-batches), and the parts it went in.
+    pub exchange_layer_s: Vec<[f64; 2]>,
+    pub exchange_layer_parts: Vec<[usize; 2]>,
 }
 
 impl Accumulators {
     pub fn new(layers: usize, experts: usize) -> Self {
         Self {
             tokens_per_expert: vec![vec![0; experts]; layers],
+            exchange_layer_s: vec![[0.0; 2]; layers],
+            exchange_layer_parts: vec![[0; 2]; layers],
             ..Self::default()
         }
     }

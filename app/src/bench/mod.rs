@@ -9,6 +9,7 @@ pub mod condense;
 pub mod kernels;
 pub mod optim;
 pub mod overlap;
+pub mod pipeline;
 pub mod placement;
 pub mod step;
 pub mod tiers;

@@ -10,7 +10,7 @@ use super::bench_args::{
     StepTokens, TiersArgs, UploadArgs,
 };
 use super::CliError;
-use super::{bench_routing, step_table};
+use super::{bench_pipeline, bench_routing, step_table};
 use crate::bench;
 
 /// Runs one bench and prints its results on stdout, its progress on stderr.
@@ -24,6 +24,7 @@ pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Upload(args) => bench_upload(args),
         BenchCommand::Affinity(args) => bench_routing::affinity(args),
         BenchCommand::Condense(args) => bench_routing::condense(args),
+        BenchCommand::Pipeline(args) => bench_pipeline::pipeline(args),
         BenchCommand::Attention(args) => bench_attention(args),
         BenchCommand::Kernels(args) => bench_kernels(args),
     }

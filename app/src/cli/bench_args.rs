@@ -30,6 +30,11 @@ pub enum BenchCommand {
     /// exact integer program where small enough), on a `train --trace-routing`
     /// file or, without one, on synthetic traces.
     Affinity(AffinityArgs),
+    /// Each MoE layer's exchange in 1, 2, 4 and 8 parts (MPMoE's pipelined
+    /// all-to-all) and in the parts `--pipeline auto` chooses, over modeled
+    /// links: the exchanges' time, the cost model's prediction, the choice
+    /// against the best measured.
+    Pipeline(PipelineArgs),
     /// Token condensation (LUFFY) on hidden states from training a preset
     /// on the built-in text: the share of each layer's expert rows
     /// condensed at fixed thresholds and the adaptive one, the exact search
@@ -95,6 +100,70 @@ pub struct AttentionArgs {
     /// choice past 16 MiB of them) or `probabilities` (its choice below).
     #[arg(long, default_value = "row-stats", value_parser = parse_kept)]
     pub kept: strata::math::attention_rows::Kept,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct PipelineArgs {
+    /// The preset to train.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Experts a layer (a layer splits into at most as many parts as a
+    /// device has experts).
+    #[arg(long, default_value_t = 16)]
+    pub experts: usize,
+    /// Devices in this process exchanging tokens.
+    #[arg(long, default_value_t = 2)]
+    pub devices: usize,
+    /// Sequences a step.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Tokens a sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Modeled links, GB/s each way (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
+    pub links: Vec<f64>,
+    /// Each collective's latency on the modeled links, µs.
+    #[arg(long, default_value_t = 10.0)]
+    pub latency_us: f64,
+    /// Part counts to run beside auto (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub parts: Vec<usize>,
+    /// Steps of every arm not counted, first.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Counted steps of every arm (the arms take turns).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// The projection (the model alone, for another machine): device
+    /// counts (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "8,64")]
+    pub project_devices: Vec<usize>,
+    /// The projection's links, GB/s each way (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "100,400")]
+    pub project_links: Vec<f64>,
+    /// The projection's collective latency, µs.
+    #[arg(long, default_value_t = 20.0)]
+    pub project_latency_us: f64,
+    /// The projected layer (default: Qwen3-30B-A3B's): d_model, an
+    /// expert's hidden width, experts, top-k.
+    #[arg(long, default_value_t = 2048)]
+    pub project_d_model: usize,
+    #[arg(long, default_value_t = 768)]
+    pub project_d_ff: usize,
+    #[arg(long, default_value_t = 128)]
+    pub project_experts: usize,
+    #[arg(long, default_value_t = 8)]
+    pub project_top_k: usize,
+    /// Tokens each projected device routes a step.
+    #[arg(long, default_value_t = 8192)]
+    pub project_tokens: usize,
+    /// The projected devices' expert GEMM rate, TFLOP/s.
+    #[arg(long, default_value_t = 400.0)]
+    pub project_tflops: f64,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,

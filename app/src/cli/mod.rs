@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_args;
+mod bench_pipeline;
 mod bench_routing;
 mod step_table;
 

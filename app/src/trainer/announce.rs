@@ -7,7 +7,7 @@ use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use strata::engine::{Engine, EngineConfig};
+use strata::engine::{Engine, EngineConfig, ExchangeParts};
 use strata::lm::LmConfig;
 
 use super::engine_choices::gemms_described;
@@ -111,10 +111,13 @@ pub(super) fn first_line(
 /// Where the run's devices are: ranks as processes, several devices of
 /// this process (over a modeled link, in `parts`), or nothing to say for
 /// one.
-fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>, parts: usize) -> String {
+fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>, parts: ExchangeParts) -> String {
     let parts = match parts {
-        n if n > 1 => format!(", each layer's exchange in up to {n} parts"),
-        _ => String::new(),
+        ExchangeParts::Fixed(n) if n > 1 => format!(", each layer's exchange in up to {n} parts"),
+        ExchangeParts::Fixed(_) => String::new(),
+        ExchangeParts::Auto => {
+            ", each layer's exchange in the parts (1-8) its cost model predicts fastest".into()
+        }
     };
     match world {
         Some(w) => format!(

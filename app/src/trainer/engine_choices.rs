@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use strata::backend::{BackendKind, DenseGemm, ExpertGemm};
 use strata::condense::{CondenseConfig, Search, Threshold};
-use strata::engine::{EngineConfig, ScheduleKind};
+use strata::engine::{EngineConfig, ExchangeParts, ScheduleKind};
 use strata_optim::AdamWHyper;
 use strata_tiers::Timeline;
 
@@ -82,14 +82,17 @@ pub(super) fn link(o: &TrainOptions) -> Result<Option<strata::comm::Link>, Strin
         .map_err(|e| format!("--link-gb-per-s / --link-latency-us: {e}"))
 }
 
-/// `--pipeline`'s parts of each layer's exchange (1: one exchange).
-pub(super) fn exchange_parts(o: &TrainOptions) -> Result<usize, String> {
+/// `--pipeline`'s split of each layer's exchange: `off` (one exchange),
+/// `auto`, or up to N parts.
+pub(super) fn exchange_parts(o: &TrainOptions) -> Result<ExchangeParts, String> {
     match o.pipeline.as_str() {
-        "off" => Ok(1),
+        "off" => Ok(ExchangeParts::Fixed(1)),
+        "auto" => Ok(ExchangeParts::Auto),
         n => match n.parse::<usize>() {
-            Ok(parts) if parts >= 1 => Ok(parts),
+            Ok(parts) if parts >= 1 => Ok(ExchangeParts::Fixed(parts)),
             _ => Err(format!(
-                "--pipeline {n:?}: give off, or the parts of each layer's exchange (2, 4, 8, …)"
+                "--pipeline {n:?}: give off, auto, or the parts of each layer's exchange \
+                 (2, 4, 8, …)"
             )),
         },
     }

@@ -148,9 +148,11 @@ pub struct TrainFlags {
     /// With several devices or ranks: each MoE layer's token exchange in
     /// up to N parts, each part on the wire while another part's experts
     /// compute (MPMoE's pipelined all-to-all; the same results). `off`
-    /// (default) or N (a layer has at most as many parts as a device has
-    /// experts in it).
-    #[arg(long, value_name = "off|N")]
+    /// (default), N (a layer has at most as many parts as a device has
+    /// experts in it), or `auto`: each layer and pass in the parts (1-8)
+    /// a cost model predicts fastest, fitted to the link when the run
+    /// starts and to the experts' measured time.
+    #[arg(long, value_name = "off|auto|N")]
     pub pipeline: Option<String>,
     /// Held-out loss every N steps, 0 for never (default 50).
     #[arg(long)]

@@ -23,9 +23,11 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
-use super::{concat, split_into, ExchangeRunner, LayerPlan};
+use super::granularity::{predict, LayerLoad};
+use super::{concat, pass_index, split_into, ExchangeRunner, LayerPlan};
 use crate::backend::SlotParams;
 use crate::comm::{Comm, CommError};
+use crate::engine::config::ExchangeParts;
 use crate::engine::pipeline::{DeviceRunner, Pass};
 use crate::math::Permutation;
 use crate::model::{ScratchBuf, ScratchBuffers};
@@ -41,14 +43,33 @@ pub(super) struct Parts {
 impl<C: Comm> ExchangeRunner<'_, C> {
     /// How this layer's exchange is split for `pass`, or `None` for one
     /// exchange. Every rank finds the same parts: they follow from the
-    /// layer's plan, which every rank holds.
-    pub(super) fn partitions(&self, layer: usize, pass: Pass) -> Option<Parts> {
-        if self.parts <= 1 {
-            return None;
+    /// layer's plan, which every rank holds, and, under `auto`, from the
+    /// search's counts, which every rank shares. With a fitted link, the
+    /// model's time for the split is counted (`exchange_model_s`).
+    pub(super) fn partitions(&mut self, layer: usize, pass: Pass) -> Option<Parts> {
+        let lists = self.compute_lists(layer, pass);
+        let most = lists.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let experts = self.plans[layer].owner.len();
+        let asked = match self.parts {
+            ExchangeParts::Fixed(n) => n,
+            ExchangeParts::Auto => self.auto_counts[layer][pass_index(pass)],
+        };
+        let count = asked.clamp(1, most);
+        let of = parts_of(&lists, count, experts);
+        if let Some(fit) = self.link_fit {
+            let load = self.layer_load(layer, pass);
+            self.inner.dev.acc.exchange_model_s += predict(&fit, &load, &of, count);
         }
+        self.inner.dev.acc.exchange_layer_parts[layer][pass_index(pass)] = count;
+        (count > 1).then_some(Parts { of, count })
+    }
+
+    /// [device] its experts with rows in this layer, in the order it
+    /// computes them in `pass`.
+    fn compute_lists(&self, layer: usize, pass: Pass) -> Vec<Vec<usize>> {
         let plan = &self.plans[layer];
         let total = |e: usize| plan.counts.iter().map(|c| c[e] as u64).sum::<u64>();
-        let lists: Vec<Vec<usize>> = (0..self.comm.size())
+        (0..self.comm.size())
             .map(|dev| {
                 let mut list: Vec<usize> = (0..plan.owner.len())
                     .filter(|&e| plan.owner[e] as usize == dev && total(e) > 0)
@@ -58,20 +79,24 @@ impl<C: Comm> ExchangeRunner<'_, C> {
                 }
                 list
             })
-            .collect();
-        let count = self
-            .parts
-            .min(lists.iter().map(Vec::len).max().unwrap_or(0));
-        if count <= 1 {
-            return None;
+            .collect()
+    }
+
+    /// What the cost model needs of this layer in `pass`: its plan, a
+    /// row's bytes, and the placement's cost per row (a third of it in the
+    /// forward, two in the backward, as their FLOPs).
+    fn layer_load(&self, layer: usize, pass: Pass) -> LayerLoad<'_> {
+        let plan = &self.plans[layer];
+        let share = match pass {
+            Pass::Forward => 1.0 / 3.0,
+            Pass::Backward => 2.0 / 3.0,
+        };
+        LayerLoad {
+            counts: &plan.counts,
+            owner: &plan.owner,
+            row_bytes: (self.inner.model.d_model * 4) as u64,
+            s_per_row: self.cost.per_token_s * share,
         }
-        let mut of = vec![usize::MAX; plan.owner.len()];
-        for list in &lists {
-            for (i, &e) in list.iter().enumerate() {
-                of[e] = i * count / list.len();
-            }
-        }
-        Some(Parts { of, count })
     }
 
     pub(super) fn forward_in_parts(
@@ -204,6 +229,18 @@ impl<C: Comm> ExchangeRunner<'_, C> {
         }
         Ok(())
     }
+}
+
+/// [expert] its part when each device's `lists` (its experts in compute
+/// order) are cut into `count` shares in order (`usize::MAX`: no rows).
+fn parts_of(lists: &[Vec<usize>], count: usize, experts: usize) -> Vec<usize> {
+    let mut of = vec![usize::MAX; experts];
+    for list in lists {
+        for (i, &e) in list.iter().enumerate() {
+            of[e] = i * count / list.len();
+        }
+    }
+    of
 }
 
 /// The wire thread: each queued all-to-all in turn, its result sent back,

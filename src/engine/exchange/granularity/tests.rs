@@ -1,0 +1,143 @@
+use super::*;
+use crate::comm::{InProcessComm, Link, ModeledLink};
+
+fn unit_link() -> LinkFit {
+    LinkFit {
+        fixed_s: 1.0,
+        s_per_byte: 0.1,
+    }
+}
+
+/// Two devices, experts 0 and 1 on device 0 and 2 and 3 on device 1, each
+/// device routing 10 rows to each expert.
+fn even_load() -> (Vec<Vec<u32>>, Vec<u16>) {
+    (vec![vec![10; 4]; 2], vec![0, 0, 1, 1])
+}
+
+#[test]
+fn one_part_is_dispatch_then_compute_then_combine() {
+    let (counts, owner) = even_load();
+    let load = LayerLoad {
+        counts: &counts,
+        owner: &owner,
+        row_bytes: 1,
+        s_per_row: 0.1,
+    };
+    // Each device sends 20 rows away and receives 20: 1 + 2 s each way;
+    // it computes its 40 rows in 4 s.
+    let t = predict(&unit_link(), &load, &[0, 0, 0, 0], 1);
+    assert!((t - 10.0).abs() < 1e-9, "{t}");
+}
+
+#[test]
+fn two_parts_overlap_a_dispatch_and_a_combine_with_compute() {
+    let (counts, owner) = even_load();
+    let load = LayerLoad {
+        counts: &counts,
+        owner: &owner,
+        row_bytes: 1,
+        s_per_row: 0.1,
+    };
+    // Part 0 (experts 0, 2): dispatched at 2 s, computed 2..4, combined
+    // 4..6. Part 1: dispatched 2..4, computed 4..6, combined 6..8.
+    let t = predict(&unit_link(), &load, &[0, 1, 0, 1], 2);
+    assert!((t - 8.0).abs() < 1e-9, "{t}");
+    // A part's combine waits for the slower device's experts: device 1
+    // computing twice the rows of part 1 delays the last combine.
+    let mut heavy = counts.clone();
+    heavy[0][3] = 30;
+    let load = LayerLoad {
+        counts: &heavy,
+        ..load
+    };
+    // Part 1 now sends 30 rows from device 0: dispatched 2..6; device 1
+    // computes its 40 rows 6..10; combined 10..14.
+    let t = predict(&unit_link(), &load, &[0, 1, 0, 1], 2);
+    assert!((t - 14.0).abs() < 1e-9, "{t}");
+}
+
+#[test]
+fn experts_without_rows_and_parts_without_work_cost_a_collective_alone() {
+    let (counts, owner) = even_load();
+    let load = LayerLoad {
+        counts: &counts,
+        owner: &owner,
+        row_bytes: 1,
+        s_per_row: 0.1,
+    };
+    // Expert 3 in no part; part 1 holds nothing: its two collectives cost
+    // their fixed time each.
+    let t = predict(&unit_link(), &load, &[0, 0, 0, usize::MAX], 2);
+    // Part 0 (experts 0, 1, 2): device 1 sends 20 rows, device 0
+    // receives 20: dispatched 0..3; part 1's empty dispatch 3..4. Device 0
+    // computes its 40 rows 3..7, so part 0 combines 7..10 and part 1's
+    // empty combine 10..11.
+    assert!((t - 11.0).abs() < 1e-9, "{t}");
+}
+
+#[test]
+fn a_projection_splits_each_device_s_experts_and_hides_compute_behind_the_wire() {
+    // Two devices, four experts (two each), 10 rows from each device to
+    // each expert: `even_load`'s layer.
+    let layer = UniformLayer {
+        devices: 2,
+        experts: 4,
+        rows_per_expert: 10,
+        row_bytes: 1,
+        s_per_row: 0.1,
+    };
+    let times = project_exchange(&unit_link(), &layer);
+    assert_eq!(times.len(), MAX_PARTS);
+    // As worked above: 10 s in one part, 8 in two; no device has a third
+    // expert, so every count past two is two parts.
+    assert!((times[0] - 10.0).abs() < 1e-9 && (times[1] - 8.0).abs() < 1e-9);
+    assert!(times[2..].iter().all(|&t| t == times[1]), "{times:?}");
+    // With nothing to hide, a second part only adds its collectives.
+    let idle = project_exchange(
+        &unit_link(),
+        &UniformLayer {
+            s_per_row: 0.0,
+            ..layer
+        },
+    );
+    assert!(idle[1] > idle[0], "{idle:?}");
+}
+
+#[test]
+fn a_line_is_fitted_through_its_points_never_below_zero() {
+    let fit = LinkFit::through(&[(0.0, 1.0), (10.0, 2.0), (20.0, 3.0)]);
+    assert!((fit.fixed_s - 1.0).abs() < 1e-12 && (fit.s_per_byte - 0.1).abs() < 1e-12);
+    let falling = LinkFit::through(&[(0.0, 3.0), (10.0, 1.0)]);
+    assert_eq!(falling.s_per_byte, 0.0);
+    assert!(falling.fixed_s > 0.0);
+    let one = LinkFit::through(&[(5.0, 2.0)]);
+    assert_eq!((one.fixed_s, one.s_per_byte), (2.0, 0.0));
+}
+
+#[test]
+fn calibration_finds_a_modeled_link_and_every_rank_holds_the_same_fit() {
+    // 0.1 GB/s with 2 ms of latency: 2 MiB to the one peer takes 21 ms
+    // more than nothing does.
+    let link = Link::new(0.1, 2000.0).unwrap();
+    let fits: Vec<LinkFit> = std::thread::scope(|s| {
+        let handles: Vec<_> = InProcessComm::endpoints(2)
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut comm = ModeledLink::new(c, Some(link));
+                    calibrate(&mut comm).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(fits[0], fits[1]);
+    let fit = fits[0];
+    let rate = 1.0 / fit.s_per_byte / 1e9;
+    assert!((0.07..=0.11).contains(&rate), "{rate} GB/s: {fit:?}");
+    assert!(
+        (0.0015..=0.006).contains(&fit.fixed_s),
+        "{} s fixed: {fit:?}",
+        fit.fixed_s
+    );
+}

@@ -1,0 +1,86 @@
+//! What the exchange in parts needs of the engine: the link's fit, on
+//! request (`Engine::calibrate_exchange`), and under `--pipeline auto` the
+//! search for each layer's part count (`part_search.rs`), advanced after
+//! every step from times every device and rank agree on.
+
+use super::exchange::{calibrate, LinkFit};
+use super::{Engine, StepMetrics};
+use crate::comm::{Comm, InProcessComm, ModeledLink};
+use crate::EngineError;
+
+impl Engine {
+    /// Fits the cost of a collective on this engine's link (its devices'
+    /// endpoints, or its rank's, over `EngineConfig::link` where one is
+    /// modeled): a few all-to-alls timed, a line through them, averaged
+    /// over the devices or ranks. From then on each step's metrics carry
+    /// what the exchange's cost model predicted for the parts each layer
+    /// went in (`exchange_model_s`, beside the measured `exchange_s`).
+    /// Ranks as processes must all call it at the same point. `None` on
+    /// one device, which exchanges nothing.
+    pub fn calibrate_exchange(&mut self) -> Result<Option<LinkFit>, EngineError> {
+        let link = self.config.link;
+        let fit = if let Some(ranks) = self.ranks.as_mut() {
+            let mut comm = ModeledLink::new(&mut *ranks.comm as &mut dyn Comm, link);
+            calibrate(&mut comm)?
+        } else if self.devices.len() > 1 {
+            let fits = std::thread::scope(|s| {
+                let handles: Vec<_> = InProcessComm::endpoints(self.devices.len())
+                    .into_iter()
+                    .map(|c| s.spawn(move || calibrate(&mut ModeledLink::new(c, link))))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a calibration thread panicked"))
+                    .collect::<Result<Vec<_>, _>>()
+            })?;
+            fits[0]
+        } else {
+            return Ok(None);
+        };
+        self.link_fit = Some(fit);
+        Ok(Some(fit))
+    }
+
+    /// `ExchangeParts::Auto`: [layer][forward, backward] the part counts
+    /// the next step runs (empty otherwise).
+    pub(super) fn auto_counts(&self) -> Vec<[usize; 2]> {
+        self.part_search
+            .as_ref()
+            .map_or_else(Vec::new, |search| search.counts())
+    }
+
+    /// `ExchangeParts::Auto`: [layer][forward, backward] the part counts
+    /// the search settled on, once every layer and pass has (`None` while
+    /// it still measures, and without `Auto`).
+    pub fn auto_parts(&self) -> Option<Vec<[usize; 2]>> {
+        self.part_search
+            .as_ref()
+            .filter(|search| search.settled())
+            .map(|search| search.counts())
+    }
+
+    /// `ExchangeParts::Auto`, several devices or ranks: gives the search
+    /// what each layer's exchange took this step. Ranks as processes
+    /// first average their times (a collective every rank makes here), so
+    /// that every rank's search moves alike.
+    pub(super) fn advance_part_search(&mut self, m: &StepMetrics) -> Result<(), EngineError> {
+        let asked = self.auto_counts();
+        let Some(search) = self.part_search.as_mut() else {
+            return Ok(());
+        };
+        if m.exchange_layer_s.is_empty() || search.settled() {
+            return Ok(());
+        }
+        let mut secs = m.exchange_layer_s.clone();
+        if let Some(ranks) = self.ranks.as_mut() {
+            let mut flat: Vec<f32> = secs.iter().flatten().map(|&s| s as f32).collect();
+            ranks.comm.all_reduce_sum(&mut flat)?;
+            let n = ranks.comm.size() as f64;
+            for (pair, sums) in secs.iter_mut().zip(flat.chunks(2)) {
+                *pair = [sums[0] as f64 / n, sums[1] as f64 / n];
+            }
+        }
+        search.record(&asked, &m.exchange_layer_parts, &secs);
+        Ok(())
+    }
+}
