@@ -31,6 +31,14 @@ for l in sys.stdin:
         print(m["executable"])' | tail -1)
     cp "$exe" "gpu-bin/test-$t"
 done
+# GPU ranks over NCCL (gpu-check.sh finds PyTorch's libnccl).
+exe=$(cargo test --release -p strata --features nccl --no-run --test nccl_ranks \
+    --message-format=json 2>/dev/null | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("kind") == ["test"]:
+        print(m["executable"])' | tail -1)
+cp "$exe" gpu-bin/test-nccl_ranks
 exe=$(cargo test --release --features cuda --no-run -p strata-tiers --test device_arena \
     --message-format=json 2>/dev/null | python3 -c 'import json,sys
 for l in sys.stdin:

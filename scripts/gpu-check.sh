@@ -260,10 +260,16 @@ quick)
         echo "== $1 $2"
         STRATA_REQUIRE_CUDA=1 timeout 150 "$1" $2 --nocapture > "$out/tests-$(basename "$1").log" 2>&1 \
             || { echo "FAILED: $1"; status=1; }
-        grep -E "test result|FAILED|panicked|skipped|gpu vs cpu|gpu notes|bf16 attention|dense layers on|dense step on|gpu slot order" \
+        grep -E "test result|FAILED|panicked|skipped|gpu vs cpu|gpu notes|bf16 attention|dense layers on|dense step on|gpu slot order|on nccl" \
             "$out/tests-$(basename "$1").log"
     }
     run_test gpu-bin/test-backend ""
+    # NCCL's ranks on the real GPUs (1 rank on one GPU, more where there
+    # are more), with PyTorch's NCCL wheel's library as libnccl.so.
+    nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+    mkdir -p /tmp/strata-nccl
+    [ -n "$nccl_dir" ] && ln -sf "$nccl_dir/libnccl.so.2" /tmp/strata-nccl/libnccl.so
+    LD_LIBRARY_PATH="/tmp/strata-nccl:$LD_LIBRARY_PATH" run_test gpu-bin/test-nccl_ranks ""
     run_test gpu-bin/test-gpu_attention ""
     run_test gpu-bin/test-gpu_dense_layers ""
     run_test gpu-bin/test-gpu_dense_step ""

@@ -30,10 +30,14 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 mod link;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod rendezvous;
 pub use link::{Link, ModeledLink};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
+#[cfg(feature = "nccl")]
+pub use nccl::NcclComm;
 pub use rendezvous::{rendezvous, World};
 
 /// A collective could not finish: a peer stopped (its step failed) or
@@ -63,6 +67,10 @@ pub enum CommError {
     TooLarge { what: &'static str, values: usize },
     #[error("the communicator could not start: {why}")]
     Init { why: String },
+    #[error("NCCL failed during a collective: {why}")]
+    Nccl { why: String },
+    #[error("a collective did not finish within {secs} s: a peer stopped, or waits elsewhere")]
+    TimedOut { secs: u64 },
 }
 
 /// One rank's endpoint. Every rank calls the same collectives in the same

@@ -67,6 +67,16 @@ pub fn clock_ticks_per_second() -> Option<f64> {
     (hz > 0).then_some(hz as f64)
 }
 
+/// Asks process `pid` to stop (SIGTERM); a process already gone is no
+/// error (there is nothing left to stop).
+pub fn terminate(pid: u32) {
+    // SAFETY: kill(2) takes any pid and signal number and touches no
+    // memory of this process.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGTERM);
+    }
+}
+
 /// Whether this process runs as root (its effective user id is 0).
 pub fn is_root() -> bool {
     // SAFETY: geteuid takes no argument, reads no memory of ours and

@@ -13,40 +13,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::process::{output_within, said, wait_within};
+use common::ranks::{devices_run, losses, ranks_match, FLAGS};
 use common::tiny_lm::run_params_of;
 use strata::lm::MoeLm;
 use strata_cli::trainer::hf::read_config;
-
-const FLAGS: &[&str] = &[
-    "train",
-    "--batch",
-    "4",
-    "--seq-len",
-    "32",
-    "--micro-batches",
-    "2",
-    "--eval-every",
-    "10",
-    "--threads",
-    "1",
-];
-
-/// Each step's loss (as written) and each evaluation's, from a run's
-/// metrics.jsonl.
-fn losses(dir: &Path) -> (Vec<String>, Vec<f64>) {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics.jsonl");
-    let mut losses = Vec::new();
-    let mut evals = Vec::new();
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
-        if let Some(l) = v.get("eval_loss") {
-            evals.push(l.as_f64().expect("a number"));
-        } else if let Some(l) = v.get("loss") {
-            losses.push(l.to_string());
-        }
-    }
-    (losses, evals)
-}
 
 fn mpirun_found() -> bool {
     let found = Command::new("mpirun")
@@ -298,34 +268,6 @@ fn mpirun(ranks: usize, flags: &[&str], steps: u64, resume: bool, out: &Path) ->
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     c
-}
-
-/// `strata train --devices devices` with `flags` for `steps`, in `out`:
-/// what the ranks must end on.
-fn devices_run(devices: usize, flags: &[&str], steps: u64, out: &Path) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
-    c.args(flags)
-        .args(["--steps", &steps.to_string()])
-        .args(["--devices", &devices.to_string(), "--out"])
-        .arg(out);
-    let done = output_within(c, "strata train --devices", Duration::from_secs(600));
-    assert!(done.status.success(), "{}", said(&done));
-}
-
-/// Every rank's losses and dense params are those of the devices' run.
-fn ranks_match(devices: &Path, ranks: &Path, n: usize) {
-    let (want, _) = losses(devices);
-    let lm = MoeLm::new(read_config(devices).unwrap()).unwrap();
-    let (dense, _) = run_params_of(devices, &lm, true);
-    for rank in 0..n {
-        let run = ranks.join(format!("rank-{rank}"));
-        let (got, _) = losses(&run);
-        assert_eq!(got, want, "rank {rank}: other losses than --devices {n}");
-        assert!(
-            run_params_of(&run, &lm, true).0 == dense,
-            "rank {rank}: other dense params"
-        );
-    }
 }
 
 fn copy_dir(from: &Path, to: &Path) {

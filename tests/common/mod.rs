@@ -6,6 +6,7 @@
 
 pub mod hooked;
 pub mod process;
+pub mod ranks;
 pub mod tiny_lm;
 
 use strata::math::ExpertKind;

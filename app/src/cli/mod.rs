@@ -49,7 +49,8 @@ pub enum Command {
     Bench(BenchCommand),
     /// Start N ranks of a run on this machine, each a process: `strata
     /// launch --nproc 2 -- train …` runs `mpirun -n 2 strata train …` (a
-    /// strata built with --features mpi).
+    /// strata built with --features mpi); with --comm nccl it starts them
+    /// itself, one GPU each, over NCCL (--features nccl).
     Launch(LaunchArgs),
 }
 
@@ -61,6 +62,11 @@ pub struct LaunchArgs {
     /// The MPI launcher to run (default: mpirun on PATH).
     #[arg(long)]
     pub mpirun: Option<PathBuf>,
+    /// What the ranks talk over: `mpi` (mpirun starts them) or `nccl`
+    /// (strata starts them, rank R on GPU R, meeting at MASTER_PORT or a
+    /// free port on 127.0.0.1).
+    #[arg(long, default_value = "mpi", value_parser = ["mpi", "nccl"])]
+    pub comm: String,
     /// What each rank runs: `train …` or `finetune …`, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<std::ffi::OsString>,
@@ -221,6 +227,9 @@ fn launch(args: LaunchArgs) -> Result<ExitCode, CliError> {
     use std::os::unix::process::CommandExt;
     let strata = std::env::current_exe()
         .map_err(|e| format!("strata launch could not find its own executable: {e}"))?;
+    if args.comm == "nccl" {
+        return launch_nccl(&args, &strata);
+    }
     let mut command = crate::launch::Launch {
         nproc: args.nproc,
         mpirun: args.mpirun,
@@ -238,6 +247,37 @@ fn launch(args: LaunchArgs) -> Result<ExitCode, CliError> {
         command.get_program().to_string_lossy()
     )
     .into())
+}
+
+/// `strata launch --comm nccl`: starts the ranks, waits for them all.
+fn launch_nccl(args: &LaunchArgs, strata: &std::path::Path) -> Result<ExitCode, CliError> {
+    use crate::launch::spawned;
+    if !cfg!(feature = "nccl") {
+        return Err(
+            "strata launch --comm nccl needs a strata built with --features nccl \
+                    (NCCL itself is loaded when the ranks start)"
+                .to_string()
+                .into(),
+        );
+    }
+    if args.mpirun.is_some() {
+        return Err("--mpirun names MPI's launcher: give it with --comm mpi"
+            .to_string()
+            .into());
+    }
+    crate::launch::check(args.nproc, &args.command)?;
+    let port = spawned::master_port()?;
+    let mut each = std::process::Command::new(strata);
+    each.args(&args.command);
+    let n = args.nproc;
+    eprintln!(
+        "strata launch: {n} ranks over NCCL: RANK=LOCAL_RANK=0..{} WORLD_SIZE={n} \
+         MASTER_ADDR=127.0.0.1 MASTER_PORT={port} {}",
+        n - 1,
+        crate::launch::describe(&each),
+    );
+    let code = spawned::run(strata, &args.command, args.nproc, port)?;
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
 
 /// `strata verify`: the run's checkpoint, or each rank's of a ranks run.

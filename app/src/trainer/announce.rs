@@ -121,9 +121,10 @@ fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>, parts: Exchange
     };
     match world {
         Some(w) => format!(
-            "{} {} ranks as processes (MPI{}; rank R's run in {}){parts}, ",
+            "{} {} ranks as processes ({}{}; rank R's run in {}){parts}, ",
             w.size,
             if o.backend == "cuda" { "GPU" } else { "cpu" },
+            w.transport,
             if o.backend == "cuda" {
                 ", each on the GPU of its local rank, exchanging through host memory"
             } else {

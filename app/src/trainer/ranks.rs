@@ -1,5 +1,8 @@
 //! The trainer as one rank of several processes: `mpirun -n N strata train
-//! …` (a strata built with `--features mpi`). Each rank trains its share of
+//! …` (a strata built with `--features mpi`), or ranks told their place by
+//! `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (`strata launch
+//! --comm nccl`, torchrun; a strata built with `--features nccl`), which
+//! join over NCCL, one GPU (`LOCAL_RANK`) each. Each rank trains its share of
 //! every batch on the cpu, in its own run directory `--out/rank-R` (its
 //! lock, run.json, metrics and checkpoint: its store holds its own experts
 //! up to date), and rank 0 alone speaks. `--resume` resumes each rank from
@@ -17,6 +20,8 @@ pub(crate) struct RankWorld {
     /// This rank among those on its machine: with `--backend cuda`, the
     /// GPU it computes on.
     pub local_rank: usize,
+    /// What the ranks talk over: `MPI` or `NCCL`.
+    pub transport: &'static str,
 }
 
 /// How many ranks the launcher that started this process started, from
@@ -43,41 +48,83 @@ fn local_rank() -> Option<usize> {
     .find_map(|k| std::env::var(k).ok()?.parse().ok())
 }
 
-/// MPI's lifetime in this rank: finished where the run ends well, else
-/// every rank is stopped ([`end`]).
-#[cfg(feature = "mpi")]
-pub(crate) type Session = strata::comm::MpiWorld;
-/// Without MPI no rank joins a world, so there is no session.
-#[cfg(not(feature = "mpi"))]
-pub(crate) enum Session {}
+/// The world's lifetime in this rank ([`end`]).
+pub(crate) enum Session {
+    /// MPI: finished where the run ends well, else every rank is stopped.
+    #[cfg(feature = "mpi")]
+    Mpi(strata::comm::MpiWorld),
+    /// NCCL: nothing to finish; a rank that fails ends its process, and
+    /// its peers' next collective fails.
+    #[cfg(feature = "nccl")]
+    Nccl,
+}
+
+/// How long a rank over NCCL waits in one collective for its peers before
+/// it fails: far above any wait of ranks in step (a step's compute, a
+/// checkpoint), finite so that a rank stuck without NCCL noticing ends.
+#[cfg(feature = "nccl")]
+const NCCL_COLLECTIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1800);
 
 /// Joins the other ranks where a launcher started several; `None` for a
 /// process on its own.
 pub(crate) fn join_world() -> Result<Option<(RankWorld, Session)>, String> {
-    let Some(n) = launched_size().filter(|&n| n > 1) else {
-        return Ok(None);
-    };
-    world_of(n)
+    if let Some(n) = launched_size().filter(|&n| n > 1) {
+        return world_of(n);
+    }
+    match strata::comm::World::from_env().map_err(|e| e.to_string())? {
+        Some(world) if world.size > 1 => nccl_world(world).map(Some),
+        _ => Ok(None),
+    }
 }
 
-/// Ends this rank's part in the world: MPI finalized where its run ended
-/// well (every rank ends at the same step); else its error is printed
-/// here, naming the rank, and every rank of the job is stopped, since the
-/// others would wait for this one in their next collective.
+/// Ends this rank's part in the world: where its run failed, its error is
+/// printed here, naming the rank, and the job is stopped (MPI: every rank,
+/// since the others would wait for this one in their next collective;
+/// NCCL: this rank's process, whose peers' collectives then fail, and
+/// whose launcher stops them).
 pub(crate) fn end<T>(session: Session, rank: usize, result: &Result<T, String>) {
-    #[cfg(feature = "mpi")]
-    match result {
-        Ok(_) => session.finish(),
-        Err(e) => {
-            eprintln!("strata: error: rank {rank}: {e}");
-            drop(session); // MPI_Abort: mpirun stops every rank
+    let _ = (rank, result); // read in the arms a build has
+    match session {
+        #[cfg(feature = "mpi")]
+        Session::Mpi(world) => match result {
+            Ok(_) => world.finish(),
+            Err(e) => {
+                eprintln!("strata: error: rank {rank}: {e}");
+                drop(world); // MPI_Abort: mpirun stops every rank
+            }
+        },
+        #[cfg(feature = "nccl")]
+        Session::Nccl => {
+            if let Err(e) = result {
+                eprintln!("strata: error: rank {rank}: {e}");
+                std::process::exit(1);
+            }
         }
     }
-    #[cfg(not(feature = "mpi"))]
-    {
-        let _ = (rank, result);
-        match session {}
-    }
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_world(world: strata::comm::World) -> Result<(RankWorld, Session), String> {
+    let comm = strata::comm::NcclComm::join(&world, world.local_rank, NCCL_COLLECTIVE_TIMEOUT)
+        .map_err(|e| format!("rank {} of {}: {e}", world.rank, world.size))?;
+    let rank_world = RankWorld {
+        comm: Box::new(comm),
+        rank: world.rank,
+        size: world.size,
+        local_rank: world.local_rank,
+        transport: "NCCL",
+    };
+    Ok((rank_world, Session::Nccl))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_world(world: strata::comm::World) -> Result<(RankWorld, Session), String> {
+    Err(format!(
+        "this process is rank {} of {} (RANK, WORLD_SIZE), whose ranks meet over NCCL, and \
+         this strata was built without it: build it with `cargo build --release --features \
+         nccl`, or start the ranks with mpirun (--features mpi)",
+        world.rank, world.size
+    ))
 }
 
 #[cfg(feature = "mpi")]
@@ -96,8 +143,9 @@ fn world_of(n: usize) -> Result<Option<(RankWorld, Session)>, String> {
         rank,
         size,
         local_rank: local_rank().unwrap_or(rank),
+        transport: "MPI",
     };
-    Ok(Some((world, session)))
+    Ok(Some((world, Session::Mpi(session))))
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -7,6 +7,7 @@
 #[path = "../../../tests/common/mod.rs"]
 mod engine;
 mod flags;
+pub mod ranks;
 
 pub use engine::*;
 

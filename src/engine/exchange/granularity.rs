@@ -172,7 +172,7 @@ pub struct UniformLayer {
     pub s_per_row: f64,
 }
 
-/// The model's time for `layer` over `link` in 1, 2, … [`MAX_PARTS`]
+/// The model's time for `layer` over `link` in 1, 2, … 8
 /// parts (index n − 1), the parts cut as the exchange cuts them (a share
 /// of each device's experts); a layer has at most as many parts as a
 /// device has experts, so counts past that repeat its time.

@@ -1,11 +1,15 @@
 //! `strata launch --nproc N -- train …`: N ranks of a training run on this
 //! machine, each a process of its own, without knowing the launcher's
-//! flags. The ranks talk over MPI (a strata built with `--features mpi`),
-//! so `strata launch` becomes `mpirun -n N <this strata> train …`: it
+//! flags. With `--comm mpi` (the default) the ranks talk over MPI (a
+//! strata built with `--features mpi`), so `strata launch` becomes
+//! `mpirun -n N <this strata> train …`: it
 //! prints that command line, then replaces itself with it (the same
 //! process: a signal sent to it reaches mpirun, which passes it to the
-//! ranks, and its exit status is mpirun's). Across machines, run mpirun
-//! or srun directly (docs/training.md).
+//! ranks, and its exit status is mpirun's). With `--comm nccl` it starts
+//! the ranks itself, as torchrun does ([`spawned`]). Across machines, run
+//! mpirun, srun or torchrun directly (docs/training.md).
+
+pub mod spawned;
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -43,18 +47,7 @@ impl Launch {
                     .into(),
             );
         }
-        if self.nproc == 0 {
-            return Err("--nproc 0: a run needs at least one rank".into());
-        }
-        let first = self.command.first().and_then(|c| c.to_str());
-        if !first.is_some_and(|c| RANK_COMMANDS.contains(&c)) {
-            return Err(format!(
-                "strata launch runs `train` or `finetune` as ranks, after `--` \
-                 (strata launch --nproc {} -- train …); it was given {}",
-                self.nproc,
-                first.map_or("nothing".into(), |c| format!("`{c}`"))
-            ));
-        }
+        check(self.nproc, &self.command)?;
         let mpirun = self.mpirun.clone().unwrap_or_else(|| "mpirun".into());
         let flavor = flavor_of(&mpirun)?;
         Ok(mpirun_command(
@@ -66,6 +59,23 @@ impl Launch {
             crate::sys::is_root(),
         ))
     }
+}
+
+/// Whether `nproc` ranks of `command` can be started: at least one, of a
+/// command that runs as ranks.
+pub fn check(nproc: usize, command: &[OsString]) -> Result<(), String> {
+    if nproc == 0 {
+        return Err("--nproc 0: a run needs at least one rank".into());
+    }
+    let first = command.first().and_then(|c| c.to_str());
+    if !first.is_some_and(|c| RANK_COMMANDS.contains(&c)) {
+        return Err(format!(
+            "strata launch runs `train` or `finetune` as ranks, after `--` \
+             (strata launch --nproc {nproc} -- train …); it was given {}",
+            first.map_or("nothing".into(), |c| format!("`{c}`"))
+        ));
+    }
+    Ok(())
 }
 
 /// Asks the launcher what it is; a missing one is named with how to get it.
