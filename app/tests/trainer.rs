@@ -479,6 +479,18 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
         &["train", "--out", o, "--data", "/no/such/file.txt"],
         "does not exist",
     );
+    if !cfg!(feature = "nccl") {
+        refused(
+            &["launch", "--comm", "nccl", "--nproc", "2", "--", "train"],
+            "built with --features nccl",
+        );
+    }
+    refused(
+        &[
+            "launch", "--comm", "nccl", "--mpirun", "mpiexec", "--nproc", "2", "--", "train",
+        ],
+        "--mpirun names MPI's launcher",
+    );
     refused(
         &["train", "--out", o, "--devices", "2", "--pipeline", "fast"],
         "--pipeline \"fast\": give off, auto, or the parts",

@@ -252,6 +252,11 @@ fn launch(args: LaunchArgs) -> Result<ExitCode, CliError> {
 /// `strata launch --comm nccl`: starts the ranks, waits for them all.
 fn launch_nccl(args: &LaunchArgs, strata: &std::path::Path) -> Result<ExitCode, CliError> {
     use crate::launch::spawned;
+    if args.mpirun.is_some() {
+        return Err("--mpirun names MPI's launcher: give it with --comm mpi"
+            .to_string()
+            .into());
+    }
     if !cfg!(feature = "nccl") {
         return Err(
             "strata launch --comm nccl needs a strata built with --features nccl \
@@ -259,11 +264,6 @@ fn launch_nccl(args: &LaunchArgs, strata: &std::path::Path) -> Result<ExitCode, 
                 .to_string()
                 .into(),
         );
-    }
-    if args.mpirun.is_some() {
-        return Err("--mpirun names MPI's launcher: give it with --comm mpi"
-            .to_string()
-            .into());
     }
     crate::launch::check(args.nproc, &args.command)?;
     let port = spawned::master_port()?;

@@ -212,6 +212,20 @@ mod tests {
     }
 
     #[test]
+    fn only_ranks_of_train_or_finetune_are_started() {
+        let command = |words: &[&str]| -> Vec<OsString> { words.iter().map(Into::into).collect() };
+        assert!(check(2, &command(&["train", "--out", "r"])).is_ok());
+        assert!(check(1, &command(&["finetune"])).is_ok());
+        let refused = |n, words: &[&str], says: &str| {
+            let e = check(n, &command(words)).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        };
+        refused(0, &["train"], "--nproc 0");
+        refused(2, &[], "it was given nothing");
+        refused(3, &["export"], "it was given `export`");
+    }
+
+    #[test]
     fn a_request_that_cannot_run_says_why() {
         let launch = |nproc, command: &[&str], mpirun: Option<&str>| Launch {
             nproc,
