@@ -16,6 +16,7 @@ use super::access::{placed_schedule, Phase, PlacedLayer};
 use super::config::ExchangeParts;
 use super::dense_buckets::DenseBuckets;
 use super::pipeline::{DeviceRunner, Pass};
+use crate::backend::SlotParams;
 use crate::comm::Comm;
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ScratchBuf};
@@ -116,15 +117,17 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             .collect()
     }
 
-    /// The layer's forward exchange in one part: every row dispatched,
-    /// this device's experts computed, every output combined.
-    fn forward_whole(
+    /// The layer's exchange in one part: every row dispatched (from
+    /// `fill`), `compute` run on each of this device's experts' rows, and
+    /// every result sent back and written to `out`.
+    fn whole(
         &mut self,
         layer: usize,
         perm: &Permutation,
-        mine: &[usize],
+        pass: Pass,
         fill: impl FnMut(&mut [f32], &[u32]),
         out: &mut [f32],
+        mut compute: impl ExpertRows,
     ) -> Result<(), EngineError> {
         let d = self.inner.model.d_model;
         let all = |_: usize| true;
@@ -133,73 +136,34 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         let received = self.comm.all_to_all(sends)?;
         let offsets = self.offsets(layer, &all);
         let mut replies = self.reply_buffers(layer, &all);
+        let mine = self.mine(layer, matches!(pass, Pass::Backward));
         let plan = &self.plans[layer];
-        let inputs: Vec<Vec<f32>> = mine
+        let rows: Vec<Vec<f32>> = mine
             .iter()
             .map(|&e| concat(plan, d, e, &received, &offsets))
             .collect();
         drop(received);
-        let mut outputs: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
-        let mut inputs = inputs.into_iter();
+        let mut results: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
+        let mut rows = rows.into_iter();
         self.inner
-            .pipeline(Pass::Forward, layer, mine, |runner, expert, params| {
-                let xe = inputs.next().expect("one input per expert");
-                let mut ye = runner.dev.scratch.take(xe.len()); // written whole
-                runner.expert_forward(layer, expert, &xe, params, &mut ye)?;
-                runner.dev.saved_x[layer][expert] = xe;
-                outputs.push((expert, ye));
+            .pipeline(pass, layer, &mine, |runner, expert, params| {
+                let input = rows.next().expect("one block of rows per expert");
+                results.push((expert, compute(runner, expert, params, input)?));
                 Ok(())
             })?;
-        for (expert, ye) in outputs {
-            split_into(&self.plans[layer], d, expert, &ye, &mut replies, &offsets);
-            self.inner.dev.scratch.give(ye);
+        for (expert, result) in results {
+            split_into(
+                &self.plans[layer],
+                d,
+                expert,
+                &result,
+                &mut replies,
+                &offsets,
+            );
+            self.inner.dev.scratch.give(result);
         }
         let back = self.comm.all_to_all(replies)?;
         self.scatter_back(layer, perm, &all, &back, out);
-        Ok(())
-    }
-
-    /// The layer's backward exchange in one part.
-    fn backward_whole(
-        &mut self,
-        layer: usize,
-        perm: &Permutation,
-        fill: impl FnMut(&mut [f32], &[u32]),
-        dx: &mut [f32],
-        last_micro_batch: bool,
-    ) -> Result<(), EngineError> {
-        let d = self.inner.model.d_model;
-        let all = |_: usize| true;
-        let sends = self.outgoing(layer, perm, &all, fill);
-        self.inner.dev.acc.token_exchanges += 2;
-        let received = self.comm.all_to_all(sends)?;
-        let offsets = self.offsets(layer, &all);
-        let mut replies = self.reply_buffers(layer, &all);
-        let mine = self.mine(layer, true);
-        let plan = &self.plans[layer];
-        let douts: Vec<Vec<f32>> = mine
-            .iter()
-            .map(|&e| concat(plan, d, e, &received, &offsets))
-            .collect();
-        drop(received);
-        let mut grads_in: Vec<(usize, ScratchBuf)> = Vec::with_capacity(mine.len());
-        let mut douts = douts.into_iter();
-        self.inner
-            .pipeline(Pass::Backward, layer, &mine, |runner, expert, params| {
-                let dye = douts.next().expect("one gradient per expert");
-                let xe = std::mem::take(&mut runner.dev.saved_x[layer][expert]);
-                let mut dxe = runner.dev.scratch.take(xe.len()); // written whole
-                let last = last_micro_batch;
-                runner.expert_backward(layer, expert, &xe, &dye, params, last, &mut dxe)?;
-                grads_in.push((expert, dxe));
-                Ok(())
-            })?;
-        for (expert, dxe) in grads_in {
-            split_into(&self.plans[layer], d, expert, &dxe, &mut replies, &offsets);
-            self.inner.dev.scratch.give(dxe);
-        }
-        let back = self.comm.all_to_all(replies)?;
-        self.scatter_back(layer, perm, &all, &back, dx);
         Ok(())
     }
 
@@ -331,6 +295,18 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
     }
 }
 
+/// What a device runs on one of its experts' rows (as they arrived from
+/// every device, in device order): the block of results to send back.
+pub(super) trait ExpertRows:
+    FnMut(&mut DeviceRunner<'_>, usize, SlotParams, Vec<f32>) -> Result<ScratchBuf, EngineError>
+{
+}
+
+impl<F> ExpertRows for F where
+    F: FnMut(&mut DeviceRunner<'_>, usize, SlotParams, Vec<f32>) -> Result<ScratchBuf, EngineError>
+{
+}
+
 /// A pass's index in per-layer [forward, backward] pairs.
 fn pass_index(pass: Pass) -> usize {
     match pass {
@@ -426,10 +402,18 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
         self.inner.dev.fit_saved(layer, &mine);
 
         let fill = |buf: &mut [f32], rows: &[u32]| gather_forward(buf, x, rows, k, d);
+        // An expert's output from its rows, which it keeps for the backward.
+        let compute = |runner: &mut DeviceRunner<'_>, e: usize, params, xe: Vec<f32>| {
+            let mut ye = runner.dev.scratch.take(xe.len()); // written whole
+            runner.expert_forward(layer, e, &xe, params, &mut ye)?;
+            runner.dev.saved_x[layer][e] = xe;
+            Ok(ye)
+        };
         let t0 = Instant::now();
-        let result = match self.partitions(layer, Pass::Forward) {
-            Some(parts) => self.forward_in_parts(layer, perm, &parts, fill, out),
-            None => self.forward_whole(layer, perm, &mine, fill, out),
+        let pass = Pass::Forward;
+        let result = match self.partitions(layer, pass) {
+            Some(parts) => self.in_parts(layer, perm, pass, &parts, fill, out, compute),
+            None => self.whole(layer, perm, pass, fill, out, compute),
         };
         self.count_exchange(layer, Pass::Forward, t0);
         result
@@ -446,10 +430,19 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
     ) -> Result<(), EngineError> {
         self.reschedule(Phase::Backward(layer));
         let fill = |buf: &mut [f32], rows: &[u32]| dout.gather(buf, rows);
+        // An expert's input gradient from its output gradient's rows.
+        let compute = |runner: &mut DeviceRunner<'_>, e: usize, params, dye: Vec<f32>| {
+            let xe = std::mem::take(&mut runner.dev.saved_x[layer][e]);
+            let mut dxe = runner.dev.scratch.take(xe.len()); // written whole
+            let last = last_micro_batch;
+            runner.expert_backward(layer, e, &xe, &dye, params, last, &mut dxe)?;
+            Ok(dxe)
+        };
         let t0 = Instant::now();
-        let result = match self.partitions(layer, Pass::Backward) {
-            Some(parts) => self.backward_in_parts(layer, perm, &parts, fill, dx, last_micro_batch),
-            None => self.backward_whole(layer, perm, fill, dx, last_micro_batch),
+        let pass = Pass::Backward;
+        let result = match self.partitions(layer, pass) {
+            Some(parts) => self.in_parts(layer, perm, pass, &parts, fill, dx, compute),
+            None => self.whole(layer, perm, pass, fill, dx, compute),
         };
         self.count_exchange(layer, Pass::Backward, t0);
         result

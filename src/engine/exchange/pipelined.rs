@@ -24,11 +24,10 @@
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::granularity::{predict, LayerLoad};
-use super::{concat, pass_index, split_into, ExchangeRunner, LayerPlan};
-use crate::backend::SlotParams;
+use super::{concat, pass_index, split_into, ExchangeRunner, ExpertRows, LayerPlan};
 use crate::comm::{Comm, CommError};
 use crate::engine::config::ExchangeParts;
-use crate::engine::pipeline::{DeviceRunner, Pass};
+use crate::engine::pipeline::Pass;
 use crate::math::Permutation;
 use crate::model::{ScratchBuf, ScratchBuffers};
 use crate::EngineError;
@@ -99,60 +98,11 @@ impl<C: Comm> ExchangeRunner<'_, C> {
         }
     }
 
-    pub(super) fn forward_in_parts(
-        &mut self,
-        layer: usize,
-        perm: &Permutation,
-        parts: &Parts,
-        fill: impl FnMut(&mut [f32], &[u32]),
-        out: &mut [f32],
-    ) -> Result<(), EngineError> {
-        self.in_parts(
-            layer,
-            perm,
-            Pass::Forward,
-            parts,
-            fill,
-            out,
-            |runner, e, params, xe| {
-                let mut ye = runner.dev.scratch.take(xe.len()); // written whole
-                runner.expert_forward(layer, e, &xe, params, &mut ye)?;
-                runner.dev.saved_x[layer][e] = xe;
-                Ok(ye)
-            },
-        )
-    }
-
-    pub(super) fn backward_in_parts(
-        &mut self,
-        layer: usize,
-        perm: &Permutation,
-        parts: &Parts,
-        fill: impl FnMut(&mut [f32], &[u32]),
-        dx: &mut [f32],
-        last: bool,
-    ) -> Result<(), EngineError> {
-        self.in_parts(
-            layer,
-            perm,
-            Pass::Backward,
-            parts,
-            fill,
-            dx,
-            |runner, e, params, dye| {
-                let xe = std::mem::take(&mut runner.dev.saved_x[layer][e]);
-                let mut dxe = runner.dev.scratch.take(xe.len()); // written whole
-                runner.expert_backward(layer, e, &xe, &dye, params, last, &mut dxe)?;
-                Ok(dxe)
-            },
-        )
-    }
-
     /// Dispatches this device's rows (from `fill`) part by part, runs
     /// `compute` on each of its experts' rows as their part arrives, sends
     /// the results back part by part, and writes what comes back to `out`.
     #[allow(clippy::too_many_arguments)]
-    fn in_parts(
+    pub(super) fn in_parts(
         &mut self,
         layer: usize,
         perm: &Permutation,
@@ -160,12 +110,7 @@ impl<C: Comm> ExchangeRunner<'_, C> {
         parts: &Parts,
         mut fill: impl FnMut(&mut [f32], &[u32]),
         out: &mut [f32],
-        mut compute: impl FnMut(
-            &mut DeviceRunner<'_>,
-            usize,
-            SlotParams,
-            Vec<f32>,
-        ) -> Result<ScratchBuf, EngineError>,
+        mut compute: impl ExpertRows,
     ) -> Result<(), EngineError> {
         let n = parts.count;
         let keep = |p: usize| move |e: usize| parts.of[e] == p;
