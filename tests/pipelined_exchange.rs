@@ -95,12 +95,20 @@ fn any_number_of_parts_trains_the_same_bits() {
         // 8 parts is more than any device has experts: as many as the
         // busiest device has.
         for parts in [2, 3, 8] {
-            let (run, exchanges) = train_counting(&lm, config(devices, micro_batches, parts), 4);
+            let (run, metrics) = train_measured(&lm, config(devices, micro_batches, parts), 4);
+            let exchanges: Vec<u64> = metrics.iter().map(|m| m.token_exchanges).collect();
             let most = each * parts.min(lm_config().experts) as u64;
             assert!(
                 exchanges.iter().all(|&x| x > each && x <= most),
                 "{parts} parts: {exchanges:?} exchanges, one exchange each way {each}"
             );
+            // Exactly two exchanges a part: with one micro-batch, the
+            // parts each layer and pass went in say how many.
+            for m in metrics.iter().filter(|_| micro_batches == 1) {
+                let split: usize = m.exchange_layer_parts.iter().flatten().sum();
+                assert_eq!(m.token_exchanges, 2 * split as u64, "{parts} parts");
+                assert!(m.exchange_layer_parts.iter().flatten().all(|&n| n <= parts));
+            }
             assert!(
                 run == one,
                 "{devices} devices, {micro_batches} micro-batches, {parts} parts: {:?} \
