@@ -116,7 +116,8 @@ fn placement(o: &TrainOptions, world: Option<&ranks::RankWorld>, parts: Exchange
         ExchangeParts::Fixed(n) if n > 1 => format!(", each layer's exchange in up to {n} parts"),
         ExchangeParts::Fixed(_) => String::new(),
         ExchangeParts::Auto => {
-            ", each layer's exchange in the parts (1-8) its cost model predicts fastest".into()
+            ", each layer's exchange in the parts (1-8) measured fastest over the first steps"
+                .into()
         }
     };
     match world {

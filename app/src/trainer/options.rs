@@ -150,8 +150,8 @@ pub struct TrainFlags {
     /// compute (MPMoE's pipelined all-to-all; the same results). `off`
     /// (default), N (a layer has at most as many parts as a device has
     /// experts in it), or `auto`: each layer and pass in the parts (1-8)
-    /// a cost model predicts fastest, fitted to the link when the run
-    /// starts and to the experts' measured time.
+    /// measured fastest over the first steps (1 part, then 2, 3, … two
+    /// steps each, until a count is slower than the one before).
     #[arg(long, value_name = "off|auto|N")]
     pub pipeline: Option<String>,
     /// Held-out loss every N steps, 0 for never (default 50).
