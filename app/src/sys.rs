@@ -67,13 +67,14 @@ pub fn clock_ticks_per_second() -> Option<f64> {
     (hz > 0).then_some(hz as f64)
 }
 
-/// Asks process `pid` to stop (SIGTERM); a process already gone is no
-/// error (there is nothing left to stop).
-pub fn terminate(pid: u32) {
+/// Sends `signal` to the process group `leader` leads (a rank that
+/// `strata launch` started, and anything it started); a group already gone
+/// is no error (there is nothing left to signal).
+pub fn signal_group(leader: u32, signal: libc::c_int) {
     // SAFETY: kill(2) takes any pid and signal number and touches no
-    // memory of this process.
+    // memory of this process; a negative pid names the process group.
     unsafe {
-        libc::kill(pid as libc::pid_t, libc::SIGTERM);
+        libc::kill(-(leader as libc::pid_t), signal);
     }
 }
 
@@ -88,6 +89,16 @@ pub fn is_root() -> bool {
 /// its first delivery (so a second signal acts as if none were installed).
 /// The handler must be async-signal-safe (store to an atomic, no more).
 pub fn on_signals_once(signals: &[libc::c_int], handler: extern "C" fn(libc::c_int)) {
+    install_handler(signals, handler, libc::SA_RESETHAND | libc::SA_RESTART);
+}
+
+/// Installs `handler` for each of `signals`, for every delivery. The
+/// handler must be async-signal-safe (store to an atomic, no more).
+pub fn on_signals(signals: &[libc::c_int], handler: extern "C" fn(libc::c_int)) {
+    install_handler(signals, handler, libc::SA_RESTART);
+}
+
+fn install_handler(signals: &[libc::c_int], handler: extern "C" fn(libc::c_int), flags: i32) {
     for &signal in signals {
         // SAFETY: `action` is fully initialized (zeroed, then the handler
         // and flags set) before sigaction reads it; the caller's handler
@@ -95,10 +106,28 @@ pub fn on_signals_once(signals: &[libc::c_int], handler: extern "C" fn(libc::c_i
         unsafe {
             let mut action: libc::sigaction = std::mem::zeroed();
             action.sa_sigaction = handler as *const () as libc::sighandler_t;
-            action.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
+            action.sa_flags = flags;
             libc::sigemptyset(&mut action.sa_mask);
             libc::sigaction(signal, &action, std::ptr::null_mut());
         }
+    }
+}
+
+/// Makes the process `command` starts get SIGTERM when the thread that
+/// started it ends (Linux's parent-death signal), so that a child whose
+/// launcher was killed checkpoints and stops instead of running on alone.
+pub fn term_with_parent(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed: prctl is one, and it
+    // touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
 }
 

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::process::{output_within, said, wait_within};
-use common::ranks::{devices_run, losses, ranks_match, FLAGS};
+use common::ranks::{devices_run, last_checkpoint, losses, ranks_match, CONSTANT_LR, FLAGS};
 use common::tiny_lm::run_params_of;
 use strata::lm::MoeLm;
 use strata_cli::trainer::hf::read_config;
@@ -172,15 +172,6 @@ fn rank_pid(mpirun: u32, rank: usize) -> Option<u32> {
         })
 }
 
-/// The step of the last checkpoint a run's metrics.jsonl records.
-fn last_checkpoint(dir: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
-    text.lines()
-        .rev()
-        .filter(|l| l.contains("\"checkpoint\""))
-        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
-}
-
 /// Sends `signal` to rank 1 of the job `mpirun` once that rank's
 /// metrics.jsonl in `ranks` has `lines` lines (it has trained a few steps).
 fn signal_rank_1(mpirun: &std::process::Child, ranks: &Path, lines: usize, signal: &str) {
@@ -235,25 +226,6 @@ fn a_signalled_rank_stops_every_rank_at_one_step_and_they_resume_exactly() {
     ranks_match(&devices, &ranks, 2);
     println!("mpi case: SIGTERM to rank 1 stopped both ranks at step {at}; resumed to --devices 2's bits");
 }
-
-/// Flags whose results do not depend on `--steps` (a constant learning
-/// rate), so that a run extended by `--resume --steps` trains what one
-/// run of that length trains.
-const CONSTANT_LR: &[&str] = &[
-    "train",
-    "--batch",
-    "4",
-    "--seq-len",
-    "16",
-    "--eval-every",
-    "0",
-    "--threads",
-    "1",
-    "--warmup",
-    "0",
-    "--min-lr-ratio",
-    "1",
-];
 
 /// `mpirun -n ranks strata train` with `flags`, `--steps steps`, in `out`.
 fn mpirun(ranks: usize, flags: &[&str], steps: u64, resume: bool, out: &Path) -> Command {

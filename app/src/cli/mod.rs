@@ -276,7 +276,8 @@ fn launch_nccl(args: &LaunchArgs, strata: &std::path::Path) -> Result<ExitCode, 
         n - 1,
         crate::launch::describe(&each),
     );
-    let code = spawned::run(strata, &args.command, args.nproc, port)?;
+    let signals = spawned::install();
+    let code = spawned::run(strata, &args.command, args.nproc, port, signals)?;
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
 

@@ -70,3 +70,31 @@ pub fn ranks_match(devices: &Path, ranks: &Path, n: usize) {
         );
     }
 }
+
+/// The step of the last checkpoint a run's metrics.jsonl records.
+pub fn last_checkpoint(dir: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).ok()?;
+    text.lines()
+        .rev()
+        .filter(|l| l.contains("\"checkpoint\""))
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+}
+
+/// Flags whose results do not depend on `--steps` (a constant learning
+/// rate), so that a run extended by `--resume --steps` trains what one
+/// run of that length trains.
+pub const CONSTANT_LR: &[&str] = &[
+    "train",
+    "--batch",
+    "4",
+    "--seq-len",
+    "16",
+    "--eval-every",
+    "0",
+    "--threads",
+    "1",
+    "--warmup",
+    "0",
+    "--min-lr-ratio",
+    "1",
+];
