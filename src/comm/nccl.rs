@@ -26,7 +26,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{rendezvous, Comm, CommError, World};
 
@@ -71,6 +71,10 @@ impl Kind {
 pub struct NcclComm {
     raw: sys::RawComm,
     stream: Arc<CudaStream>,
+    /// The rounds' device buffers (what this rank sends, what it
+    /// receives), reused: each as large as the largest round so far.
+    sending: CudaSlice<u8>,
+    receiving: CudaSlice<u8>,
     rank: usize,
     size: usize,
     timeout: Duration,
@@ -120,8 +124,16 @@ impl NcclComm {
             .map_err(|e| init(format!("GPU {gpu}: {e:?}")))?;
         let raw = sys::RawComm::join(&id, world.size, world.rank)
             .map_err(|e| init(format!("ncclCommInitRank on GPU {gpu}: {e}")))?;
+        let buffer = || {
+            stream
+                .alloc_zeros::<u8>(1)
+                .map_err(|e| init(format!("a buffer on GPU {gpu}: {e:?}")))
+        };
+        let (sending, receiving) = (buffer()?, buffer()?);
         Ok(Self {
             raw,
+            sending,
+            receiving,
             stream,
             rank: world.rank,
             size: world.size,
@@ -147,14 +159,13 @@ impl NcclComm {
         let failed = |what: &str, e: cudarc::driver::DriverError| CommError::Nccl {
             why: format!("{what} on the communicator's GPU: {e:?}"),
         };
-        let dev_out = self
-            .stream
-            .clone_htod(&out)
-            .map_err(|e| failed("copying the sends", e))?;
-        let mut dev_in = self
-            .stream
-            .alloc_zeros::<u8>(total_in.max(1))
+        grow(&self.stream, &mut self.sending, out.len()).map_err(|e| failed("a send buffer", e))?;
+        grow(&self.stream, &mut self.receiving, total_in)
             .map_err(|e| failed("a receive buffer", e))?;
+        let (dev_out, dev_in) = (&mut self.sending, &mut self.receiving);
+        self.stream
+            .memcpy_htod(&out, &mut dev_out.slice_mut(0..out.len()))
+            .map_err(|e| failed("copying the sends", e))?;
         {
             let stream = Arc::clone(&self.stream);
             let (out_ptr, _out_done) = dev_out.device_ptr(&stream);
@@ -175,20 +186,20 @@ impl NcclComm {
                 .context()
                 .bind_to_thread()
                 .map_err(|e| failed("binding the context", e))?;
-            // SAFETY: every pointer lies within `dev_out` or `dev_in` (the
-            // offsets sum the lengths before it), which live until after
-            // `wait` below has seen the stream run the group; nothing else
-            // touches them meanwhile.
+            // SAFETY: every pointer lies within the send or receive buffer
+            // (the offsets sum the lengths before it, and `grow` made each
+            // hold its total), which live, and are touched by nothing else,
+            // until `wait` below has seen the stream run the group.
             unsafe {
                 self.raw
                     .group(stream.cu_stream(), &sent, &received)
                     .map_err(|why| CommError::Nccl { why })?;
             }
-            self.wait()?;
         }
+        self.wait()?;
         let got = self
             .stream
-            .clone_dtoh(&dev_in)
+            .clone_dtoh(&self.receiving.slice(0..total_in))
             .map_err(|e| failed("copying what arrived", e))?;
         let mut at = 0;
         Ok((0..self.size)
@@ -284,6 +295,18 @@ impl NcclComm {
         }
         self.round(sends, &inbound)
     }
+}
+
+/// Makes `buf` hold at least `bytes` (never shrinking it).
+fn grow(
+    stream: &Arc<CudaStream>,
+    buf: &mut CudaSlice<u8>,
+    bytes: usize,
+) -> Result<(), cudarc::driver::DriverError> {
+    if buf.len() < bytes {
+        *buf = stream.alloc_zeros::<u8>(bytes)?;
+    }
+    Ok(())
 }
 
 /// The slice of a buffer of `len` values that rank `r` of `n` sums.
