@@ -163,6 +163,14 @@ mod tests {
     }
 
     #[test]
+    fn a_count_as_fast_as_the_one_before_does_not_end_the_search() {
+        // A flat stretch, then faster: the search goes on past the tie.
+        let (ran, chosen) = search(|n| [5.0, 5.0, 3.0, 4.0][n.min(4) - 1], 8);
+        assert_eq!(ran, vec![1, 1, 1, 2, 2, 3, 3, 4, 4]);
+        assert_eq!(chosen, 3);
+    }
+
+    #[test]
     fn one_part_is_kept_when_two_are_slower() {
         let (ran, chosen) = search(|n| n as f64, 8);
         assert_eq!(ran, vec![1, 1, 1, 2, 2]);
