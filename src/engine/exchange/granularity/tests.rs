@@ -57,6 +57,30 @@ fn two_parts_overlap_a_dispatch_and_a_combine_with_compute() {
 }
 
 #[test]
+fn the_busiest_rank_is_the_one_that_sends_or_receives_the_most() {
+    // Three devices, expert e on device e; rows of 2 bytes.
+    let owner = [0u16, 1, 2];
+    let time = |counts: &[Vec<u32>]| {
+        let load = LayerLoad {
+            counts,
+            owner: &owner,
+            row_bytes: 2,
+            s_per_row: 0.1,
+        };
+        predict(&unit_link(), &load, &[0, 0, 0], 1)
+    };
+    // Device 0 sends 10 rows to each of the others: it sends 20 (40
+    // bytes, 5 s each way), each of them receives 10 and computes them in
+    // 1 s.
+    let sends = time(&[vec![0, 10, 10], vec![0; 3], vec![0; 3]]);
+    assert!((sends - 11.0).abs() < 1e-9, "{sends}");
+    // The others send 10 each to device 0: it receives 20 and computes
+    // them in 2 s.
+    let receives = time(&[vec![0; 3], vec![10, 0, 0], vec![10, 0, 0]]);
+    assert!((receives - 12.0).abs() < 1e-9, "{receives}");
+}
+
+#[test]
 fn experts_without_rows_and_parts_without_work_cost_a_collective_alone() {
     let (counts, owner) = even_load();
     let load = LayerLoad {
@@ -116,11 +140,11 @@ fn a_line_is_fitted_through_its_points_never_below_zero() {
 
 #[test]
 fn calibration_finds_a_modeled_link_and_every_rank_holds_the_same_fit() {
-    // 0.1 GB/s with 2 ms of latency: 2 MiB to the one peer takes 21 ms
-    // more than nothing does.
+    // 0.1 GB/s with 2 ms of latency, three ranks: 2 MiB to each of the two
+    // peers takes 42 ms more than nothing does.
     let link = Link::new(0.1, 2000.0).unwrap();
     let fits: Vec<LinkFit> = std::thread::scope(|s| {
-        let handles: Vec<_> = InProcessComm::endpoints(2)
+        let handles: Vec<_> = InProcessComm::endpoints(3)
             .into_iter()
             .map(|c| {
                 s.spawn(move || {
@@ -131,12 +155,13 @@ fn calibration_finds_a_modeled_link_and_every_rank_holds_the_same_fit() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(fits[0], fits[1]);
+    assert!(fits.iter().all(|f| *f == fits[0]), "{fits:?}");
     let fit = fits[0];
     let rate = 1.0 / fit.s_per_byte / 1e9;
     assert!((0.07..=0.11).contains(&rate), "{rate} GB/s: {fit:?}");
+    // The latency and a collective's own costs, averaged over the ranks.
     assert!(
-        (0.0015..=0.006).contains(&fit.fixed_s),
+        (0.0015..=0.0045).contains(&fit.fixed_s),
         "{} s fixed: {fit:?}",
         fit.fixed_s
     );
