@@ -72,8 +72,8 @@ pub struct StepMetrics {
     pub exchange_model_s: f64,
     /// Several devices: `[layer][forward, backward]` seconds in each
     /// layer's exchange (`exchange_s` by layer, the most of any device),
-    /// and the parts it went in (`EngineConfig::exchange_parts`); empty on
-    /// one device.
+    /// and the parts it went in (`EngineConfig::exchange_parts`; in the
+    /// last micro-batch, where there are several); empty on one device.
     pub exchange_layer_s: Vec<[f64; 2]>,
     pub exchange_layer_parts: Vec<[usize; 2]>,
     /// Assignments condensed into another row of their expert
