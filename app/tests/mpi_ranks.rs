@@ -154,6 +154,57 @@ fn launch_trains_what_devices_in_one_process_train() {
     println!("mpi case: strata launch --nproc 2, the bits of --devices 2 over 20 steps");
 }
 
+/// `strata bench pipeline --mpi` under `mpirun -n 2`: every arm's engine
+/// joins the ranks through an endpoint of its own (an `MPI_Comm_dup`), and
+/// rank 0 reports each arm over MPI's own transport.
+#[test]
+fn the_pipeline_bench_measures_its_arms_as_mpi_ranks() {
+    if !mpirun_found() {
+        return;
+    }
+    let mut c = Command::new("mpirun");
+    c.args(["--oversubscribe", "-n", "2"])
+        .arg(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "bench", "pipeline", "--mpi", "--links", "none", "--preset", "tiny",
+        ])
+        .args([
+            "--experts",
+            "8",
+            "--batch",
+            "4",
+            "--seq-len",
+            "16",
+            "--rounds",
+            "1",
+        ])
+        .args(["--parts", "1,2", "--json"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    let out = output_within(
+        c,
+        "mpirun -n 2 strata bench pipeline --mpi",
+        Duration::from_secs(600),
+    );
+    assert!(out.status.success(), "{}", said(&out));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .filter(|r: &serde_json::Value| r["bench"] == "pipeline")
+        .collect();
+    // Rank 0 alone reports: the arms 1, 2 and auto, once each.
+    let arms: Vec<&str> = rows.iter().map(|r| r["arm"].as_str().unwrap()).collect();
+    assert_eq!(arms, ["1", "2", "auto"], "{}", said(&out));
+    for r in &rows {
+        assert_eq!(r["transport"], "mpi");
+        assert_eq!(r["devices"], 2);
+        assert!(r["link_gb_per_s"].is_null());
+        assert!(r["exchange_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["model_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    println!("mpi case: strata bench pipeline --mpi on 2 ranks, each arm measured");
+}
+
 /// The pid of rank `rank` among `mpirun`'s children (Open MPI names each
 /// child's rank in its environment).
 fn rank_pid(mpirun: u32, rank: usize) -> Option<u32> {

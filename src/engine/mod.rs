@@ -448,6 +448,7 @@ impl Engine {
             // LPT's cost model; ranks' experts stay with their owners.
             self.recalibrate(&metrics);
         }
+        self.share_cost_over_ranks(&metrics)?;
         self.advance_part_search(&metrics)?;
         self.prev_load = Some(metrics.tokens_per_expert.clone());
         if let Some(trace) = self.routing_trace.as_mut() {

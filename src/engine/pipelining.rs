@@ -49,6 +49,26 @@ impl Engine {
             .map_or_else(Vec::new, |search| search.counts())
     }
 
+    /// Ranks as processes with a fitted link: the placement's cost per row
+    /// from the step just measured, summed over the ranks (a collective
+    /// every rank makes here, as every rank fitted the link), so that every
+    /// rank predicts with the same one. (Devices of one process share it
+    /// already: the engine measures them together.)
+    pub(super) fn share_cost_over_ranks(&mut self, m: &StepMetrics) -> Result<(), EngineError> {
+        let Some(ranks) = self.ranks.as_mut().filter(|_| self.link_fit.is_some()) else {
+            return Ok(());
+        };
+        let secs: f64 = m.expert_compute_s_per_device.iter().sum();
+        let passes: u64 = m.assignments_per_device.iter().sum();
+        let mut sums = [secs as f32, passes as f32];
+        ranks.comm.all_reduce_sum(&mut sums)?;
+        if sums[0] > 0.0 && sums[1] > 0.0 {
+            // Each assignment is computed twice (forward, backward).
+            self.cost.per_token_s = 2.0 * f64::from(sums[0]) / f64::from(sums[1]);
+        }
+        Ok(())
+    }
+
     /// `ExchangeParts::Auto`: [layer][forward, backward] the part counts
     /// the search settled on, once every layer and pass has (`None` while
     /// it still measures, and without `Auto`).

@@ -20,7 +20,7 @@
 //! devices, its experts at a given FLOP rate, over given links.
 
 use serde::Serialize;
-use strata::comm::Link;
+use strata::comm::{Comm, Link};
 use strata::engine::{
     project_exchange, Engine, EngineConfig, ExchangeParts, LinkFit, StepMetrics, UniformLayer,
 };
@@ -40,8 +40,8 @@ pub struct PipelineBench {
     pub devices: usize,
     pub batch: usize,
     pub seq_len: usize,
-    /// Modeled links, GB/s each way.
-    pub links_gb_per_s: Vec<f64>,
+    /// Modeled links, GB/s each way (`None`: the transport as it is).
+    pub links_gb_per_s: Vec<Option<f64>>,
     pub latency_us: f64,
     /// Fixed part counts to run beside `auto`.
     pub parts: Vec<usize>,
@@ -61,7 +61,10 @@ pub struct PipelineRow {
     pub devices: usize,
     pub experts: usize,
     pub tokens: usize,
-    pub link_gb_per_s: f64,
+    /// `in-process` (devices of one process) or `mpi` (ranks).
+    pub transport: &'static str,
+    /// The modeled link (null: none, the transport as it is).
+    pub link_gb_per_s: Option<f64>,
     pub latency_us: f64,
     /// `1`, `2`, … or `auto`.
     pub arm: String,
@@ -90,7 +93,7 @@ pub struct PipelineRow {
 #[derive(Clone, Debug, Serialize)]
 pub struct PipelineChoice {
     pub bench: &'static str,
-    pub link_gb_per_s: f64,
+    pub link_gb_per_s: Option<f64>,
     pub best_arm: String,
     pub best_exchange_s: f64,
     pub auto_exchange_s: f64,
@@ -99,15 +102,26 @@ pub struct PipelineChoice {
     pub auto_mean_parts: f64,
 }
 
+/// Where the arms' engines exchange: devices in this process, or ranks,
+/// each arm's engine joining them through an endpoint of its own.
+pub enum Transport<'a> {
+    InProcess,
+    Ranks(&'a mut dyn FnMut() -> Result<Box<dyn Comm>, String>),
+}
+
+/// Every arm's row, and each link's choice.
+pub type Measured = (Vec<PipelineRow>, Vec<PipelineChoice>);
+
 /// Runs every link's arms; `say` hears progress.
 pub fn run(
     cfg: &PipelineBench,
+    mut transport: Transport<'_>,
     mut say: impl FnMut(&str),
-) -> Result<(Vec<PipelineRow>, Vec<PipelineChoice>), String> {
+) -> Result<Measured, String> {
     let lm = model(cfg)?;
     let (mut rows, mut choices) = (Vec::new(), Vec::new());
     for &rate in &cfg.links_gb_per_s {
-        let link = Link::new(rate, cfg.latency_us)?;
+        let link = rate.map(|r| Link::new(r, cfg.latency_us)).transpose()?;
         let arms: Vec<ExchangeParts> = cfg
             .parts
             .iter()
@@ -116,22 +130,38 @@ pub fn run(
             .collect();
         let mut engines = Vec::with_capacity(arms.len());
         for &parts in &arms {
-            let mut engine = Engine::new_network(
-                &lm,
-                EngineConfig {
-                    devices: cfg.devices,
-                    link: Some(link),
-                    exchange_parts: parts,
-                    ..EngineConfig::default()
-                },
-            )
-            .map_err(|e| e.to_string())?;
+            let config = EngineConfig {
+                devices: cfg.devices,
+                link,
+                exchange_parts: parts,
+                ..EngineConfig::default()
+            };
+            let mut engine = match &mut transport {
+                Transport::InProcess => {
+                    Engine::new_network(&lm, config).map_err(|e| e.to_string())?
+                }
+                Transport::Ranks(endpoint) => {
+                    let comm = endpoint()?;
+                    let config = EngineConfig {
+                        devices: 1,
+                        ranks: comm.size(),
+                        ..config
+                    };
+                    let mut engine = Engine::new_network(&lm, config).map_err(|e| e.to_string())?;
+                    engine.join_ranks(comm).map_err(|e| e.to_string())?;
+                    engine
+                }
+            };
             let fit = engine
                 .calibrate_exchange()
                 .map_err(|e| e.to_string())?
                 .ok_or("one device exchanges nothing: give --devices 2 or more")?;
             engines.push((engine, fit, Vec::<StepMetrics>::new()));
         }
+        let what = match rate {
+            Some(r) => format!("{r} GB/s"),
+            None => "no modeled link".into(),
+        };
         let mut data = dataset(cfg)?;
         let (mut round, mut counted) = (0, 0);
         while counted < cfg.rounds {
@@ -152,7 +182,7 @@ pub fn run(
             round += 1;
             counted += usize::from(counts);
             say(&format!(
-                "{rate} GB/s: round {round}, {counted} of {} counted",
+                "{what}: round {round}, {counted} of {} counted",
                 cfg.rounds
             ));
         }
@@ -162,6 +192,9 @@ pub fn run(
             .map(|(parts, (engine, fit, steps))| {
                 let mut r = row(cfg, &lm, rate, *parts, fit, steps);
                 r.settled = engine.auto_parts();
+                if let Some((_, ranks)) = engine.rank() {
+                    (r.transport, r.devices) = ("mpi", ranks);
+                }
                 r
             })
             .collect();
@@ -197,7 +230,7 @@ fn dataset(cfg: &PipelineBench) -> Result<Dataset, String> {
 fn row(
     cfg: &PipelineBench,
     lm: &MoeLm,
-    rate: f64,
+    rate: Option<f64>,
     parts: ExchangeParts,
     fit: &LinkFit,
     steps: &[StepMetrics],
@@ -210,6 +243,7 @@ fn row(
         devices: cfg.devices,
         experts: lm.moe().experts,
         tokens: cfg.batch * cfg.seq_len,
+        transport: "in-process",
         link_gb_per_s: rate,
         latency_us: cfg.latency_us,
         arm: match parts {
@@ -244,7 +278,7 @@ fn row(
 }
 
 /// The fastest fixed arm over a link, and `auto` against it.
-fn choice(rate: f64, rows: &[PipelineRow]) -> Option<PipelineChoice> {
+fn choice(rate: Option<f64>, rows: &[PipelineRow]) -> Option<PipelineChoice> {
     let auto = rows.iter().find(|r| r.arm == "auto")?;
     let best = rows
         .iter()
@@ -376,13 +410,13 @@ mod tests {
             devices: 2,
             batch: 4,
             seq_len: 16,
-            links_gb_per_s: vec![1.0],
+            links_gb_per_s: vec![Some(1.0)],
             latency_us: 10.0,
             parts: vec![1, 4],
             warmup: 1,
             rounds: 2,
         };
-        let (rows, choices) = run(&cfg, |_| {}).unwrap();
+        let (rows, choices) = run(&cfg, Transport::InProcess, |_| {}).unwrap();
         assert_eq!(rows.len(), 3);
         for r in &rows {
             assert_eq!(r.steps, 2);

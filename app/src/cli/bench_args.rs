@@ -123,9 +123,15 @@ pub struct PipelineArgs {
     /// Tokens a sequence.
     #[arg(long, default_value_t = 128)]
     pub seq_len: usize,
-    /// Modeled links, GB/s each way (comma-separated).
+    /// Modeled links, GB/s each way, or `none` (the transport as it is)
+    /// (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
-    pub links: Vec<f64>,
+    pub links: Vec<String>,
+    /// The arms' engines as ranks of an MPI job, one device a rank (a
+    /// strata built with --features mpi, under `mpirun -n N`; with
+    /// `--links none`, over MPI's own transport); rank 0 reports.
+    #[arg(long)]
+    pub mpi: bool,
     /// Each collective's latency on the modeled links, µs.
     #[arg(long, default_value_t = 10.0)]
     pub latency_us: f64,

@@ -6,9 +6,20 @@ use super::bench::write_json_lines;
 use super::bench_args::PipelineArgs;
 use super::CliError;
 use crate::bench;
+use crate::bench::pipeline::{Measured, Transport};
 
 pub(super) fn pipeline(args: PipelineArgs) -> Result<(), CliError> {
-    if args.devices < 2 {
+    let links = args
+        .links
+        .iter()
+        .map(|l| match l.as_str() {
+            "none" => Ok(None),
+            r => r.parse::<f64>().map(Some).map_err(|_| {
+                format!("--links {r:?}: give rates in GB/s, or none (the transport as it is)")
+            }),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if args.devices < 2 && !args.mpi {
         return Err("--devices: the exchange needs 2 devices or more"
             .to_string()
             .into());
@@ -40,25 +51,21 @@ pub(super) fn pipeline(args: PipelineArgs) -> Result<(), CliError> {
             .to_string()
             .into());
     }
-    eprintln!(
-        "{} with {} experts a layer on {} devices, {} × {} tokens a step, over {:?} GB/s…",
-        args.preset, args.experts, args.devices, args.batch, args.seq_len, args.links
-    );
-    let (rows, choices) = bench::pipeline::run(
-        &bench::pipeline::PipelineBench {
-            preset: args.preset,
-            experts: Some(args.experts),
-            devices: args.devices,
-            batch: args.batch,
-            seq_len: args.seq_len,
-            links_gb_per_s: args.links,
-            latency_us: args.latency_us,
-            parts: args.parts,
-            warmup: args.warmup,
-            rounds: args.rounds,
-        },
-        |line| eprintln!("# {line}"),
-    )?;
+    let cfg = bench::pipeline::PipelineBench {
+        preset: args.preset.clone(),
+        experts: Some(args.experts),
+        devices: args.devices,
+        batch: args.batch,
+        seq_len: args.seq_len,
+        links_gb_per_s: links,
+        latency_us: args.latency_us,
+        parts: args.parts.clone(),
+        warmup: args.warmup,
+        rounds: args.rounds,
+    };
+    let Some((rows, choices)) = measure(&cfg, args.mpi)? else {
+        return Ok(()); // a rank other than 0: rank 0 reports
+    };
     let projection = bench::pipeline::project(&bench::pipeline::Projection {
         d_model: args.project_d_model,
         d_ff: args.project_d_ff,
@@ -82,11 +89,13 @@ pub(super) fn pipeline(args: PipelineArgs) -> Result<(), CliError> {
         "{:>8} {:>5} {:>6} {:>11} {:>9} {:>7} {:>8} {:>9} {:>9}",
         "GB/s", "arm", "parts", "exchange_s", "model_s", "model/", "step_s", "fit_us", "fit_GB/s"
     )?;
+    let rate = |l: Option<f64>| l.map_or("none".to_string(), |r| r.to_string());
+    let link = |l: Option<f64>| l.map_or("no modeled link".to_string(), |r| format!("{r} GB/s"));
     for r in &rows {
         writeln!(
             out,
             "{:>8} {:>5} {:>6.2} {:>11.4} {:>9.4} {:>7.3} {:>8.3} {:>9.1} {:>9.2}",
-            r.link_gb_per_s,
+            rate(r.link_gb_per_s),
             r.arm,
             r.mean_parts,
             r.exchange_s,
@@ -100,9 +109,9 @@ pub(super) fn pipeline(args: PipelineArgs) -> Result<(), CliError> {
     for c in &choices {
         writeln!(
             out,
-            "{} GB/s: best fixed {} parts ({:.4} s); auto {:.4} s with {:.2} parts on \
+            "{}: best fixed {} parts ({:.4} s); auto {:.4} s with {:.2} parts on \
              average, {:.3}x the best",
-            c.link_gb_per_s,
+            link(c.link_gb_per_s),
             c.best_arm,
             c.best_exchange_s,
             c.auto_exchange_s,
@@ -140,4 +149,65 @@ pub(super) fn pipeline(args: PipelineArgs) -> Result<(), CliError> {
         )?;
     }
     Ok(())
+}
+
+/// The arms' measurements: devices in this process, or (`mpi`) this
+/// process's rank of an MPI job; `None` on a rank other than 0.
+fn measure(cfg: &bench::pipeline::PipelineBench, mpi: bool) -> Result<Option<Measured>, CliError> {
+    if !mpi {
+        eprintln!(
+            "{} with {} experts a layer on {} devices, {} × {} tokens a step…",
+            cfg.preset,
+            cfg.experts.unwrap_or(0),
+            cfg.devices,
+            cfg.batch,
+            cfg.seq_len
+        );
+        let say = |line: &str| eprintln!("# {line}");
+        return Ok(Some(bench::pipeline::run(cfg, Transport::InProcess, say)?));
+    }
+    measure_ranks(cfg)
+}
+
+#[cfg(feature = "mpi")]
+fn measure_ranks(cfg: &bench::pipeline::PipelineBench) -> Result<Option<Measured>, CliError> {
+    use strata::comm::{Comm, MpiComm};
+    let (mut comm, world) = MpiComm::init().map_err(|e| e.to_string())?;
+    let rank = comm.rank();
+    let mut endpoint = || -> Result<Box<dyn Comm>, String> {
+        comm.second_endpoint()
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| {
+                "MPI did not grant MPI_THREAD_MULTIPLE, which each arm's own \
+                            endpoint needs"
+                    .to_string()
+            })
+    };
+    let say = |line: &str| {
+        if rank == 0 {
+            eprintln!("# {line}");
+        }
+    };
+    let measured = bench::pipeline::run(cfg, Transport::Ranks(&mut endpoint), say);
+    match measured {
+        Ok(measured) => {
+            world.finish();
+            Ok((rank == 0).then_some(measured))
+        }
+        Err(e) => {
+            eprintln!("strata: error: rank {rank}: {e}");
+            drop(world); // MPI_Abort: every rank stops
+            Err(e.into())
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn measure_ranks(_: &bench::pipeline::PipelineBench) -> Result<Option<Measured>, CliError> {
+    Err(
+        "--mpi runs the arms as MPI ranks: build strata with --features mpi and start it \
+         with mpirun -n N"
+            .to_string()
+            .into(),
+    )
 }
