@@ -54,13 +54,7 @@ fn launch_over_nccl_trains_what_devices_in_one_process_train() {
     let dir = tempfile::tempdir().unwrap();
     let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
     let flags: Vec<&str> = FLAGS.iter().chain(CPU).copied().collect();
-    let mut launch = Command::new(env!("CARGO_BIN_EXE_strata"));
-    launch
-        .args(["launch", "--comm", "nccl", "--nproc", "2", "--"])
-        .args(&flags)
-        .args(["--steps", "20", "--out"])
-        .arg(&ranks)
-        .env_remove("MASTER_PORT");
+    let launch = launch(FLAGS, 20, false, &ranks);
     let out = output_within(
         launch,
         "strata launch --comm nccl",
@@ -87,14 +81,7 @@ fn a_rank_that_fails_ends_the_launch_naming_it() {
     // while rank 0 goes on to its first collective with it.
     std::fs::create_dir_all(&ranks).unwrap();
     std::fs::write(ranks.join("rank-1"), b"not a directory").unwrap();
-    let mut launch = Command::new(env!("CARGO_BIN_EXE_strata"));
-    launch
-        .args(["launch", "--comm", "nccl", "--nproc", "2", "--"])
-        .args(FLAGS)
-        .args(CPU)
-        .args(["--steps", "5", "--out"])
-        .arg(&ranks)
-        .env_remove("MASTER_PORT");
+    let launch = launch(FLAGS, 5, false, &ranks);
     let out = output_within(launch, "a failing rank's launch", Duration::from_secs(300));
     if missing(&out) {
         return;
