@@ -48,6 +48,7 @@ pub mod engine;
 mod error;
 pub mod lm;
 pub mod math;
+pub mod migration;
 pub mod model;
 mod parallel;
 pub mod placement;

@@ -430,6 +430,56 @@ fn bench_condense_measures_the_captured_layers_and_refuses_too_many_devices() {
     );
 }
 
+/// `bench migrate` trains a little, then follows the captured batch's
+/// sequences under every placement and planner; it refuses a device count
+/// the batch cannot split into and a negative slack.
+#[test]
+fn bench_migrate_follows_the_sequences_and_refuses_what_it_cannot_split() {
+    let out = strata_bin()
+        .args(["bench", "migrate", "--json", "--train-steps", "2"])
+        .args(["--seq-len", "16", "--batch", "4", "--devices", "2,4"])
+        .args(["--reps", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = json_lines(&out.stdout);
+    // 2 device counts × 3 placements × (stay, 3 planners × 2 candidates).
+    assert_eq!(rows.len(), 2 * 3 * 7);
+    for r in &rows {
+        assert_eq!(r["bench"], "migrate", "{r}");
+        let (moved, back) = (
+            r["moved"].as_u64().unwrap(),
+            r["residual_grad_rows"].as_u64(),
+        );
+        assert_eq!(back, Some(moved * 16), "{r}");
+        if r["planner"] == "stay" {
+            assert_eq!(r["rows_vs_stay"].as_f64(), Some(1.0), "{r}");
+        }
+    }
+
+    let out = strata_bin()
+        .args(["bench", "migrate", "--batch", "4", "--devices", "8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--devices 8") && err.contains("raise --batch"),
+        "{err}"
+    );
+    let out = strata_bin()
+        .args(["bench", "migrate", "--slack=-0.5"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--slack"), "{err}");
+}
+
 /// `bench attention` measures the plain attention and the engine's, in
 /// each vector set this CPU runs, side by side, or one alone with its peak
 /// resident memory, and names a variant it does not know.

@@ -19,22 +19,15 @@ use serde::Serialize;
 use strata::condense::{
     condense_rows, inverse_norms, Search, SignatureTables, Threshold, ADAPTIVE_START,
 };
-use strata::engine::{Engine, EngineConfig};
-use strata::lm::data::{Corpus, DataConfig, Dataset, Tokenizer};
-use strata::lm::{LmConfig, MoeLm, TokenBatch};
-use strata::math::{AssignmentGrads, Permutation};
-use strata::model::{ExpertRunner, Network, PlainKernels};
-use strata::reference::{ExpertState, MemoryRunner};
-use strata::EngineError;
-use strata_optim::AdamWHyper;
+use strata::math::Permutation;
+use strata::model::Network;
+
+use super::captured::{train_and_capture, CaptureSpec, Captured, Trained};
 
 /// What to train and how to cut the captured batch.
 #[derive(Clone, Debug)]
 pub struct CondenseBench {
-    pub preset: String,
-    pub train_steps: u64,
-    pub seq_len: usize,
-    pub batch: usize,
+    pub capture: CaptureSpec,
     /// Device counts the batch's sequences are split over.
     pub devices: Vec<usize>,
     pub link_gb_per_s: f64,
@@ -82,134 +75,6 @@ pub struct LinkRow {
     /// rate.
     pub modeled_step_s: f64,
     pub link_gb_per_s: f64,
-}
-
-/// One MoE layer's inputs and routing, as the forward gave them.
-struct Captured {
-    x: Vec<f32>,
-    perm: Permutation,
-}
-
-/// Keeps each layer's inputs and routing, and runs the experts from memory.
-struct Recorder<'a> {
-    inner: MemoryRunner<'a>,
-    layers: Vec<Captured>,
-}
-
-impl ExpertRunner for Recorder<'_> {
-    fn forward_layer(
-        &mut self,
-        layer: usize,
-        perm: &Permutation,
-        x: &[f32],
-        out: &mut [f32],
-    ) -> Result<(), EngineError> {
-        self.layers.push(Captured {
-            x: x.to_vec(),
-            perm: perm.clone(),
-        });
-        self.inner.forward_layer(layer, perm, x, out)
-    }
-
-    fn backward_layer(
-        &mut self,
-        layer: usize,
-        perm: &Permutation,
-        x: &[f32],
-        dout: AssignmentGrads<'_, f32>,
-        dx: &mut [f32],
-        last_micro_batch: bool,
-    ) -> Result<(), EngineError> {
-        self.inner
-            .backward_layer(layer, perm, x, dout, dx, last_micro_batch)
-    }
-}
-
-/// What training left: the captured layers, the losses, the step's time
-/// and its expert compute.
-struct Trained {
-    lm: MoeLm,
-    layers: Vec<Captured>,
-    first_loss: f32,
-    last_loss: f32,
-    step_s: f64,
-    expert_s: f64,
-}
-
-fn train_and_capture(cfg: &CondenseBench) -> Result<Trained, String> {
-    // As `strata train` builds a preset: its vocabulary the tokenizer's.
-    let mut config = LmConfig::preset(&cfg.preset).map_err(|e| e.to_string())?;
-    config.vocab = Tokenizer::Bytes.vocab_size();
-    config.max_seq = config.max_seq.max(cfg.seq_len);
-    let lm = MoeLm::new(config).map_err(|e| e.to_string())?;
-    let mut data = Dataset::open(
-        DataConfig {
-            corpus: Corpus::Builtin { documents: 200_000 },
-            seq_len: cfg.seq_len,
-            batch_seqs: cfg.batch,
-            ..DataConfig::default()
-        },
-        Tokenizer::Bytes,
-    )
-    .map_err(|e| e.to_string())?;
-    let mut engine = Engine::new_network(
-        &lm,
-        EngineConfig {
-            hyper: AdamWHyper {
-                lr: 3e-3,
-                ..AdamWHyper::default()
-            },
-            ..EngineConfig::default()
-        },
-    )
-    .map_err(|e| e.to_string())?;
-    let (mut first, mut last) = (None, f32::NAN);
-    let (mut steps_s, mut expert_s) = (Vec::new(), Vec::new());
-    for _ in 0..cfg.train_steps.max(1) {
-        let batch = data.next_batch().map_err(|e| e.to_string())?;
-        let m = engine
-            .step_network(&lm, &batch)
-            .map_err(|e| e.to_string())?;
-        first.get_or_insert(m.loss);
-        last = m.loss;
-        steps_s.push(m.wall_s);
-        expert_s.push(m.expert_compute_s_per_device.iter().sum::<f64>());
-    }
-    let batch: TokenBatch = data.next_batch().map_err(|e| e.to_string())?;
-    let moe = lm.moe().clone();
-    let mut experts: Vec<Vec<ExpertState>> = Vec::new();
-    for l in 0..moe.layers {
-        let mut row = Vec::new();
-        for e in 0..moe.experts {
-            let params = engine.expert_params(l, e).map_err(|e| e.to_string())?;
-            let n = params.len();
-            row.push(ExpertState {
-                params,
-                m: vec![0.0; n],
-                v: vec![0.0; n],
-                grad: vec![0.0; n],
-                step: 0,
-                touched: false,
-            });
-        }
-        experts.push(row);
-    }
-    let dense = engine.dense_params().map_err(|e| e.to_string())?.to_vec();
-    let mut recorder = Recorder {
-        inner: MemoryRunner::new(&moe, &mut experts),
-        layers: Vec::new(),
-    };
-    lm.forward_eval(&dense, &batch, &mut recorder, &PlainKernels)
-        .map_err(|e| e.to_string())?;
-    let layers = recorder.layers;
-    Ok(Trained {
-        lm,
-        layers,
-        first_loss: first.unwrap_or(f32::NAN),
-        last_loss: last,
-        step_s: super::median(steps_s),
-        expert_s: super::median(expert_s),
-    })
 }
 
 /// Device `i` of `n`'s rows of expert `e`: the assignments of its
@@ -280,7 +145,7 @@ fn thresholds(first: f32, last: f32) -> Vec<(String, f32)> {
 
 /// Trains, captures, and measures (see the module).
 pub fn run(cfg: &CondenseBench) -> Result<(Vec<ShareRow>, Vec<LinkRow>), String> {
-    let t = train_and_capture(cfg)?;
+    let t = train_and_capture(&cfg.capture)?;
     let moe = t.lm.moe().clone();
     let (k, d) = (moe.top_k, moe.d_model);
     let lsh = match Search::LSH {
@@ -308,8 +173,8 @@ pub fn run(cfg: &CondenseBench) -> Result<(Vec<ShareRow>, Vec<LinkRow>), String>
                     let missed = exact.map(|e: usize| e.saturating_sub(condensed));
                     shares.push(ShareRow {
                         bench: "condense",
-                        preset: cfg.preset.clone(),
-                        train_steps: cfg.train_steps,
+                        preset: cfg.capture.preset.clone(),
+                        train_steps: cfg.capture.train_steps,
                         devices: n,
                         layer: l,
                         threshold: name.clone(),
@@ -362,7 +227,7 @@ fn link_rows(
         let bytes = crossing * d as u64 * 4;
         LinkRow {
             bench: "condense-link",
-            preset: cfg.preset.clone(),
+            preset: cfg.capture.preset.clone(),
             devices: n,
             threshold: name.to_string(),
             rows_crossing: crossing,
@@ -393,16 +258,18 @@ mod tests {
     #[test]
     fn a_short_run_measures_every_layer_threshold_and_search() {
         let cfg = CondenseBench {
-            preset: "tiny".into(),
-            train_steps: 2,
-            seq_len: 16,
-            batch: 4,
+            capture: CaptureSpec {
+                preset: "tiny".into(),
+                train_steps: 2,
+                seq_len: 16,
+                batch: 4,
+            },
             devices: vec![1, 2],
             link_gb_per_s: 10.0,
             reps: 1,
         };
         let (shares, links) = run(&cfg).unwrap();
-        let layers = LmConfig::preset("tiny").unwrap().layers;
+        let layers = strata::lm::LmConfig::preset("tiny").unwrap().layers;
         // devices × thresholds × layers × searches
         assert_eq!(shares.len(), 2 * 4 * layers * 2);
         for s in &shares {

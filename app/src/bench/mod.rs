@@ -5,8 +5,10 @@
 
 pub mod affinity;
 pub mod attention;
+pub mod captured;
 pub mod condense;
 pub mod kernels;
+pub mod migrate;
 pub mod optim;
 pub mod overlap;
 pub mod pipeline;

@@ -24,6 +24,7 @@ pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
         BenchCommand::Upload(args) => bench_upload(args),
         BenchCommand::Affinity(args) => bench_routing::affinity(args),
         BenchCommand::Condense(args) => bench_routing::condense(args),
+        BenchCommand::Migrate(args) => bench_routing::migrate(args),
         BenchCommand::Pipeline(args) => bench_pipeline::pipeline(args),
         BenchCommand::Attention(args) => bench_attention(args),
         BenchCommand::Kernels(args) => bench_kernels(args),

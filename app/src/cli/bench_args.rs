@@ -41,6 +41,13 @@ pub enum BenchCommand {
     /// against the signature search (time, rows missed), and the rows and
     /// bytes crossing between devices with the step over a modeled link.
     Condense(CondenseArgs),
+    /// Sequence migration (LUFFY) on the routing of a preset trained on the
+    /// built-in text: the rows crossing between devices (dispatch, the
+    /// combine's expert outputs, the residual rows of moved sequences) and
+    /// the attention's balance, with sequences staying or rebuilt where the
+    /// paper's planner or the exact planner says, over round-robin, LPT
+    /// and affinity placements.
+    Migrate(MigrateArgs),
     /// The cpu's causal attention as the engine runs it (each row's softmax
     /// max and sum kept, the probabilities recomputed in the backward)
     /// against the plain one that keeps every probability: time and memory.
@@ -198,6 +205,36 @@ pub struct CondenseArgs {
     pub link_gb_per_s: f64,
     /// Timed repetitions of each search.
     #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// One JSON object a line on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct MigrateArgs {
+    /// The preset to train.
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// Training steps before the routing is taken.
+    #[arg(long, default_value_t = 300)]
+    pub train_steps: u64,
+    /// Tokens a sequence.
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// Sequences a step.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Device counts the batch's sequences are split over
+    /// (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "4,8")]
+    pub devices: Vec<usize>,
+    /// How far a device's attention cost may go over its balanced share
+    /// (0.25: 25 %).
+    #[arg(long, default_value_t = 0.0)]
+    pub slack: f64,
+    /// Timed repetitions of each plan.
+    #[arg(long, default_value_t = 5)]
     pub reps: usize,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]

@@ -1,12 +1,13 @@
-//! `strata bench affinity` and `strata bench condense`: what crosses
-//! between devices as tokens go from layer to layer (the experts placed
-//! for inter-layer affinity, near-duplicate tokens condensed), as tables
-//! or JSON lines.
+//! `strata bench affinity`, `strata bench condense` and `strata bench
+//! migrate`: what crosses between devices as tokens go from layer to layer
+//! (the experts placed for inter-layer affinity, near-duplicate tokens
+//! condensed, sequences rebuilt where their experts ran), as tables or
+//! JSON lines.
 
 use std::io::Write;
 
 use super::bench::write_json_lines;
-use super::bench_args::{AffinityArgs, CondenseArgs};
+use super::bench_args::{AffinityArgs, CondenseArgs, MigrateArgs};
 use super::CliError;
 use crate::bench;
 
@@ -28,10 +29,12 @@ pub(super) fn condense(args: CondenseArgs) -> Result<(), CliError> {
         args.preset, args.train_steps
     );
     let (shares, links) = bench::condense::run(&bench::condense::CondenseBench {
-        preset: args.preset,
-        train_steps: args.train_steps,
-        seq_len: args.seq_len,
-        batch: args.batch,
+        capture: bench::captured::CaptureSpec {
+            preset: args.preset,
+            train_steps: args.train_steps,
+            seq_len: args.seq_len,
+            batch: args.batch,
+        },
         devices: args.devices,
         link_gb_per_s: args.link_gb_per_s,
         reps: args.reps,
@@ -84,6 +87,80 @@ pub(super) fn condense(args: CondenseArgs) -> Result<(), CliError> {
             r.bytes_crossing as f64 / (1 << 20) as f64,
             r.expert_flops / 1e9,
             r.modeled_step_s
+        )?;
+    }
+    Ok(())
+}
+
+pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
+    if args.batch == 0 || args.seq_len == 0 || args.slack.is_nan() || args.slack < 0.0 {
+        return Err(
+            "--batch and --seq-len must be at least 1, --slack at least 0"
+                .to_string()
+                .into(),
+        );
+    }
+    if let Some(&n) = args.devices.iter().find(|&&n| n == 0 || n > args.batch) {
+        return Err(format!(
+            "--devices {n}: the captured batch has {} sequences to split over 1 to {0} devices; \
+             raise --batch",
+            args.batch
+        )
+        .into());
+    }
+    eprintln!(
+        "training {} for {} steps on the built-in text, then following one batch's sequences…",
+        args.preset, args.train_steps
+    );
+    let rows = bench::migrate::run(&bench::migrate::MigrateBench {
+        capture: bench::captured::CaptureSpec {
+            preset: args.preset,
+            train_steps: args.train_steps,
+            seq_len: args.seq_len,
+            batch: args.batch,
+        },
+        devices: args.devices,
+        slack: args.slack,
+        reps: args.reps,
+    })?;
+    if args.json {
+        return write_json_lines(&rows);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8} {:>8} {:>6} {:>6} {:>9}",
+        "devices",
+        "placement",
+        "planner",
+        "dispatch",
+        "combine",
+        "residual f+b",
+        "÷ stay",
+        "combine÷",
+        "moved",
+        "attn",
+        "plan ms"
+    )?;
+    for r in &rows {
+        let planner = match r.candidates {
+            0 => r.planner.to_string(),
+            q => format!("{} q={q}", r.planner),
+        };
+        writeln!(
+            out,
+            "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8.3} {:>8.3} {:>6} {:>6.3} {:>9.3}",
+            r.devices,
+            r.placement,
+            planner,
+            r.dispatch_rows,
+            r.combine_rows,
+            format!("{}+{}", r.residual_rows, r.residual_grad_rows),
+            r.rows_vs_stay,
+            r.combine_vs_stay,
+            r.moved,
+            r.attention_max_over_mean,
+            r.plan_s * 1e3
         )?;
     }
     Ok(())

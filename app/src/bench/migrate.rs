@@ -1,0 +1,345 @@
+//! `strata bench migrate`: sequence migration (LUFFY §IV,
+//! `strata::migration`) on the routing of the language model trained on
+//! real text. It trains a preset on the built-in corpus (exactly, tracing
+//! its routing), runs one more batch forward, and on that batch's routing
+//! follows the sequences through the MoE layers: each starts on its home
+//! device (the batch split in order), at each layer dispatches its tokens'
+//! rows to the devices of their experts, and after the experts is rebuilt
+//! where a planner says. Per device count, expert placement and planner,
+//! summed over the layers (the forward; the backward sends the same rows
+//! back the other way):
+//! - the rows dispatched to other devices, the expert outputs pulled in
+//!   the combine, and the residual rows a moved sequence takes with it
+//!   (and in the backward, their gradient rows back);
+//! - the sequences moved, and the attention's balance after each layer
+//!   (the busiest device's cost over the mean, the worst layer's);
+//! - the planners' time over every layer.
+//!
+//! Placements: round-robin; each layer by LPT on the batch's counts (the
+//! engine's); and ExFlow's affinity placement from the training's trace
+//! (`strata::placement::affinity`), so that migration and affinity are
+//! measured together.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use strata::migration::{
+    attention_loads, plan, Accounting, AttentionCost, MigrationConfig, SequenceRoutes,
+};
+use strata::model::Network;
+use strata::placement::affinity::{place, AffinityProblem};
+use strata::placement::{CostModel, LptPlacer};
+
+use super::captured::{train_and_capture, CaptureSpec, Captured, Trained};
+
+/// What to train, the device counts, and the planners' cap.
+#[derive(Clone, Debug)]
+pub struct MigrateBench {
+    pub capture: CaptureSpec,
+    pub devices: Vec<usize>,
+    /// How far a device's attention may go over the balanced share.
+    pub slack: f64,
+    /// Timed repetitions of each plan (median).
+    pub reps: usize,
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct MigrateRow {
+    pub bench: &'static str,
+    pub preset: String,
+    pub train_steps: u64,
+    pub devices: usize,
+    /// `round-robin`, `lpt` or `affinity`.
+    pub placement: &'static str,
+    /// `stay` (no migration), `luffy` (the paper's count of what a rebuild
+    /// pulls: the expert outputs), `exact` (the residual rows as well, as
+    /// the engine's layer moves them) or `dispatch-h` (a layer that
+    /// dispatches the residual and normalizes it where the expert runs).
+    /// `luffy`'s plan is costed as the engine's layer moves it.
+    pub planner: &'static str,
+    /// `q`, the candidate devices a sequence.
+    pub candidates: usize,
+    pub slack: f64,
+    /// Rows (of d_model) a forward step sends between devices, every
+    /// layer: the dispatch, the combine's expert outputs, and the residual
+    /// rows of moved sequences. The backward sends as many dispatch and
+    /// combine rows the other way.
+    pub dispatch_rows: u64,
+    pub combine_rows: u64,
+    pub residual_rows: u64,
+    /// The backward's gradient rows of moved sequences' residuals.
+    pub residual_grad_rows: u64,
+    /// Every row of forward and backward, over `stay`'s.
+    pub rows_vs_stay: f64,
+    /// The combines' rows and the residual rows over `stay`'s combines.
+    pub combine_vs_stay: f64,
+    /// Sequences rebuilt away from where they were, summed over layers.
+    pub moved: u64,
+    /// The worst layer's busiest device's attention cost over the mean.
+    pub attention_max_over_mean: f64,
+    /// The plans of every layer, median of the repetitions.
+    pub plan_s: f64,
+}
+
+/// `[layer][expert]`: the device computing each expert.
+type Placement = Vec<Vec<u16>>;
+
+fn placements(t: &Trained, n: usize) -> Result<Vec<(&'static str, Placement)>, String> {
+    let moe = t.lm.moe();
+    let experts = moe.experts;
+    let round_robin = (0..moe.layers)
+        .map(|_| (0..experts).map(|e| (e % n) as u16).collect())
+        .collect();
+    let mut lpt = LptPlacer::new(experts, n);
+    let by_count = CostModel {
+        upload_s: 0.0,
+        per_token_s: 1.0,
+        fixed_s: 0.0,
+    };
+    let lpt = t
+        .layers
+        .iter()
+        .map(|c| {
+            let counts: Vec<u32> = (0..experts).map(|e| c.perm.rows(e).len() as u32).collect();
+            let mut owner = vec![0u16; experts];
+            lpt.place(&counts, &vec![None; experts], &by_count, &mut owner);
+            owner
+        })
+        .collect();
+    let affinity = place(&AffinityProblem {
+        layers: moe.layers,
+        experts,
+        devices: n,
+        transitions: &t.trace.transitions,
+        load_slack: 0.1,
+    })
+    .map_err(|e| format!("affinity placement on {n} devices: {e}"))?;
+    Ok(vec![
+        ("round-robin", round_robin),
+        ("lpt", lpt),
+        ("affinity", affinity),
+    ])
+}
+
+/// Each sequence's rows on each device at one layer, from where it is.
+fn routes(
+    c: &Captured,
+    owner: &[u16],
+    at: &[u16],
+    k: usize,
+    seq_len: usize,
+    n: usize,
+) -> Vec<SequenceRoutes> {
+    let mut seqs: Vec<SequenceRoutes> = at
+        .iter()
+        .map(|&at| SequenceRoutes {
+            at,
+            len: seq_len,
+            rows_on: vec![0; n],
+            tokens_on: vec![0; n],
+        })
+        .collect();
+    // [token × device]: whether one of its experts is there.
+    let mut has = vec![false; c.perm.order.len() / k * n];
+    for (e, &dev) in owner.iter().enumerate() {
+        let dev = dev as usize;
+        for &a in c.perm.rows(e) {
+            let token = a as usize / k;
+            let s = &mut seqs[token / seq_len];
+            s.rows_on[dev] += 1;
+            if !std::mem::replace(&mut has[token * n + dev], true) {
+                s.tokens_on[dev] += 1;
+            }
+        }
+    }
+    seqs
+}
+
+/// What one planner does over every layer (`None`: no migration).
+fn follow(
+    t: &Trained,
+    spec: &CaptureSpec,
+    n: usize,
+    placement: &Placement,
+    planner: Option<&MigrationConfig>,
+    reps: usize,
+) -> (MigrateRow, f64) {
+    let moe = t.lm.moe();
+    let (k, len) = (moe.top_k, spec.seq_len);
+    let cost = AttentionCost {
+        d_model: moe.d_model,
+    };
+    let batch = t.layers.first().map_or(0, |c| c.perm.order.len() / k / len);
+    let mut at: Vec<u16> = (0..batch).map(|s| (s * n / batch) as u16).collect();
+    let (mut dispatch, mut combine, mut moved) = (0u64, 0u64, 0u64);
+    let mut residual = [0u64; 2];
+    // What the plan's moves cost: LUFFY's as the engine's layer moves them.
+    let costed = match planner.map(|p| p.accounting) {
+        Some(Accounting::ExpertOutputs) | None => Accounting::WithResidual,
+        Some(other) => other,
+    };
+    let (mut worst, mut plan_s) = (1.0f64, 0.0f64);
+    for (l, c) in t.layers.iter().enumerate() {
+        let seqs = routes(c, &placement[l], &at, k, len, n);
+        dispatch += seqs.iter().map(|s| s.outputs_pulled(s.at)).sum::<u64>();
+        let dest = match planner {
+            Some(cfg) => {
+                let mut times = Vec::new();
+                let mut dest = Vec::new();
+                for _ in 0..reps.max(1) {
+                    let t0 = Instant::now();
+                    dest = plan(&seqs, n, cost, cfg);
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+                plan_s += super::median(times);
+                dest
+            }
+            None => at.clone(),
+        };
+        for (s, &j) in seqs.iter().zip(&dest) {
+            combine += s.outputs_pulled(j);
+            let [forward, backward] = s.residual_moved(j, costed);
+            residual[0] += forward;
+            residual[1] += backward;
+            moved += u64::from(j != s.at);
+        }
+        let loads = attention_loads(&seqs, &dest, n, cost);
+        let mean = loads.iter().sum::<f64>() / n as f64;
+        let max = loads.iter().copied().fold(0.0, f64::max);
+        if mean > 0.0 {
+            worst = worst.max(max / mean);
+        }
+        at = dest;
+    }
+    let row = MigrateRow {
+        bench: "migrate",
+        preset: spec.preset.clone(),
+        train_steps: spec.train_steps,
+        devices: n,
+        placement: "",
+        planner: match planner.map(|p| p.accounting) {
+            None => "stay",
+            Some(Accounting::ExpertOutputs) => "luffy",
+            Some(Accounting::WithResidual) => "exact",
+            Some(Accounting::ResidualWithDispatch) => "dispatch-h",
+        },
+        candidates: planner.map_or(0, |p| p.candidates),
+        slack: planner.map_or(0.0, |p| p.slack),
+        dispatch_rows: dispatch,
+        combine_rows: combine,
+        residual_rows: residual[0],
+        residual_grad_rows: residual[1],
+        rows_vs_stay: 0.0,
+        combine_vs_stay: 0.0,
+        moved,
+        attention_max_over_mean: worst,
+        plan_s,
+    };
+    let total = 2 * (dispatch + combine) + residual[0] + residual[1];
+    (row, total as f64)
+}
+
+/// Trains, captures, and follows the sequences (see the module).
+pub fn run(cfg: &MigrateBench) -> Result<Vec<MigrateRow>, String> {
+    let batch = cfg.capture.batch;
+    if let Some(n) = cfg.devices.iter().find(|&&n| n == 0 || n > batch) {
+        return Err(format!(
+            "{n} devices for a batch of {batch} sequences: need 1 to {batch}"
+        ));
+    }
+    let t = train_and_capture(&cfg.capture)?;
+    let mut rows = Vec::new();
+    for &n in &cfg.devices {
+        let planners: Vec<Option<MigrationConfig>> = [None]
+            .into_iter()
+            .chain(
+                [
+                    Accounting::ExpertOutputs,
+                    Accounting::WithResidual,
+                    Accounting::ResidualWithDispatch,
+                ]
+                .into_iter()
+                .flat_map(|accounting| {
+                    [1, 2].map(|candidates| {
+                        Some(MigrationConfig {
+                            candidates,
+                            slack: cfg.slack,
+                            accounting,
+                        })
+                    })
+                }),
+            )
+            .collect();
+        for (name, placement) in placements(&t, n)? {
+            let mut stay: Option<(f64, u64)> = None;
+            for planner in &planners {
+                let (mut row, total) =
+                    follow(&t, &cfg.capture, n, &placement, planner.as_ref(), cfg.reps);
+                row.placement = name;
+                let (stay_total, stay_combine) = *stay.get_or_insert((total, row.combine_rows));
+                row.rows_vs_stay = total / stay_total.max(1.0);
+                let combines = 2 * row.combine_rows + row.residual_rows + row.residual_grad_rows;
+                row.combine_vs_stay = combines as f64 / (2 * stay_combine).max(1) as f64;
+                rows.push(row);
+            }
+        }
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_short_run_follows_every_placement_and_planner() {
+        let cfg = MigrateBench {
+            capture: CaptureSpec {
+                preset: "tiny".into(),
+                train_steps: 2,
+                seq_len: 16,
+                batch: 8,
+            },
+            devices: vec![2, 4],
+            slack: 0.0,
+            reps: 1,
+        };
+        let rows = run(&cfg).unwrap();
+        // devices × placements × (stay + 3 accountings × 2 candidates)
+        assert_eq!(rows.len(), 2 * 3 * 7);
+        let layers = strata::lm::LmConfig::preset("tiny").unwrap().layers as u64;
+        for r in &rows {
+            // Every assignment is dispatched from, and combined to, one
+            // device; those already there do not cross.
+            assert!(r.dispatch_rows <= layers * 8 * 16 * 2, "{r:?}");
+            assert_eq!(r.residual_grad_rows, r.moved * 16, "{r:?}");
+            if r.planner == "dispatch-h" {
+                assert!(r.residual_rows <= r.moved * 16, "{r:?}");
+            } else {
+                assert_eq!(r.residual_rows, r.moved * 16, "{r:?}");
+            }
+            // Sequences of one length and no slack: never over ⌈B / N⌉.
+            assert!(r.attention_max_over_mean <= 1.0 + 1e-9, "{r:?}");
+            if r.planner == "stay" {
+                assert_eq!((r.moved, r.combine_rows), (0, r.dispatch_rows), "{r:?}");
+                assert_eq!(r.rows_vs_stay, 1.0);
+            }
+        }
+    }
+
+    #[test]
+    fn more_devices_than_sequences_is_refused() {
+        let cfg = MigrateBench {
+            capture: CaptureSpec {
+                preset: "tiny".into(),
+                train_steps: 1,
+                seq_len: 8,
+                batch: 2,
+            },
+            devices: vec![4],
+            slack: 0.0,
+            reps: 1,
+        };
+        assert!(run(&cfg).unwrap_err().contains("need 1 to 2"));
+    }
+}
