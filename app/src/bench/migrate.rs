@@ -13,7 +13,10 @@
 //!   (and in the backward, their gradient rows back);
 //! - the sequences moved, and the attention's balance after each layer
 //!   (the busiest device's cost over the mean, the worst layer's);
-//! - the planners' time over every layer.
+//! - the planners' time over every layer;
+//! - the step over a modeled link: the measured training step (one
+//!   device, this machine) plus every row's bytes (f32) at the link's
+//!   rate.
 //!
 //! Placements: round-robin; each layer by LPT on the batch's counts (the
 //! engine's); and ExFlow's affinity placement from the training's trace
@@ -41,6 +44,8 @@ pub struct MigrateBench {
     pub slack: f64,
     /// Timed repetitions of each plan (median).
     pub reps: usize,
+    /// The modeled link between devices, GB/s.
+    pub link_gb_per_s: f64,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -79,6 +84,11 @@ pub struct MigrateRow {
     pub attention_max_over_mean: f64,
     /// The plans of every layer, median of the repetitions.
     pub plan_s: f64,
+    /// Every row's bytes, forward and backward, at the link's rate.
+    pub link_s: f64,
+    /// The measured step plus `link_s`.
+    pub modeled_step_s: f64,
+    pub link_gb_per_s: f64,
 }
 
 /// `[layer][expert]`: the device computing each expert.
@@ -234,6 +244,9 @@ fn follow(
         moved,
         attention_max_over_mean: worst,
         plan_s,
+        link_s: 0.0,
+        modeled_step_s: 0.0,
+        link_gb_per_s: 0.0,
     };
     let total = 2 * (dispatch + combine) + residual[0] + residual[1];
     (row, total as f64)
@@ -276,6 +289,10 @@ pub fn run(cfg: &MigrateBench) -> Result<Vec<MigrateRow>, String> {
                 let (mut row, total) =
                     follow(&t, &cfg.capture, n, &placement, planner.as_ref(), cfg.reps);
                 row.placement = name;
+                row.link_gb_per_s = cfg.link_gb_per_s;
+                let bytes = total * t.lm.moe().d_model as f64 * 4.0;
+                row.link_s = bytes / (cfg.link_gb_per_s * 1e9);
+                row.modeled_step_s = t.step_s + row.link_s;
                 let (stay_total, stay_combine) = *stay.get_or_insert((total, row.combine_rows));
                 row.rows_vs_stay = total / stay_total.max(1.0);
                 let combines = 2 * row.combine_rows + row.residual_rows + row.residual_grad_rows;
@@ -303,6 +320,7 @@ mod tests {
             devices: vec![2, 4],
             slack: 0.0,
             reps: 1,
+            link_gb_per_s: 10.0,
         };
         let rows = run(&cfg).unwrap();
         // devices × placements × (stay + 3 accountings × 2 candidates)
@@ -323,6 +341,9 @@ mod tests {
             if r.planner == "stay" {
                 assert_eq!((r.moved, r.combine_rows), (0, r.dispatch_rows), "{r:?}");
                 assert_eq!(r.rows_vs_stay, 1.0);
+                // Dispatch and combine, forward and backward, of 64 f32s.
+                let bytes = 4.0 * r.dispatch_rows as f64 * 64.0 * 4.0;
+                assert!((r.link_s - bytes / 10e9).abs() < 1e-12, "{r:?}");
             }
         }
     }
@@ -339,6 +360,7 @@ mod tests {
             devices: vec![4],
             slack: 0.0,
             reps: 1,
+            link_gb_per_s: 10.0,
         };
         assert!(run(&cfg).unwrap_err().contains("need 1 to 2"));
     }

@@ -233,6 +233,9 @@ pub struct MigrateArgs {
     /// (0.25: 25 %).
     #[arg(long, default_value_t = 0.0)]
     pub slack: f64,
+    /// The modeled link between devices, GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    pub link_gb_per_s: f64,
     /// Timed repetitions of each plan.
     #[arg(long, default_value_t = 5)]
     pub reps: usize,

@@ -93,12 +93,16 @@ pub(super) fn condense(args: CondenseArgs) -> Result<(), CliError> {
 }
 
 pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
+    let link = args.link_gb_per_s;
     if args.batch == 0 || args.seq_len == 0 || args.slack.is_nan() || args.slack < 0.0 {
         return Err(
             "--batch and --seq-len must be at least 1, --slack at least 0"
                 .to_string()
                 .into(),
         );
+    }
+    if link.is_nan() || link <= 0.0 {
+        return Err(format!("--link-gb-per-s {link}: give a rate above 0").into());
     }
     if let Some(&n) = args.devices.iter().find(|&&n| n == 0 || n > args.batch) {
         return Err(format!(
@@ -122,6 +126,7 @@ pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
         devices: args.devices,
         slack: args.slack,
         reps: args.reps,
+        link_gb_per_s: args.link_gb_per_s,
     })?;
     if args.json {
         return write_json_lines(&rows);
@@ -129,7 +134,7 @@ pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8} {:>8} {:>6} {:>6} {:>9}",
+        "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9}",
         "devices",
         "placement",
         "planner",
@@ -140,7 +145,8 @@ pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
         "combine÷",
         "moved",
         "attn",
-        "plan ms"
+        "plan ms",
+        "link ms"
     )?;
     for r in &rows {
         let planner = match r.candidates {
@@ -149,7 +155,7 @@ pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
         };
         writeln!(
             out,
-            "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8.3} {:>8.3} {:>6} {:>6.3} {:>9.3}",
+            "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8.3} {:>8.3} {:>6} {:>6.3} {:>9.3} {:>9.3}",
             r.devices,
             r.placement,
             planner,
@@ -160,7 +166,8 @@ pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
             r.combine_vs_stay,
             r.moved,
             r.attention_max_over_mean,
-            r.plan_s * 1e3
+            r.plan_s * 1e3,
+            r.link_s * 1e3
         )?;
     }
     Ok(())
