@@ -154,6 +154,51 @@ fn launch_trains_what_devices_in_one_process_train() {
     println!("mpi case: strata launch --nproc 2, the bits of --devices 2 over 20 steps");
 }
 
+/// Token condensation with ranks as processes: each rank condenses what it
+/// sends, with the adaptive threshold from the losses every rank shares,
+/// and `mpirun -n 2` trains what `--devices 2` trains, bit for bit, the
+/// ranks together condensing as many assignments at every step.
+#[test]
+fn condensing_ranks_train_what_condensing_devices_train() {
+    if !mpirun_found() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (devices, ranks) = (dir.path().join("devices"), dir.path().join("ranks"));
+    let flags = [FLAGS, &["--condense", "adaptive:0.9"]].concat();
+    devices_run(2, &flags, 12, &devices);
+    let mpi = mpirun(2, &flags, 12, false, &ranks);
+    let out = output_within(
+        mpi,
+        "mpirun -n 2 strata train --condense",
+        Duration::from_secs(600),
+    );
+    let text = said(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("condens"), "the first line names it: {text}");
+    ranks_match(&devices, &ranks, 2);
+    let condensed = |dir: &Path| -> Vec<u64> {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .filter_map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).ok()?["condensed"].as_u64()
+            })
+            .collect()
+    };
+    let want = condensed(&devices);
+    assert_eq!(want.len(), 12);
+    assert!(want.iter().any(|&c| c > 0), "nothing condensed: {want:?}");
+    // A rank's metrics other than its loss are its own: their sum is the
+    // devices'.
+    let (r0, r1) = (
+        condensed(&ranks.join("rank-0")),
+        condensed(&ranks.join("rank-1")),
+    );
+    let sum: Vec<u64> = r0.iter().zip(&r1).map(|(a, b)| a + b).collect();
+    assert_eq!(sum, want);
+    println!("mpi case: condensing ranks, the bits of --devices 2 --condense over 12 steps");
+}
+
 /// `strata bench pipeline --mpi` under `mpirun -n 2`: every arm's engine
 /// joins the ranks through an endpoint of its own (an `MPI_Comm_dup`), and
 /// rank 0 reports each arm over MPI's own transport.
