@@ -144,23 +144,16 @@ struct DeviceLoad {
 /// The device each sequence is rebuilt on (see the module).
 ///
 /// # Panics
-/// If `devices` is 0 or over 65 536, a sequence's `rows_on` does not have
-/// one count per device, or a sequence is on a device past the last.
+/// If `devices` is 0 or over 65 536, a sequence's `rows_on` or
+/// `tokens_on` does not have one count per device, or a sequence is on a
+/// device past the last.
 pub fn plan(
     seqs: &[SequenceRoutes],
     devices: usize,
     cost: AttentionCost,
     cfg: &MigrationConfig,
 ) -> Vec<u16> {
-    assert!(
-        (1..=1 << 16).contains(&devices),
-        "{devices} devices: a plan needs 1 to 65536"
-    );
-    for (i, s) in seqs.iter().enumerate() {
-        assert_eq!(s.rows_on.len(), devices, "sequence {i}: a count a device");
-        assert_eq!(s.tokens_on.len(), devices, "sequence {i}: a count a device");
-        assert!((s.at as usize) < devices, "sequence {i} is on no device");
-    }
+    check(seqs, devices);
     let acc = cfg.accounting;
     let longest = seqs.iter().map(|s| s.len).max().unwrap_or(0);
     let cap = (1.0 + cfg.slack.max(0.0)) * cost.of(seqs.len().div_ceil(devices), longest);
@@ -201,11 +194,38 @@ pub fn plan(
         loads[chosen].longest = loads[chosen].longest.max(s.len);
         dest[i] = chosen as u16;
     }
-    // A move that fills a device can push a sequence that had nothing to
-    // gain off it: where the plan pulls more rows than staying would and
-    // balances the attention no better, every sequence stays.
+    no_worse_than_staying(seqs, dest, devices, cost, acc)
+}
+
+fn check(seqs: &[SequenceRoutes], devices: usize) {
+    assert!(
+        (1..=1 << 16).contains(&devices),
+        "{devices} devices: a plan needs 1 to 65536"
+    );
+    for (i, s) in seqs.iter().enumerate() {
+        assert_eq!(s.rows_on.len(), devices, "sequence {i}: a count a device");
+        assert_eq!(s.tokens_on.len(), devices, "sequence {i}: a count a device");
+        assert!((s.at as usize) < devices, "sequence {i} is on no device");
+    }
+}
+
+/// A move that fills a device can push a sequence that had nothing to gain
+/// off it: where `dest` pulls more rows than staying would and balances the
+/// attention no better, every sequence stays.
+fn no_worse_than_staying(
+    seqs: &[SequenceRoutes],
+    dest: Vec<u16>,
+    devices: usize,
+    cost: AttentionCost,
+    acc: Accounting,
+) -> Vec<u16> {
     let stay: Vec<u16> = seqs.iter().map(|s| s.at).collect();
-    let total = |to: &[u16]| -> u64 { (0..seqs.len()).map(|i| pulled(i, to[i] as usize)).sum() };
+    let total = |to: &[u16]| -> u64 {
+        seqs.iter()
+            .zip(to)
+            .map(|(s, &j)| s.pulled_rows(j, acc))
+            .sum()
+    };
     let busiest = |to: &[u16]| {
         attention_loads(seqs, to, devices, cost)
             .into_iter()

@@ -165,6 +165,35 @@ fn routes(
     seqs
 }
 
+/// `cfg`'s plan for one layer, and the median of `reps` timings of it.
+fn timed_plan(
+    seqs: &[SequenceRoutes],
+    n: usize,
+    cost: AttentionCost,
+    cfg: &MigrationConfig,
+    reps: usize,
+) -> (Vec<u16>, f64) {
+    let mut times = Vec::new();
+    let mut dest = Vec::new();
+    for _ in 0..reps.max(1) {
+        let t0 = Instant::now();
+        dest = plan(seqs, n, cost, cfg);
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    (dest, super::median(times))
+}
+
+/// The busiest device's load over the mean (1 where nothing is loaded).
+fn busiest_over_mean(loads: &[f64]) -> f64 {
+    let mean = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    let max = loads.iter().copied().fold(0.0, f64::max);
+    if mean > 0.0 {
+        max / mean
+    } else {
+        1.0
+    }
+}
+
 /// What one planner does over every layer (`None`: no migration).
 fn follow(
     t: &Trained,
@@ -194,14 +223,8 @@ fn follow(
         dispatch += seqs.iter().map(|s| s.outputs_pulled(s.at)).sum::<u64>();
         let dest = match planner {
             Some(cfg) => {
-                let mut times = Vec::new();
-                let mut dest = Vec::new();
-                for _ in 0..reps.max(1) {
-                    let t0 = Instant::now();
-                    dest = plan(&seqs, n, cost, cfg);
-                    times.push(t0.elapsed().as_secs_f64());
-                }
-                plan_s += super::median(times);
+                let (dest, secs) = timed_plan(&seqs, n, cost, cfg, reps);
+                plan_s += secs;
                 dest
             }
             None => at.clone(),
@@ -213,12 +236,7 @@ fn follow(
             residual[1] += backward;
             moved += u64::from(j != s.at);
         }
-        let loads = attention_loads(&seqs, &dest, n, cost);
-        let mean = loads.iter().sum::<f64>() / n as f64;
-        let max = loads.iter().copied().fold(0.0, f64::max);
-        if mean > 0.0 {
-            worst = worst.max(max / mean);
-        }
+        worst = worst.max(busiest_over_mean(&attention_loads(&seqs, &dest, n, cost)));
         at = dest;
     }
     let row = MigrateRow {
