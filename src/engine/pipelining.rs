@@ -93,14 +93,48 @@ impl Engine {
         }
         let mut secs = m.exchange_layer_s.clone();
         if let Some(ranks) = self.ranks.as_mut() {
-            let mut flat: Vec<f32> = secs.iter().flatten().map(|&s| s as f32).collect();
-            ranks.comm.all_reduce_sum(&mut flat)?;
-            let n = ranks.comm.size() as f64;
-            for (pair, sums) in secs.iter_mut().zip(flat.chunks(2)) {
-                *pair = [sums[0] as f64 / n, sums[1] as f64 / n];
-            }
+            average_over_ranks(&mut *ranks.comm, &mut secs)?;
         }
         search.record(&asked, &m.exchange_layer_parts, &secs);
         Ok(())
+    }
+}
+
+/// Each [forward, backward] pair of times replaced by its mean over the
+/// ranks of `comm` (a collective every rank makes).
+fn average_over_ranks(comm: &mut dyn Comm, secs: &mut [[f64; 2]]) -> Result<(), EngineError> {
+    let mut flat: Vec<f32> = secs.iter().flatten().map(|&s| s as f32).collect();
+    comm.all_reduce_sum(&mut flat)?;
+    let n = comm.size() as f64;
+    for (pair, sums) in secs.iter_mut().zip(flat.chunks(2)) {
+        *pair = [sums[0] as f64 / n, sums[1] as f64 / n];
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_average_each_layer_s_times() {
+        let mine = |rank: usize| vec![[1.5 + rank as f64, 0.25], [3.0, 2.0 * rank as f64]];
+        let averaged: Vec<Vec<[f64; 2]>> = std::thread::scope(|s| {
+            let handles: Vec<_> = InProcessComm::endpoints(2)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, mut comm)| {
+                    s.spawn(move || {
+                        let mut secs = mine(rank);
+                        average_over_ranks(&mut comm, &mut secs).unwrap();
+                        secs
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for secs in averaged {
+            assert_eq!(secs, vec![[2.0, 0.25], [3.0, 1.0]]);
+        }
     }
 }
