@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use crate::comm::{Comm, CommError};
 use crate::engine::part_search::MAX_PARTS;
+use crate::engine::pipeline::Pass;
 
 /// Bytes each rank sends to each peer in the calibration's all-to-alls.
 const CALIBRATION_BYTES: [usize; 3] = [0, 256 << 10, 2 << 20];
@@ -103,6 +104,16 @@ pub(crate) struct LayerLoad<'a> {
     pub row_bytes: u64,
     /// Seconds of expert compute per row in this pass.
     pub s_per_row: f64,
+}
+
+/// The share of an expert's cost per row (its forward and backward
+/// together, as the placement measures it) that `pass` takes: a third in
+/// the forward, two in the backward, as their GEMMs' FLOPs.
+pub(crate) fn pass_share(pass: Pass) -> f64 {
+    match pass {
+        Pass::Forward => 1.0 / 3.0,
+        Pass::Backward => 2.0 / 3.0,
+    }
 }
 
 /// The predicted time of a layer's exchange and expert compute, with

@@ -23,7 +23,7 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
-use super::granularity::{predict, LayerLoad};
+use super::granularity::{pass_share, predict, LayerLoad};
 use super::{concat, pass_index, split_into, ExchangeRunner, ExpertRows, LayerPlan};
 use crate::comm::{Comm, CommError};
 use crate::engine::config::ExchangeParts;
@@ -82,19 +82,14 @@ impl<C: Comm> ExchangeRunner<'_, C> {
     }
 
     /// What the cost model needs of this layer in `pass`: its plan, a
-    /// row's bytes, and the placement's cost per row (a third of it in the
-    /// forward, two in the backward, as their FLOPs).
+    /// row's bytes, and the placement's cost per row (`pass_share` of it).
     fn layer_load(&self, layer: usize, pass: Pass) -> LayerLoad<'_> {
         let plan = &self.plans[layer];
-        let share = match pass {
-            Pass::Forward => 1.0 / 3.0,
-            Pass::Backward => 2.0 / 3.0,
-        };
         LayerLoad {
             counts: &plan.counts,
             owner: &plan.owner,
             row_bytes: (self.inner.model.d_model * 4) as u64,
-            s_per_row: self.cost.per_token_s * share,
+            s_per_row: self.cost.per_token_s * pass_share(pass),
         }
     }
 

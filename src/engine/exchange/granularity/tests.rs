@@ -166,3 +166,13 @@ fn calibration_finds_a_modeled_link_and_every_rank_holds_the_same_fit() {
         fit.fixed_s
     );
 }
+
+/// The placement measures an expert's cost per row over its forward and
+/// backward together: the passes' shares are the whole of it, the
+/// backward's twice the forward's (two GEMMs of each one's shape).
+#[test]
+fn the_passes_share_the_cost_per_row_one_to_two() {
+    let (f, b) = (pass_share(Pass::Forward), pass_share(Pass::Backward));
+    assert!((f + b - 1.0).abs() < 1e-15, "{f} + {b}");
+    assert!((b - 2.0 * f).abs() < 1e-15, "{b} against 2 × {f}");
+}
