@@ -106,10 +106,30 @@ pub(crate) struct LayerLoad<'a> {
     pub s_per_row: f64,
 }
 
+impl<'a> LayerLoad<'a> {
+    /// A layer of `counts` and `owner` in `pass`: f32 rows of `d_model`
+    /// on the wire, and `pass_share` of the placement's cost per row
+    /// (`per_token_s`, forward and backward together).
+    pub fn in_pass(
+        counts: &'a [Vec<u32>],
+        owner: &'a [u16],
+        d_model: usize,
+        per_token_s: f64,
+        pass: Pass,
+    ) -> Self {
+        Self {
+            counts,
+            owner,
+            row_bytes: (d_model * 4) as u64,
+            s_per_row: per_token_s * pass_share(pass),
+        }
+    }
+}
+
 /// The share of an expert's cost per row (its forward and backward
 /// together, as the placement measures it) that `pass` takes: a third in
 /// the forward, two in the backward, as their GEMMs' FLOPs.
-pub(crate) fn pass_share(pass: Pass) -> f64 {
+fn pass_share(pass: Pass) -> f64 {
     match pass {
         Pass::Forward => 1.0 / 3.0,
         Pass::Backward => 2.0 / 3.0,

@@ -23,7 +23,7 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
-use super::granularity::{pass_share, predict, LayerLoad};
+use super::granularity::{predict, LayerLoad};
 use super::{concat, pass_index, split_into, ExchangeRunner, ExpertRows, LayerPlan};
 use crate::comm::{Comm, CommError};
 use crate::engine::config::ExchangeParts;
@@ -82,15 +82,11 @@ impl<C: Comm> ExchangeRunner<'_, C> {
     }
 
     /// What the cost model needs of this layer in `pass`: its plan, a
-    /// row's bytes, and the placement's cost per row (`pass_share` of it).
+    /// row's bytes, and the pass's share of the placement's cost per row.
     fn layer_load(&self, layer: usize, pass: Pass) -> LayerLoad<'_> {
         let plan = &self.plans[layer];
-        LayerLoad {
-            counts: &plan.counts,
-            owner: &plan.owner,
-            row_bytes: (self.inner.model.d_model * 4) as u64,
-            s_per_row: self.cost.per_token_s * pass_share(pass),
-        }
+        let d = self.inner.model.d_model;
+        LayerLoad::in_pass(&plan.counts, &plan.owner, d, self.cost.per_token_s, pass)
     }
 
     /// Dispatches this device's rows (from `fill`) part by part, runs

@@ -169,10 +169,14 @@ fn calibration_finds_a_modeled_link_and_every_rank_holds_the_same_fit() {
 
 /// The placement measures an expert's cost per row over its forward and
 /// backward together: the passes' shares are the whole of it, the
-/// backward's twice the forward's (two GEMMs of each one's shape).
+/// backward's twice the forward's (two GEMMs of each one's shape); a row
+/// on the wire is d_model f32s.
 #[test]
-fn the_passes_share_the_cost_per_row_one_to_two() {
-    let (f, b) = (pass_share(Pass::Forward), pass_share(Pass::Backward));
-    assert!((f + b - 1.0).abs() < 1e-15, "{f} + {b}");
-    assert!((b - 2.0 * f).abs() < 1e-15, "{b} against 2 × {f}");
+fn a_layer_s_passes_share_the_cost_per_row_one_to_two() {
+    let (counts, owner) = even_load();
+    let f = LayerLoad::in_pass(&counts, &owner, 48, 0.3, Pass::Forward);
+    let b = LayerLoad::in_pass(&counts, &owner, 48, 0.3, Pass::Backward);
+    assert_eq!((f.row_bytes, b.row_bytes), (192, 192));
+    assert!((f.s_per_row + b.s_per_row - 0.3).abs() < 1e-15);
+    assert!((b.s_per_row - 2.0 * f.s_per_row).abs() < 1e-15);
 }
