@@ -164,7 +164,7 @@ pub fn plan(
         pulled(i, seqs[i].at as usize) - best
     };
     let mut order: Vec<usize> = (0..seqs.len()).collect();
-    order.sort_by_key(|&i| (std::cmp::Reverse(gain(i)), i));
+    order.sort_by_cached_key(|&i| (std::cmp::Reverse(gain(i)), i));
     let mut loads: Vec<DeviceLoad> = (0..devices)
         .map(|_| DeviceLoad {
             seqs: 0,
@@ -177,7 +177,7 @@ pub fn plan(
         // Fewest rows first; staying before moving; then by index.
         let rank = |j: usize| (pulled(i, j), j != s.at as usize, j);
         let mut by_rows: Vec<usize> = (0..devices).collect();
-        by_rows.sort_by_key(|&j| rank(j));
+        by_rows.sort_by_cached_key(|&j| rank(j));
         let after = |l: &DeviceLoad| cost.of(l.seqs + 1, l.longest.max(s.len));
         let growth = |j: usize| after(&loads[j]) - cost.of(loads[j].seqs, loads[j].longest);
         // The cap is met by some device: fewer than ⌈B / N⌉ are on one.
