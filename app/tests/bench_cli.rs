@@ -529,13 +529,15 @@ fn bench_attention_compares_the_engine_s_attention_with_the_plain_one() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("one of: plain, rows"));
 }
 
-/// `bench kernels` prints the peaks and each preset's three shapes, f32
-/// and bf16, as JSON lines, and names a preset it does not know.
+/// `bench kernels` prints the peaks (the tiles' where the CPU has AMX) and
+/// each preset's three shapes, f32 and bf16 on the kernel chosen, as JSON
+/// lines, and names a preset or a kernel it does not know.
 #[test]
 fn bench_kernels_times_the_expert_shapes_against_the_peak() {
     let out = strata_bin()
         .args(["bench", "kernels", "--presets", "tiny", "--tokens", "64"])
         .args(["--steps", "1", "--compute-threads", "1", "--json"])
+        .args(["--bf16-kernel", "portable"])
         .output()
         .unwrap();
     assert!(
@@ -547,17 +549,30 @@ fn bench_kernels_times_the_expert_shapes_against_the_peak() {
     let whats: Vec<&str> = lines.iter().map(|l| l["what"].as_str().unwrap()).collect();
     let shapes = ["gemm", "ffn_forward", "ffn_backward"];
     let bf16 = shapes.map(|s| format!("{s}_bf16"));
-    let expected: Vec<&str> = ["fma_peak", "bf16_peak"]
-        .into_iter()
+    let amx = strata::backend::Bf16Kernel::Amx.supported();
+    let peaks = ["fma_peak", "bf16_peak", "amx_peak"];
+    let peaks = &peaks[..if amx { 3 } else { 2 }];
+    let expected: Vec<&str> = peaks
+        .iter()
+        .copied()
         .chain(shapes)
         .chain(bf16.iter().map(String::as_str))
         .collect();
     assert_eq!(whats, expected);
     assert!(lines.iter().all(|l| l["threads"] == 1));
-    assert!(lines[7]["kernel"].is_string() && lines[2]["kernel"].is_null());
-    assert!(lines[2..]
+    let (f32_lines, bf16_lines) = lines[peaks.len()..].split_at(3);
+    assert!(f32_lines.iter().all(|l| l["kernel"].is_null()));
+    assert!(bf16_lines.iter().all(|l| l["kernel"] == "portable"));
+    assert!(lines[peaks.len()..]
         .iter()
         .all(|l| l["gflop_per_s"].as_f64().unwrap() > 0.0));
+    let unknown = strata_bin()
+        .args(["bench", "kernels", "--bf16-kernel", "avx2", "--steps", "1"])
+        .output()
+        .unwrap();
+    assert!(!unknown.status.success());
+    let err = String::from_utf8_lossy(&unknown.stderr);
+    assert!(err.contains("amx-bf16, avx512-bf16 or portable"), "{err}");
     let bad = strata_bin()
         .args(["bench", "kernels", "--presets", "huge", "--steps", "1"])
         .output()

@@ -829,6 +829,63 @@ fn the_first_line_names_the_backend_it_chose() {
     assert!(line.ends_with("backend cpu"), "{line}");
 }
 
+/// `--bf16-kernel` fixes the cpu's bf16 GEMM kernel for the run: its first
+/// line names it and `run.json` keeps it; the portable and AVX-512
+/// kernels train the same bits; a kernel this CPU lacks, or a name strata
+/// does not know, is refused before training.
+#[test]
+fn the_bf16_kernel_is_chosen_named_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut losses = Vec::new();
+    for name in ["portable", "avx512-bf16", "amx-bf16"] {
+        let kernel = strata::backend::Bf16Kernel::from_name(name).unwrap();
+        let out = dir.path().join(name);
+        let mut args = cli_args(&out, 4);
+        args.extend(["--backend", "cpu", "--bf16-kernel", name].map(String::from));
+        let run = strata_bin().args(&args).output().unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        if !kernel.supported() {
+            assert!(!run.status.success());
+            let err = String::from_utf8_lossy(&run.stderr);
+            let why = format!("this CPU cannot run the {name} kernel");
+            assert!(err.contains(&why), "{err}");
+            continue;
+        }
+        assert!(run.status.success(), "{run:?}");
+        let first = stdout.lines().next().unwrap_or_default();
+        assert!(
+            first.contains(&format!("expert GEMMs in bf16 ({name})")),
+            "{first}"
+        );
+        let record = std::fs::read_to_string(out.join("run.json")).unwrap();
+        let record: serde_json::Value = serde_json::from_str(&record).unwrap();
+        assert_eq!(record["options"]["bf16_kernel"], name);
+        let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let loss: Vec<u32> = log
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|m| m["loss"].as_f64())
+            .map(|l| (l as f32).to_bits())
+            .collect();
+        assert!(!loss.is_empty(), "{log}");
+        losses.push((name, loss));
+    }
+    let same_order: Vec<_> = losses.iter().filter(|(k, _)| *k != "amx-bf16").collect();
+    assert!(
+        same_order.windows(2).all(|w| w[0].1 == w[1].1),
+        "{losses:?}"
+    );
+    let mut args = cli_args(&dir.path().join("bogus"), 1);
+    args.extend(["--bf16-kernel", "avx2"].map(String::from));
+    let run = strata_bin().args(&args).output().unwrap();
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        err.contains("give auto, amx-bf16, avx512-bf16 or portable"),
+        "{err}"
+    );
+}
+
 /// Whether the cuda cases run on the CPU model of the driver, the only
 /// one that can be given a size and reports its peak; else says why the
 /// `what` case skips.

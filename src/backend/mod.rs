@@ -19,6 +19,8 @@ mod modeled;
 mod narrow;
 
 pub use bf16_gemm::Bf16Kernel;
+#[cfg(target_arch = "x86_64")]
+pub use bf16_gemm::{amx_dot_loop, AMX_DOT_LOOP_FLOPS};
 pub use cpu::CpuBackend;
 
 /// On a GPU, the most bytes one block of attention scores takes (the

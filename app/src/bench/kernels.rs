@@ -1,14 +1,15 @@
 //! `strata bench kernels`: the cpu backend's expert FFN, and the GEMM it
 //! is made of, at the presets' expert shapes, in f32 and in bf16 (the
 //! params as stored, `ExpertGemm`), against this machine's peaks measured
-//! in the same run: loops of independent f32 fused multiply-adds, and of
-//! bf16 pair dot products (`vdpbf16ps`), on every compute thread, which
-//! nothing can beat. Each repetition times the peak loops, then every
-//! shape: a shape's time is its median repetition's, a peak the highest
-//! repetition's (another tenant's work can only lower what the loop
-//! reaches). The f32 peak needs AVX2 and FMA, the bf16 one AVX512-BF16
-//! (x86-64); elsewhere a peak is reported as unknown and no share of it is
-//! given.
+//! in the same run: loops of independent f32 fused multiply-adds, of bf16
+//! pair dot products (`vdpbf16ps`), and of AMX tile products
+//! (`tdpbf16ps`), on every compute thread, which nothing can beat. Each
+//! repetition times the peak loops, then every shape: a shape's time is
+//! its median repetition's, a peak the highest repetition's (another
+//! tenant's work can only lower what the loop reaches). The f32 peak needs
+//! AVX2 and FMA, the bf16 one AVX512-BF16, the tiles' AMX-BF16 (x86-64);
+//! elsewhere a peak is reported as unknown and no share of it is given. A
+//! bf16 line's share is of the peak of its kernel's instruction.
 
 use std::time::{Duration, Instant};
 
@@ -37,12 +38,13 @@ pub struct KernelsBenchConfig {
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelsBenchRecord {
     pub bench: &'static str,
-    /// `fma_peak`, `bf16_peak`, `gemm` (the up projection, x · w1ᵀ) or
+    /// `fma_peak`, `bf16_peak`, `amx_peak`, `gemm` (the up projection, x · w1ᵀ) or
     /// `ffn_forward` / `ffn_backward` (the expert as the engine computes
     /// it), the last three in f32 and with `_bf16` (bf16 params, bf16
     /// products).
     pub what: &'static str,
-    /// The bf16 GEMM's kernel (`avx512-bf16` or `portable`), on bf16 lines.
+    /// The bf16 GEMM's kernel (`amx-bf16`, `avx512-bf16` or `portable`),
+    /// on bf16 lines.
     pub kernel: Option<&'static str>,
     pub preset: Option<String>,
     /// Rows (the expert's tokens), model width, hidden width.
@@ -55,8 +57,9 @@ pub struct KernelsBenchRecord {
     pub median_s: f64,
     /// Multiply-adds × 2 a second, the median repetition's.
     pub gflop_per_s: f64,
-    /// Of the peak of its type (f32 or bf16) measured in the same run, its
-    /// highest repetition (`None` where there is none).
+    /// Of the peak of its type measured in the same run (f32; bf16: its
+    /// kernel's, `vdpbf16ps` or the tiles'), the peak's highest repetition
+    /// (`None` where there is none).
     pub share_of_peak: Option<f64>,
 }
 
@@ -132,11 +135,12 @@ pub fn run(
         }
     }
     let threads = strata::compute_threads();
-    let (mut peak, mut bf16_peak) = (Vec::new(), Vec::new());
+    let (mut peak, mut bf16_peak, mut amx_peak) = (Vec::new(), Vec::new(), Vec::new());
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); shapes.len()];
     for step in 0..=config.steps {
         let flops = fma_peak(threads, config.peak_time);
         let bf16_flops = bf16_dot_peak(threads, config.peak_time);
+        let amx_flops = amx_tile_peak(threads, config.peak_time);
         for (shape, t) in shapes.iter().zip(&mut times) {
             let took = time_shape(shape);
             if step > 0 {
@@ -146,6 +150,7 @@ pub fn run(
         if step > 0 {
             peak.extend(flops);
             bf16_peak.extend(bf16_flops);
+            amx_peak.extend(amx_flops);
             progress(format!("repetition {step} of {}", config.steps));
         }
     }
@@ -153,13 +158,20 @@ pub fn run(
     // tenant's work only lowers it): the highest is kept.
     let peak = peak.into_iter().reduce(f64::max);
     let bf16_peak = bf16_peak.into_iter().reduce(f64::max);
-    let kernel = Bf16Kernel::detected().name();
-    let record = |what, bf16: bool, preset, (rows, d, f), median_s: f64, gflop: f64| {
-        let peak = if bf16 { bf16_peak } else { peak };
+    let amx_peak = amx_peak.into_iter().reduce(f64::max);
+    let kernel = Bf16Kernel::in_use();
+    let kernel_peak = match kernel {
+        Bf16Kernel::Amx => amx_peak,
+        Bf16Kernel::Avx512 => bf16_peak,
+        Bf16Kernel::Portable => None,
+    };
+    let record = |what: &'static str, peak: Option<f64>, preset, (rows, d, f), median_s, gflop| {
+        // A shape timed with bf16 products (not a peak).
+        let bf16 = what.ends_with("_bf16");
         KernelsBenchRecord {
             bench: "kernels",
             what,
-            kernel: bf16.then_some(kernel),
+            kernel: bf16.then_some(kernel.name()),
             preset,
             rows,
             d_model: d,
@@ -175,7 +187,7 @@ pub fn run(
     let mut records = vec![
         record(
             "fma_peak",
-            false,
+            peak,
             None,
             (0, 0, 0),
             secs,
@@ -183,21 +195,32 @@ pub fn run(
         ),
         record(
             "bf16_peak",
-            true,
+            bf16_peak,
             None,
             (0, 0, 0),
             secs,
             bf16_peak.unwrap_or(0.0) / 1e9,
         ),
     ];
+    if let Some(amx) = amx_peak {
+        records.push(record(
+            "amx_peak",
+            amx_peak,
+            None,
+            (0, 0, 0),
+            secs,
+            amx / 1e9,
+        ));
+    }
     for (shape, t) in shapes.iter().zip(times) {
         let s = median(t.iter().map(Duration::as_secs_f64).collect());
         let gflop = shape.flops() / s / 1e9;
         let dims = (shape.rows, shape.d, shape.f);
         let what = shape.what.name(shape.bf16);
+        let peak = if shape.bf16 { kernel_peak } else { peak };
         records.push(record(
             what,
-            shape.bf16,
+            peak,
             Some(shape.preset.clone()),
             dims,
             s,
@@ -288,10 +311,16 @@ fn shape_call(shape: &Shape) -> Box<dyn FnMut() -> Duration> {
 }
 
 /// f32 flops a second of fused multiply-adds on `threads` threads for
-/// about `time`; `None` without AVX2 and FMA.
+/// about `time`, on the widest registers the CPU has (AVX-512's 16 lanes,
+/// else AVX2's 8); `None` without AVX2 and FMA.
 fn fma_peak(threads: usize, time: Duration) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX512F was detected.
+            let block = || std::hint::black_box(unsafe { fma_block_avx512(FMA_BLOCK) });
+            return Some(peak_flops(threads, time, block, 2.0 * FMA_FLOPS_PER_ITER));
+        }
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             return None;
         }
@@ -310,7 +339,7 @@ fn fma_peak(threads: usize, time: Duration) -> Option<f64> {
 /// `vdpbf16ps` on `threads` threads for about `time`; `None` without
 /// AVX512-BF16.
 fn bf16_dot_peak(threads: usize, time: Duration) -> Option<f64> {
-    if Bf16Kernel::detected() != Bf16Kernel::Avx512 {
+    if !Bf16Kernel::Avx512.supported() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -319,6 +348,23 @@ fn bf16_dot_peak(threads: usize, time: Duration) -> Option<f64> {
         // and AVX512-BF16.
         let block = || std::hint::black_box(unsafe { bf16_dot_block(FMA_BLOCK) });
         Some(peak_flops(threads, time, block, BF16_FLOPS_PER_ITER))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (threads, time);
+        None
+    }
+}
+
+/// bf16 flops a second of AMX tile products on `threads` threads for
+/// about `time`; `None` without AMX-BF16 (or the tile data's grant).
+fn amx_tile_peak(threads: usize, time: Duration) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use strata::backend::{amx_dot_loop, AMX_DOT_LOOP_FLOPS};
+        amx_dot_loop(1)?;
+        let block = || amx_dot_loop(FMA_BLOCK).expect("AMX, available above");
+        Some(peak_flops(threads, time, block, AMX_DOT_LOOP_FLOPS))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -389,6 +435,27 @@ unsafe fn bf16_dot_block(iters: u64) -> f32 {
     _mm512_reduce_add_ps(sum)
 }
 
+/// [`fma_block`] on 16-lane registers (where a core has two 512-bit FMA
+/// units, twice the 8-lane loop's flops; where it splits them, the same).
+///
+/// # Safety
+/// The CPU has AVX512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_block_avx512(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    let mut c = [_mm512_set1_ps(1.0); 12];
+    for _ in 0..iters {
+        // Twelve independent chains, unrolled by the compiler.
+        for ci in c.iter_mut() {
+            *ci = _mm512_fmadd_ps(*ci, a, b);
+        }
+    }
+    let sum = c[1..].iter().fold(c[0], |s, &x| _mm512_add_ps(s, x));
+    _mm512_reduce_add_ps(sum)
+}
+
 /// Iterations of [`fma_block`]'s loop a call.
 #[cfg(target_arch = "x86_64")]
 const FMA_BLOCK: u64 = 1 << 16;
@@ -452,9 +519,12 @@ mod tests {
         };
         let records = run(&config, |_| {}).unwrap();
         let whats: Vec<_> = records.iter().map(|r| r.what).collect();
+        let amx = strata::backend::Bf16Kernel::Amx.supported();
+        let peaks = if amx { 3 } else { 2 };
         let expected = [
             "fma_peak",
             "bf16_peak",
+            "amx_peak",
             "gemm",
             "ffn_forward",
             "ffn_backward",
@@ -462,14 +532,20 @@ mod tests {
             "ffn_forward_bf16",
             "ffn_backward_bf16",
         ];
+        let expected: Vec<_> = expected
+            .into_iter()
+            .filter(|&w| amx || w != "amx_peak")
+            .collect();
         assert_eq!(whats, expected);
         let m = LmConfig::preset("tiny").unwrap();
-        for r in &records[2..] {
+        for r in &records[peaks..] {
             assert_eq!(r.rows, (64 * m.top_k).div_ceil(m.experts));
             assert!(r.median_s > 0.0 && r.gflop_per_s > 0.0, "{r:?}");
             if let Some(share) = r.share_of_peak {
                 assert!(share < 1.5, "{r:?}");
             }
+            let bf16 = r.what.ends_with("_bf16");
+            assert_eq!(r.kernel.is_some(), bf16, "{r:?}");
         }
         let bad = KernelsBenchConfig {
             presets: vec!["no-such".into()],

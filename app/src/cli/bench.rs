@@ -33,6 +33,11 @@ pub(super) fn execute(command: BenchCommand) -> Result<(), CliError> {
 
 fn bench_kernels(args: KernelsArgs) -> Result<(), CliError> {
     set_compute_threads(args.compute_threads)?;
+    crate::trainer::choose_bf16_kernel(&args.bf16_kernel)?;
+    eprintln!(
+        "# bf16 GEMMs: the {} kernel",
+        strata::backend::Bf16Kernel::in_use().name()
+    );
     let config = bench::kernels::KernelsBenchConfig {
         presets: args.presets,
         tokens: args.tokens,
@@ -46,7 +51,7 @@ fn bench_kernels(args: KernelsArgs) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:<13} {:<7} {:>6} {:>6} {:>6} {:>8} {:>10} {:>9} {:>8}",
+        "{:<17} {:<7} {:>6} {:>6} {:>6} {:>8} {:>10} {:>9} {:>8}",
         "what", "preset", "rows", "d", "f", "threads", "median_ms", "GFLOP/s", "of_peak"
     )?;
     for r in &records {
@@ -55,7 +60,7 @@ fn bench_kernels(args: KernelsArgs) -> Result<(), CliError> {
             .map_or("-".to_string(), |s| format!("{:.0}%", 100.0 * s));
         writeln!(
             out,
-            "{:<13} {:<7} {:>6} {:>6} {:>6} {:>8} {:>10.3} {:>9.1} {:>8}",
+            "{:<17} {:<7} {:>6} {:>6} {:>6} {:>8} {:>10.3} {:>9.1} {:>8}",
             r.what,
             r.preset.as_deref().unwrap_or("-"),
             r.rows,

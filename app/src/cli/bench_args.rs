@@ -53,8 +53,8 @@ pub enum BenchCommand {
     /// against the plain one that keeps every probability: time and memory.
     Attention(AttentionArgs),
     /// The cpu backend's expert FFN and its GEMM at the presets' expert
-    /// shapes, against this machine's f32 fused multiply-add peak measured
-    /// in the same run.
+    /// shapes, against this machine's f32 fused multiply-add, bf16 dot
+    /// product and AMX tile peaks measured in the same run.
     Kernels(KernelsArgs),
 }
 
@@ -73,6 +73,14 @@ pub struct KernelsArgs {
     /// (default: every core); the peak loop runs on as many.
     #[arg(long, value_name = "N", value_parser = parse_compute_threads)]
     pub compute_threads: Option<usize>,
+    /// The bf16 GEMMs' kernel, as `train`'s flag (default auto: the
+    /// fastest this CPU runs).
+    #[arg(
+        long,
+        value_name = "auto|amx-bf16|avx512-bf16|portable",
+        default_value = "auto"
+    )]
+    pub bf16_kernel: String,
     /// One JSON object a line on stdout instead of a table.
     #[arg(long)]
     pub json: bool,

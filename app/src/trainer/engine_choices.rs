@@ -148,13 +148,26 @@ pub(super) fn bad_condense(given: &str) -> String {
     format!("--condense {given:?}: give off, adaptive, adaptive:START or a threshold such as 0.9")
 }
 
+/// Fixes `--bf16-kernel`'s kernel for the process (`auto`: the fastest).
+pub(crate) fn choose_bf16_kernel(given: &str) -> Result<(), String> {
+    if given == "auto" {
+        return Ok(());
+    }
+    let kernel = strata::backend::Bf16Kernel::from_name(given).ok_or_else(|| {
+        format!("--bf16-kernel {given:?}: give auto, amx-bf16, avx512-bf16 or portable")
+    })?;
+    kernel
+        .choose()
+        .map_err(|e| format!("--bf16-kernel {given}: {e}"))
+}
+
 /// How the run's GEMMs compute, for its first line.
 pub(super) fn gemms_described(o: &TrainOptions) -> String {
     match o.backend.as_str() {
         "cuda" => format!(", dense GEMMs in {}", o.dense_gemm),
         _ if o.compute_dtype == "bf16" && o.expert_gemm == "bf16" => format!(
             ", expert GEMMs in bf16 ({})",
-            strata::backend::Bf16Kernel::detected().name()
+            strata::backend::Bf16Kernel::in_use().name()
         ),
         _ => String::new(),
     }

@@ -11,6 +11,7 @@
 
 mod announce;
 mod engine_choices;
+pub(crate) use engine_choices::choose_bf16_kernel;
 use engine_choices::{condense_config, dense_gemm, link};
 pub mod hf;
 pub mod interrupt;
@@ -417,6 +418,7 @@ fn run_in(
     if let Some(n) = o.compute_threads {
         strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
     }
+    engine_choices::choose_bf16_kernel(&o.bf16_kernel)?;
     if let Source::Finetune(model_dir) = &source {
         refuse_writing_into(model_dir, &o)?;
     }

@@ -118,6 +118,12 @@ pub struct TrainFlags {
     /// way.
     #[arg(long, value_name = "bf16|f32")]
     pub expert_gemm: Option<String>,
+    /// The cpu's bf16 GEMM kernel: auto (default: the fastest this CPU
+    /// runs), amx-bf16 (AMX tiles), avx512-bf16 (`vdpbf16ps`) or portable.
+    /// AMX's sums differ from the others' in their last bits; choose
+    /// avx512-bf16 or portable for the bits of a machine without AMX.
+    #[arg(long, value_name = "auto|amx-bf16|avx512-bf16|portable")]
+    pub bf16_kernel: Option<String>,
     /// Token condensation (LUFFY): of the tokens sent to one expert, near
     /// duplicates (cosine similarity at or above a threshold) are computed
     /// once, their output copied. `off` (default), `adaptive` (LUFFY's
@@ -279,6 +285,9 @@ pub struct TrainOptions {
     /// the cpu in f32.
     #[serde(default = "dense_gemm_before_the_option")]
     pub expert_gemm: String,
+    /// A run recorded before the option used the fastest kernel.
+    #[serde(default = "auto")]
+    pub bf16_kernel: String,
     /// A run recorded before the option trained exactly.
     #[serde(default = "off")]
     pub condense: String,
@@ -339,6 +348,10 @@ fn ten() -> f64 {
 
 fn off() -> String {
     "off".into()
+}
+
+fn auto() -> String {
+    "auto".into()
 }
 
 fn half() -> f32 {
@@ -476,6 +489,7 @@ impl TrainFlags {
             dense_on_host: cli.dense_on_host || file.dense_on_host,
             dense_gemm: pick!(cli, file, dense_gemm, "bf16".into()),
             expert_gemm: pick!(cli, file, expert_gemm, "bf16".into()),
+            bf16_kernel: pick!(cli, file, bf16_kernel, auto()),
             condense: pick!(cli, file, condense, off()),
             condense_cap: pick!(cli, file, condense_cap, half()),
             condense_search: pick!(cli, file, condense_search, all_pairs()),

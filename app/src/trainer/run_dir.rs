@@ -181,6 +181,9 @@ pub(super) fn resume_options(
     if let Some(gemm) = &flags.expert_gemm {
         o.expert_gemm = gemm.clone();
     }
+    if let Some(kernel) = &flags.bf16_kernel {
+        o.bf16_kernel = kernel.clone();
+    }
     o.quiet = flags.quiet;
     o.timeline_step = flags.timeline_step;
     o.resume = true;

@@ -11,6 +11,10 @@ pub(super) const MR: usize = 8;
 /// Columns of a register tile (two 16-lane registers).
 pub(super) const NR: usize = 32;
 
+/// The kernel of this process's bf16 GEMMs, once fixed
+/// ([`Bf16Kernel::in_use`]).
+static CHOSEN: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
+
 /// A tile's sums, row by row.
 pub(super) type Tile = [[f32; NR]; MR];
 
@@ -21,6 +25,11 @@ pub enum Bf16Kernel {
     Portable,
     /// `vdpbf16ps` on 512-bit registers (x86-64 with AVX512F and AVX512-BF16).
     Avx512,
+    /// `tdpbf16ps` on AMX tiles (x86-64 with AMX-TILE, AMX-BF16 and
+    /// AVX512F, where the operating system grants the tile data): whole
+    /// blocks of 32 × 32 sums (`amx.rs`) rather than this module's tiles;
+    /// its last bits differ from the others' (see `amx.rs`).
+    Amx,
 }
 
 impl Bf16Kernel {
@@ -28,12 +37,58 @@ impl Bf16Kernel {
     pub fn detected() -> Self {
         static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
-            if Self::Avx512.supported() {
-                Self::Avx512
-            } else {
-                Self::Portable
-            }
+            [Self::Amx, Self::Avx512]
+                .into_iter()
+                .find(|k| k.supported())
+                .unwrap_or(Self::Portable)
         })
+    }
+
+    /// The kernel the bf16 GEMMs of this process use: the one
+    /// [`choose`](Self::choose) fixed, else [`detected`](Self::detected)
+    /// (fixed at the first GEMM).
+    pub fn in_use() -> Self {
+        *CHOSEN.get_or_init(Self::detected)
+    }
+
+    /// Fixes the kernel of this process's bf16 GEMMs, before the first:
+    /// the AMX kernel's sums differ from the others' in their last bits,
+    /// so a run that must give the bits a machine without AMX gives
+    /// chooses `avx512-bf16` (or `portable`, the same bits). Refused for a
+    /// kernel this CPU lacks, and once another is in use.
+    pub fn choose(self) -> Result<(), String> {
+        if !self.supported() {
+            let here: Vec<_> = Self::supported_here().iter().map(|k| k.name()).collect();
+            return Err(format!(
+                "this CPU cannot run the {} kernel (it runs {})",
+                self.name(),
+                here.join(", ")
+            ));
+        }
+        let fixed = *CHOSEN.get_or_init(|| self);
+        if fixed != self {
+            return Err(format!(
+                "the bf16 GEMMs of this process already use the {} kernel (chosen before \
+                 the first GEMM; it cannot change once one has run)",
+                fixed.name()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The kernel of this name ([`name`](Self::name)).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Portable, Self::Avx512, Self::Amx]
+            .into_iter()
+            .find(|k| k.name() == name)
+    }
+
+    /// Every kernel this CPU runs, slowest first.
+    pub fn supported_here() -> Vec<Self> {
+        [Self::Portable, Self::Avx512, Self::Amx]
+            .into_iter()
+            .filter(|k| k.supported())
+            .collect()
     }
 
     /// Whether this CPU runs it.
@@ -45,8 +100,10 @@ impl Bf16Kernel {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bf16")
             }
+            #[cfg(target_arch = "x86_64")]
+            Self::Amx => std::arch::is_x86_feature_detected!("avx512f") && super::amx::available(),
             #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx512 => false,
+            Self::Avx512 | Self::Amx => false,
         }
     }
 
@@ -54,6 +111,7 @@ impl Bf16Kernel {
         match self {
             Self::Portable => "portable",
             Self::Avx512 => "avx512-bf16",
+            Self::Amx => "amx-bf16",
         }
     }
 
@@ -85,6 +143,7 @@ impl Bf16Kernel {
             }
             #[cfg(not(target_arch = "x86_64"))]
             Self::Avx512 => unreachable!("AVX-512 is x86-64's"),
+            Self::Amx => unreachable!("the AMX kernel computes whole blocks (amx.rs), not tiles"),
         }
     }
 }

@@ -11,12 +11,20 @@
 //! (`kernel.rs`). Each output element is the same sum in the same order
 //! whatever the threads (they split N, never K), and the same on every
 //! CPU (see `kernel.rs`): the sum of each block of K, then the blocks added
-//! to the output in K's order.
+//! to the output in K's order. Where the CPU has AMX, its tiles compute
+//! the blocks instead (`amx.rs`, [`Bf16Kernel::Amx`]): the same blocks in
+//! the same order, each block's sum rounded the tile's way, so the same
+//! bits whatever the threads but not those of the other kernels;
+//! [`Bf16Kernel::choose`] picks another for a process.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod kernel;
 #[cfg(test)]
 mod tests;
 
+#[cfg(target_arch = "x86_64")]
+pub use amx::{dot_loop as amx_dot_loop, DOT_LOOP_FLOPS as AMX_DOT_LOOP_FLOPS};
 pub use kernel::Bf16Kernel;
 use kernel::{Tile, MR, NR};
 
@@ -282,7 +290,7 @@ pub(crate) fn gemm_bf16_on(
     (m, k, n): (usize, usize, usize),
 ) {
     let parts = threads_for(bf16_work(m * k * n), threads);
-    gemm_bf16_with(Bf16Kernel::detected(), parts, out, write, a, b, (m, k, n));
+    gemm_bf16_with(Bf16Kernel::in_use(), parts, out, write, a, b, (m, k, n));
 }
 
 /// `macs` bf16 multiply-adds as the f32 multiply-adds `threads_for`
@@ -327,7 +335,37 @@ pub(crate) fn gemm_bf16_with(
         }
         return;
     }
-    let kp = k.div_ceil(2);
+    let shape = Shape {
+        m,
+        k,
+        n,
+        kp: k.div_ceil(2),
+    };
+    let panels = n.div_ceil(NR);
+    let parts = parts.clamp(1, panels);
+    let dst = OutPtr(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Bf16Kernel::Amx {
+        assert!(kernel.supported(), "the CPU lacks AMX-BF16");
+        let mut a_buf = A_ROWS.take();
+        // SAFETY: the CPU has AVX512F (the AMX kernel needs it).
+        let stride = unsafe { amx::a_rows_avx512(a, m, k, &mut a_buf) };
+        let a = amx::ARows {
+            rows: &a_buf,
+            stride,
+        };
+        on_panels(parts, panels, |range| {
+            let mut b_packed = B_PACKED.take();
+            // SAFETY: the process holds the tile data and the CPU has
+            // AVX512F (the kernel is supported); the panels are split among
+            // the threads, so this one alone writes their columns; `a` is
+            // A's rows for this shape.
+            unsafe { amx::panels_product(shape, a, &mut b_packed, b, range, dst, write) };
+            B_PACKED.set(b_packed);
+        });
+        A_ROWS.set(a_buf);
+        return;
+    }
     // Reused from call to call on this thread.
     let mut a_buf = A_PAIRS.take();
     let strides = match kernel {
@@ -339,36 +377,73 @@ pub(crate) fn gemm_bf16_with(
         }
         _ => a_pairs(a, m, k, &mut a_buf),
     };
-    let panels = n.div_ceil(NR);
-    let parts = parts.clamp(1, panels);
-    let per_part = panels.div_ceil(parts);
-    let dst = OutPtr(out.as_mut_ptr());
     let a = APairs {
         pairs: &a_buf,
         strides,
     };
-    let job = move |first: usize| {
-        let shape = Shape { m, k, n, kp };
+    on_panels(parts, panels, |range| {
         let mut b_packed = B_PACKED.take();
-        b_packed.resize(KC_PAIRS.min(kp) * NR, 0);
-        for panel in first..(first + per_part).min(panels) {
+        b_packed.resize(KC_PAIRS.min(shape.kp) * NR, 0);
+        for panel in range {
             // SAFETY: panels are split among the threads, so this one
             // alone writes this panel's columns (`OutPtr`).
             unsafe { panel_product(kernel, shape, a, &mut b_packed, b, panel, dst, write) };
         }
         B_PACKED.set(b_packed);
-    };
-    if parts == 1 {
-        job(0);
-    } else {
-        run_all((0..parts).map(|i| move || job(i * per_part)).collect());
-    }
+    });
     A_PAIRS.set(a_buf);
+}
+
+/// Runs `job` on `parts` threads, each over its own range of the
+/// `panels`.
+fn on_panels(parts: usize, panels: usize, job: impl Fn(std::ops::Range<usize>) + Copy + Send) {
+    let per_part = panels.div_ceil(parts);
+    let range = move |first: usize| first..(first + per_part).min(panels);
+    if parts == 1 {
+        job(range(0));
+    } else {
+        run_all(
+            (0..parts)
+                .map(|i| move || job(range(i * per_part)))
+                .collect(),
+        );
+    }
+}
+
+/// Writes (or, with `add`, adds) `rows` of sums into the output's rows
+/// from `r0`, columns `c0..c0 + cols`.
+///
+/// # Safety
+/// `dst` points at the M × N output (`n` columns) holding these rows and
+/// columns, which no other thread reads or writes meanwhile.
+#[inline(always)]
+unsafe fn write_rows(
+    dst: OutPtr,
+    n: usize,
+    (r0, c0): (usize, usize),
+    cols: usize,
+    rows: &[[f32; NR]],
+    add: bool,
+) {
+    for (i, sums) in rows.iter().enumerate() {
+        // SAFETY: row r0 + i and columns c0..c0 + cols are in the output
+        // and the caller's alone (the contract).
+        let row = unsafe { std::slice::from_raw_parts_mut(dst.0.add((r0 + i) * n + c0), cols) };
+        match (add, <&mut [f32; NR]>::try_from(&mut *row)) {
+            // A whole row of the tile: fixed-size, so registers rather than
+            // a call to memcpy.
+            (false, Ok(whole)) => *whole = *sums,
+            (false, Err(_)) => row.copy_from_slice(&sums[..cols]),
+            (true, _) => row.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
+        }
+    }
 }
 
 thread_local! {
     /// A's pairs (`a_pairs`), kept for the thread's next call.
     static A_PAIRS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A's rows for the AMX kernel (`amx::a_rows`), likewise.
+    static A_ROWS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
     /// A block of B's panel, likewise.
     static B_PACKED: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }
@@ -463,19 +538,10 @@ unsafe fn panel_product_body(
             let (si, sp) = a.strides;
             let a_block = &a.pairs[r0 * si + p0 * sp..];
             kernel.tile(a_block, a.strides, b_packed, pairs, &mut tile);
-            for (i, sums) in tile.iter().enumerate().take(MR.min(s.m - r0)) {
-                // SAFETY: row r0 + i < M, columns c0..c0 + cols < N, this
-                // thread's alone (the caller's contract).
-                let row =
-                    unsafe { std::slice::from_raw_parts_mut(dst.0.add((r0 + i) * s.n + c0), cols) };
-                match (add, <&mut [f32; NR]>::try_from(&mut *row)) {
-                    // A whole row of the tile: fixed-size, so registers
-                    // rather than a call to memcpy.
-                    (false, Ok(whole)) => *whole = *sums,
-                    (false, Err(_)) => row.copy_from_slice(&sums[..cols]),
-                    (true, _) => row.iter_mut().zip(sums).for_each(|(o, v)| *o += v),
-                }
-            }
+            let rows = &tile[..MR.min(s.m - r0)];
+            // SAFETY: these rows and the panel's columns are in the output
+            // and this thread's alone (the caller's contract).
+            unsafe { write_rows(dst, s.n, (r0, c0), cols, rows, add) };
         }
     }
 }

@@ -39,7 +39,7 @@ fn f32_op(v: &[f32], k_major: bool) -> Operand<'_> {
 }
 
 fn kernels() -> Vec<Bf16Kernel> {
-    [Bf16Kernel::Portable, Bf16Kernel::Avx512]
+    [Bf16Kernel::Portable, Bf16Kernel::Avx512, Bf16Kernel::Amx]
         .into_iter()
         .filter(|k| k.supported())
         .collect()
@@ -118,15 +118,28 @@ fn every_kernel_and_storage_matches_the_rounded_operands_product() {
     }
 }
 
-/// The sums' order is fixed (see the module): one thread or four, either
-/// kernel, bf16 operands given as f32 or as bits, the same bits.
+/// The sums' order is fixed (see the module): one thread or four, the
+/// portable or the AVX-512 kernel, bf16 operands given as f32 or as bits,
+/// the same bits; the AMX kernel, whose tile rounds its own way, the same
+/// bits as itself likewise.
 #[test]
 fn threads_kernels_and_operand_types_give_the_same_bits() {
+    let families = [
+        vec![Bf16Kernel::Portable, Bf16Kernel::Avx512],
+        vec![Bf16Kernel::Amx],
+    ];
+    for family in families {
+        let family: Vec<_> = family.into_iter().filter(|k| k.supported()).collect();
+        same_bits_across(&family);
+    }
+}
+
+fn same_bits_across(family: &[Bf16Kernel]) {
     for (m, k, n) in SHAPES {
         let (a, b) = (values(m * k, 5), values(n * k, 6));
         let b_bits: Vec<u16> = b.iter().map(|&x| bf16_bits(x)).collect();
         let mut first: Option<Vec<f32>> = None;
-        for kernel in kernels() {
+        for &kernel in family {
             for parts in [1, 2, 4] {
                 for b_op in [Values::F32(&b), Values::Bf16(&b_bits)] {
                     let mut out = vec![0.0; m * n];
@@ -204,7 +217,12 @@ fn the_cpu_s_flags_choose_the_kernel() {
         let has = |f: &str| flags.iter().any(|g| g == f);
         let avx512 = has("avx512f") && has("avx512_bf16");
         assert_eq!(Bf16Kernel::Avx512.supported(), avx512, "{flags:?}");
-        let fastest = if avx512 {
+        // Linux lists AMX's flags where it hands out the tile data.
+        let amx = has("avx512f") && has("amx_tile") && has("amx_bf16");
+        assert_eq!(Bf16Kernel::Amx.supported(), amx, "{flags:?}");
+        let fastest = if amx {
+            Bf16Kernel::Amx
+        } else if avx512 {
             Bf16Kernel::Avx512
         } else {
             Bf16Kernel::Portable
@@ -213,4 +231,27 @@ fn the_cpu_s_flags_choose_the_kernel() {
     }
     assert_eq!(Bf16Kernel::Portable.name(), "portable");
     assert_eq!(Bf16Kernel::Avx512.name(), "avx512-bf16");
+    assert_eq!(Bf16Kernel::Amx.name(), "amx-bf16");
+}
+
+/// A process's kernel is fixed once: the one in use may be chosen again,
+/// another is refused, and so is one this CPU lacks, each naming why.
+#[test]
+fn a_chosen_kernel_holds_for_the_process() {
+    let in_use = Bf16Kernel::in_use();
+    assert_eq!(in_use.choose(), Ok(()));
+    for kernel in [Bf16Kernel::Portable, Bf16Kernel::Avx512, Bf16Kernel::Amx] {
+        assert_eq!(Bf16Kernel::from_name(kernel.name()), Some(kernel));
+        if kernel == in_use {
+            continue;
+        }
+        let err = kernel.choose().unwrap_err();
+        let why = if kernel.supported() {
+            "already use"
+        } else {
+            "cannot run"
+        };
+        assert!(err.contains(why), "{kernel:?}: {err}");
+    }
+    assert_eq!(Bf16Kernel::from_name("avx2"), None);
 }
