@@ -352,8 +352,9 @@ pub const DOT_LOOP_FLOPS: f64 = 4.0 * 16.0 * 16.0 * 32.0 * 2.0;
 
 /// `rounds` rounds of four independent `tdpbf16ps` (the tile's
 /// throughput, which no GEMM on it beats); the sum of one tile's first
-/// row, so that the loop is not discarded. `None` where AMX is not
-/// [`available`].
+/// row, so that the loop is not discarded. `None` where the CPU lacks
+/// AMX-BF16 or the process was refused the tile data (where
+/// `Bf16Kernel::Amx` is not supported).
 pub fn dot_loop(rounds: u64) -> Option<f32> {
     if !available() || rounds == 0 {
         return None;
