@@ -226,8 +226,8 @@ pub(super) struct ARows<'a> {
     pub stride: usize,
 }
 
-/// Columns `panel * NR ..` of the output, from the panels `first..end`,
-/// on this thread's tiles.
+/// The output's columns of each panel in `panels` (`panel * NR ..`, NR
+/// a panel), on this thread's tiles.
 ///
 /// # Safety
 /// [`available`] is true and the CPU has AVX512F; `dst` points at the
