@@ -21,7 +21,9 @@
 use std::arch::asm;
 
 use super::kernel::NR;
-use super::{pack, write_rows, Bf16Bits, Block, Operand, OutPtr, Shape, Values, KC_PAIRS};
+use super::{
+    pack, rows_as_pairs, write_rows, Bf16Bits, Block, Operand, OutPtr, Shape, Values, KC_PAIRS,
+};
 use crate::backend::gemm::Write;
 
 /// Rows of the output a block computes (two tiles of 16).
@@ -152,17 +154,7 @@ fn rows_of<T: Bf16Bits>(
         }
         transposed_rows_of(v, m, k, stride, rows);
     } else {
-        // A row's pairs, read as u16, are its elements in order, then
-        // zeros.
-        let halves: &mut [u16] = bytemuck::cast_slice_mut(rows);
-        for (row, out) in v.chunks_exact(k).zip(halves.chunks_exact_mut(2 * stride)) {
-            let (values, zeros) = out.split_at_mut(k);
-            values
-                .iter_mut()
-                .zip(row)
-                .for_each(|(o, x)| *o = x.bf16() as u16);
-            zeros.fill(0);
-        }
+        rows_as_pairs(v, k, stride, rows);
     }
 }
 

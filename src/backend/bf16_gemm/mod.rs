@@ -247,20 +247,27 @@ fn pairs_of<T: Bf16Bits>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [
             }
         }
     } else {
-        // The pairs of a row, read as u16, are its elements in order (and
-        // a zero after an odd K's last).
         let (rows, padding) = buf[..mp * kp].split_at_mut(m * kp);
         padding.fill(0);
-        let halves: &mut [u16] = bytemuck::cast_slice_mut(rows);
-        for (row, out) in v.chunks_exact(k).zip(halves.chunks_exact_mut(2 * kp)) {
-            let (values, odd_end) = out.split_at_mut(k);
-            values
-                .iter_mut()
-                .zip(row)
-                .for_each(|(o, x)| *o = x.bf16() as u16);
-            // Zero or one element: no call to memset a row.
-            odd_end.iter_mut().for_each(|z| *z = 0);
-        }
+        rows_as_pairs(v, k, kp, rows);
+    }
+}
+
+/// Writes the rows of `v` (K elements each) into `rows`, `width` bf16
+/// pairs a row: a row's pairs, read as u16, are its elements in order,
+/// then zeros (a zero after an odd K's last, and whole zero pairs up to
+/// `width`).
+#[inline(always)]
+fn rows_as_pairs<T: Bf16Bits>(v: &[T], k: usize, width: usize, rows: &mut [u32]) {
+    let halves: &mut [u16] = bytemuck::cast_slice_mut(rows);
+    for (row, out) in v.chunks_exact(k).zip(halves.chunks_exact_mut(2 * width)) {
+        let (values, zeros) = out.split_at_mut(k);
+        values
+            .iter_mut()
+            .zip(row)
+            .for_each(|(o, x)| *o = x.bf16() as u16);
+        // A few elements: no call to memset a row.
+        zeros.iter_mut().for_each(|z| *z = 0);
     }
 }
 
