@@ -12,8 +12,9 @@
 
 #![allow(clippy::too_many_arguments)]
 
+use super::activations::{for_parts, hidden_into, sized, swiglu_input_grads};
 use super::gemm::{gemm_backward, gemm_forward, Write};
-use crate::math::{gelu, gelu_grad, sigmoid, silu, ExpertKind, ExpertSaved};
+use crate::math::{gelu_grad, ExpertKind, ExpertSaved};
 use crate::EngineError;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -30,92 +31,6 @@ pub struct FfnScratch {
     pub(super) dh: Vec<f32>,
     pub(super) da: Vec<f32>,
     pub(super) db: Vec<f32>,
-}
-
-/// `buf` resized to `len`, keeping its allocation and old values, for an
-/// output every element of which is written.
-pub(super) fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buf.resize(len, 0.0);
-    buf
-}
-
-/// Below this many hidden elements an activation pass stays on the calling
-/// thread (about 0.1 ms of sigmoids; a spawn costs tens of microseconds).
-const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
-
-/// An activation element (a sigmoid or a tanh) as elements of the
-/// streaming work `parallel` shares out, so that a job holds at least
-/// `PARALLEL_MIN_ELEMENTS` of them.
-const ACTIVATION_WORK: usize = crate::parallel::MIN_JOB_WORK / PARALLEL_MIN_ELEMENTS;
-
-/// Runs `body(start, part)` on each part of `out` (`start`: the index of
-/// its first element), each on its own thread. Each element is computed
-/// alone, so the cut changes no bit of the result.
-pub(super) fn for_parts(out: &mut [f32], body: impl Fn(usize, &mut [f32]) + Sync) {
-    crate::parallel::for_row_blocks(out, 1, ACTIVATION_WORK, body);
-}
-
-/// `for_parts` over two outputs of the same length, cut alike.
-pub(super) fn for_part_pairs(
-    out: &mut [f32],
-    out2: &mut [f32],
-    body: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
-) {
-    assert_eq!(out.len(), out2.len());
-    crate::parallel::for_row_block_pairs(out, 1, out2, 1, ACTIVATION_WORK, body);
-}
-
-/// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`; with
-/// `sig`, also σ(a) (SwiGLU), which the backward reuses for silu′.
-pub(super) fn hidden_into(
-    kind: ExpertKind,
-    saved: &ExpertSaved<f32>,
-    h: &mut Vec<f32>,
-    sig: Option<&mut Vec<f32>>,
-) {
-    let n = saved.a.len();
-    let (a, b) = (&saved.a, &saved.b);
-    let h = sized(h, n);
-    match (kind, sig) {
-        (ExpertKind::SwiGlu, Some(sig)) => for_part_pairs(h, sized(sig, n), |at, h, sig| {
-            for i in 0..h.len() {
-                let s = sigmoid(a[at + i]);
-                sig[i] = s;
-                // silu(a) = a·σ(a), the same operations.
-                h[i] = a[at + i] * s * b[at + i];
-            }
-        }),
-        (ExpertKind::SwiGlu, None) => for_parts(h, |at, h| {
-            for i in 0..h.len() {
-                h[i] = silu(a[at + i]) * b[at + i];
-            }
-        }),
-        (ExpertKind::Gelu, _) => for_parts(h, |at, h| {
-            for i in 0..h.len() {
-                h[i] = gelu(a[at + i]);
-            }
-        }),
-    }
-}
-
-/// SwiGLU's hidden gradients from dh = ∂L/∂h, h = silu(a)·b: db = dh·silu(a)
-/// and da = dh·b·silu′(a), from σ(a) with the operations of `math::silu`
-/// and `math::silu_grad` (so the same bits, for one sigmoid instead of
-/// two).
-#[inline(always)]
-pub(super) fn swiglu_grads(
-    da: &mut [f32],
-    db: &mut [f32],
-    dh: &[f32],
-    a: &[f32],
-    b: &[f32],
-    sig: &[f32],
-) {
-    for i in 0..da.len() {
-        let s = sig[i];
-        db[i] = dh[i] * (a[i] * s);
-        da[i] = dh[i] * b[i] * (s * (1.0 + a[i] * (1.0 - s)));
-    }
 }
 
 /// out (n, D) = expert(x (n, D)) with f32 params; `saved` keeps what the
@@ -172,18 +87,7 @@ pub(crate) fn ffn_backward(
     match kind {
         ExpertKind::SwiGlu => {
             let db = sized(&mut scratch.db, n * f);
-            let (a, b, sig) = (&saved.a, &saved.b, &scratch.sig);
-            for_part_pairs(da, db, |at, da, db| {
-                let r = at..at + da.len();
-                swiglu_grads(
-                    da,
-                    db,
-                    &dh[r.clone()],
-                    &a[r.clone()],
-                    &b[r.clone()],
-                    &sig[r],
-                );
-            });
+            swiglu_input_grads(da, db, dh, saved, &scratch.sig);
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
             let (da, db, w3) = (&scratch.da, &scratch.db, &params[f * d..2 * f * d]);
             gemm_backward(dx, dw1, [Write::Set, dparams_write], da, x, w1, n, d, f);
@@ -297,66 +201,6 @@ impl crate::model::DenseKernels for CpuBackend {
 mod tests {
     use super::*;
     use crate::math::{expert_ffn_backward, expert_ffn_forward};
-
-    #[test]
-    fn ranges_cover_every_element_once() {
-        for n in [
-            0,
-            1,
-            7,
-            PARALLEL_MIN_ELEMENTS - 1,
-            PARALLEL_MIN_ELEMENTS + 3,
-        ] {
-            // Each visit adds the element's index + 1, as its part says.
-            let visit = |at: usize, part: &mut [f32]| {
-                part.iter_mut()
-                    .enumerate()
-                    .for_each(|(i, h)| *h += (at + i + 1) as f32)
-            };
-            let (mut hits, mut hits2) = (vec![0.0f32; n], vec![0.0f32; n]);
-            for_parts(&mut hits, visit);
-            assert!((0..n).all(|i| hits[i] == (i + 1) as f32));
-            hits.fill(0.0);
-            for_part_pairs(&mut hits, &mut hits2, |at, part, part2| {
-                visit(at, part);
-                visit(at, part2);
-            });
-            assert!((0..n).all(|i| hits[i] == (i + 1) as f32 && hits2[i] == (i + 1) as f32));
-        }
-    }
-
-    /// The activations of a layer large enough to be split over threads,
-    /// and the σ(a) the backward reuses, are bit for bit the formulas of
-    /// `math` (which the reference trainer uses).
-    #[test]
-    fn split_activations_equal_the_math_formulas_bit_for_bit() {
-        let n = PARALLEL_MIN_ELEMENTS * 2 + 5;
-        let wave = |i: usize, k: usize| ((i * k % 1009) as f32 / 1009.0 - 0.5) * 12.0;
-        let saved = ExpertSaved {
-            a: (0..n).map(|i| wave(i, 37)).collect(),
-            b: (0..n).map(|i| wave(i, 53)).collect(),
-        };
-        let (mut h, mut sig) = (Vec::new(), Vec::new());
-        hidden_into(ExpertKind::SwiGlu, &saved, &mut h, Some(&mut sig));
-        for i in 0..n {
-            let (a, b) = (saved.a[i], saved.b[i]);
-            assert_eq!(h[i].to_bits(), (silu(a) * b).to_bits());
-            assert_eq!(sig[i].to_bits(), sigmoid(a).to_bits());
-        }
-        let dh: Vec<f32> = (0..n).map(|i| wave(i, 11)).collect();
-        let (mut da, mut db) = (vec![0.0; n], vec![0.0; n]);
-        swiglu_grads(&mut da, &mut db, &dh, &saved.a, &saved.b, &sig);
-        for i in 0..n {
-            let (a, b) = (saved.a[i], saved.b[i]);
-            assert_eq!(db[i].to_bits(), (dh[i] * silu(a)).to_bits());
-            let da_math = dh[i] * b * crate::math::silu_grad(a);
-            assert_eq!(da[i].to_bits(), da_math.to_bits());
-        }
-        hidden_into(ExpertKind::SwiGlu, &saved, &mut h, None);
-        assert!((0..n).all(|i| h[i].to_bits() == (silu(saved.a[i]) * saved.b[i]).to_bits()));
-        hidden_into(ExpertKind::Gelu, &saved, &mut h, None);
-        assert!((0..n).all(|i| h[i].to_bits() == gelu(saved.a[i]).to_bits()));
-    }
 
     #[test]
     fn gemm_experts_match_the_plain_loops() {

@@ -2,16 +2,15 @@
 //! (`ExpertGemm::Bf16`): every GEMM through `bf16_gemm`, its activations
 //! and output gradients rounded to bf16 as they are packed, products summed
 //! in f32; the activations between the GEMMs (SwiGLU, GELU and their
-//! gradients) stay f32, as in `cpu.rs`, whose f32 FFN this mirrors, with
-//! SwiGLU's sigmoids from a vectorized exp (`math::fast_exp`).
+//! gradients) stay f32 (`activations.rs`, as in `cpu.rs`, whose f32 FFN
+//! this mirrors).
 
 #![allow(clippy::too_many_arguments)]
 
+use super::activations::{for_parts, hidden_into, sized, swiglu_input_grads};
 use super::bf16_gemm::{bf16_work, gemm_bf16, gemm_bf16_on, Operand, Values};
-use super::cpu::{for_part_pairs, for_parts, hidden_into, sized, swiglu_grads, FfnScratch};
+use super::cpu::FfnScratch;
 use super::gemm::{threads_for, Write};
-use crate::math::fast_exp::sigmoid_approx;
-use crate::math::vector_isa::{multiversioned, VectorIsa};
 use crate::math::{gelu_grad, ExpertKind, ExpertSaved};
 use crate::parallel::{compute_threads, run_all};
 
@@ -43,73 +42,6 @@ fn rows_f32(v: &[f32]) -> Operand<'_> {
 /// `v` stored transposed (X(r, k) at k·R + r).
 fn k_major_f32(v: &[f32]) -> Operand<'_> {
     Operand::k_major(Values::F32(v))
-}
-
-/// The hidden activation as `cpu::hidden_into` computes it, but SwiGLU's
-/// sigmoids from the vectorized [`sigmoid_approx`] (its exp within 1 ulp of
-/// libm's) rather than a libm call an element.
-fn swiglu_or_hidden(
-    kind: ExpertKind,
-    saved: &ExpertSaved<f32>,
-    h: &mut Vec<f32>,
-    sig: Option<&mut Vec<f32>>,
-) {
-    if kind != ExpertKind::SwiGlu {
-        return hidden_into(kind, saved, h, sig);
-    }
-    let (a, b) = (&saved.a, &saved.b);
-    let h = sized(h, a.len());
-    let isa = VectorIsa::detected();
-    match sig {
-        Some(sig) => for_part_pairs(h, sized(sig, a.len()), |at, h, sig| {
-            let r = at..at + h.len();
-            swiglu_saving_sigmoid(isa, h, sig, &a[r.clone()], &b[r]);
-        }),
-        None => for_parts(h, |at, h| {
-            let r = at..at + h.len();
-            swiglu(isa, h, &a[r.clone()], &b[r]);
-        }),
-    }
-}
-
-multiversioned! {
-    /// h = silu(a)·b and sig = σ(a), element by element.
-    fn swiglu_saving_sigmoid(h: &mut [f32], sig: &mut [f32], a: &[f32], b: &[f32])
-        => swiglu_saving_sigmoid_body;
-}
-
-#[inline(always)]
-fn swiglu_saving_sigmoid_body(h: &mut [f32], sig: &mut [f32], a: &[f32], b: &[f32]) {
-    for (((h, sig), &a), &b) in h.iter_mut().zip(sig).zip(a).zip(b) {
-        let s = sigmoid_approx(a);
-        *sig = s;
-        *h = a * s * b;
-    }
-}
-
-multiversioned! {
-    /// h = silu(a)·b, element by element.
-    fn swiglu(h: &mut [f32], a: &[f32], b: &[f32]) => swiglu_body;
-}
-
-#[inline(always)]
-fn swiglu_body(h: &mut [f32], a: &[f32], b: &[f32]) {
-    for ((h, &a), &b) in h.iter_mut().zip(a).zip(b) {
-        *h = a * sigmoid_approx(a) * b;
-    }
-}
-
-multiversioned! {
-    /// SwiGLU's input gradients from dh and the saved σ(a)
-    /// ([`swiglu_grads`], compiled for wider vectors).
-    fn swiglu_grads_wide(
-        da: &mut [f32],
-        db: &mut [f32],
-        dh: &[f32],
-        a: &[f32],
-        b: &[f32],
-        sig: &[f32],
-    ) => swiglu_grads;
 }
 
 /// An expert's weight matrices, bf16 bits, as the cpu's FFN lays them out:
@@ -162,7 +94,7 @@ pub(crate) fn ffn_forward_bf16(
         up(compute_threads(), &mut saved.a, w.w1);
         saved.b.clear();
     }
-    swiglu_or_hidden(kind, saved, &mut scratch.h, None);
+    hidden_into(kind, saved, &mut scratch.h, None);
     let w2 = Operand::rows(Values::Bf16(w.w2));
     gemm_bf16(out, Write::Set, rows_f32(&scratch.h), w2, n, f, d);
 }
@@ -184,7 +116,7 @@ pub(crate) fn ffn_backward_bf16(
     scratch: &mut FfnScratch,
 ) {
     let w = Weights::split(kind, params, d, f);
-    swiglu_or_hidden(kind, saved, &mut scratch.h, Some(&mut scratch.sig));
+    hidden_into(kind, saved, &mut scratch.h, Some(&mut scratch.sig));
     let split = dparams.len() - d * f;
     let (dw_in, dw2) = dparams.split_at_mut(split);
     // dh (n, F) = dout · w2 (w2 (D, F) is B (F × D) stored transposed),
@@ -210,12 +142,7 @@ pub(crate) fn ffn_backward_bf16(
     match kind {
         ExpertKind::SwiGlu => {
             let db = sized(&mut scratch.db, n * f);
-            let (a, b, sig) = (&saved.a, &saved.b, &scratch.sig);
-            for_part_pairs(da, db, |at, da, db| {
-                let r = at..at + da.len();
-                let (dh, a, b, sig) = (&dh[r.clone()], &a[r.clone()], &b[r.clone()], &sig[r]);
-                swiglu_grads_wide(VectorIsa::detected(), da, db, dh, a, b, sig);
-            });
+            swiglu_input_grads(da, db, dh, saved, &scratch.sig);
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
             let (da, db) = (&scratch.da[..], &scratch.db[..]);
             grads.run(dx, vec![(dw1, da, w.w1), (dw3, db, w.w3)]);
@@ -320,41 +247,4 @@ pub fn gemm_forward_bf16(out: &mut [f32], x: &[f32], w: &[u16], m: usize, k: usi
         k,
         n,
     );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn bits(x: &[f32]) -> Vec<u32> {
-        x.iter().map(|v| v.to_bits()).collect()
-    }
-
-    /// The SwiGLU loops give the baseline copy's bits in every vector set
-    /// this CPU runs, over inputs past the exp's clamp, zeros and an odd
-    /// length (a vector tail).
-    #[test]
-    fn the_swiglu_loops_give_the_same_bits_in_every_vector_set() {
-        let n = 1001;
-        let wave = |i: usize, k: f32| ((i as f32 * k).sin() * 120.0).clamp(-100.0, 100.0);
-        let a: Vec<f32> = (0..n)
-            .map(|i| wave(i, 0.37))
-            .map(|x| if x.abs() < 0.5 { 0.0 } else { x })
-            .collect();
-        let b: Vec<f32> = (0..n).map(|i| wave(i, 0.11) / 30.0).collect();
-        let dh: Vec<f32> = (0..n).map(|i| wave(i, 0.73) / 50.0).collect();
-        let run = |isa: VectorIsa| {
-            let (mut h, mut sig, mut h2) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-            swiglu_saving_sigmoid(isa, &mut h, &mut sig, &a, &b);
-            swiglu(isa, &mut h2, &a, &b);
-            let (mut da, mut db) = (vec![0.0; n], vec![0.0; n]);
-            swiglu_grads_wide(isa, &mut da, &mut db, &dh, &a, &b, &sig);
-            [h, sig, h2, da, db].map(|v| bits(&v))
-        };
-        let want = run(VectorIsa::Baseline);
-        assert_eq!(want[0], want[2], "h with and without σ saved");
-        for isa in VectorIsa::supported_here() {
-            assert_eq!(run(isa), want, "{}", isa.name());
-        }
-    }
 }

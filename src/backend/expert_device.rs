@@ -10,7 +10,8 @@ use std::sync::Arc;
 use strata_tiers::io::HostRegion;
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
-use super::cpu::{ffn_backward, ffn_forward, for_parts, FfnScratch};
+use super::activations::for_parts;
+use super::cpu::{ffn_backward, ffn_forward, FfnScratch};
 use super::cpu_bf16::{ffn_backward_bf16, ffn_forward_bf16};
 use super::gemm::Write;
 use super::{CpuBackend, ExpertGemm};

@@ -8,6 +8,7 @@
 //! offer the expert FFN on host slices, which the tests hold to the plain
 //! math. The `cpu` backend runs everywhere and runs every test.
 
+mod activations;
 mod bf16_gemm;
 mod cpu;
 mod cpu_bf16;

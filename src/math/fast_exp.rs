@@ -1,10 +1,12 @@
 //! A polynomial `exp` for f32 in plain arithmetic (Cephes' `expf`: n =
 //! round(x·log₂e), r = x − n·ln 2 in two parts, a degree-6 polynomial
 //! in r, scaled by 2ⁿ through the exponent bits) that the compiler
-//! vectorizes, unlike a call into libm: the cpu's bf16 expert FFN takes
-//! its sigmoids from it. Every operation is an IEEE f32 add or multiply
-//! (Rust contracts none into a fused multiply-add), so the results are the
-//! same bits on every CPU. Within 2 ulp of the exact exp over f32's normal
+//! vectorizes, unlike a call into libm: f32's `Real::exp`, so the
+//! softmaxes, cross-entropy and the sigmoids of SwiGLU and the routers
+//! take it. Every operation is an IEEE f32 add or multiply (Rust contracts
+//! none into a fused multiply-add), so the results are the same bits on
+//! every CPU, and in the CUDA kernels' `strata_exp`, which repeats it
+//! operation for operation. Within 2 ulp of the exact exp over f32's normal
 //! results (`exp_approx_is_within_two_ulp`); past x ≈ 88.7 it gives 2¹²⁸'s
 //! neighbour rather than infinity, and below −87.3 the smallest normal's
 //! neighbourhood rather than a subnormal or zero.
@@ -38,12 +40,6 @@ pub fn exp_approx(x: f32) -> f32 {
     y * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
-/// σ(x) = 1 / (1 + e^−x) from [`exp_approx`].
-#[inline(always)]
-pub fn sigmoid_approx(x: f32) -> f32 {
-    1.0 / (1.0 + exp_approx(-x))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,18 +68,20 @@ mod tests {
         assert!(exp_approx(-1000.0) > 0.0 && exp_approx(-1000.0) < 2e-38);
     }
 
+    /// f32's sigmoid (`math::sigmoid`, from this exp).
     #[test]
-    fn sigmoid_approx_follows_the_exact_sigmoid() {
+    fn the_f32_sigmoid_follows_the_exact_sigmoid() {
+        let sigmoid = crate::math::sigmoid::<f32>;
         for i in -2000..=2000 {
             let x = i as f32 / 50.0;
             let exact = 1.0 / (1.0 + (-(x as f64)).exp());
-            let got = sigmoid_approx(x) as f64;
+            let got = sigmoid(x) as f64;
             assert!(
                 (got - exact).abs() <= 4.0 * f32::EPSILON as f64 * exact,
                 "{x}: {got} {exact}"
             );
         }
-        assert_eq!(sigmoid_approx(200.0), 1.0);
-        assert!(sigmoid_approx(-200.0) < 1e-37);
+        assert_eq!(sigmoid(200.0), 1.0);
+        assert!(sigmoid(-200.0) < 1e-37);
     }
 }

@@ -194,6 +194,13 @@ pub fn activations(h: &dyn KernelHost) {
     let out = h.activation(ExpertKind::SwiGlu, true, &a, &b, &dh);
     let want: Vec<f32> = (0..n).map(|i| silu(a[i]) * b[i]).collect();
     close("swiglu_forward", &out[0], &want);
+    // strata_exp is the host's f32 exp (math::fast_exp) operation for
+    // operation, and with no fused multiply-adds the sigmoid's division and
+    // products round alike: the same bits, which a constant of the
+    // polynomial copied wrong would break.
+    for (i, (g, w)) in out[0].iter().zip(&want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{} swiglu_forward[{i}]", h.name());
+    }
     let out = h.activation(ExpertKind::SwiGlu, false, &a, &b, &dh);
     let da: Vec<f32> = (0..n).map(|i| dh[i] * b[i] * silu_grad(a[i])).collect();
     let db: Vec<f32> = (0..n).map(|i| dh[i] * silu(a[i])).collect();

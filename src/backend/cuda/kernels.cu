@@ -8,8 +8,33 @@ __device__ __forceinline__ unsigned strata_index() {
     return blockIdx.x * blockDim.x + threadIdx.x;
 }
 
+// math::fast_exp::exp_approx, the host's f32 exp, operation for operation
+// (Cephes' polynomial, scaled by 2^n through the exponent bits): with no
+// fused multiply-adds both give the same bits, which expf and libm's do
+// not. Its clamp passes a NaN through, as Rust's f32::clamp does.
+__device__ __forceinline__ float strata_exp(float x) {
+    const float log2e = 1.44269504088896340736f;
+    const float c1 = 0.6933594f;
+    const float c2 = -2.1219444e-4f;
+    const float round = 12582912.0f;
+    if (x < -87.3f) x = -87.3f;
+    if (x > 88.0f) x = 88.0f;
+    float shifted = x * log2e + round;
+    float n = shifted - round;
+    float r = (x - n * c1) - n * c2;
+    float p = 1.9875691e-4f;
+    p = p * r + 1.3982e-3f;
+    p = p * r + 8.333452e-3f;
+    p = p * r + 4.1665796e-2f;
+    p = p * r + 1.6666665e-1f;
+    p = p * r + 0.5f;
+    float y = p * (r * r) + r + 1.0f;
+    unsigned n_bits = __float_as_uint(shifted) - __float_as_uint(round);
+    return y * __uint_as_float((n_bits + 127u) << 23);
+}
+
 __device__ __forceinline__ float strata_sigmoid(float x) {
-    return 1.0f / (1.0f + expf(-x));
+    return 1.0f / (1.0f + strata_exp(-x));
 }
 
 // math::log_sum_exp of a row of n values (its max, then Σ e^(x − max)).
@@ -17,7 +42,7 @@ __device__ __forceinline__ float strata_log_sum_exp(const float* row, unsigned n
     float max = row[0];
     for (unsigned j = 1; j < n; ++j) if (row[j] > max) max = row[j];
     float sum = 0.0f;
-    for (unsigned j = 0; j < n; ++j) sum += expf(row[j] - max);
+    for (unsigned j = 0; j < n; ++j) sum += strata_exp(row[j] - max);
     return max + logf(sum);
 }
 
@@ -197,7 +222,7 @@ extern "C" __global__ void cross_entropy(const float* logits, const unsigned* ta
     unsigned target = targets[i];
     row_loss[i] = (lse - row[target]) * scale;
     for (unsigned j = 0; j < v; ++j) {
-        float p = expf(row[j] - lse);
+        float p = strata_exp(row[j] - lse);
         dlogits[(unsigned long long)i * v + j] = (p - (j == target ? 1.0f : 0.0f)) * scale;
     }
 }
@@ -295,12 +320,12 @@ extern "C" __global__ void attn_softmax(float* scores, float* stats, const unsig
             if (x > max) max = x;
         }
         sum = 0.0f;
-        for (unsigned j = first; j <= i; ++j) sum += expf(row[j] * scale - max);
+        for (unsigned j = first; j <= i; ++j) sum += strata_exp(row[j] * scale - max);
         stat[0] = max;
         stat[1] = sum;
     }
     for (unsigned j = 0; j < keys; ++j)
-        row[j] = j >= first && j <= i ? expf(row[j] * scale - max) / sum : 0.0f;
+        row[j] = j >= first && j <= i ? strata_exp(row[j] * scale - max) / sum : 0.0f;
 }
 
 // The softmax's backward over a block's rows (as attn_softmax): dp holds

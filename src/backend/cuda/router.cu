@@ -16,7 +16,7 @@ extern "C" __global__ void router_top_k(const float* logits, float* probs, float
     float lse = strata_log_sum_exp(row, e);
     lse_out[i] = lse;
     float* p = probs + (unsigned long long)i * e;
-    for (unsigned j = 0; j < e; ++j) p[j] = expf(row[j] - lse);
+    for (unsigned j = 0; j < e; ++j) p[j] = strata_exp(row[j] - lse);
     float total = 0.0f;
     for (unsigned s = 0; s < k; ++s) {
         int best = -1;
