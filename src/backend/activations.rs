@@ -38,15 +38,20 @@ pub(super) fn for_part_pairs(
     for_row_block_pairs(out, 1, out2, 1, ACTIVATION_WORK, body);
 }
 
-/// `buf` resized to `len`, keeping its allocation and old values, for an
-/// output every element of which is written.
+/// `buf`'s first `len` values, for an output every element of which is
+/// written. The buffer keeps its longest length: a call after a longer one
+/// clears nothing (an expert's rows differ from the last's, and shrinking
+/// then growing the vector would zero the difference every time).
 pub(super) fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buf.resize(len, 0.0);
-    buf
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    &mut buf[..len]
 }
 
-/// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`; with
-/// `sig`, also σ(a) (SwiGLU), which the backward reuses for silu′.
+/// The hidden activation h = silu(a)·b (SwiGLU) or gelu(a) into `h`'s
+/// first a.len() values ([`sized`]); with `sig`, also σ(a) (SwiGLU), which
+/// the backward reuses for silu′.
 pub(super) fn hidden_into(
     kind: ExpertKind,
     saved: &ExpertSaved<f32>,
@@ -213,6 +218,16 @@ mod tests {
             assert_eq!(db[i].to_bits(), (dh[i] * silu(a)).to_bits());
             assert_eq!(da[i].to_bits(), (dh[i] * b * silu_grad(a)).to_bits());
         }
+        // A shorter call after a longer one: its values, the rest kept.
+        let short = ExpertSaved {
+            a: saved.a[..n / 2].to_vec(),
+            b: saved.b[..n / 2].to_vec(),
+        };
+        let before = h.clone();
+        hidden_into(ExpertKind::Gelu, &short, &mut h, None);
+        assert_eq!(h.len(), n);
+        assert!((0..n / 2).all(|i| h[i].to_bits() == gelu(short.a[i]).to_bits()));
+        assert_eq!(h[n / 2..], before[n / 2..]);
         hidden_into(ExpertKind::SwiGlu, &saved, &mut h, None);
         assert!((0..n).all(|i| h[i].to_bits() == (silu(saved.a[i]) * saved.b[i]).to_bits()));
         hidden_into(ExpertKind::Gelu, &saved, &mut h, None);

@@ -56,7 +56,14 @@ pub(crate) fn ffn_forward(
         saved.b.clear();
     }
     hidden_into(kind, saved, &mut scratch.h, None);
-    gemm_forward(out, &scratch.h, &params[params.len() - d * f..], n, f, d);
+    gemm_forward(
+        out,
+        &scratch.h[..n * f],
+        &params[params.len() - d * f..],
+        n,
+        f,
+        d,
+    );
 }
 
 /// dx (n, D) = …, dparams += … or = … as `dparams_write` says (dx is
@@ -79,7 +86,7 @@ pub(crate) fn ffn_backward(
     let split = dparams.len() - d * f;
     let (dw_in, dw2) = dparams.split_at_mut(split);
     let dh = sized(&mut scratch.dh, n * f);
-    let (h, w2) = (&scratch.h, &params[split..]);
+    let (h, w2) = (&scratch.h[..n * f], &params[split..]);
     gemm_backward(dh, dw2, [Write::Set, dparams_write], dout, h, w2, n, f, d);
     let dh = &*dh;
     let w1 = &params[..f * d];
@@ -87,9 +94,9 @@ pub(crate) fn ffn_backward(
     match kind {
         ExpertKind::SwiGlu => {
             let db = sized(&mut scratch.db, n * f);
-            swiglu_input_grads(da, db, dh, saved, &scratch.sig);
+            swiglu_input_grads(da, db, dh, saved, &scratch.sig[..n * f]);
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
-            let (da, db, w3) = (&scratch.da, &scratch.db, &params[f * d..2 * f * d]);
+            let (da, db, w3) = (&*da, &*db, &params[f * d..2 * f * d]);
             gemm_backward(dx, dw1, [Write::Set, dparams_write], da, x, w1, n, d, f);
             gemm_backward(dx, dw3, [Write::Add, dparams_write], db, x, w3, n, d, f);
         }
@@ -101,7 +108,7 @@ pub(crate) fn ffn_backward(
                 }
             });
             let writes = [Write::Set, dparams_write];
-            gemm_backward(dx, dw_in, writes, &scratch.da, x, w1, n, d, f);
+            gemm_backward(dx, dw_in, writes, da, x, w1, n, d, f);
         }
     }
 }

@@ -96,7 +96,7 @@ pub(crate) fn ffn_forward_bf16(
     }
     hidden_into(kind, saved, &mut scratch.h, None);
     let w2 = Operand::rows(Values::Bf16(w.w2));
-    gemm_bf16(out, Write::Set, rows_f32(&scratch.h), w2, n, f, d);
+    gemm_bf16(out, Write::Set, rows_f32(&scratch.h[..n * f]), w2, n, f, d);
 }
 
 /// dx (n, D) = …, dparams += … or = … as `dparams_write` says, as
@@ -123,7 +123,7 @@ pub(crate) fn ffn_backward_bf16(
     // beside dw2 (D, F) = doutᵀ · h (both summed over the tokens).
     let dh = sized(&mut scratch.dh, n * f);
     let w2_t = Operand::k_major(Values::Bf16(w.w2));
-    let h = &scratch.h;
+    let h = &scratch.h[..n * f];
     side_by_side(
         2 * n * d * f,
         |t| gemm_bf16_on(t, dh, Write::Set, rows_f32(dout), w2_t, (n, d, f)),
@@ -142,9 +142,9 @@ pub(crate) fn ffn_backward_bf16(
     match kind {
         ExpertKind::SwiGlu => {
             let db = sized(&mut scratch.db, n * f);
-            swiglu_input_grads(da, db, dh, saved, &scratch.sig);
+            swiglu_input_grads(da, db, dh, saved, &scratch.sig[..n * f]);
             let (dw1, dw3) = dw_in.split_at_mut(f * d);
-            let (da, db) = (&scratch.da[..], &scratch.db[..]);
+            let (da, db) = (&*da, &*db);
             grads.run(dx, vec![(dw1, da, w.w1), (dw3, db, w.w3)]);
         }
         ExpertKind::Gelu => {
@@ -154,7 +154,7 @@ pub(crate) fn ffn_backward_bf16(
                     da[i] = dh[at + i] * gelu_grad(a[at + i]);
                 }
             });
-            grads.run(dx, vec![(dw_in, &scratch.da[..], w.w1)]);
+            grads.run(dx, vec![(dw_in, &*da, w.w1)]);
         }
     }
 }

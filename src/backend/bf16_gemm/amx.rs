@@ -262,9 +262,23 @@ pub(super) unsafe fn panels_product(
                 // p0..p0 + steps · 16 ≤ stride are in `a.rows` (asserted
                 // above); `b_packed` holds steps · 16 pairs × NR; the tiles
                 // are configured.
+                let a_block = unsafe { a.rows.as_ptr().add(r0 * a.stride + p0) };
+                let b_block = b_packed.as_ptr();
+                if !add && cols == NR && r0 + ROWS <= s.m {
+                    // A whole block that sets its outputs: the tiles store
+                    // it in place. SAFETY: as above; its 32 rows × NR
+                    // columns are in the output (whole) and this thread's
+                    // alone (the caller's contract).
+                    unsafe {
+                        let out = dst.0.add(r0 * s.n + c0);
+                        block_product(a_block, a.stride, b_block, steps, out, s.n);
+                    }
+                    continue;
+                }
+                // SAFETY: as above; `sums` holds 32 rows of NR.
                 unsafe {
-                    let a_block = a.rows.as_ptr().add(r0 * a.stride + p0);
-                    block_product(a_block, a.stride, b_packed.as_ptr(), steps, &mut sums);
+                    let out = sums.as_mut_ptr().cast::<f32>();
+                    block_product(a_block, a.stride, b_block, steps, out, NR);
                 }
                 let rows = &sums[..ROWS.min(s.m - r0)];
                 // SAFETY: these rows and the panel's columns are in the
@@ -275,28 +289,31 @@ pub(super) unsafe fn panels_product(
     }
 }
 
-/// `sums` = A's 32 rows (at `a`, `stride` pairs a row) times B's panel (at
-/// `b`, pairs × NR), over `steps` steps of 16 pairs, on tiles.
+/// The 32 × 32 sums of A's 32 rows (at `a`, `stride` pairs a row) times
+/// B's panel (at `b`, pairs × NR), over `steps` steps of 16 pairs, on
+/// tiles, written to `out`'s 32 rows of NR values, `out_row` values apart.
 ///
 /// # Safety
 /// The tiles are configured ([`Tiles`]); `a` points at 32 rows of at
 /// least `steps` · 16 readable pairs, `stride` pairs apart, and `b` at
-/// `steps` · 16 × NR readable pairs.
+/// `steps` · 16 × NR readable pairs; `out` at 32 rows of NR writable f32,
+/// `out_row` ≥ NR apart, that nothing else reads or writes meanwhile.
 unsafe fn block_product(
     a: *const u32,
     stride: usize,
     b: *const u32,
     steps: usize,
-    sums: &mut [[f32; NR]; ROWS],
+    out: *mut f32,
+    out_row: usize,
 ) {
-    debug_assert!(steps > 0);
+    debug_assert!(steps > 0 && out_row >= NR);
     let row_bytes = 4 * stride;
-    let out = sums.as_mut_ptr().cast::<f32>();
     // SAFETY: the loads read what the contract says is readable: A's
     // rows 0..16 and 16..32 at `a` and `a + 16 rows`, 64 bytes each a
     // step; B's 16 pairs × 32 columns a step (two tiles of 16 columns,
-    // the second 64 bytes in); the stores write the 32 × 32 f32 of `sums`
-    // (rows of 128 bytes; the lower tiles 2048 bytes in). The tile
+    // the second 64 bytes in); the stores write 32 rows × 32 f32 at `out`
+    // (the right tiles 64 bytes in, the lower ones 16 rows down), as the
+    // contract allows. The tile
     // registers are used within this block alone; their shapes were set
     // by `Tiles::configure` on this thread, and no code the compiler
     // emits touches tiles (nothing in this crate enables AMX).
@@ -322,8 +339,8 @@ unsafe fn block_product(
             "jnz 2b",
             "tilestored [{out} + {out_row}*1], tmm0",
             "tilestored [{out} + {out_row}*1 + 64], tmm1",
-            "tilestored [{out} + {out_row}*1 + 2048], tmm2",
-            "tilestored [{out} + {out_row}*1 + 2112], tmm3",
+            "tilestored [{lower} + {out_row}*1], tmm2",
+            "tilestored [{lower} + {out_row}*1 + 64], tmm3",
             a0 = inout(reg) a => _,
             a1 = inout(reg) a.add(16 * stride) => _,
             b = inout(reg) b => _,
@@ -332,7 +349,8 @@ unsafe fn block_product(
             b_row = in(reg) 4 * NR,
             b_step = in(reg) 4 * NR * STEP_PAIRS,
             out = in(reg) out,
-            out_row = in(reg) 4 * NR,
+            lower = in(reg) out.add(16 * out_row),
+            out_row = in(reg) 4 * out_row,
             options(nostack),
         );
     }

@@ -46,12 +46,15 @@ fn kernels() -> Vec<Bf16Kernel> {
 }
 
 /// Shapes with ragged tiles, an odd K, and K over one block.
-const SHAPES: [(usize, usize, usize); 5] = [
+const SHAPES: [(usize, usize, usize); 6] = [
     (1, 1, 1),
     (8, 2, 32),
     (13, 7, 45),
     (17, 300, 70),
     (40, 513, 9),
+    // Whole 32 × 32 blocks (which the AMX kernel stores in place) beside
+    // ragged ones, over two blocks of K.
+    (70, 300, 72),
 ];
 
 #[test]
