@@ -23,11 +23,16 @@ use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Neg, Sub, SubAssign};
 
 pub mod attention;
 pub mod attention_rows;
+mod cross_entropy;
 pub mod fast_exp;
 mod permute;
 mod router;
 pub mod vector_isa;
 
+pub use cross_entropy::{
+    cross_entropy_forward_backward, cross_entropy_forward_backward_split, cross_entropy_loss,
+    IGNORED_TARGET,
+};
 pub use permute::{
     combine_backward_weights, combine_forward, gather_backward, gather_forward,
     scatter_to_assignments, AssignmentGrads, Permutation,
@@ -239,20 +244,7 @@ pub fn log_sum_exp<R: Real>(row: &[R]) -> R {
     max + sum.ln()
 }
 
-/// [`log_sum_exp`]'s bits, with the exps written to `scratch` (as long as
-/// `row`) in a loop of their own, which vectorizes; the sum keeps its order.
-pub fn log_sum_exp_in<R: Real>(row: &[R], scratch: &mut [R]) -> R {
-    let max = row_max(row);
-    for (e, &z) in scratch.iter_mut().zip(row) {
-        *e = (z - max).exp();
-    }
-    let mut sum = R::zero();
-    for &e in &scratch[..row.len()] {
-        sum += e;
-    }
-    max + sum.ln()
-}
-
+/// The largest of `row`, its first where several are equal.
 fn row_max<R: Real>(row: &[R]) -> R {
     row.iter()
         .copied()
@@ -473,140 +465,12 @@ pub fn rmsnorm_backward<R: Real>(
     });
 }
 
-/// A target that carries no loss (a prompt token of an instruction
-/// example): its row adds nothing to the cross-entropy and its d logits
-/// are zero. transformers writes it as -100.
-pub const IGNORED_TARGET: u32 = u32::MAX;
-
-/// Cross-entropy summed over rows and divided by `denominator`, forward
-/// only (evaluation): the same value `cross_entropy_forward_backward`
-/// returns, without its gradient.
-pub fn cross_entropy_loss<R: Real>(
-    logits: &[R],
-    targets: &[u32],
-    v: usize,
-    denominator: usize,
-) -> R {
-    let scale = R::one() / R::from_f64(denominator as f64);
-    let mut loss = R::zero();
-    for (i, &target) in targets.iter().enumerate() {
-        if target == IGNORED_TARGET {
-            continue;
-        }
-        let row = &logits[i * v..(i + 1) * v];
-        loss += (log_sum_exp(row) - row[target as usize]) * scale;
-    }
-    loss
-}
-
-/// Cross-entropy summed over rows and divided by `denominator` (so
-/// micro-batches add up to the full batch's mean); writes d logits.
-pub fn cross_entropy_forward_backward<R: Real>(
-    dlogits: &mut [R],
-    logits: &[R],
-    targets: &[u32],
-    v: usize,
-    denominator: usize,
-) -> R {
-    cross_entropy_forward_backward_split(dlogits, logits, targets, v, denominator, 1)
-}
-
-/// Below this many logits cross-entropy is not split over threads.
-const CE_SPLIT_MIN_LOGITS: usize = 1 << 20;
-
-/// [`cross_entropy_forward_backward`] with the rows split over up to
-/// `threads` threads. Each row's share of the loss is computed as the
-/// serial loop computes it and the shares are summed in row order, so
-/// the result is the same bit for bit.
-pub fn cross_entropy_forward_backward_split<R: Real>(
-    dlogits: &mut [R],
-    logits: &[R],
-    targets: &[u32],
-    v: usize,
-    denominator: usize,
-    threads: usize,
-) -> R {
-    let t = targets.len();
-    assert!(dlogits.len() == t * v && logits.len() == t * v);
-    let scale = R::one() / R::from_f64(denominator as f64);
-    let mut shares = vec![R::zero(); t];
-    let threads = if t * v < CE_SPLIT_MIN_LOGITS {
-        1
-    } else {
-        threads.clamp(1, 8)
-    };
-    let rows = t.div_ceil(threads).max(1);
-    let jobs: Vec<_> = dlogits
-        .chunks_mut((rows * v).max(1))
-        .zip(logits.chunks((rows * v).max(1)))
-        .zip(targets.chunks(rows).zip(shares.chunks_mut(rows)))
-        .map(|((dlogits, logits), (targets, shares))| {
-            move || cross_entropy_rows(dlogits, logits, targets, shares, v, scale)
-        })
-        .collect();
-    crate::parallel::run_all(jobs);
-    shares.iter().fold(R::zero(), |loss, &share| loss + share)
-}
-
-/// Each row's share of the loss and its d logits.
-fn cross_entropy_rows<R: Real>(
-    dlogits: &mut [R],
-    logits: &[R],
-    targets: &[u32],
-    shares: &mut [R],
-    v: usize,
-    scale: R,
-) {
-    for (i, &target) in targets.iter().enumerate() {
-        if target == IGNORED_TARGET {
-            shares[i] = R::zero();
-            dlogits[i * v..(i + 1) * v].fill(R::zero());
-            continue;
-        }
-        let row = &logits[i * v..(i + 1) * v];
-        let drow = &mut dlogits[i * v..(i + 1) * v];
-        let lse = log_sum_exp_in(row, drow);
-        let target = target as usize;
-        shares[i] = (lse - row[target]) * scale;
-        for (d, &z) in drow.iter_mut().zip(row) {
-            *d = (z - lse).exp() * scale;
-        }
-        drow[target] = ((row[target] - lse).exp() - R::one()) * scale;
-    }
-}
 #[cfg(test)]
 mod split_tests;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Splitting the rows over threads changes no bit of the loss or of
-    /// d logits (a ragged last part; large enough to be split).
-    #[test]
-    fn split_cross_entropy_equals_the_serial_one_bit_for_bit() {
-        let (t, v) = (1031, 1024);
-        assert!(t * v >= CE_SPLIT_MIN_LOGITS);
-        let logits: Vec<f32> = (0..t * v)
-            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 9.0)
-            .collect();
-        let targets: Vec<u32> = (0..t).map(|i| (i * 31 % v) as u32).collect();
-        let mut serial = vec![0.0f32; t * v];
-        let loss = cross_entropy_forward_backward(&mut serial, &logits, &targets, v, 3 * t);
-        for threads in [2, 3, 8] {
-            let mut split = vec![0.0f32; t * v];
-            let l = cross_entropy_forward_backward_split(
-                &mut split,
-                &logits,
-                &targets,
-                v,
-                3 * t,
-                threads,
-            );
-            assert_eq!(l.to_bits(), loss.to_bits(), "{threads} threads");
-            assert!(split == serial, "{threads} threads");
-        }
-    }
 
     /// The shift by the row's largest logit is what keeps log Σ exp finite
     /// where the exponentials themselves overflow f32 (e¹⁰⁰), wherever in
@@ -621,64 +485,5 @@ mod tests {
             let lse = log_sum_exp(&row);
             assert!((lse - 100.0).abs() <= 1e-4, "{row:?}: {lse}");
         }
-    }
-
-    /// A row whose target is ignored adds nothing to the loss and gets
-    /// zero d logits, whatever the buffer held before (d logits are
-    /// written whole, so a caller may hand any buffer; today's hand zeroed
-    /// ones, which hid a wrong range); the other rows are as a fresh
-    /// buffer's.
-    #[test]
-    fn ignored_rows_get_zero_d_logits_whatever_the_buffer_held() {
-        let (t, v) = (6, 7);
-        let logits: Vec<f32> = (0..t * v)
-            .map(|i| ((i * 13 % 17) as f32 - 8.0) * 0.25)
-            .collect();
-        let mut targets: Vec<u32> = (0..t).map(|i| (i * 3 % v) as u32).collect();
-        for i in [0, 2, 5] {
-            targets[i] = IGNORED_TARGET;
-        }
-        let mut fresh = vec![0.0f32; t * v];
-        let loss = cross_entropy_forward_backward(&mut fresh, &logits, &targets, v, t);
-        let mut stale = vec![f32::NAN; t * v];
-        let l = cross_entropy_forward_backward(&mut stale, &logits, &targets, v, t);
-        assert_eq!(l.to_bits(), loss.to_bits());
-        for i in 0..t {
-            let row = &stale[i * v..(i + 1) * v];
-            if targets[i] == IGNORED_TARGET {
-                assert!(row.iter().all(|&g| g == 0.0), "row {i}: {row:?}");
-            } else {
-                assert!(row == &fresh[i * v..(i + 1) * v], "row {i}: {row:?}");
-            }
-        }
-        let kept: Vec<u32> = targets
-            .iter()
-            .copied()
-            .filter(|&t| t != IGNORED_TARGET)
-            .collect();
-        let kept_logits: Vec<f32> = (0..t)
-            .filter(|&i| targets[i] != IGNORED_TARGET)
-            .flat_map(|i| logits[i * v..(i + 1) * v].to_vec())
-            .collect();
-        let alone = cross_entropy_loss(&kept_logits, &kept, v, t);
-        assert_eq!(
-            alone.to_bits(),
-            loss.to_bits(),
-            "the ignored rows add nothing"
-        );
-    }
-
-    /// Evaluation's loss is training's loss, to the bit.
-    #[test]
-    fn the_loss_alone_equals_the_loss_with_its_gradient() {
-        let (t, v) = (9, 13);
-        let logits: Vec<f32> = (0..t * v)
-            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.3)
-            .collect();
-        let targets: Vec<u32> = (0..t).map(|i| (i * 5 % v) as u32).collect();
-        let mut dlogits = vec![0.0f32; t * v];
-        let with_grad = cross_entropy_forward_backward(&mut dlogits, &logits, &targets, v, 20);
-        let alone = cross_entropy_loss(&logits, &targets, v, 20);
-        assert_eq!(with_grad.to_bits(), alone.to_bits());
     }
 }
