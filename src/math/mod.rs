@@ -81,24 +81,31 @@ pub trait Real:
 macro_rules! real_impl {
     ($t:ty, $exp:path) => {
         impl Real for $t {
+            #[inline]
             fn from_f64(x: f64) -> Self {
                 x as $t
             }
+            #[inline]
             fn to_f64(self) -> f64 {
                 self as f64
             }
+            #[inline(always)]
             fn exp(self) -> Self {
                 $exp(self)
             }
+            #[inline]
             fn ln(self) -> Self {
                 <$t>::ln(self)
             }
+            #[inline]
             fn sqrt(self) -> Self {
                 <$t>::sqrt(self)
             }
+            #[inline]
             fn tanh(self) -> Self {
                 <$t>::tanh(self)
             }
+            #[inline]
             fn is_finite(self) -> bool {
                 <$t>::is_finite(self)
             }

@@ -10,7 +10,12 @@
 //! chains over a row's keys (the softmax's sum, the backward's Σ P·dP)
 //! one key after the other; a row's output and its dq, key after key,
 //! held in registers across the keys; dk's and dv's rows, one query row
-//! after the other, vectorized over the head dimension.
+//! after the other, vectorized over the head dimension. The forward takes
+//! a unit's query heads two at a time, row by row: the two heads read the
+//! same keys and values, so their chains of adds (the softmax's sums, the
+//! outputs') run side by side, each in its own order, and each value row
+//! is read once for both. (The backward cannot: two heads add into the
+//! same dk and dv rows, whose order is one head's rows, then the next's.)
 
 #![allow(clippy::needless_range_loop)]
 
@@ -25,7 +30,8 @@ const KEYS: usize = 16;
 /// Partial sums a dot product keeps (head column c goes to sum c % 8).
 const SUMS: usize = 8;
 
-/// A job's working space: a row of probabilities, a row of dP (then dS),
+/// A job's working space: a row of probabilities, a row of dP (then dS;
+/// in the forward, a second head's probabilities),
 /// a query row (or dout row) padded with zeros to a multiple of [`SUMS`]
 /// columns, and a unit's keys and values transposed where the pass reads
 /// them, (hd padded, S + [`KEYS`]) each, the rows and columns past the
@@ -154,47 +160,68 @@ fn row_max<R: Real>(row: &[R]) -> R {
     max
 }
 
-/// `acc[c]` += Σ_j `weights[j]` · `rows[j·stride + c]`, in order of j for
-/// each column c (as a loop over the keys adding one product at a time
-/// would), the columns held in registers across the keys: 32 at a time
-/// (two independent chains of adds), then 16, then one by one.
+/// `accs[k][c]` += Σ_j `weights[k][j]` · `rows[j·stride + c]` for each of
+/// N accumulators (the same width), in order of j for each k and column c
+/// (as a loop over the keys adding one product at a time would), the
+/// columns held in registers across the keys and each row of `rows` read
+/// once for all N: for one accumulator 32 columns at a time (two
+/// independent chains of adds), for several 16 at a time (each a chain),
+/// then one by one.
 #[inline(always)]
-fn add_weighted_rows<R: Real>(acc: &mut [R], weights: &[R], rows: &[R], stride: usize) {
+fn add_weighted_rows<R: Real, const N: usize>(
+    mut accs: [&mut [R]; N],
+    weights: [&[R]; N],
+    rows: &[R],
+    stride: usize,
+) {
+    let width = accs[0].len();
+    debug_assert!(accs.iter().all(|acc| acc.len() == width));
     let mut c0 = 0;
-    while c0 + 2 * KEYS <= acc.len() {
-        add_weighted_columns::<R, { 2 * KEYS }>(acc, c0, weights, rows, stride);
+    // 32 columns of two accumulators are not kept in registers (the
+    // compiler turns them into scalar adds on the stack).
+    while N == 1 && c0 + 2 * KEYS <= width {
+        add_weighted_columns::<R, N, { 2 * KEYS }>(&mut accs, c0, weights, rows, stride);
         c0 += 2 * KEYS;
     }
-    if c0 + KEYS <= acc.len() {
-        add_weighted_columns::<R, KEYS>(acc, c0, weights, rows, stride);
+    while c0 + KEYS <= width {
+        add_weighted_columns::<R, N, KEYS>(&mut accs, c0, weights, rows, stride);
         c0 += KEYS;
     }
-    for c in c0..acc.len() {
-        for (j, &w) in weights.iter().enumerate() {
-            acc[c] += w * rows[j * stride + c];
+    for (acc, weights) in accs.iter_mut().zip(weights) {
+        for c in c0..width {
+            for (j, &w) in weights.iter().enumerate() {
+                acc[c] += w * rows[j * stride + c];
+            }
         }
     }
 }
 
 /// [`add_weighted_rows`] for columns c0..c0 + W.
 #[inline(always)]
-fn add_weighted_columns<R: Real, const W: usize>(
-    acc: &mut [R],
+fn add_weighted_columns<R: Real, const N: usize, const W: usize>(
+    accs: &mut [&mut [R]; N],
     c0: usize,
-    weights: &[R],
+    weights: [&[R]; N],
     rows: &[R],
     stride: usize,
 ) {
-    let sums: &mut [R; W] = (&mut acc[c0..c0 + W]).try_into().expect("W columns");
-    let mut held = *sums;
-    for (j, &w) in weights.iter().enumerate() {
+    let mut held: [[R; W]; N] =
+        std::array::from_fn(|k| accs[k][c0..c0 + W].try_into().expect("W columns"));
+    let keys = weights[0].len();
+    let weights = weights.map(|w| &w[..keys]);
+    for j in 0..keys {
         let at = j * stride + c0;
         let row: &[R; W] = rows[at..at + W].try_into().expect("W columns");
-        for k in 0..W {
-            held[k] += w * row[k];
+        for (held, weights) in held.iter_mut().zip(weights) {
+            let w = weights[j];
+            for c in 0..W {
+                held[c] += w * row[c];
+            }
         }
     }
-    *sums = held;
+    for (acc, held) in accs.iter_mut().zip(held) {
+        acc[c0..c0 + W].copy_from_slice(&held);
+    }
 }
 
 /// `dst[c]` += `w` · `src[c]` (a plain loop, which the compiler
@@ -204,21 +231,6 @@ fn add_scaled<R: Real>(dst: &mut [R], w: R, src: &[R]) {
     for (d, &s) in dst.iter_mut().zip(src) {
         *d += w * s;
     }
-}
-
-/// `row[j]` = exp(`row[j]` − max); returns their sum, added key after key.
-/// The exps run in a loop of their own, which vectorizes; the sum keeps
-/// its order.
-#[inline(always)]
-fn exp_and_sum<R: Real>(row: &mut [R], max: R) -> R {
-    for p in row.iter_mut() {
-        *p = (*p - max).exp();
-    }
-    let mut sum = R::zero();
-    for &p in row.iter() {
-        sum += p;
-    }
-    sum
 }
 
 multiversioned! {
@@ -241,35 +253,97 @@ fn forward_unit_body<R: Real>(
     saved: &mut [R],
     scratch: &mut Scratch<R>,
 ) {
-    let shape = x.shape;
-    let (s, hd, group, qw) = (shape.seq_len, shape.head_dim, x.group(), shape.q_width());
-    let scale = R::one() / R::from_f64(hd as f64).sqrt();
-    let ow = group * hd;
+    let group = x.group();
     transpose_keys(x, (b, g), x.k, &mut scratch.kt, scratch.stride);
-    for (n, h) in (g * group..(g + 1) * group).enumerate() {
-        for i in 0..s {
-            let first = x.first(b, i);
-            let r = n * s + i; // this unit's row
-            let row = match x.kept {
-                Kept::Probabilities => &mut saved[r * s..(r + 1) * s],
-                Kept::RowStats => &mut scratch.row[..],
-            };
-            let qi_at = (b * s + i) * qw + h * hd;
-            let qi = &x.q[qi_at..qi_at + hd];
-            let a = (qi, &mut scratch.padded[..]);
-            dots(row, a, &scratch.kt, scratch.stride, first..=i, scale);
-            let max = row_max(&row[first..=i]);
-            let sum = exp_and_sum(&mut row[first..=i], max);
-            for p in &mut row[first..=i] {
-                *p = *p / sum;
-            }
-            let oi = &mut out[i * ow + n * hd..i * ow + (n + 1) * hd];
-            let values = &x.v[x.key(b, g, first)..];
-            add_weighted_rows(oi, &row[first..=i], values, shape.kv_width());
-            if x.kept == Kept::RowStats {
-                saved[2 * r] = max;
-                saved[2 * r + 1] = sum;
-            }
+    // The unit's heads two at a time: a row of each, on the same keys,
+    // their chains of adds side by side (each head's own order kept).
+    let mut n = 0;
+    while n + 2 <= group {
+        for i in 0..x.shape.seq_len {
+            forward_rows::<R, 2>(x, (b, g), [n, n + 1], i, out, saved, scratch);
+        }
+        n += 2;
+    }
+    if n < group {
+        for i in 0..x.shape.seq_len {
+            forward_rows::<R, 1>(x, (b, g), [n], i, out, saved, scratch);
+        }
+    }
+}
+
+/// Query row i of the unit's heads `heads` (N of them, unit-local): its
+/// scores, softmax and output, each head's as [`forward_unit`] computes
+/// one alone. The heads' softmax sums and outputs run side by side, each
+/// its own chain in key order (the values' rows read once for all).
+#[inline(always)]
+fn forward_rows<R: Real, const N: usize>(
+    x: &Operands<'_, R>,
+    (b, g): (usize, usize),
+    heads: [usize; N],
+    i: usize,
+    out: &mut [R],
+    saved: &mut [R],
+    scratch: &mut Scratch<R>,
+) {
+    let shape = x.shape;
+    let (s, hd, qw) = (shape.seq_len, shape.head_dim, shape.q_width());
+    let scale = R::one() / R::from_f64(hd as f64).sqrt();
+    let ow = x.group() * hd;
+    let first = x.first(b, i);
+    let keys = first..=i;
+    let Scratch {
+        row,
+        dp,
+        padded,
+        kt,
+        stride,
+        ..
+    } = scratch;
+    // Each head's row: its kept probabilities, else a scratch row.
+    let rows: [&mut [R]; N] = match x.kept {
+        Kept::Probabilities => {
+            let at = heads.map(|n| (n * s + i) * s..(n * s + i + 1) * s);
+            saved[..]
+                .get_disjoint_mut(at)
+                .expect("distinct heads' rows")
+        }
+        Kept::RowStats => {
+            let mut spare = [&mut row[..], &mut dp[..]].into_iter();
+            std::array::from_fn(|_| spare.next().expect("two scratch rows"))
+        }
+    };
+    let mut max = [R::zero(); N];
+    for k in 0..N {
+        let h = g * x.group() + heads[k];
+        let qi_at = (b * s + i) * qw + h * hd;
+        let qi = &x.q[qi_at..qi_at + hd];
+        dots(rows[k], (qi, padded), kt, *stride, keys.clone(), scale);
+        max[k] = row_max(&rows[k][keys.clone()]);
+        for p in &mut rows[k][keys.clone()] {
+            *p = (*p - max[k]).exp();
+        }
+    }
+    let mut sum = [R::zero(); N];
+    for j in keys.clone() {
+        for k in 0..N {
+            sum[k] += rows[k][j];
+        }
+    }
+    for k in 0..N {
+        for p in &mut rows[k][keys.clone()] {
+            *p = *p / sum[k];
+        }
+    }
+    let at = heads.map(|n| i * ow + n * hd..i * ow + (n + 1) * hd);
+    let outs = out.get_disjoint_mut(at).expect("distinct heads' columns");
+    let weights = std::array::from_fn(|k| &rows[k][keys.clone()]);
+    let values = &x.v[x.key(b, g, first)..];
+    add_weighted_rows(outs, weights, values, shape.kv_width());
+    if x.kept == Kept::RowStats {
+        for k in 0..N {
+            let r = heads[k] * s + i;
+            saved[2 * r] = max[k];
+            saved[2 * r + 1] = sum[k];
         }
     }
 }
@@ -347,7 +421,7 @@ fn backward_unit_body<R: Real>(
             }
             let dqi = &mut dq[i * ow + n * hd..i * ow + (n + 1) * hd];
             let keys = &x.k[x.key(b, g, first)..];
-            add_weighted_rows(dqi, &dp[first..=i], keys, s.kv_width());
+            add_weighted_rows([dqi], [&dp[first..=i]], keys, s.kv_width());
             for j in first..=i {
                 add_scaled(&mut dk[j * hd..(j + 1) * hd], dp[j], qi);
             }
