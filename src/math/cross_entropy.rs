@@ -9,7 +9,7 @@
 //! bits of the plain loop's.
 
 use super::vector_isa::{multiversioned, VectorIsa};
-use super::{log_sum_exp, Real};
+use super::{lane_max, log_sum_exp, Real};
 
 /// A target that carries no loss (a prompt token of an instruction
 /// example): its row adds nothing to the cross-entropy and its d logits
@@ -122,7 +122,7 @@ fn cross_entropy_rows_body<R: Real>(
         // Each row's exps (shifted by its largest logit) into its d logits.
         let mut max = [R::zero(); ROWS_SIDE_BY_SIDE];
         for (r, (drow, row)) in dlogits.chunks_mut(v).zip(logits.chunks(v)).enumerate() {
-            max[r] = largest(row);
+            max[r] = lane_max(row);
             for (e, &z) in drow.iter_mut().zip(row) {
                 *e = (z - max[r]).exp();
             }
@@ -166,32 +166,6 @@ fn sums_side_by_side<R: Real, const N: usize>(rows: &[R], v: usize) -> [R; N] {
         }
     }
     sums
-}
-
-/// The largest of `row`, 16 lanes at a time: the value of
-/// [`log_sum_exp`]'s running maximum (a set of numbers has one largest; +0
-/// and −0, the one pair that compares equal with different bits, give the
-/// same exp(z − max) for every z, and the same max + ln Σ but where that
-/// is zero).
-#[inline(always)]
-fn largest<R: Real>(row: &[R]) -> R {
-    const LANES: usize = 16;
-    let mut lanes = [row[0]; LANES];
-    let mut blocks = row.chunks_exact(LANES);
-    for block in &mut blocks {
-        for (m, &z) in lanes.iter_mut().zip(block) {
-            if z > *m {
-                *m = z;
-            }
-        }
-    }
-    let mut max = row[0];
-    for &z in lanes.iter().chain(blocks.remainder()) {
-        if z > max {
-            max = z;
-        }
-    }
-    max
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@
 
 use super::{Kept, Operands};
 use crate::math::vector_isa::multiversioned;
-use crate::math::Real;
+use crate::math::{lane_max, Real};
 
 /// Keys whose dot products one pass computes side by side (a 512-bit
 /// register of f32 lanes).
@@ -133,31 +133,6 @@ fn dots<R: Real>(
         out[j0..j0 + n].copy_from_slice(&dots[..n]);
         j0 += KEYS;
     }
-}
-
-/// The largest of `row` (its first where several are equal; NaNs
-/// skipped), taken [`KEYS`] lanes at a time: the same value as one
-/// running maximum (a set of numbers has one largest; +0 and −0, the one
-/// pair that compares equal with different bits, give the same `exp(x −
-/// max)` for every x).
-#[inline(always)]
-fn row_max<R: Real>(row: &[R]) -> R {
-    let mut lanes = [R::from_f64(f64::NEG_INFINITY); KEYS];
-    let mut blocks = row.chunks_exact(KEYS);
-    for block in &mut blocks {
-        for (m, &v) in lanes.iter_mut().zip(block) {
-            if v > *m {
-                *m = v;
-            }
-        }
-    }
-    let mut max = R::from_f64(f64::NEG_INFINITY);
-    for &v in lanes.iter().chain(blocks.remainder()) {
-        if v > max {
-            max = v;
-        }
-    }
-    max
 }
 
 /// `accs[k][c]` += Σ_j `weights[k][j]` · `rows[j·stride + c]` for each of
@@ -318,7 +293,7 @@ fn forward_rows<R: Real, const N: usize>(
         let qi_at = (b * s + i) * qw + h * hd;
         let qi = &x.q[qi_at..qi_at + hd];
         dots(rows[k], (qi, padded), kt, *stride, keys.clone(), scale);
-        max[k] = row_max(&rows[k][keys.clone()]);
+        max[k] = lane_max(&rows[k][keys.clone()]);
         for p in &mut rows[k][keys.clone()] {
             *p = (*p - max[k]).exp();
         }
