@@ -14,10 +14,14 @@
 //! a unit's query heads two at a time, row by row: the two heads read the
 //! same keys and values, so their chains of adds (the softmax's sums, the
 //! outputs') run side by side, each in its own order, and each value row
-//! is read once for both. (The backward cannot: two heads add into the
-//! same dk and dv rows, whose order is one head's rows, then the next's.)
+//! is read once for both. The backward (`backward.rs`) takes a head's
+//! query rows a block at a time.
 
 #![allow(clippy::needless_range_loop)]
+
+mod backward;
+
+pub(super) use backward::backward_unit;
 
 use super::{Kept, Operands};
 use crate::math::vector_isa::multiversioned;
@@ -30,8 +34,9 @@ const KEYS: usize = 16;
 /// Partial sums a dot product keeps (head column c goes to sum c % 8).
 const SUMS: usize = 8;
 
-/// A job's working space: a row of probabilities, a row of dP (then dS;
-/// in the forward, a second head's probabilities),
+/// A job's working space: rows of probabilities and rows of dP (then dS;
+/// in the forward, a second head's probabilities), a row each in the
+/// forward and [`ROWS`](backward::ROWS) in the backward,
 /// a query row (or dout row) padded with zeros to a multiple of [`SUMS`]
 /// columns, and a unit's keys and values transposed where the pass reads
 /// them, (hd padded, S + [`KEYS`]) each, the rows and columns past the
@@ -51,21 +56,32 @@ pub(super) struct Scratch<R> {
 impl<R: Real> Scratch<R> {
     /// The forward's: the keys transposed, not the values.
     pub(super) fn forward(seq_len: usize, head_dim: usize) -> Self {
-        Self::new(seq_len, head_dim, (true, false))
+        Self::new(seq_len, head_dim, (true, false), 1)
     }
 
     /// The backward's: the values transposed, and the keys where it
     /// recomputes the probabilities.
     pub(super) fn backward(seq_len: usize, head_dim: usize, kept: Kept) -> Self {
-        Self::new(seq_len, head_dim, (kept == Kept::RowStats, true))
+        Self::new(
+            seq_len,
+            head_dim,
+            (kept == Kept::RowStats, true),
+            backward::ROWS,
+        )
     }
 
-    fn new(seq_len: usize, head_dim: usize, (keys, values): (bool, bool)) -> Self {
+    /// `query_rows` rows of probabilities and of dP.
+    fn new(
+        seq_len: usize,
+        head_dim: usize,
+        (keys, values): (bool, bool),
+        query_rows: usize,
+    ) -> Self {
         let (stride, rows) = (seq_len + KEYS, head_dim.div_ceil(SUMS) * SUMS);
         let transposed = |wanted: bool| vec![R::zero(); if wanted { rows * stride } else { 0 }];
         Self {
-            row: vec![R::zero(); seq_len],
-            dp: vec![R::zero(); seq_len],
+            row: vec![R::zero(); query_rows * seq_len],
+            dp: vec![R::zero(); query_rows * seq_len],
             padded: vec![R::zero(); rows],
             kt: transposed(keys),
             vt: transposed(values),
@@ -111,28 +127,53 @@ fn dots<R: Real>(
     let (first, last) = (*keys.start(), *keys.end());
     let mut j0 = first;
     while j0 <= last {
-        let mut sums = [[R::zero(); KEYS]; SUMS];
+        // Eight sums, each a variable of its own (so a register: an array
+        // of them ends on the stack).
+        let zero = [R::zero(); KEYS];
+        let (mut s0, mut s1, mut s2, mut s3) = (zero, zero, zero, zero);
+        let (mut s4, mut s5, mut s6, mut s7) = (zero, zero, zero, zero);
         for (c0, a) in padded.chunks_exact(SUMS).enumerate() {
-            // Unrolled, l is a constant and each sum a register.
-            for (l, sum) in sums.iter_mut().enumerate() {
-                let at = (c0 * SUMS + l) * stride + j0;
-                let keys: &[R; KEYS] = transposed[at..at + KEYS].try_into().expect("KEYS keys");
-                for k in 0..KEYS {
-                    sum[k] += a[l] * keys[k];
-                }
-            }
+            let at = |l: usize| (c0 * SUMS + l) * stride + j0;
+            add_product(&mut s0, a[0], &transposed[at(0)..]);
+            add_product(&mut s1, a[1], &transposed[at(1)..]);
+            add_product(&mut s2, a[2], &transposed[at(2)..]);
+            add_product(&mut s3, a[3], &transposed[at(3)..]);
+            add_product(&mut s4, a[4], &transposed[at(4)..]);
+            add_product(&mut s5, a[5], &transposed[at(5)..]);
+            add_product(&mut s6, a[6], &transposed[at(6)..]);
+            add_product(&mut s7, a[7], &transposed[at(7)..]);
         }
-        // Lane by lane (so the sums stay registers), then the keys wanted.
-        let mut dots = [R::zero(); KEYS];
-        let [s0, s1, s2, s3, s4, s5, s6, s7] = sums;
-        for l in 0..KEYS {
-            dots[l] =
-                (((s0[l] + s4[l]) + (s1[l] + s5[l])) + ((s2[l] + s6[l]) + (s3[l] + s7[l]))) * scale;
+        // A whole register at a time, then the keys wanted.
+        let (low, high) = (
+            lanes_add(lanes_add(s0, s4), lanes_add(s1, s5)),
+            lanes_add(lanes_add(s2, s6), lanes_add(s3, s7)),
+        );
+        let mut dots = lanes_add(low, high);
+        for d in &mut dots {
+            *d *= scale;
         }
         let n = (last + 1 - j0).min(KEYS);
         out[j0..j0 + n].copy_from_slice(&dots[..n]);
         j0 += KEYS;
     }
+}
+
+/// `sum[k]` += `w` · `keys[k]` for the first [`KEYS`] keys.
+#[inline(always)]
+fn add_product<R: Real>(sum: &mut [R; KEYS], w: R, keys: &[R]) {
+    let keys: &[R; KEYS] = keys[..KEYS].try_into().expect("KEYS keys");
+    for k in 0..KEYS {
+        sum[k] += w * keys[k];
+    }
+}
+
+/// `a` + `b`, lane by lane.
+#[inline(always)]
+fn lanes_add<R: Real>(mut a: [R; KEYS], b: [R; KEYS]) -> [R; KEYS] {
+    for (a, b) in a.iter_mut().zip(b) {
+        *a += b;
+    }
+    a
 }
 
 /// `accs[k][c]` += Σ_j `weights[k][j]` · `rows[j·stride + c]` for each of
@@ -319,87 +360,6 @@ fn forward_rows<R: Real, const N: usize>(
             let r = heads[k] * s + i;
             saved[2 * r] = max[k];
             saved[2 * r + 1] = sum[k];
-        }
-    }
-}
-
-multiversioned! {
-    /// The backward of one unit: `dq` (S, group·hd) and `dk`, `dv` (S, hd)
-    /// its slices, added to.
-    pub(super) fn backward_unit<R: Real>(
-        x: &Operands<'_, R>,
-        unit: (usize, usize),
-        dout: &[R],
-        saved: &[R],
-        grads: [&mut [R]; 3],
-        scratch: &mut Scratch<R>,
-    ) => backward_unit_body;
-}
-
-#[inline(always)]
-fn backward_unit_body<R: Real>(
-    x: &Operands<'_, R>,
-    (b, g): (usize, usize),
-    dout: &[R],
-    saved: &[R],
-    [dq, dk, dv]: [&mut [R]; 3],
-    scratch: &mut Scratch<R>,
-) {
-    let s = x.shape;
-    let (sl, hd, group, qw) = (s.seq_len, s.head_dim, x.group(), s.q_width());
-    let scale = R::one() / R::from_f64(hd as f64).sqrt();
-    let ow = group * hd;
-    let Scratch {
-        row: recomputed,
-        dp,
-        padded,
-        kt,
-        vt,
-        stride,
-    } = scratch;
-    let stride = *stride;
-    if x.kept == Kept::RowStats {
-        transpose_keys(x, (b, g), x.k, kt, stride);
-    }
-    transpose_keys(x, (b, g), x.v, vt, stride);
-    for (n, h) in (g * group..(g + 1) * group).enumerate() {
-        for i in 0..sl {
-            let first = x.first(b, i);
-            let r = n * sl + i;
-            let qi_at = (b * sl + i) * qw + h * hd;
-            let qi = &x.q[qi_at..qi_at + hd];
-            let row: &[R] = match x.kept {
-                Kept::Probabilities => &saved[r * sl..(r + 1) * sl],
-                Kept::RowStats => {
-                    dots(recomputed, (qi, padded), kt, stride, first..=i, scale);
-                    let (max, sum) = (saved[2 * r], saved[2 * r + 1]);
-                    for p in &mut recomputed[first..=i] {
-                        *p = (*p - max).exp();
-                    }
-                    for p in &mut recomputed[first..=i] {
-                        *p = *p / sum;
-                    }
-                    recomputed
-                }
-            };
-            let doi = &dout[qi_at..qi_at + hd];
-            // dP_ij = dout_i · v_j;  dv_j += P_ij dout_i
-            dots(dp, (doi, padded), vt, stride, first..=i, R::one());
-            let mut weighted = R::zero();
-            for j in first..=i {
-                weighted += row[j] * dp[j];
-                add_scaled(&mut dv[j * hd..(j + 1) * hd], row[j], doi);
-            }
-            // dScore_ij = P_ij (dP_ij − Σ_j' P_ij' dP_ij') · scale
-            for (ds, &p) in dp[first..=i].iter_mut().zip(&row[first..=i]) {
-                *ds = p * (*ds - weighted) * scale;
-            }
-            let dqi = &mut dq[i * ow + n * hd..i * ow + (n + 1) * hd];
-            let keys = &x.k[x.key(b, g, first)..];
-            add_weighted_rows([dqi], [&dp[first..=i]], keys, s.kv_width());
-            for j in first..=i {
-                add_scaled(&mut dk[j * hd..(j + 1) * hd], dp[j], qi);
-            }
         }
     }
 }
