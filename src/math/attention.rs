@@ -11,6 +11,7 @@
 // as arguments, as llm.c does.
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
+use crate::math::vector_isa::{multiversioned, VectorIsa};
 use crate::math::Real;
 
 /// The attention shape.
@@ -124,22 +125,48 @@ fn rope_apply<R: Real>(
     heads: usize,
     transpose: bool,
 ) {
+    rope_rows(VectorIsa::detected(), x, table, seq_len, heads, transpose);
+}
+
+multiversioned! {
+    /// [`rope_apply`]'s loops, compiled for the widest vectors the CPU has
+    /// (the same operations, so the same bits, in each).
+    fn rope_rows<R: Real>(
+        x: &mut [R],
+        table: &RopeTable<R>,
+        seq_len: usize,
+        heads: usize,
+        transpose: bool,
+    ) => rope_rows_body;
+}
+
+#[inline(always)]
+fn rope_rows_body<R: Real>(
+    x: &mut [R],
+    table: &RopeTable<R>,
+    seq_len: usize,
+    heads: usize,
+    transpose: bool,
+) {
     let (half, hd) = (table.half, table.head_dim);
     let rows = x.len() / (heads * hd);
     for t in 0..rows {
         let p = t % seq_len;
-        for h in 0..heads {
-            let v = &mut x[(t * heads + h) * hd..(t * heads + h + 1) * hd];
-            for i in 0..half {
-                let c = table.cos[p * half + i];
-                let s = if transpose {
-                    -table.sin[p * half + i]
-                } else {
-                    table.sin[p * half + i]
-                };
-                let (a, b) = (v[i], v[i + half]);
-                v[i] = a * c - b * s;
-                v[i + half] = b * c + a * s;
+        let (cos, sin) = (
+            &table.cos[p * half..(p + 1) * half],
+            &table.sin[p * half..(p + 1) * half],
+        );
+        for v in x[t * heads * hd..(t + 1) * heads * hd].chunks_exact_mut(hd) {
+            let (low, high) = v.split_at_mut(half);
+            let rotating = low
+                .iter_mut()
+                .zip(&mut high[..half])
+                .zip(cos.iter().zip(sin));
+            for ((a, b), (&c, &s)) in rotating {
+                let s = if transpose { -s } else { s };
+                let (x0, x1) = (*a, *b);
+                *a = x0 * c - x1 * s;
+                *b = x1 * c + x0 * s;
             }
         }
     }
@@ -348,6 +375,39 @@ mod tests {
         assert_eq!(shape.query_block_rows(3 * row - 1), 2);
         assert_eq!(shape.query_block_rows(0), 1);
         assert_eq!(shape.query_block_rows(usize::MAX), 4096);
+    }
+
+    /// Every vector set's copy of the rotation gives the bits of the
+    /// rotation written out element by element, forward and transposed,
+    /// for a whole head and for a partly rotating one (its last columns
+    /// passing through).
+    #[test]
+    fn rope_gives_the_element_by_element_rotation_s_bits() {
+        let (seq_len, heads, head_dim) = (5, 3, 20);
+        for rotary in [20, 12] {
+            let table = RopeTable::<f32>::partial(seq_len, head_dim, rotary, 10_000.0);
+            let x = filled(2 * seq_len * heads * head_dim, 3);
+            for transpose in [false, true] {
+                let mut want = x.clone();
+                let half = rotary / 2;
+                for (r, v) in want.chunks_exact_mut(head_dim).enumerate() {
+                    let p = r / heads % seq_len;
+                    for i in 0..half {
+                        let (c, s) = (table.cos[p * half + i], table.sin[p * half + i]);
+                        let s = if transpose { -s } else { s };
+                        let (a, b) = (v[i], v[i + half]);
+                        v[i] = a * c - b * s;
+                        v[i + half] = b * c + a * s;
+                    }
+                }
+                for isa in VectorIsa::supported_here() {
+                    let mut got = x.clone();
+                    rope_rows(isa, &mut got, &table, seq_len, heads, transpose);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{isa:?}, {rotary}, {transpose}");
+                }
+            }
+        }
     }
 
     /// The eight-sum dot product is the plain sum up to rounding, for
