@@ -23,7 +23,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 /// ragged last job), 4 query heads over 2 kv heads, with and without
 /// documents packed in a sequence, gradients added to what they held,
 /// on one thread and on several, in the loops compiled for each vector
-/// set this CPU runs.
+/// set this CPU runs (each called by name).
 #[test]
 fn the_engine_s_attention_gives_the_plain_one_s_bits() {
     for (seqs, seq_len) in [(7, 64), (1, 300)] {
@@ -89,19 +89,24 @@ fn same_bits_as_the_plain_one(shape: &AttnShape) {
         attention_forward(&mut want, &mut probs, &q, &k, &v, starts, shape);
         let (mut wq, mut wk, mut wv) = grads();
         attention_backward(&mut wq, &mut wk, &mut wv, &dout, &probs, &q, &k, &v, shape);
-        for (kept, threads) in kept_threads.clone() {
-            let what = format!("{}×{s}, {kept:?}, {threads} threads", shape.seqs);
+        let isas = VectorIsa::supported_here().into_iter();
+        for (isa, (kept, threads)) in
+            isas.flat_map(|isa| kept_threads.clone().map(move |k| (isa, k)))
+        {
+            let what = format!("{}×{s}, {kept:?}, {threads} threads, {isa:?}", shape.seqs);
             let mut out = vec![7.0f32; t * qw];
             let mut saved = vec![3.0f32; kept.len(shape)];
             let qkv = (&q[..], &k[..], &v[..]);
-            attention_rows_forward(&mut out, &mut saved, kept, qkv, starts, shape, threads);
+            let forward = attention_rows_forward_on::<f32>;
+            forward(isa, &mut out, &mut saved, kept, qkv, starts, shape, threads);
             assert_eq!(bits(&out), bits(&want), "out, {what}");
             if kept == Kept::Probabilities {
                 assert_eq!(bits(&saved), bits(&probs), "probabilities, {what}");
             }
             let (mut gq, mut gk, mut gv) = grads();
             let grads = [&mut gq[..], &mut gk[..], &mut gv[..]];
-            attention_rows_backward(grads, &dout, &saved, kept, qkv, starts, shape, threads);
+            let backward = attention_rows_backward_on::<f32>;
+            backward(isa, grads, &dout, &saved, kept, qkv, starts, shape, threads);
             assert_eq!(bits(&gq), bits(&wq), "dq, {what}");
             assert_eq!(bits(&gk), bits(&wk), "dk, {what}");
             assert_eq!(bits(&gv), bits(&wv), "dv, {what}");
@@ -125,4 +130,48 @@ fn long_sequences_keep_two_values_a_row() {
     assert_eq!(saved_len(&shape(1024)), 4 * 1024 * 1024);
     assert_eq!(Kept::at(&shape(1025)), Kept::RowStats);
     assert_eq!(saved_len(&shape(2048)), 2 * 4 * 2048);
+}
+
+/// A value that is not finite reaches only the rows that attend to its
+/// token, as in the plain forward: the rows before it (and, with
+/// documents, those of other documents) keep their bits.
+#[test]
+fn a_value_that_is_not_finite_reaches_only_the_rows_that_attend_to_it() {
+    let shape = AttnShape {
+        seqs: 2,
+        seq_len: 40,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+    };
+    let (t, qw, kw) = (shape.tokens(), shape.q_width(), shape.kv_width());
+    let (q, k) = (filled(t * qw, 1), filled(t * kw, 2));
+    let mut v = filled(t * kw, 3);
+    // Token 21 of the first sequence: inside a block of query rows, after
+    // some of its rows and in the second of two documents.
+    v[21 * kw + 5] = f32::INFINITY;
+    let starts: Vec<u32> = (0..t).map(|i| if i % 40 < 17 { 0 } else { 17 }).collect();
+    for starts in [None, Some(&starts[..])] {
+        let mut want = vec![0.0f32; t * qw];
+        let mut probs = vec![0.0f32; shape.probs_len()];
+        attention_forward(&mut want, &mut probs, &q, &k, &v, starts, &shape);
+        for isa in VectorIsa::supported_here() {
+            let kept = Kept::Probabilities;
+            let mut out = vec![0.0f32; t * qw];
+            let mut saved = vec![0.0f32; kept.len(&shape)];
+            let qkv = (&q[..], &k[..], &v[..]);
+            attention_rows_forward_on(isa, &mut out, &mut saved, kept, qkv, starts, &shape, 1);
+            let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+            for (i, (got, want)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    same(*got, *want),
+                    "{isa:?} {starts:?}, element {i}: {got} vs {want}"
+                );
+            }
+            assert!(
+                out[..21 * qw].iter().all(|x| x.is_finite()),
+                "rows before it"
+            );
+        }
+    }
 }

@@ -1,31 +1,29 @@
 //! One unit's attention (a sequence's query heads that read one kv head),
-//! forward and backward, a query row at a time, with the row's dot
-//! products against the keys (q·k, and dout·v in the backward) taken
-//! [`KEYS`] keys at a time from the unit's keys and values transposed
-//! (head dimension × token): each of the block's keys a vector lane,
-//! summed in the same eight partial sums and the same order as
+//! forward (`forward.rs`: a head's query rows sixteen at a time, a row a
+//! vector lane) and backward (`backward.rs`: a query row at a time, or a
+//! few side by side). The backward's dot products against the keys (q·k
+//! where it recomputes the probabilities, and dout·v) are taken [`KEYS`]
+//! keys at a time from the unit's keys and values transposed (head
+//! dimension × token): each of the block's keys a vector lane, summed in
+//! the same eight partial sums and the same order as
 //! [`dot`](super::super::attention::dot) sums one key, so the same bits,
 //! at the full width of the vectors rather than one key at a time with a
 //! horizontal add. Everything else sums as the plain functions do: the
 //! chains over a row's keys (the softmax's sum, the backward's Σ P·dP)
 //! one key after the other; a row's output and its dq, key after key,
 //! held in registers across the keys; dk's and dv's rows, one query row
-//! after the other, vectorized over the head dimension. The forward takes
-//! a unit's query heads two at a time, row by row: the two heads read the
-//! same keys and values, so their chains of adds (the softmax's sums, the
-//! outputs') run side by side, each in its own order, and each value row
-//! is read once for both. The backward (`backward.rs`) takes a head's
-//! query rows a block at a time.
+//! after the other, vectorized over the head dimension.
 
 #![allow(clippy::needless_range_loop)]
 
 mod backward;
+mod forward;
 
 pub(super) use backward::backward_unit;
+pub(super) use forward::forward_unit;
 
 use super::{Kept, Operands};
-use crate::math::vector_isa::multiversioned;
-use crate::math::{lane_max, Real};
+use crate::math::Real;
 
 /// Keys whose dot products one pass computes side by side (a 512-bit
 /// register of f32 lanes).
@@ -34,9 +32,8 @@ const KEYS: usize = 16;
 /// Partial sums a dot product keeps (head column c goes to sum c % 8).
 const SUMS: usize = 8;
 
-/// A job's working space: rows of probabilities and rows of dP (then dS;
-/// in the forward, a second head's probabilities), a row each in the
-/// forward and [`ROWS`](backward::ROWS) in the backward,
+/// A job's working space. The backward's: [`ROWS`](backward::ROWS) rows
+/// of probabilities and of dP (then dS),
 /// a query row (or dout row) padded with zeros to a multiple of [`SUMS`]
 /// columns, and a unit's keys and values transposed where the pass reads
 /// them, (hd padded, S + [`KEYS`]) each, the rows and columns past the
@@ -54,29 +51,27 @@ pub(super) struct Scratch<R> {
 }
 
 impl<R: Real> Scratch<R> {
-    /// The forward's: the keys transposed, not the values.
+    /// The forward's: a block of [`LANES`](forward::LANES) rows of
+    /// probabilities (a key's lanes side by side), the block's query rows
+    /// transposed, and the unit's keys and values as rows padded with
+    /// zeros to a multiple of [`SUMS`] columns (`stride` their width).
     pub(super) fn forward(seq_len: usize, head_dim: usize) -> Self {
-        Self::new(seq_len, head_dim, (true, false), 1)
+        let (lanes, width) = (forward::LANES, head_dim.div_ceil(SUMS) * SUMS);
+        Self {
+            row: vec![R::zero(); lanes * seq_len],
+            dp: Vec::new(),
+            padded: vec![R::zero(); width * lanes],
+            kt: vec![R::zero(); seq_len * width],
+            vt: vec![R::zero(); seq_len * width],
+            stride: width,
+        }
     }
 
     /// The backward's: the values transposed, and the keys where it
     /// recomputes the probabilities.
     pub(super) fn backward(seq_len: usize, head_dim: usize, kept: Kept) -> Self {
-        Self::new(
-            seq_len,
-            head_dim,
-            (kept == Kept::RowStats, true),
-            backward::ROWS,
-        )
-    }
-
-    /// `query_rows` rows of probabilities and of dP.
-    fn new(
-        seq_len: usize,
-        head_dim: usize,
-        (keys, values): (bool, bool),
-        query_rows: usize,
-    ) -> Self {
+        let (keys, values) = (kept == Kept::RowStats, true);
+        let query_rows = backward::ROWS;
         let (stride, rows) = (seq_len + KEYS, head_dim.div_ceil(SUMS) * SUMS);
         let transposed = |wanted: bool| vec![R::zero(); if wanted { rows * stride } else { 0 }];
         Self {
@@ -246,120 +241,5 @@ fn add_weighted_columns<R: Real, const N: usize, const W: usize>(
 fn add_scaled<R: Real>(dst: &mut [R], w: R, src: &[R]) {
     for (d, &s) in dst.iter_mut().zip(src) {
         *d += w * s;
-    }
-}
-
-multiversioned! {
-    /// The forward of one unit, kv head g of sequence b: `out` (S,
-    /// group·hd) its heads' outputs, `saved` what they keep.
-    pub(super) fn forward_unit<R: Real>(
-        x: &Operands<'_, R>,
-        unit: (usize, usize),
-        out: &mut [R],
-        saved: &mut [R],
-        scratch: &mut Scratch<R>,
-    ) => forward_unit_body;
-}
-
-#[inline(always)]
-fn forward_unit_body<R: Real>(
-    x: &Operands<'_, R>,
-    (b, g): (usize, usize),
-    out: &mut [R],
-    saved: &mut [R],
-    scratch: &mut Scratch<R>,
-) {
-    let group = x.group();
-    transpose_keys(x, (b, g), x.k, &mut scratch.kt, scratch.stride);
-    // The unit's heads two at a time: a row of each, on the same keys,
-    // their chains of adds side by side (each head's own order kept).
-    let mut n = 0;
-    while n + 2 <= group {
-        for i in 0..x.shape.seq_len {
-            forward_rows::<R, 2>(x, (b, g), [n, n + 1], i, out, saved, scratch);
-        }
-        n += 2;
-    }
-    if n < group {
-        for i in 0..x.shape.seq_len {
-            forward_rows::<R, 1>(x, (b, g), [n], i, out, saved, scratch);
-        }
-    }
-}
-
-/// Query row i of the unit's heads `heads` (N of them, unit-local): its
-/// scores, softmax and output, each head's as [`forward_unit`] computes
-/// one alone. The heads' softmax sums and outputs run side by side, each
-/// its own chain in key order (the values' rows read once for all).
-#[inline(always)]
-fn forward_rows<R: Real, const N: usize>(
-    x: &Operands<'_, R>,
-    (b, g): (usize, usize),
-    heads: [usize; N],
-    i: usize,
-    out: &mut [R],
-    saved: &mut [R],
-    scratch: &mut Scratch<R>,
-) {
-    let shape = x.shape;
-    let (s, hd, qw) = (shape.seq_len, shape.head_dim, shape.q_width());
-    let scale = R::one() / R::from_f64(hd as f64).sqrt();
-    let ow = x.group() * hd;
-    let first = x.first(b, i);
-    let keys = first..=i;
-    let Scratch {
-        row,
-        dp,
-        padded,
-        kt,
-        stride,
-        ..
-    } = scratch;
-    // Each head's row: its kept probabilities, else a scratch row.
-    let rows: [&mut [R]; N] = match x.kept {
-        Kept::Probabilities => {
-            let at = heads.map(|n| (n * s + i) * s..(n * s + i + 1) * s);
-            saved[..]
-                .get_disjoint_mut(at)
-                .expect("distinct heads' rows")
-        }
-        Kept::RowStats => {
-            let mut spare = [&mut row[..], &mut dp[..]].into_iter();
-            std::array::from_fn(|_| spare.next().expect("two scratch rows"))
-        }
-    };
-    let mut max = [R::zero(); N];
-    for k in 0..N {
-        let h = g * x.group() + heads[k];
-        let qi_at = (b * s + i) * qw + h * hd;
-        let qi = &x.q[qi_at..qi_at + hd];
-        dots(rows[k], (qi, padded), kt, *stride, keys.clone(), scale);
-        max[k] = lane_max(&rows[k][keys.clone()]);
-        for p in &mut rows[k][keys.clone()] {
-            *p = (*p - max[k]).exp();
-        }
-    }
-    let mut sum = [R::zero(); N];
-    for j in keys.clone() {
-        for k in 0..N {
-            sum[k] += rows[k][j];
-        }
-    }
-    for k in 0..N {
-        for p in &mut rows[k][keys.clone()] {
-            *p = *p / sum[k];
-        }
-    }
-    let at = heads.map(|n| i * ow + n * hd..i * ow + (n + 1) * hd);
-    let outs = out.get_disjoint_mut(at).expect("distinct heads' columns");
-    let weights = std::array::from_fn(|k| &rows[k][keys.clone()]);
-    let values = &x.v[x.key(b, g, first)..];
-    add_weighted_rows(outs, weights, values, shape.kv_width());
-    if x.kept == Kept::RowStats {
-        for k in 0..N {
-            let r = heads[k] * s + i;
-            saved[2 * r] = max[k];
-            saved[2 * r + 1] = sum[k];
-        }
     }
 }
