@@ -259,9 +259,9 @@ fn row_max<R: Real>(row: &[R]) -> R {
 }
 
 /// The largest of `row` (−∞ for an empty one; NaNs skipped), 16 lanes at
-/// a time, for the loops that take a row's maximum before its exps (the
-/// attention's softmax, cross-entropy). Its value is a running maximum's
-/// (the plain attention's, and [`log_sum_exp`]'s from `row[0]`): a set of
+/// a time, for cross-entropy's rows, which take a row's maximum before
+/// its exps. Its value is a running maximum's ([`log_sum_exp`]'s from
+/// `row[0]`): a set of
 /// numbers has one largest, and +0 and −0, the one pair that compares
 /// equal with different bits, give the same exp(x − max) for every x and
 /// the same max + ln Σ but where that is zero. A NaN in `row[0]`, which
