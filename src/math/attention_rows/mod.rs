@@ -25,7 +25,7 @@ mod unit;
 use super::attention::AttnShape;
 use super::vector_isa::VectorIsa;
 use crate::math::Real;
-use unit::{backward_unit, forward_unit, Scratch};
+use unit::{backward_unit, forward_unit, ForwardScratch, Scratch};
 
 /// Above this many bytes of probabilities (B·H·S² f32, one call's) the
 /// attention keeps each row's max and sum instead: below it, keeping them
@@ -143,12 +143,12 @@ impl<R: Real> Operands<'_, R> {
 /// sequence b, sequence-major), the units shared out in order over `jobs`
 /// jobs; each of `parts` (a buffer and its values a unit) is cut into one
 /// slice a unit, and each job lends its units one `new_scratch()`.
-fn for_units<R: Real>(
+fn for_units<R: Real, S>(
     shape: &AttnShape,
     jobs: usize,
     parts: Vec<(&mut [R], usize)>,
-    new_scratch: impl Fn() -> Scratch<R> + Sync,
-    work: impl Fn((usize, usize), &mut [&mut [R]], &mut Scratch<R>) + Sync,
+    new_scratch: impl Fn() -> S + Sync,
+    work: impl Fn((usize, usize), &mut [&mut [R]], &mut S) + Sync,
 ) {
     let (units, kv) = (shape.seqs * shape.kv_heads, shape.kv_heads);
     let per = units.div_ceil(jobs.max(1)).max(1);
@@ -271,7 +271,7 @@ pub fn attention_rows_forward_on<R: Real>(
     }
     let mut outs = vec![R::zero(); out.len()];
     let parts = vec![(&mut outs[..], s * cols), (saved, x.kept_per_unit())];
-    let new_scratch = || Scratch::forward(s, shape.head_dim);
+    let new_scratch = || ForwardScratch::new(s, shape.head_dim);
     for_units(
         shape,
         jobs(shape, threads),

@@ -20,27 +20,27 @@ mod backward;
 mod forward;
 
 pub(super) use backward::backward_unit;
-pub(super) use forward::forward_unit;
+pub(super) use forward::{forward_unit, ForwardScratch};
 
 use super::{Kept, Operands};
 use crate::math::Real;
 
-/// Keys whose dot products one pass computes side by side (a 512-bit
-/// register of f32 lanes).
+/// Dot products one pass computes side by side (a 512-bit register of f32
+/// lanes): the backward's keys against a query row, the forward's query
+/// rows against a key.
 const KEYS: usize = 16;
 
 /// Partial sums a dot product keeps (head column c goes to sum c % 8).
 const SUMS: usize = 8;
 
-/// A job's working space. The backward's: [`ROWS`](backward::ROWS) rows
-/// of probabilities and of dP (then dS),
-/// a query row (or dout row) padded with zeros to a multiple of [`SUMS`]
-/// columns, and a unit's keys and values transposed where the pass reads
-/// them, (hd padded, S + [`KEYS`]) each, the rows and columns past the
-/// real ones zero so that a block may run past the last key and the last
-/// column. A zero column adds +0 to a sum, which leaves it as it was: a
-/// sum that starts at +0 is never −0 (in round-to-nearest, x + y = −0 only
-/// where both are −0).
+/// The backward's working space for a job: [`ROWS`](backward::ROWS) rows
+/// of probabilities and of dP (then dS), a query row (or dout row) padded
+/// with zeros to a multiple of [`SUMS`] columns, and a unit's keys (where
+/// it recomputes the probabilities) and values transposed, (hd padded, S +
+/// [`KEYS`]) each, the rows and columns past the real ones zero so that a
+/// block may run past the last key and the last column. A zero column adds
+/// +0 to a sum, which leaves it as it was: a sum that starts at +0 is
+/// never −0 (in round-to-nearest, x + y = −0 only where both are −0).
 pub(super) struct Scratch<R> {
     row: Vec<R>,
     dp: Vec<R>,
@@ -51,35 +51,19 @@ pub(super) struct Scratch<R> {
 }
 
 impl<R: Real> Scratch<R> {
-    /// The forward's: a block of [`LANES`](forward::LANES) rows of
-    /// probabilities (a key's lanes side by side), the block's query rows
-    /// transposed, and the unit's keys and values as rows padded with
-    /// zeros to a multiple of [`SUMS`] columns (`stride` their width).
-    pub(super) fn forward(seq_len: usize, head_dim: usize) -> Self {
-        let (lanes, width) = (forward::LANES, head_dim.div_ceil(SUMS) * SUMS);
-        Self {
-            row: vec![R::zero(); lanes * seq_len],
-            dp: Vec::new(),
-            padded: vec![R::zero(); width * lanes],
-            kt: vec![R::zero(); seq_len * width],
-            vt: vec![R::zero(); seq_len * width],
-            stride: width,
-        }
-    }
-
-    /// The backward's: the values transposed, and the keys where it
-    /// recomputes the probabilities.
     pub(super) fn backward(seq_len: usize, head_dim: usize, kept: Kept) -> Self {
-        let (keys, values) = (kept == Kept::RowStats, true);
         let query_rows = backward::ROWS;
         let (stride, rows) = (seq_len + KEYS, head_dim.div_ceil(SUMS) * SUMS);
-        let transposed = |wanted: bool| vec![R::zero(); if wanted { rows * stride } else { 0 }];
+        let keys = match kept {
+            Kept::RowStats => rows * stride,
+            Kept::Probabilities => 0,
+        };
         Self {
             row: vec![R::zero(); query_rows * seq_len],
             dp: vec![R::zero(); query_rows * seq_len],
             padded: vec![R::zero(); rows],
-            kt: transposed(keys),
-            vt: transposed(values),
+            kt: vec![R::zero(); keys],
+            vt: vec![R::zero(); rows * stride],
             stride,
         }
     }
@@ -122,53 +106,54 @@ fn dots<R: Real>(
     let (first, last) = (*keys.start(), *keys.end());
     let mut j0 = first;
     while j0 <= last {
-        // Eight sums, each a variable of its own (so a register: an array
-        // of them ends on the stack).
-        let zero = [R::zero(); KEYS];
-        let (mut s0, mut s1, mut s2, mut s3) = (zero, zero, zero, zero);
-        let (mut s4, mut s5, mut s6, mut s7) = (zero, zero, zero, zero);
-        for (c0, a) in padded.chunks_exact(SUMS).enumerate() {
-            let at = |l: usize| (c0 * SUMS + l) * stride + j0;
-            add_product(&mut s0, a[0], &transposed[at(0)..]);
-            add_product(&mut s1, a[1], &transposed[at(1)..]);
-            add_product(&mut s2, a[2], &transposed[at(2)..]);
-            add_product(&mut s3, a[3], &transposed[at(3)..]);
-            add_product(&mut s4, a[4], &transposed[at(4)..]);
-            add_product(&mut s5, a[5], &transposed[at(5)..]);
-            add_product(&mut s6, a[6], &transposed[at(6)..]);
-            add_product(&mut s7, a[7], &transposed[at(7)..]);
-        }
-        // A whole register at a time, then the keys wanted.
-        let (low, high) = (
-            lanes_add(lanes_add(s0, s4), lanes_add(s1, s5)),
-            lanes_add(lanes_add(s2, s6), lanes_add(s3, s7)),
-        );
-        let mut dots = lanes_add(low, high);
-        for d in &mut dots {
-            *d *= scale;
-        }
+        let dots = eight_sums(padded, (&transposed[j0..], stride), scale);
         let n = (last + 1 - j0).min(KEYS);
         out[j0..j0 + n].copy_from_slice(&dots[..n]);
         j0 += KEYS;
     }
 }
 
-/// `sum[k]` += `w` · `keys[k]` for the first [`KEYS`] keys.
+/// Sixteen dot products side by side, a lane each: lane l's is Σ_c
+/// `scalars[c]` · `vectors[c·stride + l]` in eight partial sums (column c
+/// into sum c % 8, in order of c) added pairwise, times `scale` — the
+/// sums and order of [`dot`](super::super::attention::dot). `scalars` is
+/// padded with zeros to a multiple of [`SUMS`], and so are the vectors'
+/// columns past it. The backward takes a query row against sixteen keys,
+/// the forward sixteen query rows against a key.
 #[inline(always)]
-fn add_product<R: Real>(sum: &mut [R; KEYS], w: R, keys: &[R]) {
-    let keys: &[R; KEYS] = keys[..KEYS].try_into().expect("KEYS keys");
-    for k in 0..KEYS {
-        sum[k] += w * keys[k];
+fn eight_sums<R: Real>(scalars: &[R], (vectors, stride): (&[R], usize), scale: R) -> [R; KEYS] {
+    // Each sum a variable of its own (so a register: an array of them
+    // ends on the stack).
+    let zero = [R::zero(); KEYS];
+    let (mut s0, mut s1, mut s2, mut s3) = (zero, zero, zero, zero);
+    let (mut s4, mut s5, mut s6, mut s7) = (zero, zero, zero, zero);
+    for (c0, a) in scalars.chunks_exact(SUMS).enumerate() {
+        let at = |l: usize| &vectors[(c0 * SUMS + l) * stride..];
+        add_product(&mut s0, a[0], at(0));
+        add_product(&mut s1, a[1], at(1));
+        add_product(&mut s2, a[2], at(2));
+        add_product(&mut s3, a[3], at(3));
+        add_product(&mut s4, a[4], at(4));
+        add_product(&mut s5, a[5], at(5));
+        add_product(&mut s6, a[6], at(6));
+        add_product(&mut s7, a[7], at(7));
     }
+    let mut dots = [R::zero(); KEYS];
+    for l in 0..KEYS {
+        let low = (s0[l] + s4[l]) + (s1[l] + s5[l]);
+        let high = (s2[l] + s6[l]) + (s3[l] + s7[l]);
+        dots[l] = (low + high) * scale;
+    }
+    dots
 }
 
-/// `a` + `b`, lane by lane.
+/// `acc[l]` += `w` · `lanes[l]` for the first [`KEYS`] lanes.
 #[inline(always)]
-fn lanes_add<R: Real>(mut a: [R; KEYS], b: [R; KEYS]) -> [R; KEYS] {
-    for (a, b) in a.iter_mut().zip(b) {
-        *a += b;
+fn add_product<R: Real>(acc: &mut [R; KEYS], w: R, lanes: &[R]) {
+    let lanes: &[R; KEYS] = lanes[..KEYS].try_into().expect("KEYS lanes");
+    for l in 0..KEYS {
+        acc[l] += w * lanes[l];
     }
-    a
 }
 
 /// `accs[k][c]` += Σ_j `weights[k][j]` · `rows[j·stride + c]` for each of

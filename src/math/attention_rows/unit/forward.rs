@@ -14,19 +14,46 @@
 
 #![allow(clippy::needless_range_loop)]
 
-use super::{Scratch, SUMS};
+use super::{add_product, eight_sums, KEYS, SUMS};
 use crate::math::attention_rows::{Kept, Operands};
 use crate::math::vector_isa::multiversioned;
 use crate::math::Real;
 
-/// Query rows a block takes side by side (a 512-bit register of f32).
-pub(super) const LANES: usize = 16;
+/// Query rows a block takes side by side (a 512-bit register of f32: the
+/// backward's block of keys).
+pub(super) const LANES: usize = KEYS;
 
 /// Output columns accumulated at once (each a register of lanes).
 const COLUMNS: usize = 8;
 
 /// A row of lanes.
 type Lanes<R> = [R; LANES];
+
+/// The forward's working space for a job: a block's probabilities (key
+/// j's lanes at j·LANES), its query rows transposed (column c's lanes at
+/// c·LANES), and the unit's keys and values as rows of `width` columns,
+/// hd's padded with zeros to a multiple of [`SUMS`] (a zero column adds
+/// +0 to a sum from +0, which leaves it as it was).
+pub(in crate::math::attention_rows) struct ForwardScratch<R> {
+    probs: Vec<R>,
+    qt: Vec<R>,
+    keys: Vec<R>,
+    values: Vec<R>,
+    width: usize,
+}
+
+impl<R: Real> ForwardScratch<R> {
+    pub(in crate::math::attention_rows) fn new(seq_len: usize, head_dim: usize) -> Self {
+        let width = head_dim.div_ceil(SUMS) * SUMS;
+        Self {
+            probs: vec![R::zero(); LANES * seq_len],
+            qt: vec![R::zero(); width * LANES],
+            keys: vec![R::zero(); seq_len * width],
+            values: vec![R::zero(); seq_len * width],
+            width,
+        }
+    }
+}
 
 multiversioned! {
     /// The forward of one unit, kv head g of sequence b: `out` (S,
@@ -36,7 +63,7 @@ multiversioned! {
         unit: (usize, usize),
         out: &mut [R],
         saved: &mut [R],
-        scratch: &mut Scratch<R>,
+        scratch: &mut ForwardScratch<R>,
     ) => forward_unit_body;
 }
 
@@ -46,11 +73,11 @@ fn forward_unit_body<R: Real>(
     (b, g): (usize, usize),
     out: &mut [R],
     saved: &mut [R],
-    scratch: &mut Scratch<R>,
+    scratch: &mut ForwardScratch<R>,
 ) {
-    let width = scratch.stride;
-    pad_rows(x, (b, g), x.k, &mut scratch.kt, width);
-    pad_rows(x, (b, g), x.v, &mut scratch.vt, width);
+    let width = scratch.width;
+    pad_rows(x, (b, g), x.k, &mut scratch.keys, width);
+    pad_rows(x, (b, g), x.v, &mut scratch.values, width);
     for n in 0..x.group() {
         for i0 in (0..x.shape.seq_len).step_by(LANES) {
             forward_block(x, (b, g, n), i0, out, saved, scratch);
@@ -125,18 +152,17 @@ fn forward_block<R: Real>(
     i0: usize,
     out: &mut [R],
     saved: &mut [R],
-    scratch: &mut Scratch<R>,
+    scratch: &mut ForwardScratch<R>,
 ) {
     let shape = x.shape;
     let (s, hd, qw) = (shape.seq_len, shape.head_dim, shape.q_width());
     let span = Span::new(x, b, i0);
-    let Scratch {
-        row: probs,
-        padded: qt,
-        kt: keys,
-        vt: values,
-        stride: width,
-        ..
+    let ForwardScratch {
+        probs,
+        qt,
+        keys,
+        values,
+        width,
     } = scratch;
     let width = *width;
     // The block's query rows transposed (column c's lanes at c·LANES),
@@ -176,7 +202,8 @@ fn softmax_lanes<R: Real>(
 ) -> (Lanes<R>, Lanes<R>) {
     let mut max = [R::from_f64(f64::NEG_INFINITY); LANES];
     for j in span.all.clone() {
-        let score = lane_dots(qt, &keys[j * width..(j + 1) * width], scale);
+        // Key j's score for every lane: `dot`'s sums and order, a row a lane.
+        let score = eight_sums(&keys[j * width..(j + 1) * width], (qt, LANES), scale);
         let held = span.holds(j);
         for r in 0..LANES {
             // Selects rather than branches, so that the lanes vectorize.
@@ -207,44 +234,6 @@ fn softmax_lanes<R: Real>(
     (max, sum)
 }
 
-/// Key j's score for every lane: Σ_c q[c]·k[c] in eight partial sums
-/// (column c into sum c % 8, in order of c) added pairwise, times
-/// `scale` — `dot`'s sums and order, a row a lane. `key` is padded with
-/// zeros to a multiple of [`SUMS`] columns, as `qt` is.
-#[inline(always)]
-fn lane_dots<R: Real>(qt: &[R], key: &[R], scale: R) -> Lanes<R> {
-    let zero = [R::zero(); LANES];
-    let (mut s0, mut s1, mut s2, mut s3) = (zero, zero, zero, zero);
-    let (mut s4, mut s5, mut s6, mut s7) = (zero, zero, zero, zero);
-    for (c0, k) in key.chunks_exact(SUMS).enumerate() {
-        let q = |l: usize| &qt[(c0 * SUMS + l) * LANES..];
-        add_lanes_product(&mut s0, q(0), k[0]);
-        add_lanes_product(&mut s1, q(1), k[1]);
-        add_lanes_product(&mut s2, q(2), k[2]);
-        add_lanes_product(&mut s3, q(3), k[3]);
-        add_lanes_product(&mut s4, q(4), k[4]);
-        add_lanes_product(&mut s5, q(5), k[5]);
-        add_lanes_product(&mut s6, q(6), k[6]);
-        add_lanes_product(&mut s7, q(7), k[7]);
-    }
-    let mut score = [R::zero(); LANES];
-    for r in 0..LANES {
-        let low = (s0[r] + s4[r]) + (s1[r] + s5[r]);
-        let high = (s2[r] + s6[r]) + (s3[r] + s7[r]);
-        score[r] = (low + high) * scale;
-    }
-    score
-}
-
-/// `acc[r]` += `lanes[r]` · `w` for every lane.
-#[inline(always)]
-fn add_lanes_product<R: Real>(acc: &mut Lanes<R>, lanes: &[R], w: R) {
-    let lanes: &Lanes<R> = lanes[..LANES].try_into().expect("a column's lanes");
-    for r in 0..LANES {
-        acc[r] += lanes[r] * w;
-    }
-}
-
 /// Output columns c0..c0 + [`COLUMNS`] of every lane: Σ_j P_rj · v_j[c]
 /// from +0, key after key, the keys every lane attends to as plain
 /// products, the others a product where the lane attends and nothing
@@ -263,24 +252,24 @@ fn weighted_values<R: Real>(
     for j in span.all.clone() {
         let (p, v) = (&probs[j * LANES..], &values[j * width + c0..]);
         if span.shared.contains(&j) {
-            add_lanes_product(&mut a0, p, v[0]);
-            add_lanes_product(&mut a1, p, v[1]);
-            add_lanes_product(&mut a2, p, v[2]);
-            add_lanes_product(&mut a3, p, v[3]);
-            add_lanes_product(&mut a4, p, v[4]);
-            add_lanes_product(&mut a5, p, v[5]);
-            add_lanes_product(&mut a6, p, v[6]);
-            add_lanes_product(&mut a7, p, v[7]);
+            add_product(&mut a0, v[0], p);
+            add_product(&mut a1, v[1], p);
+            add_product(&mut a2, v[2], p);
+            add_product(&mut a3, v[3], p);
+            add_product(&mut a4, v[4], p);
+            add_product(&mut a5, v[5], p);
+            add_product(&mut a6, v[6], p);
+            add_product(&mut a7, v[7], p);
         } else {
             let held = span.holds(j);
-            add_held(&mut a0, p, v[0], held);
-            add_held(&mut a1, p, v[1], held);
-            add_held(&mut a2, p, v[2], held);
-            add_held(&mut a3, p, v[3], held);
-            add_held(&mut a4, p, v[4], held);
-            add_held(&mut a5, p, v[5], held);
-            add_held(&mut a6, p, v[6], held);
-            add_held(&mut a7, p, v[7], held);
+            add_held(&mut a0, v[0], p, held);
+            add_held(&mut a1, v[1], p, held);
+            add_held(&mut a2, v[2], p, held);
+            add_held(&mut a3, v[3], p, held);
+            add_held(&mut a4, v[4], p, held);
+            add_held(&mut a5, v[5], p, held);
+            add_held(&mut a6, v[6], p, held);
+            add_held(&mut a7, v[7], p, held);
         }
     }
     [a0, a1, a2, a3, a4, a5, a6, a7]
@@ -289,10 +278,10 @@ fn weighted_values<R: Real>(
 /// `acc[r]` += `lanes[r]` · `w` for the lanes `held`; the others are left
 /// as they are (a select of the sum, not a branch, so that it vectorizes).
 #[inline(always)]
-fn add_held<R: Real>(acc: &mut Lanes<R>, lanes: &[R], w: R, held: [bool; LANES]) {
+fn add_held<R: Real>(acc: &mut Lanes<R>, w: R, lanes: &[R], held: [bool; LANES]) {
     let lanes: &Lanes<R> = lanes[..LANES].try_into().expect("a column's lanes");
     for r in 0..LANES {
-        let added = acc[r] + lanes[r] * w;
+        let added = acc[r] + w * lanes[r];
         acc[r] = if held[r] { added } else { acc[r] };
     }
 }
