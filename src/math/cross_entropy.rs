@@ -9,7 +9,7 @@
 //! bits of the plain loop's.
 
 use super::vector_isa::{multiversioned, VectorIsa};
-use super::{lane_max, log_sum_exp, Real};
+use super::{log_sum_exp, Real};
 
 /// A target that carries no loss (a prompt token of an instruction
 /// example): its row adds nothing to the cross-entropy and its d logits
@@ -166,6 +166,44 @@ fn sums_side_by_side<R: Real, const N: usize>(rows: &[R], v: usize) -> [R; N] {
         }
     }
     sums
+}
+
+/// The largest of `row` (−∞ for an empty one; NaNs skipped), 16 lanes at
+/// a time, a row's maximum before its exps. Its value is a running
+/// maximum's ([`log_sum_exp`]'s from `row[0]`): a set of numbers has one
+/// largest, and +0 and −0, the one pair that compares
+/// equal with different bits, give the same exp(x − max) for every x and
+/// the same max + ln Σ but where that is zero. A NaN in `row[0]`, which
+/// `log_sum_exp` keeps, makes every exp NaN either way.
+#[inline(always)]
+fn lane_max<R: Real>(row: &[R]) -> R {
+    const LANES: usize = 16;
+    let mut lanes = [R::from_f64(f64::NEG_INFINITY); LANES];
+    let mut blocks = row.chunks_exact(LANES);
+    for block in &mut blocks {
+        for (m, &v) in lanes.iter_mut().zip(block) {
+            if v > *m {
+                *m = v;
+            }
+        }
+    }
+    for (m, &v) in lanes.iter_mut().zip(blocks.remainder()) {
+        if v > *m {
+            *m = v;
+        }
+    }
+    // The lanes (no NaN among them) halved four times, rather than one
+    // chain of 16 compares.
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            if lanes[l + width] > lanes[l] {
+                lanes[l] = lanes[l + width];
+            }
+        }
+    }
+    lanes[0]
 }
 
 #[cfg(test)]
