@@ -7,7 +7,9 @@
 //! With clipping the norm's f64 sum runs in another order (in chunks on
 //! the GPU), which may move the clip factor by an ulp: within 1e-6. A
 //! checkpoint taken with the params on the GPU resumes to the same bits as
-//! the run that went on. Cases skip without a CUDA device (fail under
+//! the run that went on. Where the engine records a timeline, each of
+//! the GPU's operations puts its time there (thread `gpu`), within the
+//! step and without changing it. Cases skip without a CUDA device (fail under
 //! `STRATA_REQUIRE_CUDA=1`), and contain only that skip without
 //! `--features cuda`.
 
@@ -167,6 +169,62 @@ mod on_the_gpu {
         assert_eq!(went_on.losses, again.losses);
         assert!(went_on.dense == again.dense, "the dense params differ");
         assert!(went_on.experts == again.experts, "the experts differ");
+    }
+
+    #[test]
+    fn a_timeline_shows_the_gpu_s_own_time_for_each_operation() {
+        if !available() {
+            return;
+        }
+        let lm = MoeLm::new(tiny_config()).unwrap();
+        let timeline = std::sync::Arc::new(strata_tiers::Timeline::new(1 << 14));
+        let timed = EngineConfig {
+            timeline: Some(std::sync::Arc::clone(&timeline)),
+            ..config(true)
+        };
+        let mut engine = Engine::new_network(&lm, timed).unwrap();
+        steps(&mut engine, &lm, 0..1);
+        timeline.take();
+        let with = steps(&mut engine, &lm, 1..2);
+        let events = timeline.take().events;
+        drop(engine);
+        let without = run(&lm, config(true), 2);
+        assert_eq!(with.losses, without.losses[1..]);
+        assert!(with.dense == without.dense, "a timeline changed the step");
+
+        let step = events.iter().find(|e| e.category == "step").unwrap();
+        let gpu: Vec<_> = events.iter().filter(|e| e.thread == "gpu").collect();
+        for name in [
+            "embedding",
+            "rmsnorm",
+            "gemm",
+            "rope",
+            "attention",
+            "router",
+            "experts",
+            "combine",
+            "head and loss",
+            "experts backward",
+            "attention backward",
+            "gemm backward",
+            "embedding backward",
+        ] {
+            // Two micro-batches a step: each operation at least twice.
+            let n = gpu.iter().filter(|e| e.name == name).count();
+            assert!(n >= 2, "{name}: {n} gpu spans");
+        }
+        for e in &gpu {
+            assert_eq!(e.category, "gpu");
+            assert!(
+                e.start >= step.start && e.end() <= step.end(),
+                "{} ({:?} from {:?}) outside the step ({:?} from {:?})",
+                e.name,
+                e.duration,
+                e.start,
+                step.duration,
+                step.start
+            );
+        }
     }
 }
 

@@ -1,7 +1,10 @@
 """Sums a strata timeline (Chrome trace JSON, `--timeline-step`) by thread,
 category and name: where a step's time went, largest first.
 
-    python3 scripts/peer/timeline_summary.py timeline-step-6.json [TOP]
+    python3 scripts/peer/timeline_summary.py timeline-step-6.json [TOP] [THREAD]
+
+THREAD keeps one thread's spans (`gpu`: the GPU's own time for each
+dense operation, from CUDA events; `main`: the host's).
 """
 import collections
 import json
@@ -13,6 +16,8 @@ events = trace["traceEvents"] if isinstance(trace, dict) else trace
 threads = {e["tid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "thread_name"}
 spans = [e for e in events if e.get("ph") == "X"]
+if len(sys.argv) > 3:
+    spans = [e for e in spans if threads.get(e["tid"], str(e["tid"])) == sys.argv[3]]
 total = collections.defaultdict(float)
 count = collections.Counter()
 for e in spans:

@@ -54,6 +54,13 @@ pub trait DenseKernels {
         TimelineSpan::start(None, "host", name)
     }
 
+    /// The timeline these kernels record on, where they record one
+    /// ([`super::TimedKernels`]): a GPU's operations put their own times
+    /// there too. Here none.
+    fn timeline(&self) -> Option<&std::sync::Arc<strata_tiers::Timeline>> {
+        None
+    }
+
     /// The GPU these kernels run on, whose [`crate::backend::cuda::CudaOps`]
     /// keep a network's dense activations in its memory; `None` where a
     /// network keeps them in host memory ([`super::HostOps`]).

@@ -37,6 +37,10 @@ impl DenseKernels for TimedKernels {
         TimelineSpan::start(Some(&self.timeline), "host", name)
     }
 
+    fn timeline(&self) -> Option<&Arc<Timeline>> {
+        Some(&self.timeline)
+    }
+
     fn forward(
         &self,
         out: &mut [f32],

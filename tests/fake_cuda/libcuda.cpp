@@ -382,6 +382,10 @@ API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
     *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
     return CUDA_SUCCESS;
 }
+// CUDA 12.8's name for the same call, which cudarc 0.19 binds.
+API CUresult cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
+    return cuEventElapsedTime(ms, start, end);
+}
 
 // Page-locked host ranges (cuMemHostAlloc, cuMemHostRegister): copies to
 // and from them are asynchronous; to and from pageable memory, the driver

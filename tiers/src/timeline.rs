@@ -99,6 +99,34 @@ impl Timeline {
         detail: impl FnOnce() -> String,
     ) {
         let end = Instant::now();
+        let thread = std::thread::current();
+        let thread = match thread.name() {
+            Some(name) => name.to_string(),
+            None => format!("{:?}", thread.id()),
+        };
+        self.push(thread, category, name.into(), (start, end), detail);
+    }
+
+    /// Records work that ran from `start` to `end` on `thread`, which is
+    /// not this one (a GPU's stream, timed by its own events).
+    pub fn record_on(
+        &self,
+        thread: &str,
+        category: &'static str,
+        name: impl Into<Cow<'static, str>>,
+        span: (Instant, Instant),
+    ) {
+        self.push(thread.to_string(), category, name.into(), span, String::new);
+    }
+
+    fn push(
+        &self,
+        thread: String,
+        category: &'static str,
+        name: Cow<'static, str>,
+        (start, end): (Instant, Instant),
+        detail: impl FnOnce() -> String,
+    ) {
         let mut inner = self.lock();
         if inner.events.len() >= self.capacity {
             inner.dropped += 1;
@@ -106,14 +134,9 @@ impl Timeline {
         }
         // Work begun before the origin (a `take` in between) starts at it.
         let start = start.max(inner.origin);
-        let thread = std::thread::current();
-        let thread = match thread.name() {
-            Some(name) => name.to_string(),
-            None => format!("{:?}", thread.id()),
-        };
         let event = TimelineEvent {
             category,
-            name: name.into(),
+            name,
             thread,
             start: start - inner.origin,
             duration: end.saturating_duration_since(start),
@@ -314,6 +337,25 @@ mod tests {
             duration: Duration::from_millis(end_ms - start_ms),
             detail: String::new(),
         }
+    }
+
+    #[test]
+    fn work_timed_elsewhere_goes_on_the_thread_it_names() {
+        let timeline = Timeline::new(2);
+        let at = Instant::now() + Duration::from_millis(5);
+        timeline.record_on("gpu", "gpu", "gemm", (at, at + Duration::from_millis(3)));
+        timeline.record_on("gpu", "gpu", "rope", (at, at));
+        timeline.record_on("gpu", "gpu", "one too many", (at, at));
+        let record = timeline.take();
+        assert_eq!(record.dropped, 1);
+        let [gemm, rope] = &record.events[..] else {
+            panic!("{:?}", record.events)
+        };
+        assert_eq!((gemm.thread.as_str(), gemm.category), ("gpu", "gpu"));
+        assert_eq!(gemm.name, "gemm");
+        assert_eq!(gemm.duration, Duration::from_millis(3));
+        assert!(gemm.start >= Duration::from_millis(5));
+        assert_eq!((rope.start, rope.duration), (gemm.start, Duration::ZERO));
     }
 
     #[test]

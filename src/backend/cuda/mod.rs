@@ -26,6 +26,7 @@ mod dense;
 mod expert;
 mod expert_device;
 mod gemm;
+mod gpu_spans;
 mod grad_download;
 mod head;
 mod linear;

@@ -106,7 +106,7 @@ impl CudaOps<'_> {
         }
         let gpu = self.gpu();
         let (d, k, e) = (model.d_model, model.top_k, model.experts);
-        let span = kernels.host_span("router");
+        let span = (kernels.host_span("router"), self.span("router"));
         // The router's logits in f32 whatever the dense GEMMs take: the
         // top-k choices then match the cpu's but for ties within f32's
         // rounding, and its (T × D × E) GEMM is a few percent of the layer.
@@ -117,9 +117,12 @@ impl CudaOps<'_> {
         let (device, routing, perm) =
             gpu.route_device(&model.router(), &logits, bias, t, assignments)?;
         drop(span);
+        let gathered = self.span("gather");
         let rows = gpu.gather_rows_device(x, &device.order, (t * k, d, k))?;
         let mut expert_out = gpu.zeros(t * k * d)?;
+        drop(gathered);
         {
+            let _gpu = self.span("experts");
             let (rows, _read) = rows_of!(rows, &gpu.stream, device_ptr);
             let (out, _write) = rows_of!(expert_out, &gpu.stream, device_ptr_mut);
             // SAFETY: the runner takes rows in this GPU's memory (asked
@@ -128,7 +131,7 @@ impl CudaOps<'_> {
             // call, used by nothing else meanwhile.
             unsafe { runner.forward_layer_rows(layer, &perm, rows, out)? };
         }
-        let _span = kernels.host_span("combine");
+        let _span = (kernels.host_span("combine"), self.span("combine"));
         let weights = &device.scored.weights;
         let y = gpu.combine_device(&expert_out, &device.position, weights, (t, k, d))?;
         let saved = DeviceMoe {
@@ -181,7 +184,10 @@ impl CudaOps<'_> {
             }
         };
         let gpu = self.gpu();
-        let span = kernels.host_span("combine backward");
+        let span = (
+            kernels.host_span("combine backward"),
+            self.span("combine backward"),
+        );
         let (order, position) = (&s.device.order, &s.device.position);
         let weights = &s.device.scored.weights;
         let dweights = gpu.combine_weights_grad_device(dy, &s.expert_out, position, (t, k, d))?;
@@ -194,12 +200,16 @@ impl CudaOps<'_> {
             let (rows, _r1) = rows_of!(rows, &gpu.stream, device_ptr);
             let (dout, _r2) = rows_of!(dout, &gpu.stream, device_ptr);
             let (dxa, _w) = rows_of!(dxa, &gpu.stream, device_ptr_mut);
+            let _gpu = self.span("experts backward");
             // SAFETY: as in the forward, for the three (T·K, D) rows.
             unsafe {
                 runner.backward_layer_rows(layer, &s.perm, [rows, dout, dxa], last_micro_batch)?
             };
         }
-        let _span = kernels.host_span("gather backward and router backward");
+        let _span = (
+            kernels.host_span("gather backward and router backward"),
+            self.span("gather backward and router backward"),
+        );
         gpu.gather_backward_device(dx, &dxa, position, (t, k, d))?;
         let dlogits = gpu.router_logits_grad_device(
             &model.router(),

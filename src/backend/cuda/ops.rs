@@ -9,11 +9,13 @@
 //! before it.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 
 use super::attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 use super::dense::threads;
+use super::gpu_spans::{GpuSpan, GpuSpans};
 use super::moe::CudaMoeSaved;
 use super::{gpu_error, CudaBackend, Shape};
 use crate::math::attention::{AttnShape, RopeTable};
@@ -24,6 +26,8 @@ use crate::EngineError;
 pub struct CudaOps<'a> {
     gpu: &'a CudaBackend,
     kernels: &'a dyn DenseKernels,
+    /// Each operation's GPU time, where the kernels record a timeline.
+    spans: Option<GpuSpans>,
 }
 
 /// What every layer's attention reads alike, step after step, kept on the
@@ -52,7 +56,21 @@ impl<'a> CudaOps<'a> {
     /// record a timeline) for the host's spans and what stays on the host.
     pub fn new(gpu: &'a CudaBackend, kernels: &'a dyn DenseKernels) -> Result<Self, EngineError> {
         gpu.bind()?;
-        Ok(Self { gpu, kernels })
+        let spans = match kernels.timeline() {
+            Some(t) => Some(GpuSpans::new(&gpu.stream, Arc::clone(t))?),
+            None => None,
+        };
+        Ok(Self {
+            gpu,
+            kernels,
+            spans,
+        })
+    }
+
+    /// The GPU's time for the work queued until the span is dropped, on
+    /// the timeline where one records.
+    pub(super) fn span(&self, name: &'static str) -> Option<GpuSpan<'_>> {
+        self.spans.as_ref().map(|s| s.start(name))
     }
 
     /// The GPU these operations run on.
@@ -143,6 +161,7 @@ impl DenseOps for CudaOps<'_> {
     }
 
     fn duplicate(&self, x: &CudaSlice<f32>) -> Result<CudaSlice<f32>, EngineError> {
+        let _gpu = self.span("copy");
         self.gpu
             .stream
             .clone_dtod(x)
@@ -164,10 +183,12 @@ impl DenseOps for CudaOps<'_> {
     }
 
     fn add_assign(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), EngineError> {
+        let _gpu = self.span("add");
         self.gpu.add_into(acc, x)
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, b: &[f32]) -> Result<(), EngineError> {
+        let _gpu = self.span("bias");
         assert!(x.len().is_multiple_of(b.len()));
         let b = self.gpu.weight(b)?;
         let (n, width) = (x.len() as u32, b.len() as u32);
@@ -178,6 +199,7 @@ impl DenseOps for CudaOps<'_> {
     }
 
     fn bias_grad(&self, db: &mut [f32], dx: &CudaSlice<f32>) -> Result<(), EngineError> {
+        let _gpu = self.span("bias backward");
         assert!(dx.len().is_multiple_of(db.len()));
         let (rows, width) = (dx.len() / db.len(), db.len());
         self.gpu.with_grad(db, |acc| {
@@ -186,6 +208,7 @@ impl DenseOps for CudaOps<'_> {
     }
 
     fn clamp(&self, x: &mut CudaSlice<f32>, clip: f32) -> Result<(), EngineError> {
+        let _gpu = self.span("clamp");
         let n = x.len() as u32;
         let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.clamp_values);
         launch.arg(x).arg(&n).arg(&clip);
@@ -199,6 +222,7 @@ impl DenseOps for CudaOps<'_> {
         before: &CudaSlice<f32>,
         clip: f32,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("clamp backward");
         assert_eq!(grad.len(), before.len());
         let n = grad.len() as u32;
         let mut launch = self.gpu.stream.launch_builder(&self.gpu.dense.clamp_grad);
@@ -212,6 +236,7 @@ impl DenseOps for CudaOps<'_> {
         a: &CudaSlice<f32>,
         b: &CudaSlice<f32>,
     ) -> Result<CudaSlice<f32>, EngineError> {
+        let _gpu = self.span("swiglu");
         assert_eq!(a.len(), b.len());
         let mut h = self.gpu.zeros(a.len())?;
         let n = a.len() as u32;
@@ -228,6 +253,7 @@ impl DenseOps for CudaOps<'_> {
         a: &CudaSlice<f32>,
         b: &CudaSlice<f32>,
     ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), EngineError> {
+        let _gpu = self.span("swiglu backward");
         assert!(a.len() == dh.len() && b.len() == dh.len());
         let (mut da, mut db) = (self.gpu.zeros(dh.len())?, self.gpu.zeros(dh.len())?);
         let n = dh.len() as u32;
@@ -245,6 +271,7 @@ impl DenseOps for CudaOps<'_> {
     }
 
     fn sigmoid(&self, x: &mut CudaSlice<f32>) -> Result<(), EngineError> {
+        let _gpu = self.span("sigmoid");
         let n = x.len() as u32;
         let mut launch = self
             .gpu
@@ -261,6 +288,7 @@ impl DenseOps for CudaOps<'_> {
         x: &CudaSlice<f32>,
         s: &CudaSlice<f32>,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("gate");
         assert!(y.len() == x.len() && y.len().is_multiple_of(s.len()));
         let (n, d) = (y.len() as u32, (y.len() / s.len()) as u32);
         let mut launch = self
@@ -278,6 +306,7 @@ impl DenseOps for CudaOps<'_> {
         out: &CudaSlice<f32>,
         sig: &CudaSlice<f32>,
     ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), EngineError> {
+        let _gpu = self.span("gate backward");
         assert!(dy.len() == out.len() && dy.len().is_multiple_of(sig.len()));
         let (t, d) = (sig.len(), dy.len() / sig.len());
         let (mut dz, mut dout) = (self.gpu.zeros(t)?, self.gpu.zeros(dy.len())?);
@@ -310,6 +339,7 @@ impl DenseOps for CudaOps<'_> {
         width: usize,
         eps: f64,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("rmsnorm");
         let g = self.gpu.weight(g)?;
         self.gpu
             .rmsnorm_forward_device(out, inv_rms, x, &g, (rows, width), eps)
@@ -326,6 +356,7 @@ impl DenseOps for CudaOps<'_> {
         rows: usize,
         width: usize,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("rmsnorm backward");
         let g = self.gpu.weight(g)?;
         let io = [dout, x, g.as_ref(), inv_rms];
         self.gpu.with_grad(dg, |dg| {
@@ -342,6 +373,7 @@ impl DenseOps for CudaOps<'_> {
         k: usize,
         n: usize,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("gemm");
         assert!(out.len() == m * n && x.len() == m * k && w.len() == n * k);
         let gpu = self.gpu;
         gpu.dense_forward(gpu.dense_gemm, out, x, w, Shape { m, k, n })
@@ -358,6 +390,7 @@ impl DenseOps for CudaOps<'_> {
         k: usize,
         n: usize,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("gemm backward");
         assert!(dx.len() == m * k && dw.len() == n * k && dout.len() == m * n);
         assert!(x.len() == m * k && w.len() == n * k);
         let (gpu, shape) = (self.gpu, Shape { m, k, n });
@@ -374,6 +407,7 @@ impl DenseOps for CudaOps<'_> {
         heads: usize,
         transpose: bool,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("rope");
         let dims = (table.half(), table.head_dim());
         self.with_rope(table, |tables| {
             self.gpu
@@ -389,6 +423,7 @@ impl DenseOps for CudaOps<'_> {
         tokens: &[u32],
         d: usize,
     ) -> Result<CudaSlice<f32>, EngineError> {
+        let _gpu = self.span("embedding");
         check_tokens(tokens, table.len() / d)?;
         let table = self.gpu.weight(table)?;
         self.gpu.embedding_forward_device(&table, tokens, d)
@@ -401,6 +436,7 @@ impl DenseOps for CudaOps<'_> {
         tokens: &[u32],
         d: usize,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("embedding backward");
         check_tokens(tokens, dtable.len() / d)?;
         self.gpu.with_grad(dtable, |acc| {
             self.gpu.embedding_backward_device(acc, dh, tokens, d)
@@ -416,6 +452,7 @@ impl DenseOps for CudaOps<'_> {
         targets: &[u32],
         s: HeadShape,
     ) -> Result<f32, EngineError> {
+        let _gpu = self.span("head and loss");
         let block = crate::backend::head_block_rows(s.v);
         self.gpu
             .head_loss_device(dx, dhead, x, head, targets, s, block)
@@ -503,6 +540,7 @@ impl DenseOps for CudaOps<'_> {
         starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("attention");
         let qkv = [q, k, v];
         self.with_starts(starts, shape, |starts| {
             let blocks = ATTENTION_BLOCK_BYTES;
@@ -520,6 +558,7 @@ impl DenseOps for CudaOps<'_> {
         starts: Option<&[u32]>,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
+        let _gpu = self.span("attention backward");
         // The softmax kernel takes the statistics as a buffer it may
         // write; it reads them here, from a copy (2 values a query row).
         let mut stats = self.duplicate(saved)?;
@@ -528,6 +567,17 @@ impl DenseOps for CudaOps<'_> {
             self.gpu
                 .attention_backward_device(grads, dout, &mut stats, qkv, starts, shape, blocks)
         })
+    }
+}
+
+impl Drop for CudaOps<'_> {
+    fn drop(&mut self) {
+        if let Some(spans) = &self.spans {
+            // A diagnostic: where the stream failed, the operation that
+            // queued the failing work has reported it, and its spans are
+            // left off the timeline.
+            let _ = spans.flush();
+        }
     }
 }
 
