@@ -134,6 +134,11 @@ impl KernelEmulator {
         shape: &AttnShape,
         from_stats: bool,
     ) {
+        // As `CudaBackend::block_softmax`: the rows' parts (max, then
+        // sum), their stats, then the probabilities from the stats.
+        const LANES: usize = 32;
+        let rows = shape.seqs * shape.heads * block.rows;
+        let keys = block.q0 + block.rows;
         let (pp, pst, ps) = (scores.as_mut_ptr(), stats.as_mut_ptr(), starts.as_ptr());
         let dims = [
             shape.seqs,
@@ -142,28 +147,70 @@ impl KernelEmulator {
             shape.head_dim,
             block.q0,
             block.rows,
-            from_stats as usize,
         ]
         .map(|x| x as u32);
+        if !from_stats {
+            let mut partials = vec![0.0f32; rows * 2 * LANES];
+            let ppart = partials.as_mut_ptr();
+            for sums in [0u32, 1] {
+                let mut args = vec![arg(&pp), arg(&ppart), arg(&ps)];
+                args.extend(dims.iter().map(arg));
+                args.push(arg(&sums));
+                self.launch("attn_softmax_partials", rows * LANES, &args);
+            }
+            let [seqs, s, heads, _, q0, block_rows] = &dims;
+            let args = [
+                arg(&ppart),
+                arg(&pst),
+                arg(seqs),
+                arg(s),
+                arg(heads),
+                arg(q0),
+                arg(block_rows),
+            ];
+            self.launch("attn_softmax_stats", rows, &args);
+        }
         let mut args = vec![arg(&pp), arg(&pst), arg(&ps)];
         args.extend(dims.iter().map(arg));
-        self.launch("attn_softmax", shape.seqs * shape.heads * block.rows, &args);
+        self.launch("attn_softmax", rows * keys, &args);
     }
 
     fn softmax_backward(&self, probs: &[f32], dprobs: &mut [f32], block: Block, shape: &AttnShape) {
+        const LANES: usize = 32;
+        let rows = shape.seqs * shape.heads * block.rows;
+        let keys = block.q0 + block.rows;
         let (pp, pd) = (probs.as_ptr(), dprobs.as_mut_ptr());
-        let dims = [
+        let mut partials = vec![0.0f32; rows * LANES];
+        let ppart = partials.as_mut_ptr();
+        let [seqs, heads, hd, q0, block_rows] = [
             shape.seqs,
             shape.heads,
             shape.head_dim,
             block.q0,
             block.rows,
+        ]
+        .map(|x| x as u32);
+        let args = [
+            arg(&pp),
+            arg(&pd),
+            arg(&ppart),
+            arg(&seqs),
+            arg(&heads),
+            arg(&q0),
+            arg(&block_rows),
         ];
-        let dims = dims.map(|x| x as u32);
-        let mut args = vec![arg(&pp), arg(&pd)];
-        args.extend(dims.iter().map(arg));
-        let rows = shape.seqs * shape.heads * block.rows;
-        self.launch("attn_softmax_backward", rows, &args);
+        self.launch("attn_softmax_backward_partials", rows * LANES, &args);
+        let args = [
+            arg(&pp),
+            arg(&pd),
+            arg(&ppart),
+            arg(&seqs),
+            arg(&heads),
+            arg(&hd),
+            arg(&q0),
+            arg(&block_rows),
+        ];
+        self.launch("attn_softmax_backward", rows * keys, &args);
     }
 
     /// `CudaBackend::attention_forward_blocks`.

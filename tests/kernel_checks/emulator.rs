@@ -82,6 +82,33 @@ impl KernelEmulator {
         // threads (the callers below size them as the CUDA backend does).
         unsafe { launcher(elems.div_ceil(1024) as u32, 1024, args.as_mut_ptr()) };
     }
+
+    /// `row_partials` of a's t rows (t, d): the 32 parts of each row's
+    /// sum of a², or with `product` = (x, g) of a · g · x.
+    fn row_partials(
+        &self,
+        a: &[f32],
+        product: Option<(&[f32], &[f32])>,
+        t: usize,
+        d: usize,
+    ) -> Vec<f32> {
+        const LANES: usize = 32;
+        let mut partials = vec![0.0f32; t * LANES];
+        let (x, g) = product.unwrap_or((a, a));
+        let (pa, px, pg, pp) = (a.as_ptr(), x.as_ptr(), g.as_ptr(), partials.as_mut_ptr());
+        let [t32, d32, product32] = [t, d, product.is_some() as usize].map(|v| v as u32);
+        let args = [
+            arg(&pa),
+            arg(&px),
+            arg(&pg),
+            arg(&pp),
+            arg(&t32),
+            arg(&d32),
+            arg(&product32),
+        ];
+        self.launch("row_partials", t * LANES, &args);
+        partials
+    }
 }
 
 impl KernelHost for KernelEmulator {
@@ -162,14 +189,17 @@ impl KernelHost for KernelEmulator {
     ) -> (Vec<f32>, Vec<f32>) {
         assert!(x.len() == t * d && g.len() == d);
         let (mut out, mut inv) = (vec![0.0f32; t * d], vec![0.0f32; t]);
+        let partials = self.row_partials(x, None, t, d);
         let (px, pg, po, pi) = (x.as_ptr(), g.as_ptr(), out.as_mut_ptr(), inv.as_mut_ptr());
+        let pp = partials.as_ptr();
         let (t32, d32, eps32) = (t as u32, d as u32, eps as f32);
         self.launch(
             "rmsnorm_forward",
-            t,
+            t * d,
             &[
                 arg(&px),
                 arg(&pg),
+                arg(&pp),
                 arg(&po),
                 arg(&pi),
                 arg(&t32),
@@ -196,14 +226,17 @@ impl KernelHost for KernelEmulator {
         let (pdo, px, pg, pi) = (dout.as_ptr(), x.as_ptr(), g.as_ptr(), inv_rms.as_ptr());
         let (pdx, pdg) = (dx.as_mut_ptr(), dg.as_mut_ptr());
         let (t32, d32) = (t as u32, d as u32);
+        let partials = self.row_partials(dout, Some((x, g)), t, d);
+        let pp = partials.as_ptr();
         self.launch(
             "rmsnorm_backward_dx",
-            t,
+            t * d,
             &[
                 arg(&pdo),
                 arg(&px),
                 arg(&pg),
                 arg(&pi),
+                arg(&pp),
                 arg(&pdx),
                 arg(&t32),
                 arg(&d32),
@@ -360,8 +393,12 @@ impl KernelHost for KernelEmulator {
         let mut args = vec![arg(&prows), arg(&pp), arg(&pw), arg(&py)];
         args.extend(shape);
         self.launch("combine_rows", t * d, &args);
-        let mut args = vec![arg(&pdy), arg(&prows), arg(&pp), arg(&pdw)];
+        let mut partials = vec![0.0f32; n * 32];
+        let ppart = partials.as_mut_ptr();
+        let mut args = vec![arg(&pdy), arg(&prows), arg(&pp), arg(&ppart)];
         args.extend(shape);
+        self.launch("combine_weights_partials", n * 32, &args);
+        let args = [arg(&ppart), arg(&pdw), arg(&n32)];
         self.launch("combine_weights_grad", n, &args);
         let args = [
             arg(&pdy),

@@ -224,7 +224,8 @@ pub fn activations(h: &dyn KernelHost) {
 pub fn rmsnorm_and_rope(h: &dyn KernelHost) {
     use strata::math::attention::{rope_backward, rope_forward, RopeTable};
     use strata::math::{rmsnorm_backward, rmsnorm_forward};
-    let (t, d) = (150, 64);
+    // 70 columns: a row's 32 parts (row_partials) of 3 or 2 columns.
+    let (t, d) = (150, 70);
     let (x, g, dout) = (f32s(t * d, 20, 2.0), f32s(d, 21, 1.0), f32s(t * d, 22, 1.0));
     let (mut out, mut inv) = (vec![0.0; t * d], vec![0.0; t]);
     rmsnorm_forward(&mut out, &mut inv, &x, &g, t, d, 1e-5);
@@ -388,9 +389,10 @@ fn moe_rows(
 /// backward, which recomputes them, against the cpu's.
 pub fn attention(h: &dyn KernelHost) {
     use strata::math::attention::{attention_backward, attention_forward};
+    // 45 keys: a row's softmax parts (32 of them) hold one or two keys.
     let shape = AttnShape {
         seqs: 2,
-        seq_len: 13,
+        seq_len: 45,
         heads: 4,
         kv_heads: 2,
         head_dim: 8,
@@ -400,8 +402,9 @@ pub fn attention(h: &dyn KernelHost) {
     let k = f32s(t * shape.kv_width(), 41, 1.0);
     let v = f32s(t * shape.kv_width(), 42, 1.0);
     let dout = f32s(t * shape.q_width(), 43, 1.0);
-    // Two documents packed apart in the second sequence, one in the first.
-    let starts: Vec<u32> = (0..t).map(|i| if i >= 13 + 5 { 5 } else { 0 }).collect();
+    // Two documents packed apart in the second sequence, one in the first;
+    // the second starts at 37 (not a multiple of the 32 parts).
+    let starts: Vec<u32> = (0..t).map(|i| if i >= 45 + 37 { 37 } else { 0 }).collect();
     for starts in [vec![0; t], starts] {
         let mut out = vec![0.0; t * shape.q_width()];
         let mut probs = vec![0.0; shape.probs_len()];

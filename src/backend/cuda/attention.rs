@@ -29,7 +29,7 @@ use cudarc::driver::{
     sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, SyncOnDrop,
 };
 
-use super::dense::threads;
+use super::dense::{threads, ROW_LANES};
 use super::{gpu_error, CudaBackend, BF16, F32};
 use crate::backend::DenseGemm;
 use crate::math::attention::AttnShape;
@@ -336,24 +336,51 @@ impl CudaBackend {
         shape: &AttnShape,
         from_stats: bool,
     ) -> Result<(), EngineError> {
-        let args = [
+        let rows = shape.seqs * shape.heads * block.rows;
+        let keys = block.q0 + block.rows;
+        let dims = [
             shape.seqs,
             shape.seq_len,
             shape.heads,
             shape.head_dim,
             block.q0,
             block.rows,
-            from_stats as usize,
         ]
         .map(|x| x as u32);
+        let [seqs, s, heads, _, q0, block_rows] = &dims;
+        if !from_stats {
+            let mut partials = self.zeros(rows * 2 * ROW_LANES)?;
+            for sums in [0u32, 1] {
+                let mut launch = self
+                    .stream
+                    .launch_builder(&self.dense.attn_softmax_partials);
+                launch.arg(&*scores).arg(&mut partials).arg(starts);
+                for x in &dims {
+                    launch.arg(x);
+                }
+                launch.arg(&sums);
+                // SAFETY: scores holds the block's B·H·rows·keys f32,
+                // partials two parts' values for each of its rows, starts
+                // T; one thread a (row, part).
+                unsafe { launch.launch(threads(rows * ROW_LANES)) }
+                    .map_err(|e| gpu_error("attn_softmax_partials", e))?;
+            }
+            let mut launch = self.stream.launch_builder(&self.dense.attn_softmax_stats);
+            launch.arg(&partials).arg(&mut *stats);
+            launch.arg(seqs).arg(s).arg(heads).arg(q0).arg(block_rows);
+            // SAFETY: partials as above, stats 2·B·H·S f32; one thread a
+            // row of the block.
+            unsafe { launch.launch(threads(rows)) }
+                .map_err(|e| gpu_error("attn_softmax_stats", e))?;
+        }
         let mut launch = self.stream.launch_builder(&self.dense.attn_softmax);
-        launch.arg(scores).arg(stats).arg(starts);
-        for x in &args {
+        launch.arg(scores).arg(&*stats).arg(starts);
+        for x in &dims {
             launch.arg(x);
         }
         // SAFETY: scores holds the block's B·H·rows·keys f32, stats
-        // 2·B·H·S, starts T; one thread a row of the block.
-        unsafe { launch.launch(threads(shape.seqs * shape.heads * block.rows)) }
+        // 2·B·H·S, starts T; one thread an element of the block.
+        unsafe { launch.launch(threads(rows * keys)) }
             .map(|_| ())
             .map_err(|e| gpu_error("attn_softmax", e))
     }
@@ -562,7 +589,9 @@ impl CudaBackend {
         block: Block,
         shape: &AttnShape,
     ) -> Result<(), EngineError> {
-        let args = [
+        let rows = shape.seqs * shape.heads * block.rows;
+        let keys = block.q0 + block.rows;
+        let [seqs, heads, hd, q0, block_rows] = [
             shape.seqs,
             shape.heads,
             shape.head_dim,
@@ -570,16 +599,28 @@ impl CudaBackend {
             block.rows,
         ]
         .map(|x| x as u32);
+        let mut partials = self.zeros(rows * ROW_LANES)?;
+        let mut launch = self
+            .stream
+            .launch_builder(&self.dense.attn_softmax_backward_partials);
+        launch.arg(probs).arg(&*dprobs).arg(&mut partials);
+        launch.arg(&seqs).arg(&heads).arg(&q0).arg(&block_rows);
+        // SAFETY: probs and dprobs hold the block's B·H·rows·keys f32,
+        // partials a row's parts for each row; one thread a (row, part).
+        unsafe { launch.launch(threads(rows * ROW_LANES)) }
+            .map_err(|e| gpu_error("attn_softmax_backward_partials", e))?;
         let mut launch = self
             .stream
             .launch_builder(&self.dense.attn_softmax_backward);
-        launch.arg(probs).arg(dprobs);
-        for x in &args {
-            launch.arg(x);
-        }
-        // SAFETY: probs and dprobs hold the block's B·H·rows·keys f32; one
-        // thread a row of the block.
-        unsafe { launch.launch(threads(shape.seqs * shape.heads * block.rows)) }
+        launch.arg(probs).arg(dprobs).arg(&partials);
+        launch
+            .arg(&seqs)
+            .arg(&heads)
+            .arg(&hd)
+            .arg(&q0)
+            .arg(&block_rows);
+        // SAFETY: as above; one thread an element of the block.
+        unsafe { launch.launch(threads(rows * keys)) }
             .map(|_| ())
             .map_err(|e| gpu_error("attn_softmax_backward", e))
     }

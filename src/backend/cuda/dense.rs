@@ -11,6 +11,7 @@ use super::{gpu_error, CudaBackend};
 use crate::EngineError;
 
 pub(super) struct DenseFunctions {
+    row_partials: CudaFunction,
     rmsnorm_forward: CudaFunction,
     rmsnorm_backward_dx: CudaFunction,
     column_partials: CudaFunction,
@@ -21,13 +22,17 @@ pub(super) struct DenseFunctions {
     scatter_rows: CudaFunction,
     pub(super) attn_to_heads: CudaFunction,
     pub(super) attn_from_heads: CudaFunction,
+    pub(super) attn_softmax_partials: CudaFunction,
+    pub(super) attn_softmax_stats: CudaFunction,
     pub(super) attn_softmax: CudaFunction,
+    pub(super) attn_softmax_backward_partials: CudaFunction,
     pub(super) attn_softmax_backward: CudaFunction,
     pub(super) add_into: CudaFunction,
     pub(super) add_bias: CudaFunction,
     pub(super) clamp_values: CudaFunction,
     pub(super) clamp_grad: CudaFunction,
     pub(super) combine_rows: CudaFunction,
+    pub(super) combine_weights_partials: CudaFunction,
     pub(super) combine_weights_grad: CudaFunction,
     pub(super) weighted_rows: CudaFunction,
     pub(super) gather_rows_backward: CudaFunction,
@@ -52,6 +57,7 @@ impl DenseFunctions {
     pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, EngineError> {
         let load = |name: &str| load_kernel(module, name);
         Ok(Self {
+            row_partials: load("row_partials")?,
             rmsnorm_forward: load("rmsnorm_forward")?,
             rmsnorm_backward_dx: load("rmsnorm_backward_dx")?,
             column_partials: load("column_partials")?,
@@ -62,13 +68,17 @@ impl DenseFunctions {
             scatter_rows: load("scatter_rows")?,
             attn_to_heads: load("attn_to_heads")?,
             attn_from_heads: load("attn_from_heads")?,
+            attn_softmax_partials: load("attn_softmax_partials")?,
+            attn_softmax_stats: load("attn_softmax_stats")?,
             attn_softmax: load("attn_softmax")?,
+            attn_softmax_backward_partials: load("attn_softmax_backward_partials")?,
             attn_softmax_backward: load("attn_softmax_backward")?,
             add_into: load("add_into")?,
             add_bias: load("add_bias")?,
             clamp_values: load("clamp_values")?,
             clamp_grad: load("clamp_grad")?,
             combine_rows: load("combine_rows")?,
+            combine_weights_partials: load("combine_weights_partials")?,
             combine_weights_grad: load("combine_weights_grad")?,
             weighted_rows: load("weighted_rows")?,
             gather_rows_backward: load("gather_rows_backward")?,
@@ -80,6 +90,10 @@ impl DenseFunctions {
         })
     }
 }
+
+/// The parts a row's sum is taken in (`row_partials`,
+/// `STRATA_ROW_LANES` in `kernels.cu`): a warp reads a row side by side.
+pub(super) const ROW_LANES: usize = 32;
 
 /// Rows a block of a column sum's first pass adds (`column_partials`).
 pub(super) const COLUMN_SUM_ROWS: usize = 64;
@@ -125,20 +139,47 @@ impl CudaBackend {
         eps: f64,
     ) -> Result<(), EngineError> {
         assert!(x.len() == t * d && out.len() == t * d && g.len() == d && inv.len() == t);
+        let partials = self.row_partials(x, None, (t, d))?;
         let (t32, d32, eps32) = (t as u32, d as u32, eps as f32);
         let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_forward);
         launch
             .arg(x)
             .arg(g)
+            .arg(&partials)
             .arg(out)
             .arg(inv)
             .arg(&t32)
             .arg(&d32)
             .arg(&eps32);
-        // SAFETY: x and out hold t·d f32, g holds d, inv t (asserted); one
-        // thread a row.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_forward", e))?;
+        // SAFETY: x and out hold t·d f32, g holds d, inv t (asserted),
+        // partials a row's parts for t rows; one thread an element.
+        unsafe { launch.launch(threads(t * d)) }.map_err(|e| gpu_error("rmsnorm_forward", e))?;
         Ok(())
+    }
+
+    /// Each of a's t rows (t, d) summed in [`ROW_LANES`] interleaved parts
+    /// (`row_partials`): of a², or with `product` = (x, g) of a · g · x.
+    fn row_partials(
+        &self,
+        a: &CudaSlice<f32>,
+        product: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        (t, d): (usize, usize),
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let mut partials = self.zeros(t * ROW_LANES)?;
+        let (x, g) = product.unwrap_or((a, a)); // unread without `product`
+        if let Some((x, g)) = product {
+            assert!(x.len() == t * d && g.len() == d);
+        }
+        let [t32, d32, product32] = [t, d, product.is_some() as usize].map(|v| v as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.row_partials);
+        launch.arg(a).arg(x).arg(g).arg(&mut partials);
+        launch.arg(&t32).arg(&d32).arg(&product32);
+        // SAFETY: a (and with `product` x) hold t·d f32 and g d (asserted
+        // by the callers and above), partials t·ROW_LANES; one thread a
+        // (row, part).
+        unsafe { launch.launch(threads(t * ROW_LANES)) }
+            .map_err(|e| gpu_error("row_partials", e))?;
+        Ok(partials)
     }
 
     /// `math::rmsnorm_backward` on the GPU: dx and dg accumulate.
@@ -178,6 +219,7 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         assert!(dout.len() == t * d && x.len() == t * d && dx.len() == t * d);
         assert!(g.len() == d && dg.len() == d && inv.len() == t);
+        let partials = self.row_partials(dout, Some((x, g)), (t, d))?;
         let (t32, d32) = (t as u32, d as u32);
         let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dx);
         launch
@@ -185,12 +227,14 @@ impl CudaBackend {
             .arg(x)
             .arg(g)
             .arg(inv)
+            .arg(&partials)
             .arg(dx)
             .arg(&t32)
             .arg(&d32);
-        // SAFETY: dout, x, dx hold t·d f32, g d, inv_rms t (asserted); one
-        // thread a row.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("rmsnorm_backward_dx", e))?;
+        // SAFETY: dout, x, dx hold t·d f32, g d, inv_rms t (asserted),
+        // partials a row's parts for t rows; one thread an element.
+        unsafe { launch.launch(threads(t * d)) }
+            .map_err(|e| gpu_error("rmsnorm_backward_dx", e))?;
         self.column_sums_into(dg, dout, Some((x, inv)), (t, d))
     }
 

@@ -123,32 +123,60 @@ extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, u
     }
 }
 
-// math::rmsnorm_forward, one thread a row: out = x · inv_rms · g.
-extern "C" __global__ void rmsnorm_forward(const float* x, const float* g, float* out,
-                                           float* inv_rms, unsigned t, unsigned d, float eps) {
-    unsigned i = strata_index();
-    if (i >= t) return;
-    const float* row = x + (unsigned long long)i * d;
-    float ss = 0.0f;
-    for (unsigned j = 0; j < d; ++j) ss += row[j] * row[j];
-    float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    inv_rms[i] = inv;
-    for (unsigned j = 0; j < d; ++j) out[(unsigned long long)i * d + j] = row[j] * inv * g[j];
+// A row's sums over its columns in STRATA_ROW_LANES interleaved parts,
+// one thread a (row, part), so a warp reads a row's columns side by side:
+// part l sums columns l, l + 32, l + 64, ... in order, of a² (`product`
+// 0) or a · g · x (1: a norm's backward). strata_row_sum adds a row's
+// parts in part order: every thread that asks gets the same bits.
+#define STRATA_ROW_LANES 32u
+extern "C" __global__ void row_partials(const float* a, const float* x, const float* g,
+                                        float* partials, unsigned t, unsigned d,
+                                        unsigned product) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)t * STRATA_ROW_LANES) return;
+    unsigned long long i = idx / STRATA_ROW_LANES;
+    unsigned lane = idx % STRATA_ROW_LANES;
+    const float* ra = a + i * d;
+    const float* rx = x + i * d;
+    float acc = 0.0f;
+    for (unsigned j = lane; j < d; j += STRATA_ROW_LANES)
+        acc += product ? ra[j] * g[j] * rx[j] : ra[j] * ra[j];
+    partials[idx] = acc;
 }
 
-// math::rmsnorm_backward's dx (+=), one thread a row.
+__device__ __forceinline__ float strata_row_sum(const float* partials, unsigned long long i) {
+    float sum = 0.0f;
+    for (unsigned l = 0; l < STRATA_ROW_LANES; ++l) sum += partials[i * STRATA_ROW_LANES + l];
+    return sum;
+}
+
+// math::rmsnorm_forward after row_partials of x², one thread an element:
+// out = x · inv_rms · g, each row's inv_rms from its sum of squares (the
+// row's first thread writes it).
+extern "C" __global__ void rmsnorm_forward(const float* x, const float* g,
+                                           const float* partials, float* out, float* inv_rms,
+                                           unsigned t, unsigned d, float eps) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)t * d) return;
+    unsigned long long i = idx / d;
+    unsigned j = idx % d;
+    float inv = 1.0f / sqrtf(strata_row_sum(partials, i) / (float)d + eps);
+    if (j == 0) inv_rms[i] = inv;
+    out[idx] = x[idx] * inv * g[j];
+}
+
+// math::rmsnorm_backward's dx (+=) after row_partials of dout · g · x, one
+// thread an element.
 extern "C" __global__ void rmsnorm_backward_dx(const float* dout, const float* x, const float* g,
-                                               const float* inv_rms, float* dx, unsigned t,
-                                               unsigned d) {
-    unsigned i = strata_index();
-    if (i >= t) return;
-    const float* row = x + (unsigned long long)i * d;
-    const float* dy = dout + (unsigned long long)i * d;
+                                               const float* inv_rms, const float* partials,
+                                               float* dx, unsigned t, unsigned d) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)t * d) return;
+    unsigned long long i = idx / d;
+    unsigned j = idx % d;
     float inv = inv_rms[i];
-    float dot = 0.0f;
-    for (unsigned j = 0; j < d; ++j) dot += dy[j] * g[j] * row[j];
-    float coef = dot * inv * inv * inv / (float)d;
-    for (unsigned j = 0; j < d; ++j) dx[(unsigned long long)i * d + j] += dy[j] * g[j] * inv - row[j] * coef;
+    float coef = strata_row_sum(partials, i) * inv * inv * inv / (float)d;
+    dx[idx] += dout[idx] * g[j] * inv - x[idx] * coef;
 }
 
 // A column sum over t rows in two passes, so that every column's sum runs
@@ -291,57 +319,120 @@ extern "C" __global__ void attn_from_heads(const float* src, float* dst, unsigne
     dst[idx] = accumulate ? dst[idx] + sum : sum;
 }
 
-// One thread a query row of a block of `rows` queries from q0, for every
+// The causal softmax of a block of `rows` query rows from q0, for every
 // (sequence, head): `scores` holds each row's products with keys 0 ..
 // q0 + rows - 1 (row-major, q0 + rows a row), which become the row's
-// causal softmax of products / sqrt(hd) over its own document's keys, 0
-// elsewhere. from_stats 0 computes the row's max and sum and writes them
-// to stats; 1 reads them from there (the backward).
-extern "C" __global__ void attn_softmax(float* scores, float* stats, const unsigned* starts,
-                                        unsigned seqs, unsigned s, unsigned heads, unsigned hd,
-                                        unsigned q0, unsigned rows, unsigned from_stats) {
+// softmax of products / sqrt(hd) over its own document's keys (first ..=
+// i), 0 elsewhere. The forward takes each row's max and sum in
+// STRATA_ROW_LANES interleaved parts (attn_softmax_partials, a warp
+// reading a row's keys side by side; `partials` holds a row's parts'
+// maxes, then their sums), adds the parts into the row's stats
+// (attn_softmax_stats: its max and sum), and writes the probabilities
+// from the stats (attn_softmax), which the backward does again from the
+// same stats, bit for bit.
+
+// Pass `sums` 0: the max of a part's keys' products · scale; pass 1: the
+// sum of e^(x · scale − the row's max) over them, the row's max taken
+// from pass 0's parts. One thread a (row, part).
+extern "C" __global__ void attn_softmax_partials(const float* scores, float* partials,
+                                                 const unsigned* starts, unsigned seqs,
+                                                 unsigned s, unsigned heads, unsigned hd,
+                                                 unsigned q0, unsigned rows, unsigned sums) {
     unsigned long long idx = strata_index();
-    if (idx >= (unsigned long long)seqs * heads * rows) return;
-    unsigned r = idx % rows;
-    unsigned long long bh = idx / rows, b = bh / heads;
+    if (idx >= (unsigned long long)seqs * heads * rows * STRATA_ROW_LANES) return;
+    unsigned long long row_idx = idx / STRATA_ROW_LANES;
+    unsigned lane = idx % STRATA_ROW_LANES;
+    unsigned r = row_idx % rows;
+    unsigned long long bh = row_idx / rows, b = bh / heads;
     unsigned i = q0 + r, keys = q0 + rows;
     unsigned first = strata_attn_first(starts, b * s + i, i);
+    // The part's first key at or after `first`.
+    unsigned j0 = first + (lane + STRATA_ROW_LANES - first % STRATA_ROW_LANES) % STRATA_ROW_LANES;
     float scale = 1.0f / sqrtf((float)hd);
-    float* row = scores + idx * keys;
-    float* stat = stats + 2 * (bh * s + i);
-    float max, sum;
-    if (from_stats) {
-        max = stat[0];
-        sum = stat[1];
-    } else {
-        max = __int_as_float(0xff800000);
-        for (unsigned j = first; j <= i; ++j) {
+    const float* row = scores + row_idx * keys;
+    float* part = partials + row_idx * 2 * STRATA_ROW_LANES;
+    if (!sums) {
+        float max = __int_as_float(0xff800000);
+        for (unsigned j = j0; j <= i; j += STRATA_ROW_LANES) {
             float x = row[j] * scale;
             if (x > max) max = x;
         }
-        sum = 0.0f;
-        for (unsigned j = first; j <= i; ++j) sum += strata_exp(row[j] * scale - max);
-        stat[0] = max;
-        stat[1] = sum;
+        part[lane] = max;
+        return;
     }
-    for (unsigned j = 0; j < keys; ++j)
-        row[j] = j >= first && j <= i ? strata_exp(row[j] * scale - max) / sum : 0.0f;
+    float max = part[0];
+    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
+        if (part[l] > max) max = part[l];
+    float sum = 0.0f;
+    for (unsigned j = j0; j <= i; j += STRATA_ROW_LANES) sum += strata_exp(row[j] * scale - max);
+    part[STRATA_ROW_LANES + lane] = sum;
+}
+
+// A row's stats (its max and sum) from its parts, one thread a row.
+extern "C" __global__ void attn_softmax_stats(const float* partials, float* stats, unsigned seqs,
+                                              unsigned s, unsigned heads, unsigned q0,
+                                              unsigned rows) {
+    unsigned long long row_idx = strata_index();
+    if (row_idx >= (unsigned long long)seqs * heads * rows) return;
+    unsigned r = row_idx % rows;
+    unsigned long long bh = row_idx / rows;
+    const float* part = partials + row_idx * 2 * STRATA_ROW_LANES;
+    float max = part[0];
+    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
+        if (part[l] > max) max = part[l];
+    float* stat = stats + 2 * (bh * s + q0 + r);
+    stat[0] = max;
+    stat[1] = strata_row_sum(part + STRATA_ROW_LANES, 0);
+}
+
+// The probabilities from each row's stats, one thread an element.
+extern "C" __global__ void attn_softmax(float* scores, const float* stats, const unsigned* starts,
+                                        unsigned seqs, unsigned s, unsigned heads, unsigned hd,
+                                        unsigned q0, unsigned rows) {
+    unsigned long long idx = strata_index();
+    unsigned keys = q0 + rows;
+    if (idx >= (unsigned long long)seqs * heads * rows * keys) return;
+    unsigned long long row_idx = idx / keys;
+    unsigned j = idx % keys;
+    unsigned r = row_idx % rows;
+    unsigned long long bh = row_idx / rows, b = bh / heads;
+    unsigned i = q0 + r;
+    unsigned first = strata_attn_first(starts, b * s + i, i);
+    float scale = 1.0f / sqrtf((float)hd);
+    const float* stat = stats + 2 * (bh * s + i);
+    scores[idx] = j >= first && j <= i ? strata_exp(scores[idx] * scale - stat[0]) / stat[1] : 0.0f;
 }
 
 // The softmax's backward over a block's rows (as attn_softmax): dp holds
 // d probabilities and becomes d products, p * (dp - sum_j p dp) / sqrt(hd).
-extern "C" __global__ void attn_softmax_backward(const float* probs, float* dp, unsigned seqs,
+// attn_softmax_backward_partials takes each row's sum in parts, one thread
+// a (row, part); attn_softmax_backward adds them, one thread an element.
+extern "C" __global__ void attn_softmax_backward_partials(const float* probs, const float* dp,
+                                                          float* partials, unsigned seqs,
+                                                          unsigned heads, unsigned q0,
+                                                          unsigned rows) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)seqs * heads * rows * STRATA_ROW_LANES) return;
+    unsigned long long row_idx = idx / STRATA_ROW_LANES;
+    unsigned lane = idx % STRATA_ROW_LANES;
+    unsigned keys = q0 + rows;
+    const float* p = probs + row_idx * keys;
+    const float* d = dp + row_idx * keys;
+    float weighted = 0.0f;
+    for (unsigned j = lane; j < keys; j += STRATA_ROW_LANES) weighted += p[j] * d[j];
+    partials[idx] = weighted;
+}
+
+extern "C" __global__ void attn_softmax_backward(const float* probs, float* dp,
+                                                 const float* partials, unsigned seqs,
                                                  unsigned heads, unsigned hd, unsigned q0,
                                                  unsigned rows) {
     unsigned long long idx = strata_index();
-    if (idx >= (unsigned long long)seqs * heads * rows) return;
     unsigned keys = q0 + rows;
+    if (idx >= (unsigned long long)seqs * heads * rows * keys) return;
     float scale = 1.0f / sqrtf((float)hd);
-    const float* p = probs + idx * keys;
-    float* d = dp + idx * keys;
-    float weighted = 0.0f;
-    for (unsigned j = 0; j < keys; ++j) weighted += p[j] * d[j];
-    for (unsigned j = 0; j < keys; ++j) d[j] = p[j] * (d[j] - weighted) * scale;
+    float weighted = strata_row_sum(partials, idx / keys);
+    dp[idx] = probs[idx] * (dp[idx] - weighted) * scale;
 }
 
 // The device-resident dense layers' elementwise steps (model::DenseOps).
@@ -398,17 +489,28 @@ extern "C" __global__ void combine_rows(const float* rows, const unsigned* posit
 }
 
 // math::combine_backward_weights: dweights[a] = dy[a / k] · rows[position[a]],
-// summed over d in order, one thread an assignment.
-extern "C" __global__ void combine_weights_grad(const float* dy, const float* rows,
-                                                const unsigned* position, float* dweights,
-                                                unsigned t, unsigned k, unsigned d) {
-    unsigned a = strata_index();
-    if (a >= t * k) return;
+// in two passes as a norm's row sums: combine_weights_partials sums the
+// product in STRATA_ROW_LANES interleaved parts, one thread an
+// (assignment, part), and combine_weights_grad adds an assignment's parts
+// in order, one thread an assignment.
+extern "C" __global__ void combine_weights_partials(const float* dy, const float* rows,
+                                                    const unsigned* position, float* partials,
+                                                    unsigned t, unsigned k, unsigned d) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)t * k * STRATA_ROW_LANES) return;
+    unsigned a = idx / STRATA_ROW_LANES, lane = idx % STRATA_ROW_LANES;
     const float* g = dy + (unsigned long long)(a / k) * d;
     const float* r = rows + (unsigned long long)position[a] * d;
     float dot = 0.0f;
-    for (unsigned c = 0; c < d; ++c) dot += g[c] * r[c];
-    dweights[a] = dot;
+    for (unsigned c = lane; c < d; c += STRATA_ROW_LANES) dot += g[c] * r[c];
+    partials[idx] = dot;
+}
+
+extern "C" __global__ void combine_weights_grad(const float* partials, float* dweights,
+                                                unsigned n) {
+    unsigned a = strata_index();
+    if (a >= n) return;
+    dweights[a] = strata_row_sum(partials, a);
 }
 
 // math::AssignmentGrads::gather over every row: dst (n, d) row r =

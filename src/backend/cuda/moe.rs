@@ -14,7 +14,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
-use super::dense::threads;
+use super::dense::{threads, ROW_LANES};
 use super::ops::CudaOps;
 use super::router::DeviceRouting;
 use super::{gpu_error, CudaBackend, Shape};
@@ -316,14 +316,24 @@ impl CudaBackend {
         (t, k, d): (usize, usize, usize),
     ) -> Result<CudaSlice<f32>, EngineError> {
         assert!(dy.len() == t * d && rows.len() == t * k * d && position.len() == t * k);
-        let mut dweights = self.zeros(t * k)?;
-        let [t32, k32, d32] = [t, k, d].map(|v| v as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.combine_weights_grad);
-        launch.arg(dy).arg(rows).arg(position).arg(&mut dweights);
+        let n = t * k;
+        let mut partials = self.zeros(n * ROW_LANES)?;
+        let [t32, k32, d32, n32] = [t, k, d, n].map(|v| v as u32);
+        let mut launch = self
+            .stream
+            .launch_builder(&self.dense.combine_weights_partials);
+        launch.arg(dy).arg(rows).arg(position).arg(&mut partials);
         launch.arg(&t32).arg(&k32).arg(&d32);
-        // SAFETY: sizes asserted; positions < T·K; one thread an assignment.
-        unsafe { launch.launch(threads(t * k)) }
-            .map_err(|e| gpu_error("combine_weights_grad", e))?;
+        // SAFETY: sizes asserted; positions < T·K; partials hold an
+        // assignment's parts for each; one thread an (assignment, part).
+        unsafe { launch.launch(threads(n * ROW_LANES)) }
+            .map_err(|e| gpu_error("combine_weights_partials", e))?;
+        let mut dweights = self.zeros(n)?;
+        let mut launch = self.stream.launch_builder(&self.dense.combine_weights_grad);
+        launch.arg(&partials).arg(&mut dweights).arg(&n32);
+        // SAFETY: partials hold n assignments' parts, dweights n; one
+        // thread an assignment.
+        unsafe { launch.launch(threads(n)) }.map_err(|e| gpu_error("combine_weights_grad", e))?;
         Ok(dweights)
     }
 
