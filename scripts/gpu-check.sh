@@ -65,6 +65,17 @@
 #                                16 x 512, one `ab` pair of bf16 and f32
 #                                dense GEMMs, the equivalence and trainer
 #                                GPU tests, then the peer on the tiny preset
+#   scripts/gpu-check.sh offload  moe-s at 16 x 512 with 24 of its 96
+#                                experts' slots on the GPU, 48 records in
+#                                host memory, the rest on the SSD: tokens/s,
+#                                stalls, step 6's timeline summed
+#   scripts/gpu-check.sh loan    a fifteen-minute loan's first call (about
+#                                five minutes): the bf16 rate of cuBLAS on
+#                                a square product and the preset's shapes
+#                                (scripts/peer/gemm_rate.py), the kernel
+#                                and device-resident step tests, peer on
+#                                moe-s, offload, peer on tiny, the
+#                                equivalence and trainer GPU tests
 #   scripts/gpu-check.sh ab ROUNDS BIN[:FLAG,...]...  strata binaries
 #                                (paths on this machine), each with its own
 #                                extra train flags after a colon (commas
@@ -93,6 +104,27 @@ libdirs=$(find /usr/local /opt /usr/lib -maxdepth 8 \( -name 'libnvrtc.so*' -o -
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 status=0
+run_test() { # binary, filter: one CUDA test binary, its summary printed
+    echo "== $1 $2"
+    STRATA_REQUIRE_CUDA=1 timeout "${TEST_TIMEOUT:-150}" "$1" $2 --nocapture > "$out/tests-$(basename "$1").log" 2>&1 \
+        || { echo "FAILED: $1"; status=1; }
+    grep -E "test result|FAILED|panicked|skipped|gpu vs cpu|gpu notes|bf16 attention|dense layers on|dense step on|gpu slot order|on nccl" \
+        "$out/tests-$(basename "$1").log"
+}
+summarize_metrics() { # run directory, label: the timed steps' medians as one JSON line
+    python3 - "$1/metrics.jsonl" "$2" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if "wall_s" in r]
+timed = rows[3:] or rows
+keys = ("compute_s", "stall_upload_s", "stall_ssd_s", "stall_optimizer_s", "bytes_host_to_device",
+        "bytes_device_to_host", "bytes_pcie_other")
+print(json.dumps(dict(impl="strata", preset=sys.argv[2], steps=len(rows), tokens_per_step=rows[-1]["tokens"],
+    tok_s_median=statistics.median(r["tokens"] / r["wall_s"] for r in timed),
+    step_s=[round(r["wall_s"], 4) for r in rows], first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"],
+    **{k: statistics.median(r[k] for r in timed) for k in keys if k in rows[-1]})))
+PY
+}
 case "$phase" in
 tests)
     {
@@ -231,38 +263,60 @@ peer)
         # passes are category "host"), printed: the output may hold too many
         # files for all of them to come back.
         python3 scripts/peer/timeline_summary.py "$dir/timeline-step-$ts.json" 30 2>&1
+        echo "-- the GPU's own time (CUDA events around each operation)"
+        python3 scripts/peer/timeline_summary.py "$dir/timeline-step-$ts.json" 40 gpu 2>&1
         head -3 "$out/peer-strata-$preset.log"
-        python3 - "$dir/metrics.jsonl" "$preset" <<'PY' | tee -a "$out/peer.jsonl"
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-rows = [r for r in rows if "wall_s" in r]
-timed = rows[3:] or rows
-keys = ("compute_s", "stall_upload_s", "stall_ssd_s", "stall_optimizer_s", "bytes_host_to_device",
-        "bytes_device_to_host", "bytes_pcie_other")
-print(json.dumps(dict(impl="strata", preset=sys.argv[2], steps=len(rows), tokens_per_step=rows[-1]["tokens"],
-    tok_s_median=statistics.median(r["tokens"] / r["wall_s"] for r in timed),
-    step_s=[round(r["wall_s"], 4) for r in rows], first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"],
-    **{k: statistics.median(r[k] for r in timed) for k in keys if k in rows[-1]})))
-PY
+        summarize_metrics "$dir" "$preset" | tee -a "$out/peer.jsonl"
         echo "== torch peer --preset $preset"
         timeout 300 "${PYTHON:-python3}" scripts/peer/torch_train.py --config "$dir/config.json" --batch "$batch" \
             --seq-len "$seq" --steps "$steps" --warmup-steps 3 \
             2> "$out/peer-torch-$preset.log" | tail -1 | tee -a "$out/peer.jsonl" || status=1
         tail -2 "$out/peer-torch-$preset.log"
+        rm -rf "$dir" # moe-s's store (18 GiB) would crowd the next run's
     done
+    ;;
+offload)
+    # moe-s at 16 x 512 with a quarter of its experts' slots on the GPU
+    # (24 of 96), half its records in host memory (48) and the rest on the
+    # SSD: tokens/s, the stalls, and step 6's timeline summed.
+    dir=/tmp/offload-moe-s
+    rm -rf "$dir"
+    echo "== strata train --backend cuda --preset moe-s (16 x 512), --device-mem 6.75GiB --host-mem 4.7GiB"
+    timeout "${OFFLOAD_TIMEOUT:-240}" gpu-bin/strata train --backend cuda --preset moe-s --batch 16 \
+        --seq-len 512 --steps 8 --warmup 2 --eval-every 1000 --checkpoint-every 1000 \
+        --device-mem 6.75GiB --host-mem 4.7GiB --out "$dir" --quiet --timeline-step 6 \
+        > "$out/offload-moe-s.log" 2>&1 || status=1
+    head -4 "$out/offload-moe-s.log"
+    python3 scripts/peer/timeline_summary.py "$dir/timeline-step-6.json" 30 2>&1
+    python3 scripts/peer/timeline_summary.py "$dir/timeline-step-6.json" 40 gpu 2>&1
+    summarize_metrics "$dir" moe-s-offload | tee -a "$out/peer.jsonl"
+    rm -rf "$dir"
+    ;;
+loan)
+    # A fifteen-minute loan's first call (about five minutes): the bf16
+    # rate cuBLAS reaches here, the kernels' and the device-resident
+    # step's tests, the peer on moe-s and tiny, moe-s streamed from the
+    # host and the SSD, then the equivalence and trainer GPU tests.
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        nproc
+    } 2>&1 | tee "$out/env.txt"
+    timeout 60 python3 scripts/peer/gemm_rate.py | tee "$out/gemm-rate.jsonl"
+    TEST_TIMEOUT=90
+    for t in backend gpu_attention gpu_dense_layers gpu_dense_step routing_trace gpu_slot_order; do
+        run_test "gpu-bin/test-$t" ""
+    done
+    OUT=$out "$0" peer moe-s 16 512 10 || status=1
+    OUT=$out "$0" offload || status=1
+    OUT=$out "$0" peer tiny 16 64 40 || status=1
+    run_test gpu-bin/test-equivalence ""
+    run_test gpu-bin/test-trainer gpus
     ;;
 quick)
     {
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
         nproc
     } 2>&1 | tee "$out/env.txt"
-    run_test() { # binary, filter
-        echo "== $1 $2"
-        STRATA_REQUIRE_CUDA=1 timeout 150 "$1" $2 --nocapture > "$out/tests-$(basename "$1").log" 2>&1 \
-            || { echo "FAILED: $1"; status=1; }
-        grep -E "test result|FAILED|panicked|skipped|gpu vs cpu|gpu notes|bf16 attention|dense layers on|dense step on|gpu slot order|on nccl" \
-            "$out/tests-$(basename "$1").log"
-    }
     run_test gpu-bin/test-backend ""
     # NCCL's ranks on the real GPUs (1 rank on one GPU, more where there
     # are more), with PyTorch's NCCL wheel's library as libnccl.so.
@@ -329,7 +383,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|quick|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|loan|quick|offload|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac
