@@ -308,27 +308,42 @@ impl KernelHost for KernelEmulator {
     ) -> f32 {
         let t = targets.len();
         assert!(logits.len() == t * v && dlogits.len() == t * v);
-        let mut rows = vec![0.0f32; t];
-        let (pl, pt, pd, pr) = (
-            logits.as_ptr(),
-            targets.as_ptr(),
-            dlogits.as_mut_ptr(),
-            rows.as_mut_ptr(),
+        // As `CudaBackend::cross_entropy_rows`: each row's parts (max, then
+        // sum), its log-sum-exp and loss share, then d logits.
+        const LANES: usize = 32;
+        let (mut partials, mut lse, mut rows) = (
+            vec![0.0f32; t * 2 * LANES],
+            vec![0.0f32; t],
+            vec![0.0f32; t],
         );
+        let (pl, pt, pd) = (logits.as_ptr(), targets.as_ptr(), dlogits.as_mut_ptr());
+        let (pp, pe, pr) = (partials.as_mut_ptr(), lse.as_mut_ptr(), rows.as_mut_ptr());
         let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
-        self.launch(
-            "cross_entropy",
-            t,
-            &[
-                arg(&pl),
-                arg(&pt),
-                arg(&pd),
-                arg(&pr),
-                arg(&t32),
-                arg(&v32),
-                arg(&scale),
-            ],
-        );
+        for sums in [0u32, 1] {
+            let args = [arg(&pl), arg(&pp), arg(&t32), arg(&v32), arg(&sums)];
+            self.launch("logit_partials", t * LANES, &args);
+        }
+        let args = [
+            arg(&pl),
+            arg(&pt),
+            arg(&pp),
+            arg(&pe),
+            arg(&pr),
+            arg(&t32),
+            arg(&v32),
+            arg(&scale),
+        ];
+        self.launch("cross_entropy_loss", t, &args);
+        let args = [
+            arg(&pl),
+            arg(&pt),
+            arg(&pe),
+            arg(&pd),
+            arg(&t32),
+            arg(&v32),
+            arg(&scale),
+        ];
+        self.launch("cross_entropy", t * v, &args);
         rows.iter().fold(0.0f32, |a, &s| a + s)
     }
 

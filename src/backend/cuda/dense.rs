@@ -17,6 +17,8 @@ pub(super) struct DenseFunctions {
     column_partials: CudaFunction,
     add_column_partials: CudaFunction,
     rope: CudaFunction,
+    logit_partials: CudaFunction,
+    cross_entropy_loss: CudaFunction,
     cross_entropy: CudaFunction,
     pub(super) gather_rows: CudaFunction,
     scatter_rows: CudaFunction,
@@ -63,6 +65,8 @@ impl DenseFunctions {
             column_partials: load("column_partials")?,
             add_column_partials: load("add_column_partials")?,
             rope: load("rope")?,
+            logit_partials: load("logit_partials")?,
+            cross_entropy_loss: load("cross_entropy_loss")?,
             cross_entropy: load("cross_entropy")?,
             gather_rows: load("gather_rows")?,
             scatter_rows: load("scatter_rows")?,
@@ -368,21 +372,36 @@ impl CudaBackend {
     ) -> Result<CudaSlice<f32>, EngineError> {
         let t = targets.len();
         assert!(logits.len() == t * v && dlogits.len() == t * v);
-        let mut rows = self.zeros(t)?;
         let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
+        let mut partials = self.zeros(t * 2 * ROW_LANES)?;
+        for sums in [0u32, 1] {
+            let mut launch = self.stream.launch_builder(&self.dense.logit_partials);
+            launch
+                .arg(logits)
+                .arg(&mut partials)
+                .arg(&t32)
+                .arg(&v32)
+                .arg(&sums);
+            // SAFETY: logits hold t·v f32 (asserted), partials two parts'
+            // values for each row; one thread a (row, part).
+            unsafe { launch.launch(threads(t * ROW_LANES)) }
+                .map_err(|e| gpu_error("logit_partials", e))?;
+        }
+        let (mut lse, mut rows) = (self.zeros(t)?, self.zeros(t)?);
+        let mut launch = self.stream.launch_builder(&self.dense.cross_entropy_loss);
+        launch.arg(logits).arg(targets).arg(&partials);
+        launch.arg(&mut lse).arg(&mut rows);
+        launch.arg(&t32).arg(&v32).arg(&scale);
+        // SAFETY: as above; targets hold t u32 (each < v or IGNORED_TARGET,
+        // as the batch's validation checks), lse and rows t f32; one thread
+        // a row.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy_loss", e))?;
         let mut launch = self.stream.launch_builder(&self.dense.cross_entropy);
-        launch
-            .arg(logits)
-            .arg(targets)
-            .arg(dlogits)
-            .arg(&mut rows)
-            .arg(&t32)
-            .arg(&v32)
-            .arg(&scale);
-        // SAFETY: logits and dlogits hold t·v f32 (asserted), targets t u32
-        // (each < v or IGNORED_TARGET, as the batch's validation checks),
-        // rows t; one thread a row.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy", e))?;
+        launch.arg(logits).arg(targets).arg(&lse).arg(dlogits);
+        launch.arg(&t32).arg(&v32).arg(&scale);
+        // SAFETY: as above, dlogits t·v f32 (asserted); one thread an
+        // element.
+        unsafe { launch.launch(threads(t * v)) }.map_err(|e| gpu_error("cross_entropy", e))?;
         Ok(rows)
     }
 

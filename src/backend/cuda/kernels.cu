@@ -232,27 +232,69 @@ extern "C" __global__ void rope(float* x, const float* cos_table, const float* s
     v[i + half] = b * c + a * s;
 }
 
-// math::cross_entropy_forward_backward, one thread a row: each row's loss
-// share (summed on the host in row order) and d logits. A row whose target
-// is math::IGNORED_TARGET (0xFFFFFFFF) adds nothing and has zero d logits.
-extern "C" __global__ void cross_entropy(const float* logits, const unsigned* targets,
-                                         float* dlogits, float* row_loss, unsigned t, unsigned v,
-                                         float scale) {
-    unsigned i = strata_index();
-    if (i >= t) return;
-    if (targets[i] == 0xFFFFFFFFu) {
-        row_loss[i] = 0.0f;
-        for (unsigned j = 0; j < v; ++j) dlogits[(unsigned long long)i * v + j] = 0.0f;
+// math::cross_entropy_forward_backward over t rows of v logits, in three
+// kernels so that a row of a large vocabulary is read by a warp side by
+// side: logit_partials takes each row's max (pass `sums` 0) and then its
+// sum of e^(x − the row's max) (pass 1) in STRATA_ROW_LANES interleaved
+// parts, one thread a (row, part), `partials` holding a row's parts'
+// maxes then their sums; cross_entropy_loss adds a row's parts into its
+// log-sum-exp and loss share (summed on the host in row order), one
+// thread a row; cross_entropy writes d logits, one thread an element. A
+// row whose target is math::IGNORED_TARGET (0xFFFFFFFF) adds nothing and
+// has zero d logits.
+extern "C" __global__ void logit_partials(const float* logits, float* partials, unsigned t,
+                                          unsigned v, unsigned sums) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)t * STRATA_ROW_LANES) return;
+    unsigned long long i = idx / STRATA_ROW_LANES;
+    unsigned lane = idx % STRATA_ROW_LANES;
+    const float* row = logits + i * v;
+    float* part = partials + i * 2 * STRATA_ROW_LANES;
+    if (!sums) {
+        float max = __int_as_float(0xff800000);
+        for (unsigned j = lane; j < v; j += STRATA_ROW_LANES)
+            if (row[j] > max) max = row[j];
+        part[lane] = max;
         return;
     }
-    const float* row = logits + (unsigned long long)i * v;
-    float lse = strata_log_sum_exp(row, v);
+    float max = part[0];
+    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
+        if (part[l] > max) max = part[l];
+    float sum = 0.0f;
+    for (unsigned j = lane; j < v; j += STRATA_ROW_LANES) sum += strata_exp(row[j] - max);
+    part[STRATA_ROW_LANES + lane] = sum;
+}
+
+extern "C" __global__ void cross_entropy_loss(const float* logits, const unsigned* targets,
+                                              const float* partials, float* lse,
+                                              float* row_loss, unsigned t, unsigned v,
+                                              float scale) {
+    unsigned long long i = strata_index();
+    if (i >= t) return;
+    const float* part = partials + i * 2 * STRATA_ROW_LANES;
+    float max = part[0];
+    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
+        if (part[l] > max) max = part[l];
+    float row_lse = max + logf(strata_row_sum(part + STRATA_ROW_LANES, 0));
+    lse[i] = row_lse;
     unsigned target = targets[i];
-    row_loss[i] = (lse - row[target]) * scale;
-    for (unsigned j = 0; j < v; ++j) {
-        float p = strata_exp(row[j] - lse);
-        dlogits[(unsigned long long)i * v + j] = (p - (j == target ? 1.0f : 0.0f)) * scale;
+    row_loss[i] = target == 0xFFFFFFFFu ? 0.0f : (row_lse - logits[i * v + target]) * scale;
+}
+
+extern "C" __global__ void cross_entropy(const float* logits, const unsigned* targets,
+                                         const float* lse, float* dlogits, unsigned t, unsigned v,
+                                         float scale) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)t * v) return;
+    unsigned long long i = idx / v;
+    unsigned j = idx % v;
+    unsigned target = targets[i];
+    if (target == 0xFFFFFFFFu) {
+        dlogits[idx] = 0.0f;
+        return;
     }
+    float p = strata_exp(logits[idx] - lse[i]);
+    dlogits[idx] = (p - (j == target ? 1.0f : 0.0f)) * scale;
 }
 
 // math::gather_forward: rows (n, d) = x[assignment / k], one thread an element.
