@@ -150,6 +150,15 @@ __device__ __forceinline__ float strata_row_sum(const float* partials, unsigned 
     return sum;
 }
 
+// The largest of a row's STRATA_ROW_LANES parts' maxes: the row's max,
+// whatever the parts (a max is exact in any order).
+__device__ __forceinline__ float strata_parts_max(const float* part) {
+    float max = part[0];
+    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
+        if (part[l] > max) max = part[l];
+    return max;
+}
+
 // math::rmsnorm_forward after row_partials of x², one thread an element:
 // out = x · inv_rms · g, each row's inv_rms from its sum of squares (the
 // row's first thread writes it).
@@ -257,9 +266,7 @@ extern "C" __global__ void logit_partials(const float* logits, float* partials, 
         part[lane] = max;
         return;
     }
-    float max = part[0];
-    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
-        if (part[l] > max) max = part[l];
+    float max = strata_parts_max(part);
     float sum = 0.0f;
     for (unsigned j = lane; j < v; j += STRATA_ROW_LANES) sum += strata_exp(row[j] - max);
     part[STRATA_ROW_LANES + lane] = sum;
@@ -272,9 +279,7 @@ extern "C" __global__ void cross_entropy_loss(const float* logits, const unsigne
     unsigned long long i = strata_index();
     if (i >= t) return;
     const float* part = partials + i * 2 * STRATA_ROW_LANES;
-    float max = part[0];
-    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
-        if (part[l] > max) max = part[l];
+    float max = strata_parts_max(part);
     float row_lse = max + logf(strata_row_sum(part + STRATA_ROW_LANES, 0));
     lse[i] = row_lse;
     unsigned target = targets[i];
@@ -402,9 +407,7 @@ extern "C" __global__ void attn_softmax_partials(const float* scores, float* par
         part[lane] = max;
         return;
     }
-    float max = part[0];
-    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
-        if (part[l] > max) max = part[l];
+    float max = strata_parts_max(part);
     float sum = 0.0f;
     for (unsigned j = j0; j <= i; j += STRATA_ROW_LANES) sum += strata_exp(row[j] * scale - max);
     part[STRATA_ROW_LANES + lane] = sum;
@@ -419,9 +422,7 @@ extern "C" __global__ void attn_softmax_stats(const float* partials, float* stat
     unsigned r = row_idx % rows;
     unsigned long long bh = row_idx / rows;
     const float* part = partials + row_idx * 2 * STRATA_ROW_LANES;
-    float max = part[0];
-    for (unsigned l = 1; l < STRATA_ROW_LANES; ++l)
-        if (part[l] > max) max = part[l];
+    float max = strata_parts_max(part);
     float* stat = stats + 2 * (bh * s + q0 + r);
     stat[0] = max;
     stat[1] = strata_row_sum(part + STRATA_ROW_LANES, 0);
