@@ -29,6 +29,13 @@ pub use cpu::CpuBackend;
 /// stays bounded at any sequence length.
 pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
 
+/// On a GPU, the parts a row's sum is taken in by the kernels that read a
+/// row a warp at a time (the norms, the attention's softmax, the
+/// cross-entropy, the combine's weight gradient): each holds this many
+/// partial sums a row (the softmax and the cross-entropy twice as many,
+/// maxes and sums) while it runs.
+pub const ROW_PARTS: usize = 32;
+
 /// On a GPU, the most bytes the logits of one block of the head's rows
 /// take (their gradient as much again; a block holds one row at least).
 pub const HEAD_BLOCK_BYTES: usize = 1 << 30;

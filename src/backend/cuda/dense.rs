@@ -97,7 +97,7 @@ impl DenseFunctions {
 
 /// The parts a row's sum is taken in (`row_partials`,
 /// `STRATA_ROW_LANES` in `kernels.cu`): a warp reads a row side by side.
-pub(super) const ROW_LANES: usize = 32;
+pub(super) const ROW_LANES: usize = crate::backend::ROW_PARTS;
 
 /// Rows a block of a column sum's first pass adds (`column_partials`).
 pub(super) const COLUMN_SUM_ROWS: usize = 64;

@@ -2,7 +2,7 @@
 //! workspace a layer's pass holds, on the cpu and on a GPU: the device
 //! share of the memory plan that grows with the batch and the sequence.
 
-use strata::backend::{head_block_rows, ATTENTION_BLOCK_BYTES};
+use strata::backend::{head_block_rows, ATTENTION_BLOCK_BYTES, ROW_PARTS};
 use strata::lm::{LmConfig, QkNorm};
 use strata::math::attention::AttnShape;
 use strata::math::attention_rows;
@@ -20,15 +20,20 @@ use strata::math::attention_rows;
 /// them; then the logits and their gradient (2·V).
 pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
-    let shape = AttnShape {
+    let shape = attention_shape(m, seq_len, seqs);
+    let kept = attention_rows::saved_len(&shape) as u64;
+    4 * (layer_values(m, t, kept) + 2 * t * m.vocab as u64)
+}
+
+/// The attention's shape at `seqs` sequences of `seq_len` tokens.
+fn attention_shape(m: &LmConfig, seq_len: usize, seqs: usize) -> AttnShape {
+    AttnShape {
         seqs,
         seq_len,
         heads: m.heads,
         kv_heads: m.kv_heads,
         head_dim: m.head_dim,
-    };
-    let kept = attention_rows::saved_len(&shape) as u64;
-    4 * (layer_values(m, t, kept) + 2 * t * m.vocab as u64)
+    }
 }
 
 /// [`activation_bytes`] on a GPU (`cuda/ops.rs`): the attention keeps
@@ -37,25 +42,31 @@ pub fn activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
 /// keeps, a layer's pass holds a workspace, the largest of which counts:
 /// the attention's scores and d probabilities (at most
 /// [`ATTENTION_BLOCK_BYTES`] each, and a bf16 copy of one for bf16 GEMMs,
-/// counted whatever the choice) with its operands laid out head by head
+/// counted whatever the choice, and the softmax's [`ROW_PARTS`] maxes and
+/// sums a block's row) with its operands laid out head by head
 /// (q, k, v, the output and their gradients: 8 × T·H·hd f32, more than
 /// their bf16 copies and the f32 head each is rounded from), a MoE
 /// layer's rows gathered for its experts and their outputs (2·T·K·D) with
 /// one expert's pass (`expert_pass_bytes`), and the head's logits and d
-/// logits for a block of rows.
+/// logits for a block of rows with its loss's parts.
 pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
     let stats = (2 * seqs * m.heads * seq_len) as u64;
     let kept = 4 * (layer_values(m, t, stats) + 2 * t);
     let scores = (4 * seqs * m.heads * seq_len * seq_len) as u64;
     let block = scores.min(ATTENTION_BLOCK_BYTES as u64);
-    let attention = 2 * block + block / 2 + 4 * 8 * t * (m.heads * m.head_dim) as u64;
+    // The softmax's parts: a max and a sum for each of a block's rows.
+    let shape = attention_shape(m, seq_len, seqs);
+    let block_rows = shape.query_block_rows(ATTENTION_BLOCK_BYTES);
+    let parts = (4 * 2 * ROW_PARTS * seqs * m.heads * block_rows) as u64;
+    let attention = 2 * block + block / 2 + parts + 4 * 8 * t * (m.heads * m.head_dim) as u64;
     let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t);
     let head_rows = t.min(head_block_rows(m.vocab) as u64);
     // A block's logits and their gradient (f32), and, for bf16 GEMMs, the
     // head's input rows and the block's gradient rounded to bf16.
     let head = 4 * 2 * head_rows * m.vocab as u64
-        + 2 * (t * m.d_model as u64 + head_rows * m.vocab as u64);
+        + 2 * (t * m.d_model as u64 + head_rows * m.vocab as u64)
+        + 4 * (2 * ROW_PARTS as u64 + 2) * head_rows; // the loss's parts, lse, shares
     kept + attention.max(experts).max(head).max(dense_gemm_bytes(m, t))
 }
 
