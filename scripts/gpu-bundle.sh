@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what a GPU machine without a Rust toolchain runs: the strata binary
 # and the CUDA test binaries (release, --features cuda, debug info stripped)
-# into gpu-bin/ (ignored by git), with scripts/gpu-check.sh to run there.
+# into gpu-bin/ (ignored by git), with scripts/gpu-check.sh to run there,
+# and gpu-pack/bin.tar.xz, the same compressed.
 #   scripts/gpu-bundle.sh [BASE]   BASE (a commit) also builds that commit's
 #                                  strata, in a worktree under target/, as
 #                                  gpu-bin/strata-BASE, for
@@ -49,3 +50,9 @@ cp "$exe" gpu-bin/test-device_arena
 strip --strip-debug gpu-bin/strata* gpu-bin/test-*
 cp scripts/gpu-check.sh gpu-bin/
 du -sh gpu-bin
+# The same, xz-compressed (about a seventh of the size), for a GPU machine
+# reached through a copy of limited size: `tar xJf gpu-pack/bin.tar.xz`
+# there, from the repository root.
+mkdir -p gpu-pack
+tar cJf gpu-pack/bin.tar.xz gpu-bin
+du -sh gpu-pack/bin.tar.xz
