@@ -104,6 +104,13 @@ libdirs=$(find /usr/local /opt /usr/lib -maxdepth 8 \( -name 'libnvrtc.so*' -o -
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 status=0
+print_env() { # the GPU, the cores and the library path, into env.txt
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        nproc
+        echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    } 2>&1 | tee "$out/env.txt"
+}
 run_test() { # binary, filter: one CUDA test binary, its summary printed
     echo "== $1 $2"
     STRATA_REQUIRE_CUDA=1 timeout "${TEST_TIMEOUT:-150}" "$1" $2 --nocapture > "$out/tests-$(basename "$1").log" 2>&1 \
@@ -127,11 +134,7 @@ PY
 }
 case "$phase" in
 tests)
-    {
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-        nproc
-        echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-    } 2>&1 | tee "$out/env.txt"
+    print_env
     for t in gpu-bin/test-*; do
         # The trainer's other tests run the strata binary at the path cargo
         # built it to, which is not on this machine; they need no GPU and
@@ -297,10 +300,7 @@ loan)
     # rate cuBLAS reaches here, the kernels' and the device-resident
     # step's tests, the peer on moe-s and tiny, moe-s streamed from the
     # host and the SSD, then the equivalence and trainer GPU tests.
-    {
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-        nproc
-    } 2>&1 | tee "$out/env.txt"
+    print_env
     timeout 60 python3 scripts/peer/gemm_rate.py | tee "$out/gemm-rate.jsonl"
     TEST_TIMEOUT=90
     for t in backend gpu_attention gpu_dense_layers gpu_dense_step routing_trace gpu_slot_order; do
@@ -313,10 +313,7 @@ loan)
     run_test gpu-bin/test-trainer gpus
     ;;
 quick)
-    {
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-        nproc
-    } 2>&1 | tee "$out/env.txt"
+    print_env
     run_test gpu-bin/test-backend ""
     # NCCL's ranks on the real GPUs (1 rank on one GPU, more where there
     # are more), with PyTorch's NCCL wheel's library as libnccl.so.

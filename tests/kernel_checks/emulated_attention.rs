@@ -4,6 +4,7 @@
 //! terms where the backend calls cublasGemmStridedBatchedEx — a change to
 //! the backend's sequence is mirrored here.
 
+use strata::backend::ROW_PARTS;
 use strata::math::attention::AttnShape;
 
 use super::{arg, KernelEmulator};
@@ -136,7 +137,6 @@ impl KernelEmulator {
     ) {
         // As `CudaBackend::block_softmax`: the rows' parts (max, then
         // sum), their stats, then the probabilities from the stats.
-        const LANES: usize = 32;
         let rows = shape.seqs * shape.heads * block.rows;
         let keys = block.q0 + block.rows;
         let (pp, pst, ps) = (scores.as_mut_ptr(), stats.as_mut_ptr(), starts.as_ptr());
@@ -150,13 +150,13 @@ impl KernelEmulator {
         ]
         .map(|x| x as u32);
         if !from_stats {
-            let mut partials = vec![0.0f32; rows * 2 * LANES];
+            let mut partials = vec![0.0f32; rows * 2 * ROW_PARTS];
             let ppart = partials.as_mut_ptr();
             for sums in [0u32, 1] {
                 let mut args = vec![arg(&pp), arg(&ppart), arg(&ps)];
                 args.extend(dims.iter().map(arg));
                 args.push(arg(&sums));
-                self.launch("attn_softmax_partials", rows * LANES, &args);
+                self.launch("attn_softmax_partials", rows * ROW_PARTS, &args);
             }
             let [seqs, s, heads, _, q0, block_rows] = &dims;
             let args = [
@@ -176,11 +176,10 @@ impl KernelEmulator {
     }
 
     fn softmax_backward(&self, probs: &[f32], dprobs: &mut [f32], block: Block, shape: &AttnShape) {
-        const LANES: usize = 32;
         let rows = shape.seqs * shape.heads * block.rows;
         let keys = block.q0 + block.rows;
         let (pp, pd) = (probs.as_ptr(), dprobs.as_mut_ptr());
-        let mut partials = vec![0.0f32; rows * LANES];
+        let mut partials = vec![0.0f32; rows * ROW_PARTS];
         let ppart = partials.as_mut_ptr();
         let [seqs, heads, hd, q0, block_rows] = [
             shape.seqs,
@@ -190,26 +189,14 @@ impl KernelEmulator {
             block.rows,
         ]
         .map(|x| x as u32);
-        let args = [
-            arg(&pp),
-            arg(&pd),
-            arg(&ppart),
-            arg(&seqs),
-            arg(&heads),
-            arg(&q0),
-            arg(&block_rows),
-        ];
-        self.launch("attn_softmax_backward_partials", rows * LANES, &args);
-        let args = [
-            arg(&pp),
-            arg(&pd),
-            arg(&ppart),
-            arg(&seqs),
-            arg(&heads),
-            arg(&hd),
-            arg(&q0),
-            arg(&block_rows),
-        ];
+        // The same arguments, the head dimension (its scale) in the second.
+        let (before_hd, after_hd) = (
+            [arg(&pp), arg(&pd), arg(&ppart), arg(&seqs), arg(&heads)],
+            [arg(&q0), arg(&block_rows)],
+        );
+        let args = [&before_hd[..], &after_hd].concat();
+        self.launch("attn_softmax_backward_partials", rows * ROW_PARTS, &args);
+        let args = [&before_hd[..], &[arg(&hd)], &after_hd].concat();
         self.launch("attn_softmax_backward", rows * keys, &args);
     }
 

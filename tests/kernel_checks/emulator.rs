@@ -9,6 +9,7 @@
 use std::ffi::c_void;
 use std::path::PathBuf;
 
+use strata::backend::ROW_PARTS;
 use strata::math::attention::AttnShape;
 use strata::math::{ExpertKind, RouterConfig, Routing};
 use strata_optim::StepScalars;
@@ -92,8 +93,7 @@ impl KernelEmulator {
         t: usize,
         d: usize,
     ) -> Vec<f32> {
-        const LANES: usize = 32;
-        let mut partials = vec![0.0f32; t * LANES];
+        let mut partials = vec![0.0f32; t * ROW_PARTS];
         let (x, g) = product.unwrap_or((a, a));
         let (pa, px, pg, pp) = (a.as_ptr(), x.as_ptr(), g.as_ptr(), partials.as_mut_ptr());
         let [t32, d32, product32] = [t, d, product.is_some() as usize].map(|v| v as u32);
@@ -106,7 +106,7 @@ impl KernelEmulator {
             arg(&d32),
             arg(&product32),
         ];
-        self.launch("row_partials", t * LANES, &args);
+        self.launch("row_partials", t * ROW_PARTS, &args);
         partials
     }
 }
@@ -310,9 +310,8 @@ impl KernelHost for KernelEmulator {
         assert!(logits.len() == t * v && dlogits.len() == t * v);
         // As `CudaBackend::cross_entropy_rows`: each row's parts (max, then
         // sum), its log-sum-exp and loss share, then d logits.
-        const LANES: usize = 32;
         let (mut partials, mut lse, mut rows) = (
-            vec![0.0f32; t * 2 * LANES],
+            vec![0.0f32; t * 2 * ROW_PARTS],
             vec![0.0f32; t],
             vec![0.0f32; t],
         );
@@ -321,7 +320,7 @@ impl KernelHost for KernelEmulator {
         let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
         for sums in [0u32, 1] {
             let args = [arg(&pl), arg(&pp), arg(&t32), arg(&v32), arg(&sums)];
-            self.launch("logit_partials", t * LANES, &args);
+            self.launch("logit_partials", t * ROW_PARTS, &args);
         }
         let args = [
             arg(&pl),
@@ -408,11 +407,11 @@ impl KernelHost for KernelEmulator {
         let mut args = vec![arg(&prows), arg(&pp), arg(&pw), arg(&py)];
         args.extend(shape);
         self.launch("combine_rows", t * d, &args);
-        let mut partials = vec![0.0f32; n * 32];
+        let mut partials = vec![0.0f32; n * ROW_PARTS];
         let ppart = partials.as_mut_ptr();
         let mut args = vec![arg(&pdy), arg(&prows), arg(&pp), arg(&ppart)];
         args.extend(shape);
-        self.launch("combine_weights_partials", n * 32, &args);
+        self.launch("combine_weights_partials", n * ROW_PARTS, &args);
         let args = [arg(&ppart), arg(&pdw), arg(&n32)];
         self.launch("combine_weights_grad", n, &args);
         let args = [

@@ -29,9 +29,10 @@ use cudarc::driver::{
     sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, SyncOnDrop,
 };
 
-use super::dense::{threads, ROW_LANES};
+use super::dense::threads;
 use super::{gpu_error, CudaBackend, BF16, F32};
 use crate::backend::DenseGemm;
+use crate::backend::ROW_PARTS;
 use crate::math::attention::AttnShape;
 use crate::EngineError;
 
@@ -349,7 +350,7 @@ impl CudaBackend {
         .map(|x| x as u32);
         let [seqs, s, heads, _, q0, block_rows] = &dims;
         if !from_stats {
-            let mut partials = self.zeros(rows * 2 * ROW_LANES)?;
+            let mut partials = self.zeros(rows * 2 * ROW_PARTS)?;
             for sums in [0u32, 1] {
                 let mut launch = self
                     .stream
@@ -362,7 +363,7 @@ impl CudaBackend {
                 // SAFETY: scores holds the block's B·H·rows·keys f32,
                 // partials two parts' values for each of its rows, starts
                 // T; one thread a (row, part).
-                unsafe { launch.launch(threads(rows * ROW_LANES)) }
+                unsafe { launch.launch(threads(rows * ROW_PARTS)) }
                     .map_err(|e| gpu_error("attn_softmax_partials", e))?;
             }
             let mut launch = self.stream.launch_builder(&self.dense.attn_softmax_stats);
@@ -599,7 +600,7 @@ impl CudaBackend {
             block.rows,
         ]
         .map(|x| x as u32);
-        let mut partials = self.zeros(rows * ROW_LANES)?;
+        let mut partials = self.zeros(rows * ROW_PARTS)?;
         let mut launch = self
             .stream
             .launch_builder(&self.dense.attn_softmax_backward_partials);
@@ -607,7 +608,7 @@ impl CudaBackend {
         launch.arg(&seqs).arg(&heads).arg(&q0).arg(&block_rows);
         // SAFETY: probs and dprobs hold the block's B·H·rows·keys f32,
         // partials a row's parts for each row; one thread a (row, part).
-        unsafe { launch.launch(threads(rows * ROW_LANES)) }
+        unsafe { launch.launch(threads(rows * ROW_PARTS)) }
             .map_err(|e| gpu_error("attn_softmax_backward_partials", e))?;
         let mut launch = self
             .stream

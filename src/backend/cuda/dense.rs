@@ -8,6 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{gpu_error, CudaBackend};
+use crate::backend::ROW_PARTS;
 use crate::EngineError;
 
 pub(super) struct DenseFunctions {
@@ -95,10 +96,6 @@ impl DenseFunctions {
     }
 }
 
-/// The parts a row's sum is taken in (`row_partials`,
-/// `STRATA_ROW_LANES` in `kernels.cu`): a warp reads a row side by side.
-pub(super) const ROW_LANES: usize = crate::backend::ROW_PARTS;
-
 /// Rows a block of a column sum's first pass adds (`column_partials`).
 pub(super) const COLUMN_SUM_ROWS: usize = 64;
 
@@ -161,7 +158,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Each of a's t rows (t, d) summed in [`ROW_LANES`] interleaved parts
+    /// Each of a's t rows (t, d) summed in [`ROW_PARTS`] (`STRATA_ROW_PARTS` in `kernels.cu`) interleaved parts
     /// (`row_partials`): of a², or with `product` = (x, g) of a · g · x.
     fn row_partials(
         &self,
@@ -169,7 +166,7 @@ impl CudaBackend {
         product: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
         (t, d): (usize, usize),
     ) -> Result<CudaSlice<f32>, EngineError> {
-        let mut partials = self.zeros(t * ROW_LANES)?;
+        let mut partials = self.zeros(t * ROW_PARTS)?;
         let (x, g) = product.unwrap_or((a, a)); // unread without `product`
         if let Some((x, g)) = product {
             assert!(x.len() == t * d && g.len() == d);
@@ -179,9 +176,9 @@ impl CudaBackend {
         launch.arg(a).arg(x).arg(g).arg(&mut partials);
         launch.arg(&t32).arg(&d32).arg(&product32);
         // SAFETY: a (and with `product` x) hold t·d f32 and g d (asserted
-        // by the callers and above), partials t·ROW_LANES; one thread a
+        // by the callers and above), partials t·ROW_PARTS; one thread a
         // (row, part).
-        unsafe { launch.launch(threads(t * ROW_LANES)) }
+        unsafe { launch.launch(threads(t * ROW_PARTS)) }
             .map_err(|e| gpu_error("row_partials", e))?;
         Ok(partials)
     }
@@ -373,7 +370,7 @@ impl CudaBackend {
         let t = targets.len();
         assert!(logits.len() == t * v && dlogits.len() == t * v);
         let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
-        let mut partials = self.zeros(t * 2 * ROW_LANES)?;
+        let mut partials = self.zeros(t * 2 * ROW_PARTS)?;
         for sums in [0u32, 1] {
             let mut launch = self.stream.launch_builder(&self.dense.logit_partials);
             launch
@@ -384,7 +381,7 @@ impl CudaBackend {
                 .arg(&sums);
             // SAFETY: logits hold t·v f32 (asserted), partials two parts'
             // values for each row; one thread a (row, part).
-            unsafe { launch.launch(threads(t * ROW_LANES)) }
+            unsafe { launch.launch(threads(t * ROW_PARTS)) }
                 .map_err(|e| gpu_error("logit_partials", e))?;
         }
         let (mut lse, mut rows) = (self.zeros(t)?, self.zeros(t)?);

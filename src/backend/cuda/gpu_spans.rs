@@ -103,7 +103,10 @@ impl GpuSpans {
 
 impl Drop for GpuSpan<'_> {
     fn drop(&mut self) {
-        let (Some(start), Some(end)) = (self.start.take(), self.spans.event()) else {
+        let Some(start) = self.start.take() else {
+            return;
+        };
+        let Some(end) = self.spans.event() else {
             return;
         };
         let mut spans = self.spans.spans.lock().unwrap_or_else(|p| p.into_inner());

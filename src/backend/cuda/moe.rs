@@ -14,10 +14,11 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
-use super::dense::{threads, ROW_LANES};
+use super::dense::threads;
 use super::ops::CudaOps;
 use super::router::DeviceRouting;
 use super::{gpu_error, CudaBackend, Shape};
+use crate::backend::ROW_PARTS;
 use crate::backend::{DenseGemm, DeviceRows};
 use crate::math::{add_prob_sums, Permutation, Routing};
 use crate::model::{moe_backward, moe_forward, DenseOps, ExpertRunner, ModelConfig, MoeRouting};
@@ -317,7 +318,7 @@ impl CudaBackend {
     ) -> Result<CudaSlice<f32>, EngineError> {
         assert!(dy.len() == t * d && rows.len() == t * k * d && position.len() == t * k);
         let n = t * k;
-        let mut partials = self.zeros(n * ROW_LANES)?;
+        let mut partials = self.zeros(n * ROW_PARTS)?;
         let [t32, k32, d32, n32] = [t, k, d, n].map(|v| v as u32);
         let mut launch = self
             .stream
@@ -326,7 +327,7 @@ impl CudaBackend {
         launch.arg(&t32).arg(&k32).arg(&d32);
         // SAFETY: sizes asserted; positions < T·K; partials hold an
         // assignment's parts for each; one thread an (assignment, part).
-        unsafe { launch.launch(threads(n * ROW_LANES)) }
+        unsafe { launch.launch(threads(n * ROW_PARTS)) }
             .map_err(|e| gpu_error("combine_weights_partials", e))?;
         let mut dweights = self.zeros(n)?;
         let mut launch = self.stream.launch_builder(&self.dense.combine_weights_grad);
