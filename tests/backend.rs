@@ -533,7 +533,9 @@ fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
             .unwrap();
             if on_gpu {
                 let crossed = gpu.pcie_other_bytes() - before;
-                let expected = 4 * (3 * v * d + 2 * t * d + 2 * t) as u64;
+                // The head up, its gradient up and down, x up and dx down, the
+                // targets up and the loss (summed on the GPU) down.
+                let expected = 4 * (3 * v * d + 2 * t * d + t + 1) as u64;
                 assert_eq!(crossed, expected, "bytes between host and GPU");
             }
             outs.push((loss, dx, dhead));
@@ -885,7 +887,8 @@ fn five_engine_steps_on_the_gpu_match_the_cpu() {
 /// `StepMetrics::bytes_pcie_other` counts what crosses between host and
 /// GPU besides expert params and gradients: the cpu backend copies none;
 /// the GPU step, its activations and routing on the GPU, copies each
-/// layer's counts and loss sums and the batch's ids every step, and the dense params either once (kept
+/// layer's counts and loss sums, the batch's ids (and its loss mask's
+/// bits) and the loss every step, and the dense params either once (kept
 /// and stepped on the GPU, the default) or up and their gradient down
 /// every step (`dense_on_device: false`). The steady state copies the same
 /// bytes every step at one shape.
@@ -908,7 +911,7 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
         loss_mask: None,
         doc_starts: None,
     };
-    let run = |backend, dense_on_device| {
+    let run = |backend, dense_on_device, batch: &TokenBatch| {
         let config = EngineConfig {
             backend,
             optimizer_threads: 2,
@@ -917,17 +920,16 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
         };
         let mut engine = Engine::new_network(&lm, config).unwrap();
         (0..3)
-            .map(|_| engine.step_network(&lm, &batch).unwrap().bytes_pcie_other)
+            .map(|_| engine.step_network(&lm, batch).unwrap().bytes_pcie_other)
             .collect::<Vec<u64>>()
     };
-    let cpu = run(BackendKind::Cpu, true);
+    let cpu = run(BackendKind::Cpu, true, &batch);
     assert_eq!(cpu, vec![0, 0, 0]);
-    let kept = run(BackendKind::Cuda, true);
-    let moved = run(BackendKind::Cuda, false);
+    let kept = run(BackendKind::Cuda, true, &batch);
+    let moved = run(BackendKind::Cuda, false, &batch);
     // Each layer's routing stays on the GPU: the experts' counts and the
     // loss sums come down (E and E + 1 values), the load-balancing loss's
-    // gradient goes up (E); then the token ids, targets, the loss and the
-    // rotary table, under 4 KiB here.
+    // gradient goes up (E).
     let routing = (4 * c.layers * (3 * c.experts + 1)) as u64;
     let dense = 4 * c.dense_params() as u64;
     eprintln!(
@@ -940,10 +942,19 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
         kept[0] >= dense && kept[0] <= 3 * dense + routing + 4096,
         "{kept:?}"
     );
-    assert!(kept[1] >= routing && kept[1] <= routing + 4096, "{kept:?}");
-    // What the GPU step promises: the batch's ids and 64 KiB.
+    // What the GPU step promises: the routing, the batch's ids and the
+    // loss, and nothing else (the inputs and targets split on the GPU, the
+    // loss's shares summed there, the embedding's tokens ordered there).
     let ids = 4 * batch.tokens.len() as u64;
-    assert!(kept[1] <= ids + 65_536, "{kept:?}");
+    assert_eq!(kept[1], routing + ids + 4, "{kept:?}");
+    // A loss mask adds its bits: a u32 a 32 positions.
+    let masked = TokenBatch {
+        loss_mask: Some((0..batch.tokens.len()).map(|p| p % 3 != 0).collect()),
+        ..batch.clone()
+    };
+    let with_mask = run(BackendKind::Cuda, true, &masked);
+    let words = 4 * batch.tokens.len().div_ceil(32) as u64;
+    assert_eq!(with_mask[1], kept[1] + words, "{with_mask:?}");
     // Moved: the params up and their gradient down, every step.
     for &b in &moved {
         assert!(
@@ -1003,7 +1014,10 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "combine_weights_grad",
         "weighted_rows",
         "gather_rows_backward",
+        "split_token_rows",
+        "token_order",
         "embedding_backward",
+        "sum_in_order",
         "square_sums",
         "sigmoid_values",
         "add_scaled_rows",
@@ -1078,6 +1092,13 @@ mod cuda_kernels {
     fn loss_router_and_permutation_kernels_match_the_cpu() {
         if let Some(gpu) = gpu() {
             kernel_checks::loss_router_and_permutation(&gpu);
+        }
+    }
+
+    #[test]
+    fn token_ids_embedding_and_loss_sum_kernels_match_the_cpu() {
+        if let Some(gpu) = gpu() {
+            kernel_checks::token_ids_embedding_and_loss_sum(&gpu);
         }
     }
 

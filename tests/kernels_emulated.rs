@@ -44,6 +44,13 @@ fn loss_router_and_permutation_kernels_match_the_cpu() {
 }
 
 #[test]
+fn token_ids_embedding_and_loss_sum_kernels_match_the_cpu() {
+    if let Some(e) = emulator() {
+        kernel_checks::token_ids_embedding_and_loss_sum(e);
+    }
+}
+
+#[test]
 fn router_kernels_match_the_cpu() {
     if let Some(e) = emulator() {
         kernel_checks::router::router_kernels(e);

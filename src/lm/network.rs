@@ -22,7 +22,7 @@ use crate::math::attention::{AttnShape, RopeTable};
 use crate::math::{cross_entropy_loss, Scoring, IGNORED_TARGET};
 use crate::model::{
     fill_uniform, DenseKernels, DenseOps, Evaluation, ExpertRunner, HeadShape, HostOps, Losses,
-    ModelConfig, MoeRouting, Network,
+    ModelConfig, MoeRouting, Network, TokenIds,
 };
 use crate::EngineError;
 
@@ -78,9 +78,9 @@ struct MicroBatch<'a> {
     last_micro_batch: bool,
 }
 
-struct Forward<B, M> {
-    inputs: Vec<u32>,
-    targets: Vec<u32>,
+struct Forward<B, M, I> {
+    /// The batch's inputs and targets, where the operations read them.
+    ids: TokenIds<I>,
     layers: Vec<LayerSaved<B, M>>,
     h: B,
     /// The final norm's output, the head's input.
@@ -91,6 +91,10 @@ struct Forward<B, M> {
     aux: f32,
     z: f32,
 }
+
+/// The forward's saved state in the buffers of operations `O`.
+type ForwardOn<O> =
+    Forward<<O as DenseOps>::Buf, <O as DenseOps>::MoeSaved, <O as DenseOps>::DeviceIds>;
 
 impl MoeLm {
     pub fn new(config: LmConfig) -> Result<Self, EngineError> {
@@ -271,17 +275,17 @@ impl MoeLm {
         dense: &[f32],
         batch: &TokenBatch,
         runner: &mut dyn ExpertRunner,
-    ) -> Result<Forward<O::Buf, O::MoeSaved>, EngineError> {
+    ) -> Result<ForwardOn<O>, EngineError> {
         let c = &self.config;
         let kernels = ops.kernels();
         let d = c.d_model;
-        let (inputs, targets) = batch.inputs_targets();
-        let t = inputs.len();
+        let ids = ops.token_ids(batch.rows())?;
+        let t = ids.inputs.len();
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
         let rope =
             RopeTable::<f32>::partial(batch.seq_len, c.head_dim, c.rotary_dim(), c.rope_theta);
         let span = kernels.host_span("embedding");
-        let mut h = ops.embedding_forward(&dense[self.embed.clone()], &inputs, d)?;
+        let mut h = ops.embedding_forward(&dense[self.embed.clone()], &ids, d)?;
         drop(span);
         let mut layers = Vec::with_capacity(c.layers);
         let (mut aux, mut z) = (0.0f32, 0.0f32);
@@ -332,8 +336,7 @@ impl MoeLm {
         ops.rmsnorm_forward(&mut nf, &mut invf, &h, gf, t, d, c.rms_eps)?;
         drop(span);
         Ok(Forward {
-            inputs,
-            targets,
+            ids,
             layers,
             h,
             nf,
@@ -360,7 +363,7 @@ impl MoeLm {
         let batch = step.batch;
         let shape = self.attn_shape(batch.sequences(), batch.seq_len);
         let mut f = self.forward(ops, dense, batch, runner)?;
-        let t = f.inputs.len();
+        let t = f.ids.inputs.len();
         // The head, its loss and its backward in one (a GPU keeps the
         // logits on the device, a chunk of rows at a time).
         let mut dnf = ops.zeros(t * d)?;
@@ -369,7 +372,7 @@ impl MoeLm {
             &mut dense_grad[self.head.clone()],
             &f.nf,
             &dense[self.head.clone()],
-            &f.targets,
+            &f.ids,
             HeadShape {
                 t,
                 d,
@@ -448,7 +451,7 @@ impl MoeLm {
             }
         }
         let span = kernels.host_span("embedding backward");
-        ops.embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.inputs, d)?;
+        ops.embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.ids, d)?;
         drop(span);
         Ok(Losses {
             ce,
@@ -469,16 +472,17 @@ impl MoeLm {
     ) -> Result<Evaluation, EngineError> {
         let f = self.forward(ops, dense, batch, runner)?;
         let (d, v) = (self.config.d_model, self.config.vocab);
-        let t = f.targets.len();
+        let t = f.ids.targets.len();
         let mut logits = vec![0.0f32; t * v];
         let nf = ops.read(&f.nf)?;
         ops.kernels()
             .forward(&mut logits, &nf, &dense[self.head.clone()], t, d, v)?;
-        let counted = f.targets.iter().filter(|&&x| x != IGNORED_TARGET).count();
-        let loss = cross_entropy_loss(&logits, &f.targets, v, counted.max(1));
+        let targets = f.ids.targets;
+        let counted = targets.iter().filter(|&&x| x != IGNORED_TARGET).count();
+        let loss = cross_entropy_loss(&logits, &targets, v, counted.max(1));
         Ok(Evaluation {
             logits,
-            targets: f.targets,
+            targets,
             width: v,
             loss,
             aux_loss: f.aux,

@@ -2,7 +2,7 @@
 //! next-token targets, which targets carry loss, and where packed
 //! documents begin.
 
-use crate::math::IGNORED_TARGET;
+use crate::model::TokenRows;
 
 /// A batch of B sequences of S + 1 tokens: position i predicts i + 1.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,25 +55,12 @@ impl TokenBatch {
         Some(out)
     }
 
-    /// The inputs, and the targets with [`IGNORED_TARGET`] where the mask
-    /// says no loss.
-    pub(super) fn inputs_targets(&self) -> (Vec<u32>, Vec<u32>) {
-        let s = self.seq_len;
-        let mut inputs = Vec::with_capacity(self.sequences() * s);
-        let mut targets = Vec::with_capacity(self.sequences() * s);
-        for (r, row) in self.tokens.chunks_exact(s + 1).enumerate() {
-            inputs.extend_from_slice(&row[..s]);
-            match &self.loss_mask {
-                None => targets.extend_from_slice(&row[1..]),
-                Some(mask) => {
-                    let counts = &mask[r * (s + 1) + 1..(r + 1) * (s + 1)];
-                    targets.extend(row[1..].iter().zip(counts).map(|(&t, &c)| match c {
-                        true => t,
-                        false => IGNORED_TARGET,
-                    }));
-                }
-            }
+    /// The rows as a network's dense operations take them.
+    pub(super) fn rows(&self) -> TokenRows<'_> {
+        TokenRows {
+            tokens: &self.tokens,
+            seq_len: self.seq_len,
+            loss_mask: self.loss_mask.as_deref(),
         }
-        (inputs, targets)
     }
 }

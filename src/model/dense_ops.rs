@@ -15,6 +15,7 @@ use std::borrow::Cow;
 
 use super::MoeSaved;
 use super::{moe_backward, moe_forward, DenseKernels, ExpertRunner, HeadShape, ModelConfig};
+use super::{TokenIds, TokenRows};
 use crate::math::attention::{
     embedding_backward, embedding_forward, rope_backward, rope_forward, AttnShape, RopeTable,
 };
@@ -156,23 +157,30 @@ pub trait DenseOps {
         transpose: bool,
     ) -> Result<(), EngineError>;
 
-    /// h (T, D) = the rows of `table` (V, D) of `tokens`.
+    /// Where these operations keep a batch's inputs and targets besides
+    /// the host (a GPU's copies; `()` where they run on the host).
+    type DeviceIds;
+    /// The inputs and targets of `rows`, on the host and where these
+    /// operations read them (a GPU takes the rows up once and splits them
+    /// there).
+    fn token_ids(&self, rows: TokenRows<'_>) -> Result<TokenIds<Self::DeviceIds>, EngineError>;
+    /// h (T, D) = the rows of `table` (V, D) of the inputs of `ids`.
     fn embedding_forward(
         &self,
         table: &[f32],
-        tokens: &[u32],
+        ids: &TokenIds<Self::DeviceIds>,
         d: usize,
     ) -> Result<Self::Buf, EngineError>;
-    /// dtable += dh's rows at their tokens, in token order.
+    /// dtable += dh's rows at their inputs' ids, in token order.
     fn embedding_backward(
         &self,
         dtable: &mut [f32],
         dh: &Self::Buf,
-        tokens: &[u32],
+        ids: &TokenIds<Self::DeviceIds>,
         d: usize,
     ) -> Result<(), EngineError>;
     /// [`DenseKernels::head_loss`] on these buffers: the head's logits of
-    /// x, their cross-entropy against `targets` (returned), dx
+    /// x, their cross-entropy against the targets of `ids` (returned), dx
     /// (overwritten) and dhead (accumulating).
     fn head_loss(
         &self,
@@ -180,7 +188,7 @@ pub trait DenseOps {
         dhead: &mut [f32],
         x: &Self::Buf,
         head: &[f32],
-        targets: &[u32],
+        ids: &TokenIds<Self::DeviceIds>,
         s: HeadShape,
     ) -> Result<f32, EngineError>;
 
@@ -490,14 +498,25 @@ impl DenseOps for HostOps<'_> {
         Ok(())
     }
 
+    type DeviceIds = ();
+
+    fn token_ids(&self, rows: TokenRows<'_>) -> Result<TokenIds<()>, EngineError> {
+        let (inputs, targets) = rows.inputs_targets();
+        Ok(TokenIds {
+            inputs,
+            targets,
+            device: (),
+        })
+    }
+
     fn embedding_forward(
         &self,
         table: &[f32],
-        tokens: &[u32],
+        ids: &TokenIds<()>,
         d: usize,
     ) -> Result<Vec<f32>, EngineError> {
-        let mut h = vec![0.0f32; tokens.len() * d];
-        embedding_forward(&mut h, table, tokens, d);
+        let mut h = vec![0.0f32; ids.inputs.len() * d];
+        embedding_forward(&mut h, table, &ids.inputs, d);
         Ok(h)
     }
 
@@ -505,10 +524,10 @@ impl DenseOps for HostOps<'_> {
         &self,
         dtable: &mut [f32],
         dh: &Vec<f32>,
-        tokens: &[u32],
+        ids: &TokenIds<()>,
         d: usize,
     ) -> Result<(), EngineError> {
-        embedding_backward(dtable, dh, tokens, d);
+        embedding_backward(dtable, dh, &ids.inputs, d);
         Ok(())
     }
 
@@ -518,10 +537,10 @@ impl DenseOps for HostOps<'_> {
         dhead: &mut [f32],
         x: &Vec<f32>,
         head: &[f32],
-        targets: &[u32],
+        ids: &TokenIds<()>,
         s: HeadShape,
     ) -> Result<f32, EngineError> {
-        self.kernels.head_loss(dx, dhead, x, head, targets, s)
+        self.kernels.head_loss(dx, dhead, x, head, &ids.targets, s)
     }
 
     type MoeSaved = MoeSaved;

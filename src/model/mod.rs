@@ -26,6 +26,7 @@ mod dense_ops;
 mod dense_residence;
 mod stack;
 mod timed_kernels;
+mod token_ids;
 
 pub(crate) use buffer_pool::{F32BufferPool, ScratchBuf, ScratchBuffers};
 pub use dense_kernels::{DenseKernels, HeadShape, PlainKernels};
@@ -33,6 +34,7 @@ pub use dense_ops::{DenseOps, HostOps, MoeRouting};
 pub use dense_residence::{ranges_without, trainable_parts, DenseResidence};
 pub use stack::{forward_backward, moe_backward, moe_forward, MoeSaved};
 pub use timed_kernels::TimedKernels;
+pub use token_ids::{TokenIds, TokenRows};
 
 /// The shape and losses of a MoE stack.
 #[derive(Clone, Debug, PartialEq)]

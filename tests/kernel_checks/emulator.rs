@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use strata::backend::ROW_PARTS;
 use strata::math::attention::AttnShape;
 use strata::math::{ExpertKind, RouterConfig, Routing};
+use strata::model::TokenRows;
 use strata_optim::StepScalars;
 
 use super::{KernelHost, MoeRows, RouterResult, ATTENTION_TEST_BLOCK};
@@ -343,7 +344,46 @@ impl KernelHost for KernelEmulator {
             arg(&scale),
         ];
         self.launch("cross_entropy", t * v, &args);
-        rows.iter().fold(0.0f32, |a, &s| a + s)
+        self.sum_in_order(&rows)
+    }
+
+    fn sum_in_order(&self, x: &[f32]) -> f32 {
+        let mut sum = 0.0f32;
+        let (px, ps, n) = (x.as_ptr(), &mut sum as *mut f32, x.len() as u32);
+        self.launch("sum_in_order", 1, &[arg(&px), arg(&n), arg(&ps)]);
+        sum
+    }
+
+    fn token_ids(&self, rows: TokenRows<'_>) -> (Vec<u32>, Vec<u32>) {
+        // As `CudaBackend::token_ids_device`.
+        let s = rows.seq_len;
+        let t = rows.tokens.len() / (s + 1) * s;
+        let (mut inputs, mut targets) = (vec![0u32; t], vec![0u32; t]);
+        let (mask, has_mask) = match rows.mask_words() {
+            Some(words) => (words, 1u32),
+            None => (vec![0u32], 0u32),
+        };
+        let (pr, pm) = (rows.tokens.as_ptr(), mask.as_ptr());
+        let (pi, pt) = (inputs.as_mut_ptr(), targets.as_mut_ptr());
+        let (t32, s32) = (t as u32, s as u32);
+        let args = [arg(&pr), arg(&pm), arg(&has_mask), arg(&pi), arg(&pt)];
+        self.launch(
+            "split_token_rows",
+            t,
+            &[&args[..], &[arg(&t32), arg(&s32)]].concat(),
+        );
+        (inputs, targets)
+    }
+
+    fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize) {
+        // As `CudaBackend::embedding_backward_device`.
+        let t = tokens.len();
+        let mut order = vec![0u32; t];
+        let (pk, po, t32, d32) = (tokens.as_ptr(), order.as_mut_ptr(), t as u32, d as u32);
+        self.launch("token_order", t, &[arg(&pk), arg(&po), arg(&t32)]);
+        let (pd, ph, po) = (dtable.as_mut_ptr(), dh.as_ptr(), order.as_ptr());
+        let args = [arg(&pd), arg(&ph), arg(&pk), arg(&po), arg(&t32), arg(&d32)];
+        self.launch("embedding_backward", t * d, &args);
     }
 
     fn route(

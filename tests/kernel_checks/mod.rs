@@ -18,6 +18,7 @@ pub const ATTENTION_TEST_BLOCK: usize = 5 * 2 * 4 * 13 * 4;
 
 use strata::math::attention::AttnShape;
 use strata::math::{gelu, gelu_grad, silu, silu_grad, ExpertKind, RouterConfig, Routing, Scoring};
+use strata::model::TokenRows;
 use strata_optim::{adamw_step, AdamWHyper, CopyOut, GradRef, Kernel, StepScalars};
 
 /// What the router's kernels fill: the fields of `math::Routing`, its
@@ -93,6 +94,12 @@ pub trait KernelHost {
         v: usize,
         denominator: usize,
     ) -> f32;
+    /// f32 sum of x in index order from 0 (a loss's row shares).
+    fn sum_in_order(&self, x: &[f32]) -> f32;
+    /// A batch's rows split into inputs and targets on the device.
+    fn token_ids(&self, rows: TokenRows<'_>) -> (Vec<u32>, Vec<u32>);
+    /// dtable (V, D) += dh's rows at their tokens, in token order.
+    fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize);
     /// The router after its logits (T, E): scores, top-k, permutation,
     /// sums (`bias`: a sigmoid router's correction bias).
     fn route(
@@ -329,6 +336,58 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
     }
 }
 
+/// A batch's ids split on the device as the host splits them (with and
+/// without a loss mask, rows whose last target is masked and rows that
+/// mask none); the embedding's backward with repeated ids, the same bits
+/// as the cpu loop (both add each id's rows in token order); a loss's
+/// shares summed in row order, the same bits as the host's fold.
+pub fn token_ids_embedding_and_loss_sum(h: &dyn KernelHost) {
+    use strata::math::attention::embedding_backward;
+    let (b, s, v, d) = (5, 7, 11, 6);
+    let tokens: Vec<u32> = (0..b * (s + 1))
+        .map(|i| (i * i * 7 % 13 % v) as u32)
+        .collect();
+    let mask: Vec<bool> = (0..b * (s + 1)).map(|p| p % 5 != 2 && p < 33).collect();
+    for loss_mask in [None, Some(&mask[..])] {
+        let rows = TokenRows {
+            tokens: &tokens,
+            seq_len: s,
+            loss_mask,
+        };
+        let (inputs, targets) = h.token_ids(rows);
+        assert_eq!(
+            (inputs, targets),
+            rows.inputs_targets(),
+            "mask {loss_mask:?}"
+        );
+    }
+    let (_, targets) = TokenRows {
+        tokens: &tokens,
+        seq_len: s,
+        loss_mask: Some(&mask),
+    }
+    .inputs_targets();
+    assert!(targets.contains(&strata::math::IGNORED_TARGET));
+
+    let inputs: Vec<u32> = (0..b * s).map(|i| (i * 5 % 9) as u32).collect();
+    let dh = f32s(inputs.len() * d, 33, 1.0);
+    let start = f32s(v * d, 34, 0.5);
+    let mut want = start.clone();
+    embedding_backward(&mut want, &dh, &inputs, d);
+    let mut got = start.clone();
+    h.embedding_backward(&mut got, &dh, &inputs, d);
+    assert_eq!(got, want, "the embedding's gradient");
+    assert_eq!(
+        got[10 * d..],
+        start[10 * d..],
+        "rows of unused ids untouched"
+    );
+
+    let shares = f32s(1000, 35, 3.0);
+    let fold = shares.iter().fold(0.0f32, |a, &x| a + x);
+    assert_eq!(h.sum_in_order(&shares).to_bits(), fold.to_bits());
+}
+
 /// The MoE block's combine, its weights' gradient, the experts' output
 /// gradients and the gather's backward, against `math::permute`: the same
 /// products summed in the same order (fused multiply-adds off), so equal
@@ -550,6 +609,18 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
     ) -> f32 {
         self.cross_entropy_host(dlogits, logits, targets, v, denominator)
             .unwrap()
+    }
+
+    fn sum_in_order(&self, x: &[f32]) -> f32 {
+        self.sum_in_order_host(x).unwrap()
+    }
+
+    fn token_ids(&self, rows: TokenRows<'_>) -> (Vec<u32>, Vec<u32>) {
+        self.token_ids_host(rows).unwrap()
+    }
+
+    fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize) {
+        self.embedding_backward_host(dtable, dh, tokens, d).unwrap()
     }
 
     fn route(

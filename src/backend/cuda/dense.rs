@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+};
 
 use super::{gpu_error, CudaBackend};
 use crate::backend::ROW_PARTS;
@@ -39,7 +41,10 @@ pub(super) struct DenseFunctions {
     pub(super) combine_weights_grad: CudaFunction,
     pub(super) weighted_rows: CudaFunction,
     pub(super) gather_rows_backward: CudaFunction,
-    embedding_backward: CudaFunction,
+    pub(super) split_token_rows: CudaFunction,
+    pub(super) token_order: CudaFunction,
+    pub(super) embedding_backward: CudaFunction,
+    pub(super) sum_in_order: CudaFunction,
     pub(super) square_sums: CudaFunction,
     pub(super) sigmoid_values: CudaFunction,
     pub(super) add_scaled_rows: CudaFunction,
@@ -87,7 +92,10 @@ impl DenseFunctions {
             combine_weights_grad: load("combine_weights_grad")?,
             weighted_rows: load("weighted_rows")?,
             gather_rows_backward: load("gather_rows_backward")?,
+            split_token_rows: load("split_token_rows")?,
+            token_order: load("token_order")?,
             embedding_backward: load("embedding_backward")?,
+            sum_in_order: load("sum_in_order")?,
             square_sums: load("square_sums")?,
             sigmoid_values: load("sigmoid_values")?,
             add_scaled_rows: load("add_scaled_rows")?,
@@ -336,7 +344,7 @@ impl CudaBackend {
     }
 
     /// `math::cross_entropy_forward_backward` on the GPU: the loss (rows'
-    /// shares summed in row order) and d logits.
+    /// shares summed in row order, on the GPU) and d logits.
     pub fn cross_entropy_host(
         &self,
         dlogits: &mut [f32],
@@ -348,27 +356,48 @@ impl CudaBackend {
         self.bind()?;
         let t = targets.len();
         let (dl, dt) = (self.upload(logits)?, self.upload_u32(targets)?);
-        let mut dd = self.zeros(t * v)?;
-        let rows = self.cross_entropy_rows(&dl, &dt, &mut dd, v, denominator)?;
+        let (mut dd, mut shares) = (self.zeros(t * v)?, self.zeros(t)?);
+        let rows = &mut shares.slice_mut(..);
+        self.cross_entropy_rows(&dl, &dt.slice(..), &mut dd, rows, v, denominator)?;
         self.download(&dd, dlogits)?;
-        let mut shares = vec![0.0f32; t];
-        self.download(&rows, &mut shares)?;
-        Ok(shares.iter().fold(0.0f32, |a, &s| a + s))
+        self.sum_in_order(&shares)
+    }
+
+    /// `sum_in_order` on a host slice, for the kernel checks.
+    pub fn sum_in_order_host(&self, x: &[f32]) -> Result<f32, EngineError> {
+        self.bind()?;
+        let x = self.upload(x)?;
+        self.sum_in_order(&x)
+    }
+
+    /// The f32 sum of `x` in index order from 0 (as the host folds a
+    /// loss's row shares), added on the GPU and downloaded.
+    pub(super) fn sum_in_order(&self, x: &CudaSlice<f32>) -> Result<f32, EngineError> {
+        let (mut sum, n) = (self.zeros(1)?, x.len() as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.sum_in_order);
+        launch.arg(x).arg(&n).arg(&mut sum);
+        // SAFETY: x holds n f32, sum one; the one thread reads and writes
+        // only those.
+        unsafe { launch.launch(threads(1)) }.map_err(|e| gpu_error("sum_in_order", e))?;
+        let mut host = [0.0f32];
+        self.download(&sum, &mut host)?;
+        Ok(host[0])
     }
 
     /// The cross-entropy kernel on logits (T, V) already on the GPU:
-    /// writes d logits and returns each row's loss share (T), which the
-    /// caller sums in row order.
+    /// writes d logits and each row's loss share into `rows` (T), which
+    /// the caller sums in row order.
     pub(super) fn cross_entropy_rows(
         &self,
         logits: &CudaSlice<f32>,
-        targets: &CudaSlice<u32>,
+        targets: &CudaView<'_, u32>,
         dlogits: &mut CudaSlice<f32>,
+        rows: &mut CudaViewMut<'_, f32>,
         v: usize,
         denominator: usize,
-    ) -> Result<CudaSlice<f32>, EngineError> {
+    ) -> Result<(), EngineError> {
         let t = targets.len();
-        assert!(logits.len() == t * v && dlogits.len() == t * v);
+        assert!(logits.len() == t * v && dlogits.len() == t * v && rows.len() == t);
         let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
         let mut partials = self.zeros(t * 2 * ROW_PARTS)?;
         for sums in [0u32, 1] {
@@ -384,14 +413,14 @@ impl CudaBackend {
             unsafe { launch.launch(threads(t * ROW_PARTS)) }
                 .map_err(|e| gpu_error("logit_partials", e))?;
         }
-        let (mut lse, mut rows) = (self.zeros(t)?, self.zeros(t)?);
+        let mut lse = self.zeros(t)?;
         let mut launch = self.stream.launch_builder(&self.dense.cross_entropy_loss);
         launch.arg(logits).arg(targets).arg(&partials);
-        launch.arg(&mut lse).arg(&mut rows);
+        launch.arg(&mut lse).arg(rows);
         launch.arg(&t32).arg(&v32).arg(&scale);
         // SAFETY: as above; targets hold t u32 (each < v or IGNORED_TARGET,
-        // as the batch's validation checks), lse and rows t f32; one thread
-        // a row.
+        // as the batch's validation checks), lse and rows t f32 (asserted);
+        // one thread a row.
         unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy_loss", e))?;
         let mut launch = self.stream.launch_builder(&self.dense.cross_entropy);
         launch.arg(logits).arg(targets).arg(&lse).arg(dlogits);
@@ -399,7 +428,7 @@ impl CudaBackend {
         // SAFETY: as above, dlogits t·v f32 (asserted); one thread an
         // element.
         unsafe { launch.launch(threads(t * v)) }.map_err(|e| gpu_error("cross_entropy", e))?;
-        Ok(rows)
+        Ok(())
     }
 
     /// `math::gather_forward` then `math::scatter_to_assignments` on the
@@ -442,112 +471,5 @@ impl CudaBackend {
         self.download(&rows, &mut h.0)?;
         self.download(&scattered, &mut h.1)?;
         Ok(h)
-    }
-
-    /// math::embedding_forward on the GPU: the rows of `table` (V × d, a
-    /// device buffer) for `tokens`, each < V (checked by the caller).
-    pub(super) fn embedding_forward_device(
-        &self,
-        table: &CudaSlice<f32>,
-        tokens: &[u32],
-        d: usize,
-    ) -> Result<CudaSlice<f32>, EngineError> {
-        let n = tokens.len();
-        let mut h = self.zeros(n * d)?;
-        if n == 0 {
-            return Ok(h);
-        }
-        let ids = self.upload_u32(tokens)?;
-        let (n32, d32, one) = (n as u32, d as u32, 1u32);
-        let mut launch = self.stream.launch_builder(&self.dense.gather_rows);
-        launch
-            .arg(table)
-            .arg(&ids)
-            .arg(&mut h)
-            .arg(&n32)
-            .arg(&d32)
-            .arg(&one);
-        // SAFETY: every token < V (the caller's check), so each row read
-        // lies in the V·d table; h holds n·d f32; one thread an element.
-        unsafe { launch.launch(threads(n * d)) }.map_err(|e| gpu_error("gather_rows", e))?;
-        Ok(h)
-    }
-
-    /// math::embedding_backward on the GPU: `dtable` (V × d) += the rows
-    /// of `dh` (tokens × d) at their tokens, each < V (checked by the
-    /// caller), every element summed in token order as the cpu does.
-    pub(super) fn embedding_backward_device(
-        &self,
-        dtable: &mut CudaSlice<f32>,
-        dh: &CudaSlice<f32>,
-        tokens: &[u32],
-        d: usize,
-    ) -> Result<(), EngineError> {
-        let groups = TokenGroups::of(tokens);
-        let count = groups.ids.len();
-        if count == 0 {
-            return Ok(());
-        }
-        let order = self.upload_u32(&groups.order)?;
-        let starts = self.upload_u32(&groups.starts)?;
-        let ids = self.upload_u32(&groups.ids)?;
-        let (g32, d32) = (count as u32, d as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.embedding_backward);
-        launch
-            .arg(dtable)
-            .arg(dh)
-            .arg(&order)
-            .arg(&starts)
-            .arg(&ids)
-            .arg(&g32)
-            .arg(&d32);
-        // SAFETY: each id < V (the caller's check) so every written row
-        // lies in the V·d table, distinct per group; order holds token
-        // indices < tokens, whose dh rows hold d f32; starts has
-        // groups + 1 entries ending at tokens.
-        unsafe { launch.launch(threads(count * d)) }
-            .map_err(|e| gpu_error("embedding_backward", e))?;
-        Ok(())
-    }
-}
-
-/// A batch's tokens grouped by id: group g is token `ids[g]`, at the
-/// positions `order[starts[g]..starts[g + 1]]`, in increasing order.
-struct TokenGroups {
-    order: Vec<u32>,
-    starts: Vec<u32>,
-    ids: Vec<u32>,
-}
-
-impl TokenGroups {
-    fn of(tokens: &[u32]) -> Self {
-        let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
-        // Stable: a token's positions stay in increasing order.
-        order.sort_by_key(|&i| tokens[i as usize]);
-        let (mut starts, mut ids) = (Vec::new(), Vec::new());
-        for (j, &i) in order.iter().enumerate() {
-            let id = tokens[i as usize];
-            if ids.last() != Some(&id) {
-                ids.push(id);
-                starts.push(j as u32);
-            }
-        }
-        starts.push(order.len() as u32);
-        Self { order, starts, ids }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::TokenGroups;
-
-    #[test]
-    fn tokens_group_by_id_in_their_order() {
-        let g = TokenGroups::of(&[5, 2, 5, 9, 2, 5]);
-        assert_eq!(g.ids, [2, 5, 9]);
-        assert_eq!(g.starts, [0, 2, 5, 6]);
-        assert_eq!(g.order, [1, 4, 0, 2, 5, 3]);
-        let empty = TokenGroups::of(&[]);
-        assert_eq!((empty.ids.len(), empty.starts), (0, vec![0]));
     }
 }

@@ -1,9 +1,9 @@
 //! A language model's head and loss on the GPU, a block of rows at a
 //! time (its GEMMs taking the backend's [`DenseGemm`](crate::backend::DenseGemm) inputs) ([`DenseKernels::head_loss`](crate::model::DenseKernels::head_loss)):
 //! the block's logits are computed, turned into their loss and d logits
-//! and taken back through the head without leaving the device. Only the
-//! head's input rows and targets go up, and d input and one loss share a
-//! row come down; the head's gradient sums in the step's GPU accumulator
+//! and taken back through the head without leaving the device, and the
+//! rows' loss shares are added there in row order: only the loss comes
+//! down. The head's gradient sums in the step's GPU accumulator
 //! (`weights.rs`). A block holds at most [`HEAD_BLOCK_BYTES`](crate::backend::HEAD_BLOCK_BYTES) of logits
 //! (and as much of d logits), so a large vocabulary's (T × V) logits never
 //! exist whole.
@@ -32,15 +32,15 @@ impl CudaBackend {
         let HeadShape { t, d, .. } = s;
         assert!(dx.len() == t * d && x.len() == t * d);
         self.bind()?;
-        let xd = self.upload(x)?;
+        let (xd, targets) = (self.upload(x)?, self.upload_u32(targets)?);
         let mut dxd = self.zeros(t * d)?;
-        let loss = self.head_loss_device(&mut dxd, dhead, &xd, head, targets, s, block)?;
+        let loss = self.head_loss_device(&mut dxd, dhead, &xd, head, &targets, s, block)?;
         self.download(&dxd, dx)?;
         Ok(loss)
     }
 
-    /// `head_loss` with x and dx (T, D; dx overwritten) in GPU memory, in
-    /// blocks of `block` rows.
+    /// `head_loss` with x and dx (T, D; dx overwritten) and the targets in
+    /// GPU memory, in blocks of `block` rows.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn head_loss_device(
         &self,
@@ -48,7 +48,7 @@ impl CudaBackend {
         dhead: &mut [f32],
         x: &CudaSlice<f32>,
         head: &[f32],
-        targets: &[u32],
+        targets: &CudaSlice<u32>,
         s: HeadShape,
         block: usize,
     ) -> Result<f32, EngineError> {
@@ -64,10 +64,9 @@ impl CudaBackend {
         let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
         // The head's gradient: the step's accumulator for its slice of the
         // dense gradient, else a copy of its own downloaded at the end.
+        let mut shares = self.zeros(t)?;
         self.with_grad(dhead, |acc| {
             let (acc_ptr, _wacc) = acc.device_ptr_mut(&self.stream);
-            let mut loss = 0.0f32;
-            let mut shares = Vec::with_capacity(block.min(t));
             let row_bytes = (d * std::mem::size_of::<f32>()) as u64;
             let input_row_bytes = (d * input_bytes(gemm)) as u64;
             for start in (0..t).step_by(block) {
@@ -76,7 +75,6 @@ impl CudaBackend {
                     x_ptr + start as u64 * input_row_bytes,
                     dx_ptr + start as u64 * row_bytes,
                 );
-                let tb = self.upload_u32(&targets[start..start + n])?;
                 let shape = Shape { m: n, k: d, n: v };
                 let mut logits = self.zeros(n * v)?;
                 {
@@ -88,8 +86,11 @@ impl CudaBackend {
                     };
                 }
                 let mut dlogits = self.zeros(n * v)?;
-                let row_loss =
-                    self.cross_entropy_rows(&logits, &tb, &mut dlogits, v, s.denominator)?;
+                let (tb, rows) = (
+                    &targets.slice(start..start + n),
+                    &mut shares.slice_mut(start..start + n),
+                );
+                self.cross_entropy_rows(&logits, tb, &mut dlogits, rows, v, s.denominator)?;
                 drop(logits);
                 {
                     let dlogits = self.gemm_rows(gemm, &dlogits)?;
@@ -107,12 +108,9 @@ impl CudaBackend {
                         )?
                     };
                 }
-                shares.resize(n, 0.0);
-                self.download(&row_loss, &mut shares)?;
-                // Row order, as the host sums the kernel's shares.
-                loss = shares.iter().fold(loss, |a, &r| a + r);
             }
-            Ok(loss)
-        })
+            Ok(())
+        })?;
+        self.sum_in_order(&shares)
     }
 }

@@ -34,6 +34,7 @@ mod moe;
 mod ops;
 mod resident;
 mod router;
+mod token_ids;
 mod weights;
 
 pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
@@ -41,6 +42,7 @@ pub use expert_device::CudaExpertDevice;
 pub use moe::{CudaMoeSaved, DeviceMoe};
 pub use ops::CudaOps;
 pub use router::RouterOut;
+pub use token_ids::DeviceIds;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

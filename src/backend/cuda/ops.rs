@@ -17,9 +17,11 @@ use super::attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
 use super::dense::threads;
 use super::gpu_spans::{GpuSpan, GpuSpans};
 use super::moe::CudaMoeSaved;
+use super::token_ids::DeviceIds;
 use super::{gpu_error, CudaBackend, Shape};
 use crate::math::attention::{AttnShape, RopeTable};
 use crate::model::{DenseKernels, DenseOps, ExpertRunner, HeadShape, ModelConfig};
+use crate::model::{TokenIds, TokenRows};
 use crate::EngineError;
 
 /// The dense layers' operations on one GPU, for one forward and backward.
@@ -415,31 +417,47 @@ impl DenseOps for CudaOps<'_> {
         })
     }
 
+    type DeviceIds = DeviceIds;
+
+    // Only the rows' ids (and a loss mask's bits) go up; the host keeps
+    // its split for the checks and the evaluation's targets.
+    fn token_ids(&self, rows: TokenRows<'_>) -> Result<TokenIds<DeviceIds>, EngineError> {
+        let (inputs, targets) = rows.inputs_targets();
+        let device = self.gpu.token_ids_device(rows)?;
+        Ok(TokenIds {
+            inputs,
+            targets,
+            device,
+        })
+    }
+
     // The table is a dense weight like any other (uploaded once between
-    // updates, its gradient summed on the GPU); only the token ids cross.
+    // updates, its gradient summed on the GPU).
     fn embedding_forward(
         &self,
         table: &[f32],
-        tokens: &[u32],
+        ids: &TokenIds<DeviceIds>,
         d: usize,
     ) -> Result<CudaSlice<f32>, EngineError> {
         let _gpu = self.span("embedding");
-        check_tokens(tokens, table.len() / d)?;
+        check_tokens(&ids.inputs, table.len() / d)?;
         let table = self.gpu.weight(table)?;
-        self.gpu.embedding_forward_device(&table, tokens, d)
+        self.gpu
+            .embedding_forward_device(&table, &ids.device.inputs, d)
     }
 
     fn embedding_backward(
         &self,
         dtable: &mut [f32],
         dh: &CudaSlice<f32>,
-        tokens: &[u32],
+        ids: &TokenIds<DeviceIds>,
         d: usize,
     ) -> Result<(), EngineError> {
         let _gpu = self.span("embedding backward");
-        check_tokens(tokens, dtable.len() / d)?;
+        check_tokens(&ids.inputs, dtable.len() / d)?;
         self.gpu.with_grad(dtable, |acc| {
-            self.gpu.embedding_backward_device(acc, dh, tokens, d)
+            self.gpu
+                .embedding_backward_device(acc, dh, &ids.device.inputs, d)
         })
     }
 
@@ -449,11 +467,12 @@ impl DenseOps for CudaOps<'_> {
         dhead: &mut [f32],
         x: &CudaSlice<f32>,
         head: &[f32],
-        targets: &[u32],
+        ids: &TokenIds<DeviceIds>,
         s: HeadShape,
     ) -> Result<f32, EngineError> {
         let _gpu = self.span("head and loss");
         let block = crate::backend::head_block_rows(s.v);
+        let targets = &ids.device.targets;
         self.gpu
             .head_loss_device(dx, dhead, x, head, targets, s, block)
     }

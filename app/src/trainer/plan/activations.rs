@@ -48,11 +48,14 @@ fn attention_shape(m: &LmConfig, seq_len: usize, seqs: usize) -> AttnShape {
 /// their bf16 copies and the f32 head each is rounded from), a MoE
 /// layer's rows gathered for its experts and their outputs (2·T·K·D) with
 /// one expert's pass (`expert_pass_bytes`), and the head's logits and d
-/// logits for a block of rows with its loss's parts.
+/// logits for a block of rows with its loss's parts. The batch's inputs
+/// and targets stay on the GPU for the step (2·T u32), and every row's
+/// loss share until they are summed (T f32); the embedding's backward
+/// orders the tokens by id (T u32), less than any layer's workspace.
 pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
     let stats = (2 * seqs * m.heads * seq_len) as u64;
-    let kept = 4 * (layer_values(m, t, stats) + 2 * t);
+    let kept = 4 * (layer_values(m, t, stats) + 2 * t) + 4 * 2 * t;
     let scores = (4 * seqs * m.heads * seq_len * seq_len) as u64;
     let block = scores.min(ATTENTION_BLOCK_BYTES as u64);
     // The softmax's parts: a max and a sum for each of a block's rows.
@@ -66,8 +69,11 @@ pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     // head's input rows and the block's gradient rounded to bf16.
     let head = 4 * 2 * head_rows * m.vocab as u64
         + 2 * (t * m.d_model as u64 + head_rows * m.vocab as u64)
-        + 4 * (2 * ROW_PARTS as u64 + 2) * head_rows; // the loss's parts, lse, shares
-    kept + attention.max(experts).max(head).max(dense_gemm_bytes(m, t))
+        + 4 * (2 * ROW_PARTS as u64 + 1) * head_rows // the loss's parts and lse
+        + 4 * t; // every row's loss share
+    let embedding = 4 * t; // the tokens' order by id
+    let workspace = attention.max(experts).max(head).max(dense_gemm_bytes(m, t));
+    kept + workspace.max(embedding)
 }
 
 /// The bf16 copies a dense GEMM's backward makes of its input rows and
