@@ -36,6 +36,12 @@ pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
 /// maxes and sums) while it runs.
 pub const ROW_PARTS: usize = 32;
 
+/// On a GPU, the assignments a thread of the token permutation's kernels
+/// scans: each (chunk, expert) pair is a thread, so T·K assignments take
+/// T·K / 64 · E threads, each reading at most 64 of them and E + T·K / 64
+/// counts.
+pub const PERMUTATION_CHUNK: usize = 64;
+
 /// On a GPU, the most bytes the logits of one block of the head's rows
 /// take (their gradient as much again; a block holds one row at least).
 pub const HEAD_BLOCK_BYTES: usize = 1 << 30;

@@ -6,6 +6,7 @@ use strata::math::{aux_prob_grad, RouterConfig, Routing, Scoring};
 
 use super::{arg, KernelEmulator};
 use crate::kernel_checks::RouterResult;
+use strata::backend::PERMUTATION_CHUNK;
 
 impl KernelEmulator {
     /// `CudaBackend::route_host`.
@@ -91,18 +92,23 @@ impl KernelEmulator {
             r.position.as_mut_ptr(),
             r.counts.as_mut_ptr(),
         );
-        let n32 = (t * k) as u32;
+        // As `CudaBackend::permute_device`: chunks' counts, the experts'
+        // counts, then each (chunk, expert) places its assignments.
+        let n = t * k;
+        let chunks = n.div_ceil(PERMUTATION_CHUNK);
+        let mut chunk_counts = vec![0u32; chunks * e];
+        let pcc = chunk_counts.as_mut_ptr();
+        let [n32, c32] = [n, PERMUTATION_CHUNK].map(|v| v as u32);
+        let sizes = [arg(&n32), arg(&e32), arg(&c32)];
+        let args = [&[arg(&pe), arg(&pcc)][..], &sizes].concat();
+        self.launch("permutation_chunk_counts", chunks * e, &args);
+        let args = [&[arg(&pcc), arg(&pc)][..], &sizes].concat();
+        self.launch("permutation_counts", e, &args);
+        let places = [arg(&pe), arg(&pcc), arg(&pc), arg(&po), arg(&ppos)];
         self.launch(
-            "expert_permutation",
-            e,
-            &[
-                arg(&pe),
-                arg(&po),
-                arg(&ppos),
-                arg(&pc),
-                arg(&n32),
-                arg(&e32),
-            ],
+            "permutation_place",
+            chunks * e,
+            &[&places[..], &sizes].concat(),
         );
         let (pp, plse, ps) = (r.probs.as_ptr(), r.lse.as_ptr(), r.sums.as_mut_ptr());
         self.launch(

@@ -15,7 +15,9 @@ pub fn router_kernels(h: &dyn KernelHost) {
     use strata::math::{
         add_prob_sums, balance_loss, route_logits, router_logits_grad, Permutation,
     };
-    let (t, e) = (37, 8);
+    // 111 to 333 assignments: chunks of the permutation's 64 with a
+    // partial last one, so an expert's assignments span several chunks.
+    let (t, e) = (111, 8);
     let mut logits = f32s(t * e, 41, 3.0);
     // Ties: a token whose experts all score alike, and one with two pairs.
     logits[5 * e..6 * e].fill(0.25);

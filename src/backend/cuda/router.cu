@@ -101,24 +101,55 @@ extern "C" __global__ void router_sigmoid_top_k(const float* logits, const float
     }
 }
 
-// math::Permutation::from_routing, one thread an expert x: the
-// assignments (n = T·K) whose expert is x, in assignment order, placed
-// after those of every lower expert; `counts[x]` their number.
-extern "C" __global__ void expert_permutation(const unsigned* experts, unsigned* order,
-                                              unsigned* position, unsigned* counts,
-                                              unsigned n, unsigned e) {
+// math::Permutation::from_routing in three passes over chunks of `chunk`
+// assignments (n = T·K), one thread a (chunk, expert) pair or an expert:
+// a chunk's count of each expert; each expert's count; then each (chunk,
+// expert) places its chunk's assignments to that expert, in assignment
+// order, after every lower expert's and after the expert's in earlier
+// chunks. Integer counts: the same permutation whatever the threads'
+// order.
+extern "C" __global__ void permutation_chunk_counts(const unsigned* experts,
+                                                    unsigned* chunk_counts, unsigned n,
+                                                    unsigned e, unsigned chunk) {
+    unsigned idx = strata_index();
+    unsigned chunks = (n + chunk - 1) / chunk;
+    if (idx >= chunks * e) return;
+    unsigned c = idx / e, x = idx % e;
+    unsigned end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+    unsigned count = 0;
+    for (unsigned a = c * chunk; a < end; ++a) count += experts[a] == x ? 1u : 0u;
+    chunk_counts[idx] = count;
+}
+
+extern "C" __global__ void permutation_counts(const unsigned* chunk_counts, unsigned* counts,
+                                              unsigned n, unsigned e, unsigned chunk) {
     unsigned x = strata_index();
     if (x >= e) return;
-    unsigned start = 0;
-    for (unsigned a = 0; a < n; ++a) start += experts[a] < x ? 1u : 0u;
-    unsigned cursor = start;
-    for (unsigned a = 0; a < n; ++a) {
+    unsigned chunks = (n + chunk - 1) / chunk;
+    unsigned count = 0;
+    for (unsigned c = 0; c < chunks; ++c) count += chunk_counts[c * e + x];
+    counts[x] = count;
+}
+
+extern "C" __global__ void permutation_place(const unsigned* experts,
+                                             const unsigned* chunk_counts,
+                                             const unsigned* counts, unsigned* order,
+                                             unsigned* position, unsigned n, unsigned e,
+                                             unsigned chunk) {
+    unsigned idx = strata_index();
+    unsigned chunks = (n + chunk - 1) / chunk;
+    if (idx >= chunks * e) return;
+    unsigned c = idx / e, x = idx % e;
+    unsigned cursor = 0;
+    for (unsigned y = 0; y < x; ++y) cursor += counts[y];
+    for (unsigned d = 0; d < c; ++d) cursor += chunk_counts[d * e + x];
+    unsigned end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+    for (unsigned a = c * chunk; a < end; ++a) {
         if (experts[a] != x) continue;
         order[cursor] = a;
         position[a] = cursor;
         ++cursor;
     }
-    counts[x] = cursor - start;
 }
 
 // What a layer's losses read (math::route_logits), one thread an expert

@@ -18,13 +18,16 @@ use cudarc::driver::{
 
 use super::dense::{load_kernel, threads};
 use super::{gpu_error, CudaBackend};
+use crate::backend::PERMUTATION_CHUNK;
 use crate::math::{aux_prob_grad, balance_loss, Permutation, RouterConfig, Routing, Scoring};
 use crate::EngineError;
 
 pub(super) struct RouterFunctions {
     top_k: CudaFunction,
     sigmoid_top_k: CudaFunction,
-    expert_permutation: CudaFunction,
+    permutation_chunk_counts: CudaFunction,
+    permutation_counts: CudaFunction,
+    permutation_place: CudaFunction,
     sums: CudaFunction,
     add_prob_sums: CudaFunction,
     logits_grad: CudaFunction,
@@ -36,7 +39,9 @@ impl RouterFunctions {
         Ok(Self {
             top_k: load("router_top_k")?,
             sigmoid_top_k: load("router_sigmoid_top_k")?,
-            expert_permutation: load("expert_permutation")?,
+            permutation_chunk_counts: load("permutation_chunk_counts")?,
+            permutation_counts: load("permutation_counts")?,
+            permutation_place: load("permutation_place")?,
             sums: load("router_sums")?,
             add_prob_sums: load("add_prob_sums")?,
             logits_grad: load("router_logits_grad")?,
@@ -261,18 +266,31 @@ impl CudaBackend {
         let n = experts.len();
         let (mut order, mut position) = (self.alloc::<u32>(n)?, self.alloc::<u32>(n)?);
         let mut counts = self.alloc::<u32>(e)?;
-        let [n32, e32] = [n, e].map(|v| v as u32);
-        let mut launch = self.stream.launch_builder(&self.router.expert_permutation);
-        launch
-            .arg(experts)
-            .arg(&mut order)
-            .arg(&mut position)
-            .arg(&mut counts);
-        launch.arg(&n32).arg(&e32);
-        // SAFETY: experts, order and position hold n u32 (each expert
-        // < e, as the top-k kernels write them), counts e; one thread an
-        // expert.
-        unsafe { launch.launch(threads(e)) }.map_err(|err| gpu_error("expert_permutation", err))?;
+        let chunks = n.div_ceil(PERMUTATION_CHUNK);
+        let mut chunk_counts = self.alloc::<u32>(chunks * e)?;
+        let [n32, e32, c32] = [n, e, PERMUTATION_CHUNK].map(|v| v as u32);
+        let f = &self.router;
+        let mut launch = self.stream.launch_builder(&f.permutation_chunk_counts);
+        launch.arg(experts).arg(&mut chunk_counts);
+        launch.arg(&n32).arg(&e32).arg(&c32);
+        // SAFETY: experts hold n u32, chunk_counts one a (chunk, expert);
+        // one thread a (chunk, expert).
+        unsafe { launch.launch(threads(chunks * e)) }
+            .map_err(|err| gpu_error("permutation_chunk_counts", err))?;
+        let mut launch = self.stream.launch_builder(&f.permutation_counts);
+        launch.arg(&chunk_counts).arg(&mut counts);
+        launch.arg(&n32).arg(&e32).arg(&c32);
+        // SAFETY: as above, counts e u32; one thread an expert.
+        unsafe { launch.launch(threads(e)) }.map_err(|err| gpu_error("permutation_counts", err))?;
+        let mut launch = self.stream.launch_builder(&f.permutation_place);
+        launch.arg(experts).arg(&chunk_counts).arg(&counts);
+        launch.arg(&mut order).arg(&mut position);
+        launch.arg(&n32).arg(&e32).arg(&c32);
+        // SAFETY: as above; order and position hold n u32, and every
+        // expert < e (as the top-k kernels write them), so each cursor
+        // stays below n; one thread a (chunk, expert).
+        unsafe { launch.launch(threads(chunks * e)) }
+            .map_err(|err| gpu_error("permutation_place", err))?;
         Ok((order, position, counts))
     }
 
