@@ -887,8 +887,8 @@ fn five_engine_steps_on_the_gpu_match_the_cpu() {
 /// `StepMetrics::bytes_pcie_other` counts what crosses between host and
 /// GPU besides expert params and gradients: the cpu backend copies none;
 /// the GPU step, its activations and routing on the GPU, copies each
-/// layer's counts and loss sums, the batch's ids (and its loss mask's
-/// bits) and the loss every step, and the dense params either once (kept
+/// layer's counts and losses, the batch's ids (and its loss mask's bits)
+/// and the loss every step, and the dense params either once (kept
 /// and stepped on the GPU, the default) or up and their gradient down
 /// every step (`dense_on_device: false`). The steady state copies the same
 /// bytes every step at one shape.
@@ -898,7 +898,7 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
     use common::tiny_lm::tiny_config;
     use strata::backend::BackendKind;
     use strata::engine::{Engine, EngineConfig};
-    use strata::lm::{MoeLm, TokenBatch};
+    use strata::lm::{AuxLoss, LmConfig, MoeLm, TokenBatch};
     if let Err(e) = BackendKind::Cuda.check(0..1, strata_tiers::Dtype::Bf16) {
         common::cuda_case_skipped(e);
         return;
@@ -927,10 +927,10 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
     assert_eq!(cpu, vec![0, 0, 0]);
     let kept = run(BackendKind::Cuda, true, &batch);
     let moved = run(BackendKind::Cuda, false, &batch);
-    // Each layer's routing stays on the GPU: the experts' counts and the
-    // loss sums come down (E and E + 1 values), the load-balancing loss's
+    // Each layer's routing stays on the GPU: the experts' counts and its
+    // two losses come down (E + 2 values), its load-balancing loss's
     // gradient goes up (E).
-    let routing = (4 * c.layers * (3 * c.experts + 1)) as u64;
+    let routing = (4 * c.layers * (2 * c.experts + 2)) as u64;
     let dense = 4 * c.dense_params() as u64;
     eprintln!(
         "bytes_pcie_other a step on the gpu: {kept:?} with the dense params kept there, \
@@ -955,6 +955,32 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
     let with_mask = run(BackendKind::Cuda, true, &masked);
     let words = 4 * batch.tokens.len().div_ceil(32) as u64;
     assert_eq!(with_mask[1], kept[1] + words, "{with_mask:?}");
+    // The load-balancing loss over every layer (transformers' form, a Hub
+    // model's): each expert's probabilities summed over every layer come
+    // down once (E f64), and its gradient, the same for every layer, goes
+    // up once (E f32), instead of one a layer.
+    let all_layers = MoeLm::new(LmConfig {
+        aux_loss: AuxLoss::AllLayers,
+        ..tiny_config()
+    })
+    .unwrap();
+    let config = EngineConfig {
+        backend: BackendKind::Cuda,
+        optimizer_threads: 2,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new_network(&all_layers, config).unwrap();
+    let steps: Vec<u64> = (0..2)
+        .map(|_| {
+            engine
+                .step_network(&all_layers, &batch)
+                .unwrap()
+                .bytes_pcie_other
+        })
+        .collect();
+    let once = (8 + 4) * c.experts as u64;
+    let each_layer = (4 * c.layers * (c.experts + 2)) as u64;
+    assert_eq!(steps[1], each_layer + once + ids + 4, "{steps:?}");
     // Moved: the params up and their gradient down, every step.
     for &b in &moved {
         assert!(
@@ -1000,6 +1026,7 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "permutation_counts",
         "permutation_place",
         "router_sums",
+        "router_losses",
         "add_prob_sums",
         "router_logits_grad",
         "gather_rows",

@@ -529,13 +529,13 @@ fn all_layers_aux<O: DenseOps>(
     let mut sparse: Vec<_> = layers.iter_mut().filter_map(|l| l.ffn.moe_mut()).collect();
     let n = (sparse.len() * t) as f64;
     let mut assigned = vec![0.0f64; experts];
-    let mut prob = vec![0.0f64; experts];
     for moe in sparse.iter() {
         for (e, &count) in moe.routing().counts.iter().enumerate() {
             assigned[e] += count as f64;
         }
-        ops.moe_add_prob_sums(moe, &mut prob)?;
     }
+    let blocks: Vec<&O::MoeSaved> = sparse.iter().map(|m| &**m).collect();
+    let prob = ops.moe_prob_sums(&blocks, experts)?;
     let e = experts as f64;
     let aux = e
         * (0..experts)

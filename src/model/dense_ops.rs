@@ -226,14 +226,15 @@ pub trait DenseOps {
         last_micro_batch: bool,
     ) -> Result<(), EngineError>;
 
-    /// `sums` (E) += the router probabilities of `saved`'s block summed
-    /// over its tokens, in f64 and token order (`math::add_prob_sums`):
-    /// the load-balancing loss over every layer at once reads them.
-    fn moe_add_prob_sums(
+    /// Each expert's router probabilities (E of them) summed over the
+    /// tokens of every block of `saved`, block after block, in f64 and
+    /// token order (`math::add_prob_sums` from zeros): the load-balancing
+    /// loss over every layer at once reads them.
+    fn moe_prob_sums(
         &self,
-        saved: &Self::MoeSaved,
-        sums: &mut [f64],
-    ) -> Result<(), EngineError>;
+        saved: &[&Self::MoeSaved],
+        experts: usize,
+    ) -> Result<Vec<f64>, EngineError>;
 
     /// A MoE block's saved state is done with: its buffers go back to
     /// `runner` where they came from it.
@@ -587,9 +588,12 @@ impl DenseOps for HostOps<'_> {
         )
     }
 
-    fn moe_add_prob_sums(&self, saved: &MoeSaved, sums: &mut [f64]) -> Result<(), EngineError> {
-        add_prob_sums(&saved.routing.probs, sums);
-        Ok(())
+    fn moe_prob_sums(&self, saved: &[&MoeSaved], experts: usize) -> Result<Vec<f64>, EngineError> {
+        let mut sums = vec![0.0f64; experts];
+        for block in saved {
+            add_prob_sums(&block.routing.probs, &mut sums);
+        }
+        Ok(sums)
     }
 
     fn moe_release(&self, saved: &mut MoeSaved, runner: &mut dyn ExpertRunner) {

@@ -28,6 +28,7 @@ impl KernelEmulator {
             position: vec![0; t * k],
             counts: vec![0; e],
             sums: vec![0.0; e + 1],
+            losses: [0.0; 2],
         };
         let pl = logits.as_ptr();
         let (pp, plse, pe, pw) = (
@@ -116,6 +117,16 @@ impl KernelEmulator {
             e + 1,
             &[arg(&pp), arg(&plse), arg(&ps), arg(&t32), arg(&e32)],
         );
+        let (pc, ps, pl) = (r.counts.as_ptr(), r.sums.as_ptr(), r.losses.as_mut_ptr());
+        let args = [
+            arg(&pc),
+            arg(&ps),
+            arg(&pl),
+            arg(&t32),
+            arg(&k32),
+            arg(&e32),
+        ];
+        self.launch("router_losses", 1, &args);
         r
     }
 

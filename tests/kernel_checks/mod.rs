@@ -33,6 +33,8 @@ pub struct RouterResult {
     pub position: Vec<u32>,
     pub counts: Vec<u32>,
     pub sums: Vec<f32>,
+    /// The load-balancing loss and the z-loss, from the counts and sums.
+    pub losses: [f32; 2],
 }
 
 /// What the MoE block's kernels give ([`KernelHost::moe_rows`]).
@@ -640,6 +642,7 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
             position: r.position,
             counts: r.counts,
             sums: r.sums,
+            losses: r.losses,
         }
     }
 

@@ -65,6 +65,13 @@ pub fn router_kernels(h: &dyn KernelHost) {
         assert!(worst(&got.weights, &want.weights) < 1e-5, "{name}");
         let aux = balance_loss(&got.counts, &got.sums[..e], t, k);
         let z = got.sums[e] / t as f32;
+        // The losses the GPU computes from its counts and sums: the host's
+        // functions' bits on the same values.
+        assert_eq!(
+            got.losses.map(f32::to_bits),
+            [aux, z].map(f32::to_bits),
+            "{name}"
+        );
         assert!(
             (aux - want.aux_loss).abs() < 1e-5 * want.aux_loss.abs().max(1.0),
             "{name}"

@@ -20,7 +20,7 @@ use super::router::DeviceRouting;
 use super::{gpu_error, CudaBackend, Shape};
 use crate::backend::ROW_PARTS;
 use crate::backend::{DenseGemm, DeviceRows};
-use crate::math::{add_prob_sums, Permutation, Routing};
+use crate::math::{add_prob_sums, aux_prob_grad, Permutation, Routing};
 use crate::model::{moe_backward, moe_forward, DenseOps, ExpertRunner, ModelConfig, MoeRouting};
 use crate::model::{DenseKernels, MoeSaved};
 use crate::EngineError;
@@ -44,21 +44,30 @@ pub struct DeviceMoe {
     expert_out: CudaSlice<f32>,
 }
 
-impl CudaMoeSaved {
-    /// `sums` (E) += this block's router probabilities summed over its
-    /// tokens, in f64 and token order (`math::add_prob_sums`).
-    pub(super) fn add_prob_sums(
+impl CudaBackend {
+    /// Each expert's router probabilities summed over the tokens of every
+    /// block of `saved`, block after block, in f64 and token order
+    /// (`math::add_prob_sums` from zeros). The sums stay on the GPU while
+    /// the blocks' probabilities are there: E f64 come down once.
+    pub(super) fn prob_sums(
         &self,
-        gpu: &CudaBackend,
-        sums: &mut [f64],
-    ) -> Result<(), EngineError> {
-        match self {
-            CudaMoeSaved::Host(s) => {
-                add_prob_sums(&s.routing.probs, sums);
-                Ok(())
+        saved: &[&CudaMoeSaved],
+        e: usize,
+    ) -> Result<Vec<f64>, EngineError> {
+        let mut host = vec![0.0f64; e];
+        let mut dev = self.prob_sums_zeros(e)?;
+        for block in saved {
+            match block {
+                CudaMoeSaved::Device(s) => self.add_prob_sums_on(s.device.probs(), &mut dev)?,
+                CudaMoeSaved::Host(s) => {
+                    self.download_f64(&dev, &mut host)?;
+                    add_prob_sums(&s.routing.probs, &mut host);
+                    dev = self.upload_f64(&host)?;
+                }
             }
-            CudaMoeSaved::Device(s) => gpu.add_prob_sums_device(s.device.probs(), sums),
         }
+        self.download_f64(&dev, &mut host)?;
+        Ok(host)
     }
 }
 
@@ -212,14 +221,17 @@ impl CudaOps<'_> {
             self.span("gather backward and router backward"),
         );
         gpu.gather_backward_device(dx, &dxa, position, (t, k, d))?;
-        let dlogits = gpu.router_logits_grad_device(
-            &model.router(),
-            &s.device.scored,
-            &s.routing,
-            &dweights,
-            (daux, dz),
-            t,
-        )?;
+        let cfg = model.router();
+        // A layer's own load-balancing loss has a gradient of its own; the
+        // loss over every layer gives each layer the same, which goes up
+        // once a step.
+        let grad = aux_prob_grad(&cfg, daux, &s.routing, t);
+        let aux = match s.routing.aux_grad {
+            Some(_) => self.aux_grad(grad)?,
+            None => std::sync::Arc::new(gpu.upload(&grad)?),
+        };
+        let dlogits =
+            gpu.router_logits_grad_device(&cfg, &s.device.scored, &aux, &dweights, dz, t)?;
         gpu.with_grad(router_grad, |dw| {
             let shape = Shape { m: t, k: d, n: e };
             gpu.dense_backward(DenseGemm::F32, dx, dw, &dlogits, x, router, shape)

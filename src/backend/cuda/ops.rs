@@ -9,7 +9,7 @@
 //! before it.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 
@@ -30,7 +30,14 @@ pub struct CudaOps<'a> {
     kernels: &'a dyn DenseKernels,
     /// Each operation's GPU time, where the kernels record a timeline.
     spans: Option<GpuSpans>,
+    /// The load-balancing loss's gradient of the probabilities last
+    /// uploaded, with its host values: the loss over every layer gives
+    /// each layer the same, which then goes up once a step.
+    aux_grad: Mutex<Option<AuxGrad>>,
 }
+
+/// A load-balancing gradient on the GPU with the host values it came from.
+type AuxGrad = Uploaded<Vec<f32>, Arc<CudaSlice<f32>>>;
 
 /// What every layer's attention reads alike, step after step, kept on the
 /// GPU with the host values it was uploaded from (and uploaded again when
@@ -66,7 +73,24 @@ impl<'a> CudaOps<'a> {
             gpu,
             kernels,
             spans,
+            aux_grad: Mutex::new(None),
         })
+    }
+
+    /// `grad` (a router's load-balancing gradient of its probabilities)
+    /// on the GPU, uploaded unless it is the last one's bits.
+    pub(super) fn aux_grad(&self, grad: Vec<f32>) -> Result<Arc<CudaSlice<f32>>, EngineError> {
+        let mut last = self.aux_grad.lock().unwrap_or_else(|p| p.into_inner());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        if let Some(u) = last.as_ref().filter(|u| bits(&u.host) == bits(&grad)) {
+            return Ok(Arc::clone(&u.device));
+        }
+        let device = Arc::new(self.gpu.upload(&grad)?);
+        *last = Some(Uploaded {
+            host: grad,
+            device: Arc::clone(&device),
+        });
+        Ok(device)
     }
 
     /// The GPU's time for the work queued until the span is dropped, on
@@ -514,8 +538,8 @@ impl DenseOps for CudaOps<'_> {
         )
     }
 
-    fn moe_add_prob_sums(&self, saved: &CudaMoeSaved, sums: &mut [f64]) -> Result<(), EngineError> {
-        saved.add_prob_sums(self.gpu, sums)
+    fn moe_prob_sums(&self, saved: &[&CudaMoeSaved], e: usize) -> Result<Vec<f64>, EngineError> {
+        self.gpu.prob_sums(saved, e)
     }
 
     fn moe_release(&self, saved: &mut CudaMoeSaved, runner: &mut dyn ExpertRunner) {

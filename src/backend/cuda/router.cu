@@ -168,6 +168,23 @@ extern "C" __global__ void router_sums(const float* probs, const float* lse, flo
     sums[j] = sum;
 }
 
+// A layer's losses from its counts and router_sums' sums, one thread, in
+// math::balance_loss's order: losses[0] = E · Σ_j f_j · (sums[j] / T),
+// f_j = counts[j] / (T·K) divided in f64 and rounded, and losses[1] =
+// sums[E] / T, the z-loss.
+extern "C" __global__ void router_losses(const unsigned* counts, const float* sums,
+                                         float* losses, unsigned t, unsigned k, unsigned e) {
+    if (strata_index() != 0) return;
+    float tf = (float)(double)t;
+    float aux = 0.0f;
+    for (unsigned j = 0; j < e; ++j) {
+        float frac = (float)((double)counts[j] / (double)((unsigned long long)t * k));
+        aux += frac * (sums[j] / tf);
+    }
+    losses[0] = (float)(double)e * aux;
+    losses[1] = sums[e] / tf;
+}
+
 // sums[j] += Σ_t probs[t, j] in f64, in token order, one thread an expert
 // (the load-balancing loss over every layer, lm::network's all_layers_aux).
 extern "C" __global__ void add_prob_sums(const float* probs, double* sums, unsigned t,

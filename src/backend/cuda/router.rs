@@ -19,7 +19,7 @@ use cudarc::driver::{
 use super::dense::{load_kernel, threads};
 use super::{gpu_error, CudaBackend};
 use crate::backend::PERMUTATION_CHUNK;
-use crate::math::{aux_prob_grad, balance_loss, Permutation, RouterConfig, Routing, Scoring};
+use crate::math::{aux_prob_grad, Permutation, RouterConfig, Routing, Scoring};
 use crate::EngineError;
 
 pub(super) struct RouterFunctions {
@@ -29,6 +29,7 @@ pub(super) struct RouterFunctions {
     permutation_counts: CudaFunction,
     permutation_place: CudaFunction,
     sums: CudaFunction,
+    losses: CudaFunction,
     add_prob_sums: CudaFunction,
     logits_grad: CudaFunction,
 }
@@ -43,6 +44,7 @@ impl RouterFunctions {
             permutation_counts: load("permutation_counts")?,
             permutation_place: load("permutation_place")?,
             sums: load("router_sums")?,
+            losses: load("router_losses")?,
             add_prob_sums: load("add_prob_sums")?,
             logits_grad: load("router_logits_grad")?,
         })
@@ -91,6 +93,9 @@ pub struct RouterOut {
     pub counts: Vec<u32>,
     /// Each expert's probabilities summed over the tokens, then Σ lse².
     pub sums: Vec<f32>,
+    /// The load-balancing loss and the z-loss, from the counts and sums
+    /// on the GPU.
+    pub losses: [f32; 2],
 }
 
 impl CudaBackend {
@@ -121,10 +126,10 @@ impl CudaBackend {
             .map_err(|e| gpu_error("a download", e))
     }
 
-    /// The experts' counts and the loss sums, side by side in one buffer
-    /// on the GPU (two copies there) and then in one download: one host
-    /// join a layer rather than two.
-    fn download_counts_and_sums(
+    /// The experts' counts and the layer's two losses, side by side in
+    /// one buffer on the GPU (two copies there) and then in one download:
+    /// one host join a layer rather than two.
+    fn download_counts_and_losses(
         &self,
         counts: &CudaSlice<u32>,
         sums: &CudaSlice<f32>,
@@ -175,7 +180,8 @@ impl CudaBackend {
         let scored = self.route_kernels(cfg, logits, bias, t)?;
         let (order, position, counts_dev) = self.permute_device(&scored.experts, e)?;
         let sums_dev = self.router_sums_device(&scored.probs, &scored.lse, t, e)?;
-        let (counts, sums) = self.download_counts_and_sums(&counts_dev, &sums_dev)?;
+        let losses_dev = self.router_losses_device(&counts_dev, &sums_dev, t, k)?;
+        let (counts, losses) = self.download_counts_and_losses(&counts_dev, &losses_dev)?;
         let mut routing = Routing::default();
         let perm = if assignments {
             routing.experts = vec![0; t * k];
@@ -184,8 +190,7 @@ impl CudaBackend {
         } else {
             Permutation::from_counts(&counts)
         };
-        routing.aux_loss = balance_loss(&counts, &sums[..e], t, k);
-        routing.z_loss = sums[e] / t as f32;
+        (routing.aux_loss, routing.z_loss) = (losses[0], losses[1]);
         routing.counts = counts;
         let dev = DeviceRouting {
             scored,
@@ -294,6 +299,28 @@ impl CudaBackend {
         Ok((order, position, counts))
     }
 
+    /// The load-balancing loss and the z-loss of a layer's counts (E)
+    /// and sums (E + 1), on the GPU.
+    fn router_losses_device(
+        &self,
+        counts: &CudaSlice<u32>,
+        sums: &CudaSlice<f32>,
+        t: usize,
+        k: usize,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let e = counts.len();
+        assert_eq!(sums.len(), e + 1, "a sum an expert and Σ lse²");
+        let mut losses = self.zeros(2)?;
+        let [t32, k32, e32] = [t, k, e].map(|v| v as u32);
+        let mut launch = self.stream.launch_builder(&self.router.losses);
+        launch.arg(counts).arg(sums).arg(&mut losses);
+        launch.arg(&t32).arg(&k32).arg(&e32);
+        // SAFETY: counts hold e u32, sums e + 1 f32 (asserted), losses 2;
+        // one thread.
+        unsafe { launch.launch(threads(1)) }.map_err(|err| gpu_error("router_losses", err))?;
+        Ok(losses)
+    }
+
     /// (E + 1): each expert's probabilities summed over the tokens, then
     /// the tokens' Σ lse².
     fn router_sums_device(
@@ -317,42 +344,60 @@ impl CudaBackend {
         Ok(sums)
     }
 
-    /// `sums` (E) += each expert's probabilities over the routing's
-    /// tokens, in f64 and token order (the load-balancing loss over every
-    /// layer).
-    pub(super) fn add_prob_sums_device(
+    /// `sums` (E, in GPU memory) += each expert's probabilities over the
+    /// routing's tokens, in f64 and token order (the load-balancing loss
+    /// over every layer).
+    pub(super) fn add_prob_sums_on(
         &self,
         probs: &CudaSlice<f32>,
-        sums: &mut [f64],
+        sums: &mut CudaSlice<f64>,
     ) -> Result<(), EngineError> {
         let e = sums.len();
         let t = probs.len() / e.max(1);
         assert_eq!(probs.len(), t * e, "a sum an expert");
-        let mut dev = self.upload_values(sums)?;
         let [t32, e32] = [t, e].map(|v| v as u32);
         let mut launch = self.stream.launch_builder(&self.router.add_prob_sums);
-        launch.arg(probs).arg(&mut dev).arg(&t32).arg(&e32);
-        // SAFETY: probs holds t·e f32, the sums e f64; one thread a sum.
+        launch.arg(probs).arg(sums).arg(&t32).arg(&e32);
+        // SAFETY: probs holds t·e f32 (asserted), the sums e f64; one
+        // thread a sum.
         unsafe { launch.launch(threads(e)) }.map_err(|err| gpu_error("add_prob_sums", err))?;
-        self.download_values(&dev, sums)
+        Ok(())
+    }
+
+    /// Zeros (E f64) in GPU memory, for `add_prob_sums_on`.
+    pub(super) fn prob_sums_zeros(&self, e: usize) -> Result<CudaSlice<f64>, EngineError> {
+        self.alloc::<f64>(e)
+    }
+
+    /// f64 values brought to the host (counted).
+    pub(super) fn download_f64(
+        &self,
+        dev: &CudaSlice<f64>,
+        host: &mut [f64],
+    ) -> Result<(), EngineError> {
+        self.download_values(dev, host)
+    }
+
+    /// f64 values taken to the GPU (counted).
+    pub(super) fn upload_f64(&self, host: &[f64]) -> Result<CudaSlice<f64>, EngineError> {
+        self.upload_values(host)
     }
 
     /// `math::router_logits_grad` on the GPU: dlogits (T, E) from the
-    /// combine weights' gradient and the losses' weights, `host` being
-    /// what [`Self::route_device`] kept (its counts, or the network's
-    /// `aux_grad`).
+    /// combine weights' gradient, the load-balancing loss's gradient of
+    /// the probabilities (`aux`, E: `math::aux_prob_grad`) and the
+    /// z-loss's weight.
     pub(super) fn router_logits_grad_device(
         &self,
         cfg: &RouterConfig,
         routing: &Scored,
-        host: &Routing<f32>,
+        aux: &CudaSlice<f32>,
         dweights: &CudaSlice<f32>,
-        (daux, dz): (f32, f32),
+        dz: f32,
         t: usize,
     ) -> Result<CudaSlice<f32>, EngineError> {
         let (e, k) = (cfg.experts, cfg.top_k);
-        assert!(routing.probs.len() == t * e && dweights.len() == t * k);
-        let aux = self.upload(&aux_prob_grad(cfg, daux, host, t))?;
+        assert!(routing.probs.len() == t * e && dweights.len() == t * k && aux.len() == e);
         let mut dlogits = self.zeros(t * e)?;
         let (sigmoid, scale) = match cfg.scoring {
             Scoring::Softmax => (0u32, 1.0f32),
@@ -368,7 +413,7 @@ impl CudaBackend {
         launch
             .arg(&routing.weights)
             .arg(dweights)
-            .arg(&aux)
+            .arg(aux)
             .arg(&mut dlogits);
         launch.arg(&t32).arg(&e32).arg(&k32).arg(&r32).arg(&sigmoid);
         launch.arg(&scale).arg(&dz2);
@@ -403,6 +448,7 @@ impl CudaBackend {
             position: vec![0; t * k],
             counts: routing.counts,
             sums: vec![0.0; e + 1],
+            losses: [routing.aux_loss, routing.z_loss],
         };
         self.download(&s.probs, &mut h.probs)?;
         self.download(&s.lse, &mut h.lse)?;
@@ -432,16 +478,18 @@ impl CudaBackend {
             weights: self.upload(&routing.weights)?,
         };
         let dw = self.upload(dweights)?;
-        let dlogits = self.router_logits_grad_device(cfg, &dev, routing, &dw, losses, t)?;
+        let aux = self.upload(&aux_prob_grad(cfg, losses.0, routing, t))?;
+        let dlogits = self.router_logits_grad_device(cfg, &dev, &aux, &dw, losses.1, t)?;
         let mut out = vec![0.0; dlogits.len()];
         self.download(&dlogits, &mut out)?;
         Ok(out)
     }
 
-    /// `add_prob_sums_device` on host probabilities (T, E).
+    /// `add_prob_sums_on` on host probabilities (T, E) and sums.
     pub fn add_prob_sums_host(&self, probs: &[f32], sums: &mut [f64]) -> Result<(), EngineError> {
         self.bind()?;
-        let dev = self.upload(probs)?;
-        self.add_prob_sums_device(&dev, sums)
+        let (probs, mut dev) = (self.upload(probs)?, self.upload_values(sums)?);
+        self.add_prob_sums_on(&probs, &mut dev)?;
+        self.download_values(&dev, sums)
     }
 }
