@@ -60,13 +60,13 @@ impl CudaBackend {
             match block {
                 CudaMoeSaved::Device(s) => self.add_prob_sums_on(s.device.probs(), &mut dev)?,
                 CudaMoeSaved::Host(s) => {
-                    self.download_f64(&dev, &mut host)?;
+                    self.download_values(&dev, &mut host)?;
                     add_prob_sums(&s.routing.probs, &mut host);
-                    dev = self.upload_f64(&host)?;
+                    dev = self.upload_values(&host)?;
                 }
             }
         }
-        self.download_f64(&dev, &mut host)?;
+        self.download_values(&dev, &mut host)?;
         Ok(host)
     }
 }

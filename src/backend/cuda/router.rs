@@ -108,14 +108,17 @@ impl CudaBackend {
             .map_err(|e| self.memory_error("allocating GPU memory", e))
     }
 
-    fn upload_values<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, EngineError> {
+    pub(super) fn upload_values<T: DeviceRepr>(
+        &self,
+        host: &[T],
+    ) -> Result<CudaSlice<T>, EngineError> {
         self.count_pcie_other::<T>(host.len());
         self.stream
             .clone_htod(host)
             .map_err(|e| self.memory_error("an upload", e))
     }
 
-    fn download_values<T: DeviceRepr>(
+    pub(super) fn download_values<T: DeviceRepr>(
         &self,
         dev: &CudaSlice<T>,
         host: &mut [T],
@@ -367,20 +370,6 @@ impl CudaBackend {
     /// Zeros (E f64) in GPU memory, for `add_prob_sums_on`.
     pub(super) fn prob_sums_zeros(&self, e: usize) -> Result<CudaSlice<f64>, EngineError> {
         self.alloc::<f64>(e)
-    }
-
-    /// f64 values brought to the host (counted).
-    pub(super) fn download_f64(
-        &self,
-        dev: &CudaSlice<f64>,
-        host: &mut [f64],
-    ) -> Result<(), EngineError> {
-        self.download_values(dev, host)
-    }
-
-    /// f64 values taken to the GPU (counted).
-    pub(super) fn upload_f64(&self, host: &[f64]) -> Result<CudaSlice<f64>, EngineError> {
-        self.upload_values(host)
     }
 
     /// `math::router_logits_grad` on the GPU: dlogits (T, E) from the
