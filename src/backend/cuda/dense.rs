@@ -13,6 +13,20 @@ use super::{gpu_error, CudaBackend};
 use crate::backend::ROW_PARTS;
 use crate::EngineError;
 
+/// What [`CudaBackend::row_partials`] sums over each row of a.
+#[derive(Clone, Copy)]
+pub(super) enum RowSum<'a> {
+    /// a²
+    Squares,
+    /// a · g · x, g one value a column (a norm's backward)
+    Scaled {
+        x: &'a CudaSlice<f32>,
+        g: &'a CudaSlice<f32>,
+    },
+    /// a · x
+    Dot { x: &'a CudaSlice<f32> },
+}
+
 pub(super) struct DenseFunctions {
     row_partials: CudaFunction,
     rmsnorm_forward: CudaFunction,
@@ -148,7 +162,7 @@ impl CudaBackend {
         eps: f64,
     ) -> Result<(), EngineError> {
         assert!(x.len() == t * d && out.len() == t * d && g.len() == d && inv.len() == t);
-        let partials = self.row_partials(x, None, (t, d))?;
+        let partials = self.row_partials(x, RowSum::Squares, (t, d))?;
         let (t32, d32, eps32) = (t as u32, d as u32, eps as f32);
         let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_forward);
         launch
@@ -166,26 +180,29 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Each of a's t rows (t, d) summed in [`ROW_PARTS`] (`STRATA_ROW_PARTS` in `kernels.cu`) interleaved parts
-    /// (`row_partials`): of a², or with `product` = (x, g) of a · g · x.
-    fn row_partials(
+    /// Each of a's t rows (t, d) summed in [`ROW_PARTS`] interleaved parts
+    /// (`row_partials`, whose `STRATA_ROW_LANES` is that count): of what
+    /// `sum` says.
+    pub(super) fn row_partials(
         &self,
         a: &CudaSlice<f32>,
-        product: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        sum: RowSum<'_>,
         (t, d): (usize, usize),
     ) -> Result<CudaSlice<f32>, EngineError> {
         let mut partials = self.zeros(t * ROW_PARTS)?;
-        let (x, g) = product.unwrap_or((a, a)); // unread without `product`
-        if let Some((x, g)) = product {
-            assert!(x.len() == t * d && g.len() == d);
-        }
-        let [t32, d32, product32] = [t, d, product.is_some() as usize].map(|v| v as u32);
+        let (x, g, code) = match sum {
+            RowSum::Squares => (a, a, 0u32), // x and g unread
+            RowSum::Scaled { x, g } => (x, g, 1),
+            RowSum::Dot { x } => (x, x, 2), // g unread
+        };
+        assert!(a.len() == t * d && x.len() == t * d);
+        assert!(code != 1 || g.len() == d);
+        let [t32, d32] = [t, d].map(|v| v as u32);
         let mut launch = self.stream.launch_builder(&self.dense.row_partials);
         launch.arg(a).arg(x).arg(g).arg(&mut partials);
-        launch.arg(&t32).arg(&d32).arg(&product32);
-        // SAFETY: a (and with `product` x) hold t·d f32 and g d (asserted
-        // by the callers and above), partials t·ROW_PARTS; one thread a
-        // (row, part).
+        launch.arg(&t32).arg(&d32).arg(&code);
+        // SAFETY: a and x hold t·d f32 and, where read, g d (asserted),
+        // partials t·ROW_PARTS; one thread a (row, part).
         unsafe { launch.launch(threads(t * ROW_PARTS)) }
             .map_err(|e| gpu_error("row_partials", e))?;
         Ok(partials)
@@ -228,7 +245,7 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         assert!(dout.len() == t * d && x.len() == t * d && dx.len() == t * d);
         assert!(g.len() == d && dg.len() == d && inv.len() == t);
-        let partials = self.row_partials(dout, Some((x, g)), (t, d))?;
+        let partials = self.row_partials(dout, RowSum::Scaled { x, g }, (t, d))?;
         let (t32, d32) = (t as u32, d as u32);
         let mut launch = self.stream.launch_builder(&self.dense.rmsnorm_backward_dx);
         launch

@@ -126,7 +126,7 @@ extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, u
 // A row's sums over its columns in STRATA_ROW_LANES interleaved parts,
 // one thread a (row, part), so a warp reads a row's columns side by side:
 // part l sums columns l, l + 32, l + 64, ... in order, of a² (`product`
-// 0) or a · g · x (1: a norm's backward). strata_row_sum adds a row's
+// 0), a · g · x (1: a norm's backward) or a · x (2: a gate's backward). strata_row_sum adds a row's
 // parts in part order: every thread that asks gets the same bits.
 #define STRATA_ROW_LANES 32u
 extern "C" __global__ void row_partials(const float* a, const float* x, const float* g,
@@ -140,7 +140,7 @@ extern "C" __global__ void row_partials(const float* a, const float* x, const fl
     const float* rx = x + i * d;
     float acc = 0.0f;
     for (unsigned j = lane; j < d; j += STRATA_ROW_LANES)
-        acc += product ? ra[j] * g[j] * rx[j] : ra[j] * ra[j];
+        acc += product == 0u ? ra[j] * ra[j] : product == 1u ? ra[j] * g[j] * rx[j] : ra[j] * rx[j];
     partials[idx] = acc;
 }
 
@@ -671,18 +671,16 @@ extern "C" __global__ void add_scaled_rows(float* y, const float* x, const float
 }
 
 // The backward of add_scaled_rows(y, out, sig) with sig = σ(z), one thread
-// a row: dz[i] = σ(1 − σ)·⟨dy_i, out_i⟩ (summed in order, as the cpu's
-// f32 sum from -0.0) and dout_i = σ_i · dy_i.
-extern "C" __global__ void gate_backward(const float* dy, const float* out, const float* sig,
-                                         float* dz, float* dout, unsigned t, unsigned d) {
-    unsigned i = strata_index();
-    if (i >= t) return;
-    const float* g = dy + (unsigned long long)i * d;
-    const float* o = out + (unsigned long long)i * d;
-    float* r = dout + (unsigned long long)i * d;
-    float dot = -0.0f;
-    for (unsigned c = 0; c < d; ++c) dot += g[c] * o[c];
+// an element: dout_i = σ_i · dy_i, and each row's first element's thread
+// writes dz[i] = σ(1 − σ)·⟨dy_i, out_i⟩, the dot from row_partials' parts
+// (product 2) added in part order.
+extern "C" __global__ void gate_backward(const float* partials, const float* dy,
+                                         const float* sig, float* dz, float* dout, unsigned t,
+                                         unsigned d) {
+    unsigned long long idx = strata_index();
+    if (idx >= (unsigned long long)t * d) return;
+    unsigned long long i = idx / d;
     float s = sig[i];
-    dz[i] = s * (1.0f - s) * dot;
-    for (unsigned c = 0; c < d; ++c) r[c] = s * g[c];
+    dout[idx] = s * dy[idx];
+    if (idx % d == 0) dz[i] = s * (1.0f - s) * strata_row_sum(partials, i);
 }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 
 use super::attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
-use super::dense::threads;
+use super::dense::{threads, RowSum};
 use super::gpu_spans::{GpuSpan, GpuSpans};
 use super::moe::CudaMoeSaved;
 use super::token_ids::DeviceIds;
@@ -336,22 +336,17 @@ impl DenseOps for CudaOps<'_> {
         assert!(dy.len() == out.len() && dy.len().is_multiple_of(sig.len()));
         let (t, d) = (sig.len(), dy.len() / sig.len());
         let (mut dz, mut dout) = (self.gpu.zeros(t)?, self.gpu.zeros(dy.len())?);
+        let partials = self.gpu.row_partials(dy, RowSum::Dot { x: out }, (t, d))?;
         let (t32, d32) = (t as u32, d as u32);
         let mut launch = self
             .gpu
             .stream
             .launch_builder(&self.gpu.dense.gate_backward);
-        launch
-            .arg(dy)
-            .arg(out)
-            .arg(sig)
-            .arg(&mut dz)
-            .arg(&mut dout)
-            .arg(&t32)
-            .arg(&d32);
-        // SAFETY: dy, out and dout hold t rows of d f32, sig and dz t
-        // (asserted, allocated); one thread a row.
-        unsafe { self.run(launch, "gate_backward", t)? };
+        launch.arg(&partials).arg(dy).arg(sig);
+        launch.arg(&mut dz).arg(&mut dout).arg(&t32).arg(&d32);
+        // SAFETY: dy and dout hold t rows of d f32, sig and dz t, partials
+        // ROW_PARTS a row (asserted, allocated); one thread an element.
+        unsafe { self.run(launch, "gate_backward", t * d)? };
         Ok((dz, dout))
     }
 
