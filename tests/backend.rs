@@ -955,6 +955,31 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
     let with_mask = run(BackendKind::Cuda, true, &masked);
     let words = 4 * batch.tokens.len().div_ceil(32) as u64;
     assert_eq!(with_mask[1], kept[1] + words, "{with_mask:?}");
+    // Documents packed apart (a fine-tuning batch) add their starts: a bit
+    // a token, where the starts differ from the last step's (two batches
+    // taking turns here).
+    let apart = |first: usize| TokenBatch {
+        doc_starts: Some(
+            (0..batch.tokens.len())
+                .map(|p| p % 9 == 0 || p % 9 == first)
+                .collect(),
+        ),
+        ..batch.clone()
+    };
+    let turns = [apart(3), apart(5), apart(3)];
+    let config = EngineConfig {
+        backend: BackendKind::Cuda,
+        optimizer_threads: 2,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new_network(&lm, config.clone()).unwrap();
+    let packed: Vec<u64> = turns
+        .iter()
+        .map(|b| engine.step_network(&lm, b).unwrap().bytes_pcie_other)
+        .collect();
+    let t = 4 * batch.seq_len;
+    let begins = 4 * t.div_ceil(32) as u64;
+    assert_eq!(packed[1..], [kept[1] + begins; 2], "{packed:?}");
     // The load-balancing loss over every layer (transformers' form, a Hub
     // model's): each expert's probabilities summed over every layer come
     // down once (E f64), and its gradient, the same for every layer, goes
@@ -964,11 +989,6 @@ fn a_step_counts_the_bytes_that_cross_besides_experts() {
         ..tiny_config()
     })
     .unwrap();
-    let config = EngineConfig {
-        backend: BackendKind::Cuda,
-        optimizer_threads: 2,
-        ..EngineConfig::default()
-    };
     let mut engine = Engine::new_network(&all_layers, config).unwrap();
     let steps: Vec<u64> = (0..2)
         .map(|_| {
@@ -1044,6 +1064,7 @@ fn the_kernels_compile_with_nvrtc_and_assemble_for_hopper() {
         "weighted_rows",
         "gather_rows_backward",
         "split_token_rows",
+        "document_starts",
         "token_order",
         "embedding_backward",
         "sum_in_order",
@@ -1128,6 +1149,13 @@ mod cuda_kernels {
     fn token_ids_embedding_and_loss_sum_kernels_match_the_cpu() {
         if let Some(gpu) = gpu() {
             kernel_checks::token_ids_embedding_and_loss_sum(&gpu);
+        }
+    }
+
+    #[test]
+    fn document_starts_match_the_cpu() {
+        if let Some(gpu) = gpu() {
+            kernel_checks::document_starts(&gpu);
         }
     }
 

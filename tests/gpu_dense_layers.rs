@@ -88,12 +88,13 @@ fn the_dense_layers_on_the_gpu_compute_the_gradients_of_the_host() {
         ),
     ];
     // Ids repeat (the embedding's gradient sums several rows into one),
-    // and a loss mask leaves a few targets out (split on the GPU).
+    // a loss mask leaves a few targets out (split on the GPU), and each
+    // row packs two documents apart (their starts found on the GPU).
     let batch = TokenBatch {
         seq_len: 8,
         tokens: (0..3 * 9u32).map(|i| (i * 37 + 5) % 250 % 11).collect(),
         loss_mask: Some((0..3 * 9).map(|p| p % 4 != 2).collect()),
-        doc_starts: None,
+        doc_starts: Some((0..3 * 9).map(|p| p % 9 == 0 || p % 9 == 4).collect()),
     };
     for (name, config) in variants {
         let lm = MoeLm::new(config).unwrap();

@@ -51,6 +51,13 @@ fn token_ids_embedding_and_loss_sum_kernels_match_the_cpu() {
 }
 
 #[test]
+fn document_starts_match_the_cpu() {
+    if let Some(e) = emulator() {
+        kernel_checks::document_starts(e);
+    }
+}
+
+#[test]
 fn router_kernels_match_the_cpu() {
     if let Some(e) = emulator() {
         kernel_checks::router::router_kernels(e);

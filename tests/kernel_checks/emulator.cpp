@@ -99,7 +99,7 @@ static std::function<void()> bind(void (*kernel)(A...), unsigned grid, unsigned 
     X(attn_softmax_stats) X(attn_softmax) X(attn_softmax_backward_partials)           \
     X(attn_softmax_backward) X(add_into) X(add_bias) X(clamp_values) X(clamp_grad)    \
     X(combine_rows) X(combine_weights_partials) X(combine_weights_grad)               \
-    X(weighted_rows) X(gather_rows_backward) X(split_token_rows) X(token_order)       \
+    X(weighted_rows) X(gather_rows_backward) X(split_token_rows) X(document_starts) X(token_order)       \
     X(embedding_backward) X(sum_in_order) X(square_sums) X(sigmoid_values)            \
     X(add_scaled_rows) X(gate_backward) X(router_top_k) X(router_sigmoid_top_k)       \
     X(permutation_chunk_counts) X(permutation_counts) X(permutation_place)            \

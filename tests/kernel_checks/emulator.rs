@@ -375,6 +375,26 @@ impl KernelHost for KernelEmulator {
         (inputs, targets)
     }
 
+    fn document_starts(&self, starts: &[u32], seq_len: usize) -> Vec<u32> {
+        // As `CudaBackend::attention_starts`: a bit where a token's start is
+        // its own position, then the kernel.
+        let t = starts.len();
+        let mut words = vec![0u32; t.div_ceil(32)];
+        for (i, &q) in starts.iter().enumerate() {
+            if q as usize == i % seq_len {
+                words[i / 32] |= 1 << (i % 32);
+            }
+        }
+        let mut out = vec![0u32; t];
+        let (pw, po, t32, s32) = (words.as_ptr(), out.as_mut_ptr(), t as u32, seq_len as u32);
+        self.launch(
+            "document_starts",
+            t,
+            &[arg(&pw), arg(&po), arg(&t32), arg(&s32)],
+        );
+        out
+    }
+
     fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize) {
         // As `CudaBackend::embedding_backward_device`.
         let t = tokens.len();

@@ -100,6 +100,9 @@ pub trait KernelHost {
     fn sum_in_order(&self, x: &[f32]) -> f32;
     /// A batch's rows split into inputs and targets on the device.
     fn token_ids(&self, rows: TokenRows<'_>) -> (Vec<u32>, Vec<u32>);
+    /// Every token's document start (`starts`, rows of `seq_len`) as the
+    /// GPU rebuilds it from a bit a token.
+    fn document_starts(&self, starts: &[u32], seq_len: usize) -> Vec<u32>;
     /// dtable (V, D) += dh's rows at their tokens, in token order.
     fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize);
     /// The router after its logits (T, E): scores, top-k, permutation,
@@ -390,6 +393,27 @@ pub fn token_ids_embedding_and_loss_sum(h: &dyn KernelHost) {
     assert_eq!(h.sum_in_order(&shares).to_bits(), fold.to_bits());
 }
 
+/// Every token's document start, rebuilt on the device from a bit a
+/// token, is the host's: rows of 45 (not a multiple of 32, so rows and
+/// words do not align), documents of one token, of most of a row and
+/// across a whole word of clear bits, and a row whose first token is
+/// flagged nowhere but starts at 0 all the same.
+pub fn document_starts(h: &dyn KernelHost) {
+    let s = 45;
+    let begins: Vec<Vec<usize>> = vec![vec![0, 3, 4, 40], vec![5, 44], vec![0, 1, 2, 38]];
+    let mut starts = Vec::new();
+    for row in &begins {
+        let mut first = 0u32;
+        for p in 0..s {
+            if row.contains(&p) {
+                first = p as u32;
+            }
+            starts.push(first);
+        }
+    }
+    assert_eq!(h.document_starts(&starts, s), starts);
+}
+
 /// The MoE block's combine, its weights' gradient, the experts' output
 /// gradients and the gather's backward, against `math::permute`: the same
 /// products summed in the same order (fused multiply-adds off), so equal
@@ -623,6 +647,17 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
 
     fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize) {
         self.embedding_backward_host(dtable, dh, tokens, d).unwrap()
+    }
+
+    fn document_starts(&self, starts: &[u32], seq_len: usize) -> Vec<u32> {
+        let shape = AttnShape {
+            seqs: starts.len() / seq_len,
+            seq_len,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 1,
+        };
+        self.attention_starts_host(starts, &shape).unwrap()
     }
 
     fn route(

@@ -595,6 +595,27 @@ extern "C" __global__ void split_token_rows(const unsigned* rows, const unsigned
     targets[i] = counts ? rows[next] : 0xFFFFFFFFu;
 }
 
+// Where each token's document begins in its row (t tokens, rows of s), one
+// thread a token, from `begins` (token i at bit i % 32 of word i / 32, set
+// where i begins a document; every row's first token is set): the
+// nearest set bit at or before the token, skipping clear words whole.
+extern "C" __global__ void document_starts(const unsigned* begins, unsigned* starts, unsigned t,
+                                           unsigned s) {
+    unsigned i = strata_index();
+    if (i >= t) return;
+    unsigned base = i - i % s, j = i;
+    for (;;) {
+        unsigned word = begins[j / 32u] & (0xFFFFFFFFu >> (31u - j % 32u));
+        if (word != 0u) {
+            unsigned bit = j % 32u;
+            while (((word >> bit) & 1u) == 0u) --bit;
+            starts[i] = j - j % 32u + bit - base;
+            return;
+        }
+        j = j - j % 32u - 1u;  // the last bit of the word before: the row's first is set
+    }
+}
+
 // The tokens' stable order by id, one thread a token: token i goes to
 // position (tokens with a smaller id) + (earlier tokens with its id), so
 // the positions of an id's tokens run in token order. Quadratic in the

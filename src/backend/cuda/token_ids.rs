@@ -20,7 +20,7 @@ pub struct DeviceIds {
 }
 
 impl CudaBackend {
-    fn zeros_u32(&self, n: usize) -> Result<CudaSlice<u32>, EngineError> {
+    pub(super) fn zeros_u32(&self, n: usize) -> Result<CudaSlice<u32>, EngineError> {
         self.stream
             .alloc_zeros::<u32>(n)
             .map_err(|e| self.memory_error("allocating GPU memory", e))
