@@ -548,6 +548,22 @@ fn the_head_and_its_loss_on_the_gpu_match_the_cpu_in_blocks() {
             g.0,
             c.0
         );
+        // The loss alone (evaluation): in the same blocks, the same
+        // products and shares summed in the same order, so the training
+        // pass's bits; in others, cuBLAS may take a row's sums in another
+        // order for another block height, a few ulps.
+        for block in [3, 4, 10] {
+            let alone = gpu
+                .head_loss_forward_in_blocks(&x, &head, &targets, s, block)
+                .unwrap();
+            if block == 3 {
+                assert_eq!(alone.to_bits(), g.0.to_bits(), "{name}: blocks of 3");
+            }
+            assert!(
+                (alone - g.0).abs() <= 1e-6 * g.0.abs(),
+                "{name}: blocks of {block}"
+            );
+        }
         if gemm == DenseGemm::F32 {
             for (what, a, b) in [("dx", &g.1, &c.1), ("dhead", &g.2, &c.2)] {
                 let err = normwise(a, b);

@@ -67,6 +67,27 @@ mod on_the_gpu {
         steps(&mut engine, lm, 0..n)
     }
 
+    /// The held-out loss on the GPU (`Engine::evaluate`: the head's loss a
+    /// block of rows at a time, the shares summed on the device) against
+    /// `Engine::forward`'s, from every logit brought to the host: the same
+    /// cross-entropy summed in another precision, within 1e-5.
+    #[test]
+    fn the_held_out_loss_is_the_whole_forward_s() {
+        if !available() {
+            return;
+        }
+        let lm = MoeLm::new(tiny_config()).unwrap();
+        let mut engine = Engine::new_network(&lm, config(true)).unwrap();
+        steps(&mut engine, &lm, 0..2);
+        let b = batch(9);
+        let whole = engine.forward(&lm, &b).unwrap().loss;
+        let held_out = engine.evaluate(&lm, &b).unwrap();
+        assert!(
+            (held_out - whole).abs() <= 1e-5 * whole.abs(),
+            "{held_out} vs {whole}"
+        );
+    }
+
     fn available() -> bool {
         match BackendKind::Cuda.check(0..1, strata_tiers::Dtype::Bf16) {
             Ok(()) => true,

@@ -87,6 +87,22 @@ fn the_loss_is_the_mean_over_the_targets_that_carry_it() {
     assert_eq!(metrics.tokens, 4 * SEQ);
 }
 
+/// `Engine::evaluate` (the trainer's held-out loss) takes the head's
+/// logits a block of rows at a time and never keeps them whole, and gives
+/// the bits of the loss `Engine::forward` computes from every logit, with
+/// a mask and without.
+#[test]
+fn the_held_out_loss_is_the_whole_forward_s() {
+    let lm = MoeLm::new(tiny_config()).unwrap();
+    let mut engine = Engine::new_network(&lm, config(1)).unwrap();
+    for masked in [false, true] {
+        let b = batch(9, masked);
+        let whole = engine.forward(&lm, &b).unwrap().loss;
+        let held_out = engine.evaluate(&lm, &b).unwrap();
+        assert_eq!(held_out.to_bits(), whole.to_bits(), "masked {masked}");
+    }
+}
+
 #[test]
 fn a_masked_target_changes_no_bit() {
     let lm = MoeLm::new(tiny_config()).unwrap();

@@ -312,7 +312,12 @@ impl Engine {
             net.validate_batch(batch)?;
             return self.evaluate_rank(net, batch);
         }
-        Ok(self.forward(net, batch)?.loss)
+        self.forward_pass(
+            net,
+            batch,
+            "Engine::evaluate",
+            |net, dense, runner, kernels| net.forward_loss(dense, batch, runner, kernels),
+        )
     }
 
     /// The forward pass of `batch` alone: every token's logits (and its
@@ -338,14 +343,34 @@ impl Engine {
         net: &N,
         batch: &N::Batch,
     ) -> Result<Evaluation, EngineError> {
+        let what = "Engine::forward (every token's logits)";
+        self.forward_pass(net, batch, what, |net, dense, runner, kernels| {
+            net.forward_eval(dense, batch, runner, kernels)
+        })
+    }
+
+    /// `pass` (a forward of `batch` alone) on the first device, `what`
+    /// naming it where ranks as processes cannot run it.
+    fn forward_pass<N: Network, R>(
+        &mut self,
+        net: &N,
+        batch: &N::Batch,
+        what: &str,
+        pass: impl FnOnce(
+            &N,
+            &[f32],
+            &mut DeviceRunner<'_>,
+            &dyn DenseKernels,
+        ) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
         self.check_network(net)?;
         net.validate_batch(batch)?;
-        self.whole_world("Engine::forward (every token's logits)")?;
+        self.whole_world(what)?;
         self.reset_counters();
         let options = self.pass_options();
         let mut runner =
             DeviceRunner::new(&self.model, &self.shared, &mut self.devices[0], options);
-        let out = net.forward_eval(&self.dense, batch, &mut runner, &*self.dense_kernels[0]);
+        let out = pass(net, &self.dense, &mut runner, &*self.dense_kernels[0]);
         // The next step starts from its forward again.
         let order = match self.devices.len() {
             1 => {

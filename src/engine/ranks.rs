@@ -183,16 +183,12 @@ impl Engine {
         self.reset_counters();
         let unpinned = vec![vec![None; self.model.experts]; self.model.layers];
         self.with_rank_runner(&unpinned, None, |runner, dense, kernels, _| {
-            let out = net.forward_eval(dense, &parts[rank], runner, kernels)?;
-            let counted = out
-                .targets
-                .iter()
-                .filter(|&&t| t != crate::math::IGNORED_TARGET)
-                .count();
+            let loss = net.forward_loss(dense, &parts[rank], runner, kernels)?;
+            let counted = net.batch_tokens(&parts[rank]);
             // A part with no counted token adds nothing (its mean is 0/0).
             let sum = match counted {
                 0 => 0.0,
-                c => out.loss * c as f32,
+                c => loss * c as f32,
             };
             let mut sums = [sum, counted as f32];
             runner.comm.all_reduce_sum(&mut sums)?;

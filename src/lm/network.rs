@@ -489,6 +489,34 @@ impl MoeLm {
         })
     }
 
+    /// [`Network::forward_loss`] with the dense layers' activations and
+    /// operations in `ops`: the head's loss a block of rows at a time, so
+    /// that (T × V) logits never exist whole.
+    fn loss_on<O: DenseOps>(
+        &self,
+        ops: &O,
+        dense: &[f32],
+        batch: &TokenBatch,
+        runner: &mut dyn ExpertRunner,
+    ) -> Result<f32, EngineError> {
+        let f = self.forward(ops, dense, batch, runner)?;
+        let (d, v) = (self.config.d_model, self.config.vocab);
+        let t = f.ids.targets.len();
+        let counted = f
+            .ids
+            .targets
+            .iter()
+            .filter(|&&x| x != IGNORED_TARGET)
+            .count();
+        let s = HeadShape {
+            t,
+            d,
+            v,
+            denominator: counted.max(1),
+        };
+        ops.head_loss_forward(&f.nf, &dense[self.head.clone()], &f.ids, s)
+    }
+
     /// The initial dense params: norm gains 1; embedding, projections,
     /// routers and head uniform(±1/√fan_in), each from its own stream;
     /// buffers (correction biases) 0.
@@ -672,5 +700,20 @@ impl Network for MoeLm {
             return self.evaluate_on(&ops, dense, batch, runner);
         }
         self.evaluate_on(&HostOps::new(kernels), dense, batch, runner)
+    }
+
+    fn forward_loss(
+        &self,
+        dense: &[f32],
+        batch: &TokenBatch,
+        runner: &mut dyn ExpertRunner,
+        kernels: &dyn DenseKernels,
+    ) -> Result<f32, EngineError> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = kernels.cuda() {
+            let ops = crate::backend::cuda::CudaOps::new(gpu, kernels)?;
+            return self.loss_on(&ops, dense, batch, runner);
+        }
+        self.loss_on(&HostOps::new(kernels), dense, batch, runner)
     }
 }

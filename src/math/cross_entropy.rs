@@ -25,8 +25,20 @@ pub fn cross_entropy_loss<R: Real>(
     v: usize,
     denominator: usize,
 ) -> R {
+    cross_entropy_loss_after(R::zero(), logits, targets, v, denominator)
+}
+
+/// [`cross_entropy_loss`] added onto `loss`, row after row: the loss of
+/// rows taken a block at a time, each block continuing the last's sum, is
+/// the whole's to the bit.
+pub fn cross_entropy_loss_after<R: Real>(
+    mut loss: R,
+    logits: &[R],
+    targets: &[u32],
+    v: usize,
+    denominator: usize,
+) -> R {
     let scale = R::one() / R::from_f64(denominator as f64);
-    let mut loss = R::zero();
     for (i, &target) in targets.iter().enumerate() {
         if target == IGNORED_TARGET {
             continue;

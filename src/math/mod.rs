@@ -31,7 +31,7 @@ pub mod vector_isa;
 
 pub use cross_entropy::{
     cross_entropy_forward_backward, cross_entropy_forward_backward_split, cross_entropy_loss,
-    IGNORED_TARGET,
+    cross_entropy_loss_after, IGNORED_TARGET,
 };
 pub use permute::{
     combine_backward_weights, combine_forward, gather_backward, gather_forward,

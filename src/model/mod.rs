@@ -24,14 +24,16 @@ mod buffer_pool;
 mod dense_kernels;
 mod dense_ops;
 mod dense_residence;
+mod host_ops;
 mod stack;
 mod timed_kernels;
 mod token_ids;
 
 pub(crate) use buffer_pool::{F32BufferPool, ScratchBuf, ScratchBuffers};
 pub use dense_kernels::{DenseKernels, HeadShape, PlainKernels};
-pub use dense_ops::{DenseOps, HostOps, MoeRouting};
+pub use dense_ops::{DenseOps, MoeRouting};
 pub use dense_residence::{ranges_without, trainable_parts, DenseResidence};
+pub use host_ops::{head_loss_forward_in_blocks, HostOps};
 pub use stack::{forward_backward, moe_backward, moe_forward, MoeSaved};
 pub use timed_kernels::TimedKernels;
 pub use token_ids::{TokenIds, TokenRows};

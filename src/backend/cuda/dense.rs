@@ -377,7 +377,7 @@ impl CudaBackend {
         let (dl, dt) = (self.upload(logits)?, self.upload_u32(targets)?);
         let (mut dd, mut shares) = (self.zeros(t * v)?, self.zeros(t)?);
         let rows = &mut shares.slice_mut(..);
-        self.cross_entropy_rows(&dl, &dt.slice(..), &mut dd, rows, v, denominator)?;
+        self.cross_entropy_rows(&dl, &dt.slice(..), Some(&mut dd), rows, v, denominator)?;
         self.download(&dd, dlogits)?;
         self.sum_in_order(&shares)
     }
@@ -404,19 +404,20 @@ impl CudaBackend {
     }
 
     /// The cross-entropy kernel on logits (T, V) already on the GPU:
-    /// writes d logits and each row's loss share into `rows` (T), which
-    /// the caller sums in row order.
+    /// writes each row's loss share into `rows` (T), which the caller sums
+    /// in row order, and d logits where given.
     pub(super) fn cross_entropy_rows(
         &self,
         logits: &CudaSlice<f32>,
         targets: &CudaView<'_, u32>,
-        dlogits: &mut CudaSlice<f32>,
+        dlogits: Option<&mut CudaSlice<f32>>,
         rows: &mut CudaViewMut<'_, f32>,
         v: usize,
         denominator: usize,
     ) -> Result<(), EngineError> {
         let t = targets.len();
-        assert!(logits.len() == t * v && dlogits.len() == t * v && rows.len() == t);
+        assert!(logits.len() == t * v && rows.len() == t);
+        assert!(dlogits.as_ref().is_none_or(|d| d.len() == t * v));
         let (t32, v32, scale) = (t as u32, v as u32, 1.0f32 / denominator as f32);
         let mut partials = self.zeros(t * 2 * ROW_PARTS)?;
         for sums in [0u32, 1] {
@@ -441,6 +442,9 @@ impl CudaBackend {
         // as the batch's validation checks), lse and rows t f32 (asserted);
         // one thread a row.
         unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("cross_entropy_loss", e))?;
+        let Some(dlogits) = dlogits else {
+            return Ok(()); // the loss alone
+        };
         let mut launch = self.stream.launch_builder(&self.dense.cross_entropy);
         launch.arg(logits).arg(targets).arg(&lse).arg(dlogits);
         launch.arg(&t32).arg(&v32).arg(&scale);

@@ -76,21 +76,16 @@ impl CudaBackend {
                     dx_ptr + start as u64 * row_bytes,
                 );
                 let shape = Shape { m: n, k: d, n: v };
-                let mut logits = self.zeros(n * v)?;
-                {
-                    let (logits_ptr, _wl) = logits.device_ptr_mut(&self.stream);
-                    // SAFETY: logits holds n·v f32, x's block n·d from row
-                    // `start` (< t), the head v·d; all alive past the call.
-                    unsafe {
-                        self.linear_forward_at(logits_ptr, xb, w_ptr, shape, blas_type(gemm))?
-                    };
-                }
+                // SAFETY: x's block holds n·d values of the GEMM's type
+                // from row `start` (< t), the head v·d; both alive past
+                // the call.
+                let logits = unsafe { self.block_logits(xb, w_ptr, shape)? };
                 let mut dlogits = self.zeros(n * v)?;
                 let (tb, rows) = (
                     &targets.slice(start..start + n),
                     &mut shares.slice_mut(start..start + n),
                 );
-                self.cross_entropy_rows(&logits, tb, &mut dlogits, rows, v, s.denominator)?;
+                self.cross_entropy_rows(&logits, tb, Some(&mut dlogits), rows, v, s.denominator)?;
                 drop(logits);
                 {
                     let dlogits = self.gemm_rows(gemm, &dlogits)?;
@@ -112,5 +107,75 @@ impl CudaBackend {
             Ok(())
         })?;
         self.sum_in_order(&shares)
+    }
+
+    /// The head's cross-entropy of x (T, D, in GPU memory) against the
+    /// targets, forward only (evaluation), in blocks of `block` rows: the
+    /// rows' loss shares summed in row order on the GPU.
+    pub(super) fn head_loss_forward_device(
+        &self,
+        x: &CudaSlice<f32>,
+        head: &[f32],
+        targets: &CudaSlice<u32>,
+        s: HeadShape,
+        block: usize,
+    ) -> Result<f32, EngineError> {
+        let HeadShape { t, d, v, .. } = s;
+        assert!(block > 0 && x.len() == t * d && targets.len() == t && head.len() == v * d);
+        let gemm = self.dense_gemm;
+        let (w, xg) = (self.gemm_weight(gemm, head)?, self.gemm_rows(gemm, x)?);
+        let (w_ptr, _rw) = w.device_ptr(&self.stream);
+        let (x_ptr, _rx) = xg.device_ptr(&self.stream);
+        let mut shares = self.zeros(t)?;
+        let input_row_bytes = (d * input_bytes(gemm)) as u64;
+        for start in (0..t).step_by(block) {
+            let n = block.min(t - start);
+            let shape = Shape { m: n, k: d, n: v };
+            let xb = x_ptr + start as u64 * input_row_bytes;
+            // SAFETY: x's block holds n·d values of the GEMM's type from
+            // row `start` (< t), the head v·d; both alive past the call.
+            let logits = unsafe { self.block_logits(xb, w_ptr, shape)? };
+            let (tb, rows) = (
+                &targets.slice(start..start + n),
+                &mut shares.slice_mut(start..start + n),
+            );
+            self.cross_entropy_rows(&logits, tb, None, rows, v, s.denominator)?;
+        }
+        self.sum_in_order(&shares)
+    }
+
+    /// `head_loss_forward_device` on host slices, for the tests.
+    pub fn head_loss_forward_in_blocks(
+        &self,
+        x: &[f32],
+        head: &[f32],
+        targets: &[u32],
+        s: HeadShape,
+        block: usize,
+    ) -> Result<f32, EngineError> {
+        self.bind()?;
+        let (xd, targets) = (self.upload(x)?, self.upload_u32(targets)?);
+        self.head_loss_forward_device(&xd, head, &targets, s, block)
+    }
+
+    /// A block's logits (m × v, f32) from its input rows at `x` and the
+    /// head at `w`, both of the dense GEMMs' type.
+    ///
+    /// # Safety
+    /// `x` addresses m·k values and `w` v·k of that type in this context's
+    /// memory, alive and unwritten until the GEMM queued here has run.
+    unsafe fn block_logits(
+        &self,
+        x: cudarc::driver::sys::CUdeviceptr,
+        w: cudarc::driver::sys::CUdeviceptr,
+        shape: Shape,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let mut logits = self.zeros(shape.m * shape.n)?;
+        {
+            let (logits_ptr, _written) = logits.device_ptr_mut(&self.stream);
+            // SAFETY: logits holds m·n f32; x and w as the caller promises.
+            unsafe { self.linear_forward_at(logits_ptr, x, w, shape, blas_type(self.dense_gemm))? };
+        }
+        Ok(logits)
     }
 }

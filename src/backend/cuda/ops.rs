@@ -496,6 +496,20 @@ impl DenseOps for CudaOps<'_> {
             .head_loss_device(dx, dhead, x, head, targets, s, block)
     }
 
+    fn head_loss_forward(
+        &self,
+        x: &CudaSlice<f32>,
+        head: &[f32],
+        ids: &TokenIds<DeviceIds>,
+        s: HeadShape,
+    ) -> Result<f32, EngineError> {
+        let _gpu = self.span("head and loss");
+        let block = crate::backend::head_block_rows(s.v);
+        let targets = &ids.device.targets;
+        self.gpu
+            .head_loss_forward_device(x, head, targets, s, block)
+    }
+
     type MoeSaved = CudaMoeSaved;
 
     fn moe_forward(
