@@ -65,6 +65,17 @@ pub fn router_kernels(h: &dyn KernelHost) {
         assert!(worst(&got.weights, &want.weights) < 1e-5, "{name}");
         let aux = balance_loss(&got.counts, &got.sums[..e], t, k);
         let z = got.sums[e] / t as f32;
+        // The sums are the device's own probabilities and lse added in
+        // token order, to the bit (a real GPU's expf may move the values
+        // themselves by ulps, not their sums' order).
+        let mut column = vec![0.0f32; e + 1];
+        for (i, row) in got.probs.chunks_exact(e).enumerate() {
+            for (c, &p) in column.iter_mut().zip(row) {
+                *c += p;
+            }
+            column[e] += got.lse[i] * got.lse[i];
+        }
+        assert_eq!(got.sums, column, "{name}: the sums' order");
         // The losses the GPU computes from its counts and sums: the host's
         // functions' bits on the same values.
         assert_eq!(

@@ -152,6 +152,10 @@ extern "C" __global__ void permutation_place(const unsigned* experts,
     }
 }
 
+// A serial sum's next STRATA_LOADS_AHEAD values are loaded at once and then
+// added in order: the same sum, with that many loads in flight, not one.
+#define STRATA_LOADS_AHEAD 16u
+
 // What a layer's losses read (math::route_logits), one thread an expert
 // and one more: sums[j] = Σ_t probs[t, j] in token order (j < e), and
 // sums[e] = Σ_t lse[t]², the z-loss's sum.
@@ -159,11 +163,21 @@ extern "C" __global__ void router_sums(const float* probs, const float* lse, flo
                                        unsigned t, unsigned e) {
     unsigned j = strata_index();
     if (j > e) return;
+    bool square = j == e;
+    const float* x = square ? lse : probs + j;
+    unsigned long long stride = square ? 1u : e;
     float sum = 0.0f;
-    if (j < e) {
-        for (unsigned i = 0; i < t; ++i) sum += probs[(unsigned long long)i * e + j];
-    } else {
-        for (unsigned i = 0; i < t; ++i) sum += lse[i] * lse[i];
+    unsigned i = 0;
+    for (; i + STRATA_LOADS_AHEAD <= t; i += STRATA_LOADS_AHEAD) {
+        float v[STRATA_LOADS_AHEAD];
+#pragma unroll
+        for (unsigned u = 0; u < STRATA_LOADS_AHEAD; ++u) v[u] = x[(i + u) * stride];
+#pragma unroll
+        for (unsigned u = 0; u < STRATA_LOADS_AHEAD; ++u) sum += square ? v[u] * v[u] : v[u];
+    }
+    for (; i < t; ++i) {
+        float v = x[i * stride];
+        sum += square ? v * v : v;
     }
     sums[j] = sum;
 }
@@ -192,7 +206,16 @@ extern "C" __global__ void add_prob_sums(const float* probs, double* sums, unsig
     unsigned j = strata_index();
     if (j >= e) return;
     double sum = sums[j];
-    for (unsigned i = 0; i < t; ++i) sum += (double)probs[(unsigned long long)i * e + j];
+    unsigned i = 0;
+    for (; i + STRATA_LOADS_AHEAD <= t; i += STRATA_LOADS_AHEAD) {
+        float v[STRATA_LOADS_AHEAD];
+#pragma unroll
+        for (unsigned u = 0; u < STRATA_LOADS_AHEAD; ++u)
+            v[u] = probs[(unsigned long long)(i + u) * e + j];
+#pragma unroll
+        for (unsigned u = 0; u < STRATA_LOADS_AHEAD; ++u) sum += (double)v[u];
+    }
+    for (; i < t; ++i) sum += (double)probs[(unsigned long long)i * e + j];
     sums[j] = sum;
 }
 
