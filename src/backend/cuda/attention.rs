@@ -162,55 +162,6 @@ struct Heads {
 }
 
 impl CudaBackend {
-    /// Every token's document start: `starts`, or 0 (one document a
-    /// sequence), on the GPU. Only a bit a token goes up, set where a
-    /// document begins, and `document_starts` finds each token's start
-    /// from them.
-    pub(super) fn attention_starts(
-        &self,
-        starts: Option<&[u32]>,
-        shape: &AttnShape,
-    ) -> Result<CudaSlice<u32>, EngineError> {
-        let t = shape.tokens();
-        let mut device = self.zeros_u32(t)?;
-        let Some(starts) = starts else {
-            return Ok(device);
-        };
-        assert_eq!(starts.len(), t, "a start a token");
-        let s = shape.seq_len;
-        let mut words = vec![0u32; t.div_ceil(32)];
-        for (i, _) in starts
-            .iter()
-            .enumerate()
-            .filter(|&(i, &q)| q as usize == i % s)
-        {
-            words[i / 32] |= 1 << (i % 32);
-        }
-        let begins = self.upload_u32(&words)?;
-        let (t32, s32) = (t as u32, s as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.document_starts);
-        launch.arg(&begins).arg(&mut device).arg(&t32).arg(&s32);
-        // SAFETY: begins holds a bit for each of the t tokens, every row's
-        // first set (its start is 0, as every row's first token's is), so
-        // no thread reads before its row; starts holds t u32; one thread
-        // a token.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("document_starts", e))?;
-        Ok(device)
-    }
-
-    /// `attention_starts` brought back, for the kernel checks.
-    pub fn attention_starts_host(
-        &self,
-        starts: &[u32],
-        shape: &AttnShape,
-    ) -> Result<Vec<u32>, EngineError> {
-        self.bind()?;
-        let device = self.attention_starts(Some(starts), shape)?;
-        let mut host = vec![0u32; starts.len()];
-        self.download_values(&device, &mut host)?;
-        Ok(host)
-    }
-
     /// Column-major `c = op(a)·op(b) + beta·c` over every (sequence, head)
     /// (cublasGemmStridedBatchedEx, `a` and `b` of one type, f32 or bf16
     /// as [`DenseGemm`] gives them, f32 accumulation and `c`).

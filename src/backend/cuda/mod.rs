@@ -35,6 +35,7 @@ mod ops;
 mod resident;
 mod router;
 mod token_ids;
+mod uploads;
 mod weights;
 
 pub use attention::{attention_stats_len, ATTENTION_BLOCK_BYTES};
@@ -170,7 +171,7 @@ pub struct CudaBackend {
     /// The moments of the dense weights stepped here (`resident.rs`).
     resident: std::sync::Mutex<resident::Resident>,
     /// What every layer's attention reads alike (`CudaOps`).
-    attention_inputs: std::sync::Mutex<ops::AttentionInputs>,
+    attention_inputs: std::sync::Mutex<uploads::AttentionInputs>,
     /// Bytes copied between host and GPU other than expert params and
     /// gradients (activations, dense weights and gradients, indices),
     /// since the backend was opened.

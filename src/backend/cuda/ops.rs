@@ -18,6 +18,7 @@ use super::dense::{threads, RowSum};
 use super::gpu_spans::{GpuSpan, GpuSpans};
 use super::moe::CudaMoeSaved;
 use super::token_ids::DeviceIds;
+use super::uploads::AuxGrad;
 use super::{gpu_error, CudaBackend, Shape};
 use crate::math::attention::{AttnShape, RopeTable};
 use crate::model::{DenseKernels, DenseOps, ExpertRunner, HeadShape, ModelConfig};
@@ -26,38 +27,14 @@ use crate::EngineError;
 
 /// The dense layers' operations on one GPU, for one forward and backward.
 pub struct CudaOps<'a> {
-    gpu: &'a CudaBackend,
+    pub(super) gpu: &'a CudaBackend,
     kernels: &'a dyn DenseKernels,
     /// Each operation's GPU time, where the kernels record a timeline.
     spans: Option<GpuSpans>,
     /// The load-balancing loss's gradient of the probabilities last
     /// uploaded, with its host values: the loss over every layer gives
     /// each layer the same, which then goes up once a step.
-    aux_grad: Mutex<Option<AuxGrad>>,
-}
-
-/// A load-balancing gradient on the GPU with the host values it came from.
-type AuxGrad = Uploaded<Vec<f32>, Arc<CudaSlice<f32>>>;
-
-/// What every layer's attention reads alike, step after step, kept on the
-/// GPU with the host values it was uploaded from (and uploaded again when
-/// they differ): the rotary table, and every token's document start
-/// (`starts`, or zeros for T tokens).
-#[derive(Default)]
-pub(super) struct AttentionInputs {
-    rope: Option<Uploaded<RopeHost, [CudaSlice<f32>; 2]>>,
-    starts: Option<Uploaded<StartsHost, CudaSlice<u32>>>,
-}
-
-/// A rotary table's cos and sin.
-type RopeHost = (Vec<f32>, Vec<f32>);
-/// Document starts (`None`: one document a sequence) for T tokens.
-type StartsHost = (Option<Vec<u32>>, usize);
-
-/// Values on the GPU with the host values they were uploaded from.
-struct Uploaded<H, D> {
-    host: H,
-    device: D,
+    pub(super) aux_grad: Mutex<Option<AuxGrad>>,
 }
 
 impl<'a> CudaOps<'a> {
@@ -77,22 +54,6 @@ impl<'a> CudaOps<'a> {
         })
     }
 
-    /// `grad` (a router's load-balancing gradient of its probabilities)
-    /// on the GPU, uploaded unless it is the last one's bits.
-    pub(super) fn aux_grad(&self, grad: Vec<f32>) -> Result<Arc<CudaSlice<f32>>, EngineError> {
-        let mut last = self.aux_grad.lock().unwrap_or_else(|p| p.into_inner());
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-        if let Some(u) = last.as_ref().filter(|u| bits(&u.host) == bits(&grad)) {
-            return Ok(Arc::clone(&u.device));
-        }
-        let device = Arc::new(self.gpu.upload(&grad)?);
-        *last = Some(Uploaded {
-            host: grad,
-            device: Arc::clone(&device),
-        });
-        Ok(device)
-    }
-
     /// The GPU's time for the work queued until the span is dropped, on
     /// the timeline where one records.
     pub(super) fn span(&self, name: &'static str) -> Option<GpuSpan<'_>> {
@@ -102,54 +63,6 @@ impl<'a> CudaOps<'a> {
     /// The GPU these operations run on.
     pub(super) fn gpu(&self) -> &CudaBackend {
         self.gpu
-    }
-
-    /// Runs `f` on the document starts of `starts` at `shape`, uploaded
-    /// once for every layer and step that asks for the same.
-    fn with_starts<R>(
-        &self,
-        starts: Option<&[u32]>,
-        shape: &AttnShape,
-        f: impl FnOnce(&CudaSlice<u32>) -> Result<R, EngineError>,
-    ) -> Result<R, EngineError> {
-        let mut inputs = self
-            .gpu
-            .attention_inputs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let host = (starts.map(<[u32]>::to_vec), shape.tokens());
-        if inputs.starts.as_ref().is_none_or(|u| u.host != host) {
-            let device = self.gpu.attention_starts(starts, shape)?;
-            inputs.starts = Some(Uploaded { host, device });
-        }
-        let uploaded = inputs
-            .starts
-            .as_ref()
-            .expect("the starts were just uploaded");
-        f(&uploaded.device)
-    }
-
-    /// Runs `f` on `table`'s cos and sin on the GPU, uploaded once for
-    /// every layer and step that asks for the same.
-    fn with_rope<R>(
-        &self,
-        table: &RopeTable<f32>,
-        f: impl FnOnce(&[CudaSlice<f32>; 2]) -> Result<R, EngineError>,
-    ) -> Result<R, EngineError> {
-        let mut inputs = self
-            .gpu
-            .attention_inputs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let same =
-            |u: &Uploaded<(Vec<f32>, Vec<f32>), _>| u.host.0 == table.cos && u.host.1 == table.sin;
-        if !inputs.rope.as_ref().is_some_and(same) {
-            let device = [self.gpu.upload(&table.cos)?, self.gpu.upload(&table.sin)?];
-            let host = (table.cos.clone(), table.sin.clone());
-            inputs.rope = Some(Uploaded { host, device });
-        }
-        let uploaded = inputs.rope.as_ref().expect("the table was just uploaded");
-        f(&uploaded.device)
     }
 
     /// Launches `launch` (kernel `name`), one thread for each of `n`

@@ -3,12 +3,15 @@
 //! inputs and next-token targets (`split_token_rows`). The embedding's
 //! forward gathers the inputs' rows; its backward orders the inputs by id
 //! on the device (`token_order`) and sums each id's rows in token order, as
-//! the cpu loop does. Only the ids cross PCIe.
+//! the cpu loop does. Documents packed apart send a bit a token, set where
+//! one begins, and `document_starts` finds every token's start for the
+//! attention. Only the ids and those bits cross PCIe.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::dense::threads;
 use super::{gpu_error, CudaBackend};
+use crate::math::attention::AttnShape;
 use crate::model::TokenRows;
 use crate::EngineError;
 
@@ -137,5 +140,54 @@ impl CudaBackend {
         let inputs = self.upload_u32(tokens)?;
         self.embedding_backward_device(&mut table, &dh, &inputs, d)?;
         self.download(&table, dtable)
+    }
+
+    /// Every token's document start: `starts`, or 0 (one document a
+    /// sequence), on the GPU. Only a bit a token goes up, set where a
+    /// document begins, and `document_starts` finds each token's start
+    /// from them.
+    pub(super) fn attention_starts(
+        &self,
+        starts: Option<&[u32]>,
+        shape: &AttnShape,
+    ) -> Result<CudaSlice<u32>, EngineError> {
+        let t = shape.tokens();
+        let mut device = self.zeros_u32(t)?;
+        let Some(starts) = starts else {
+            return Ok(device);
+        };
+        assert_eq!(starts.len(), t, "a start a token");
+        let s = shape.seq_len;
+        let mut words = vec![0u32; t.div_ceil(32)];
+        for (i, _) in starts
+            .iter()
+            .enumerate()
+            .filter(|&(i, &q)| q as usize == i % s)
+        {
+            words[i / 32] |= 1 << (i % 32);
+        }
+        let begins = self.upload_u32(&words)?;
+        let (t32, s32) = (t as u32, s as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.document_starts);
+        launch.arg(&begins).arg(&mut device).arg(&t32).arg(&s32);
+        // SAFETY: begins holds a bit for each of the t tokens, every row's
+        // first set (its start is 0, as every row's first token's is), so
+        // no thread reads before its row; starts holds t u32; one thread
+        // a token.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("document_starts", e))?;
+        Ok(device)
+    }
+
+    /// `attention_starts` brought back, for the kernel checks.
+    pub fn attention_starts_host(
+        &self,
+        starts: &[u32],
+        shape: &AttnShape,
+    ) -> Result<Vec<u32>, EngineError> {
+        self.bind()?;
+        let device = self.attention_starts(Some(starts), shape)?;
+        let mut host = vec![0u32; starts.len()];
+        self.download_values(&device, &mut host)?;
+        Ok(host)
     }
 }
