@@ -123,8 +123,18 @@ impl DenseFunctions {
 /// Rows a block of a column sum's first pass adds (`column_partials`).
 pub(super) const COLUMN_SUM_ROWS: usize = 64;
 
+/// A launch of one thread for each of `n` values, in blocks of 1024. The
+/// kernels index their threads in 32 bits: past that a launch would wrap
+/// around and leave values unwritten, so it stops here, naming what to
+/// lower.
 pub(super) fn threads(n: usize) -> LaunchConfig {
-    LaunchConfig::for_num_elems(n as u32)
+    let n = u32::try_from(n).unwrap_or_else(|_| {
+        panic!(
+            "a GPU kernel over {n} values, more than its 32-bit thread index reaches: \
+             lower the tokens a micro-batch (--batch, --seq-len, or more --micro-batches)"
+        )
+    });
+    LaunchConfig::for_num_elems(n)
 }
 
 impl CudaBackend {

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{
     sys::CUdeviceptr, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    DevicePtr, LaunchConfig, PushKernelArg,
+    DevicePtr, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use strata_optim::StepScalars;
@@ -303,10 +303,6 @@ impl CudaBackend {
             .map_err(|e| gpu_error("a download", e))
     }
 
-    fn launch_config(n: usize) -> LaunchConfig {
-        LaunchConfig::for_num_elems(n as u32)
-    }
-
     /// bf16 copy of `x` (round to nearest even, as `half::bf16::from_f32`).
     fn to_bf16(&self, x: &CudaSlice<f32>) -> Result<CudaSlice<u16>, EngineError> {
         let (ptr, _read) = x.device_ptr(&self.stream);
@@ -347,7 +343,7 @@ impl CudaBackend {
         launch.arg(&x).arg(y).arg(&n32);
         // SAFETY: the kernel reads n f32 at `x` (the caller's contract) and
         // writes the first n u16 of `y`, which holds at least n (asserted).
-        unsafe { launch.launch(Self::launch_config(n)) }
+        unsafe { launch.launch(dense::threads(n)) }
             .map(|_| ())
             .map_err(|e| gpu_error("f32_to_bf16", e))
     }
@@ -388,7 +384,7 @@ impl CudaBackend {
         launch.arg(&n32);
         // SAFETY: every buffer holds n f32 (the callers allocate them from
         // the same shape) and the kernel touches elements 0..n only.
-        unsafe { launch.launch(Self::launch_config(n)) }.map_err(|e| gpu_error(what, e))?;
+        unsafe { launch.launch(dense::threads(n)) }.map_err(|e| gpu_error(what, e))?;
         Ok(())
     }
 
@@ -440,7 +436,7 @@ impl CudaBackend {
             .arg(&s.neg_step_size);
         // SAFETY: p, m, v, g hold n f32 each (asserted); the kernel
         // touches elements 0..n.
-        unsafe { launch.launch(Self::launch_config(n)) }.map_err(|e| gpu_error("adamw", e))?;
+        unsafe { launch.launch(dense::threads(n)) }.map_err(|e| gpu_error("adamw", e))?;
         Ok(())
     }
 

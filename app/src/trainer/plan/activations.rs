@@ -132,3 +132,23 @@ fn layer_values(m: &LmConfig, t: u64, attention: u64) -> u64 {
         + sparse * t * per_sparse_token
         + dense * t * per_dense_token
 }
+
+/// The most values one GPU kernel runs over at `t` tokens a micro-batch
+/// (one thread a value, indexed in 32 bits): a token's row of the widest
+/// of the model width times top-k (the rows gathered for the experts),
+/// an expert's or an MLP's hidden size (one expert may take every token),
+/// the attention's q, k, v, and the router's scores.
+pub fn gpu_widest_launch(m: &LmConfig, t: u64) -> u64 {
+    let widest = [
+        m.top_k * m.d_model,
+        m.d_ff,
+        m.dense_ff,
+        m.shared_expert_ff,
+        m.heads * m.head_dim,
+        m.experts,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0) as u64;
+    t * widest
+}

@@ -23,7 +23,7 @@ use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HO
 use strata::lm::LmConfig;
 
 mod activations;
-pub use activations::{activation_bytes, gpu_activation_bytes};
+pub use activations::{activation_bytes, gpu_activation_bytes, gpu_widest_launch};
 
 /// Where the experts end up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,6 +200,16 @@ fn device_share(
         true => gpu_activation_bytes(m, input.seq_len, seqs),
         false => activation_bytes(m, input.seq_len, seqs),
     };
+    let tokens = (seqs * input.seq_len) as u64;
+    if input.gpu && gpu_widest_launch(m, tokens) > u32::MAX as u64 {
+        return Err(format!(
+            "does not fit: {tokens} tokens a micro-batch make GPU kernels over {} values, \
+             more than their 32-bit thread index reaches ({}). Raise --micro-batches or \
+             --devices, or lower --batch / --seq-len",
+            gpu_widest_launch(m, tokens),
+            u32::MAX
+        ));
+    }
     let slot = layout.compute_payload_bytes();
     let fixed_device = dense_device + activations;
     let need_device = fixed_device + slot;
@@ -553,6 +563,32 @@ mod tests {
         );
         let err = plan(&input(&m, 1 << 40, 1 << 30)).unwrap_err();
         assert!(err.contains("--host-mem") && err.contains("short"), "{err}");
+    }
+
+    /// On a GPU, a micro-batch whose kernels would run over more values
+    /// than a 32-bit thread index reaches is refused by name, whatever
+    /// memory there is; more micro-batches bring it back in reach.
+    #[test]
+    fn a_micro_batch_past_the_kernels_reach_is_refused() {
+        let m = LmConfig::preset("moe-s").unwrap();
+        let huge = |micro_batches| PlanInput {
+            gpu: true,
+            seq_len: 4096,
+            batch: 1024,
+            micro_batches,
+            ..input(&m, 1 << 50, 1 << 50)
+        };
+        let err = plan(&huge(1)).unwrap_err();
+        assert!(
+            err.contains("32-bit") && err.contains("--micro-batches"),
+            "{err}"
+        );
+        assert!(plan(&huge(64)).is_ok());
+        assert!(plan(&PlanInput {
+            gpu: false,
+            ..huge(1)
+        })
+        .is_ok());
     }
 
     /// At a long sequence the attention keeps two values a query row and
