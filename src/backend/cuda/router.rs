@@ -135,33 +135,33 @@ impl CudaBackend {
     fn download_counts_and_losses(
         &self,
         counts: &CudaSlice<u32>,
-        sums: &CudaSlice<f32>,
+        losses: &CudaSlice<f32>,
     ) -> Result<(Vec<u32>, Vec<f32>), EngineError> {
-        let (n_counts, n_sums) = (counts.len(), sums.len());
+        let (n_counts, n_losses) = (counts.len(), losses.len());
         let mut both = self
             .stream
-            .alloc_zeros::<u32>(n_counts + n_sums)
+            .alloc_zeros::<u32>(n_counts + n_losses)
             .map_err(|e| gpu_error("allocating GPU memory", e))?;
         {
             let (dst, _written) = both.device_ptr_mut(&self.stream);
             let at = dst + (n_counts * std::mem::size_of::<u32>()) as u64;
-            // SAFETY: `both` holds n_counts + n_sums 4-byte words: the
-            // counts fill its first n_counts and the sums (f32, 4 bytes
-            // each) the rest; `_written` keeps it alive and records its
+            // SAFETY: `both` holds n_counts + n_losses 4-byte words: the
+            // counts fill its first n_counts and the losses (f32, 4
+            // bytes each) the rest; `_written` keeps it alive and records its
             // use until the copies are queued on this stream.
             unsafe {
                 self.copy_to(dst, counts)?;
-                self.copy_to(at, sums)?;
+                self.copy_to(at, losses)?;
             }
         }
-        let mut host = vec![0u32; n_counts + n_sums];
+        let mut host = vec![0u32; n_counts + n_losses];
         self.download_values(&both, &mut host)?;
-        let sums = host[n_counts..]
+        let losses = host[n_counts..]
             .iter()
             .map(|&b| f32::from_bits(b))
             .collect();
         host.truncate(n_counts);
-        Ok((host, sums))
+        Ok((host, losses))
     }
 
     /// Routes the logits (T, E) on the GPU, `bias` being a sigmoid
