@@ -103,7 +103,7 @@ static std::function<void()> bind(void (*kernel)(A...), unsigned grid, unsigned 
     X(embedding_backward) X(sum_in_order) X(square_sums) X(sigmoid_values)            \
     X(add_scaled_rows) X(gate_backward) X(router_top_k) X(router_sigmoid_top_k)       \
     X(permutation_chunk_counts) X(permutation_counts) X(permutation_place)            \
-    X(router_sums) X(router_losses) X(add_prob_sums) X(router_logits_grad)
+    X(router_sums) X(router_losses) X(aux_prob_grad) X(add_prob_sums) X(router_logits_grad)
 
 STRATA_KERNELS(STRATA_LAUNCHER)
 

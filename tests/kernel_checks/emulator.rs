@@ -431,6 +431,24 @@ impl KernelHost for KernelEmulator {
         self.add_prob_sums_emulated(probs, sums)
     }
 
+    fn aux_prob_grad(&self, counts: &[u32], daux: f32, t: usize, k: usize) -> Vec<f32> {
+        // As `CudaBackend::aux_prob_grad_device`.
+        let e = counts.len();
+        let mut aux = vec![0.0f32; e];
+        let (pc, pa) = (counts.as_ptr(), aux.as_mut_ptr());
+        let [t32, k32, e32] = [t, k, e].map(|v| v as u32);
+        let args = [
+            arg(&pc),
+            arg(&pa),
+            arg(&daux),
+            arg(&t32),
+            arg(&k32),
+            arg(&e32),
+        ];
+        self.launch("aux_prob_grad", e, &args);
+        aux
+    }
+
     fn moe_rows(
         &self,
         rows: &[f32],

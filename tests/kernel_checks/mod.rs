@@ -126,6 +126,8 @@ pub trait KernelHost {
     ) -> Vec<f32>;
     /// `math::add_prob_sums`.
     fn add_prob_sums(&self, probs: &[f32], sums: &mut [f64]);
+    /// `math::aux_prob_grad` of a layer's own loss, from its counts.
+    fn aux_prob_grad(&self, counts: &[u32], daux: f32, t: usize, k: usize) -> Vec<f32>;
     fn permute(
         &self,
         x: &[f32],
@@ -691,6 +693,10 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
     ) -> Vec<f32> {
         self.router_logits_grad_host(cfg, routing, dweights, losses, t)
             .unwrap()
+    }
+
+    fn aux_prob_grad(&self, counts: &[u32], daux: f32, t: usize, k: usize) -> Vec<f32> {
+        self.aux_prob_grad_host(counts, daux, t, k).unwrap()
     }
 
     fn add_prob_sums(&self, probs: &[f32], sums: &mut [f64]) {

@@ -13,7 +13,7 @@ use super::{f32s, worst, KernelHost};
 /// order).
 pub fn router_kernels(h: &dyn KernelHost) {
     use strata::math::{
-        add_prob_sums, balance_loss, route_logits, router_logits_grad, Permutation,
+        add_prob_sums, aux_prob_grad, balance_loss, route_logits, router_logits_grad, Permutation,
     };
     // 111 to 333 assignments: chunks of the permutation's 64 with a
     // partial last one, so an expert's assignments span several chunks.
@@ -92,6 +92,11 @@ pub fn router_kernels(h: &dyn KernelHost) {
             "{name}"
         );
 
+        // A layer's own load-balancing gradient, made from its counts on
+        // the device: the host's bits.
+        let own = aux_prob_grad(&cfg, 0.37, &want, t);
+        let got_aux = h.aux_prob_grad(&want.counts, 0.37, t, k);
+        assert_eq!(got_aux, own, "{name}: the load-balancing gradient");
         let dweights = f32s(t * k, 43, 1.0);
         for aux_grad in [None, Some(f32s(e, 44, 0.1))] {
             want.aux_grad = aux_grad;

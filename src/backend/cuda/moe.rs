@@ -222,13 +222,15 @@ impl CudaOps<'_> {
         );
         gpu.gather_backward_device(dx, &dxa, position, (t, k, d))?;
         let cfg = model.router();
-        // A layer's own load-balancing loss has a gradient of its own; the
-        // loss over every layer gives each layer the same, which goes up
-        // once a step.
-        let grad = aux_prob_grad(&cfg, daux, &s.routing, t);
+        // A layer's own load-balancing loss has a gradient made on the GPU
+        // from its counts; the loss over every layer gives each layer the
+        // same, which goes up once a step.
         let aux = match s.routing.aux_grad {
-            Some(_) => self.aux_grad(grad)?,
-            None => std::sync::Arc::new(gpu.upload(&grad)?),
+            Some(_) => self.aux_grad(aux_prob_grad(&cfg, daux, &s.routing, t))?,
+            None => {
+                let counts = &s.device.counts;
+                std::sync::Arc::new(gpu.aux_prob_grad_device(counts, daux, t, cfg.top_k)?)
+            }
         };
         let dlogits =
             gpu.router_logits_grad_device(&cfg, &s.device.scored, &aux, &dweights, dz, t)?;

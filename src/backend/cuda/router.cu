@@ -152,6 +152,17 @@ extern "C" __global__ void permutation_place(const unsigned* experts,
     }
 }
 
+// math::aux_prob_grad from a layer's own counts, one thread an expert:
+// aux[j] = daux · E · f_j / T with f_j = counts[j] / (T·K) divided in f64
+// and rounded, multiplied and divided in that order.
+extern "C" __global__ void aux_prob_grad(const unsigned* counts, float* aux, float daux,
+                                         unsigned t, unsigned k, unsigned e) {
+    unsigned j = strata_index();
+    if (j >= e) return;
+    float frac = (float)((double)counts[j] / (double)((unsigned long long)t * k));
+    aux[j] = daux * (float)(double)e * frac / (float)(double)t;
+}
+
 // A serial sum's next STRATA_LOADS_AHEAD values are loaded at once and then
 // added in order: the same sum, with that many loads in flight, not one.
 #define STRATA_LOADS_AHEAD 16u

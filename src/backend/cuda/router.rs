@@ -30,6 +30,7 @@ pub(super) struct RouterFunctions {
     permutation_place: CudaFunction,
     sums: CudaFunction,
     losses: CudaFunction,
+    aux_grad: CudaFunction,
     add_prob_sums: CudaFunction,
     logits_grad: CudaFunction,
 }
@@ -45,6 +46,7 @@ impl RouterFunctions {
             permutation_place: load("permutation_place")?,
             sums: load("router_sums")?,
             losses: load("router_losses")?,
+            aux_grad: load("aux_prob_grad")?,
             add_prob_sums: load("add_prob_sums")?,
             logits_grad: load("router_logits_grad")?,
         })
@@ -71,6 +73,8 @@ pub(super) struct DeviceRouting {
     /// (T·K) the assignments in expert order, and each one's place there.
     pub order: CudaSlice<u32>,
     pub position: CudaSlice<u32>,
+    /// (E) each expert's count of assignments.
+    pub counts: CudaSlice<u32>,
 }
 
 impl DeviceRouting {
@@ -199,6 +203,7 @@ impl CudaBackend {
             scored,
             order,
             position,
+            counts: counts_dev,
         };
         Ok((dev, routing, perm))
     }
@@ -372,6 +377,26 @@ impl CudaBackend {
         self.alloc::<f64>(e)
     }
 
+    /// `math::aux_prob_grad` of a layer's own load-balancing loss, from its
+    /// counts (E) on the GPU.
+    pub(super) fn aux_prob_grad_device(
+        &self,
+        counts: &CudaSlice<u32>,
+        daux: f32,
+        t: usize,
+        k: usize,
+    ) -> Result<CudaSlice<f32>, EngineError> {
+        let e = counts.len();
+        let mut aux = self.zeros(e)?;
+        let [t32, k32, e32] = [t, k, e].map(|v| v as u32);
+        let mut launch = self.stream.launch_builder(&self.router.aux_grad);
+        launch.arg(counts).arg(&mut aux).arg(&daux);
+        launch.arg(&t32).arg(&k32).arg(&e32);
+        // SAFETY: counts and aux hold e values; one thread an expert.
+        unsafe { launch.launch(threads(e)) }.map_err(|err| gpu_error("aux_prob_grad", err))?;
+        Ok(aux)
+    }
+
     /// `math::router_logits_grad` on the GPU: dlogits (T, E) from the
     /// combine weights' gradient, the load-balancing loss's gradient of
     /// the probabilities (`aux`, E: `math::aux_prob_grad`) and the
@@ -472,6 +497,22 @@ impl CudaBackend {
         let mut out = vec![0.0; dlogits.len()];
         self.download(&dlogits, &mut out)?;
         Ok(out)
+    }
+
+    /// `aux_prob_grad_device` on host counts, for the kernel checks.
+    pub fn aux_prob_grad_host(
+        &self,
+        counts: &[u32],
+        daux: f32,
+        t: usize,
+        k: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        self.bind()?;
+        let counts = self.upload_values(counts)?;
+        let aux = self.aux_prob_grad_device(&counts, daux, t, k)?;
+        let mut host = vec![0.0f32; aux.len()];
+        self.download(&aux, &mut host)?;
+        Ok(host)
     }
 
     /// `add_prob_sums_on` on host probabilities (T, E) and sums.
