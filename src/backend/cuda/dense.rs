@@ -139,10 +139,7 @@ pub(super) fn threads(n: usize) -> LaunchConfig {
 
 impl CudaBackend {
     pub(super) fn upload_u32(&self, host: &[u32]) -> Result<CudaSlice<u32>, EngineError> {
-        self.count_pcie_other::<u32>(host.len());
-        self.stream
-            .clone_htod(host)
-            .map_err(|e| self.memory_error("an upload", e))
+        self.upload_values(host)
     }
 
     /// `math::rmsnorm_forward` on the GPU: (out, inv_rms).

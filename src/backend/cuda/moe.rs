@@ -55,7 +55,7 @@ impl CudaBackend {
         e: usize,
     ) -> Result<Vec<f64>, EngineError> {
         let mut host = vec![0.0f64; e];
-        let mut dev = self.prob_sums_zeros(e)?;
+        let mut dev = self.alloc::<f64>(e)?;
         for block in saved {
             match block {
                 CudaMoeSaved::Device(s) => self.add_prob_sums_on(s.device.probs(), &mut dev)?,

@@ -103,7 +103,8 @@ pub struct RouterOut {
 }
 
 impl CudaBackend {
-    fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+    /// `n` zeros of `T` in GPU memory.
+    pub(super) fn alloc<T: DeviceRepr + ValidAsZeroBits>(
         &self,
         n: usize,
     ) -> Result<CudaSlice<T>, EngineError> {
@@ -370,11 +371,6 @@ impl CudaBackend {
         // thread a sum.
         unsafe { launch.launch(threads(e)) }.map_err(|err| gpu_error("add_prob_sums", err))?;
         Ok(())
-    }
-
-    /// Zeros (E f64) in GPU memory, for `add_prob_sums_on`.
-    pub(super) fn prob_sums_zeros(&self, e: usize) -> Result<CudaSlice<f64>, EngineError> {
-        self.alloc::<f64>(e)
     }
 
     /// `math::aux_prob_grad` of a layer's own load-balancing loss, from its

@@ -23,12 +23,6 @@ pub struct DeviceIds {
 }
 
 impl CudaBackend {
-    pub(super) fn zeros_u32(&self, n: usize) -> Result<CudaSlice<u32>, EngineError> {
-        self.stream
-            .alloc_zeros::<u32>(n)
-            .map_err(|e| self.memory_error("allocating GPU memory", e))
-    }
-
     /// The inputs and targets of `rows`, split on the GPU from one upload
     /// of the rows' ids (and of the loss mask's bits).
     pub(super) fn token_ids_device(&self, rows: TokenRows<'_>) -> Result<DeviceIds, EngineError> {
@@ -36,8 +30,8 @@ impl CudaBackend {
         assert!(s > 0 && rows.tokens.len().is_multiple_of(s + 1));
         let t = rows.tokens.len() / (s + 1) * s;
         let mut ids = DeviceIds {
-            inputs: self.zeros_u32(t)?,
-            targets: self.zeros_u32(t)?,
+            inputs: self.alloc::<u32>(t)?,
+            targets: self.alloc::<u32>(t)?,
         };
         if t == 0 {
             return Ok(ids);
@@ -45,7 +39,7 @@ impl CudaBackend {
         let tokens = self.upload_u32(rows.tokens)?;
         let (mask, has_mask) = match rows.mask_words() {
             Some(words) => (self.upload_u32(&words)?, 1u32),
-            None => (self.zeros_u32(1)?, 0u32),
+            None => (self.alloc::<u32>(1)?, 0u32),
         };
         let (t32, s32) = (t as u32, s as u32);
         let mut launch = self.stream.launch_builder(&self.dense.split_token_rows);
@@ -96,7 +90,7 @@ impl CudaBackend {
         if t == 0 {
             return Ok(());
         }
-        let mut order = self.zeros_u32(t)?;
+        let mut order = self.alloc::<u32>(t)?;
         let (t32, d32) = (t as u32, d as u32);
         let mut launch = self.stream.launch_builder(&self.dense.token_order);
         launch.arg(inputs).arg(&mut order).arg(&t32);
@@ -152,7 +146,7 @@ impl CudaBackend {
         shape: &AttnShape,
     ) -> Result<CudaSlice<u32>, EngineError> {
         let t = shape.tokens();
-        let mut device = self.zeros_u32(t)?;
+        let mut device = self.alloc::<u32>(t)?;
         let Some(starts) = starts else {
             return Ok(device);
         };

@@ -41,8 +41,8 @@ impl CudaOps<'_> {
     /// on the GPU, uploaded unless it is the last one's bits.
     pub(super) fn aux_grad(&self, grad: Vec<f32>) -> Result<Arc<CudaSlice<f32>>, EngineError> {
         let mut last = self.aux_grad.lock().unwrap_or_else(|p| p.into_inner());
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-        let same = |u: &&AuxGrad| bits(&u.host) == bits(&grad);
+        let bits = |x: &f32| x.to_bits();
+        let same = |u: &&AuxGrad| u.host.iter().map(bits).eq(grad.iter().map(bits));
         if let Some(u) = last.as_ref().filter(same) {
             return Ok(Arc::clone(&u.device));
         }
