@@ -29,19 +29,12 @@
 #                                ends (`--defer-updates off`), then held
 #                                for the next forward (`on`, the default):
 #                                one alternating pair, its files suffixed N
-#   scripts/gpu-check.sh share [N]  the same at 12288 tokens holding 0, a
-#                                quarter and three eighths of each other
-#                                layer's updates for the next forward too
-#                                (`--defer-share`), which moves their disk
-#                                work from the backward into the forward;
-#                                its files suffixed N
 #   scripts/gpu-check.sh tune [N]  the same at 12288 tokens with the
 #                                engine's split of the host tier (4
-#                                streaming slots, no held share, no compute
-#                                cells), then 5 streaming with a quarter
-#                                held, without and with a slot split into
-#                                compute cells, then 6 with three eighths
-#                                and cells: the settings a modeled device
+#                                streaming slots, no compute cells), then 5
+#                                streaming without and with a slot split
+#                                into compute cells, then 6 with cells:
+#                                the settings a modeled device
 #                                (`--modeled-device-gflops`) ranked on the
 #                                development machine; files suffixed N
 #   scripts/gpu-check.sh modeled  `bench step --modeled-device-gflops` at
@@ -210,28 +203,16 @@ defer)
         cat "$out/bench-step-cuda-defer-$defer-$pair.jsonl"
     done
     ;;
-share)
-    run=${2:-1}
-    for share in 0 0.25 0.375; do
-        timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens 12288 \
-            --rounds 2 --defer-share "$share" --dir /tmp \
-            --timeline "$out/timeline-cuda-share-$share-$run" \
-            > "$out/bench-step-cuda-share-$share-$run.jsonl" \
-            2> "$out/bench-step-cuda-share-$share-$run.log" || status=1
-        echo "== --defer-share $share (run $run)"
-        cat "$out/bench-step-cuda-share-$share-$run.jsonl"
-    done
-    ;;
 tune)
     run=${2:-1}
-    for setting in "4 0 0" "5 0.25 0" "5 0.25 1" "6 0.375 1"; do
+    for setting in "4 0" "5 0" "5 1" "6 1"; do
         set -- $setting
-        name="$1-$2-$3-$run"
+        name="$1-$2-$run"
         timeout 180 gpu-bin/strata bench step --json --backend cuda --tokens 12288 \
-            --rounds 2 --host-stream-slots "$1" --defer-share "$2" --host-cell-slots "$3" \
+            --rounds 2 --host-stream-slots "$1" --host-cell-slots "$2" \
             --dir /tmp > "$out/bench-step-cuda-tune-$name.jsonl" \
             2> "$out/bench-step-cuda-tune-$name.log" || status=1
-        echo "== --host-stream-slots $1 --defer-share $2 --host-cell-slots $3 (run $run)"
+        echo "== --host-stream-slots $1 --host-cell-slots $2 (run $run)"
         cat "$out/bench-step-cuda-tune-$name.jsonl"
     done
     ;;
@@ -380,7 +361,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|loan|quick|offload|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|share [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|loan|quick|offload|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac

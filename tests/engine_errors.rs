@@ -195,23 +195,6 @@ fn too_few_host_slots_to_stream_through_are_refused() {
     );
 }
 
-#[test]
-fn a_deferred_update_share_outside_0_to_1_is_refused() {
-    for share in [-0.1, 1.5, f64::NAN] {
-        let config = EngineConfig {
-            deferred_update_share: share,
-            ..EngineConfig::default()
-        };
-        let err = Engine::new(model(), config).err().unwrap();
-        assert!(
-            err.to_string().contains(&format!(
-                "deferred_update_share = {share} must be between 0 and 1"
-            )),
-            "{err}"
-        );
-    }
-}
-
 /// Ranks as processes: what they do not combine with is refused when the
 /// engine opens; a rank that steps before joining its world, one given a
 /// communicator of another size, and a question about an expert another

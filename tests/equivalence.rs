@@ -138,13 +138,12 @@ fn configs(
             },
         ),
         (
-            "host budget of 25%, a slot split into compute cells, half of layer 0's updates held",
+            "host budget of 25%, a slot split into compute cells",
             EngineConfig {
                 device_budget_bytes: 2 * expert_bytes,
                 host_budget_bytes: all / 4 * record_bytes,
                 host_stream_slots: Some(3),
                 host_cell_slots: 1,
-                deferred_update_share: 0.5,
                 store_path: Some(dir.join(format!("cells-{micro_batches}-{}.strata", model.top_k))),
                 ..base.clone()
             },

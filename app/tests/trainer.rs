@@ -218,7 +218,7 @@ fn finetune_through_ssd_offload_exports_and_reimports() {
 }
 
 /// How the host slots split where records stream (`--host-stream-slots`,
-/// `--host-cell-slots`, `--defer-share`) moves records at other times,
+/// `--host-cell-slots`) moves records at other times,
 /// not what the steps compute: two runs under different splits end on
 /// the same bits, and the plan says how each split.
 #[test]
@@ -232,7 +232,6 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
         let flags = TrainFlags {
             host_stream_slots: split.host_stream_slots,
             host_cell_slots: split.host_cell_slots,
-            defer_share: split.defer_share,
             ..flags_holding(&out, 6)
         };
         let summary = trainer::run(
@@ -249,7 +248,6 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
         TrainFlags {
             host_stream_slots: Some(trainer::StreamSlots(None)),
             host_cell_slots: Some(1),
-            defer_share: Some(0.5),
             ..TrainFlags::default()
         },
     );
@@ -288,7 +286,6 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
         resume: true,
         host_stream_slots: Some(trainer::StreamSlots(Some(3))),
         host_cell_slots: Some(0),
-        defer_share: Some(1.0),
         ..flags_holding(&out, 6)
     };
     let resumed = trainer::run(&again, Source::Scratch, &AtomicBool::new(false)).unwrap();
@@ -307,7 +304,7 @@ fn the_host_tiers_split_changes_the_traffic_not_the_params() {
     let options = &record["options"];
     assert_eq!(options["out"].as_str(), out.to_str());
     assert_eq!(options["host_stream_slots"], 3);
-    assert_eq!(options["defer_share"], 1.0);
+    assert_eq!(options["host_cell_slots"], 0);
 }
 
 /// `--devices 2` (one micro-batch each) trains the model one device
@@ -564,10 +561,6 @@ fn bad_input_is_refused_with_one_line_and_nothing_written() {
         "--compute-dtype bf16",
     );
     refused(&["train", "--out", o, "--devices", "0"], "--devices");
-    refused(
-        &["train", "--out", o, "--defer-share", "1.5"],
-        "--defer-share 1.5",
-    );
     // Tiny's records are 344 KiB and its dense moments 459.5 KiB: six
     // host slots, four of them cut into compute cells, leave two for
     // records, one fewer than streaming them needs.

@@ -122,7 +122,7 @@ pub(crate) struct Expected<'a> {
     /// routed yet, the ones expected to get some).
     pub layers: &'a [Vec<usize>],
     /// Experts whose updates are held from their backward until their next
-    /// forward (`EngineConfig::deferred_update_share`): none in the backward.
+    /// forward (`EngineConfig::defer_last_layer_updates`): none in the backward.
     pub holding: &'a HashSet<ExpertId>,
     /// Experts with a held update, read in full just before their forward.
     pub held: &'a HashSet<ExpertId>,

@@ -268,15 +268,11 @@ pub(super) fn kept_experts(
 }
 
 /// The experts whose updates wait for the next step's forward, in a
-/// stack of `layers` × `experts` whose pipeline overlaps or not:
-/// - the last layer's experts not kept (see
-///   [`EngineConfig::defer_last_layer_updates`]), when records are kept
-///   and those fit in the streaming slots (the forward's tail then reads
-///   them in full just before that layer);
-/// - in each other layer, `round(share × experts)` of them, evenly spaced
-///   by index, less any kept resident (see
-///   [`EngineConfig::deferred_update_share`]), with one device and where
-///   records stream (the host tier holds fewer than all of them).
+/// stack of `layers` × `experts` whose pipeline overlaps or not: the last
+/// layer's experts not kept (see [`EngineConfig::defer_last_layer_updates`]),
+/// with one device, when records are kept and those fit in the streaming
+/// slots (the forward's tail then reads them in full just before that
+/// layer).
 pub(super) fn deferred_experts(
     layers: usize,
     experts: usize,
@@ -284,35 +280,18 @@ pub(super) fn deferred_experts(
     overlapped: bool,
     host_slots: usize,
 ) -> Vec<ExpertId> {
-    if !overlapped || config.workers() != 1 || layers == 0 {
+    if !overlapped || config.workers() != 1 || layers == 0 || !config.defer_last_layer_updates {
         return Vec::new();
     }
-    let kept = kept_experts(layers, experts, config, host_slots);
-    let keep = kept.len();
+    let keep = kept_experts(layers, experts, config, host_slots).len();
     let others = experts.saturating_sub(keep);
-    let mut deferred = Vec::new();
-    // With every record resident nothing streams, and holding an update
-    // would only keep its gradient longer.
-    let per_layer = if host_slots < layers * experts {
-        ((config.deferred_update_share * experts as f64).round() as usize).min(experts)
-    } else {
-        0
-    };
-    for l in 0..layers - 1 {
-        // Expert e where the count of chosen ones steps up: n of E evenly;
-        // not a kept one, which never streams.
-        deferred.extend(
-            (0..experts)
-                .filter(|e| (e + 1) * per_layer / experts > e * per_layer / experts)
-                .map(|e| ExpertId::new(l as u32, e as u32))
-                .filter(|id| !kept.contains(id)),
-        );
+    if keep == 0 || others > host_slots - keep {
+        return Vec::new();
     }
-    if config.defer_last_layer_updates && keep > 0 && others <= host_slots - keep {
-        let last = (layers - 1) as u32;
-        deferred.extend((keep..experts).map(|e| ExpertId::new(last, e as u32)));
-    }
-    deferred
+    let last = (layers - 1) as u32;
+    (keep..experts)
+        .map(|e| ExpertId::new(last, e as u32))
+        .collect()
 }
 
 /// How many of `host_slots` keep a record resident under `config`, with
@@ -384,36 +363,34 @@ mod tests {
     }
 
     #[test]
-    fn held_updates_are_spread_over_each_layer_and_skip_kept_records() {
-        let config = EngineConfig {
-            deferred_update_share: 0.25,
-            ..EngineConfig::default()
-        };
+    fn the_last_layer_s_streamed_experts_hold_their_updates_where_they_fit() {
+        let config = EngineConfig::default();
         // 2 × 8 experts, 8 host slots, 4 streaming: layer 1's experts 0–3
-        // kept, its 4–7 held (they fit the streaming slots); a quarter of
-        // layer 0's, evenly spaced.
+        // kept, its 4–7 held (they fit the streaming slots).
         assert_eq!(
             deferred_experts(2, 8, &config, true, 8),
-            ids(&[(0, 3), (0, 7), (1, 4), (1, 5), (1, 6), (1, 7)])
+            ids(&[(1, 4), (1, 5), (1, 6), (1, 7)])
         );
-        // 3 × 4 experts, 10 host slots: 6 kept (all of layer 2, layer 1's
-        // 0 and 1); half of layers 0 and 1 would be 1 and 3, less kept 1.1.
-        let half = EngineConfig {
-            deferred_update_share: 0.5,
-            ..EngineConfig::default()
-        };
-        assert_eq!(
-            deferred_experts(3, 4, &half, true, 10),
-            ids(&[(0, 1), (0, 3), (1, 3)])
-        );
+        // 3 × 4 experts, 10 host slots: 6 kept (all of layer 2), so the
+        // last layer streams none and holds none.
+        assert!(deferred_experts(3, 4, &config, true, 10).is_empty());
+        // 2 × 8 experts, 6 host slots: 2 kept, the last layer's other 6
+        // do not fit the 4 streaming slots.
+        assert!(deferred_experts(2, 8, &config, true, 6).is_empty());
         // Nothing is held where the pipeline does not overlap, with
-        // several devices, or where every record is resident.
+        // several devices, where every record is resident, or when the
+        // config says not to.
         assert!(deferred_experts(2, 8, &config, false, 8).is_empty());
         assert!(deferred_experts(2, 8, &config, true, 16).is_empty());
         let two = EngineConfig {
             devices: 2,
-            ..config
+            ..config.clone()
         };
         assert!(deferred_experts(2, 8, &two, true, 8).is_empty());
+        let off = EngineConfig {
+            defer_last_layer_updates: false,
+            ..config
+        };
+        assert!(deferred_experts(2, 8, &off, true, 8).is_empty());
     }
 }

@@ -95,20 +95,6 @@ pub struct EngineConfig {
     /// each holds its f32 gradient across the step boundary. The same
     /// update before the same next use: the same bits.
     pub defer_last_layer_updates: bool,
-    /// The share of each other layer's experts (evenly spaced by index,
-    /// `round(share × experts)` of them) whose updates, too, wait for the
-    /// next step's forward, with one device on the expert-wise schedule
-    /// where records stream (the host tier holds fewer than all of them).
-    /// Their records are then read and written in full during the forward,
-    /// where the disk has little else to do (the forward reads compute
-    /// params only), and read for their compute params only in the
-    /// backward, which otherwise reads and writes every streamed record:
-    /// a share near F / (F + B), the forward's part of the compute, gives
-    /// each pass the disk work its compute can hide. Each holds its f32
-    /// gradient across the step boundary (counted in the host memory
-    /// plan). The same update before the same next use: the same bits.
-    /// 0 (the default): only the last layer's.
-    pub deferred_update_share: f64,
     /// Queue depth of the store's io_uring.
     pub io_queue_depth: u32,
     /// Whether the experts' GEMMs run ([`ExpertCompute::Run`], always in
@@ -226,7 +212,6 @@ impl Default for EngineConfig {
             host_stream_slots: Some(4),
             host_cell_slots: 0,
             defer_last_layer_updates: true,
-            deferred_update_share: 0.0,
             io_queue_depth: 32,
             expert_compute: ExpertCompute::Run,
             devices: 1,

@@ -183,17 +183,27 @@ mod tests {
                 (8 + 2) * 1000 * 4
             );
         }
-        // One device deferring half of layer 0's updates holds their two
-        // gradients across the step boundary (no record is kept in 3
-        // slots, so the last layer defers none).
+        // One device with 6 host slots keeps 2 records (layer 1's experts
+        // 0 and 1, 4 slots streaming) and holds the last layer's other two
+        // updates across the step boundary: a gradient each besides the
+        // 6 slots' and the device's. With 3 slots no record is kept, and
+        // the last layer holds none.
         let deferring = EngineConfig {
             devices: 1,
-            deferred_update_share: 0.5,
+            host_budget_bytes: 6 * record + 1,
             ..config.clone()
         };
         assert_eq!(
             HostMemoryPlan::of(&layout, &deferring).gradients,
-            (3 + 2 + 1) * 1000 * 4
+            (6 + 2 + 1) * 1000 * 4
+        );
+        let streaming = EngineConfig {
+            devices: 1,
+            ..config.clone()
+        };
+        assert_eq!(
+            HostMemoryPlan::of(&layout, &streaming).gradients,
+            (3 + 1) * 1000 * 4
         );
         // Each GPU keeps three page-locked buffers its gradients come
         // down to, and has no slots in host memory.

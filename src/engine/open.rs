@@ -192,12 +192,6 @@ impl Engine {
                 config.pin_fraction
             )));
         }
-        if !(0.0..=1.0).contains(&config.deferred_update_share) {
-            return Err(EngineError::Config(format!(
-                "deferred_update_share = {} must be between 0 and 1",
-                config.deferred_update_share
-            )));
-        }
         if let ExpertCompute::Modeled { flops_per_s } = config.expert_compute {
             if !(flops_per_s.is_finite() && flops_per_s > 0.0) {
                 return Err(EngineError::Config(format!(

@@ -29,7 +29,7 @@ const HOST_SLOT_WAIT: Duration = Duration::from_secs(30);
 pub(crate) enum When {
     /// As the schedule says: now on the expert-wise schedule; at the end
     /// of the backward on the naive one; at the expert's next forward if
-    /// its updates are held (`EngineConfig::deferred_update_share`).
+    /// its updates are held (`EngineConfig::defer_last_layer_updates`).
     Scheduled,
     /// Now, with the hyperparameters set now.
     Now,
@@ -129,7 +129,7 @@ pub(crate) struct UpdateBook {
     /// Naive schedule: updates held until the backward pass is over.
     pub until_backward_ends: Vec<(usize, Vec<f32>)>,
     /// The complete gradients of experts whose updates wait for their next
-    /// forward (`EngineConfig::deferred_update_share`), until
+    /// forward (`EngineConfig::defer_last_layer_updates`), until
     /// `release_held`, each with the hyperparameters of the step that
     /// computed it (a schedule sets the next step's before the held
     /// update runs).

@@ -262,7 +262,6 @@ fn bench_step(args: StepArgs) -> Result<(), CliError> {
             .map_or(defaults.host_stream_slots, |s| s.0),
         host_cell_slots: args.host_cell_slots,
         defer_updates: args.defer_updates,
-        deferred_update_share: args.defer_share,
         backend: strata::backend::BackendKind::parse(&args.backend)?,
         modeled_device_flops: args.modeled_device_gflops.map(|g| g * 1e9),
         optimizer_threads: args.optimizer_threads,

@@ -363,13 +363,6 @@ pub struct StepArgs {
     /// backward ends (`off`).
     #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub defer_updates: bool,
-    /// The share of each other layer's experts whose updates are held for
-    /// the next step's forward too, so that their records are read and
-    /// written in full during the forward (0 to 1; about F / (F + B), the
-    /// forward's part of the compute, balances the passes' disk work; the
-    /// engine's default is 0).
-    #[arg(long, default_value_t = crate::bench::step::BENCH_DEFERRED_SHARE, value_name = "SHARE")]
-    pub defer_share: f64,
     /// Threads the cpu backend's expert and dense compute split over, or
     /// `all` (default: every core but one, left to the SSD tier's I/O and
     /// the optimizer as a GPU leaves them every core; on one core, that

@@ -160,7 +160,7 @@ pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
     for note in engine.notes() {
         lines.push(format!("note: {note}"));
     }
-    for note in unused_split(o, engine.host_cells(), engine.deferred_updates()) {
+    for note in unused_split(o, engine.host_cells()) {
         lines.push(format!("note: {note}"));
     }
     if engine.host_kept() > 0 || engine.host_cells() > 0 {
@@ -247,22 +247,15 @@ pub(super) fn done_line(summary: &RunSummary) -> String {
 }
 
 /// What of the host tier's split that `o` asks for does not apply: cells
-/// and held updates are only for records streaming from the SSD through
-/// one device's host tier, and a share may round to no expert.
-fn unused_split(o: &TrainOptions, cells: usize, deferred: usize) -> Vec<String> {
+/// are only for records streaming from the SSD through one device's host
+/// tier.
+fn unused_split(o: &TrainOptions, cells: usize) -> Vec<String> {
     let mut notes = Vec::new();
     let why = "it applies where expert records stream from the SSD, on one device";
     if o.host_cell_slots > 0 && cells == 0 {
         notes.push(format!(
             "--host-cell-slots {} is not used: {why}",
             o.host_cell_slots
-        ));
-    }
-    if o.defer_share > 0.0 && deferred == 0 {
-        notes.push(format!(
-            "--defer-share {} holds no update: {why}, where the share of a layer's experts \
-             rounds to one or more",
-            o.defer_share
         ));
     }
     notes
@@ -276,16 +269,14 @@ mod tests {
     #[test]
     fn a_split_that_does_not_apply_is_named() {
         let o = TrainFlags::default().resolve().unwrap();
-        assert!(unused_split(&o, 0, 0).is_empty());
+        assert!(unused_split(&o, 0).is_empty());
         let asked = TrainOptions {
             host_cell_slots: 1,
-            defer_share: 0.5,
             ..o
         };
-        let notes = unused_split(&asked, 0, 0);
-        assert_eq!(notes.len(), 2, "{notes:?}");
+        let notes = unused_split(&asked, 0);
+        assert_eq!(notes.len(), 1, "{notes:?}");
         assert!(notes[0].starts_with("--host-cell-slots 1 is not used"));
-        assert!(notes[1].starts_with("--defer-share 0.5 holds no update"));
-        assert!(unused_split(&asked, 6, 4).is_empty());
+        assert!(unused_split(&asked, 6).is_empty());
     }
 }

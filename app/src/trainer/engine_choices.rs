@@ -37,7 +37,6 @@ pub(super) fn engine_config(
         backend: BackendKind::parse(&o.backend)?,
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,
-        deferred_update_share: o.defer_share,
         trace_routing: o.trace_routing.is_some(),
         affinity_prefetch: o.affinity_prefetch,
         dense_on_device: !o.dense_on_host,

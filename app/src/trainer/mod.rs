@@ -301,12 +301,6 @@ fn validate_options(o: &TrainOptions) -> Result<(), String> {
     if !(o.lr >= 0.0 && o.lr.is_finite() && (0.0..=1.0).contains(&o.min_lr_ratio)) {
         return Err("--lr must be 0 or more and --min-lr-ratio in [0, 1]".into());
     }
-    if !(0.0..=1.0).contains(&o.defer_share) {
-        return Err(format!(
-            "--defer-share {} must be between 0 and 1",
-            o.defer_share
-        ));
-    }
     Ok(())
 }
 

@@ -195,11 +195,6 @@ pub struct TrainFlags {
     /// compute params alone (default 0).
     #[arg(long, value_name = "N")]
     pub host_cell_slots: Option<usize>,
-    /// Where records stream from the SSD: the share of each layer's experts
-    /// whose updates wait for the next step's forward, which then reads and
-    /// writes their records (0 to 1, default 0).
-    #[arg(long, value_name = "SHARE")]
-    pub defer_share: Option<f64>,
     /// How documents share a sequence: `apart` (each attends only to
     /// itself, its first token no target of the one before: fine-tuning on
     /// instruction data) or `stream` (one stream, as in pretraining).
@@ -314,8 +309,6 @@ pub struct TrainOptions {
     pub host_stream_slots: StreamSlots,
     #[serde(default)]
     pub host_cell_slots: usize,
-    #[serde(default)]
-    pub defer_share: f64,
     /// Set when a run starts (the mode's default where not given); a run
     /// recorded before the option packed as one stream.
     #[serde(default)]
@@ -505,7 +498,6 @@ impl TrainFlags {
             compute_threads: cli.compute_threads.or(file.compute_threads),
             host_stream_slots: pick!(cli, file, host_stream_slots, default_stream_slots()),
             host_cell_slots: pick!(cli, file, host_cell_slots, 0),
-            defer_share: pick!(cli, file, defer_share, 0.0),
             packing: cli.packing.or(file.packing),
             seed: pick!(cli, file, seed, 0),
             export: cli.export.clone().or(file.export.clone()),
@@ -669,13 +661,11 @@ mod tests {
             }
             .resolve()
         };
-        let o = from_file(
-            "host_stream_slots = 6\nhost_cell_slots = 1\ndefer_share = 0.25\ncompute_threads = 1\n",
-        );
+        let o = from_file("host_stream_slots = 6\nhost_cell_slots = 1\ncompute_threads = 1\n");
         let o = o.unwrap();
         assert_eq!(o.host_stream_slots, StreamSlots(Some(6)));
         assert_eq!(o.compute_threads, Some(1));
-        assert_eq!((o.host_cell_slots, o.defer_share), (1, 0.25));
+        assert_eq!(o.host_cell_slots, 1);
         let o = from_file("host_stream_slots = \"all\"\n").unwrap();
         assert_eq!(o.host_stream_slots, StreamSlots(None));
         let err = from_file("host_stream_slots = 1\n").unwrap_err();
@@ -684,8 +674,8 @@ mod tests {
         // chosen, and one written before these options reads as the default.
         let o = TrainFlags::default().resolve().unwrap();
         assert_eq!(
-            (o.host_stream_slots.0, o.host_cell_slots, o.defer_share),
-            (EngineConfig::default().host_stream_slots, 0, 0.0)
+            (o.host_stream_slots.0, o.host_cell_slots),
+            (EngineConfig::default().host_stream_slots, 0)
         );
         let chosen = TrainOptions {
             host_stream_slots: StreamSlots(None),
@@ -697,12 +687,7 @@ mod tests {
         let back: TrainOptions = serde_json::from_str(&text).unwrap();
         assert_eq!(back, chosen);
         let mut old: serde_json::Value = serde_json::to_value(&o).unwrap();
-        for key in [
-            "host_stream_slots",
-            "host_cell_slots",
-            "defer_share",
-            "compute_threads",
-        ] {
+        for key in ["host_stream_slots", "host_cell_slots", "compute_threads"] {
             old.as_object_mut().unwrap().remove(key);
         }
         let back: TrainOptions = serde_json::from_value(old).unwrap();

@@ -135,8 +135,8 @@ pub(super) fn store_path(out: &Path) -> PathBuf {
 /// `--resume`: the saved options, with `--steps`, `--export`,
 /// `--tensorboard`, `--trace-routing`, `--quiet`,
 /// `--timeline-step`, the thread counts and the host tier's split
-/// (`--host-stream-slots`, `--host-cell-slots`, `--defer-share`, which
-/// change no result) taken from the command line when given.
+/// (`--host-stream-slots`, `--host-cell-slots`, which change no
+/// result) taken from the command line when given.
 pub(super) fn resume_options(
     flags: &TrainFlags,
 ) -> Result<(TrainOptions, Source, ModelFiles), String> {
@@ -162,7 +162,6 @@ pub(super) fn resume_options(
         o.host_stream_slots = stream;
     }
     o.host_cell_slots = flags.host_cell_slots.unwrap_or(o.host_cell_slots);
-    o.defer_share = flags.defer_share.unwrap_or(o.defer_share);
     o.threads = flags.threads.unwrap_or(o.threads);
     if flags.compute_threads.is_some() {
         o.compute_threads = flags.compute_threads;

@@ -60,10 +60,6 @@ pub struct StepBenchConfig {
     /// Where records are kept, the last layer's other updates wait for
     /// the next step's forward (`EngineConfig::defer_last_layer_updates`).
     pub defer_updates: bool,
-    /// The share of each other layer's experts whose updates wait too
-    /// (`EngineConfig::deferred_update_share`); by default
-    /// [`BENCH_DEFERRED_SHARE`], where the engine's is 0.
-    pub deferred_update_share: f64,
     pub backend: BackendKind,
     /// Model the device instead of computing on `backend` (cpu only): the
     /// expert-wise, naive and compute-only runs skip the expert GEMMs and
@@ -110,7 +106,6 @@ impl Default for StepBenchConfig {
             host_stream_slots: Some(BENCH_STREAM_SLOTS),
             host_cell_slots: BENCH_CELL_SLOTS,
             defer_updates: EngineConfig::default().defer_last_layer_updates,
-            deferred_update_share: BENCH_DEFERRED_SHARE,
             backend: BackendKind::Cpu,
             modeled_device_flops: None,
             timeline_dir: None,
@@ -135,12 +130,6 @@ pub const BENCH_STREAM_SLOTS: usize = 5;
 /// full records while the last ones compute; see docs/performance.md,
 /// "Compute cells".
 pub const BENCH_CELL_SLOTS: usize = 1;
-
-/// The bench's share of each layer's updates held for the next forward
-/// (`EngineConfig::deferred_update_share`): a quarter (2 of 8 experts a
-/// layer), which moves that much of the backward's disk work into the
-/// forward; the forward is about a third of the compute.
-pub const BENCH_DEFERRED_SHARE: f64 = 0.25;
 
 /// Events a run's timeline keeps between two steps: a step of the default
 /// stack records a few hundred (SSD calls, waits, expert loops, updates).
@@ -201,7 +190,6 @@ pub fn run(
         host_stream_slots: config.host_stream_slots,
         host_cell_slots: config.host_cell_slots,
         defer_last_layer_updates: config.defer_updates,
-        deferred_update_share: config.deferred_update_share,
         backend: config.backend,
         expert_compute,
         ..EngineConfig::default()

@@ -215,7 +215,6 @@ fn deferred_updates_follow_the_config() {
         let config = StepBenchConfig {
             host_stream_slots: Some(4),
             host_cell_slots: 0,
-            deferred_update_share: 0.0,
             defer_updates: defer,
             ..half.clone()
         };
@@ -225,21 +224,21 @@ fn deferred_updates_follow_the_config() {
         assert_eq!(records[0].host_kept, 4);
     }
     // 5 streaming slots and no cells, so 3 kept: the last layer's other 5
-    // held, and a quarter (2) of layer 0's.
+    // held.
     let no_cells = StepBenchConfig {
         host_cell_slots: 0,
         ..half.clone()
     };
     let (records, _) = run(&no_cells, |_| {}).unwrap();
     let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
-    assert_eq!(deferred, [7, 0, 0, 7]);
+    assert_eq!(deferred, [5, 0, 0, 5]);
     assert_eq!((records[0].host_kept, records[0].host_cells), (3, 0));
     // The bench's own split: one slot in compute cells, 5 of the 7 left
     // streaming, so 2 kept; the last layer's other 6 do not fit the
-    // streaming slots and update in the backward; layer 0's quarter is held.
+    // streaming slots and update in the backward.
     let (records, _) = run(&half, |_| {}).unwrap();
     let deferred: Vec<_> = records.iter().map(|r| r.deferred_updates).collect();
-    assert_eq!(deferred, [2, 0, 0, 2]);
+    assert_eq!(deferred, [0, 0, 0, 0]);
     assert_eq!((records[0].host_slots, records[0].host_kept), (7, 2));
     assert!(records[0].host_cells > 0);
     // Neither the naive run nor the all-resident one has cells.
