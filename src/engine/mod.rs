@@ -724,7 +724,7 @@ mod tests {
     }
 
     #[test]
-    fn saved_activations_stay_within_twice_a_pass_s_need() {
+    fn saved_activations_stay_within_a_quarter_over_a_pass_s_need() {
         let model = ModelConfig {
             layers: 2,
             ..ModelConfig::default()
@@ -742,7 +742,23 @@ mod tests {
         for _ in 0..3 {
             engine.step(&batch_of(&model, 4, 4)).unwrap();
             let small = held(&engine);
-            assert!(small <= 2 * need(4), "{small} values held for {}", need(4));
+            assert!(
+                small <= need(4) * 5 / 4,
+                "{small} values held for {}",
+                need(4)
+            );
+        }
+        // Tokens growing a little each step: each buffer grows to what its
+        // pass needs, not to twice its capacity; then falling by a third:
+        // one held over a quarter above its need is let go.
+        for tokens in [40, 44, 48, 52, 36] {
+            engine.step(&batch_of(&model, tokens, 4)).unwrap();
+            let held = held(&engine);
+            assert!(
+                held <= need(tokens) * 5 / 4,
+                "{held} values held for {}",
+                need(tokens)
+            );
         }
     }
 

@@ -292,16 +292,28 @@ pub struct ExpertSaved<R> {
 }
 
 impl<R> ExpertSaved<R> {
-    /// Frees a buffer that holds more than twice `len` values: kept from
-    /// pass to pass, it then never holds much more than a pass needs,
-    /// rather than the most the expert ever had routed to it.
+    /// Frees a buffer that holds more than a quarter over `len` values.
+    /// Kept from pass to pass and grown exactly ([`resize_exact`]), the
+    /// buffers then hold at most 1.25 times what a pass needs, rather than
+    /// the most the expert ever had routed to it (or twice that, as a
+    /// `Vec` grows by doubling).
     pub fn fit(&mut self, len: usize) {
         for v in [&mut self.a, &mut self.b] {
-            if v.capacity() > 2 * len {
+            if v.capacity() > len + len / 4 {
                 *v = Vec::new();
             }
         }
     }
+}
+
+/// `v` resized to `len` values, its capacity grown to exactly `len` where
+/// it is short (a `Vec` would grow to twice its capacity): for buffers
+/// kept from pass to pass, whose size follows the routing.
+pub fn resize_exact<R: Clone>(v: &mut Vec<R>, len: usize, value: R) {
+    if v.capacity() < len {
+        v.reserve_exact(len - v.len());
+    }
+    v.resize(len, value);
 }
 
 /// out (n, D) = expert(x (n, D)), with `params` laid out as `ExpertKind` says.
@@ -317,13 +329,13 @@ pub fn expert_ffn_forward<R: Real>(
 ) {
     assert_eq!(params.len(), kind.params(d, f));
     let w1 = &params[..f * d];
-    saved.a.resize(n * f, R::zero());
+    resize_exact(&mut saved.a, n * f, R::zero());
     linear_forward(&mut saved.a, x, w1, n, d, f);
     let mut hidden = vec![R::zero(); n * f];
     let w2 = match kind {
         ExpertKind::SwiGlu => {
             let w3 = &params[f * d..2 * f * d];
-            saved.b.resize(n * f, R::zero());
+            resize_exact(&mut saved.b, n * f, R::zero());
             linear_forward(&mut saved.b, x, w3, n, d, f);
             for i in 0..n * f {
                 hidden[i] = silu(saved.a[i]) * saved.b[i];
