@@ -51,7 +51,7 @@ use std::sync::Arc;
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{
     sys::CUdeviceptr, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    DevicePtr, PushKernelArg,
+    DevicePtr, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use strata_optim::StepScalars;
@@ -256,16 +256,45 @@ impl CudaBackend {
     }
 
     fn upload(&self, host: &[f32]) -> Result<CudaSlice<f32>, EngineError> {
-        self.count_pcie_other::<f32>(host.len());
+        self.upload_values(host)
+    }
+
+    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, EngineError> {
+        self.alloc(n)
+    }
+
+    /// `n` zeros of `T` in GPU memory.
+    pub(super) fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, EngineError> {
+        self.stream
+            .alloc_zeros::<T>(n)
+            .map_err(|e| self.memory_error("allocating GPU memory", e))
+    }
+
+    /// `host` copied to the GPU, counted in the bytes that cross besides
+    /// experts.
+    pub(super) fn upload_values<T: DeviceRepr>(
+        &self,
+        host: &[T],
+    ) -> Result<CudaSlice<T>, EngineError> {
+        self.count_pcie_other::<T>(host.len());
         self.stream
             .clone_htod(host)
             .map_err(|e| self.memory_error("an upload", e))
     }
 
-    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, EngineError> {
+    /// `dev` copied into `host`, counted likewise.
+    pub(super) fn download_values<T: DeviceRepr>(
+        &self,
+        dev: &CudaSlice<T>,
+        host: &mut [T],
+    ) -> Result<(), EngineError> {
+        self.count_pcie_other::<T>(host.len());
         self.stream
-            .alloc_zeros::<f32>(n)
-            .map_err(|e| self.memory_error("allocating GPU memory", e))
+            .memcpy_dtoh(dev, host)
+            .map_err(|e| gpu_error("a download", e))
     }
 
     /// `e` from `what`, which allocates GPU memory: where the GPU is out
@@ -297,10 +326,7 @@ impl CudaBackend {
     }
 
     fn download(&self, dev: &CudaSlice<f32>, host: &mut [f32]) -> Result<(), EngineError> {
-        self.count_pcie_other::<f32>(host.len());
-        self.stream
-            .memcpy_dtoh(dev, host)
-            .map_err(|e| gpu_error("a download", e))
+        self.download_values(dev, host)
     }
 
     /// bf16 copy of `x` (round to nearest even, as `half::bf16::from_f32`).

@@ -12,9 +12,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, DevicePtrMut, DeviceRepr, PushKernelArg, ValidAsZeroBits,
-};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtrMut, PushKernelArg};
 
 use super::dense::{load_kernel, threads};
 use super::{gpu_error, CudaBackend};
@@ -103,37 +101,6 @@ pub struct RouterOut {
 }
 
 impl CudaBackend {
-    /// `n` zeros of `T` in GPU memory.
-    pub(super) fn alloc<T: DeviceRepr + ValidAsZeroBits>(
-        &self,
-        n: usize,
-    ) -> Result<CudaSlice<T>, EngineError> {
-        self.stream
-            .alloc_zeros::<T>(n)
-            .map_err(|e| self.memory_error("allocating GPU memory", e))
-    }
-
-    pub(super) fn upload_values<T: DeviceRepr>(
-        &self,
-        host: &[T],
-    ) -> Result<CudaSlice<T>, EngineError> {
-        self.count_pcie_other::<T>(host.len());
-        self.stream
-            .clone_htod(host)
-            .map_err(|e| self.memory_error("an upload", e))
-    }
-
-    pub(super) fn download_values<T: DeviceRepr>(
-        &self,
-        dev: &CudaSlice<T>,
-        host: &mut [T],
-    ) -> Result<(), EngineError> {
-        self.count_pcie_other::<T>(host.len());
-        self.stream
-            .memcpy_dtoh(dev, host)
-            .map_err(|e| gpu_error("a download", e))
-    }
-
     /// The experts' counts and the layer's two losses, side by side in
     /// one buffer on the GPU (two copies there) and then in one download:
     /// one host join a layer rather than two.
