@@ -36,6 +36,17 @@ pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
 /// maxes and sums) while it runs.
 pub const ROW_PARTS: usize = 32;
 
+/// On a GPU, the tokens' stable order by id (the embedding's backward)
+/// is a merge sort: runs of this many tokens ordered alone, in one launch.
+pub const TOKEN_RUN: usize = 64;
+
+/// The widths of the sorted runs the GPU's merge passes join in pairs,
+/// after the first launch has ordered runs of [`TOKEN_RUN`] tokens: one
+/// launch each, ⌈log2(t / TOKEN_RUN)⌉ of them.
+pub fn token_order_merge_widths(t: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(TOKEN_RUN), |w| Some(2 * w)).take_while(move |&w| w < t)
+}
+
 /// On a GPU, the assignments a thread of the token permutation's kernels
 /// scans: each (chunk, expert) pair is a thread, so T·K assignments take
 /// T·K / 64 · E threads, each reading at most 64 of them and E + T·K / 64

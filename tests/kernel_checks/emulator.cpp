@@ -90,20 +90,22 @@ static std::function<void()> bind(void (*kernel)(A...), unsigned grid, unsigned 
 
 // Every kernel of kernels.cu and router.cu, once: a new kernel is added
 // here and nowhere else in this file.
-#define STRATA_KERNELS(X)                                                             \
-    X(swiglu_forward) X(swiglu_backward) X(gelu_forward) X(gelu_backward)             \
-    X(f32_to_bf16) X(adamw) X(row_partials) X(rmsnorm_forward)                        \
-    X(rmsnorm_backward_dx) X(column_partials) X(add_column_partials) X(rope)          \
-    X(logit_partials) X(cross_entropy_loss) X(cross_entropy) X(gather_rows)           \
-    X(scatter_rows) X(attn_to_heads) X(attn_from_heads) X(attn_softmax_partials)      \
-    X(attn_softmax_stats) X(attn_softmax) X(attn_softmax_backward_partials)           \
-    X(attn_softmax_backward) X(add_into) X(add_bias) X(clamp_values) X(clamp_grad)    \
-    X(combine_rows) X(combine_weights_partials) X(combine_weights_grad)               \
-    X(weighted_rows) X(gather_rows_backward) X(split_token_rows) X(document_starts) X(token_order)       \
-    X(embedding_backward) X(sum_in_order) X(square_sums) X(sigmoid_values)            \
-    X(add_scaled_rows) X(gate_backward) X(router_top_k) X(router_sigmoid_top_k)       \
-    X(permutation_chunk_counts) X(permutation_counts) X(permutation_place)            \
-    X(router_sums) X(router_losses) X(aux_prob_grad) X(add_prob_sums) X(router_logits_grad)
+#define STRATA_KERNELS(X)                                                           \
+    X(swiglu_forward) X(swiglu_backward) X(gelu_forward) X(gelu_backward)           \
+    X(f32_to_bf16) X(adamw) X(row_partials) X(rmsnorm_forward)                      \
+    X(rmsnorm_backward_dx) X(column_partials) X(add_column_partials) X(rope)        \
+    X(logit_partials) X(cross_entropy_loss) X(cross_entropy) X(gather_rows)         \
+    X(scatter_rows) X(attn_to_heads) X(attn_from_heads) X(attn_softmax_partials)    \
+    X(attn_softmax_stats) X(attn_softmax) X(attn_softmax_backward_partials)         \
+    X(attn_softmax_backward) X(add_into) X(add_bias) X(clamp_values) X(clamp_grad)  \
+    X(combine_rows) X(combine_weights_partials) X(combine_weights_grad)             \
+    X(weighted_rows) X(gather_rows_backward) X(split_token_rows)                    \
+    X(document_starts) X(token_order_runs) X(token_order_merge)                     \
+    X(embedding_backward) X(sum_in_order) X(square_sums) X(sigmoid_values)          \
+    X(add_scaled_rows) X(gate_backward) X(router_top_k) X(router_sigmoid_top_k)     \
+    X(permutation_chunk_counts) X(permutation_counts) X(permutation_place)          \
+    X(router_sums) X(router_losses) X(aux_prob_grad) X(add_prob_sums)               \
+    X(router_logits_grad)
 
 STRATA_KERNELS(STRATA_LAUNCHER)
 

@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 use std::path::PathBuf;
 
-use strata::backend::ROW_PARTS;
+use strata::backend::{token_order_merge_widths, ROW_PARTS, TOKEN_RUN};
 use strata::math::attention::AttnShape;
 use strata::math::{ExpertKind, RouterConfig, Routing};
 use strata::model::TokenRows;
@@ -395,12 +395,31 @@ impl KernelHost for KernelEmulator {
         out
     }
 
+    fn token_order(&self, tokens: &[u32]) -> Vec<u32> {
+        // As `CudaBackend::token_order`.
+        let t = tokens.len();
+        let (mut order, mut merged) = (vec![0u32; t], vec![0u32; t]);
+        let (pk, po, t32) = (tokens.as_ptr(), order.as_mut_ptr(), t as u32);
+        let run = TOKEN_RUN as u32;
+        self.launch(
+            "token_order_runs",
+            t,
+            &[arg(&pk), arg(&po), arg(&t32), arg(&run)],
+        );
+        for width in token_order_merge_widths(t) {
+            let (ps, pm, w32) = (order.as_ptr(), merged.as_mut_ptr(), width as u32);
+            let args = [arg(&pk), arg(&ps), arg(&pm), arg(&t32), arg(&w32)];
+            self.launch("token_order_merge", t, &args);
+            std::mem::swap(&mut order, &mut merged);
+        }
+        order
+    }
+
     fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize) {
         // As `CudaBackend::embedding_backward_device`.
         let t = tokens.len();
-        let mut order = vec![0u32; t];
-        let (pk, po, t32, d32) = (tokens.as_ptr(), order.as_mut_ptr(), t as u32, d as u32);
-        self.launch("token_order", t, &[arg(&pk), arg(&po), arg(&t32)]);
+        let order = self.token_order(tokens);
+        let (pk, t32, d32) = (tokens.as_ptr(), t as u32, d as u32);
         let (pd, ph, po) = (dtable.as_mut_ptr(), dh.as_ptr(), order.as_ptr());
         let args = [arg(&pd), arg(&ph), arg(&pk), arg(&po), arg(&t32), arg(&d32)];
         self.launch("embedding_backward", t * d, &args);

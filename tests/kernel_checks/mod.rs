@@ -103,6 +103,9 @@ pub trait KernelHost {
     /// Every token's document start (`starts`, rows of `seq_len`) as the
     /// GPU rebuilds it from a bit a token.
     fn document_starts(&self, starts: &[u32], seq_len: usize) -> Vec<u32>;
+    /// The tokens' stable order by id, as the GPU sorts them for the
+    /// embedding's backward.
+    fn token_order(&self, tokens: &[u32]) -> Vec<u32>;
     /// dtable (V, D) += dh's rows at their tokens, in token order.
     fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize);
     /// The router after its logits (T, E): scores, top-k, permutation,
@@ -346,7 +349,8 @@ pub fn loss_router_and_permutation(h: &dyn KernelHost) {
 /// A batch's ids split on the device as the host splits them (with and
 /// without a loss mask, rows whose last target is masked and rows that
 /// mask none); the embedding's backward with repeated ids, the same bits
-/// as the cpu loop (both add each id's rows in token order); a loss's
+/// as the cpu loop (both add each id's rows in token order, which on the
+/// GPU holds only if its sort of the tokens by id is stable); a loss's
 /// shares summed in row order, the same bits as the host's fold.
 pub fn token_ids_embedding_and_loss_sum(h: &dyn KernelHost) {
     use strata::math::attention::embedding_backward;
@@ -376,19 +380,33 @@ pub fn token_ids_embedding_and_loss_sum(h: &dyn KernelHost) {
     .inputs_targets();
     assert!(targets.contains(&strata::math::IGNORED_TARGET));
 
-    let inputs: Vec<u32> = (0..b * s).map(|i| (i * 5 % 9) as u32).collect();
-    let dh = f32s(inputs.len() * d, 33, 1.0);
-    let start = f32s(v * d, 34, 0.5);
-    let mut want = start.clone();
-    embedding_backward(&mut want, &dh, &inputs, d);
-    let mut got = start.clone();
-    h.embedding_backward(&mut got, &dh, &inputs, d);
-    assert_eq!(got, want, "the embedding's gradient");
-    assert_eq!(
-        got[10 * d..],
-        start[10 * d..],
-        "rows of unused ids untouched"
-    );
+    // 35 tokens (one run of the GPU's merge sort), then 357: five runs of
+    // 64 and a short one, joined by merges of every width up to 256.
+    for (t, seed) in [(b * s, 33), (5 * 64 + 37, 36)] {
+        let inputs: Vec<u32> = (0..t).map(|i| (i * 5 % 9) as u32).collect();
+        let dh = f32s(inputs.len() * d, seed, 1.0);
+        let start = f32s(v * d, seed + 1, 0.5);
+        let mut want = start.clone();
+        embedding_backward(&mut want, &dh, &inputs, d);
+        let mut got = start.clone();
+        h.embedding_backward(&mut got, &dh, &inputs, d);
+        assert_eq!(got, want, "the embedding's gradient over {t} tokens");
+        assert_eq!(
+            got[10 * d..],
+            start[10 * d..],
+            "rows of unused ids untouched"
+        );
+    }
+    // The order itself, which the gradient above cannot always tell from
+    // a partial one: one token, one run, a run and one more, runs of 64
+    // and a short one, 4 merges exactly, and 8 merges with a tail, over
+    // ids with many repeats.
+    for t in [1usize, 64, 65, 357, 1024, 16_411] {
+        let tokens: Vec<u32> = (0..t).map(|i| (i * i * 31 % 97 % 23) as u32).collect();
+        let mut want: Vec<u32> = (0..t as u32).collect();
+        want.sort_by_key(|&i| tokens[i as usize]); // stable
+        assert_eq!(h.token_order(&tokens), want, "the order of {t} tokens");
+    }
 
     let shares = f32s(1000, 35, 3.0);
     let fold = shares.iter().fold(0.0f32, |a, &x| a + x);
@@ -649,6 +667,10 @@ impl KernelHost for strata::backend::cuda::CudaBackend {
 
     fn embedding_backward(&self, dtable: &mut [f32], dh: &[f32], tokens: &[u32], d: usize) {
         self.embedding_backward_host(dtable, dh, tokens, d).unwrap()
+    }
+
+    fn token_order(&self, tokens: &[u32]) -> Vec<u32> {
+        self.token_order_host(tokens).unwrap()
     }
 
     fn document_starts(&self, starts: &[u32], seq_len: usize) -> Vec<u32> {

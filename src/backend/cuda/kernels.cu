@@ -616,24 +616,61 @@ extern "C" __global__ void document_starts(const unsigned* begins, unsigned* sta
     }
 }
 
-// The tokens' stable order by id, one thread a token: token i goes to
-// position (tokens with a smaller id) + (earlier tokens with its id), so
-// the positions of an id's tokens run in token order. Quadratic in the
-// tokens and parallel in them: 8192 tokens are 67 M comparisons.
-extern "C" __global__ void token_order(const unsigned* tokens, unsigned* order, unsigned t) {
+// The tokens' stable order by id: a merge sort whose passes are parallel
+// in the tokens. First each run of `run` tokens is ordered alone
+// (`backend::TOKEN_RUN`), one thread a token: token i goes to its run's
+// start + (the run's tokens with a smaller id) + (its earlier tokens with
+// i's id), so the positions of an id's tokens run in token order.
+extern "C" __global__ void token_order_runs(const unsigned* tokens, unsigned* order, unsigned t,
+                                            unsigned run) {
     unsigned i = strata_index();
     if (i >= t) return;
-    unsigned id = tokens[i], rank = 0;
-    for (unsigned j = 0; j < t; ++j) {
+    unsigned start = i - i % run;
+    unsigned end = start + run < t ? start + run : t;
+    unsigned id = tokens[i], rank = start;
+    for (unsigned j = start; j < end; ++j) {
         unsigned other = tokens[j];
         rank += (other < id || (other == id && j < i)) ? 1u : 0u;
     }
     order[rank] = i;
 }
 
+// One merge pass: each pair of sorted runs of `width` positions in `src`
+// (token indices) becomes one sorted run of 2·width in `dst`, one thread a
+// position. A token's place is its rank in its own run plus the count of
+// the partner run's tokens that go before it, found by binary search: ids
+// smaller than its own for a token of the left run, ids no larger for one
+// of the right run, so equal ids keep their order (the sort is stable).
+extern "C" __global__ void token_order_merge(const unsigned* tokens, const unsigned* src,
+                                             unsigned* dst, unsigned t, unsigned width) {
+    unsigned p = strata_index();
+    if (p >= t) return;
+    unsigned long long pair64 = p - p % (2ull * width);
+    unsigned pair = (unsigned)pair64;
+    unsigned long long mid64 = (unsigned long long)pair + width;
+    unsigned long long end64 = mid64 + width;
+    unsigned mid = mid64 < t ? (unsigned)mid64 : t, end = end64 < t ? (unsigned)end64 : t;
+    unsigned id = tokens[src[p]];
+    bool left = p < mid;
+    // The partner run [lo, hi): how many of its tokens go before this one.
+    unsigned lo = left ? mid : pair, hi = left ? end : mid;
+    unsigned a = lo, b = hi;
+    while (a < b) {
+        unsigned m = a + (b - a) / 2u;
+        unsigned other = tokens[src[m]];
+        bool before = left ? other < id : other <= id;
+        if (before)
+            a = m + 1u;
+        else
+            b = m;
+    }
+    unsigned own = left ? p - pair : p - mid;
+    dst[pair + own + (a - lo)] = src[p];
+}
+
 // math::embedding_backward: dtable row id += the dh rows of id's tokens, in
-// token order (`order`: token_order's), one thread an element of a sorted
-// position's row. Only the first position of an id's run sums, over the
+// token order (`order`: the merge sort's above), one thread an element of
+// a sorted position's row. Only the first position of an id's run sums, over the
 // run: each element sees the cpu loop's sums in its order, and no two
 // threads write one element.
 extern "C" __global__ void embedding_backward(float* dtable, const float* dh,

@@ -2,7 +2,7 @@
 //! up once (with a loss mask's bits, where it has one) and split there into
 //! inputs and next-token targets (`split_token_rows`). The embedding's
 //! forward gathers the inputs' rows; its backward orders the inputs by id
-//! on the device (`token_order`) and sums each id's rows in token order, as
+//! on the device (`token_order`, a merge sort) and sums each id's rows in token order, as
 //! the cpu loop does. Documents packed apart send a bit a token, set where
 //! one begins, and `document_starts` finds every token's start for the
 //! attention. Only the ids and those bits cross PCIe.
@@ -11,6 +11,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::dense::threads;
 use super::{gpu_error, CudaBackend};
+use crate::backend::{token_order_merge_widths, TOKEN_RUN};
 use crate::math::attention::AttnShape;
 use crate::model::TokenRows;
 use crate::EngineError;
@@ -76,6 +77,35 @@ impl CudaBackend {
         Ok(h)
     }
 
+    /// The tokens' stable order by id (each id's tokens in token order), a
+    /// permutation of 0..t: runs of [`TOKEN_RUN`] ordered alone, then
+    /// merged in pairs, a launch a width ([`token_order_merge_widths`]),
+    /// each token placed by a binary search in its partner run: 1.0 M
+    /// compares at 8 192 tokens rather than t² = 67 M.
+    fn token_order(&self, inputs: &CudaSlice<u32>) -> Result<CudaSlice<u32>, EngineError> {
+        let t = inputs.len();
+        let mut order = self.alloc::<u32>(t)?;
+        let (t32, run) = (t as u32, TOKEN_RUN as u32);
+        let mut launch = self.stream.launch_builder(&self.dense.token_order_runs);
+        launch.arg(inputs).arg(&mut order).arg(&t32).arg(&run);
+        // SAFETY: inputs and order hold t u32; each thread writes its own
+        // rank, a distinct position of its run.
+        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("token_order_runs", e))?;
+        let mut merged = self.alloc::<u32>(t)?;
+        for width in token_order_merge_widths(t) {
+            let width32 = width as u32;
+            let mut launch = self.stream.launch_builder(&self.dense.token_order_merge);
+            launch.arg(inputs).arg(&order).arg(&mut merged);
+            launch.arg(&t32).arg(&width32);
+            // SAFETY: inputs, order and merged hold t u32, order a
+            // permutation of 0..t sorted in runs of `width`; each thread
+            // writes its token's distinct place in its pair of runs.
+            unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("token_order_merge", e))?;
+            std::mem::swap(&mut order, &mut merged);
+        }
+        Ok(order)
+    }
+
     /// `math::embedding_backward` on the GPU: `dtable` (V × d) += the rows
     /// of `dh` (inputs × d) at their ids, each < V (checked by the
     /// caller), every element summed in token order as the cpu does.
@@ -90,17 +120,12 @@ impl CudaBackend {
         if t == 0 {
             return Ok(());
         }
-        let mut order = self.alloc::<u32>(t)?;
+        let order = self.token_order(inputs)?;
         let (t32, d32) = (t as u32, d as u32);
-        let mut launch = self.stream.launch_builder(&self.dense.token_order);
-        launch.arg(inputs).arg(&mut order).arg(&t32);
-        // SAFETY: inputs and order hold t u32; each thread writes its own
-        // rank, a distinct position < t.
-        unsafe { launch.launch(threads(t)) }.map_err(|e| gpu_error("token_order", e))?;
         let mut launch = self.stream.launch_builder(&self.dense.embedding_backward);
         launch.arg(dtable).arg(dh).arg(inputs).arg(&order);
         launch.arg(&t32).arg(&d32);
-        // SAFETY: order is a permutation of 0..t (token_order's), so each
+        // SAFETY: order is a permutation of 0..t (`token_order`'s), so each
         // dh row read lies in its t·d; each id < V (the caller's check), so
         // every written row lies in the V·d table, one run a row.
         unsafe { launch.launch(threads(t * d)) }.map_err(|e| gpu_error("embedding_backward", e))?;
@@ -134,6 +159,15 @@ impl CudaBackend {
         let inputs = self.upload_u32(tokens)?;
         self.embedding_backward_device(&mut table, &dh, &inputs, d)?;
         self.download(&table, dtable)
+    }
+
+    /// The tokens' stable order by id on the GPU, for the kernel checks.
+    pub fn token_order_host(&self, tokens: &[u32]) -> Result<Vec<u32>, EngineError> {
+        self.bind()?;
+        let order = self.token_order(&self.upload_u32(tokens)?)?;
+        let mut host = vec![0u32; tokens.len()];
+        self.download_values(&order, &mut host)?;
+        Ok(host)
     }
 
     /// Every token's document start: `starts`, or 0 (one document a
