@@ -2,7 +2,8 @@
 # Builds what a GPU machine without a Rust toolchain runs: the strata binary
 # and the CUDA test binaries (release, --features cuda, debug info stripped)
 # into gpu-bin/ (ignored by git), with scripts/gpu-check.sh to run there,
-# and gpu-pack/bin.tar.xz, the same compressed.
+# and gpu-pack/bin.tar.xz, the same compressed; DeepSpeed's wheels and
+# libaio's .debs into gpu-pack/wheels (the peer of `gpu-check.sh deepspeed`).
 #   scripts/gpu-bundle.sh [BASE]   BASE (a commit) also builds that commit's
 #                                  strata, in a worktree under target/, as
 #                                  gpu-bin/strata-BASE, for
@@ -50,6 +51,18 @@ cp "$exe" gpu-bin/test-device_arena
 strip --strip-debug gpu-bin/strata* gpu-bin/test-*
 cp scripts/gpu-check.sh gpu-bin/
 du -sh gpu-bin
+# DeepSpeed for `gpu-check.sh deepspeed` (the GPU machine has no network):
+# its wheel and those of what it needs that the machine's image lacks, for
+# Python 3.12, and libaio's .debs, which its NVMe offload builds against.
+wheels=gpu-pack/wheels
+rm -rf "$wheels" && mkdir -p "$wheels"
+python3 -m pip wheel -q --no-deps -w "$wheels" "${DS_SPEC:-deepspeed==0.19.8}"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$wheels" \
+    pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson
+(cd "$wheels" && apt-get download libaio1 libaio-dev >/dev/null 2>&1) ||
+    echo "no libaio .debs: the GPU machine's DeepSpeed will offload to host memory, not NVMe" >&2
+du -sh "$wheels"
 # The same, xz-compressed (about a seventh of the size), for a GPU machine
 # reached through a copy of limited size: `tar xJf gpu-pack/bin.tar.xz`
 # there, from the repository root.

@@ -62,6 +62,13 @@
 #                                experts' slots on the GPU, 48 records in
 #                                host memory, the rest on the SSD: tokens/s,
 #                                stalls, step 6's timeline summed
+#   scripts/gpu-check.sh deepspeed  `offload`, then the same model under
+#                                DeepSpeed ZeRO-3 with its parameters on
+#                                NVMe and its optimizer on the CPU
+#                                (scripts/peer/deepspeed_train.py; its
+#                                wheels in gpu-pack/wheels, so carry
+#                                gpu-pack): about five minutes, a loan's
+#                                second call
 #   scripts/gpu-check.sh loan    a fifteen-minute loan's first call (about
 #                                five minutes): the bf16 rate of cuBLAS on
 #                                a square product and the preset's shapes
@@ -274,7 +281,35 @@ offload)
     python3 scripts/peer/timeline_summary.py "$dir/timeline-step-6.json" 30 2>&1
     python3 scripts/peer/timeline_summary.py "$dir/timeline-step-6.json" 40 gpu 2>&1
     summarize_metrics "$dir" moe-s-offload | tee -a "$out/peer.jsonl"
+    cp "$dir/config.json" "$out/config-moe-s.json"
     rm -rf "$dir"
+    ;;
+deepspeed)
+    # `offload` (strata's moe-s streamed from host memory and the SSD),
+    # then the same model under DeepSpeed ZeRO-3, its parameters offloaded
+    # to NVMe and its optimizer to the CPU (scripts/peer/deepspeed_train.py),
+    # the same tokens a step. DeepSpeed and what it needs come as wheels in
+    # gpu-pack/wheels (scripts/gpu-bundle.sh; carry gpu-pack), libaio for
+    # its NVMe offload as .debs unpacked under /tmp/aio; its ops build on
+    # first use (a minute or two).
+    OUT=$out "$0" offload || status=1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ds-site gpu-pack/wheels/*.whl || { echo "the DeepSpeed wheels did not install"; exit 1; }
+    export PYTHONPATH=/tmp/ds-site${PYTHONPATH:+:$PYTHONPATH}
+    for deb in gpu-pack/wheels/*.deb; do [ -e "$deb" ] && dpkg -x "$deb" /tmp/aio; done
+    aio_lib=/tmp/aio/usr/lib/x86_64-linux-gnu
+    # The ops link -lcuda: the toolkit's stub serves for linking.
+    stubs=$(find /usr/local -maxdepth 6 -name libcuda.so -path '*stubs*' -printf '%h\n' 2>/dev/null | head -1)
+    export CFLAGS="-I/tmp/aio/usr/include" LDFLAGS="-L$aio_lib" CPATH=/tmp/aio/usr/include \
+        LIBRARY_PATH="$aio_lib${stubs:+:$stubs}" LD_LIBRARY_PATH="$aio_lib:$LD_LIBRARY_PATH" \
+        TORCH_EXTENSIONS_DIR=/tmp/ds-extensions
+    echo "== deepspeed ZeRO-3, parameters to NVMe (/tmp/ds-nvme), optimizer to the CPU, moe-s 16 x 512"
+    timeout "${DEEPSPEED_TIMEOUT:-420}" python3 scripts/peer/deepspeed_train.py \
+        --config "$out/config-moe-s.json" --batch 16 --seq-len 512 --steps 8 --warmup-steps 3 \
+        --nvme-path /tmp/ds-nvme 2> "$out/peer-deepspeed-moe-s.log" | tail -1 | tee -a "$out/peer.jsonl" \
+        || status=1
+    grep -E "^deepspeed|^step|Error|error:" "$out/peer-deepspeed-moe-s.log" | tail -14
+    rm -rf /tmp/ds-nvme
     ;;
 loan)
     # A fifteen-minute loan's first call (about five minutes): the bf16
@@ -361,7 +396,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|loan|quick|offload|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|loan|quick|offload|deepspeed|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac

@@ -27,8 +27,9 @@ import sys
 import time
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(ap):
+    """The arguments every peer takes: the model, the tokens a step, the
+    steps, AdamW's hyperparameters (strata's defaults), the seed."""
     ap.add_argument("--config", required=True, help="the config.json strata wrote")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=64)
@@ -41,32 +42,62 @@ def main():
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--no-autocast", action="store_true", help="f32 compute instead of bf16 autocast")
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
 
-    import torch
-    import torch.nn.functional as F
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.manual_seed(a.seed)
-    dev = torch.device(a.device)
-    with open(a.config) as f:
+def load_config(path):
+    """transformers' config of the model in strata's `config.json`, with
+    the router's logits returned (for the load-balancing loss) and no KV
+    cache; and its model_type."""
+    from transformers import AutoConfig
+
+    with open(path) as f:
         raw = json.load(f)
     model_type = raw.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **raw)
     cfg.output_router_logits = True
     cfg.use_cache = False
+    return cfg, model_type
+
+
+def describe(impl, model, model_type, n_params, dev):
+    """One stderr line: the versions, the model and the device."""
+    import torch
+    import transformers
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev
+    print(f"{impl}: torch {torch.__version__} transformers {transformers.__version__} {model_type}"
+          f" params {n_params / 1e6:.1f}M on {name}"
+          f" experts_implementation {getattr(model.config, '_experts_implementation', None)}"
+          f" attn_implementation {getattr(model.config, '_attn_implementation', None)}", file=sys.stderr)
+def loss_of(out, tgt, vocab, coef):
+    """strata's loss: the tokens' mean cross-entropy (in f32) plus
+    router_aux_loss_coef x transformers' load-balancing loss."""
+    import torch.nn.functional as F
+
+    ce = F.cross_entropy(out.logits.float().reshape(-1, vocab), tgt.reshape(-1))
+    return ce + coef * out.aux_loss if out.aux_loss is not None else ce
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(ap)
+    ap.add_argument("--no-autocast", action="store_true", help="f32 compute instead of bf16 autocast")
+    a = ap.parse_args()
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(a.seed)
+    dev = torch.device(a.device)
     t0 = time.perf_counter()
+    cfg, model_type = load_config(a.config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dev)
     model.train()
     init_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"torch {torch.__version__} transformers {transformers.__version__} {model_type}"
-          f" params {n_params / 1e6:.1f}M on {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}"
-          f" experts_implementation {getattr(model.config, '_experts_implementation', None)}"
-          f" attn_implementation {getattr(model.config, '_attn_implementation', None)}", file=sys.stderr)
+    describe("torch", model, model_type, n_params, dev)
 
     fused = dev.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
@@ -94,8 +125,7 @@ def main():
             inp, tgt = chunk[:, :-1], chunk[:, 1:]
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=not a.no_autocast):
                 out = model(input_ids=inp, output_router_logits=True, use_cache=False)
-            ce = F.cross_entropy(out.logits.float().reshape(-1, V), tgt.reshape(-1))
-            loss = ce + coef * out.aux_loss if out.aux_loss is not None else ce
+            loss = loss_of(out, tgt, V, coef)
             (loss / a.micro_batches).backward()
             total += loss.detach() / a.micro_batches
         opt.step()
