@@ -15,7 +15,10 @@
 //! expert's gradient of the last micro-batch comes down into a page-locked
 //! buffer while the optimizer's worker waits for it (and adds it onto the
 //! earlier micro-batches' sum): slow copies make a worker that does not
-//! wait read the buffer's last gradient. Cases skip
+//! wait read the buffer's last gradient. Experts computed a group at a
+//! time (each product of the group one grouped GEMM, the group's uploads
+//! all waited for by its compute) give the same bits as one at a time.
+//! Cases skip
 //! without a CUDA device (fail under `STRATA_REQUIRE_CUDA=1`), and contain
 //! only that skip without `--features cuda`.
 
@@ -80,11 +83,23 @@ mod on_the_gpu {
 
     /// 3 steps with `slots` device slots of `dtype` compute params, every
     /// record in host memory or, with `host_records`, that many (the rest
-    /// streaming), in `micro_batches`.
+    /// streaming), in `micro_batches`, the experts computed one at a time.
     fn run(
         lm: &MoeLm,
         dtype: Dtype,
         slots: u64,
+        host_records: Option<u64>,
+        micro_batches: usize,
+    ) -> Ran {
+        run_grouped(lm, dtype, (slots, 1), host_records, micro_batches)
+    }
+
+    /// [`run`] with the experts computed `group` at a time (each of their
+    /// products one grouped GEMM), which the engine must take.
+    fn run_grouped(
+        lm: &MoeLm,
+        dtype: Dtype,
+        (slots, group): (u64, usize),
         host_records: Option<u64>,
         micro_batches: usize,
     ) -> Ran {
@@ -107,11 +122,13 @@ mod on_the_gpu {
             micro_batches,
             optimizer_threads: 2,
             timeline: Some(Arc::new(Timeline::new(1 << 16))),
+            expert_group: Some(group),
             ..defaults
         };
         let timeline = config.timeline.clone().unwrap();
         let mut engine = Engine::new_network(lm, config).unwrap();
         assert_eq!(engine.device_slots() as u64, slots, "{dtype:?}");
+        assert_eq!(engine.expert_group(), group, "{dtype:?}, {slots} slots");
         let mut losses = Vec::new();
         // Steps in which each expert got tokens: each is one update of it.
         let mut routed = vec![vec![0u64; c.experts]; c.layers];
@@ -237,6 +254,16 @@ mod on_the_gpu {
             let own = run(&lm, dtype, all, None, 2);
             let mut cases = vec![
                 ("two slots", run(&lm, dtype, 2, None, 2)),
+                // Groups of 3 of a layer's 8 experts (3, 3, 2 a pass), each
+                // product one grouped GEMM, from 6 slots refilled all
+                // through the step; all 8 of a layer in one group; groups
+                // of 2 with 4 host records, the rest streaming.
+                ("groups of 3", run_grouped(&lm, dtype, (6, 3), None, 2)),
+                ("groups of 8", run_grouped(&lm, dtype, (all, 8), None, 2)),
+                (
+                    "groups of 2, four host records",
+                    run_grouped(&lm, dtype, (4, 2), Some(4), 2),
+                ),
                 // The least a plan allows: one device slot, refilled for
                 // every expert, and two host records, the rest streaming
                 // (an update's record then needs the slot an upload in
@@ -251,6 +278,8 @@ mod on_the_gpu {
             // last expert (or, in a slot of its own, nothing yet).
             if set_delays(3000, 0) {
                 cases.push(("two slots, slow copies", run(&lm, dtype, 2, None, 2)));
+                let groups = run_grouped(&lm, dtype, (6, 3), None, 2);
+                cases.push(("groups of 3, slow copies", groups));
                 cases.push(("own slots, slow copies", run(&lm, dtype, all, None, 2)));
                 let one = run(&lm, dtype, 1, Some(2), 2);
                 cases.push(("one slot, two host records, slow copies", one));
@@ -258,6 +287,8 @@ mod on_the_gpu {
                 // compute still reading its slot overwrites that expert.
                 set_delays(0, 300);
                 cases.push(("two slots, slow kernels", run(&lm, dtype, 2, None, 2)));
+                let groups = run_grouped(&lm, dtype, (6, 3), None, 2);
+                cases.push(("groups of 3, slow kernels", groups));
                 let one = run(&lm, dtype, 1, Some(2), 2);
                 cases.push(("one slot, two host records, slow kernels", one));
                 set_delays(0, 0);

@@ -960,6 +960,7 @@ fn the_plan_holds_what_a_gpu_run_allocates() {
             host_stream_slots: EngineConfig::default().host_stream_slots,
             host_cell_slots: 0,
             gpu: true,
+            expert_group: None,
             dense_on_device: true,
             dense_gemm: Default::default(),
         })

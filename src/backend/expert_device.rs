@@ -60,6 +60,29 @@ impl DeviceRows {
     }
 }
 
+/// One expert of a group a device computes in one call
+/// ([`ExpertDevice::experts_forward_rows`]): its params in their slot, its
+/// input rows `x` and its output rows `out`, (n, D) each in the device's
+/// memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertForwardRows {
+    pub params: SlotParams,
+    pub x: DeviceRows,
+    pub out: DeviceRows,
+}
+
+/// One expert of a group's backward in one call
+/// ([`ExpertDevice::experts_backward_rows`]): its params, its forward's
+/// input rows `x`, its output gradient `dout` and its input gradient `dx`
+/// (overwritten), (n, D) each in the device's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertBackwardRows {
+    pub params: SlotParams,
+    pub x: DeviceRows,
+    pub dout: DeviceRows,
+    pub dx: DeviceRows,
+}
+
 /// An expert's weight gradient that a device's backward left in its memory
 /// ([`ExpertDevice::expert_backward_rows`]). Dropped untaken (a step that
 /// failed), it is freed with nothing copied.
@@ -246,6 +269,59 @@ pub trait ExpertDevice: Send {
     ) -> Result<Box<dyn DeviceGradient>, EngineError> {
         let _ = (kind, dx, dout, x, params, n, d, f);
         Err(host_rows_only(self.name()))
+    }
+
+    /// The most experts this device computes in one call
+    /// ([`Self::experts_forward_rows`], [`Self::experts_backward_rows`]):
+    /// 1, the default, computes them one at a time; a GPU runs each of a
+    /// group's products as one grouped GEMM.
+    fn group_limit(&self) -> usize {
+        1
+    }
+
+    /// [`Self::expert_forward_rows`] for each expert of `group`, in one
+    /// call where the device can (the default: one after another). The
+    /// results are each expert's alone, the same bits as one at a time.
+    ///
+    /// # Safety
+    /// As [`Self::expert_forward_rows`], for every expert's rows.
+    unsafe fn experts_forward_rows(
+        &mut self,
+        kind: ExpertKind,
+        group: &[ExpertForwardRows],
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        for e in group {
+            let n = e.x.len / d;
+            // SAFETY: the caller's contract, for this expert's rows.
+            unsafe { self.expert_forward_rows(kind, e.out, e.x, e.params, n, d, f)? };
+        }
+        Ok(())
+    }
+
+    /// [`Self::expert_backward_rows`] for each expert of `group`, in one
+    /// call where the device can (the default: one after another): each
+    /// expert's gradient, in `group`'s order.
+    ///
+    /// # Safety
+    /// As [`Self::expert_backward_rows`], for every expert's rows.
+    unsafe fn experts_backward_rows(
+        &mut self,
+        kind: ExpertKind,
+        group: &[ExpertBackwardRows],
+        d: usize,
+        f: usize,
+    ) -> Result<Vec<Box<dyn DeviceGradient>>, EngineError> {
+        let mut grads = Vec::with_capacity(group.len());
+        for e in group {
+            let n = e.x.len / d;
+            // SAFETY: the caller's contract, for this expert's rows.
+            grads.push(unsafe {
+                self.expert_backward_rows(kind, e.dx, e.dout, e.x, e.params, n, d, f)?
+            });
+        }
+        Ok(grads)
     }
 
     /// dx (n, D) = …, dparams (`params.count` f32) = the expert's

@@ -36,6 +36,25 @@ pub const ATTENTION_BLOCK_BYTES: usize = 256 << 20;
 /// maxes and sums) while it runs.
 pub const ROW_PARTS: usize = 32;
 
+/// The most experts a GPU computes at once, each of their products one
+/// grouped GEMM (`cuda/expert_group.rs`).
+pub const GPU_GROUP_MAX: usize = 16;
+
+/// Expert params a GPU's group of experts holds at most: the group's
+/// weight gradients (f32) stay on the GPU until the next group's backward
+/// is queued, so two groups' worth, 512 MiB, are there at once.
+pub const GPU_GROUP_PARAMS: u64 = 1 << 26;
+
+/// How many experts of `params_per_expert` params a GPU computes at once
+/// by default: up to [`GPU_GROUP_MAX`] within [`GPU_GROUP_PARAMS`], so that
+/// many small experts (fine-grained MoE: OLMoE's 6.3 M params, Qwen3-MoE's
+/// 4.7 M) take one launch a product, and large ones (Mixtral's 176 M)
+/// one at a time, where a launch is small beside its product.
+pub fn gpu_expert_group(params_per_expert: u64) -> usize {
+    let fit = GPU_GROUP_PARAMS / params_per_expert.max(1);
+    (fit as usize).clamp(1, GPU_GROUP_MAX)
+}
+
 /// On a GPU, the tokens' stable order by id (the embedding's backward)
 /// is a merge sort: runs of this many tokens ordered alone, in one launch.
 pub const TOKEN_RUN: usize = 64;
@@ -87,8 +106,8 @@ pub fn head_block_rows(v: usize) -> usize {
 }
 pub use cpu_bf16::gemm_forward_bf16;
 pub use expert_device::{
-    ArrivingGradient, CpuExpertDevice, DeviceGradient, DeviceRows, Download, ExpertDevice,
-    SlotParams, GRADIENT_DOWNLOAD_BUFFERS,
+    ArrivingGradient, CpuExpertDevice, DeviceGradient, DeviceRows, Download, ExpertBackwardRows,
+    ExpertDevice, ExpertForwardRows, SlotParams, GRADIENT_DOWNLOAD_BUFFERS,
 };
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};

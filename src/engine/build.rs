@@ -13,9 +13,9 @@ use strata_tiers::{
 
 use super::access::access_schedule;
 use super::part_search::PartSearch;
-use super::routed_io::RoutedIo;
+use super::routed_io::{streams, RoutedIo};
 use super::routing_trace::TransitionCounter;
-use super::slot_table::DeviceState;
+use super::slot_table::{group_size, DeviceState};
 use super::updates::SharedExperts;
 use super::RoutingTrace;
 use super::{
@@ -46,6 +46,10 @@ impl Engine {
             &config,
             cache.slot_count(),
         ))?;
+        let group = expert_group(&model, &config, &devices[0], &cache);
+        for dev in &mut devices {
+            dev.group = group;
+        }
         cache.set_schedule(step_schedule(&model, &config, device_slots, &cache));
         let shared = shared_experts(&model, &config, &store, layout, cache, device_slots)?;
         let cost = multi::initial_cost(&model, &layout, config.devices);
@@ -126,6 +130,29 @@ fn host_cache(
         },
     )?;
     Ok(cache)
+}
+
+/// How many experts a pass stages and computes at once
+/// ([`EngineConfig::expert_group`]): on one device of one process, the
+/// group asked for (or the device's limit) within half its slots, and,
+/// where the host tier streams, within half its streaming slots, which
+/// two groups' uploads hold at once; 1 with several devices or ranks,
+/// whose exchange computes one expert at a time.
+fn expert_group(
+    model: &ModelConfig,
+    config: &EngineConfig,
+    device: &DeviceState,
+    cache: &HostCache,
+) -> usize {
+    if config.workers() > 1 {
+        return 1;
+    }
+    let slots = device.slots.slot_count();
+    let group = group_size(config.expert_group, device.device.group_limit(), slots);
+    match streams(cache, model) {
+        true => group.min(((cache.slot_count() - cache.kept_count()) / 2).max(1)),
+        false => group,
+    }
 }
 
 /// Each of the config's devices opened with its slots, its routed I/O and

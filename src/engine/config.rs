@@ -192,6 +192,16 @@ pub struct EngineConfig {
     /// the bits of `devices = N` in one process. 1 (the default): this
     /// process is the whole world.
     pub ranks: usize,
+    /// On one device whose experts read rows in its own memory (a GPU):
+    /// how many of a layer's experts a pass stages and computes at once,
+    /// each of the group's products one grouped GEMM. `None` (the
+    /// default): the device's own limit (`ExpertDevice::group_limit`; 1 on
+    /// the cpu). Either way at most half of the device's expert slots, and
+    /// where the host tier streams records, half of its streaming slots;
+    /// several devices or ranks compute one expert at a time. The results
+    /// are the same bits whatever the group (each expert's products are
+    /// its own).
+    pub expert_group: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -229,6 +239,7 @@ impl Default for EngineConfig {
             dense_bucket_bytes: 1 << 20,
             exchange_parts: ExchangeParts::Fixed(1),
             ranks: 1,
+            expert_group: None,
         }
     }
 }

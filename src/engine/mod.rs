@@ -139,6 +139,12 @@ impl Engine {
         self.devices[0].slots.slot_count()
     }
 
+    /// How many experts a pass stages and computes at once
+    /// ([`EngineConfig::expert_group`]; 1 with several devices or ranks).
+    pub fn expert_group(&self) -> usize {
+        self.devices[0].group
+    }
+
     /// Device workers.
     pub fn devices(&self) -> usize {
         self.devices.len()
@@ -377,10 +383,10 @@ impl Engine {
                 let overlapped = self.config.schedule.overlaps(self.device_slots());
                 let from = Phase::Forward(0);
                 let device = &self.devices[0];
-                let slots = &device.slots;
+                let (slots, staging) = (&device.slots, (overlapped, device.group));
                 device
                     .io
-                    .schedule(&self.model, &self.shared, overlapped, from, slots)
+                    .schedule(&self.model, &self.shared, staging, from, slots)
             }
             _ => step_schedule(
                 &self.model,

@@ -20,7 +20,10 @@ use super::slot_table::DeviceState;
 use super::updates::{Held, SharedExperts, When};
 use super::ScheduleKind;
 
-use crate::backend::{ArrivingGradient, DeviceGradient, DeviceRows, Download, SlotParams};
+use crate::backend::{
+    ArrivingGradient, DeviceGradient, DeviceRows, Download, ExpertBackwardRows, ExpertForwardRows,
+    SlotParams,
+};
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
@@ -36,13 +39,14 @@ pub(crate) struct DeviceRunner<'a> {
     pub shared: &'a SharedExperts,
     pub dev: &'a mut DeviceState,
     pub options: PassOptions,
-    /// The last expert's gradient, left on the device by its backward on
-    /// device rows, taken once the next expert's backward is queued (or
-    /// at the pass's end). Dropped with the runner when a step fails.
-    pub pending: Option<PendingGradient>,
-    /// The last upload the device orders its compute after (a GPU), not
-    /// yet seen to land on the host: its host slot stays pinned until then.
-    pub landing: Option<Landing>,
+    /// The last group's gradients, left on the device by its backward on
+    /// device rows, taken once the next group's backward is queued (or at
+    /// the pass's end). Dropped with the runner when a step fails.
+    pub pending: Vec<PendingGradient>,
+    /// The last group's uploads the device orders its compute after (a
+    /// GPU), not yet seen to land on the host: their host slots stay
+    /// pinned until then.
+    pub landing: Vec<Landing>,
 }
 
 impl<'a> DeviceRunner<'a> {
@@ -58,8 +62,8 @@ impl<'a> DeviceRunner<'a> {
             shared,
             dev,
             options,
-            pending: None,
-            landing: None,
+            pending: Vec::new(),
+            landing: Vec::new(),
         }
     }
 }
@@ -124,7 +128,7 @@ impl DeviceRunner<'_> {
             let order = self.dev.io.schedule(
                 self.model,
                 self.shared,
-                self.overlapped(),
+                (self.overlapped(), self.group()),
                 from,
                 &self.dev.slots,
             );
@@ -134,12 +138,12 @@ impl DeviceRunner<'_> {
 
     /// Makes `expert`'s compute params arrive in a device slot: waits for
     /// its pending update, pins its host record, and starts the upload into
-    /// a slot other than `protect`.
+    /// a slot not in `protect`.
     fn stage(
         &mut self,
         layer: usize,
         expert: usize,
-        protect: Option<usize>,
+        protect: &[usize],
     ) -> Result<Staged, EngineError> {
         let key = self.key(layer, expert);
         let shared = self.shared;
@@ -191,15 +195,35 @@ impl DeviceRunner<'_> {
         })
     }
 
+    /// [`Self::stage`] for each of `experts` in turn, each into a slot
+    /// neither in `protect` nor taken by the group before it.
+    fn stage_group(
+        &mut self,
+        layer: usize,
+        experts: &[usize],
+        protect: &[usize],
+    ) -> Result<Vec<Staged>, EngineError> {
+        let mut spared = protect.to_vec();
+        let mut group = Vec::with_capacity(experts.len());
+        for &expert in experts {
+            let staged = self.stage(layer, expert, &spared)?;
+            spared.push(staged.slot);
+            group.push(staged);
+        }
+        Ok(group)
+    }
+
+    /// How many experts the device computes at once here: the engine's
+    /// group ([`DeviceState::group`](super::slot_table::DeviceState)),
+    /// which is 1 but on one device whose experts read rows in its own
+    /// memory and compute several in one call (a GPU's grouped GEMMs).
+    pub fn group(&self) -> usize {
+        self.dev.group
+    }
+
     /// Walks `order`, staging expert i+1 before computing expert i when
-    /// the device has room for both, and calls `compute` on each. Where the
-    /// device orders its reads after the uploads itself (a GPU), the host
-    /// does not wait for an upload before its compute is queued, only, before
-    /// it stages another or hands a gradient to an update (which may need a
-    /// host slot), for the upload before it: so it leads the device by two
-    /// experts at most, and holds no more host slots in uploads than when
-    /// it waited for each. The pass ends by waiting for the device's queued
-    /// work, then for the last upload's event.
+    /// the device has room for both, and calls `compute` on each
+    /// ([`Self::pipeline_groups`] a group of one at a time).
     pub fn pipeline(
         &mut self,
         pass: Pass,
@@ -207,60 +231,96 @@ impl DeviceRunner<'_> {
         order: &[usize],
         mut compute: impl FnMut(&mut Self, usize, SlotParams) -> Result<(), EngineError>,
     ) -> Result<(), EngineError> {
+        self.pipeline_groups(pass, layer, order, |runner, group| {
+            for &(expert, params) in group {
+                compute(runner, expert, params)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Walks `order` in groups of [`Self::group`] experts, staging group
+    /// i+1 before computing group i when the device has room for both, and
+    /// calls `compute` on each group's experts and their slots. Where the
+    /// device orders its reads after the uploads itself (a GPU), the host
+    /// does not wait for a group's uploads before its compute is queued,
+    /// only, before it stages another group or hands a gradient to an
+    /// update (which may need a host slot), for the group's before it: so
+    /// it leads the device by two groups at most, and holds no more host
+    /// slots in uploads than two groups' worth. The pass ends by waiting
+    /// for the device's queued work, then for the last group's uploads.
+    pub fn pipeline_groups(
+        &mut self,
+        pass: Pass,
+        layer: usize,
+        order: &[usize],
+        mut compute: impl FnMut(&mut Self, &[(usize, SlotParams)]) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
         let shared = self.shared;
         let timeline = shared.timeline.as_deref();
         let _span = TimelineSpan::start(timeline, "experts", pass.name())
             .with_detail(|| format!("layer {layer}, {} experts", order.len()));
         let overlap = self.overlapped();
         let on_device = self.dev.device.orders_uploads();
-        let mut next = match order.first() {
-            Some(&e) => Some(self.stage(layer, e, None)?),
+        let groups: Vec<&[usize]> = order.chunks(self.group().max(1)).collect();
+        let mut next = match groups.first() {
+            Some(experts) => Some(self.stage_group(layer, experts, &[])?),
             None => None,
         };
-        for i in 0..order.len() {
+        for i in 0..groups.len() {
             let current = next.take().expect("staged");
+            let slots: Vec<usize> = current.iter().map(|s| s.slot).collect();
             self.wait_landing()?;
-            if overlap && i + 1 < order.len() {
-                next = Some(self.stage(layer, order[i + 1], Some(current.slot))?);
-                // The held update of the expert after next, if its record
-                // is in: the schedule asks for it right after the next
-                // one's compute params, and it runs beside this compute.
-                if let (Pass::Forward, Some(&after)) = (pass, order.get(i + 2)) {
-                    let key = self.key(layer, after);
-                    self.dev.acc.stall_optimizer_s += shared.release_held(Held::OfIfReady(key))?;
+            if overlap && i + 1 < groups.len() {
+                next = Some(self.stage_group(layer, groups[i + 1], &slots)?);
+                // The held updates of the group after next, if their
+                // records are in: the schedule asks for them right after
+                // the next group's compute params, and they run beside
+                // this compute.
+                if let (Pass::Forward, Some(after)) = (pass, groups.get(i + 2)) {
+                    for &expert in *after {
+                        let key = self.key(layer, expert);
+                        self.dev.acc.stall_optimizer_s +=
+                            shared.release_held(Held::OfIfReady(key))?;
+                    }
                 }
             }
-            match current.upload {
-                Some(upload) if on_device => {
-                    let expert = current.expert;
-                    self.landing = Some(Landing {
+            let mut members = Vec::with_capacity(current.len());
+            for staged in current {
+                let expert = staged.expert;
+                match staged.upload {
+                    Some(upload) if on_device => self.landing.push(Landing {
                         upload,
                         layer,
                         expert,
-                    });
+                    }),
+                    Some(upload) => self.wait_upload(&upload, layer, expert)?,
+                    None => {}
                 }
-                Some(upload) => self.wait_upload(&upload, layer, current.expert)?,
-                None => {}
+                members.push((expert, SlotParams::new(&self.shared.layout, staged.slot)));
             }
-            let params = SlotParams::new(&self.shared.layout, current.slot);
-            compute(self, current.expert, params)?;
-            if next.is_none() && i + 1 < order.len() {
-                // A device of one slot refills it: the compute that read
-                // it has ended (cpu) or orders the upload after it (GPU).
-                let protect = Some(current.slot).filter(|_| self.dev.slots.slot_count() > 1);
-                next = Some(self.stage(layer, order[i + 1], protect)?);
+            compute(self, &members)?;
+            if next.is_none() && i + 1 < groups.len() {
+                // A device of one group's slots refills them: the compute
+                // that read them has ended (cpu) or orders the uploads
+                // after it (GPU).
+                let protect = match self.dev.slots.slot_count() > slots.len() {
+                    true => &slots[..],
+                    false => &[],
+                };
+                next = Some(self.stage_group(layer, groups[i + 1], protect)?);
             }
         }
         self.finish_pass()
     }
 
-    /// Waits on the host for [`Self::landing`]'s upload, if any, which
-    /// unpins its host slot.
+    /// Waits on the host for [`Self::landing`]'s uploads, if any, which
+    /// unpins their host slots.
     fn wait_landing(&mut self) -> Result<(), EngineError> {
-        match self.landing.take() {
-            Some(l) => self.wait_upload(&l.upload, l.layer, l.expert),
-            None => Ok(()),
+        for l in std::mem::take(&mut self.landing) {
+            self.wait_upload(&l.upload, l.layer, l.expert)?;
         }
+        Ok(())
     }
 
     /// Waits on the host for `layer`'s `expert`'s upload, a stall.
@@ -284,7 +344,7 @@ impl DeviceRunner<'_> {
     /// it ordered that work after, which has landed by then unless it
     /// failed.
     fn finish_pass(&mut self) -> Result<(), EngineError> {
-        self.take_pending_gradient()?;
+        self.take_pending_gradients()?;
         let t0 = Instant::now();
         self.dev.device.finish_pass()?;
         if self.dev.device.computes() {
@@ -402,77 +462,82 @@ impl DeviceRunner<'_> {
         order
     }
 
-    /// [`Self::expert_forward`] on rows in the device's memory.
+    /// [`Self::expert_forward`] on rows in the device's memory, for a
+    /// group of experts in one call.
     ///
     /// # Safety
-    /// As [`ExpertDevice::expert_forward_rows`](crate::backend::ExpertDevice::expert_forward_rows).
-    unsafe fn expert_forward_rows(
+    /// As [`ExpertDevice::experts_forward_rows`](crate::backend::ExpertDevice::experts_forward_rows).
+    unsafe fn experts_forward_rows(
         &mut self,
-        xe: DeviceRows,
-        params: SlotParams,
-        ye: DeviceRows,
+        group: &[ExpertForwardRows],
     ) -> Result<(), EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
-        let n = xe.len / d;
-        self.dev.acc.assignments_computed += n as u64;
+        let rows: usize = group.iter().map(|e| e.x.len / d).sum();
+        self.dev.acc.assignments_computed += rows as u64;
         let t0 = Instant::now();
         let kind = self.model.expert_kind;
         // SAFETY: the caller's contract.
-        unsafe {
-            self.dev
-                .device
-                .expert_forward_rows(kind, ye, xe, params, n, d, f)?
-        };
+        unsafe { self.dev.device.experts_forward_rows(kind, group, d, f)? };
         if self.dev.device.computes() {
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
         Ok(())
     }
 
-    /// [`Self::expert_backward`] on rows in the device's memory, `[xe,
-    /// dye, dxe]`.
+    /// [`Self::expert_backward`] on rows in the device's memory, for a
+    /// group of `layer`'s experts (`experts`, each with its rows in
+    /// `group`) in one call. Their gradients stay on the device until the
+    /// next group's backward is queued.
     ///
     /// # Safety
-    /// As [`Self::expert_forward_rows`], for the three rows.
-    unsafe fn expert_backward_rows(
+    /// As [`ExpertDevice::experts_backward_rows`](crate::backend::ExpertDevice::experts_backward_rows).
+    unsafe fn experts_backward_rows(
         &mut self,
         layer: usize,
-        expert: usize,
-        [xe, dye, dxe]: [DeviceRows; 3],
-        params: SlotParams,
+        experts: &[usize],
+        group: &[ExpertBackwardRows],
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
         let (d, f) = (self.model.d_model, self.model.d_ff);
         let kind = self.model.expert_kind;
-        let n = xe.len / d;
-        let key = self.key(layer, expert);
-        self.dev.acc.assignments_computed += n as u64;
+        let rows: usize = group.iter().map(|e| e.x.len / d).sum();
+        self.dev.acc.assignments_computed += rows as u64;
         let t0 = Instant::now();
         let device = &mut self.dev.device;
         // SAFETY: the caller's contract.
-        let grad = unsafe { device.expert_backward_rows(kind, dxe, dye, xe, params, n, d, f)? };
+        let grads = unsafe { device.experts_backward_rows(kind, group, d, f)? };
         if device.computes() {
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
-        // The expert before this one's comes down while this one computes.
-        self.take_pending_gradient()?;
-        self.pending = Some(PendingGradient {
-            grad,
-            key,
-            last_micro_batch,
-        });
+        assert_eq!(grads.len(), experts.len(), "a gradient an expert");
+        // The group before this one's come down while this one computes.
+        self.take_pending_gradients()?;
+        self.pending = experts
+            .iter()
+            .zip(grads)
+            .map(|(&expert, grad)| PendingGradient {
+                grad,
+                key: self.key(layer, expert),
+                last_micro_batch,
+            })
+            .collect();
         Ok(())
     }
 
-    /// Hands [`Self::pending`]'s gradient on as [`Self::expert_backward`]
-    /// does. Where it goes to the optimizer at once and the device has a
-    /// page-locked buffer free, its download is queued and the update's
-    /// worker waits for it; else it is taken into a host buffer here, and
-    /// that wait is compute time.
-    fn take_pending_gradient(&mut self) -> Result<(), EngineError> {
-        let Some(p) = self.pending.take() else {
-            return Ok(());
-        };
+    /// Hands each of [`Self::pending`]'s gradients on as
+    /// [`Self::expert_backward`] does, in the group's order.
+    fn take_pending_gradients(&mut self) -> Result<(), EngineError> {
+        for p in std::mem::take(&mut self.pending) {
+            self.take_gradient(p)?;
+        }
+        Ok(())
+    }
+
+    /// Hands a gradient left on the device on. Where it goes to the
+    /// optimizer at once and the device has a page-locked buffer free, its
+    /// download is queued and the update's worker waits for it; else it is
+    /// taken into a host buffer here, and that wait is compute time.
+    fn take_gradient(&mut self, p: PendingGradient) -> Result<(), EngineError> {
         let t0 = Instant::now();
         let mut device_grad = p.grad;
         if self.shared.submits_at_once(p.key, p.last_micro_batch) {
@@ -486,10 +551,10 @@ impl DeviceRunner<'_> {
         }
         let mut grad = self.shared.grads.take(); // overwritten whole
         device_grad.take(&mut grad)?;
-        // Its update may need a host slot for the record: the upload in
-        // flight unpins its own first (with two host slots it and the
-        // next expert's hold both). The device has mostly run it by now,
-        // its compute being queued after it.
+        // Its update may need a host slot for the record: the uploads in
+        // flight unpin their own first (with two groups' host slots these
+        // and the next group's hold them all). The device has mostly run
+        // them by now, its compute being queued after them.
         self.wait_landing()?;
         self.expert_gradient(p.key, grad, t0, p.last_micro_batch)
     }
@@ -537,12 +602,18 @@ impl ExpertRunner for DeviceRunner<'_> {
     ) -> Result<(), EngineError> {
         let d = self.model.d_model;
         let order = self.forward_routed(layer, perm);
-        self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
-            let span = perm.span(expert);
-            let (xe, ye) = (rows.rows(span.clone(), d), out.rows(span, d));
-            // SAFETY: the expert's block of the caller's rows (this
+        self.pipeline_groups(Pass::Forward, layer, &order, |runner, experts| {
+            let group: Vec<ExpertForwardRows> = experts
+                .iter()
+                .map(|&(expert, params)| {
+                    let span = perm.span(expert);
+                    let (x, out) = (rows.rows(span.clone(), d), out.rows(span, d));
+                    ExpertForwardRows { params, x, out }
+                })
+                .collect();
+            // SAFETY: each expert's block of the caller's rows (this
             // function's contract).
-            unsafe { runner.expert_forward_rows(xe, params, ye) }
+            unsafe { runner.experts_forward_rows(&group) }
         })
     }
 
@@ -555,11 +626,22 @@ impl ExpertRunner for DeviceRunner<'_> {
     ) -> Result<(), EngineError> {
         let (d, experts) = (self.model.d_model, self.model.experts);
         let order: Vec<usize> = (0..experts).rev().filter(|&e| perm.count(e) > 0).collect();
-        self.pipeline(Pass::Backward, layer, &order, |runner, expert, params| {
-            let span = perm.span(expert);
-            let blocks = [rows, dout, dx].map(|r| r.rows(span.clone(), d));
+        self.pipeline_groups(Pass::Backward, layer, &order, |runner, members| {
+            let group: Vec<ExpertBackwardRows> = members
+                .iter()
+                .map(|&(expert, params)| {
+                    let [x, dout, dx] = [rows, dout, dx].map(|r| r.rows(perm.span(expert), d));
+                    ExpertBackwardRows {
+                        params,
+                        x,
+                        dout,
+                        dx,
+                    }
+                })
+                .collect();
+            let experts: Vec<usize> = members.iter().map(|&(e, _)| e).collect();
             // SAFETY: as in the forward.
-            unsafe { runner.expert_backward_rows(layer, expert, blocks, params, last_micro_batch) }
+            unsafe { runner.experts_backward_rows(layer, &experts, &group, last_micro_batch) }
         })
     }
 

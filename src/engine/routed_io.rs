@@ -153,12 +153,13 @@ impl RoutedIo {
     }
 
     /// The host tier's schedule from `from` on, `from`'s layer and those
-    /// before it (in this pass) as routed, the later ones as predicted.
+    /// before it (in this pass) as routed, the later ones as predicted;
+    /// the device stages `group` experts at a time (`DeviceState::group`).
     pub fn schedule(
         &self,
         model: &ModelConfig,
         shared: &SharedExperts,
-        overlapped: bool,
+        (overlapped, group): (bool, usize),
         from: Phase,
         slots: &DeviceSlots,
     ) -> Vec<(ExpertId, strata_tiers::Parts)> {
@@ -175,7 +176,8 @@ impl RoutedIo {
             let ids = experts.iter().map(|&e| ExpertId::new(l as u32, e as u32));
             held.extend(ids.filter(|id| holding.contains(id)));
         }
-        let on_device = self.backward_on_device(model, shared.train, overlapped, past, slots);
+        let staging = (overlapped, group);
+        let on_device = self.backward_on_device(model, shared.train, staging, past, slots);
         let expected = Expected {
             layers: &self.routed,
             holding: &holding,
@@ -204,7 +206,7 @@ impl RoutedIo {
         &self,
         model: &ModelConfig,
         updates: bool,
-        overlapped: bool,
+        (overlapped, group): (bool, usize),
         from: usize,
         slots: &DeviceSlots,
     ) -> HashSet<ExpertId> {
@@ -218,7 +220,7 @@ impl RoutedIo {
             (keys, updates)
         });
         let passes: Vec<(Vec<usize>, bool)> = forward.chain(backward).collect();
-        let hits = slots.replay_hits(&passes, overlapped);
+        let hits = slots.replay_hits(&passes, overlapped, group);
         let forward_passes = model.layers - from.min(model.layers);
         let backward_stages = passes.iter().zip(&hits).skip(forward_passes);
         backward_stages

@@ -97,11 +97,11 @@ impl DeviceSlots {
     }
 
     /// A slot for `key`: a free one, else the least recently used one that
-    /// is neither `protect` nor holding a pinned expert.
-    pub fn claim(&mut self, key: usize, version: u64, protect: Option<usize>) -> usize {
+    /// is neither in `protect` nor holding a pinned expert.
+    pub fn claim(&mut self, key: usize, version: u64, protect: &[usize]) -> usize {
         let pinned = &self.pinned;
         let slot = (0..self.owner.len())
-            .filter(|&s| Some(s) != protect)
+            .filter(|s| !protect.contains(s))
             .filter(|&s| !self.owner[s].is_some_and(|(k, _)| pinned[k]))
             .min_by_key(|&s| (self.owner[s].is_some(), self.last_use[s]))
             .expect("pinning leaves at least two claimable slots");
@@ -135,47 +135,76 @@ impl DeviceSlots {
     /// replayed on a copy of the table, pass after pass. A pass is its
     /// experts' keys in staging order and whether each expert's slot is
     /// freed after its compute (a backward whose updates change the
-    /// params); with `overlapped`, the next expert is staged before this
-    /// one's compute, as the pipeline does. A slot's version is taken as
-    /// current: one goes stale only by an update, which frees it.
-    pub fn replay_hits(&self, passes: &[(Vec<usize>, bool)], overlapped: bool) -> Vec<Vec<bool>> {
+    /// params); its experts are staged `group` at a time; with
+    /// `overlapped`, the next group is staged before this one's compute, as
+    /// the pipeline does. A slot's version is taken as current: one goes
+    /// stale only by an update, which frees it.
+    pub fn replay_hits(
+        &self,
+        passes: &[(Vec<usize>, bool)],
+        overlapped: bool,
+        group: usize,
+    ) -> Vec<Vec<bool>> {
         let mut table = self.clone();
         passes
             .iter()
-            .map(|(order, frees)| table.replay_pass(order, *frees, overlapped))
+            .map(|(order, frees)| table.replay_pass(order, *frees, overlapped, group))
             .collect()
     }
 
-    fn replay_pass(&mut self, order: &[usize], frees: bool, overlapped: bool) -> Vec<bool> {
-        let mut hits = vec![false; order.len()];
-        let mut next = order.first().map(|&key| self.replay_stage(key, None));
-        for (i, &key) in order.iter().enumerate() {
-            let (slot, hit) = next.take().expect("staged");
-            hits[i] = hit;
-            if overlapped && i + 1 < order.len() {
-                next = Some(self.replay_stage(order[i + 1], Some(slot)));
+    fn replay_pass(
+        &mut self,
+        order: &[usize],
+        frees: bool,
+        overlapped: bool,
+        group: usize,
+    ) -> Vec<bool> {
+        let groups: Vec<&[usize]> = order.chunks(group.max(1)).collect();
+        let mut hits = Vec::with_capacity(order.len());
+        let mut next = groups.first().map(|keys| self.replay_stage(keys, &[]));
+        for (i, keys) in groups.iter().enumerate() {
+            let staged = next.take().expect("staged");
+            let slots: Vec<usize> = staged.iter().map(|&(slot, _)| slot).collect();
+            hits.extend(staged.iter().map(|&(_, hit)| hit));
+            if overlapped && i + 1 < groups.len() {
+                next = Some(self.replay_stage(groups[i + 1], &slots));
             }
             if frees {
-                self.invalidate(key);
+                for &key in *keys {
+                    self.invalidate(key);
+                }
             }
-            if next.is_none() && i + 1 < order.len() {
-                let protect = Some(slot).filter(|_| self.slot_count() > 1);
-                next = Some(self.replay_stage(order[i + 1], protect));
+            if next.is_none() && i + 1 < groups.len() {
+                let protect = if self.slot_count() > keys.len() {
+                    &slots[..]
+                } else {
+                    &[]
+                };
+                next = Some(self.replay_stage(groups[i + 1], protect));
             }
         }
         hits
     }
 
-    /// A replayed stage of `key`: its slot, and whether it was there.
-    fn replay_stage(&mut self, key: usize, protect: Option<usize>) -> (usize, bool) {
-        let held = self.owner.iter().flatten().find(|(k, _)| *k == key);
-        match held
-            .copied()
-            .and_then(|(_, version)| self.lookup(key, version))
-        {
-            Some(slot) => (slot, true),
-            None => (self.claim(key, 0, protect), false),
-        }
+    /// A replayed stage of `keys`, one after another, each claim sparing
+    /// `protect` and the group's slots claimed before it: each key's slot,
+    /// and whether it was there.
+    fn replay_stage(&mut self, keys: &[usize], protect: &[usize]) -> Vec<(usize, bool)> {
+        let mut spared = protect.to_vec();
+        keys.iter()
+            .map(|&key| {
+                let held = self.owner.iter().flatten().find(|(k, _)| *k == key);
+                let staged = match held
+                    .copied()
+                    .and_then(|(_, version)| self.lookup(key, version))
+                {
+                    Some(slot) => (slot, true),
+                    None => (self.claim(key, 0, &spared), false),
+                };
+                spared.push(staged.0);
+                staged
+            })
+            .collect()
     }
 
     /// Experts pinned on this device.
@@ -198,6 +227,9 @@ pub(crate) struct DeviceState {
     /// Its expert slots and the experts' compute on them.
     pub device: Box<dyn ExpertDevice>,
     pub slots: DeviceSlots,
+    /// How many experts a pass stages and computes at once (1: one at a
+    /// time); see [`group_size`].
+    pub group: usize,
     /// [layer][expert] what this device's forward kept for the backward.
     pub saved: Vec<Vec<ExpertSaved<f32>>>,
     /// [layer][expert] the input rows of the experts this device computed
@@ -219,6 +251,14 @@ pub(crate) struct DeviceState {
     pub io: RoutedIo,
 }
 
+/// How many experts a device stages and computes at once: `asked` (the
+/// device's own limit where `None`), and at most half of its `slots`, so
+/// that one group computes while the next one's uploads land in slots of
+/// their own; at least 1.
+pub(crate) fn group_size(asked: Option<usize>, limit: usize, slots: usize) -> usize {
+    asked.unwrap_or(limit).min(slots / 2).max(1)
+}
+
 impl DeviceState {
     /// Frees the saved activations of `layer`'s experts other than
     /// `computed` (ascending), which this pass does not compute here: what
@@ -236,6 +276,7 @@ impl DeviceState {
         Self {
             device,
             slots,
+            group: 1,
             saved: vec![vec![ExpertSaved::default(); experts]; layers],
             saved_x: vec![vec![Vec::new(); experts]; layers],
             buffers: F32BufferPool::new(3 * layers + 6),
@@ -254,7 +295,7 @@ mod tests {
     #[test]
     fn a_stale_version_is_a_miss_and_frees_its_slot() {
         let mut s = DeviceSlots::new(2, 4);
-        let a = s.claim(0, 5, None);
+        let a = s.claim(0, 5, &[]);
         assert_eq!(s.lookup(0, 5), Some(a));
         assert_eq!(s.lookup(0, 6), None);
         assert_eq!(s.lookup(0, 5), None);
@@ -267,7 +308,7 @@ mod tests {
         for overlapped in [false, true] {
             let mut table = DeviceSlots::new(3, 8);
             for key in [5, 6, 7, 1] {
-                table.claim(key, 1, None); // 1 takes 5's slot: {6, 7, 1}
+                table.claim(key, 1, &[]); // 1 takes 5's slot: {6, 7, 1}
             }
             let passes = vec![
                 // 2 takes 6's slot (1's protected), 3 takes 1's.
@@ -276,7 +317,7 @@ mod tests {
                 // take free slots and find nothing.
                 (vec![3, 7, 2, 1, 6], true),
             ];
-            let hits = table.replay_hits(&passes, overlapped);
+            let hits = table.replay_hits(&passes, overlapped, 1);
             let expected = vec![
                 vec![true, false, true, false],
                 vec![true, true, true, false, false],
@@ -288,10 +329,10 @@ mod tests {
         // 3, there before the pass, is the least recently used when 6
         // needs a slot: gone by the next pass, where 6 is found.
         let mut table = DeviceSlots::new(3, 8);
-        table.claim(3, 0, None);
+        table.claim(3, 0, &[]);
         let passes = vec![(vec![1, 2, 6], false), (vec![6, 3], false)];
         assert_eq!(
-            table.replay_hits(&passes, true),
+            table.replay_hits(&passes, true, 1),
             vec![vec![false, false, false], vec![true, false]]
         );
     }
@@ -300,9 +341,9 @@ mod tests {
     fn pinned_experts_are_never_evicted() {
         let mut s = DeviceSlots::new(4, 8);
         s.set_pinned([3].into_iter());
-        s.claim(3, 0, None);
+        s.claim(3, 0, &[]);
         for key in [0, 1, 2, 4, 5, 6, 7, 0, 1] {
-            s.claim(key, 0, None);
+            s.claim(key, 0, &[]);
             assert_eq!(s.pinned_resident(), 1);
         }
         assert!(s.lookup(3, 0).is_some());

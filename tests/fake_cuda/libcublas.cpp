@@ -1,11 +1,13 @@
 // A CPU model of the cuBLAS calls strata makes, for tests only (see
-// libcuda.cpp): handles, streams, and cublasGemmEx with bf16 or f32 inputs,
-// f32 output and f32 accumulation in order of the inner index, column-major
-// as cuBLAS defines it. A GEMM runs in its handle's stream's turn (the CPU
+// libcuda.cpp): handles, streams, and cublasGemmEx (also strided-batched
+// and grouped) with bf16 or f32 inputs, f32 output and f32 accumulation in
+// order of the inner index, column-major as cuBLAS defines it. A GEMM runs in its handle's stream's turn (the CPU
 // model of the driver runs each stream on a thread of its own).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <vector>
 
 typedef int cublasStatus_t;
 typedef void* cublasHandle_t;
@@ -121,5 +123,57 @@ API cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa,
                          (float*)c + i * stride_c, ctype, ldc, compute, algo);
         if (status != CUBLAS_STATUS_SUCCESS) return status;
     }
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+// cublasGemmGroupedBatchedEx: group i holds group_size[i] products of its
+// own transposes, dimensions, leading dimensions, alpha and beta (host
+// arrays, read at the call); the products' operand addresses are arrays in
+// device memory, read in the stream's turn as cuBLAS reads them. The
+// products run in order, each as cublasGemmEx runs it.
+struct Grouped {
+    std::vector<Gemm> shapes;  // one a product, addresses not yet read
+    const void* const* a;
+    const void* const* b;
+    void* const* c;
+};
+
+static void run_grouped(void* arg) {
+    Grouped* g = (Grouped*)arg;
+    for (size_t p = 0; p < g->shapes.size(); ++p) {
+        Gemm* one = new Gemm(g->shapes[p]);
+        one->a = g->a[p];
+        one->b = g->b[p];
+        one->c = (float*)g->c[p];
+        run_gemm(one);  // deletes it
+    }
+    delete g;
+}
+
+API cublasStatus_t cublasGemmGroupedBatchedEx(
+    cublasHandle_t handle, const int* transa, const int* transb, const int* m, const int* n,
+    const int* k, const void* alpha, const void* const* a, int atype, const int* lda,
+    const void* const* b, int btype, const int* ldb, const void* beta, void* const* c, int ctype,
+    const int* ldc, int group_count, const int* group_size, int compute) {
+    if (ctype != CUDA_R_32F || (atype != CUDA_R_32F && atype != CUDA_R_16BF) || btype != atype)
+        return CUBLAS_STATUS_NOT_SUPPORTED;  // f32 or bf16 in, f32 out, as strata asks
+    if (group_count < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    (void)compute;
+    Grouped* g = new Grouped{{}, a, b, c};
+    for (int i = 0; i < group_count; ++i) {
+        int ta = transa[i], tb = transb[i];
+        if (m[i] < 0 || n[i] < 0 || k[i] < 0 || group_size[i] < 0 ||
+            (ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T) ||
+            lda[i] < (ta == CUBLAS_OP_N ? m[i] : k[i]) || ldb[i] < (tb == CUBLAS_OP_N ? k[i] : n[i]) ||
+            ldc[i] < m[i] || lda[i] < 1 || ldb[i] < 1 || ldc[i] < 1) {
+            delete g;
+            return CUBLAS_STATUS_INVALID_VALUE;
+        }
+        for (int j = 0; j < group_size[i]; ++j)
+            g->shapes.push_back(Gemm{ta, tb, m[i], n[i], k[i], ((const float*)alpha)[i],
+                                     ((const float*)beta)[i], nullptr, nullptr, atype, lda[i],
+                                     btype, ldb[i], nullptr, ldc[i]});
+    }
+    strata_fake_cuda_enqueue(((Handle*)handle)->stream, run_grouped, g);
     return CUBLAS_STATUS_SUCCESS;
 }

@@ -105,7 +105,7 @@ static std::function<void()> bind(void (*kernel)(A...), unsigned grid, unsigned 
     X(add_scaled_rows) X(gate_backward) X(router_top_k) X(router_sigmoid_top_k)     \
     X(permutation_chunk_counts) X(permutation_counts) X(permutation_place)          \
     X(router_sums) X(router_losses) X(aux_prob_grad) X(add_prob_sums)               \
-    X(router_logits_grad)
+    X(router_logits_grad) X(group_words)
 
 STRATA_KERNELS(STRATA_LAUNCHER)
 

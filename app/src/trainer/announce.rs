@@ -180,6 +180,12 @@ pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
             engine.host_slots()
         ));
     }
+    if engine.expert_group() > 1 {
+        lines.push(format!(
+            "  experts: up to {} of a layer at a time, each of their products one grouped GEMM",
+            engine.expert_group()
+        ));
+    }
     if engine.deferred_updates() > 0 {
         lines.push(format!(
             "  {} experts' updates wait for the next step's forward",

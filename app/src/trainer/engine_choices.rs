@@ -45,6 +45,10 @@ pub(super) fn engine_config(
         condense: condense_config(o)?,
         link: link(o)?,
         exchange_parts: exchange_parts(o)?,
+        expert_group: match o.expert_group {
+            Some(0) => return Err("--expert-group 0: give 1 or more experts".into()),
+            group => group,
+        },
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,
         train_experts: trains_experts(o)?,

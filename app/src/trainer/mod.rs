@@ -244,6 +244,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig, ranks: usize) -> Result<Mem
         host_stream_slots: o.host_stream_slots.0,
         host_cell_slots: o.host_cell_slots,
         gpu: o.backend == "cuda",
+        expert_group: o.expert_group,
         dense_on_device: o.backend == "cuda" && !o.dense_on_host,
         dense_gemm: dense_gemm(o)?,
     })

@@ -111,6 +111,15 @@ pub struct TrainFlags {
     /// GPU either way; on the cpu see `--expert-gemm`.
     #[arg(long, value_name = "bf16|f32")]
     pub dense_gemm: Option<String>,
+    /// On one GPU: how many of a layer's experts each pass stages and
+    /// computes at once, each of their products one grouped GEMM (many
+    /// small experts, as fine-grained MoE models have, then take one
+    /// launch a product rather than one each). Default: 16 where cuBLAS
+    /// has the grouped GEMM (CUDA 12.5 on), else 1; at most half the GPU's
+    /// expert slots, and where records stream from the SSD, half the host
+    /// tier's streaming slots. The same results whatever it is.
+    #[arg(long, value_name = "N")]
+    pub expert_group: Option<usize>,
     /// What the cpu's expert GEMMs take when the compute dtype is bf16:
     /// bf16 (default: the params as stored, activations rounded to bf16,
     /// f32 sums; `vdpbf16ps` where the CPU has AVX512-BF16) or f32 (the
@@ -264,6 +273,9 @@ pub struct TrainOptions {
     pub weight_decay: f32,
     #[serde(default)]
     pub clip_grad_norm: Option<f32>,
+    /// `--expert-group` (a run recorded before it took the device's own).
+    #[serde(default)]
+    pub expert_group: Option<usize>,
     /// `--train`'s groups (a run recorded before it trained all).
     #[serde(default = "all_groups")]
     pub train: Vec<String>,
@@ -476,6 +488,7 @@ impl TrainFlags {
             min_lr_ratio: pick!(cli, file, min_lr_ratio, 0.1),
             weight_decay: pick!(cli, file, weight_decay, 0.0),
             clip_grad_norm: cli.clip_grad_norm.or(file.clip_grad_norm),
+            expert_group: cli.expert_group.or(file.expert_group),
             train: pick!(cli, file, train, all_groups()),
             trace_routing: cli.trace_routing.clone().or(file.trace_routing.clone()),
             affinity_prefetch: cli.affinity_prefetch || file.affinity_prefetch,

@@ -180,6 +180,9 @@ pub(super) fn resume_options(
     if let Some(gemm) = &flags.expert_gemm {
         o.expert_gemm = gemm.clone();
     }
+    if flags.expert_group.is_some() {
+        o.expert_group = flags.expert_group;
+    }
     if let Some(kernel) = &flags.bf16_kernel {
         o.bf16_kernel = kernel.clone();
     }

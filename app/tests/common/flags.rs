@@ -61,6 +61,7 @@ fn flags_on(
         host_stream_slots: EngineConfig::default().host_stream_slots,
         host_cell_slots: 0,
         gpu: on_gpu,
+        expert_group: None,
         dense_on_device: on_gpu,
         dense_gemm: Default::default(),
     })

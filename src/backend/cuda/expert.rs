@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{gpu_error, CudaBackend, Shape, BF16};
+use super::expert_group::Member;
+use super::{gpu_error, CudaBackend};
 
 /// The experts' GEMM inputs: bf16.
 use crate::backend::DeviceRows;
@@ -34,9 +35,9 @@ pub(super) enum GradStart {
 /// SwiGLU only), w2 (D, F).
 #[derive(Clone, Copy)]
 pub(super) struct Weights {
-    w1: CUdeviceptr,
-    w3: CUdeviceptr,
-    w2: CUdeviceptr,
+    pub w1: CUdeviceptr,
+    pub w3: CUdeviceptr,
+    pub w2: CUdeviceptr,
 }
 
 impl Weights {
@@ -118,58 +119,9 @@ impl CudaBackend {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        assert!(out.len == n * d && x.len == n * d);
-        // SAFETY: x addresses n·d f32 (the contract, asserted).
-        let xb = unsafe { self.to_bf16_raw(x.ptr, n * d)? };
-        // SAFETY: the weights per this function's contract.
-        let (_, _, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
-        let hb = self.to_bf16(&h)?;
-        let (hb_ptr, _rh) = hb.device_ptr(&self.stream);
-        // SAFETY: w2 per the contract; `out` holds n·d f32 and hb n·f bf16.
-        unsafe { self.linear_forward_at(out.ptr, hb_ptr, w.w2, Shape { m: n, k: f, n: d }, BF16) }
-    }
-
-    /// The up projections a = x·w1ᵀ (and b = x·w3ᵀ for SwiGLU) and the
-    /// hidden activation h: the forward's first half, which the backward
-    /// recomputes from x (the same GEMMs, so the same bits) rather than
-    /// have a and b come down after the forward and go back up for it.
-    ///
-    /// # Safety
-    /// As [`Self::ffn_forward`].
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    unsafe fn up_and_hidden(
-        &self,
-        kind: ExpertKind,
-        xb: &CudaSlice<u16>,
-        w: Weights,
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(CudaSlice<f32>, Option<CudaSlice<f32>>, CudaSlice<f32>), EngineError> {
-        let up = Shape { m: n, k: d, n: f };
-        let mut a = self.zeros(n * f)?;
-        let mut h = self.zeros(n * f)?;
-        // SAFETY: w1 (and w3) per the contract; a, b and xb sized from n, d, f.
-        unsafe { self.linear_forward(&mut a, xb, w.w1, up, BF16)? };
-        let b = match kind {
-            ExpertKind::SwiGlu => {
-                let mut b = self.zeros(n * f)?;
-                // SAFETY: as above.
-                unsafe { self.linear_forward(&mut b, xb, w.w3, up, BF16)? };
-                self.elementwise(
-                    &self.f.swiglu_forward,
-                    "swiglu_forward",
-                    &[&a, &b],
-                    &mut [&mut h],
-                )?;
-                Some(b)
-            }
-            ExpertKind::Gelu => {
-                self.elementwise(&self.f.gelu_forward, "gelu_forward", &[&a], &mut [&mut h])?;
-                None
-            }
-        };
-        Ok((a, b, h))
+        let one = [Member { w, rows: n }];
+        // SAFETY: this function's contract, for a group of one.
+        unsafe { self.ffn_forward_group(kind, (out, x), &one, (d, f)) }
     }
 
     /// # Safety
@@ -217,76 +169,15 @@ impl CudaBackend {
     pub(super) unsafe fn ffn_backward_rows(
         &self,
         kind: ExpertKind,
-        [dx, dout, x]: [DeviceRows; 3],
+        rows: [DeviceRows; 3],
         held: Option<&[f32]>,
         w: Weights,
         (n, d, f): (usize, usize, usize),
     ) -> Result<CudaSlice<f32>, EngineError> {
-        assert!(dx.len == n * d && dout.len == n * d && x.len == n * d);
-        // SAFETY: x and dout address n·d f32 (the contract, asserted).
-        let (xb, doutb) = unsafe {
-            (
-                self.to_bf16_raw(x.ptr, n * d)?,
-                self.to_bf16_raw(dout.ptr, n * d)?,
-            )
-        };
-        // SAFETY: the weights per this function's contract.
-        let (a, b, h) = unsafe { self.up_and_hidden(kind, &xb, w, n, d, f)? };
-        let mut ddx = self.zeros(n * d)?; // dx is overwritten, as on the cpu
-        let count = kind.params(d, f);
-        let in_len = count - d * f;
-        let mut dhidden = self.zeros(n * f)?;
-        // The weights' gradients accumulate in one buffer laid out as the
-        // params (w1, w3, w2), from zero or from what `held` holds, so that
-        // it comes down in one copy.
-        let mut grad = match held {
-            None => self.zeros(count)?,
-            Some(host) => self.upload(&host[..count])?,
-        };
-        let (g, written) = grad.device_ptr_mut(&self.stream);
-        let part = |at: usize| g + (at * std::mem::size_of::<f32>()) as u64;
-        let hb = self.to_bf16(&h)?;
-        let down = Shape { m: n, k: f, n: d };
-        // SAFETY: the weights per this function's contract; w2's gradient
-        // is the last D·F of `grad`; every other operand is allocated here
-        // from n, d, f.
-        unsafe { self.linear_backward(&mut dhidden, part(in_len), &doutb, &hb, w.w2, down, BF16)? };
-        let mut da = self.zeros(n * f)?;
-        let up = Shape { m: n, k: d, n: f };
-        match (kind, b) {
-            (ExpertKind::SwiGlu, Some(b)) => {
-                let mut db = self.zeros(n * f)?;
-                self.elementwise(
-                    &self.f.swiglu_backward,
-                    "swiglu_backward",
-                    &[&a, &b, &dhidden],
-                    &mut [&mut da, &mut db],
-                )?;
-                let (dab, dbb) = (self.to_bf16(&da)?, self.to_bf16(&db)?);
-                // SAFETY: w1 and w3 per the contract, their gradients the
-                // first two F·D of `grad`; the rest sized here.
-                unsafe {
-                    self.linear_backward(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)?;
-                    self.linear_backward(&mut ddx, part(f * d), &dbb, &xb, w.w3, up, BF16)?;
-                }
-            }
-            _ => {
-                self.elementwise(
-                    &self.f.gelu_backward,
-                    "gelu_backward",
-                    &[&a, &dhidden],
-                    &mut [&mut da],
-                )?;
-                let dab = self.to_bf16(&da)?;
-                // SAFETY: w1 per the contract, its gradient the first F·D
-                // of `grad`; the rest sized here.
-                unsafe { self.linear_backward(&mut ddx, part(0), &dab, &xb, w.w1, up, BF16)? };
-            }
-        }
-        // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
-        unsafe { self.copy_to(dx.ptr, &ddx)? };
-        drop(written); // the GEMMs' writes to `grad`, recorded
-        Ok(grad)
+        let one = [Member { w, rows: n }];
+        // SAFETY: this function's contract, for a group of one.
+        let mut grads = unsafe { self.ffn_backward_group(kind, rows, held, &one, (d, f))? };
+        Ok(grads.pop().expect("one expert's gradient"))
     }
 
     /// The params uploaded and rounded to bf16 (the host-slice path).

@@ -22,9 +22,13 @@ use strata_tiers::io::HostRegion;
 use strata_tiers::{DeviceArena, Dtype, Layout};
 
 use super::expert::{download_expert_grad, GradStart, Weights};
+use super::expert_group::{grouped_gemm_available, Member, GROUP_LIMIT};
 use super::grad_download::{start_download, GradientBuffers};
 use super::{gpu_error, CudaBackend};
-use crate::backend::{DenseGemm, DeviceGradient, DeviceRows, Download, ExpertDevice, SlotParams};
+use crate::backend::{
+    gpu_expert_group, DenseGemm, DeviceGradient, DeviceRows, Download, ExpertBackwardRows,
+    ExpertDevice, ExpertForwardRows, SlotParams,
+};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -94,6 +98,8 @@ pub struct CudaExpertDevice {
     host_region: Option<HostRegistration>,
     /// Where the experts' gradients come down to (`grad_download.rs`).
     grad_buffers: Arc<GradientBuffers>,
+    /// The most experts computed at once ([`ExpertDevice::group_limit`]).
+    group_limit: usize,
 }
 
 impl CudaExpertDevice {
@@ -118,12 +124,18 @@ impl CudaExpertDevice {
             .new_stream()
             .map_err(|e| gpu_error("creating the gradient stream", e))?;
         let grad_buffers = GradientBuffers::new(Arc::clone(backend.context()));
+        // A cuBLAS without the grouped GEMM computes one expert at a time.
+        let group_limit = match grouped_gemm_available() {
+            true => gpu_expert_group(layout.params_per_expert).min(GROUP_LIMIT),
+            false => 1,
+        };
         Ok(Self {
             backend,
             arena,
             grad_stream,
             host_region: None,
             grad_buffers,
+            group_limit,
         })
     }
 
@@ -131,36 +143,110 @@ impl CudaExpertDevice {
         &self.backend
     }
 
-    /// Runs `body` on the weights of the expert in `p`'s slot: in place
-    /// when they are bf16, else through a bf16 copy made on the compute
-    /// stream.
+    /// Runs `body` on the weights of the experts in `params`' slots: in
+    /// place when they are bf16, else through bf16 copies made on the
+    /// compute stream.
     fn with_weights<R>(
         &self,
-        p: SlotParams,
+        params: &[SlotParams],
         d: usize,
         f: usize,
-        body: impl FnOnce(Weights) -> Result<R, EngineError>,
+        body: impl FnOnce(&[Weights]) -> Result<R, EngineError>,
     ) -> Result<R, EngineError> {
         self.backend.bind()?;
         let stream = &self.backend.stream;
-        self.arena.read_after_upload(p.slot, stream)?;
-        let slot = self.arena.slot_ptr(p.slot);
-        let out = match p.dtype {
-            Dtype::Bf16 => body(Weights::at(slot, p.count, d, f))?,
-            Dtype::F32 => {
+        let mut copies = Vec::with_capacity(params.len());
+        for p in params {
+            self.arena.read_after_upload(p.slot, stream)?;
+            copies.push(match p.dtype {
+                Dtype::Bf16 => None,
                 // SAFETY: the slot holds the expert's `count` f32 params
                 // once its upload has landed, which the compute stream
                 // waits for above; the next upload into it waits for the
                 // compute stream's reads (`release_after` below).
-                let wb = unsafe { self.backend.to_bf16_raw(slot, p.count)? };
-                let (base, _read) = wb.device_ptr(stream);
-                body(Weights::at(base, p.count, d, f))?
-            }
-            Dtype::F16 => unreachable!("refused when the device was opened"),
-        };
-        self.arena.release_after(p.slot, stream)?;
+                Dtype::F32 => Some(unsafe {
+                    self.backend
+                        .to_bf16_raw(self.arena.slot_ptr(p.slot), p.count)?
+                }),
+                Dtype::F16 => unreachable!("refused when the device was opened"),
+            });
+        }
+        let mut reads = Vec::new();
+        let mut weights = Vec::with_capacity(params.len());
+        for (p, copy) in params.iter().zip(&copies) {
+            let base = match copy {
+                None => self.arena.slot_ptr(p.slot),
+                Some(wb) => {
+                    let (base, read) = wb.device_ptr(stream);
+                    reads.push(read);
+                    base
+                }
+            };
+            weights.push(Weights::at(base, p.count, d, f));
+        }
+        let out = body(&weights)?;
+        drop(reads);
+        for p in params {
+            self.arena.release_after(p.slot, stream)?;
+        }
         Ok(out)
     }
+
+    /// Each of `grads` (a group's backward's, just queued) as a gradient
+    /// the engine takes later, each waited for by an event behind it.
+    fn left_on_gpu(
+        &self,
+        grads: Vec<CudaSlice<f32>>,
+    ) -> Result<Vec<Box<dyn DeviceGradient>>, EngineError> {
+        grads
+            .into_iter()
+            .map(|grad| {
+                let ready = self
+                    .backend
+                    .stream
+                    .record_event(None)
+                    .map_err(|e| gpu_error("recording an expert's backward", e))?;
+                Ok(Box::new(GradOnGpu {
+                    grad,
+                    ready,
+                    stream: Arc::clone(&self.grad_stream),
+                    buffers: Arc::clone(&self.grad_buffers),
+                }) as Box<dyn DeviceGradient>)
+            })
+            .collect()
+    }
+}
+
+/// Each weight of `ws` with its expert's count of `rows`.
+fn members(ws: &[Weights], rows: impl Iterator<Item = usize>) -> Vec<Member> {
+    ws.iter()
+        .zip(rows)
+        .map(|(&w, rows)| Member { w, rows })
+        .collect()
+}
+
+/// Where a group's rows in each of K buffers lie back to back, expert
+/// after expert in one order in every buffer (a layer's permuted rows,
+/// walked forwards or backwards): that order (indices into `rows`, by
+/// address) and each buffer's rows of the whole group.
+fn back_to_back<const K: usize>(rows: &[[DeviceRows; K]]) -> Option<(Vec<usize>, [DeviceRows; K])> {
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by_key(|&i| rows[i][0].ptr);
+    let first = rows.get(*order.first()?)?;
+    let whole: [DeviceRows; K] = std::array::from_fn(|b| {
+        let len = order.iter().map(|&i| rows[i][b].len).sum();
+        DeviceRows::new(first[b].ptr, len)
+    });
+    let mut at = [0u64; K];
+    for &i in &order {
+        for b in 0..K {
+            if rows[i][b].ptr != whole[b].ptr + at[b] {
+                return None;
+            }
+            at[b] += (rows[i][b].len * std::mem::size_of::<f32>()) as u64;
+        }
+    }
+    Some((order, whole))
 }
 
 impl ExpertDevice for CudaExpertDevice {
@@ -219,10 +305,10 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<(), EngineError> {
         assert_eq!(params.count, kind.params(d, f));
         let backend = &self.backend;
-        self.with_weights(params, d, f, |w| {
+        self.with_weights(&[params], d, f, |w| {
             // SAFETY: `w` addresses the slot's expert (or its bf16 copy),
             // which stays unwritten until this call returns.
-            unsafe { backend.ffn_forward(kind, out, saved, x, w, n, d, f) }
+            unsafe { backend.ffn_forward(kind, out, saved, x, w[0], n, d, f) }
         })
     }
 
@@ -242,11 +328,11 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<(), EngineError> {
         assert_eq!(params.count, kind.params(d, f));
         let backend = &self.backend;
-        self.with_weights(params, d, f, |w| {
+        self.with_weights(&[params], d, f, |w| {
             // SAFETY: `w` as in `expert_forward`; the rows per this
             // function's contract (this GPU's memory: the network's
             // `CudaOps` on the same backend made them).
-            unsafe { backend.ffn_forward_rows(kind, (out, x), w, n, d, f) }
+            unsafe { backend.ffn_forward_rows(kind, (out, x), w[0], n, d, f) }
         })
     }
 
@@ -263,22 +349,84 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<Box<dyn DeviceGradient>, EngineError> {
         assert_eq!(params.count, kind.params(d, f));
         let backend = &self.backend;
-        let grad = self.with_weights(params, d, f, |w| {
+        let grad = self.with_weights(&[params], d, f, |w| {
             let rows = [dx, dout, x];
             // SAFETY: as in `expert_forward_rows`; the gradient starts
             // from zero.
-            unsafe { backend.ffn_backward_rows(kind, rows, None, w, (n, d, f)) }
+            unsafe { backend.ffn_backward_rows(kind, rows, None, w[0], (n, d, f)) }
         })?;
-        let ready = backend
-            .stream
-            .record_event(None)
-            .map_err(|e| gpu_error("recording an expert's backward", e))?;
-        Ok(Box::new(GradOnGpu {
-            grad,
-            ready,
-            stream: Arc::clone(&self.grad_stream),
-            buffers: Arc::clone(&self.grad_buffers),
-        }))
+        let mut grads = self.left_on_gpu(vec![grad])?;
+        Ok(grads.pop().expect("one gradient"))
+    }
+
+    fn group_limit(&self) -> usize {
+        self.group_limit
+    }
+
+    unsafe fn experts_forward_rows(
+        &mut self,
+        kind: ExpertKind,
+        group: &[ExpertForwardRows],
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        let rows: Vec<[DeviceRows; 2]> = group.iter().map(|e| [e.x, e.out]).collect();
+        let Some((order, [x, out])) = back_to_back(&rows).filter(|_| group.len() > 1) else {
+            for e in group {
+                // SAFETY: this function's contract, for one expert's rows.
+                unsafe { self.expert_forward_rows(kind, e.out, e.x, e.params, e.x.len / d, d, f)? };
+            }
+            return Ok(());
+        };
+        let params: Vec<SlotParams> = order.iter().map(|&i| group[i].params).collect();
+        let backend = &self.backend;
+        self.with_weights(&params, d, f, |ws| {
+            let members = members(ws, order.iter().map(|&i| group[i].x.len / d));
+            // SAFETY: each `ws` addresses its slot's expert (or its bf16
+            // copy), unwritten until this call returns; the group's rows
+            // lie back to back in this GPU's memory (this function's
+            // contract), in the members' order.
+            unsafe { backend.ffn_forward_group(kind, (out, x), &members, (d, f)) }
+        })
+    }
+
+    unsafe fn experts_backward_rows(
+        &mut self,
+        kind: ExpertKind,
+        group: &[ExpertBackwardRows],
+        d: usize,
+        f: usize,
+    ) -> Result<Vec<Box<dyn DeviceGradient>>, EngineError> {
+        let rows: Vec<[DeviceRows; 3]> = group.iter().map(|e| [e.x, e.dout, e.dx]).collect();
+        let Some((order, [x, dout, dx])) = back_to_back(&rows).filter(|_| group.len() > 1) else {
+            let mut grads = Vec::with_capacity(group.len());
+            for e in group {
+                let n = e.x.len / d;
+                // SAFETY: this function's contract, for one expert's rows.
+                grads.push(unsafe {
+                    self.expert_backward_rows(kind, e.dx, e.dout, e.x, e.params, n, d, f)?
+                });
+            }
+            return Ok(grads);
+        };
+        let params: Vec<SlotParams> = order.iter().map(|&i| group[i].params).collect();
+        let backend = &self.backend;
+        let grads = self.with_weights(&params, d, f, |ws| {
+            let members = members(ws, order.iter().map(|&i| group[i].x.len / d));
+            // SAFETY: as in the forward; the gradients start from zero.
+            unsafe { backend.ffn_backward_group(kind, [dx, dout, x], None, &members, (d, f)) }
+        })?;
+        // Back in the group's order.
+        let mut in_order: Vec<Option<CudaSlice<f32>>> = (0..group.len()).map(|_| None).collect();
+        for (&i, grad) in order.iter().zip(grads) {
+            in_order[i] = Some(grad);
+        }
+        self.left_on_gpu(
+            in_order
+                .into_iter()
+                .map(|g| g.expect("every expert's"))
+                .collect(),
+        )
     }
 
     fn expert_backward(
@@ -297,11 +445,13 @@ impl ExpertDevice for CudaExpertDevice {
         assert_eq!(params.count, kind.params(d, f));
         assert_eq!(dparams.len(), params.count);
         let backend = &self.backend;
-        self.with_weights(params, d, f, |w| {
+        self.with_weights(&[params], d, f, |w| {
             // SAFETY: as in the forward. `dparams` is overwritten (the
             // contract): the gradient starts from zero on the GPU and
             // every part of it is downloaded over what `dparams` held.
-            unsafe { backend.ffn_backward(kind, dx, dparams, dout, x, w, n, d, f, GradStart::Zero) }
+            unsafe {
+                backend.ffn_backward(kind, dx, dparams, dout, x, w[0], n, d, f, GradStart::Zero)
+            }
         })
     }
 }

@@ -7,9 +7,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{
-    sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
-};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, SyncOnDrop};
 
 use super::{gpu_error, CudaBackend, Shape, BF16, F32};
 use crate::backend::DenseGemm;
@@ -70,34 +68,13 @@ impl CudaBackend {
         .map_err(|e| gpu_error("cublasGemmEx", e))
     }
 
-    /// out (M, N) = x (M, K) · w (N, K)ᵀ, `x` and the weights at `w` of
-    /// type `inputs` (`T` its Rust type). Column-major, that is outᵀ =
-    /// w·xᵀ: op(A) = w-stored-as-(K×N) transposed, op(B) = x as (K×M).
+    /// out (M, N) = x (M, K) · w (N, K)ᵀ at device addresses: out (M·N
+    /// f32), x (M·K values of type `inputs`) and the weights (N·K values
+    /// of type `inputs`); see [`GemmCall::linear`].
     ///
     /// # Safety
-    /// `w` addresses N·K values of type `inputs` that nothing writes until
-    /// this stream has run the product; `T` is `inputs`' Rust type.
-    pub(super) unsafe fn linear_forward<T>(
-        &self,
-        out: &mut CudaSlice<f32>,
-        x: &CudaSlice<T>,
-        w: CUdeviceptr,
-        s: Shape,
-        inputs: blas_sys::cudaDataType,
-    ) -> Result<(), EngineError> {
-        assert!(out.len() == s.m * s.n && x.len() == s.m * s.k);
-        let (x_ptr, _rx) = x.device_ptr(&self.stream);
-        let (out_ptr, _wo) = out.device_ptr_mut(&self.stream);
-        // SAFETY: out and x hold the asserted sizes; `w` per the contract.
-        unsafe { self.linear_forward_at(out_ptr, x_ptr, w, s, inputs) }
-    }
-
-    /// [`Self::linear_forward`] at device addresses: out (M·N f32) and
-    /// x (M·K values of type `inputs`).
-    ///
-    /// # Safety
-    /// As [`Self::linear_forward`], and `out` and `x` address memory of
-    /// this context of those sizes, alive and not used by another stream
+    /// `out`, `x` and `w` address memory of this context of those sizes,
+    /// alive and not used by another stream (`w` and `x` not written)
     /// until this stream has run the product.
     pub(super) unsafe fn linear_forward_at(
         &self,
@@ -107,57 +84,34 @@ impl CudaBackend {
         s: Shape,
         inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
-        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         // SAFETY: the pointers per this function's contract.
-        unsafe {
-            self.gemm(
-                CUBLAS_OP_T,
-                CUBLAS_OP_N,
-                (s.n, s.m, s.k),
-                w,
-                s.k,
-                x,
-                s.k,
-                0.0,
-                out,
-                s.n,
-                inputs,
-            )
-        }
+        unsafe { self.gemm_call(GemmCall::linear(out, x, w, s), inputs) }
     }
 
-    /// dx (M, K) += dout (M, N) · w (N, K); dw (N, K) += doutᵀ · x, `dout`,
-    /// `x` and the weights of type `inputs`; dw at a device address (a
-    /// slice's, or a part of an expert's gradient buffer).
+    /// One product as [`GemmCall`] describes it (cublasGemmEx).
     ///
     /// # Safety
-    /// As [`Self::linear_forward`] for `w`, `T` and `inputs`; `dw`
-    /// addresses N·K f32 of this context's memory, alive and used by no
-    /// other stream until this stream has run the GEMMs.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn linear_backward<T>(
+    /// As [`Self::gemm`], for the call's operands.
+    pub(super) unsafe fn gemm_call(
         &self,
-        dx: &mut CudaSlice<f32>,
-        dw: CUdeviceptr,
-        dout: &CudaSlice<T>,
-        x: &CudaSlice<T>,
-        w: CUdeviceptr,
-        s: Shape,
+        call: GemmCall,
         inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
-        assert!(dx.len() == s.m * s.k);
-        assert!(dout.len() == s.m * s.n && x.len() == s.m * s.k);
-        let (dout_ptr, _rd) = dout.device_ptr(&self.stream);
-        let (x_ptr, _rx) = x.device_ptr(&self.stream);
-        let (dx_ptr, _wdx) = dx.device_ptr_mut(&self.stream);
-        // SAFETY: every buffer holds the asserted size; `dw` and `w` per
-        // the contract.
-        unsafe { self.linear_backward_at([dx_ptr, dw], [dout_ptr, x_ptr], w, s, inputs) }
+        let GemmCall {
+            trans: (transa, transb),
+            dims,
+            a: (a, lda),
+            b: (b, ldb),
+            c: (c, ldc),
+            beta,
+        } = call;
+        // SAFETY: the caller's contract.
+        unsafe { self.gemm(transa, transb, dims, a, lda, b, ldb, beta, c, ldc, inputs) }
     }
 
-    /// [`Self::linear_backward`] at device addresses: `[dx, dw]` (M·K and
-    /// N·K f32) accumulate from `[dout, x]` (M·N and M·K values of type
-    /// `inputs`).
+    /// dx (M, K) += dout (M, N) · w (N, K), then dw (N, K) += doutᵀ · x,
+    /// at device addresses: `[dx, dw]` (M·K and N·K f32) accumulate from
+    /// `[dout, x]` (M·N and M·K values of type `inputs`).
     ///
     /// # Safety
     /// As [`Self::linear_forward_at`], for the four addresses.
@@ -169,37 +123,67 @@ impl CudaBackend {
         s: Shape,
         inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
-        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         // SAFETY: the pointers per this function's contract.
-        // dxᵀ (K×M) = w-as-(K×N) · doutᵀ-as-(N×M), then
-        // dwᵀ (K×N) = x-as-(K×M) · (doutᵀ-as-(N×M))ᵀ.
         unsafe {
-            self.gemm(
-                CUBLAS_OP_N,
-                CUBLAS_OP_N,
-                (s.k, s.m, s.n),
-                w,
-                s.k,
-                dout,
-                s.n,
-                1.0,
-                dx,
-                s.k,
-                inputs,
-            )?;
-            self.gemm(
-                CUBLAS_OP_N,
-                CUBLAS_OP_T,
-                (s.k, s.n, s.m),
-                x,
-                s.k,
-                dout,
-                s.n,
-                1.0,
-                dw,
-                s.k,
-                inputs,
-            )
+            self.gemm_call(GemmCall::input_grad(dx, dout, w, s), inputs)?;
+            self.gemm_call(GemmCall::weight_grad(dw, dout, x, s), inputs)
+        }
+    }
+}
+
+use blas_sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
+
+/// One column-major product `c (m×n) = op(a)·op(b) + beta·c` as
+/// cublasGemmEx takes it: each operand's device address and leading
+/// dimension. The row-major products of a linear layer are made into one
+/// by [`Self::linear`], [`Self::input_grad`] and [`Self::weight_grad`].
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GemmCall {
+    pub trans: (blas_sys::cublasOperation_t, blas_sys::cublasOperation_t),
+    /// (m, n, k).
+    pub dims: (usize, usize, usize),
+    pub a: (CUdeviceptr, usize),
+    pub b: (CUdeviceptr, usize),
+    pub c: (CUdeviceptr, usize),
+    pub beta: f32,
+}
+
+impl GemmCall {
+    /// out (M, N) = x (M, K) · w (N, K)ᵀ. Column-major, outᵀ = w·xᵀ:
+    /// op(A) = w-stored-as-(K×N) transposed, op(B) = x as (K×M).
+    pub fn linear(out: CUdeviceptr, x: CUdeviceptr, w: CUdeviceptr, s: Shape) -> Self {
+        Self {
+            trans: (T, N),
+            dims: (s.n, s.m, s.k),
+            a: (w, s.k),
+            b: (x, s.k),
+            c: (out, s.n),
+            beta: 0.0,
+        }
+    }
+
+    /// dx (M, K) += dout (M, N) · w (N, K): dxᵀ (K×M) = w-as-(K×N) ·
+    /// doutᵀ-as-(N×M).
+    pub fn input_grad(dx: CUdeviceptr, dout: CUdeviceptr, w: CUdeviceptr, s: Shape) -> Self {
+        Self {
+            trans: (N, N),
+            dims: (s.k, s.m, s.n),
+            a: (w, s.k),
+            b: (dout, s.n),
+            c: (dx, s.k),
+            beta: 1.0,
+        }
+    }
+
+    /// dw (N, K) += doutᵀ · x: dwᵀ (K×N) = x-as-(K×M) · (doutᵀ-as-(N×M))ᵀ.
+    pub fn weight_grad(dw: CUdeviceptr, dout: CUdeviceptr, x: CUdeviceptr, s: Shape) -> Self {
+        Self {
+            trans: (N, T),
+            dims: (s.k, s.n, s.m),
+            a: (x, s.k),
+            b: (dout, s.n),
+            c: (dw, s.k),
+            beta: 1.0,
         }
     }
 }

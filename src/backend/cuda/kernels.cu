@@ -750,3 +750,16 @@ extern "C" __global__ void gate_backward(const float* partials, const float* dy,
     dout[idx] = s * dy[idx];
     if (idx % d == 0) dz[i] = s * (1.0f - s) * strata_row_sum(partials, i);
 }
+
+// A grouped GEMM's device addresses (`cuda/expert_group.rs`), which cuBLAS
+// reads from GPU memory: they come as this launch's own argument, as every
+// kernel's dimensions do, and one thread copies each of `count` to `out`.
+#define STRATA_GROUP_WORDS 48u
+struct strata_group_words {
+    unsigned long long count;
+    unsigned long long words[STRATA_GROUP_WORDS];
+};
+extern "C" __global__ void group_words(const strata_group_words w, unsigned long long* out) {
+    unsigned i = strata_index();
+    if (i < w.count && i < STRATA_GROUP_WORDS) out[i] = w.words[i];
+}

@@ -25,6 +25,7 @@ mod attention_host;
 mod dense;
 mod expert;
 mod expert_device;
+mod expert_group;
 mod gemm;
 mod gpu_spans;
 mod grad_download;
@@ -149,6 +150,7 @@ struct Functions {
     gelu_backward: CudaFunction,
     f32_to_bf16: CudaFunction,
     adamw: CudaFunction,
+    group_words: CudaFunction,
 }
 
 /// One GPU's compute: its context, compute stream, cuBLAS handle, kernels.
@@ -176,6 +178,9 @@ pub struct CudaBackend {
     /// gradients (activations, dense weights and gradients, indices),
     /// since the backend was opened.
     pcie_other: AtomicU64,
+    /// Why cuBLAS refused a grouped GEMM (`expert_group.rs`), once it has:
+    /// each product then runs alone.
+    grouped_gemm_refused: std::sync::OnceLock<String>,
     pub info: GpuInfo,
 }
 
@@ -213,6 +218,7 @@ impl CudaBackend {
             gelu_backward: load("gelu_backward")?,
             f32_to_bf16: load("f32_to_bf16")?,
             adamw: load("adamw")?,
+            group_words: load("group_words")?,
         };
         let dense = dense::DenseFunctions::load(&module)?;
         let router = router::RouterFunctions::load(&module)?;
@@ -230,6 +236,7 @@ impl CudaBackend {
             resident: Default::default(),
             attention_inputs: Default::default(),
             pcie_other: AtomicU64::new(0),
+            grouped_gemm_refused: std::sync::OnceLock::new(),
             info,
         })
     }
@@ -248,6 +255,16 @@ impl CudaBackend {
     /// `StepMetrics::bytes_pcie_other` is a step's difference.
     pub fn pcie_other_bytes(&self) -> u64 {
         self.pcie_other.load(Ordering::Relaxed)
+    }
+
+    /// Why cuBLAS refused a grouped GEMM, if it has: a group's products
+    /// then run one cublasGemmEx each, the same results.
+    pub fn grouped_gemm_refusal(&self) -> Option<&str> {
+        self.grouped_gemm_refused.get().map(String::as_str)
+    }
+
+    fn refuse_grouped_gemm(&self, why: String) {
+        let _ = self.grouped_gemm_refused.set(why); // the first reason stays
     }
 
     fn count_pcie_other<T>(&self, values: usize) {

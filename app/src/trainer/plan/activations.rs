@@ -47,12 +47,12 @@ fn attention_shape(m: &LmConfig, seq_len: usize, seqs: usize) -> AttnShape {
 /// (q, k, v, the output and their gradients: 8 × T·H·hd f32, more than
 /// their bf16 copies and the f32 head each is rounded from), a MoE
 /// layer's rows gathered for its experts and their outputs (2·T·K·D) with
-/// one expert's pass (`expert_pass_bytes`), and the head's logits and d
+/// one group of experts' pass (`expert_pass_bytes`), and the head's logits and d
 /// logits for a block of rows with its loss's parts. The batch's inputs
 /// and targets stay on the GPU for the step (2·T u32), and every row's
 /// loss share until they are summed (T f32); the embedding's backward
 /// orders the tokens by id (T u32), less than any layer's workspace.
-pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
+pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize, group: usize) -> u64 {
     let t = (seq_len * seqs) as u64;
     let stats = (2 * seqs * m.heads * seq_len) as u64;
     let kept = 4 * (layer_values(m, t, stats) + 2 * t) + 4 * 2 * t;
@@ -63,7 +63,7 @@ pub fn gpu_activation_bytes(m: &LmConfig, seq_len: usize, seqs: usize) -> u64 {
     let block_rows = shape.query_block_rows(ATTENTION_BLOCK_BYTES);
     let parts = (4 * 2 * ROW_PARTS * seqs * m.heads * block_rows) as u64;
     let attention = 2 * block + block / 2 + parts + 4 * 8 * t * (m.heads * m.head_dim) as u64;
-    let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t);
+    let experts = 4 * 2 * t * (m.top_k * m.d_model) as u64 + expert_pass_bytes(m, t, group);
     let head_rows = t.min(head_block_rows(m.vocab) as u64);
     // A block's logits and their gradient (f32), and, for bf16 GEMMs, the
     // head's input rows and the block's gradient rounded to bf16.
@@ -92,19 +92,22 @@ fn dense_gemm_bytes(m: &LmConfig, t: u64) -> u64 {
     2 * t * (m.d_model as u64 + widest)
 }
 
-/// What one expert's backward holds on a GPU (`cuda/expert.rs`), its
-/// forward holding less: for each of its rows, at most the batch's `t`
-/// tokens (a dropless router may send every token to one expert), the
-/// hidden-size values (a, b, h, their gradients: 6·F f32; h, da, db in
-/// bf16: 3·F) and the row-size ones (dx in f32, x and dout in bf16); the
-/// weights' gradients of two experts (12·D·F bytes each: one comes down
-/// while the next computes); and a bf16 copy of the weights, made where
-/// the compute params are f32.
-fn expert_pass_bytes(m: &LmConfig, t: u64) -> u64 {
+/// What a group of `group` experts' backward holds on a GPU
+/// (`cuda/expert_group.rs`; one expert's in `cuda/expert.rs` is a group of
+/// one), its forward holding less: for each of its rows (at most the
+/// batch's `t` tokens for each of min(group, top-k) experts: a dropless
+/// router may send every token to the same experts), the hidden-size
+/// values (a, b, h, their gradients: 6·F f32; h, da, db in bf16: 3·F) and
+/// the row-size ones (dx in f32, x and dout in bf16); the weights'
+/// gradients of two groups (12·D·F bytes an expert: one group's come down
+/// while the next computes); and bf16 copies of the group's weights, made
+/// where the compute params are f32.
+fn expert_pass_bytes(m: &LmConfig, t: u64, group: usize) -> u64 {
     let (d, f) = (m.d_model as u64, m.d_ff as u64);
     let per_row = 4 * (6 * f + d) + 2 * (3 * f + 2 * d);
     let weights = m.expert_params() as u64;
-    t * per_row + 2 * 4 * weights + 2 * weights
+    let (rows, g) = (t * group.min(m.top_k) as u64, group as u64);
+    rows * per_row + 2 * g * 4 * weights + g * 2 * weights
 }
 
 /// f32 values the layers keep, `attention` a layer for its attention.

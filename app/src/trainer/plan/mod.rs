@@ -107,6 +107,11 @@ pub struct PlanInput<'a> {
     /// The devices are GPUs (`--backend cuda`): activations as
     /// [`gpu_activation_bytes`] counts them.
     pub gpu: bool,
+    /// `EngineConfig::expert_group`: on one GPU, the experts a pass
+    /// computes at once (`None`: the GPU's default for these experts,
+    /// `strata::backend::gpu_expert_group`), whose rows and gradients its
+    /// workspace holds.
+    pub expert_group: Option<usize>,
     /// One GPU keeps the dense params it computes with, and steps them
     /// there (`EngineConfig::dense_on_device` with `--backend cuda`): their
     /// Adam moments take device memory too.
@@ -167,6 +172,20 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     })
 }
 
+/// How many experts a GPU computes at once at most, as the engine chooses
+/// (`EngineConfig::expert_group`; its slots and streaming host tier may
+/// lower it, never raise it): 1 on several devices or ranks.
+fn plan_group(input: &PlanInput) -> usize {
+    if input.devices.max(1) * input.ranks.max(1) > 1 {
+        return 1;
+    }
+    let params = input.model.expert_params() as u64;
+    input
+        .expert_group
+        .unwrap_or_else(|| strata::backend::gpu_expert_group(params))
+        .max(1)
+}
+
 /// Each device's bytes: the dense params, what the activations keep and
 /// their largest workspace, and the expert slots the rest holds.
 struct DeviceShare {
@@ -197,7 +216,7 @@ fn device_share(
         + if buckets { 4 * dense } else { 0 };
     let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
     let activations = match input.gpu {
-        true => gpu_activation_bytes(m, input.seq_len, seqs),
+        true => gpu_activation_bytes(m, input.seq_len, seqs, plan_group(input)),
         false => activation_bytes(m, input.seq_len, seqs),
     };
     let tokens = (seqs * input.seq_len) as u64;
@@ -442,6 +461,7 @@ mod tests {
             host_stream_slots: EngineConfig::default().host_stream_slots,
             host_cell_slots: 0,
             gpu: false,
+            expert_group: None,
             dense_on_device: false,
             dense_gemm: DenseGemm::Bf16,
         }
@@ -573,6 +593,7 @@ mod tests {
         let m = LmConfig::preset("moe-s").unwrap();
         let huge = |micro_batches| PlanInput {
             gpu: true,
+            expert_group: None,
             seq_len: 4096,
             batch: 1024,
             micro_batches,
@@ -586,6 +607,7 @@ mod tests {
         assert!(plan(&huge(64)).is_ok());
         assert!(plan(&PlanInput {
             gpu: false,
+            expert_group: None,
             ..huge(1)
         })
         .is_ok());
@@ -599,7 +621,8 @@ mod tests {
     #[test]
     fn the_attention_keeps_no_probabilities() {
         let m = LmConfig::preset("moe-s").unwrap();
-        for count in [activation_bytes, gpu_activation_bytes] {
+        let gpu = |m: &LmConfig, s, n| gpu_activation_bytes(m, s, n, 1);
+        for count in [activation_bytes, gpu] {
             let (once, twice) = (count(&m, 8192, 1), count(&m, 16384, 1));
             assert!(twice < 3 * once, "{twice} {once}");
             let probs = (m.layers * m.heads * 8192 * 8192 * 4) as u64;
