@@ -17,8 +17,11 @@ enum : int { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 };
 
 #define API extern "C" __attribute__((visibility("default")))
 
-// In the CPU model of the driver (libcuda.cpp): runs fn(ctx) in `stream`'s turn.
+// In the CPU model of the driver (libcuda.cpp): runs fn(ctx) in `stream`'s
+// turn; counts a launch (each cuBLAS call below counts one, however many
+// products it queues).
 extern "C" void strata_fake_cuda_enqueue(void* stream, void (*fn)(void*), void* ctx);
+extern "C" void strata_fake_cuda_count_launch();
 
 struct Handle {
     void* stream;
@@ -78,10 +81,10 @@ static void run_gemm(void* arg) {
     delete g;
 }
 
-API cublasStatus_t cublasGemmEx(cublasHandle_t handle, int transa, int transb, int m, int n,
-                                int k, const void* alpha, const void* a, int atype, int lda,
-                                const void* b, int btype, int ldb, const void* beta, void* c,
-                                int ctype, int ldc, int compute, int) {
+static cublasStatus_t gemm_ex(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
+                              const void* alpha, const void* a, int atype, int lda, const void* b,
+                              int btype, int ldb, const void* beta, void* c, int ctype, int ldc,
+                              int compute) {
     if (ctype != CUDA_R_32F || (atype != CUDA_R_32F && atype != CUDA_R_16BF) ||
         (btype != CUDA_R_32F && btype != CUDA_R_16BF))
         return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -97,6 +100,15 @@ API cublasStatus_t cublasGemmEx(cublasHandle_t handle, int transa, int transb, i
                        a, b, atype, lda, btype, ldb, (float*)c, ldc};
     strata_fake_cuda_enqueue(((Handle*)handle)->stream, run_gemm, g);
     return CUBLAS_STATUS_SUCCESS;
+}
+
+API cublasStatus_t cublasGemmEx(cublasHandle_t handle, int transa, int transb, int m, int n,
+                                int k, const void* alpha, const void* a, int atype, int lda,
+                                const void* b, int btype, int ldb, const void* beta, void* c,
+                                int ctype, int ldc, int compute, int) {
+    strata_fake_cuda_count_launch();
+    return gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c,
+                   ctype, ldc, compute);
 }
 
 // cublasGemmEx over `batch` products, each operand's i-th matrix at i
@@ -115,12 +127,13 @@ API cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa,
     if (batch < 0 || stride_a < 0 || stride_b < 0 || stride_c < 0) return CUBLAS_STATUS_INVALID_VALUE;
     // Strides count elements of each operand's own type.
     long long a_size = atype == CUDA_R_32F ? 4 : 2, b_size = btype == CUDA_R_32F ? 4 : 2;
+    (void)algo;
+    strata_fake_cuda_count_launch();
     for (int i = 0; i < batch; ++i) {
         cublasStatus_t status =
-            cublasGemmEx(handle, transa, transb, m, n, k, alpha,
-                         (const char*)a + i * stride_a * a_size, atype, lda,
-                         (const char*)b + i * stride_b * b_size, btype, ldb, beta,
-                         (float*)c + i * stride_c, ctype, ldc, compute, algo);
+            gemm_ex(handle, transa, transb, m, n, k, alpha, (const char*)a + i * stride_a * a_size,
+                    atype, lda, (const char*)b + i * stride_b * b_size, btype, ldb, beta,
+                    (float*)c + i * stride_c, ctype, ldc, compute);
         if (status != CUBLAS_STATUS_SUCCESS) return status;
     }
     return CUBLAS_STATUS_SUCCESS;
@@ -159,6 +172,7 @@ API cublasStatus_t cublasGemmGroupedBatchedEx(
         return CUBLAS_STATUS_NOT_SUPPORTED;  // f32 or bf16 in, f32 out, as strata asks
     if (group_count < 0) return CUBLAS_STATUS_INVALID_VALUE;
     (void)compute;
+    strata_fake_cuda_count_launch();
     Grouped* g = new Grouped{{}, a, b, c};
     for (int i = 0; i < group_count; ++i) {
         int ta = transa[i], tb = transb[i];

@@ -183,6 +183,25 @@ static void count_join() {
     host_joins += 1;
 }
 
+// Launches: kernels, and cuBLAS calls (libcublas.cpp counts each), each
+// one call from the host however much work it queues. STRATA_FAKE_CUDA_LAUNCHES
+// names a file their count is written to at exit (what a run asks of the
+// GPU's launch queue).
+static std::atomic<unsigned long long> launches{0};
+static void write_launches() {
+    const char* path = getenv("STRATA_FAKE_CUDA_LAUNCHES");
+    if (!path) return;
+    if (FILE* f = fopen(path, "w")) {
+        fprintf(f, "%llu\n", launches.load());
+        fclose(f);
+    }
+}
+API void strata_fake_cuda_count_launch() {
+    static bool registered = atexit(write_launches) == 0;
+    (void)registered;
+    launches += 1;
+}
+
 // Delays a test may set (strata_fake_cuda_set_delays), in microseconds:
 // each asynchronous copy between host and device, and each kernel or
 // cuBLAS call, sleeps that long in its stream's turn before it runs. A
@@ -593,6 +612,7 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
         return CUDA_ERROR_INVALID_VALUE;
     // The arguments are copied now, as the driver does; the kernel runs in
     // the stream's turn.
+    strata_fake_cuda_count_launch();
     std::function<void()> kernel = ((strata_binder)f)(gx, bx, params);
     enqueue(stream, [kernel] {
         sleep_us(compute_delay_us);
