@@ -69,6 +69,11 @@
 #                                wheels in gpu-pack/wheels, so carry
 #                                gpu-pack): about five minutes, a loan's
 #                                second call
+#   scripts/gpu-check.sh groups  experts a group at a time (grouped GEMMs,
+#                                the default) against one at a time
+#                                (--expert-group 1): tiny with 64 experts a
+#                                layer, two alternating pairs, then one
+#                                `ab` pair on moe-s
 #   scripts/gpu-check.sh loan    a fifteen-minute loan's first call (about
 #                                five minutes): the bf16 rate of cuBLAS on
 #                                a square product and the preset's shapes
@@ -386,6 +391,28 @@ PY
     done
     cat "$out"/ab-timeline-*-1.txt
     ;;
+groups)
+    # Experts a group at a time (the default: each product of a group one
+    # grouped GEMM) against one at a time (--expert-group 1), alternating:
+    # tiny with 64 experts a layer (16 to a group) at 16 x 512, two rounds,
+    # then moe-s (all 8 of a layer in a group), one `ab` pair. The losses
+    # must agree to the bit, as on the driver model.
+    for pair in 1 2; do
+        for group in default 1; do
+            dir=/tmp/groups-$group-$pair
+            rm -rf "$dir"
+            extra=""
+            [ "$group" = 1 ] && extra="--expert-group 1"
+            # shellcheck disable=SC2086 # no flag, or the flag and its value
+            timeout 200 gpu-bin/strata train --backend cuda --preset tiny --experts 64 --batch 16 \
+                --seq-len 512 --steps 12 --warmup 2 --eval-every 1000 --checkpoint-every 1000 \
+                --out "$dir" --quiet $extra > "$out/groups-$group-$pair.log" 2>&1 || status=1
+            summarize_metrics "$dir" "tiny-64-experts-group-$group" | tee -a "$out/groups.jsonl"
+            rm -rf "$dir"
+        done
+    done
+    OUT=$out "$0" ab 1 gpu-bin/strata gpu-bin/strata:--expert-group,1 || status=1
+    ;;
 cpu)
     run=${2:-1}
     timeout 400 gpu-bin/strata bench step --json --dir /tmp --timeline "$out/timeline-cpu-$run" \
@@ -396,7 +423,7 @@ cpu)
     tail -5 "$out/bench-step-cpu-$run.log"
     ;;
 *)
-    echo "usage: scripts/gpu-check.sh tests|loan|quick|offload|deepspeed|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
+    echo "usage: scripts/gpu-check.sh tests|loan|quick|offload|deepspeed|groups|ab ROUNDS BIN[:FLAG,...]...|bench|sweep|kept [N]|defer [N]|tune [N]|modeled|peer [PRESET BATCH SEQ STEPS]...|cpu [N]" >&2
     exit 2
     ;;
 esac
