@@ -28,6 +28,7 @@ mod config;
 mod dense_buckets;
 mod dense_state;
 mod dense_update;
+mod device_rows;
 mod exchange;
 mod grad_buffers;
 mod gradients;

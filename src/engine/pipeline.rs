@@ -20,10 +20,8 @@ use super::slot_table::DeviceState;
 use super::updates::{Held, SharedExperts, When};
 use super::ScheduleKind;
 
-use crate::backend::{
-    ArrivingGradient, DeviceGradient, DeviceRows, Download, ExpertBackwardRows, ExpertForwardRows,
-    SlotParams,
-};
+use super::device_rows::PendingGradient;
+use crate::backend::{DeviceRows, ExpertBackwardRows, ExpertForwardRows, SlotParams};
 use crate::math::{gather_forward, AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
@@ -73,13 +71,6 @@ pub(crate) struct Landing {
     upload: CopyEvent,
     layer: usize,
     expert: usize,
-}
-
-/// An expert's gradient on the device, not yet taken.
-pub(crate) struct PendingGradient {
-    grad: Box<dyn DeviceGradient>,
-    key: usize,
-    last_micro_batch: bool,
 }
 
 /// Which pass an expert loop belongs to.
@@ -316,7 +307,7 @@ impl DeviceRunner<'_> {
 
     /// Waits on the host for [`Self::landing`]'s uploads, if any, which
     /// unpins their host slots.
-    fn wait_landing(&mut self) -> Result<(), EngineError> {
+    pub(super) fn wait_landing(&mut self) -> Result<(), EngineError> {
         for l in std::mem::take(&mut self.landing) {
             self.wait_upload(&l.upload, l.layer, l.expert)?;
         }
@@ -424,7 +415,7 @@ impl DeviceRunner<'_> {
     /// The gradient of the expert at table row `key`, its backward begun
     /// at `t0`, summed with the step's earlier micro-batches' and, on the
     /// last, handed to the optimizer at once.
-    fn expert_gradient(
+    pub(super) fn expert_gradient(
         &mut self,
         key: usize,
         grad: Vec<f32>,
@@ -462,125 +453,14 @@ impl DeviceRunner<'_> {
         order
     }
 
-    /// [`Self::expert_forward`] on rows in the device's memory, for a
-    /// group of experts in one call.
-    ///
-    /// # Safety
-    /// As [`ExpertDevice::experts_forward_rows`](crate::backend::ExpertDevice::experts_forward_rows).
-    unsafe fn experts_forward_rows(
-        &mut self,
-        group: &[ExpertForwardRows],
-    ) -> Result<(), EngineError> {
-        let (d, f) = (self.model.d_model, self.model.d_ff);
-        let rows: usize = group.iter().map(|e| e.x.len / d).sum();
-        self.dev.acc.assignments_computed += rows as u64;
-        let t0 = Instant::now();
-        let kind = self.model.expert_kind;
-        // SAFETY: the caller's contract.
-        unsafe { self.dev.device.experts_forward_rows(kind, group, d, f)? };
-        if self.dev.device.computes() {
-            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
-        }
-        Ok(())
-    }
-
-    /// [`Self::expert_backward`] on rows in the device's memory, for a
-    /// group of `layer`'s experts (`experts`, each with its rows in
-    /// `group`) in one call. Their gradients stay on the device until the
-    /// next group's backward is queued.
-    ///
-    /// # Safety
-    /// As [`ExpertDevice::experts_backward_rows`](crate::backend::ExpertDevice::experts_backward_rows).
-    unsafe fn experts_backward_rows(
-        &mut self,
-        layer: usize,
-        experts: &[usize],
-        group: &[ExpertBackwardRows],
-        last_micro_batch: bool,
-    ) -> Result<(), EngineError> {
-        let (d, f) = (self.model.d_model, self.model.d_ff);
-        let kind = self.model.expert_kind;
-        let rows: usize = group.iter().map(|e| e.x.len / d).sum();
-        self.dev.acc.assignments_computed += rows as u64;
-        let t0 = Instant::now();
-        let device = &mut self.dev.device;
-        // SAFETY: the caller's contract.
-        let grads = unsafe { device.experts_backward_rows(kind, group, d, f)? };
-        if device.computes() {
-            self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
-        }
-        assert_eq!(grads.len(), experts.len(), "a gradient an expert");
-        // The group before this one's come down while this one computes.
-        self.take_pending_gradients()?;
-        self.pending = experts
-            .iter()
-            .zip(grads)
-            .map(|(&expert, grad)| PendingGradient {
-                grad,
-                key: self.key(layer, expert),
-                last_micro_batch,
-            })
-            .collect();
-        Ok(())
-    }
-
-    /// Hands each of [`Self::pending`]'s gradients on as
-    /// [`Self::expert_backward`] does, in the group's order.
-    fn take_pending_gradients(&mut self) -> Result<(), EngineError> {
-        for p in std::mem::take(&mut self.pending) {
-            self.take_gradient(p)?;
-        }
-        Ok(())
-    }
-
-    /// Hands a gradient left on the device on. Where it goes to the
-    /// optimizer at once and the device has a page-locked buffer free, its
-    /// download is queued and the update's worker waits for it; else it is
-    /// taken into a host buffer here, and that wait is compute time.
-    fn take_gradient(&mut self, p: PendingGradient) -> Result<(), EngineError> {
-        let t0 = Instant::now();
-        let mut device_grad = p.grad;
-        if self.shared.submits_at_once(p.key, p.last_micro_batch) {
-            match device_grad.start_download()? {
-                Download::Started(arriving) => {
-                    self.wait_landing()?;
-                    return self.arriving_gradient(p.key, arriving, t0);
-                }
-                Download::NoBuffer(unmoved) => device_grad = unmoved,
-            }
-        }
-        let mut grad = self.shared.grads.take(); // overwritten whole
-        device_grad.take(&mut grad)?;
-        // Its update may need a host slot for the record: the uploads in
-        // flight unpin their own first (with two groups' host slots these
-        // and the next group's hold them all). The device has mostly run
-        // them by now, its compute being queued after them.
-        self.wait_landing()?;
-        self.expert_gradient(p.key, grad, t0, p.last_micro_batch)
-    }
-
     /// An expert's gradient in the step's metrics: its bytes to the host,
     /// and the time since `t0` (its backward's start, or the wait for it)
     /// as compute.
-    fn count_gradient(&mut self, t0: Instant) {
+    pub(super) fn count_gradient(&mut self, t0: Instant) {
         if self.dev.device.computes() {
             self.dev.acc.expert_compute_s += t0.elapsed().as_secs_f64();
         }
         self.dev.acc.bytes_device_to_host += 4 * self.shared.layout.params_per_expert;
-    }
-
-    /// [`Self::expert_gradient`] for a gradient still coming down, which
-    /// goes to the optimizer at once (`SharedExperts::submits_at_once`).
-    fn arriving_gradient(
-        &mut self,
-        key: usize,
-        grad: Box<dyn ArrivingGradient>,
-        t0: Instant,
-    ) -> Result<(), EngineError> {
-        self.count_gradient(t0);
-        self.dev.slots.invalidate(key); // its params are about to change
-        self.dev.acc.stall_optimizer_s += self.shared.submit_arriving(key, grad)?;
-        Ok(())
     }
 }
 

@@ -327,16 +327,7 @@ impl CudaBackend {
         let count = kind.params(d, f);
         let in_len = count - d * f;
         let mut dhidden = self.zeros(n * f)?;
-        // Each member's weight gradients accumulate in one buffer laid out
-        // as its params (w1, w3, w2), from zero or from what `held` holds,
-        // so that it comes down in one copy.
-        let mut grads = Vec::with_capacity(members.len());
-        for _ in members {
-            grads.push(match held {
-                None => self.zeros(count)?,
-                Some(host) => self.upload(&host[..count])?,
-            });
-        }
+        let mut grads = self.gradient_buffers(count, members.len(), held)?;
         let hb = self.to_bf16(&h)?;
         let mut guards = Vec::with_capacity(grads.len());
         let mut grad_at = Vec::with_capacity(grads.len());
@@ -354,48 +345,83 @@ impl CudaBackend {
             let ops = (&mut dhidden, &doutb, &hb);
             self.linear_backward_group(ops, members, w2, &part, in_len, down)?;
         }
-        let mut da = self.zeros(n * f)?;
+        // SAFETY: w1 (and w3) per the contract, their gradients the first
+        // F·D (and the next) of each member's buffer; the rest sized here.
+        unsafe {
+            let hidden = (&a, b.as_ref(), &dhidden);
+            self.up_backward_group(kind, hidden, (&mut ddx, &xb), members, &part, (d, f))?;
+        }
+        // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
+        unsafe { self.copy_to(dx.ptr, &ddx)? };
+        drop(guards); // the GEMMs' writes to the gradients, recorded
+        Ok(grads)
+    }
+
+    /// A zeroed gradient buffer for each of `experts` experts of `count`
+    /// params (laid out as its params, w1, w3, w2, so that it comes down in
+    /// one copy), or for one, what `held` holds.
+    fn gradient_buffers(
+        &self,
+        count: usize,
+        experts: usize,
+        held: Option<&[f32]>,
+    ) -> Result<Vec<CudaSlice<f32>>, EngineError> {
+        (0..experts)
+            .map(|_| match held {
+                None => self.zeros(count),
+                Some(host) => self.upload(&host[..count]),
+            })
+            .collect()
+    }
+
+    /// The backward of the activation and the up projections, from the
+    /// forward's `a`, `b` (SwiGLU) and the hidden gradient: `dx` += each
+    /// member's input gradients, and its w1 (and w3) gradients into the
+    /// first F·D (and the next) of its buffer at `part`.
+    ///
+    /// # Safety
+    /// As [`Self::linear_backward_group`], for w1 and w3.
+    unsafe fn up_backward_group(
+        &self,
+        kind: ExpertKind,
+        (a, b, dhidden): (&CudaSlice<f32>, Option<&CudaSlice<f32>>, &CudaSlice<f32>),
+        (dx, xb): (&mut CudaSlice<f32>, &CudaSlice<u16>),
+        members: &[Member],
+        part: &dyn Fn(usize, usize) -> u64,
+        (d, f): (usize, usize),
+    ) -> Result<(), EngineError> {
+        let mut da = self.zeros(a.len())?;
         let up = Shape { m: 0, k: d, n: f };
+        let w1 = |m: &Member| m.w.w1;
         match (kind, b) {
             (ExpertKind::SwiGlu, Some(b)) => {
-                let mut db = self.zeros(n * f)?;
+                let mut db = self.zeros(a.len())?;
                 self.elementwise(
                     &self.f.swiglu_backward,
                     "swiglu_backward",
-                    &[&a, &b, &dhidden],
+                    &[a, b, dhidden],
                     &mut [&mut da, &mut db],
                 )?;
                 let (dab, dbb) = (self.to_bf16(&da)?, self.to_bf16(&db)?);
-                // SAFETY: w1 and w3 per the contract, their gradients the
-                // first two F·D of each member's buffer; the rest sized here.
+                let w3 = |m: &Member| m.w.w3;
+                // SAFETY: the caller's contract.
                 unsafe {
-                    let w1 = |m: &Member| m.w.w1;
-                    self.linear_backward_group((&mut ddx, &dab, &xb), members, w1, &part, 0, up)?;
-                    let w3 = |m: &Member| m.w.w3;
-                    let ops = (&mut ddx, &dbb, &xb);
-                    self.linear_backward_group(ops, members, w3, &part, f * d, up)?;
+                    self.linear_backward_group((&mut *dx, &dab, xb), members, w1, part, 0, up)?;
+                    self.linear_backward_group((dx, &dbb, xb), members, w3, part, f * d, up)
                 }
             }
             _ => {
                 self.elementwise(
                     &self.f.gelu_backward,
                     "gelu_backward",
-                    &[&a, &dhidden],
+                    &[a, dhidden],
                     &mut [&mut da],
                 )?;
                 let dab = self.to_bf16(&da)?;
-                // SAFETY: w1 per the contract, its gradient the first F·D
-                // of each member's buffer; the rest sized here.
-                unsafe {
-                    let w1 = |m: &Member| m.w.w1;
-                    self.linear_backward_group((&mut ddx, &dab, &xb), members, w1, &part, 0, up)?;
-                }
+                // SAFETY: the caller's contract.
+                unsafe { self.linear_backward_group((dx, &dab, xb), members, w1, part, 0, up) }
             }
         }
-        // SAFETY: dx addresses n·d f32 (the contract), as ddx holds.
-        unsafe { self.copy_to(dx.ptr, &ddx)? };
-        drop(guards); // the GEMMs' writes to the gradients, recorded
-        Ok(grads)
     }
 
     /// For every member, on its rows (`s.m` taken from its count): its
