@@ -45,9 +45,11 @@ pub(super) fn engine_config(
         condense: condense_config(o)?,
         link: link(o)?,
         exchange_parts: exchange_parts(o)?,
-        expert_group: match o.expert_group {
-            Some(0) => return Err("--expert-group 0: give 1 or more experts".into()),
-            group => group,
+        expert_group: match (o.expert_group, plan.expert_group) {
+            (Some(0), _) => return Err("--expert-group 0: give 1 or more experts".into()),
+            // On a GPU, the group the plan counted memory for.
+            (_, planned) if o.backend == "cuda" => Some(planned),
+            (asked, _) => asked,
         },
         // The global norm is known when the backward ends.
         clip_grad_norm: o.clip_grad_norm,

@@ -42,15 +42,17 @@ struct GroupWords {
 // value as a launch argument.
 unsafe impl DeviceRepr for GroupWords {}
 
-/// Whether the cuBLAS loaded has the grouped GEMM (CUDA 12.5 on).
+/// Whether the cuBLAS loaded has the grouped GEMM (CUDA 12.5 on): where
+/// it has not, cudarc's binding would panic at its first call.
 pub(super) fn grouped_gemm_available() -> bool {
+    static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     // SAFETY: looks a symbol up in the library cudarc has loaded (or
     // fails), without calling it.
-    unsafe {
+    *FOUND.get_or_init(|| unsafe {
         blas_sys::culib()
             .get::<*const ()>(b"cublasGemmGroupedBatchedEx")
             .is_ok()
-    }
+    })
 }
 
 /// One expert of a group: its weights, and how many of the group's rows
@@ -78,8 +80,8 @@ fn row_at(base: u64, row: usize, width: usize, bytes: usize) -> u64 {
 impl CudaBackend {
     /// Each of `calls` (f32 outputs, inputs of type `inputs`): one
     /// cublasGemmEx for a single call, else grouped GEMMs of up to
-    /// [`GROUP_LIMIT`] products; where cuBLAS refuses a grouped GEMM, each
-    /// product alone from then on.
+    /// [`GROUP_LIMIT`] products; where cuBLAS has no grouped GEMM, or has
+    /// refused one, each product alone.
     ///
     /// # Safety
     /// As [`Self::gemm_call`], for every call's operands.
@@ -88,7 +90,7 @@ impl CudaBackend {
         calls: &[GemmCall],
         inputs: blas_sys::cudaDataType,
     ) -> Result<(), EngineError> {
-        if calls.len() == 1 || self.grouped_gemm_refusal().is_some() {
+        if calls.len() == 1 || !grouped_gemm_available() || self.grouped_gemm_refusal().is_some() {
             for &call in calls {
                 // SAFETY: the caller's contract.
                 unsafe { self.gemm_call(call, inputs)? };

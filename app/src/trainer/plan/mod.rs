@@ -63,6 +63,9 @@ pub struct MemoryPlan {
     /// Device bytes given to expert slots.
     pub expert_device_bytes: u64,
     pub device_slots: u64,
+    /// On one GPU, the experts computed at once that the activations
+    /// were counted for (`EngineConfig::expert_group`): 1 elsewhere.
+    pub expert_group: usize,
     pub dense_host_bytes: u64,
     /// Host bytes given to expert records.
     pub expert_host_bytes: u64,
@@ -158,6 +161,7 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
         activation_bytes: device.activations,
         expert_device_bytes: device.slots * layout.compute_payload_bytes(),
         device_slots: device.slots,
+        expert_group: device.group,
         dense_host_bytes: host.dense,
         expert_host_bytes: host.slots * layout.record_bytes(),
         host_slots: host.slots,
@@ -172,34 +176,56 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     })
 }
 
-/// How many experts a GPU computes at once at most, as the engine chooses
-/// (`EngineConfig::expert_group`; its slots and streaming host tier may
-/// lower it, never raise it): 1 on several devices or ranks.
-fn plan_group(input: &PlanInput) -> usize {
-    if input.devices.max(1) * input.ranks.max(1) > 1 {
+/// The most experts one GPU would compute at once (`--expert-group`, else
+/// the GPU's default for these experts, within a layer's experts): 1 on
+/// the cpu and on several devices or ranks.
+fn most_group(input: &PlanInput) -> usize {
+    if !input.gpu || input.devices.max(1) * input.ranks.max(1) > 1 {
         return 1;
     }
     let params = input.model.expert_params() as u64;
     input
         .expert_group
         .unwrap_or_else(|| strata::backend::gpu_expert_group(params))
-        .max(1)
+        .clamp(1, input.model.experts.max(1))
 }
 
 /// Each device's bytes: the dense params, what the activations keep and
-/// their largest workspace, and the expert slots the rest holds.
+/// their largest workspace, and the expert slots the rest holds; and the
+/// experts computed at once the workspace was counted for.
 struct DeviceShare {
     dense: u64,
     activations: u64,
     slots: u64,
+    group: usize,
 }
 
-/// The device's share of `input`, or what is short: one expert slot at
-/// least besides the dense params and activations.
+/// The device's share of `input` with the largest group of experts
+/// computed at once (up to [`most_group`]) whose rows and gradients leave
+/// the device two groups' slots (one computes while the next one's
+/// uploads land), else with one expert at a time; or what is short.
 fn device_share(
     input: &PlanInput,
     layout: &Layout,
     dense_trainable: u64,
+) -> Result<DeviceShare, String> {
+    for group in (2..=most_group(input)).rev() {
+        let share = device_share_with(input, layout, dense_trainable, group).ok();
+        if let Some(share) = share.filter(|s| s.slots >= 2 * group as u64) {
+            return Ok(share);
+        }
+    }
+    device_share_with(input, layout, dense_trainable, 1)
+}
+
+/// The device's share of `input`, `group` experts computed at once, or
+/// what is short: one expert slot at least besides the dense params and
+/// activations.
+fn device_share_with(
+    input: &PlanInput,
+    layout: &Layout,
+    dense_trainable: u64,
+    group: usize,
 ) -> Result<DeviceShare, String> {
     let m = input.model;
     let dense = m.dense_params() as u64;
@@ -216,7 +242,7 @@ fn device_share(
         + if buckets { 4 * dense } else { 0 };
     let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
     let activations = match input.gpu {
-        true => gpu_activation_bytes(m, input.seq_len, seqs, plan_group(input)),
+        true => gpu_activation_bytes(m, input.seq_len, seqs, group),
         false => activation_bytes(m, input.seq_len, seqs),
     };
     let tokens = (seqs * input.seq_len) as u64;
@@ -253,6 +279,7 @@ fn device_share(
         dense: dense_device,
         activations,
         slots: ((input.device_mem - fixed_device) / slot).min(layout.expert_count()),
+        group,
     })
 }
 
@@ -661,6 +688,39 @@ mod tests {
         })
         .unwrap();
         assert_eq!(ranks.dense_device_bytes, 12 * dense);
+    }
+
+    /// On one GPU the activations hold a group of experts' rows and two
+    /// groups' gradients: as many as a layer has (the default for tiny's
+    /// small experts), fewer where memory is tight rather than refusing,
+    /// one where a group of two would not leave four slots, and one on the
+    /// cpu or on several GPUs; `--expert-group` asks for fewer.
+    #[test]
+    fn a_gpu_plan_counts_the_largest_group_that_fits() {
+        let m = LmConfig::preset("tiny").unwrap();
+        let gpu = |device_mem, devices, expert_group| PlanInput {
+            gpu: true,
+            devices,
+            expert_group,
+            ..input(&m, device_mem, 1 << 30)
+        };
+        let roomy = plan(&gpu(1 << 30, 1, None)).unwrap();
+        assert_eq!(roomy.expert_group, m.experts);
+        assert_eq!(plan(&gpu(1 << 30, 1, Some(3))).unwrap().expert_group, 3);
+        assert_eq!(plan(&gpu(1 << 30, 2, None)).unwrap().expert_group, 1);
+        let cpu = PlanInput {
+            expert_group: Some(4),
+            ..input(&m, 1 << 30, 1 << 30)
+        };
+        assert_eq!(plan(&cpu).unwrap().expert_group, 1);
+        // The least memory one expert at a time runs in (two slots): a
+        // group of two needs more, so the plan takes one.
+        let one = plan(&gpu(1 << 30, 1, Some(1))).unwrap();
+        let slot = roomy.expert_device_bytes / roomy.device_slots;
+        let least = one.dense_device_bytes + one.activation_bytes + 2 * slot;
+        let tight = plan(&gpu(least, 1, None)).unwrap();
+        assert_eq!((tight.expert_group, tight.device_slots), (1, 2));
+        assert!(one.activation_bytes < roomy.activation_bytes);
     }
 
     /// On a GPU, bf16 dense GEMMs keep a bf16 copy of each weight: 2 bytes
