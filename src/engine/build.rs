@@ -80,6 +80,7 @@ impl Engine {
             dense_newer_on_device: false,
             cost,
             link_fit: None,
+            exchange_local: [0.0; 2],
             part_search: (config.exchange_parts == ExchangeParts::Auto)
                 .then(|| PartSearch::new(model.layers)),
             prev_load: None,

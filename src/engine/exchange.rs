@@ -26,7 +26,7 @@ use crate::EngineError;
 mod granularity;
 mod pipelined;
 
-pub(crate) use granularity::calibrate;
+pub(crate) use granularity::{calibrate, local_cost};
 pub use granularity::{project_exchange, LinkFit, UniformLayer};
 
 /// This micro-batch's decisions for one layer, kept from its forward for
@@ -63,6 +63,9 @@ pub(crate) struct ExchangeRunner<'a, C: Comm> {
     /// `ExchangeParts::Auto`: [layer][forward, backward] the parts the
     /// search (`part_search.rs`) asks for this step.
     pub auto_counts: Vec<[usize; 2]>,
+    /// The exchange's own work per row, [forward, backward], as the model
+    /// counts it (`granularity::local_cost`).
+    pub local_s_per_row: [f64; 2],
 }
 
 impl<'a, C: Comm> ExchangeRunner<'a, C> {
@@ -87,6 +90,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             parts: ExchangeParts::Fixed(1),
             link_fit: None,
             auto_counts: Vec::new(),
+            local_s_per_row: [0.0; 2],
         }
     }
 
@@ -133,7 +137,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         let all = |_: usize| true;
         let sends = self.outgoing(layer, perm, &all, fill);
         self.inner.dev.acc.token_exchanges += 2;
-        let received = self.comm.all_to_all(sends)?;
+        let received = self.all_to_all(sends)?;
         let offsets = self.offsets(layer, &all);
         let mut replies = self.reply_buffers(layer, &all);
         let mine = self.mine(layer, matches!(pass, Pass::Backward));
@@ -162,17 +166,42 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             );
             self.inner.dev.scratch.give(result);
         }
-        let back = self.comm.all_to_all(replies)?;
+        let back = self.all_to_all(replies)?;
         self.scatter_back(layer, perm, &all, &back, out);
         Ok(())
     }
 
-    /// Counts the time since `t0` as the layer's exchange in `pass`.
-    fn count_exchange(&mut self, layer: usize, pass: Pass, t0: Instant) {
-        let secs = t0.elapsed().as_secs_f64();
+    /// Counts the time since `start` as the layer's exchange in `pass`,
+    /// and what of it was neither the experts' compute nor waiting for the
+    /// wire (each measured since `start`) as its own work.
+    fn count_exchange(&mut self, layer: usize, pass: Pass, start: ExchangeStart) {
+        let secs = start.at.elapsed().as_secs_f64();
         let acc = &mut self.inner.dev.acc;
         acc.exchange_s += secs;
         acc.exchange_layer_s[layer][pass_index(pass)] += secs;
+        let experts = acc.expert_compute_s - start.expert_compute_s;
+        let waited = acc.exchange_wait_s - start.wait_s;
+        acc.exchange_local_s[pass_index(pass)] += (secs - experts - waited).max(0.0);
+    }
+
+    /// Where a layer's exchange starts: the clock and the counters its own
+    /// work is told apart by.
+    fn exchange_start(&self) -> ExchangeStart {
+        let acc = &self.inner.dev.acc;
+        ExchangeStart {
+            at: Instant::now(),
+            expert_compute_s: acc.expert_compute_s,
+            wait_s: acc.exchange_wait_s,
+        }
+    }
+
+    /// `comm`'s all-to-all of `sends`, its time counted as waiting for the
+    /// wire.
+    fn all_to_all(&mut self, sends: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, EngineError> {
+        let t0 = Instant::now();
+        let received = self.comm.all_to_all(sends);
+        self.inner.dev.acc.exchange_wait_s += t0.elapsed().as_secs_f64();
+        Ok(received?)
     }
 
     /// Tells the host tier the order its devices will now ask for experts
@@ -295,6 +324,14 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
     }
 }
 
+/// The clock and counters at a layer exchange's start
+/// ([`ExchangeRunner::count_exchange`]).
+struct ExchangeStart {
+    at: Instant,
+    expert_compute_s: f64,
+    wait_s: f64,
+}
+
 /// What a device runs on one of its experts' rows (as they arrived from
 /// every device, in device order): the block of results to send back.
 pub(super) trait ExpertRows:
@@ -409,13 +446,13 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             runner.dev.saved_x[layer][e] = xe;
             Ok(ye)
         };
-        let t0 = Instant::now();
+        let start = self.exchange_start();
         let pass = Pass::Forward;
         let result = match self.partitions(layer, pass) {
             Some(parts) => self.in_parts(layer, perm, pass, &parts, fill, out, compute),
             None => self.whole(layer, perm, pass, fill, out, compute),
         };
-        self.count_exchange(layer, Pass::Forward, t0);
+        self.count_exchange(layer, Pass::Forward, start);
         result
     }
 
@@ -438,13 +475,13 @@ impl<C: Comm> ExpertRunner for ExchangeRunner<'_, C> {
             runner.expert_backward(layer, e, &xe, &dye, params, last, &mut dxe)?;
             Ok(dxe)
         };
-        let t0 = Instant::now();
+        let start = self.exchange_start();
         let pass = Pass::Backward;
         let result = match self.partitions(layer, pass) {
             Some(parts) => self.in_parts(layer, perm, pass, &parts, fill, dx, compute),
             None => self.whole(layer, perm, pass, fill, dx, compute),
         };
-        self.count_exchange(layer, Pass::Backward, t0);
+        self.count_exchange(layer, Pass::Backward, start);
         result
     }
 }

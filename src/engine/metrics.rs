@@ -90,6 +90,13 @@ pub struct StepMetrics {
     pub assignments_per_device: Vec<u64>,
     /// Per device: seconds in expert GEMMs.
     pub expert_compute_s_per_device: Vec<f64>,
+    /// Several devices: per device, `[forward, backward]` seconds of the
+    /// MoE layers' exchanges spent on the device's own work, neither its
+    /// experts' compute nor waiting for the wire: gathering the rows it
+    /// sends, joining and splitting each expert's, staging its experts,
+    /// handing gradients on, writing what came back (the exchange's cost
+    /// model counts it a row at a time); empty on one device.
+    pub exchange_local_s_per_device: Vec<[f64; 2]>,
     /// The global gradient norm, before clipping, where the step clips it
     /// (`EngineConfig::clip_grad_norm`).
     pub grad_norm: Option<f64>,
@@ -148,6 +155,10 @@ pub(crate) fn gather<'a>(
     let stall_ssd_s = stats.stall_ns as f64 * 1e-9 / n;
     let (hits, misses) = (sum(|a| a.device_hits), sum(|a| a.device_misses));
     let layer_s = by_layer_max(&devices);
+    let local = match layer_s.is_empty() {
+        true => Vec::new(),
+        false => devices.iter().map(|a| a.exchange_local_s).collect(),
+    };
     let mut tokens_per_expert = devices[0].tokens_per_expert.clone();
     for a in &devices[1..] {
         for (row, other) in tokens_per_expert.iter_mut().zip(&a.tokens_per_expert) {
@@ -196,6 +207,7 @@ pub(crate) fn gather<'a>(
         tokens_per_expert,
         assignments_per_device: devices.iter().map(|a| a.assignments_computed).collect(),
         expert_compute_s_per_device: devices.iter().map(|a| a.expert_compute_s).collect(),
+        exchange_local_s_per_device: local,
         grad_norm: None,
     }
 }

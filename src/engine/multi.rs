@@ -20,7 +20,7 @@ use strata_tiers::{ExpertId, Layout};
 
 use super::condensing::{condensed_pass, StepCondense};
 use super::dense_buckets::DenseBuckets;
-use super::exchange::ExchangeRunner;
+use super::exchange::{local_cost, ExchangeRunner};
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm, ModeledLink};
@@ -86,6 +86,7 @@ impl Engine {
         let bucket_bytes = self.config.dense_bucket_bytes;
         let exchange_parts = self.config.exchange_parts;
         let link_fit = self.link_fit;
+        let local_s_per_row = self.exchange_local;
         let auto_counts = self.auto_counts();
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
@@ -120,6 +121,7 @@ impl Engine {
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
                             runner.parts = exchange_parts;
                             runner.link_fit = link_fit;
+                            runner.local_s_per_row = local_s_per_row;
                             runner.auto_counts = auto_counts.clone();
                             let share = Share {
                                 net,
@@ -197,13 +199,21 @@ impl Engine {
         plan
     }
 
-    /// The placement's compute cost per token from the step just measured.
+    /// The placement's compute cost per token, and the exchange's own
+    /// work per row, from the step just measured.
     pub(super) fn recalibrate(&mut self, m: &StepMetrics) {
         let secs: f64 = m.expert_compute_s_per_device.iter().sum();
         let passes: u64 = m.assignments_per_device.iter().sum();
         if secs > 0.0 && passes > 0 {
             // Each assignment is computed twice (forward, backward).
             self.cost.per_token_s = 2.0 * secs / passes as f64;
+        }
+        let local = m
+            .exchange_local_s_per_device
+            .iter()
+            .fold([0.0; 2], |s, d| [s[0] + d[0], s[1] + d[1]]);
+        if passes > 0 {
+            self.exchange_local = local_cost(local, passes as f64);
         }
     }
 

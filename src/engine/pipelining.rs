@@ -3,7 +3,7 @@
 //! search for each layer's part count (`part_search.rs`), advanced after
 //! every step from times every device and rank agree on.
 
-use super::exchange::{calibrate, LinkFit};
+use super::exchange::{calibrate, local_cost, LinkFit};
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm, ModeledLink};
 use crate::EngineError;
@@ -50,7 +50,8 @@ impl Engine {
     }
 
     /// Ranks as processes with a fitted link: the placement's cost per row
-    /// from the step just measured, summed over the ranks (a collective
+    /// and the exchange's own work per row from the step just measured,
+    /// summed over the ranks (a collective
     /// every rank makes here, as every rank fitted the link), so that every
     /// rank predicts with the same one. (Devices of one process share it
     /// already: the engine measures them together.)
@@ -60,12 +61,19 @@ impl Engine {
         };
         let secs: f64 = m.expert_compute_s_per_device.iter().sum();
         let passes: u64 = m.assignments_per_device.iter().sum();
-        let mut sums = [secs as f32, passes as f32];
+        let local = m
+            .exchange_local_s_per_device
+            .first()
+            .copied()
+            .unwrap_or_default();
+        let mut sums = [secs as f32, passes as f32, local[0] as f32, local[1] as f32];
         ranks.comm.all_reduce_sum(&mut sums)?;
         if sums[0] > 0.0 && sums[1] > 0.0 {
             // Each assignment is computed twice (forward, backward).
             self.cost.per_token_s = 2.0 * f64::from(sums[0]) / f64::from(sums[1]);
         }
+        let local = [f64::from(sums[2]), f64::from(sums[3])];
+        self.exchange_local = local_cost(local, f64::from(sums[1]));
         Ok(())
     }
 

@@ -39,6 +39,11 @@ pub(crate) struct Accumulators {
     /// exchange's cost model predicted for them.
     pub exchange_s: f64,
     pub exchange_model_s: f64,
+    /// [forward, backward] seconds of the exchanges' own work on this
+    /// device (`StepMetrics::exchange_local_s_per_device`), and seconds it
+    /// waited for the wire (inside `exchange_s`).
+    pub exchange_local_s: [f64; 2],
+    pub exchange_wait_s: f64,
     /// [layer][forward, backward] seconds in the layer's exchange (summed
     /// over micro-batches), and the parts it went in.
     pub exchange_layer_s: Vec<[f64; 2]>,

@@ -6,7 +6,8 @@
 //! all-to-alls timed on the run's own endpoints, [`calibrate`]); an
 //! expert's rows take `s_per_row` each (the placement's cost per token,
 //! measured step after step, split 1 : 2 between forward and backward as
-//! their FLOPs are). The parts then run as the exchange runs them
+//! their FLOPs are) and the exchange's own work on a device a row each
+//! (measured per pass, [`local_cost`]). The parts then run as the exchange runs them
 //! ([`predict`]): the dispatches of parts 0 … n − 1 on the wire one after
 //! another; part p's experts compute once its dispatch has arrived and
 //! the part before has computed; part p's combine goes once its experts
@@ -108,21 +109,42 @@ pub(crate) struct LayerLoad<'a> {
 
 impl<'a> LayerLoad<'a> {
     /// A layer of `counts` and `owner` in `pass`: f32 rows of `d_model`
-    /// on the wire, and `pass_share` of the placement's cost per row
-    /// (`per_token_s`, forward and backward together).
+    /// on the wire, and a row's cost: `pass_share` of the placement's
+    /// expert compute per row (`per_token_s`, forward and backward
+    /// together) and the exchange's own work per row in this pass
+    /// (`local_s_per_row`: [forward, backward], [`LocalCost`]).
     pub fn in_pass(
         counts: &'a [Vec<u32>],
         owner: &'a [u16],
         d_model: usize,
-        per_token_s: f64,
+        (per_token_s, local_s_per_row): (f64, [f64; 2]),
         pass: Pass,
     ) -> Self {
+        let local = match pass {
+            Pass::Forward => local_s_per_row[0],
+            Pass::Backward => local_s_per_row[1],
+        };
         Self {
             counts,
             owner,
             row_bytes: (d_model * 4) as u64,
-            s_per_row: per_token_s * pass_share(pass),
+            s_per_row: per_token_s * pass_share(pass) + local,
         }
+    }
+}
+
+/// The exchange's own work on a device per row its experts compute,
+/// `[forward, backward]`: the seconds of each layer's exchange that were
+/// neither its experts' compute nor waiting for the wire (gathering,
+/// joining and splitting rows, staging experts, handing gradients on;
+/// `StepMetrics::exchange_local_s_per_device`) over the rows, summed over
+/// the devices (or ranks) of the step just measured. The model counts it
+/// with the experts' compute, a row at a time.
+pub(crate) fn local_cost(local_s: [f64; 2], rows_both_passes: f64) -> [f64; 2] {
+    match rows_both_passes > 0.0 {
+        // Each row is computed twice (forward, backward).
+        true => local_s.map(|s| 2.0 * s / rows_both_passes),
+        false => [0.0; 2],
     }
 }
 

@@ -86,7 +86,8 @@ impl<C: Comm> ExchangeRunner<'_, C> {
     fn layer_load(&self, layer: usize, pass: Pass) -> LayerLoad<'_> {
         let plan = &self.plans[layer];
         let d = self.inner.model.d_model;
-        LayerLoad::in_pass(&plan.counts, &plan.owner, d, self.cost.per_token_s, pass)
+        let cost = (self.cost.per_token_s, self.local_s_per_row);
+        LayerLoad::in_pass(&plan.counts, &plan.owner, d, cost, pass)
     }
 
     /// Dispatches this device's rows (from `fill`) part by part, runs
@@ -120,7 +121,7 @@ impl<C: Comm> ExchangeRunner<'_, C> {
         } = self;
         let plan = &plans[layer];
         let d = inner.model.d_model;
-        let backs = std::thread::scope(|s| {
+        let (backs, waited_s) = std::thread::scope(|s| {
             let (to_wire, jobs) = bounded::<Vec<Vec<f32>>>(2 * n);
             let (done, from_wire) = bounded(2 * n);
             std::thread::Builder::new()
@@ -141,6 +142,7 @@ impl<C: Comm> ExchangeRunner<'_, C> {
                 held: None,
                 received: Vec::new(),
                 outputs: Vec::new(),
+                waited_s: 0.0,
             };
             inner.pipeline(pass, layer, &mine, |runner, expert, params| {
                 wire.enter(parts.of[expert], &mut runner.dev.scratch)?;
@@ -156,10 +158,12 @@ impl<C: Comm> ExchangeRunner<'_, C> {
                 Ok(())
             })?;
             wire.enter(n, &mut inner.dev.scratch)?;
-            (0..n)
+            let backs = (0..n)
                 .map(|_| wire.arrived())
-                .collect::<Result<Vec<_>, _>>()
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok::<_, EngineError>((backs, wire.waited_s))
         })?;
+        self.inner.dev.acc.exchange_wait_s += waited_s;
         for (p, back) in backs.iter().enumerate() {
             self.scatter_back(layer, perm, &keep(p), back, out);
         }
@@ -211,6 +215,8 @@ struct Wire<'a> {
     received: Vec<Vec<f32>>,
     /// The held part's results so far, by expert.
     outputs: Vec<(usize, ScratchBuf)>,
+    /// Seconds the compute thread has waited for the wire thread.
+    waited_s: f64,
 }
 
 impl Wire<'_> {
@@ -245,12 +251,15 @@ impl Wire<'_> {
         Ok(())
     }
 
-    /// The next collective's result, or why the wire stopped.
-    fn arrived(&self) -> Result<Vec<Vec<f32>>, EngineError> {
+    /// The next collective's result, or why the wire stopped; the wait
+    /// for it counted.
+    fn arrived(&mut self) -> Result<Vec<Vec<f32>>, EngineError> {
+        let t0 = std::time::Instant::now();
         let result = self.from_wire.recv().map_err(|_| EngineError::Device {
             device: self.rank,
             why: "the exchange's wire thread stopped".into(),
-        })?;
-        Ok(result?)
+        });
+        self.waited_s += t0.elapsed().as_secs_f64();
+        Ok(result??)
     }
 }

@@ -170,13 +170,27 @@ fn calibration_finds_a_modeled_link_and_every_rank_holds_the_same_fit() {
 /// The placement measures an expert's cost per row over its forward and
 /// backward together: the passes' shares are the whole of it, the
 /// backward's twice the forward's (two GEMMs of each one's shape); a row
-/// on the wire is d_model f32s.
+/// on the wire is d_model f32s. The exchange's own work per row adds
+/// its pass's measure to each.
 #[test]
 fn a_layer_s_passes_share_the_cost_per_row_one_to_two() {
     let (counts, owner) = even_load();
-    let f = LayerLoad::in_pass(&counts, &owner, 48, 0.3, Pass::Forward);
-    let b = LayerLoad::in_pass(&counts, &owner, 48, 0.3, Pass::Backward);
+    let f = LayerLoad::in_pass(&counts, &owner, 48, (0.3, [0.0; 2]), Pass::Forward);
+    let b = LayerLoad::in_pass(&counts, &owner, 48, (0.3, [0.0; 2]), Pass::Backward);
     assert_eq!((f.row_bytes, b.row_bytes), (192, 192));
     assert!((f.s_per_row + b.s_per_row - 0.3).abs() < 1e-15);
     assert!((b.s_per_row - 2.0 * f.s_per_row).abs() < 1e-15);
+    let local = [0.01, 0.05];
+    let lf = LayerLoad::in_pass(&counts, &owner, 48, (0.3, local), Pass::Forward);
+    let lb = LayerLoad::in_pass(&counts, &owner, 48, (0.3, local), Pass::Backward);
+    assert!((lf.s_per_row - f.s_per_row - 0.01).abs() < 1e-15);
+    assert!((lb.s_per_row - b.s_per_row - 0.05).abs() < 1e-15);
+}
+
+/// The own work's cost per row: each pass's seconds over the rows, which
+/// the step counts once a pass (twice in all); nothing without rows.
+#[test]
+fn the_own_work_is_costed_per_row_and_pass() {
+    assert_eq!(local_cost([0.2, 0.6], 40.0), [0.01, 0.03]);
+    assert_eq!(local_cost([0.2, 0.6], 0.0), [0.0, 0.0]);
 }
