@@ -56,13 +56,17 @@ du -sh gpu-bin
 # Python 3.12, and libaio's .debs, which its NVMe offload builds against.
 wheels=gpu-pack/wheels
 rm -rf "$wheels" && mkdir -p "$wheels"
-python3 -m pip wheel -q --no-deps -w "$wheels" "${DS_SPEC:-deepspeed==0.19.8}"
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$wheels" \
-    pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson
-(cd "$wheels" && apt-get download libaio1 libaio-dev >/dev/null 2>&1) ||
-    echo "no libaio .debs: the GPU machine's DeepSpeed will offload to host memory, not NVMe" >&2
-du -sh "$wheels"
+if python3 -m pip wheel -q --no-deps -w "$wheels" "${DS_SPEC:-deepspeed==0.19.8}" &&
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$wheels" pydantic pydantic-core annotated-types typing-inspection typing-extensions hjson
+then
+    (cd "$wheels" && apt-get download libaio1 libaio-dev >/dev/null 2>&1) ||
+        echo "no libaio .debs: the GPU machine's DeepSpeed will offload to host memory, not NVMe" >&2
+    du -sh "$wheels"
+else
+    echo "no DeepSpeed wheels (pip could not fetch them): gpu-check.sh deepspeed will not run" >&2
+fi
 # The same, xz-compressed (about a seventh of the size), for a GPU machine
 # reached through a copy of limited size: `tar xJf gpu-pack/bin.tar.xz`
 # there, from the repository root.
