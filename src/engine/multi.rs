@@ -199,8 +199,9 @@ impl Engine {
         plan
     }
 
-    /// The placement's compute cost per token, and the exchange's own
-    /// work per row, from the step just measured.
+    /// The placement's compute cost per token, and the slowest device's
+    /// own work in the exchange per row (the layer's exchange ends with
+    /// it), from the step just measured.
     pub(super) fn recalibrate(&mut self, m: &StepMetrics) {
         let secs: f64 = m.expert_compute_s_per_device.iter().sum();
         let passes: u64 = m.assignments_per_device.iter().sum();
@@ -208,12 +209,14 @@ impl Engine {
             // Each assignment is computed twice (forward, backward).
             self.cost.per_token_s = 2.0 * secs / passes as f64;
         }
-        let local = m
+        let slowest = m
             .exchange_local_s_per_device
             .iter()
-            .fold([0.0; 2], |s, d| [s[0] + d[0], s[1] + d[1]]);
+            .zip(&m.assignments_per_device)
+            .map(|(local, &rows)| local_cost(*local, rows as f64))
+            .fold([0.0f64; 2], |s, d| [s[0].max(d[0]), s[1].max(d[1])]);
         if passes > 0 {
-            self.exchange_local = local_cost(local, passes as f64);
+            self.exchange_local = slowest;
         }
     }
 

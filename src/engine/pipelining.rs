@@ -50,8 +50,8 @@ impl Engine {
     }
 
     /// Ranks as processes with a fitted link: the placement's cost per row
-    /// and the exchange's own work per row from the step just measured,
-    /// summed over the ranks (a collective
+    /// (summed over the ranks) and the slowest rank's own work in the
+    /// exchange per row, from the step just measured (a collective
     /// every rank makes here, as every rank fitted the link), so that every
     /// rank predicts with the same one. (Devices of one process share it
     /// already: the engine measures them together.)
@@ -61,19 +61,23 @@ impl Engine {
         };
         let secs: f64 = m.expert_compute_s_per_device.iter().sum();
         let passes: u64 = m.assignments_per_device.iter().sum();
-        let local = m
-            .exchange_local_s_per_device
-            .first()
-            .copied()
-            .unwrap_or_default();
-        let mut sums = [secs as f32, passes as f32, local[0] as f32, local[1] as f32];
+        let mut sums = [secs as f32, passes as f32];
         ranks.comm.all_reduce_sum(&mut sums)?;
         if sums[0] > 0.0 && sums[1] > 0.0 {
             // Each assignment is computed twice (forward, backward).
             self.cost.per_token_s = 2.0 * f64::from(sums[0]) / f64::from(sums[1]);
         }
-        let local = [f64::from(sums[2]), f64::from(sums[3])];
-        self.exchange_local = local_cost(local, f64::from(sums[1]));
+        // The slowest rank's own work per row, from each rank's bits.
+        let local = m
+            .exchange_local_s_per_device
+            .first()
+            .copied()
+            .unwrap_or_default();
+        let mine = local_cost(local, passes as f64).map(|s| (s as f32).to_bits());
+        let all = ranks.comm.all_gather_u32(mine.to_vec())?;
+        self.exchange_local = all.iter().fold([0.0f64; 2], |most, rank| {
+            [0, 1].map(|p| most[p].max(f64::from(f32::from_bits(rank[p]))))
+        });
         Ok(())
     }
 
