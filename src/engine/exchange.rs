@@ -63,9 +63,9 @@ pub(crate) struct ExchangeRunner<'a, C: Comm> {
     /// `ExchangeParts::Auto`: [layer][forward, backward] the parts the
     /// search (`part_search.rs`) asks for this step.
     pub auto_counts: Vec<[usize; 2]>,
-    /// The exchange's own work per row, [forward, backward], as the model
-    /// counts it (`granularity::local_cost`).
-    pub local_s_per_row: [f64; 2],
+    /// The exchange's own work per expert, [forward, backward], as the
+    /// model counts it (`granularity::local_cost`).
+    pub local_s_per_expert: [f64; 2],
 }
 
 impl<'a, C: Comm> ExchangeRunner<'a, C> {
@@ -90,7 +90,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             parts: ExchangeParts::Fixed(1),
             link_fit: None,
             auto_counts: Vec::new(),
-            local_s_per_row: [0.0; 2],
+            local_s_per_expert: [0.0; 2],
         }
     }
 
@@ -182,6 +182,8 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         let experts = acc.expert_compute_s - start.expert_compute_s;
         let waited = acc.exchange_wait_s - start.wait_s;
         acc.exchange_local_s[pass_index(pass)] += (secs - experts - waited).max(0.0);
+        let computed = self.mine(layer, false).len() as u64;
+        self.inner.dev.acc.exchange_experts[pass_index(pass)] += computed;
     }
 
     /// Where a layer's exchange starts: the clock and the counters its own

@@ -95,8 +95,11 @@ pub struct StepMetrics {
     /// experts' compute nor waiting for the wire: gathering the rows it
     /// sends, joining and splitting each expert's, staging its experts,
     /// handing gradients on, writing what came back (the exchange's cost
-    /// model counts it a row at a time); empty on one device.
+    /// model counts it an expert at a time); empty on one device.
     pub exchange_local_s_per_device: Vec<[f64; 2]>,
+    /// Several devices: per device, `[forward, backward]` experts its
+    /// exchanges computed (the own work's divisor); empty on one device.
+    pub exchange_experts_per_device: Vec<[u64; 2]>,
     /// The global gradient norm, before clipping, where the step clips it
     /// (`EngineConfig::clip_grad_norm`).
     pub grad_norm: Option<f64>,
@@ -155,9 +158,12 @@ pub(crate) fn gather<'a>(
     let stall_ssd_s = stats.stall_ns as f64 * 1e-9 / n;
     let (hits, misses) = (sum(|a| a.device_hits), sum(|a| a.device_misses));
     let layer_s = by_layer_max(&devices);
-    let local = match layer_s.is_empty() {
-        true => Vec::new(),
-        false => devices.iter().map(|a| a.exchange_local_s).collect(),
+    let (local, local_experts) = match layer_s.is_empty() {
+        true => (Vec::new(), Vec::new()),
+        false => (
+            devices.iter().map(|a| a.exchange_local_s).collect(),
+            devices.iter().map(|a| a.exchange_experts).collect(),
+        ),
     };
     let mut tokens_per_expert = devices[0].tokens_per_expert.clone();
     for a in &devices[1..] {
@@ -208,6 +214,7 @@ pub(crate) fn gather<'a>(
         assignments_per_device: devices.iter().map(|a| a.assignments_computed).collect(),
         expert_compute_s_per_device: devices.iter().map(|a| a.expert_compute_s).collect(),
         exchange_local_s_per_device: local,
+        exchange_experts_per_device: local_experts,
         grad_norm: None,
     }
 }

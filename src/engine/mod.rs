@@ -110,7 +110,7 @@ pub struct Engine {
     /// Several devices or ranks: the link's fitted cost, once measured
     /// ([`Engine::calibrate_exchange`]).
     link_fit: Option<LinkFit>,
-    /// Several devices: the exchange's own work per row, [forward,
+    /// Several devices: the exchange's own work per expert, [forward,
     /// backward], from each step's measure (`exchange::local_cost`).
     exchange_local: [f64; 2],
     /// `ExchangeParts::Auto`: each layer's search for its part count.

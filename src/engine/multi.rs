@@ -86,7 +86,7 @@ impl Engine {
         let bucket_bytes = self.config.dense_bucket_bytes;
         let exchange_parts = self.config.exchange_parts;
         let link_fit = self.link_fit;
-        let local_s_per_row = self.exchange_local;
+        let local_s_per_expert = self.exchange_local;
         let auto_counts = self.auto_counts();
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
@@ -121,7 +121,7 @@ impl Engine {
                             let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
                             runner.parts = exchange_parts;
                             runner.link_fit = link_fit;
-                            runner.local_s_per_row = local_s_per_row;
+                            runner.local_s_per_expert = local_s_per_expert;
                             runner.auto_counts = auto_counts.clone();
                             let share = Share {
                                 net,
@@ -200,7 +200,7 @@ impl Engine {
     }
 
     /// The placement's compute cost per token, and the slowest device's
-    /// own work in the exchange per row (the layer's exchange ends with
+    /// own work in the exchange per expert (the layer's exchange ends with
     /// it), from the step just measured.
     pub(super) fn recalibrate(&mut self, m: &StepMetrics) {
         let secs: f64 = m.expert_compute_s_per_device.iter().sum();
@@ -212,8 +212,8 @@ impl Engine {
         let slowest = m
             .exchange_local_s_per_device
             .iter()
-            .zip(&m.assignments_per_device)
-            .map(|(local, &rows)| local_cost(*local, rows as f64))
+            .zip(&m.exchange_experts_per_device)
+            .map(|(local, experts)| local_cost(*local, *experts))
             .fold([0.0f64; 2], |s, d| [s[0].max(d[0]), s[1].max(d[1])]);
         if passes > 0 {
             self.exchange_local = slowest;

@@ -51,7 +51,7 @@ impl Engine {
 
     /// Ranks as processes with a fitted link: the placement's cost per row
     /// (summed over the ranks) and the slowest rank's own work in the
-    /// exchange per row, from the step just measured (a collective
+    /// exchange per expert, from the step just measured (a collective
     /// every rank makes here, as every rank fitted the link), so that every
     /// rank predicts with the same one. (Devices of one process share it
     /// already: the engine measures them together.)
@@ -67,13 +67,18 @@ impl Engine {
             // Each assignment is computed twice (forward, backward).
             self.cost.per_token_s = 2.0 * f64::from(sums[0]) / f64::from(sums[1]);
         }
-        // The slowest rank's own work per row, from each rank's bits.
+        // The slowest rank's own work per expert, from each rank's bits.
         let local = m
             .exchange_local_s_per_device
             .first()
             .copied()
             .unwrap_or_default();
-        let mine = local_cost(local, passes as f64).map(|s| (s as f32).to_bits());
+        let experts = m
+            .exchange_experts_per_device
+            .first()
+            .copied()
+            .unwrap_or_default();
+        let mine = local_cost(local, experts).map(|s| (s as f32).to_bits());
         let all = ranks.comm.all_gather_u32(mine.to_vec())?;
         self.exchange_local = all.iter().fold([0.0f64; 2], |most, rank| {
             [0, 1].map(|p| most[p].max(f64::from(f32::from_bits(rank[p]))))

@@ -250,7 +250,7 @@ impl Engine {
         let cost = self.cost;
         let exchange_parts = self.config.exchange_parts;
         let link_fit = self.link_fit;
-        let local_s_per_row = self.exchange_local;
+        let local_s_per_expert = self.exchange_local;
         let auto_counts = self.auto_counts();
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
@@ -269,7 +269,7 @@ impl Engine {
         let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, Some(&ranks.owners));
         runner.parts = exchange_parts;
         runner.link_fit = link_fit;
-        runner.local_s_per_row = local_s_per_row;
+        runner.local_s_per_expert = local_s_per_expert;
         runner.auto_counts = auto_counts;
         f(&mut runner, dense, &*dense_kernels[0], condense)
     }

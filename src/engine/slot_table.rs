@@ -44,6 +44,8 @@ pub(crate) struct Accumulators {
     /// waited for the wire (inside `exchange_s`).
     pub exchange_local_s: [f64; 2],
     pub exchange_wait_s: f64,
+    /// [forward, backward] experts the exchanges computed on this device.
+    pub exchange_experts: [u64; 2],
     /// [layer][forward, backward] seconds in the layer's exchange (summed
     /// over micro-batches), and the parts it went in.
     pub exchange_layer_s: Vec<[f64; 2]>,

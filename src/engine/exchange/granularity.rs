@@ -6,8 +6,8 @@
 //! all-to-alls timed on the run's own endpoints, [`calibrate`]); an
 //! expert's rows take `s_per_row` each (the placement's cost per token,
 //! measured step after step, split 1 : 2 between forward and backward as
-//! their FLOPs are) and the exchange's own work on a device a row each
-//! (measured per pass, [`local_cost`]). The parts then run as the exchange runs them
+//! their FLOPs are) and the exchange's own work on a device an expert
+//! each (measured per pass, [`local_cost`]). The parts then run as the exchange runs them
 //! ([`predict`]): the dispatches of parts 0 … n − 1 on the wire one after
 //! another; part p's experts compute once its dispatch has arrived and
 //! the part before has computed; part p's combine goes once its experts
@@ -105,47 +105,50 @@ pub(crate) struct LayerLoad<'a> {
     pub row_bytes: u64,
     /// Seconds of expert compute per row in this pass.
     pub s_per_row: f64,
+    /// Seconds of the exchange's own work per expert a device computes in
+    /// this pass ([`local_cost`]).
+    pub s_per_expert: f64,
 }
 
 impl<'a> LayerLoad<'a> {
     /// A layer of `counts` and `owner` in `pass`: f32 rows of `d_model`
-    /// on the wire, and a row's cost: `pass_share` of the placement's
-    /// expert compute per row (`per_token_s`, forward and backward
-    /// together) and the exchange's own work per row in this pass
-    /// (`local_s_per_row`: [forward, backward], [`LocalCost`]).
+    /// on the wire, `pass_share` of the placement's expert compute per row
+    /// (`per_token_s`, forward and backward together), and the exchange's
+    /// own work per expert a device computes in this pass
+    /// (`local_s_per_expert`: [forward, backward], [`local_cost`]).
     pub fn in_pass(
         counts: &'a [Vec<u32>],
         owner: &'a [u16],
         d_model: usize,
-        (per_token_s, local_s_per_row): (f64, [f64; 2]),
+        (per_token_s, local_s_per_expert): (f64, [f64; 2]),
         pass: Pass,
     ) -> Self {
         let local = match pass {
-            Pass::Forward => local_s_per_row[0],
-            Pass::Backward => local_s_per_row[1],
+            Pass::Forward => local_s_per_expert[0],
+            Pass::Backward => local_s_per_expert[1],
         };
         Self {
             counts,
             owner,
             row_bytes: (d_model * 4) as u64,
-            s_per_row: per_token_s * pass_share(pass) + local,
+            s_per_row: per_token_s * pass_share(pass),
+            s_per_expert: local,
         }
     }
 }
 
-/// The exchange's own work on a device per row its experts compute,
+/// The exchange's own work on a device per expert it computes,
 /// `[forward, backward]`: the seconds of each layer's exchange that were
-/// neither its experts' compute nor waiting for the wire (gathering,
-/// joining and splitting rows, staging experts, handing gradients on;
-/// `StepMetrics::exchange_local_s_per_device`) over the rows, summed over
-/// the devices (or ranks) of the step just measured. The model counts it
-/// with the experts' compute, a row at a time.
-pub(crate) fn local_cost(local_s: [f64; 2], rows_both_passes: f64) -> [f64; 2] {
-    match rows_both_passes > 0.0 {
-        // Each row is computed twice (forward, backward).
-        true => local_s.map(|s| 2.0 * s / rows_both_passes),
-        false => [0.0; 2],
-    }
+/// neither its experts' compute nor waiting for the wire (staging each
+/// expert, the update it waits for, its gradient handed on, its rows
+/// joined and split; `StepMetrics::exchange_local_s_per_device`) over the
+/// experts the device computed in that pass. The model counts it an
+/// expert at a time beside the experts' compute.
+pub(crate) fn local_cost(local_s: [f64; 2], experts: [u64; 2]) -> [f64; 2] {
+    [0, 1].map(|p| match experts[p] {
+        0 => 0.0,
+        n => local_s[p] / n as f64,
+    })
 }
 
 /// The share of an expert's cost per row (its forward and backward
@@ -167,15 +170,18 @@ pub(crate) fn predict(
     parts: usize,
 ) -> f64 {
     let devices = load.counts.len();
-    // [part][device]: rows sent away, rows received, rows computed.
+    // [part][device]: rows sent away, rows received, rows computed,
+    // experts computed.
     let mut out = vec![vec![0u64; devices]; parts];
     let mut inn = vec![vec![0u64; devices]; parts];
     let mut rows = vec![vec![0u64; devices]; parts];
+    let mut experts = vec![vec![0u64; devices]; parts];
     for (e, &p) in part_of.iter().enumerate() {
         if p >= parts {
             continue;
         }
         let owner = load.owner[e] as usize;
+        experts[p][owner] += 1;
         for (src, counts) in load.counts.iter().enumerate() {
             let c = counts[e] as u64;
             rows[p][owner] += c;
@@ -202,7 +208,8 @@ pub(crate) fn predict(
     let mut computed = vec![0.0f64; devices];
     for p in 0..parts {
         for (r, done) in computed.iter_mut().enumerate() {
-            *done = done.max(dispatched[p]) + rows[p][r] as f64 * load.s_per_row;
+            let own = experts[p][r] as f64 * load.s_per_expert;
+            *done = done.max(dispatched[p]) + rows[p][r] as f64 * load.s_per_row + own;
         }
         let ready = computed.iter().cloned().fold(0.0, f64::max);
         wire_free = wire_free.max(ready) + wire(p);
@@ -243,6 +250,7 @@ pub fn project_exchange(link: &LinkFit, layer: &UniformLayer) -> Vec<f64> {
         owner: &owner,
         row_bytes: layer.row_bytes,
         s_per_row: layer.s_per_row,
+        s_per_expert: 0.0,
     };
     (1..=MAX_PARTS)
         .map(|n| {

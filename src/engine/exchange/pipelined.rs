@@ -86,7 +86,7 @@ impl<C: Comm> ExchangeRunner<'_, C> {
     fn layer_load(&self, layer: usize, pass: Pass) -> LayerLoad<'_> {
         let plan = &self.plans[layer];
         let d = self.inner.model.d_model;
-        let cost = (self.cost.per_token_s, self.local_s_per_row);
+        let cost = (self.cost.per_token_s, self.local_s_per_expert);
         LayerLoad::in_pass(&plan.counts, &plan.owner, d, cost, pass)
     }
 

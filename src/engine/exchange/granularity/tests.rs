@@ -22,6 +22,7 @@ fn one_part_is_dispatch_then_compute_then_combine() {
         owner: &owner,
         row_bytes: 1,
         s_per_row: 0.1,
+        s_per_expert: 0.0,
     };
     // Each device sends 20 rows away and receives 20: 1 + 2 s each way;
     // it computes its 40 rows in 4 s.
@@ -37,6 +38,7 @@ fn two_parts_overlap_a_dispatch_and_a_combine_with_compute() {
         owner: &owner,
         row_bytes: 1,
         s_per_row: 0.1,
+        s_per_expert: 0.0,
     };
     // Part 0 (experts 0, 2): dispatched at 2 s, computed 2..4, combined
     // 4..6. Part 1: dispatched 2..4, computed 4..6, combined 6..8.
@@ -66,6 +68,7 @@ fn the_busiest_rank_is_the_one_that_sends_or_receives_the_most() {
             owner: &owner,
             row_bytes: 2,
             s_per_row: 0.1,
+            s_per_expert: 0.0,
         };
         predict(&unit_link(), &load, &[0, 0, 0], 1)
     };
@@ -88,6 +91,7 @@ fn experts_without_rows_and_parts_without_work_cost_a_collective_alone() {
         owner: &owner,
         row_bytes: 1,
         s_per_row: 0.1,
+        s_per_expert: 0.0,
     };
     // Expert 3 in no part; part 1 holds nothing: its two collectives cost
     // their fixed time each.
@@ -183,14 +187,37 @@ fn a_layer_s_passes_share_the_cost_per_row_one_to_two() {
     let local = [0.01, 0.05];
     let lf = LayerLoad::in_pass(&counts, &owner, 48, (0.3, local), Pass::Forward);
     let lb = LayerLoad::in_pass(&counts, &owner, 48, (0.3, local), Pass::Backward);
-    assert!((lf.s_per_row - f.s_per_row - 0.01).abs() < 1e-15);
-    assert!((lb.s_per_row - b.s_per_row - 0.05).abs() < 1e-15);
+    assert_eq!((lf.s_per_row, lf.s_per_expert), (f.s_per_row, 0.01));
+    assert_eq!((lb.s_per_row, lb.s_per_expert), (b.s_per_row, 0.05));
 }
 
-/// The own work's cost per row: each pass's seconds over the rows, which
-/// the step counts once a pass (twice in all); nothing without rows.
+/// The own work's cost per expert: each pass's seconds over the experts
+/// the device computed in it; nothing without experts.
 #[test]
-fn the_own_work_is_costed_per_row_and_pass() {
-    assert_eq!(local_cost([0.2, 0.6], 40.0), [0.01, 0.03]);
-    assert_eq!(local_cost([0.2, 0.6], 0.0), [0.0, 0.0]);
+fn the_own_work_is_costed_per_expert_and_pass() {
+    assert_eq!(local_cost([0.2, 0.6], [20, 30]), [0.01, 0.02]);
+    assert_eq!(local_cost([0.2, 0.6], [0, 30]), [0.0, 0.02]);
+}
+
+/// Each expert adds its device's own work to that device's time in its
+/// part: one part, one device of two experts and one of one, no wire.
+#[test]
+fn each_expert_adds_its_own_work_to_its_device() {
+    let counts = vec![vec![10, 10, 10]];
+    let owner = vec![0u16, 0, 0];
+    let free = LinkFit {
+        fixed_s: 0.0,
+        s_per_byte: 0.0,
+    };
+    let load = LayerLoad {
+        counts: &counts,
+        owner: &owner,
+        row_bytes: 4,
+        s_per_row: 0.001,
+        s_per_expert: 0.5,
+    };
+    let t = predict(&free, &load, &[0, 0, 0], 1);
+    assert!((t - (30.0 * 0.001 + 3.0 * 0.5)).abs() < 1e-12, "{t}");
+    let t = predict(&free, &load, &[0, 0, usize::MAX], 1);
+    assert!((t - (20.0 * 0.001 + 2.0 * 0.5)).abs() < 1e-12, "{t}");
 }
