@@ -127,6 +127,45 @@ pub trait ArrivingGradient: Send {
     fn values(&self) -> &[f32];
 }
 
+/// [`ExpertDevice::experts_forward_rows`] one expert at a time.
+///
+/// # Safety
+/// As [`ExpertDevice::experts_forward_rows`].
+pub(crate) unsafe fn forward_each<D: ExpertDevice + ?Sized>(
+    device: &mut D,
+    kind: ExpertKind,
+    group: &[ExpertForwardRows],
+    (d, f): (usize, usize),
+) -> Result<(), EngineError> {
+    for e in group {
+        let n = e.x.len / d;
+        // SAFETY: the caller's contract, for this expert's rows.
+        unsafe { device.expert_forward_rows(kind, e.out, e.x, e.params, n, d, f)? };
+    }
+    Ok(())
+}
+
+/// [`ExpertDevice::experts_backward_rows`] one expert at a time.
+///
+/// # Safety
+/// As [`ExpertDevice::experts_backward_rows`].
+pub(crate) unsafe fn backward_each<D: ExpertDevice + ?Sized>(
+    device: &mut D,
+    kind: ExpertKind,
+    group: &[ExpertBackwardRows],
+    (d, f): (usize, usize),
+) -> Result<Vec<Box<dyn DeviceGradient>>, EngineError> {
+    let mut grads = Vec::with_capacity(group.len());
+    for e in group {
+        let n = e.x.len / d;
+        // SAFETY: the caller's contract, for this expert's rows.
+        grads.push(unsafe {
+            device.expert_backward_rows(kind, e.dx, e.dout, e.x, e.params, n, d, f)?
+        });
+    }
+    Ok(grads)
+}
+
 /// The error of a device asked to compute from rows in its memory that
 /// takes host rows only.
 fn host_rows_only(device: &str) -> EngineError {
@@ -292,12 +331,8 @@ pub trait ExpertDevice: Send {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        for e in group {
-            let n = e.x.len / d;
-            // SAFETY: the caller's contract, for this expert's rows.
-            unsafe { self.expert_forward_rows(kind, e.out, e.x, e.params, n, d, f)? };
-        }
-        Ok(())
+        // SAFETY: the caller's contract.
+        unsafe { forward_each(self, kind, group, (d, f)) }
     }
 
     /// [`Self::expert_backward_rows`] for each expert of `group`, in one
@@ -313,15 +348,8 @@ pub trait ExpertDevice: Send {
         d: usize,
         f: usize,
     ) -> Result<Vec<Box<dyn DeviceGradient>>, EngineError> {
-        let mut grads = Vec::with_capacity(group.len());
-        for e in group {
-            let n = e.x.len / d;
-            // SAFETY: the caller's contract, for this expert's rows.
-            grads.push(unsafe {
-                self.expert_backward_rows(kind, e.dx, e.dout, e.x, e.params, n, d, f)?
-            });
-        }
-        Ok(grads)
+        // SAFETY: the caller's contract.
+        unsafe { backward_each(self, kind, group, (d, f)) }
     }
 
     /// dx (n, D) = …, dparams (`params.count` f32) = the expert's

@@ -141,6 +141,7 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         let offsets = self.offsets(layer, &all);
         let mut replies = self.reply_buffers(layer, &all);
         let mine = self.mine(layer, matches!(pass, Pass::Backward));
+        self.inner.dev.acc.exchange_experts[pass_index(pass)] += mine.len() as u64;
         let plan = &self.plans[layer];
         let rows: Vec<Vec<f32>> = mine
             .iter()
@@ -182,8 +183,6 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
         let experts = acc.expert_compute_s - start.expert_compute_s;
         let waited = acc.exchange_wait_s - start.wait_s;
         acc.exchange_local_s[pass_index(pass)] += (secs - experts - waited).max(0.0);
-        let computed = self.mine(layer, false).len() as u64;
-        self.inner.dev.acc.exchange_experts[pass_index(pass)] += computed;
     }
 
     /// Where a layer's exchange starts: the clock and the counters its own

@@ -187,17 +187,20 @@ impl DeviceRunner<'_> {
     }
 
     /// [`Self::stage`] for each of `experts` in turn, each into a slot
-    /// neither in `protect` nor taken by the group before it.
+    /// neither in `protect` nor taken by the group before it (`spared`, a
+    /// buffer the pass reuses, holds both).
     fn stage_group(
         &mut self,
         layer: usize,
         experts: &[usize],
         protect: &[usize],
+        spared: &mut Vec<usize>,
     ) -> Result<Vec<Staged>, EngineError> {
-        let mut spared = protect.to_vec();
+        spared.clear();
+        spared.extend_from_slice(protect);
         let mut group = Vec::with_capacity(experts.len());
         for &expert in experts {
-            let staged = self.stage(layer, expert, &spared)?;
+            let staged = self.stage(layer, expert, spared)?;
             spared.push(staged.slot);
             group.push(staged);
         }
@@ -253,17 +256,22 @@ impl DeviceRunner<'_> {
             .with_detail(|| format!("layer {layer}, {} experts", order.len()));
         let overlap = self.overlapped();
         let on_device = self.dev.device.orders_uploads();
-        let groups: Vec<&[usize]> = order.chunks(self.group().max(1)).collect();
+        let group = self.group().max(1);
+        let groups: Vec<&[usize]> = order.chunks(group).collect();
+        // Reused from group to group.
+        let (mut slots, mut members) = (Vec::with_capacity(group), Vec::with_capacity(group));
+        let mut spared = Vec::with_capacity(2 * group);
         let mut next = match groups.first() {
-            Some(experts) => Some(self.stage_group(layer, experts, &[])?),
+            Some(experts) => Some(self.stage_group(layer, experts, &[], &mut spared)?),
             None => None,
         };
         for i in 0..groups.len() {
             let current = next.take().expect("staged");
-            let slots: Vec<usize> = current.iter().map(|s| s.slot).collect();
+            slots.clear();
+            slots.extend(current.iter().map(|s| s.slot));
             self.wait_landing()?;
             if overlap && i + 1 < groups.len() {
-                next = Some(self.stage_group(layer, groups[i + 1], &slots)?);
+                next = Some(self.stage_group(layer, groups[i + 1], &slots, &mut spared)?);
                 // The held updates of the group after next, if their
                 // records are in: the schedule asks for them right after
                 // the next group's compute params, and they run beside
@@ -276,7 +284,7 @@ impl DeviceRunner<'_> {
                     }
                 }
             }
-            let mut members = Vec::with_capacity(current.len());
+            members.clear();
             for staged in current {
                 let expert = staged.expert;
                 match staged.upload {
@@ -299,7 +307,7 @@ impl DeviceRunner<'_> {
                     true => &slots[..],
                     false => &[],
                 };
-                next = Some(self.stage_group(layer, groups[i + 1], protect)?);
+                next = Some(self.stage_group(layer, groups[i + 1], protect, &mut spared)?);
             }
         }
         self.finish_pass()

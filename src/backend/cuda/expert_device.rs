@@ -25,6 +25,7 @@ use super::expert::{download_expert_grad, GradStart, Weights};
 use super::expert_group::{grouped_gemm_available, Member, GROUP_LIMIT};
 use super::grad_download::{start_download, GradientBuffers};
 use super::{gpu_error, CudaBackend};
+use crate::backend::expert_device::{backward_each, forward_each};
 use crate::backend::{
     gpu_expert_group, DenseGemm, DeviceGradient, DeviceRows, Download, ExpertBackwardRows,
     ExpertDevice, ExpertForwardRows, SlotParams,
@@ -372,11 +373,8 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<(), EngineError> {
         let rows: Vec<[DeviceRows; 2]> = group.iter().map(|e| [e.x, e.out]).collect();
         let Some((order, [x, out])) = back_to_back(&rows).filter(|_| group.len() > 1) else {
-            for e in group {
-                // SAFETY: this function's contract, for one expert's rows.
-                unsafe { self.expert_forward_rows(kind, e.out, e.x, e.params, e.x.len / d, d, f)? };
-            }
-            return Ok(());
+            // SAFETY: this function's contract.
+            return unsafe { forward_each(self, kind, group, (d, f)) };
         };
         let params: Vec<SlotParams> = order.iter().map(|&i| group[i].params).collect();
         let backend = &self.backend;
@@ -399,15 +397,8 @@ impl ExpertDevice for CudaExpertDevice {
     ) -> Result<Vec<Box<dyn DeviceGradient>>, EngineError> {
         let rows: Vec<[DeviceRows; 3]> = group.iter().map(|e| [e.x, e.dout, e.dx]).collect();
         let Some((order, [x, dout, dx])) = back_to_back(&rows).filter(|_| group.len() > 1) else {
-            let mut grads = Vec::with_capacity(group.len());
-            for e in group {
-                let n = e.x.len / d;
-                // SAFETY: this function's contract, for one expert's rows.
-                grads.push(unsafe {
-                    self.expert_backward_rows(kind, e.dx, e.dout, e.x, e.params, n, d, f)?
-                });
-            }
-            return Ok(grads);
+            // SAFETY: this function's contract.
+            return unsafe { backward_each(self, kind, group, (d, f)) };
         };
         let params: Vec<SlotParams> = order.iter().map(|&i| group[i].params).collect();
         let backend = &self.backend;

@@ -241,18 +241,34 @@ impl CudaBackend {
     ) -> Result<(), EngineError> {
         let (x, _rx) = xb.device_ptr(&self.stream);
         let (o, _wo) = out.device_ptr_mut(&self.stream);
+        // SAFETY: `out` and `xb` hold the group's rows of F f32 and D bf16;
+        // the weights per the caller's contract.
+        unsafe { self.linear_products((o, x), members, |m| weight(&m.w), (d, f)) }
+    }
+
+    /// out = x·wᵀ for every member on its rows: `out` (rows of N f32) and
+    /// `x` (rows of K bf16) at device addresses, `weight` picking the
+    /// member's (N × K) weights.
+    ///
+    /// # Safety
+    /// `out` and `x` address the group's rows in this context's memory,
+    /// alive and used by no other stream until this stream has run the
+    /// GEMMs; each weight as [`Self::up_and_hidden_group`] says.
+    unsafe fn linear_products(
+        &self,
+        (out, x): (u64, u64),
+        members: &[Member],
+        weight: impl Fn(&Member) -> u64,
+        (k, n): (usize, usize),
+    ) -> Result<(), EngineError> {
         let calls: Vec<GemmCall> = row_starts(members)
             .map(|(r, m)| {
-                let s = Shape {
-                    m: m.rows,
-                    k: d,
-                    n: f,
-                };
-                GemmCall::linear(row_at(o, r, f, 4), row_at(x, r, d, 2), weight(&m.w), s)
+                let s = Shape { m: m.rows, k, n };
+                GemmCall::linear(row_at(out, r, n, 4), row_at(x, r, k, 2), weight(m), s)
             })
             .collect();
-        // SAFETY: each call's rows lie in `out` and `xb`; the weights per
-        // the caller's contract.
+        // SAFETY: each call's rows lie in `out` and `x`, its weights the
+        // member's (this function's contract).
         unsafe { self.gemm_calls(&calls, BF16) }
     }
 
@@ -278,20 +294,9 @@ impl CudaBackend {
         let (_, _, h) = unsafe { self.up_and_hidden_group(kind, &xb, members, (d, f))? };
         let hb = self.to_bf16(&h)?;
         let (hb_ptr, _rh) = hb.device_ptr(&self.stream);
-        let calls: Vec<GemmCall> = row_starts(members)
-            .map(|(r, m)| {
-                let s = Shape {
-                    m: m.rows,
-                    k: f,
-                    n: d,
-                };
-                let (o, hrow) = (row_at(out.ptr, r, d, 4), row_at(hb_ptr, r, f, 2));
-                GemmCall::linear(o, hrow, m.w.w2, s)
-            })
-            .collect();
         // SAFETY: w2 per the contract; `out` holds the group's n·d f32 and
         // hb its n·f bf16.
-        unsafe { self.gemm_calls(&calls, BF16) }
+        unsafe { self.linear_products((out.ptr, hb_ptr), members, |m| m.w.w2, (f, d)) }
     }
 
     /// The backward of every member in GPU memory, `[dx, dout, x]` the

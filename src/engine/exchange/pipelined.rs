@@ -114,6 +114,7 @@ impl<C: Comm> ExchangeRunner<'_, C> {
             .map(|p| self.reply_buffers(layer, &keep(p)))
             .collect();
         let mine = self.mine(layer, matches!(pass, Pass::Backward));
+        self.inner.dev.acc.exchange_experts[pass_index(pass)] += mine.len() as u64;
         let rank = self.comm.rank();
         self.inner.dev.acc.token_exchanges += 2 * n as u64;
         let Self {
