@@ -571,7 +571,7 @@ fn bench_kernels_times_the_expert_shapes_against_the_peak() {
         .unwrap();
     assert!(!unknown.status.success());
     let err = String::from_utf8_lossy(&unknown.stderr);
-    assert!(err.contains("amx-bf16, avx512-bf16 or portable"), "{err}");
+    assert!(err.contains("avx512-fma, avx2-fma or portable"), "{err}");
     let bad = strata_bin()
         .args(["bench", "kernels", "--presets", "huge", "--steps", "1"])
         .output()

@@ -823,14 +823,14 @@ fn the_first_line_names_the_backend_it_chose() {
 }
 
 /// `--bf16-kernel` fixes the cpu's bf16 GEMM kernel for the run: its first
-/// line names it and `run.json` keeps it; the portable and AVX-512
-/// kernels train the same bits; a kernel this CPU lacks, or a name strata
-/// does not know, is refused before training.
+/// line names it and `run.json` keeps it; the portable, `vdpbf16ps` and
+/// FMA kernels train the same bits; a kernel this CPU lacks, or a name
+/// strata does not know, is refused before training.
 #[test]
 fn the_bf16_kernel_is_chosen_named_and_kept() {
     let dir = tempfile::tempdir().unwrap();
     let mut losses = Vec::new();
-    for name in ["portable", "avx512-bf16", "amx-bf16"] {
+    for name in strata::backend::Bf16Kernel::ALL.map(strata::backend::Bf16Kernel::name) {
         let kernel = strata::backend::Bf16Kernel::from_name(name).unwrap();
         let out = dir.path().join(name);
         let mut args = cli_args(&out, 4);
@@ -874,7 +874,7 @@ fn the_bf16_kernel_is_chosen_named_and_kept() {
     assert!(!run.status.success());
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(
-        err.contains("give auto, amx-bf16, avx512-bf16 or portable"),
+        err.contains("give auto, amx-bf16, avx512-bf16, avx512-fma, avx2-fma or portable"),
         "{err}"
     );
 }

@@ -163,6 +163,8 @@ pub fn run(
     let kernel_peak = match kernel {
         Bf16Kernel::Amx => amx_peak,
         Bf16Kernel::Avx512 => bf16_peak,
+        // Their products are f32 FMAs.
+        Bf16Kernel::Avx512Fma | Bf16Kernel::Avx2Fma => peak,
         Bf16Kernel::Portable => None,
     };
     let record = |what: &'static str, peak: Option<f64>, preset, (rows, d, f), median_s, gflop| {

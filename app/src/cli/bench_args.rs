@@ -77,7 +77,7 @@ pub struct KernelsArgs {
     /// fastest this CPU runs).
     #[arg(
         long,
-        value_name = "auto|amx-bf16|avx512-bf16|portable",
+        value_name = "auto|amx-bf16|avx512-bf16|avx512-fma|avx2-fma|portable",
         default_value = "auto"
     )]
     pub bf16_kernel: String,

@@ -159,7 +159,7 @@ pub(crate) fn choose_bf16_kernel(given: &str) -> Result<(), String> {
         return Ok(());
     }
     let kernel = strata::backend::Bf16Kernel::from_name(given).ok_or_else(|| {
-        format!("--bf16-kernel {given:?}: give auto, amx-bf16, avx512-bf16 or portable")
+        format!("--bf16-kernel {given:?}: give auto, amx-bf16, avx512-bf16, avx512-fma, avx2-fma or portable")
     })?;
     kernel
         .choose()

@@ -122,16 +122,20 @@ pub struct TrainFlags {
     pub expert_group: Option<usize>,
     /// What the cpu's expert GEMMs take when the compute dtype is bf16:
     /// bf16 (default: the params as stored, activations rounded to bf16,
-    /// f32 sums; `vdpbf16ps` where the CPU has AVX512-BF16) or f32 (the
+    /// f32 sums; AMX, `vdpbf16ps` or f32 FMAs, see `--bf16-kernel`) or f32 (the
     /// params widened, f32 activations). A GPU's experts are bf16 either
     /// way.
     #[arg(long, value_name = "bf16|f32")]
     pub expert_gemm: Option<String>,
     /// The cpu's bf16 GEMM kernel: auto (default: the fastest this CPU
-    /// runs), amx-bf16 (AMX tiles), avx512-bf16 (`vdpbf16ps`) or portable.
-    /// AMX's sums differ from the others' in their last bits; choose
-    /// avx512-bf16 or portable for the bits of a machine without AMX.
-    #[arg(long, value_name = "auto|amx-bf16|avx512-bf16|portable")]
+    /// runs), amx-bf16 (AMX tiles), avx512-bf16 (`vdpbf16ps`), avx512-fma
+    /// or avx2-fma (f32 FMAs on the widened pairs) or portable. AMX's sums
+    /// differ from the others' in their last bits; any other gives the
+    /// bits of a machine without AMX.
+    #[arg(
+        long,
+        value_name = "auto|amx-bf16|avx512-bf16|avx512-fma|avx2-fma|portable"
+    )]
     pub bf16_kernel: Option<String>,
     /// Token condensation (LUFFY): of the tokens sent to one expert, near
     /// duplicates (cosine similarity at or above a threshold) are computed

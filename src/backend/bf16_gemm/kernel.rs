@@ -1,10 +1,14 @@
 //! The bf16 GEMM's register tiles: MR × NR f32 sums of packed bf16 pairs,
-//! on AVX512-BF16 (`vdpbf16ps`) where the CPU has it, else in plain code
-//! the compiler vectorizes. Both add a pair's products in the order
-//! `vdpbf16ps` does — the odd element's product, then the even one's, each
-//! add rounded once (a product of two bf16 values is exact in f32) — so
-//! they give the same bits wherever no input, product or sum falls below
-//! f32's normal range (`vdpbf16ps` flushes those to zero).
+//! on AVX512-BF16 (`vdpbf16ps`), on AVX-512's f32 FMAs over the pairs
+//! widened, or in plain code the compiler vectorizes. All three add a
+//! pair's products in the order `vdpbf16ps` does — the odd element's
+//! product, then the even one's, each add rounded once (a product of two
+//! bf16 values is exact in f32, so an FMA of it rounds as that add does) —
+//! so they give the same bits wherever no input, product or sum falls
+//! below f32's normal range (`vdpbf16ps` flushes those to zero).
+
+#[cfg(target_arch = "x86_64")]
+use super::x86_tiles;
 
 /// Rows of a register tile (of A's packed block).
 pub(super) const MR: usize = 8;
@@ -25,6 +29,15 @@ pub enum Bf16Kernel {
     Portable,
     /// `vdpbf16ps` on 512-bit registers (x86-64 with AVX512F and AVX512-BF16).
     Avx512,
+    /// f32 FMAs on 512-bit registers (x86-64 with AVX512F), over A's pairs
+    /// widened once and B's widened in registers: the bits of the two
+    /// above, at the FMA units' rate, which on cores that issue
+    /// `vdpbf16ps` at half the FMAs' (measured by `strata bench kernels`)
+    /// is twice the products a cycle.
+    Avx512Fma,
+    /// The same FMAs on 256-bit registers (x86-64 with AVX2 and FMA), for
+    /// CPUs without AVX-512: the same bits again.
+    Avx2Fma,
     /// `tdpbf16ps` on AMX tiles (x86-64 with AMX-TILE, AMX-BF16 and
     /// AVX512F, where the operating system grants the tile data): whole
     /// blocks of 32 × 32 sums (`amx.rs`) rather than this module's tiles;
@@ -33,14 +46,25 @@ pub enum Bf16Kernel {
 }
 
 impl Bf16Kernel {
-    /// The fastest kernel this CPU runs (detected once).
+    /// The fastest kernel this CPU runs (detected once): AMX where the
+    /// CPU has it; else, where it runs both `vdpbf16ps` and AVX-512's FMAs,
+    /// whichever computed a tile faster, timed here (their bits are the
+    /// same, so the choice changes only the time); else the FMAs on the
+    /// widest registers it has (AVX-512's, else AVX2's); else the portable
+    /// code.
     pub fn detected() -> Self {
         static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
-            [Self::Amx, Self::Avx512]
-                .into_iter()
-                .find(|k| k.supported())
-                .unwrap_or(Self::Portable)
+            if Self::Amx.supported() {
+                return Self::Amx;
+            }
+            match (Self::Avx512.supported(), Self::Avx512Fma.supported()) {
+                (true, true) => faster_tile(Self::Avx512, Self::Avx512Fma),
+                (false, true) => Self::Avx512Fma,
+                (true, false) => Self::Avx512,
+                (false, false) if Self::Avx2Fma.supported() => Self::Avx2Fma,
+                (false, false) => Self::Portable,
+            }
         })
     }
 
@@ -78,17 +102,21 @@ impl Bf16Kernel {
 
     /// The kernel of this name ([`name`](Self::name)).
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::Portable, Self::Avx512, Self::Amx]
-            .into_iter()
-            .find(|k| k.name() == name)
+        Self::ALL.into_iter().find(|k| k.name() == name)
     }
 
-    /// Every kernel this CPU runs, slowest first.
+    /// Every kernel, the portable one first.
+    pub const ALL: [Self; 5] = [
+        Self::Portable,
+        Self::Avx2Fma,
+        Self::Avx512Fma,
+        Self::Avx512,
+        Self::Amx,
+    ];
+
+    /// Every kernel this CPU runs, the portable one first.
     pub fn supported_here() -> Vec<Self> {
-        [Self::Portable, Self::Avx512, Self::Amx]
-            .into_iter()
-            .filter(|k| k.supported())
-            .collect()
+        Self::ALL.into_iter().filter(|k| k.supported()).collect()
     }
 
     /// Whether this CPU runs it.
@@ -101,9 +129,16 @@ impl Bf16Kernel {
                     && std::arch::is_x86_feature_detected!("avx512bf16")
             }
             #[cfg(target_arch = "x86_64")]
+            Self::Avx512Fma => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2Fma => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "x86_64")]
             Self::Amx => std::arch::is_x86_feature_detected!("avx512f") && super::amx::available(),
             #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx512 | Self::Amx => false,
+            Self::Avx512 | Self::Avx512Fma | Self::Avx2Fma | Self::Amx => false,
         }
     }
 
@@ -111,16 +146,19 @@ impl Bf16Kernel {
         match self {
             Self::Portable => "portable",
             Self::Avx512 => "avx512-bf16",
+            Self::Avx512Fma => "avx512-fma",
+            Self::Avx2Fma => "avx2-fma",
             Self::Amx => "amx-bf16",
         }
     }
 
     /// `tile` = Σ over `pairs` pairs of A's block (its row i's pair p at
-    /// `a[i · si + p · sp]` for `(si, sp)`) times B's panel (`b`: pairs ×
+    /// index `i · si + p · sp` for `(si, sp)`, packed or widened as
+    /// [`widens_a`](Self::widens_a) says) times B's panel (`b`: pairs ×
     /// NR), each element a bf16 pair (even element in the low half).
     pub(super) fn tile(
         self,
-        a: &[u32],
+        a: ABlock,
         (si, sp): (usize, usize),
         b: &[u32],
         pairs: usize,
@@ -130,21 +168,109 @@ impl Bf16Kernel {
             *tile = [[0.0; NR]; MR];
             return;
         }
-        assert!(a.len() > (MR - 1) * si + (pairs - 1) * sp && b.len() >= pairs * NR);
-        match self {
-            Self::Portable => tile_portable(a, (si, sp), b, pairs, tile),
+        let last = (MR - 1) * si + (pairs - 1) * sp;
+        assert!(b.len() >= pairs * NR);
+        match (self, a) {
+            (Self::Portable, ABlock::Pairs(a)) => {
+                assert!(a.len() > last);
+                tile_portable(a, (si, sp), b, pairs, tile)
+            }
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => {
+            (Self::Avx512, ABlock::Pairs(a)) => {
                 assert!(self.supported(), "the CPU lacks AVX512-BF16");
+                assert!(a.len() > last);
                 // SAFETY: the CPU has AVX512F and AVX512-BF16 (asserted);
                 // `a` holds the MR rows' `pairs` pairs at these strides and
                 // `b` `pairs` rows of NR (asserted).
-                unsafe { tile_avx512(a.as_ptr(), (si, sp), b.as_ptr(), pairs, tile) }
+                unsafe { x86_tiles::tile_avx512(a.as_ptr(), (si, sp), b.as_ptr(), pairs, tile) }
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            Self::Avx512 => unreachable!("AVX-512 is x86-64's"),
-            Self::Amx => unreachable!("the AMX kernel computes whole blocks (amx.rs), not tiles"),
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx512Fma, ABlock::Wide(a)) => {
+                assert!(self.supported(), "the CPU lacks AVX512F");
+                assert!(a.len() > 2 * last + 1);
+                // SAFETY: the CPU has AVX512F (asserted); `a` holds the MR
+                // rows' `pairs` widened pairs at these strides and `b`
+                // `pairs` rows of NR (asserted).
+                unsafe { x86_tiles::tile_avx512_fma(a.as_ptr(), (si, sp), b.as_ptr(), pairs, tile) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            (Self::Avx2Fma, ABlock::Wide(a)) => {
+                assert!(self.supported(), "the CPU lacks AVX2 or FMA");
+                assert!(a.len() > 2 * last + 1);
+                // SAFETY: the CPU has AVX2 and FMA (asserted); `a` holds
+                // the MR rows' `pairs` widened pairs at these strides and
+                // `b` `pairs` rows of NR (asserted).
+                unsafe { x86_tiles::tile_avx2_fma(a.as_ptr(), (si, sp), b.as_ptr(), pairs, tile) }
+            }
+            (Self::Amx, _) => {
+                unreachable!("the AMX kernel computes whole blocks (amx.rs), not tiles")
+            }
+            (kernel, _) => unreachable!("{kernel:?} was handed A's pairs in another form"),
         }
+    }
+
+    /// Whether the kernel reads A's pairs widened to f32 ([`ABlock::Wide`]).
+    pub(super) fn widens_a(self) -> bool {
+        matches!(self, Self::Avx512Fma | Self::Avx2Fma)
+    }
+}
+
+/// A block of A's pairs, as a kernel reads them.
+#[derive(Clone, Copy)]
+pub(super) enum ABlock<'a> {
+    /// bf16 pairs, the even element in the low half.
+    Pairs(&'a [u32]),
+    /// Each pair as two f32, the even element first.
+    Wide(&'a [f32]),
+}
+
+/// Writes each pair of `pairs` into `wide` as its two elements widened
+/// to f32, the even one first.
+#[inline(always)]
+pub(super) fn widen_pairs(pairs: &[u32], wide: &mut Vec<f32>) {
+    wide.clear();
+    wide.extend(pairs.iter().flat_map(|&p| {
+        let (even, odd) = halves(p);
+        [even, odd]
+    }));
+}
+
+/// Of two kernels that give the same bits, the one that computed a tile of
+/// a whole block of pairs faster: each timed 8 times over 5 rounds, taken
+/// in turn, the best round of each compared.
+pub(super) fn faster_tile(x: Bf16Kernel, y: Bf16Kernel) -> Bf16Kernel {
+    const PAIRS: usize = 128;
+    let pairs: Vec<u32> = (0..MR * PAIRS)
+        .map(|i| 0x3f80_3f80 ^ (i as u32 & 0x007f_007f))
+        .collect();
+    let mut wide = Vec::new();
+    widen_pairs(&pairs, &mut wide);
+    let b: Vec<u32> = (0..PAIRS * NR)
+        .map(|i| 0x3f00_3f00 ^ (i as u32 & 0x7f))
+        .collect();
+    let mut tile: Tile = [[0.0; NR]; MR];
+    let mut time = |k: Bf16Kernel| {
+        let a = if k.widens_a() {
+            ABlock::Wide(&wide)
+        } else {
+            ABlock::Pairs(&pairs)
+        };
+        let t0 = std::time::Instant::now();
+        for _ in 0..8 {
+            k.tile(a, (PAIRS, 1), &b, PAIRS, &mut tile);
+            std::hint::black_box(&mut tile);
+        }
+        t0.elapsed()
+    };
+    let (mut best_x, mut best_y) = (std::time::Duration::MAX, std::time::Duration::MAX);
+    for _ in 0..5 {
+        best_x = best_x.min(time(x));
+        best_y = best_y.min(time(y));
+    }
+    if best_y < best_x {
+        y
+    } else {
+        x
     }
 }
 
@@ -170,59 +296,6 @@ fn tile_portable(a: &[u32], (si, sp): (usize, usize), b: &[u32], pairs: usize, t
             for j in 0..NR {
                 row[j] = (row[j] + ao * odd[j]) + ae * even[j];
             }
-        }
-    }
-}
-
-/// 32 bf16 bit patterns as the vector `vdpbf16ps` reads.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn as_bf16(v: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
-    use std::arch::x86_64::{__m512bh, __m512i};
-    // SAFETY: both are 64 bytes of plain data, every bit pattern valid.
-    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
-}
-
-/// # Safety
-/// The CPU has AVX512F and AVX512-BF16; `a` points at MR rows of `pairs`
-/// readable pairs at strides (si, sp), and `b` at `pairs` × NR.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn tile_avx512(
-    a: *const u32,
-    (si, sp): (usize, usize),
-    b: *const u32,
-    pairs: usize,
-    tile: &mut Tile,
-) {
-    use std::arch::x86_64::*;
-    // SAFETY: each row's first pair is in bounds (the contract).
-    let rows: [*const u32; MR] = std::array::from_fn(|i| unsafe { a.add(i * si) });
-    let mut lo = [_mm512_setzero_ps(); MR];
-    let mut hi = [_mm512_setzero_ps(); MR];
-    for p in 0..pairs {
-        // SAFETY: row `p` of B's panel, NR = 32 pairs, is in bounds (the
-        // function's contract); the loads are unaligned.
-        let (b0, b1) = unsafe {
-            let at = b.add(p * NR);
-            (
-                _mm512_loadu_si512(at.cast()),
-                _mm512_loadu_si512(at.add(16).cast()),
-            )
-        };
-        let (b0, b1) = (as_bf16(b0), as_bf16(b1));
-        for i in 0..MR {
-            // SAFETY: row i's pair p is in bounds (the contract).
-            let ai = as_bf16(_mm512_set1_epi32(unsafe { *rows[i].add(p * sp) } as i32));
-            lo[i] = _mm512_dpbf16_ps(lo[i], ai, b0);
-            hi[i] = _mm512_dpbf16_ps(hi[i], ai, b1);
-        }
-    }
-    for i in 0..MR {
-        // SAFETY: each tile row holds NR = 32 f32; unaligned stores.
-        unsafe {
-            _mm512_storeu_ps(tile[i].as_mut_ptr(), lo[i]);
-            _mm512_storeu_ps(tile[i].as_mut_ptr().add(16), hi[i]);
         }
     }
 }

@@ -22,11 +22,13 @@ mod amx;
 mod kernel;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86_tiles;
 
 #[cfg(target_arch = "x86_64")]
 pub use amx::{dot_loop as amx_dot_loop, DOT_LOOP_FLOPS as AMX_DOT_LOOP_FLOPS};
 pub use kernel::Bf16Kernel;
-use kernel::{Tile, MR, NR};
+use kernel::{widen_pairs, ABlock, Tile, MR, NR};
 
 use super::gemm::{threads_for, Write};
 use crate::parallel::{compute_threads, run_all};
@@ -188,11 +190,24 @@ fn pack_values<T: Bf16Bits>(v: &[T], k_major: bool, r: usize, k: usize, b: Block
 }
 
 /// A's bf16 pairs as the tiles read them, A(i, pair p) at `i · si + p ·
-/// sp` for `strides` = (si, sp).
+/// sp` for `strides` = (si, sp): packed, or widened to two f32 a pair for
+/// a kernel that [widens A](Bf16Kernel::widens_a).
 #[derive(Clone, Copy)]
 struct APairs<'a> {
     pairs: &'a [u32],
+    wide: &'a [f32],
     strides: (usize, usize),
+}
+
+impl<'a> APairs<'a> {
+    /// The pairs from pair `at` on, as `kernel` reads them.
+    fn from(&self, kernel: Bf16Kernel, at: usize) -> ABlock<'a> {
+        if kernel.widens_a() {
+            ABlock::Wide(&self.wide[2 * at..])
+        } else {
+            ABlock::Pairs(&self.pairs[at..])
+        }
+    }
 }
 
 /// Writes A (M × K) as bf16 pairs into `buf`, its rows padded with zeros to
@@ -219,14 +234,43 @@ fn a_pairs(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize)
 }
 
 /// [`a_pairs`] compiled for AVX-512 (the same bits: the rounding to bf16
-/// is integer arithmetic on the f32 bits).
+/// is integer arithmetic on the f32 bits), and, where `wide` is given,
+/// the pairs widened into it ([`widen_pairs`]).
 ///
 /// # Safety
 /// The CPU has AVX512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn a_pairs_avx512(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize) {
-    a_pairs(a, m, k, buf)
+unsafe fn a_pairs_avx512(
+    a: Operand,
+    m: usize,
+    k: usize,
+    buf: &mut Vec<u32>,
+    wide: Option<&mut Vec<f32>>,
+) -> (usize, usize) {
+    let strides = a_pairs(a, m, k, buf);
+    if let Some(wide) = wide {
+        widen_pairs(buf, wide);
+    }
+    strides
+}
+
+/// [`a_pairs_avx512`] for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn a_pairs_avx2(
+    a: Operand,
+    m: usize,
+    k: usize,
+    buf: &mut Vec<u32>,
+    wide: &mut Vec<f32>,
+) -> (usize, usize) {
+    let strides = a_pairs(a, m, k, buf);
+    widen_pairs(buf, wide);
+    strides
 }
 
 #[inline(always)]
@@ -301,10 +345,14 @@ pub(crate) fn gemm_bf16_on(
 }
 
 /// `macs` bf16 multiply-adds as the f32 multiply-adds `threads_for`
-/// weighs: `vdpbf16ps` does twice as many a cycle as an f32 FMA, so a
-/// split pays only past twice as many.
+/// weighs: `vdpbf16ps` and AMX's tiles do at least twice as many a cycle
+/// as an f32 FMA, so with them a split pays only past twice as many; the
+/// FMA and portable kernels do f32's.
 pub(crate) fn bf16_work(macs: usize) -> usize {
-    macs / 2
+    match Bf16Kernel::in_use() {
+        Bf16Kernel::Avx512 | Bf16Kernel::Amx => macs / 2,
+        Bf16Kernel::Avx512Fma | Bf16Kernel::Avx2Fma | Bf16Kernel::Portable => macs,
+    }
 }
 
 /// The output's address, shared by the threads that write its disjoint
@@ -374,18 +422,26 @@ pub(crate) fn gemm_bf16_with(
         return;
     }
     // Reused from call to call on this thread.
-    let mut a_buf = A_PAIRS.take();
+    let (mut a_buf, mut a_wide) = (A_PAIRS.take(), A_WIDE.take());
     let strides = match kernel {
         #[cfg(target_arch = "x86_64")]
-        Bf16Kernel::Avx512 => {
-            assert!(kernel.supported(), "the CPU lacks AVX512-BF16");
-            // SAFETY: the CPU has AVX512F (asserted: the kernel needs it).
-            unsafe { a_pairs_avx512(a, m, k, &mut a_buf) }
+        Bf16Kernel::Avx512 | Bf16Kernel::Avx512Fma => {
+            assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
+            let wide = kernel.widens_a().then_some(&mut a_wide);
+            // SAFETY: the CPU has AVX512F (asserted: both kernels need it).
+            unsafe { a_pairs_avx512(a, m, k, &mut a_buf, wide) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Bf16Kernel::Avx2Fma => {
+            assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
+            // SAFETY: the CPU has AVX2 (asserted: the kernel needs it).
+            unsafe { a_pairs_avx2(a, m, k, &mut a_buf, &mut a_wide) }
         }
         _ => a_pairs(a, m, k, &mut a_buf),
     };
     let a = APairs {
         pairs: &a_buf,
+        wide: &a_wide,
         strides,
     };
     on_panels(parts, panels, |range| {
@@ -399,6 +455,7 @@ pub(crate) fn gemm_bf16_with(
         B_PACKED.set(b_packed);
     });
     A_PAIRS.set(a_buf);
+    A_WIDE.set(a_wide);
 }
 
 /// Runs `job` on `parts` threads, each over its own range of the
@@ -449,6 +506,8 @@ unsafe fn write_rows(
 thread_local! {
     /// A's pairs (`a_pairs`), kept for the thread's next call.
     static A_PAIRS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A's pairs widened (`widen_pairs`), likewise.
+    static A_WIDE: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
     /// A's rows for the AMX kernel (`amx::a_rows`), likewise.
     static A_ROWS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
     /// A block of B's panel, likewise.
@@ -481,11 +540,18 @@ unsafe fn panel_product(
     write: Write,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if kernel == Bf16Kernel::Avx512 {
-        assert!(kernel.supported(), "the CPU lacks AVX512-BF16");
+    if matches!(kernel, Bf16Kernel::Avx512 | Bf16Kernel::Avx512Fma) {
+        assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
         // SAFETY: the CPU has AVX512F (asserted: the kernel needs it); the
         // output's columns are the caller's (its contract, passed on).
         return unsafe { panel_product_avx512(kernel, s, a, b_packed, b, panel, dst, write) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Bf16Kernel::Avx2Fma {
+        assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
+        // SAFETY: the CPU has AVX2 (asserted: the kernel needs it); the
+        // output's columns are the caller's (its contract, passed on).
+        return unsafe { panel_product_avx2(kernel, s, a, b_packed, b, panel, dst, write) };
     }
     // SAFETY: the caller's contract, passed on.
     unsafe { panel_product_body(kernel, s, a, b_packed, b, panel, dst, write) }
@@ -493,7 +559,7 @@ unsafe fn panel_product(
 
 /// [`panel_product`] compiled for AVX-512, so that the packing of B and
 /// the tile's write into the output (plain loops, the same bits on any
-/// target) use 512-bit registers beside the `vdpbf16ps` tile.
+/// target) use 512-bit registers beside the AVX-512 tiles.
 ///
 /// # Safety
 /// The CPU has AVX512F; the caller's contract of [`panel_product`].
@@ -501,6 +567,27 @@ unsafe fn panel_product(
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn panel_product_avx512(
+    kernel: Bf16Kernel,
+    s: Shape,
+    a: APairs,
+    b_packed: &mut [u32],
+    b: Operand,
+    panel: usize,
+    dst: OutPtr,
+    write: Write,
+) {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { panel_product_body(kernel, s, a, b_packed, b, panel, dst, write) }
+}
+
+/// [`panel_product`] compiled for AVX2, likewise.
+///
+/// # Safety
+/// The CPU has AVX2; the caller's contract of [`panel_product`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_product_avx2(
     kernel: Bf16Kernel,
     s: Shape,
     a: APairs,
@@ -543,7 +630,7 @@ unsafe fn panel_product_body(
         let add = p0 > 0 || write == Write::Add;
         for r0 in (0..s.m).step_by(MR) {
             let (si, sp) = a.strides;
-            let a_block = &a.pairs[r0 * si + p0 * sp..];
+            let a_block = a.from(kernel, r0 * si + p0 * sp);
             kernel.tile(a_block, a.strides, b_packed, pairs, &mut tile);
             let rows = &tile[..MR.min(s.m - r0)];
             // SAFETY: these rows and the panel's columns are in the output

@@ -39,10 +39,7 @@ fn f32_op(v: &[f32], k_major: bool) -> Operand<'_> {
 }
 
 fn kernels() -> Vec<Bf16Kernel> {
-    [Bf16Kernel::Portable, Bf16Kernel::Avx512, Bf16Kernel::Amx]
-        .into_iter()
-        .filter(|k| k.supported())
-        .collect()
+    Bf16Kernel::supported_here()
 }
 
 /// Shapes with ragged tiles, an odd K, and K over one block.
@@ -122,13 +119,18 @@ fn every_kernel_and_storage_matches_the_rounded_operands_product() {
 }
 
 /// The sums' order is fixed (see the module): one thread or four, the
-/// portable or the AVX-512 kernel, bf16 operands given as f32 or as bits,
+/// portable, the `vdpbf16ps` or the FMA kernel, bf16 operands given as f32 or as bits,
 /// the same bits; the AMX kernel, whose tile rounds its own way, the same
 /// bits as itself likewise.
 #[test]
 fn threads_kernels_and_operand_types_give_the_same_bits() {
     let families = [
-        vec![Bf16Kernel::Portable, Bf16Kernel::Avx512],
+        vec![
+            Bf16Kernel::Portable,
+            Bf16Kernel::Avx512,
+            Bf16Kernel::Avx512Fma,
+            Bf16Kernel::Avx2Fma,
+        ],
         vec![Bf16Kernel::Amx],
     ];
     for family in families {
@@ -211,30 +213,60 @@ fn add_sums_into_the_output_and_set_replaces_it() {
 
 /// Which kernels this CPU runs, asked of the kernel's own record of the
 /// CPU's flags (`/proc/cpuinfo`, where there is one) rather than of the
-/// instructions' detection the code uses; the fastest is the one picked;
-/// the names are the ones the first line and `bench kernels` print.
+/// instructions' detection the code uses; the fastest is the one picked
+/// (of the two AVX-512 kernels, the one a timing chose); the names are
+/// the ones the first line and `bench kernels` print.
 #[test]
 fn the_cpu_s_flags_choose_the_kernel() {
     assert!(Bf16Kernel::Portable.supported());
     if let Some(flags) = crate::math::vector_isa::cpuinfo_flags() {
         let has = |f: &str| flags.iter().any(|g| g == f);
-        let avx512 = has("avx512f") && has("avx512_bf16");
+        let fma = has("avx512f");
+        let avx512 = fma && has("avx512_bf16");
+        let avx2 = has("avx2") && has("fma");
+        assert_eq!(Bf16Kernel::Avx2Fma.supported(), avx2, "{flags:?}");
         assert_eq!(Bf16Kernel::Avx512.supported(), avx512, "{flags:?}");
+        assert_eq!(Bf16Kernel::Avx512Fma.supported(), fma, "{flags:?}");
         // Linux lists AMX's flags where it hands out the tile data.
-        let amx = has("avx512f") && has("amx_tile") && has("amx_bf16");
+        let amx = fma && has("amx_tile") && has("amx_bf16");
         assert_eq!(Bf16Kernel::Amx.supported(), amx, "{flags:?}");
-        let fastest = if amx {
-            Bf16Kernel::Amx
+        let fastest: &[Bf16Kernel] = if amx {
+            &[Bf16Kernel::Amx]
         } else if avx512 {
-            Bf16Kernel::Avx512
+            &[Bf16Kernel::Avx512, Bf16Kernel::Avx512Fma]
+        } else if fma {
+            &[Bf16Kernel::Avx512Fma]
+        } else if avx2 {
+            &[Bf16Kernel::Avx2Fma]
         } else {
-            Bf16Kernel::Portable
+            &[Bf16Kernel::Portable]
         };
-        assert_eq!(Bf16Kernel::detected(), fastest);
+        assert!(fastest.contains(&Bf16Kernel::detected()), "{fastest:?}");
     }
-    assert_eq!(Bf16Kernel::Portable.name(), "portable");
-    assert_eq!(Bf16Kernel::Avx512.name(), "avx512-bf16");
-    assert_eq!(Bf16Kernel::Amx.name(), "amx-bf16");
+    let names = Bf16Kernel::ALL.map(Bf16Kernel::name);
+    assert_eq!(
+        names,
+        [
+            "portable",
+            "avx2-fma",
+            "avx512-fma",
+            "avx512-bf16",
+            "amx-bf16"
+        ]
+    );
+}
+
+/// The timing that chooses between two kernels of the same bits takes
+/// the faster: AVX-512's FMAs over the plain code, compiled for any
+/// x86-64 (128-bit registers), a tile at a time.
+#[test]
+fn the_faster_of_two_kernels_is_timed() {
+    if !Bf16Kernel::Avx512Fma.supported() {
+        return;
+    }
+    let (plain, fma) = (Bf16Kernel::Portable, Bf16Kernel::Avx512Fma);
+    assert_eq!(kernel::faster_tile(plain, fma), fma);
+    assert_eq!(kernel::faster_tile(fma, plain), fma);
 }
 
 /// A process's kernel is fixed once: the one in use may be chosen again,
@@ -243,7 +275,7 @@ fn the_cpu_s_flags_choose_the_kernel() {
 fn a_chosen_kernel_holds_for_the_process() {
     let in_use = Bf16Kernel::in_use();
     assert_eq!(in_use.choose(), Ok(()));
-    for kernel in [Bf16Kernel::Portable, Bf16Kernel::Avx512, Bf16Kernel::Amx] {
+    for kernel in Bf16Kernel::ALL {
         assert_eq!(Bf16Kernel::from_name(kernel.name()), Some(kernel));
         if kernel == in_use {
             continue;
