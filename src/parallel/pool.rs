@@ -3,11 +3,12 @@
 //! spawn and join (tens of microseconds each, paid in turn by the calling
 //! thread for every piece).
 //!
-//! Workers sleep on a condition variable when the queue is empty and a
-//! caller that waits for its pieces runs queued pieces itself (its own, or
-//! another caller's), so nothing spins, a pool without workers (one core)
-//! still finishes every call, and a piece that splits again cannot
-//! deadlock the pool. The queue holds only the pieces of calls still
+//! Workers sleep on a condition variable when the queue has stayed empty
+//! for [`POLL`], and a caller that waits for its pieces runs queued pieces
+//! itself (its own, or another caller's), then polls as long for the
+//! others' end before it sleeps: so no thread spins for longer than that,
+//! a pool without workers (one core) still finishes every call, and a
+//! piece that splits again cannot deadlock the pool. The queue holds only the pieces of calls still
 //! waiting: each call queues fewer pieces than it was given jobs (the
 //! splitters give at most one a core) and returns only once they have run.
 
@@ -18,6 +19,31 @@ use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 
 /// A queued piece, its borrows erased (see `run_all`'s SAFETY note).
 type Task = Box<dyn FnOnce() + Send + 'static>;
+
+/// How long a worker out of pieces, or a caller whose pieces still run,
+/// polls before it sleeps. A step's splits follow one another tens of
+/// microseconds apart, and waking a sleeping thread takes about as long
+/// (a futex wake and a reschedule: measured on the 2-core development
+/// machine, a split of small's expert GEMM ran slower on two threads than
+/// on one), so a thread that polls this long catches the next piece, or
+/// its pieces' end, at once; between steps it sleeps.
+const POLL: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Polls `ready` until it holds or [`POLL`] has passed; whether it held.
+fn poll_briefly(mut ready: impl FnMut() -> bool) -> bool {
+    let t0 = std::time::Instant::now();
+    loop {
+        if ready() {
+            return true;
+        }
+        if t0.elapsed() >= POLL {
+            return false;
+        }
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+    }
+}
 
 /// Parked threads and the queue they take pieces from.
 pub(crate) struct WorkerPool {
@@ -76,13 +102,21 @@ impl WorkerPool {
 
     fn work(&self) {
         loop {
-            let task = {
-                let mut queue = self.lock();
-                loop {
-                    if let Some(task) = queue.pop_front() {
-                        break task;
+            let mut polled = None;
+            poll_briefly(|| {
+                polled = self.lock().pop_front();
+                polled.is_some()
+            });
+            let task = match polled {
+                Some(task) => task,
+                None => {
+                    let mut queue = self.lock();
+                    loop {
+                        if let Some(task) = queue.pop_front() {
+                            break task;
+                        }
+                        queue = self.queued.wait(queue).unwrap_or_else(|e| e.into_inner());
                     }
-                    queue = self.queued.wait(queue).unwrap_or_else(|e| e.into_inner());
                 }
             };
             task(); // catches its own panic (see `run_all`)
@@ -134,6 +168,7 @@ impl WorkerPool {
             match task {
                 Some(task) => task(),
                 None => {
+                    poll_briefly(|| latch.lock().0 == 0);
                     let mut state = latch.lock();
                     while state.0 > 0 {
                         state = latch.ended.wait(state).unwrap_or_else(|e| e.into_inner());
