@@ -22,7 +22,8 @@ use std::arch::asm;
 
 use super::kernel::NR;
 use super::{
-    pack, rows_as_pairs, write_rows, Bf16Bits, Block, Operand, OutPtr, Shape, Values, KC_PAIRS,
+    a_pairs::rows_as_pairs, pack, write_rows, Bf16Bits, Block, Operand, OutPtr, Shape, Values,
+    KC_PAIRS,
 };
 use crate::backend::gemm::Write;
 

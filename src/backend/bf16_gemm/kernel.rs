@@ -187,20 +187,24 @@ impl Bf16Kernel {
             #[cfg(target_arch = "x86_64")]
             (Self::Avx512Fma, ABlock::Wide(a)) => {
                 assert!(self.supported(), "the CPU lacks AVX512F");
-                assert!(a.len() > 2 * last + 1);
+                assert!(a.len() > last);
                 // SAFETY: the CPU has AVX512F (asserted); `a` holds the MR
                 // rows' `pairs` widened pairs at these strides and `b`
                 // `pairs` rows of NR (asserted).
-                unsafe { x86_tiles::tile_avx512_fma(a.as_ptr(), (si, sp), b.as_ptr(), pairs, tile) }
+                unsafe {
+                    x86_tiles::tile_avx512_fma(a.as_ptr().cast(), (si, sp), b.as_ptr(), pairs, tile)
+                }
             }
             #[cfg(target_arch = "x86_64")]
             (Self::Avx2Fma, ABlock::Wide(a)) => {
                 assert!(self.supported(), "the CPU lacks AVX2 or FMA");
-                assert!(a.len() > 2 * last + 1);
+                assert!(a.len() > last);
                 // SAFETY: the CPU has AVX2 and FMA (asserted); `a` holds
                 // the MR rows' `pairs` widened pairs at these strides and
                 // `b` `pairs` rows of NR (asserted).
-                unsafe { x86_tiles::tile_avx2_fma(a.as_ptr(), (si, sp), b.as_ptr(), pairs, tile) }
+                unsafe {
+                    x86_tiles::tile_avx2_fma(a.as_ptr().cast(), (si, sp), b.as_ptr(), pairs, tile)
+                }
             }
             (Self::Amx, _) => {
                 unreachable!("the AMX kernel computes whole blocks (amx.rs), not tiles")
@@ -221,18 +225,7 @@ pub(super) enum ABlock<'a> {
     /// bf16 pairs, the even element in the low half.
     Pairs(&'a [u32]),
     /// Each pair as two f32, the even element first.
-    Wide(&'a [f32]),
-}
-
-/// Writes each pair of `pairs` into `wide` as its two elements widened
-/// to f32, the even one first.
-#[inline(always)]
-pub(super) fn widen_pairs(pairs: &[u32], wide: &mut Vec<f32>) {
-    wide.clear();
-    wide.extend(pairs.iter().flat_map(|&p| {
-        let (even, odd) = halves(p);
-        [even, odd]
-    }));
+    Wide(&'a [[f32; 2]]),
 }
 
 /// Of two kernels that give the same bits, the one that computed a tile of
@@ -243,8 +236,13 @@ pub(super) fn faster_tile(x: Bf16Kernel, y: Bf16Kernel) -> Bf16Kernel {
     let pairs: Vec<u32> = (0..MR * PAIRS)
         .map(|i| 0x3f80_3f80 ^ (i as u32 & 0x007f_007f))
         .collect();
-    let mut wide = Vec::new();
-    widen_pairs(&pairs, &mut wide);
+    let wide: Vec<[f32; 2]> = pairs
+        .iter()
+        .map(|&p| {
+            let (even, odd) = halves(p);
+            [even, odd]
+        })
+        .collect();
     let b: Vec<u32> = (0..PAIRS * NR)
         .map(|i| 0x3f00_3f00 ^ (i as u32 & 0x7f))
         .collect();

@@ -17,6 +17,7 @@
 //! bits whatever the threads but not those of the other kernels;
 //! [`Bf16Kernel::choose`] picks another for a process.
 
+mod a_pairs;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod kernel;
@@ -25,10 +26,13 @@ mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86_tiles;
 
+use a_pairs::APairs;
+#[cfg(target_arch = "x86_64")]
+use a_pairs::{a_pairs_avx2, a_pairs_avx512};
 #[cfg(target_arch = "x86_64")]
 pub use amx::{dot_loop as amx_dot_loop, DOT_LOOP_FLOPS as AMX_DOT_LOOP_FLOPS};
 pub use kernel::Bf16Kernel;
-use kernel::{widen_pairs, ABlock, Tile, MR, NR};
+use kernel::{Tile, MR, NR};
 
 use super::gemm::{threads_for, Write};
 use crate::parallel::{compute_threads, run_all};
@@ -189,132 +193,6 @@ fn pack_values<T: Bf16Bits>(v: &[T], k_major: bool, r: usize, k: usize, b: Block
     }
 }
 
-/// A's bf16 pairs as the tiles read them, A(i, pair p) at `i · si + p ·
-/// sp` for `strides` = (si, sp): packed, or widened to two f32 a pair for
-/// a kernel that [widens A](Bf16Kernel::widens_a).
-#[derive(Clone, Copy)]
-struct APairs<'a> {
-    pairs: &'a [u32],
-    wide: &'a [f32],
-    strides: (usize, usize),
-}
-
-impl<'a> APairs<'a> {
-    /// The pairs from pair `at` on, as `kernel` reads them.
-    fn from(&self, kernel: Bf16Kernel, at: usize) -> ABlock<'a> {
-        if kernel.widens_a() {
-            ABlock::Wide(&self.wide[2 * at..])
-        } else {
-            ABlock::Pairs(&self.pairs[at..])
-        }
-    }
-}
-
-/// Writes A (M × K) as bf16 pairs into `buf`, its rows padded with zeros to
-/// whole blocks of MR (and a last odd k with a zero), and returns the
-/// strides (si, sp) it reads with: rows of pairs where A is stored by rows
-/// (each element rounded where it lies), and pairs of rows where A is
-/// stored k-major (two rows of k interleaved), so that either is one
-/// streaming pass.
-#[inline(always)]
-fn a_pairs(a: Operand, m: usize, k: usize, buf: &mut Vec<u32>) -> (usize, usize) {
-    let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
-    // Every element is written below (`pairs_of` writes the padding), so
-    // the old contents need no zeroing.
-    buf.resize(mp * kp, 0);
-    match a.values {
-        Values::F32(v) => pairs_of(v, a.k_major, m, k, buf),
-        Values::Bf16(v) => pairs_of(v, a.k_major, m, k, buf),
-    }
-    if a.k_major {
-        (1, mp)
-    } else {
-        (kp, 1)
-    }
-}
-
-/// [`a_pairs`] compiled for AVX-512 (the same bits: the rounding to bf16
-/// is integer arithmetic on the f32 bits), and, where `wide` is given,
-/// the pairs widened into it ([`widen_pairs`]).
-///
-/// # Safety
-/// The CPU has AVX512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn a_pairs_avx512(
-    a: Operand,
-    m: usize,
-    k: usize,
-    buf: &mut Vec<u32>,
-    wide: Option<&mut Vec<f32>>,
-) -> (usize, usize) {
-    let strides = a_pairs(a, m, k, buf);
-    if let Some(wide) = wide {
-        widen_pairs(buf, wide);
-    }
-    strides
-}
-
-/// [`a_pairs_avx512`] for AVX2.
-///
-/// # Safety
-/// The CPU has AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn a_pairs_avx2(
-    a: Operand,
-    m: usize,
-    k: usize,
-    buf: &mut Vec<u32>,
-    wide: &mut Vec<f32>,
-) -> (usize, usize) {
-    let strides = a_pairs(a, m, k, buf);
-    widen_pairs(buf, wide);
-    strides
-}
-
-#[inline(always)]
-fn pairs_of<T: Bf16Bits>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [u32]) {
-    let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
-    if k_major {
-        for p in 0..kp {
-            let (out, padding) = buf[p * mp..][..mp].split_at_mut(m);
-            padding.fill(0);
-            let even = &v[2 * p * m..][..m];
-            if 2 * p + 1 < k {
-                let odd = &v[(2 * p + 1) * m..][..m];
-                for ((o, e), d) in out.iter_mut().zip(even).zip(odd) {
-                    *o = e.bf16() | d.bf16() << 16;
-                }
-            } else {
-                out.iter_mut().zip(even).for_each(|(o, e)| *o = e.bf16());
-            }
-        }
-    } else {
-        let (rows, padding) = buf[..mp * kp].split_at_mut(m * kp);
-        padding.fill(0);
-        rows_as_pairs(v, k, kp, rows);
-    }
-}
-
-/// Writes the rows of `v` (K elements each) into `rows`, `width` bf16
-/// pairs a row: a row's pairs, read as u16, are its elements in order,
-/// then zeros (a zero after an odd K's last, and whole zero pairs up to
-/// `width`).
-#[inline(always)]
-fn rows_as_pairs<T: Bf16Bits>(v: &[T], k: usize, width: usize, rows: &mut [u32]) {
-    let halves: &mut [u16] = bytemuck::cast_slice_mut(rows);
-    for (row, out) in v.chunks_exact(k).zip(halves.chunks_exact_mut(2 * width)) {
-        let (values, zeros) = out.split_at_mut(k);
-        values
-            .iter_mut()
-            .zip(row)
-            .for_each(|(o, x)| *o = x.bf16() as u16);
-        // A few elements: no call to memset a row.
-        zeros.iter_mut().for_each(|z| *z = 0);
-    }
-}
-
 /// out (M, N) (+)= A (M, K) · B (N, K)ᵀ on bf16-rounded operands, as
 /// `write` says, on the compute threads with this CPU's kernel.
 #[allow(clippy::too_many_arguments)]
@@ -425,19 +303,24 @@ pub(crate) fn gemm_bf16_with(
     let (mut a_buf, mut a_wide) = (A_PAIRS.take(), A_WIDE.take());
     let strides = match kernel {
         #[cfg(target_arch = "x86_64")]
-        Bf16Kernel::Avx512 | Bf16Kernel::Avx512Fma => {
+        Bf16Kernel::Avx512 => {
             assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
-            let wide = kernel.widens_a().then_some(&mut a_wide);
-            // SAFETY: the CPU has AVX512F (asserted: both kernels need it).
-            unsafe { a_pairs_avx512(a, m, k, &mut a_buf, wide) }
+            // SAFETY: the CPU has AVX512F (asserted: the kernel needs it).
+            unsafe { a_pairs_avx512(a, m, k, &mut a_buf) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Bf16Kernel::Avx512Fma => {
+            assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
+            // SAFETY: the CPU has AVX512F (asserted: the kernel needs it).
+            unsafe { a_pairs_avx512(a, m, k, &mut a_wide) }
         }
         #[cfg(target_arch = "x86_64")]
         Bf16Kernel::Avx2Fma => {
             assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
             // SAFETY: the CPU has AVX2 (asserted: the kernel needs it).
-            unsafe { a_pairs_avx2(a, m, k, &mut a_buf, &mut a_wide) }
+            unsafe { a_pairs_avx2(a, m, k, &mut a_wide) }
         }
-        _ => a_pairs(a, m, k, &mut a_buf),
+        _ => a_pairs::a_pairs(a, m, k, &mut a_buf),
     };
     let a = APairs {
         pairs: &a_buf,
@@ -506,8 +389,8 @@ unsafe fn write_rows(
 thread_local! {
     /// A's pairs (`a_pairs`), kept for the thread's next call.
     static A_PAIRS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
-    /// A's pairs widened (`widen_pairs`), likewise.
-    static A_WIDE: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A's pairs widened, likewise.
+    static A_WIDE: std::cell::Cell<Vec<[f32; 2]>> = const { std::cell::Cell::new(Vec::new()) };
     /// A's rows for the AMX kernel (`amx::a_rows`), likewise.
     static A_ROWS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
     /// A block of B's panel, likewise.
