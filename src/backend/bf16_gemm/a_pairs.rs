@@ -3,8 +3,8 @@
 //! widened to two f32 (the FMA kernels), in one streaming pass either way.
 
 use super::kernel::{ABlock, MR};
-use bytemuck::Zeroable;
 use super::{Bf16Bits, Bf16Kernel, Operand, Values};
+use bytemuck::Zeroable;
 
 /// A pair of bf16 values as a kernel reads it.
 pub(super) trait Pair: bytemuck::Pod {
