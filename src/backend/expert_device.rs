@@ -1,20 +1,14 @@
 //! A compute device as the engine drives it: its device tier (an arena of
 //! expert slots, filled by asynchronous uploads) together with the expert
 //! FFN computed from the params in a slot, where they lie. The cpu device
-//! widens a slot's params into one reused f32 buffer and runs the cpu
-//! backend's FFN with reused hidden-size buffers; the cuda device
-//! (`cuda/expert.rs`) points cuBLAS at the slot in GPU memory.
+//! (`cpu_device.rs`) runs the cpu backend's FFN on a slot's params; the
+//! cuda device (`cuda/expert.rs`) points cuBLAS at the slot in GPU memory.
 
 use std::sync::Arc;
 
 use strata_tiers::io::HostRegion;
-use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
+use strata_tiers::{DeviceArena, Dtype, Layout};
 
-use super::activations::for_parts;
-use super::cpu::{ffn_backward, ffn_forward, FfnScratch};
-use super::cpu_bf16::{ffn_backward_bf16, ffn_forward_bf16};
-use super::gemm::Write;
-use super::{CpuBackend, ExpertGemm};
 use crate::math::{ExpertKind, ExpertSaved};
 use crate::model::DenseKernels;
 use crate::EngineError;
@@ -58,6 +52,28 @@ impl DeviceRows {
         let at = (rows.start * width * std::mem::size_of::<f32>()) as u64;
         Self::new(self.ptr + at, rows.len() * width)
     }
+}
+
+/// One expert of a group a device computes from host rows in one call
+/// ([`ExpertDevice::experts_forward`]): as [`ExpertDevice::expert_forward`]
+/// takes them.
+pub struct ExpertForward<'a> {
+    pub params: SlotParams,
+    pub x: &'a [f32],
+    pub out: &'a mut [f32],
+    pub saved: &'a mut ExpertSaved<f32>,
+}
+
+/// One expert of a group's backward from host rows in one call
+/// ([`ExpertDevice::experts_backward`]): as [`ExpertDevice::expert_backward`]
+/// takes them.
+pub struct ExpertBackward<'a> {
+    pub params: SlotParams,
+    pub x: &'a [f32],
+    pub dout: &'a [f32],
+    pub saved: &'a ExpertSaved<f32>,
+    pub dx: &'a mut [f32],
+    pub dparams: &'a mut [f32],
 }
 
 /// One expert of a group a device computes in one call
@@ -310,10 +326,48 @@ pub trait ExpertDevice: Send {
         Err(host_rows_only(self.name()))
     }
 
+    /// [`Self::expert_forward`] for each expert of `group`, side by side
+    /// where the device can (the default: one after another). The results
+    /// are each expert's alone, the same bits as one at a time.
+    fn experts_forward(
+        &mut self,
+        kind: ExpertKind,
+        group: &mut [ExpertForward],
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        for e in group {
+            let n = e.x.len() / d;
+            self.expert_forward(kind, e.out, e.saved, e.x, e.params, n, d, f)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::expert_backward`] for each expert of `group`, side by side
+    /// where the device can (the default: one after another), the same
+    /// bits as one at a time.
+    fn experts_backward(
+        &mut self,
+        kind: ExpertKind,
+        group: &mut [ExpertBackward],
+        d: usize,
+        f: usize,
+    ) -> Result<(), EngineError> {
+        for e in group {
+            let n = e.x.len() / d;
+            self.expert_backward(
+                kind, e.dx, e.dparams, e.dout, e.saved, e.x, e.params, n, d, f,
+            )?;
+        }
+        Ok(())
+    }
+
     /// The most experts this device computes in one call
-    /// ([`Self::experts_forward_rows`], [`Self::experts_backward_rows`]):
-    /// 1, the default, computes them one at a time; a GPU runs each of a
-    /// group's products as one grouped GEMM.
+    /// ([`Self::experts_forward_rows`], [`Self::experts_backward_rows`] on
+    /// a GPU; [`Self::experts_forward`], [`Self::experts_backward`] on
+    /// host rows): 1, the default, computes them one at a time; a GPU runs
+    /// each of a group's products as one grouped GEMM, the cpu its experts
+    /// side by side on the compute threads.
     fn group_limit(&self) -> usize {
         1
     }
@@ -372,151 +426,6 @@ pub trait ExpertDevice: Send {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError>;
-}
-
-/// The cpu device: slots in host memory ([`CpuDeviceArena`]), experts
-/// computed by [`CpuBackend`] from bf16 params as they are stored
-/// ([`ExpertGemm::Bf16`]) or on the slot's params widened to f32.
-pub struct CpuExpertDevice {
-    arena: CpuDeviceArena,
-    gemm: ExpertGemm,
-    /// The widened params of the expert being computed (reused).
-    params: Vec<f32>,
-    /// The FFN's hidden-size buffers (reused).
-    scratch: FfnScratch,
-}
-
-/// An expert's params as the cpu device computes from them.
-enum ExpertParams<'a> {
-    /// bf16 bits, as the slot stores them.
-    Bf16(&'a [u16]),
-    /// Widened.
-    F32(&'a [f32]),
-}
-
-/// Copies in flight the cpu device's copy queues hold.
-const CPU_COPIES_MAX: usize = 64;
-
-impl CpuExpertDevice {
-    /// Carves `device_budget_bytes` into slots of one expert's compute
-    /// params each.
-    pub fn new(
-        device_budget_bytes: u64,
-        layout: &Layout,
-        gemm: ExpertGemm,
-    ) -> Result<Self, EngineError> {
-        let slot_bytes = layout.compute_payload_bytes() as usize;
-        Ok(Self {
-            arena: CpuDeviceArena::new(device_budget_bytes, slot_bytes, CPU_COPIES_MAX)?,
-            gemm,
-            params: Vec::with_capacity(layout.params_per_expert as usize),
-            scratch: FfnScratch::default(),
-        })
-    }
-
-    /// Runs `body` on the slot's params: bf16 as they are stored where
-    /// they are bf16 and the device computes in bf16, else widened
-    /// ([`Self::widen`]).
-    fn compute<T>(
-        &mut self,
-        p: SlotParams,
-        body: impl FnOnce(ExpertParams, &mut FfnScratch) -> T,
-    ) -> Result<T, EngineError> {
-        if p.dtype == Dtype::Bf16 && self.gemm == ExpertGemm::Bf16 {
-            let view = self.arena.view(p.slot)?;
-            let bytes = &view.bytes()[..p.count * 2];
-            let params: &[u16] = bytemuck::try_cast_slice(bytes).map_err(|e| {
-                EngineError::Config(format!("a slot's bf16 params are not 2-byte aligned: {e}"))
-            })?;
-            return Ok(body(ExpertParams::Bf16(params), &mut self.scratch));
-        }
-        self.widen(p)?;
-        Ok(body(ExpertParams::F32(&self.params), &mut self.scratch))
-    }
-
-    /// Widens the slot's params into `self.params`, split over the cores
-    /// as the cpu backend's activation passes are (each element alone, so
-    /// the cut changes no bit).
-    fn widen(&mut self, p: SlotParams) -> Result<(), EngineError> {
-        let view = self.arena.view(p.slot)?;
-        let width = p.dtype.bytes() as usize;
-        let bytes = &view.bytes()[..p.count * width];
-        self.params.resize(p.count, 0.0);
-        for_parts(&mut self.params, |at, out| {
-            widen_into(out, &bytes[at * width..(at + out.len()) * width], p.dtype)
-        });
-        Ok(())
-    }
-}
-
-/// out = `bytes` read as `dtype`, widened to f32.
-fn widen_into(out: &mut [f32], bytes: &[u8], dtype: Dtype) {
-    match dtype {
-        Dtype::F32 => out.copy_from_slice(bytemuck::cast_slice::<u8, f32>(bytes)),
-        Dtype::Bf16 => {
-            let src = bytemuck::cast_slice::<u8, half::bf16>(bytes);
-            out.iter_mut().zip(src).for_each(|(o, x)| *o = x.to_f32());
-        }
-        Dtype::F16 => {
-            let src = bytemuck::cast_slice::<u8, half::f16>(bytes);
-            out.iter_mut().zip(src).for_each(|(o, x)| *o = x.to_f32());
-        }
-    }
-}
-
-impl ExpertDevice for CpuExpertDevice {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
-    fn arena(&self) -> &dyn DeviceArena {
-        &self.arena
-    }
-
-    fn dense_kernels(&self) -> Arc<dyn DenseKernels + Send + Sync> {
-        Arc::new(CpuBackend)
-    }
-
-    fn expert_forward(
-        &mut self,
-        kind: ExpertKind,
-        out: &mut [f32],
-        saved: &mut ExpertSaved<f32>,
-        x: &[f32],
-        params: SlotParams,
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        self.compute(params, |p, scratch| match p {
-            ExpertParams::Bf16(p) => ffn_forward_bf16(kind, out, saved, x, p, n, d, f, scratch),
-            ExpertParams::F32(p) => ffn_forward(kind, out, saved, x, p, n, d, f, scratch),
-        })
-    }
-
-    fn expert_backward(
-        &mut self,
-        kind: ExpertKind,
-        dx: &mut [f32],
-        dparams: &mut [f32],
-        dout: &[f32],
-        saved: &ExpertSaved<f32>,
-        x: &[f32],
-        params: SlotParams,
-        n: usize,
-        d: usize,
-        f: usize,
-    ) -> Result<(), EngineError> {
-        let set = Write::Set;
-        self.compute(params, |p, s| match p {
-            ExpertParams::Bf16(p) => {
-                ffn_backward_bf16(kind, dx, dparams, set, dout, saved, x, p, n, d, f, s)
-            }
-            ExpertParams::F32(p) => {
-                ffn_backward(kind, dx, dparams, set, dout, saved, x, p, n, d, f, s)
-            }
-        })
-    }
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ mod activations;
 mod bf16_gemm;
 mod cpu;
 mod cpu_bf16;
+mod cpu_device;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod expert_device;
@@ -105,9 +106,10 @@ pub fn head_block_rows(v: usize) -> usize {
     (HEAD_BLOCK_BYTES / (4 * v)).max(1)
 }
 pub use cpu_bf16::gemm_forward_bf16;
+pub use cpu_device::CpuExpertDevice;
 pub use expert_device::{
-    ArrivingGradient, CpuExpertDevice, DeviceGradient, DeviceRows, Download, ExpertBackwardRows,
-    ExpertDevice, ExpertForwardRows, SlotParams, GRADIENT_DOWNLOAD_BUFFERS,
+    ArrivingGradient, DeviceGradient, DeviceRows, Download, ExpertBackward, ExpertBackwardRows,
+    ExpertDevice, ExpertForward, ExpertForwardRows, SlotParams, GRADIENT_DOWNLOAD_BUFFERS,
 };
 pub use gemm::gemm_forward;
 pub use modeled::{ExpertCompute, ModeledExpertDevice};

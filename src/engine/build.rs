@@ -15,13 +15,13 @@ use super::access::access_schedule;
 use super::part_search::PartSearch;
 use super::routed_io::{streams, RoutedIo};
 use super::routing_trace::TransitionCounter;
-use super::slot_table::{group_size, DeviceState};
+use super::slot_table::{group_size, DeviceState, SCRATCH_KEPT};
 use super::updates::SharedExperts;
 use super::RoutingTrace;
 use super::{
     dense_state, multi, Engine, EngineConfig, ExchangeParts, ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
-use crate::model::{DenseKernels, ModelConfig, TimedKernels};
+use crate::model::{DenseKernels, ModelConfig, ScratchBuffers, TimedKernels};
 use crate::EngineError;
 
 impl Engine {
@@ -49,6 +49,9 @@ impl Engine {
         let group = expert_group(&model, &config, &devices[0], &cache);
         for dev in &mut devices {
             dev.group = group;
+            // A group's rows gathered at once: each expert's input and,
+            // in the backward, its output gradient.
+            dev.scratch = ScratchBuffers::new(SCRATCH_KEPT.max(2 * group));
         }
         cache.set_schedule(step_schedule(&model, &config, device_slots, &cache));
         let shared = shared_experts(&model, &config, &store, layout, cache, device_slots)?;

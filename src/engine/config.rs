@@ -192,11 +192,13 @@ pub struct EngineConfig {
     /// the bits of `devices = N` in one process. 1 (the default): this
     /// process is the whole world.
     pub ranks: usize,
-    /// On one device whose experts read rows in its own memory (a GPU):
-    /// how many of a layer's experts a pass stages and computes at once,
-    /// each of the group's products one grouped GEMM. `None` (the
-    /// default): the device's own limit (`ExpertDevice::group_limit`; 1 on
-    /// the cpu). Either way at most half of the device's expert slots, and
+    /// On one device: how many of a layer's experts a pass stages and
+    /// computes at once: on a GPU each of the group's products one grouped
+    /// GEMM, on the cpu the group's experts side by side on the compute
+    /// threads (where it has at least two a thread; else one at a time,
+    /// each GEMM split over them). `None` (the default): the device's own
+    /// limit (`ExpertDevice::group_limit`; on the cpu 64 with several
+    /// compute threads, 1 with one). Either way at most half of the device's expert slots, and
     /// where the host tier streams records, half of its streaming slots;
     /// several devices or ranks compute one expert at a time. The results
     /// are the same bits whatever the group (each expert's products are

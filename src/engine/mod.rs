@@ -32,6 +32,7 @@ mod device_rows;
 mod exchange;
 mod grad_buffers;
 mod gradients;
+mod host_groups;
 mod host_plan;
 mod metrics;
 mod multi;

@@ -22,7 +22,7 @@ use super::ScheduleKind;
 
 use super::device_rows::PendingGradient;
 use crate::backend::{DeviceRows, ExpertBackwardRows, ExpertForwardRows, SlotParams};
-use crate::math::{gather_forward, AssignmentGrads, Permutation};
+use crate::math::{AssignmentGrads, Permutation};
 use crate::model::{ExpertRunner, ModelConfig};
 use crate::EngineError;
 
@@ -548,16 +548,9 @@ impl ExpertRunner for DeviceRunner<'_> {
         x: &[f32],
         out: &mut [f32],
     ) -> Result<(), EngineError> {
-        let (d, k) = (self.model.d_model, self.model.top_k);
         let order = self.forward_routed(layer, perm);
-        self.pipeline(Pass::Forward, layer, &order, |runner, expert, params| {
-            let rows = perm.rows(expert);
-            let mut xe = runner.dev.scratch.take(rows.len() * d); // gathered over
-            gather_forward(&mut xe, x, rows, k, d);
-            let ye = perm.block_mut(out, expert, d);
-            runner.expert_forward(layer, expert, &xe, params, ye)?;
-            runner.dev.scratch.give(xe);
-            Ok(())
+        self.pipeline_groups(Pass::Forward, layer, &order, |runner, members| {
+            runner.forward_group(layer, perm, x, out, members)
         })
     }
 
@@ -570,21 +563,10 @@ impl ExpertRunner for DeviceRunner<'_> {
         dx: &mut [f32],
         last_micro_batch: bool,
     ) -> Result<(), EngineError> {
-        let (d, k, experts) = (self.model.d_model, self.model.top_k, self.model.experts);
+        let experts = self.model.experts;
         let order: Vec<usize> = (0..experts).rev().filter(|&e| perm.count(e) > 0).collect();
-        self.pipeline(Pass::Backward, layer, &order, |runner, expert, params| {
-            let rows = perm.rows(expert);
-            // Both gathered over.
-            let mut xe = runner.dev.scratch.take(rows.len() * d);
-            gather_forward(&mut xe, x, rows, k, d);
-            let mut dye = runner.dev.scratch.take(rows.len() * d);
-            dout.gather(&mut dye, rows);
-            let dxe = perm.block_mut(dx, expert, d);
-            runner.expert_backward(layer, expert, &xe, &dye, params, last_micro_batch, dxe)?;
-            for buf in [xe, dye] {
-                runner.dev.scratch.give(buf);
-            }
-            Ok(())
+        self.pipeline_groups(Pass::Backward, layer, &order, |runner, members| {
+            runner.backward_group(layer, perm, x, dout, dx, last_micro_batch, members)
         })
     }
 }

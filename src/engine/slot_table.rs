@@ -262,6 +262,10 @@ pub(crate) struct DeviceState {
 /// device's own limit where `None`), and at most half of its `slots`, so
 /// that one group computes while the next one's uploads land in slots of
 /// their own; at least 1.
+/// Scratch buffers a device keeps at least: an expert's gathered rows
+/// and output gradient, and the exchange's.
+pub(crate) const SCRATCH_KEPT: usize = 4;
+
 pub(crate) fn group_size(asked: Option<usize>, limit: usize, slots: usize) -> usize {
     asked.unwrap_or(limit).min(slots / 2).max(1)
 }
@@ -287,7 +291,7 @@ impl DeviceState {
             saved: vec![vec![ExpertSaved::default(); experts]; layers],
             saved_x: vec![vec![Vec::new(); experts]; layers],
             buffers: F32BufferPool::new(3 * layers + 6),
-            scratch: ScratchBuffers::new(4),
+            scratch: ScratchBuffers::new(SCRATCH_KEPT),
             acc: Accumulators::new(layers, experts),
             routing: None,
             io,

@@ -30,7 +30,40 @@ static COMPUTE_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 /// the count is fixed once. Splits only change how work is shared out,
 /// never a result.
 pub fn compute_threads() -> usize {
+    if ONE_THREAD.with(std::cell::Cell::get) {
+        return 1;
+    }
+    configured_compute_threads()
+}
+
+/// [`compute_threads`] as the process fixed it, whatever the calling
+/// thread computes: what the pool sizes itself by.
+pub(crate) fn configured_compute_threads() -> usize {
     *COMPUTE_THREADS.get_or_init(machine_cores)
+}
+
+thread_local! {
+    /// Set while this thread computes one of several pieces side by side
+    /// ([`on_one_thread`]).
+    static ONE_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `body` with this thread's splits on this thread alone:
+/// [`compute_threads`] is 1 within it. For work already split into
+/// pieces, one to a thread (the cpu device's experts side by side), whose
+/// own GEMMs and passes would only queue pieces for threads that are
+/// busy with the other pieces. No result changes: splits never change a
+/// bit.
+pub(crate) fn on_one_thread<T>(body: impl FnOnce() -> T) -> T {
+    /// Restores the thread's flag, also when `body` panics.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ONE_THREAD.with(|f| f.set(self.0));
+        }
+    }
+    let _restore = Restore(ONE_THREAD.with(|f| f.replace(true)));
+    body()
 }
 
 /// Fixes, for the rest of the process, how many threads the cpu backend's

@@ -75,7 +75,7 @@ impl Latch {
 }
 
 impl WorkerPool {
-    /// The process's pool: `compute_threads() - 1` workers (the caller is the
+    /// The process's pool: `configured_compute_threads() - 1` workers (the caller is the
     /// other), started on first use. It holds threads only: no state that
     /// a result could depend on.
     pub(crate) fn global() -> &'static WorkerPool {
@@ -85,7 +85,7 @@ impl WorkerPool {
                 queue: Mutex::new(VecDeque::new()),
                 queued: Condvar::new(),
             }));
-            for i in 1..super::compute_threads() {
+            for i in 1..super::configured_compute_threads() {
                 // A worker that cannot be started leaves its pieces to the
                 // callers, which run queued pieces while they wait.
                 let _ = std::thread::Builder::new()

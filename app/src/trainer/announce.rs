@@ -180,10 +180,15 @@ pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
             engine.host_slots()
         ));
     }
-    if engine.expert_group() > 1 {
+    let group = engine.expert_group();
+    if group > 1 {
+        let how = match o.backend.as_str() {
+            "cuda" => "each of their products one grouped GEMM",
+            _ if group >= 2 * strata::compute_threads() => "side by side on the compute threads",
+            _ => "each computed alone, its GEMMs split over the compute threads",
+        };
         lines.push(format!(
-            "  experts: up to {} of a layer at a time, each of their products one grouped GEMM",
-            engine.expert_group()
+            "  experts: up to {group} of a layer at a time, {how}"
         ));
     }
     if engine.deferred_updates() > 0 {
