@@ -3,12 +3,12 @@
 //! params as they are stored ([`ExpertGemm::Bf16`]) or widened into a
 //! reused f32 buffer, with reused hidden-size buffers. A group of experts
 //! ([`ExpertDevice::experts_forward`], `experts_backward`) is computed
-//! side by side, an expert to a compute thread with its own buffers and
-//! its GEMMs on that thread alone: one split for the group rather than
+//! side by side, an expert to a compute thread with that thread's buffers
+//! and its GEMMs on that thread alone: one split for the group rather than
 //! several for each expert's GEMMs, and the same bits (no expert's sums
 //! depend on its threads).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use strata_tiers::{CpuDeviceArena, DeviceArena, Dtype, Layout};
 
@@ -29,8 +29,9 @@ use crate::EngineError;
 pub struct CpuExpertDevice {
     arena: CpuDeviceArena,
     gemm: ExpertGemm,
-    /// Each expert's buffers of a group computed side by side, the first
-    /// also those of an expert computed alone (reused).
+    /// The buffers of the experts computing at once: one a thread of a
+    /// group side by side, the first also an expert's computed alone
+    /// (reused).
     buffers: Vec<ExpertBuffers>,
 }
 
@@ -98,9 +99,11 @@ impl CpuExpertDevice {
         ))
     }
 
-    /// Runs `one` on each expert of `group` with its own buffers, side by
-    /// side on the compute threads, each on its thread alone
-    /// ([`on_one_thread`]); the first error, if any.
+    /// Runs `one` on each expert of `group`, side by side on the compute
+    /// threads, each on its thread alone ([`on_one_thread`]) with buffers
+    /// no other expert computing meanwhile holds (taken from the device's
+    /// and given back, so there are never more than threads computing at
+    /// once); the first error, if any.
     fn side_by_side<E: Send>(
         &mut self,
         group: &mut [E],
@@ -108,19 +111,21 @@ impl CpuExpertDevice {
         one: impl Fn(&CpuDeviceArena, ExpertGemm, &mut ExpertBuffers, &mut E) -> Result<(), EngineError>
             + Sync,
     ) -> Result<(), EngineError> {
-        if self.buffers.len() < group.len() {
-            self.buffers
-                .resize_with(group.len(), ExpertBuffers::default);
-        }
         let (arena, gemm, one) = (&self.arena, self.gemm, &one);
+        let pool = Mutex::new(std::mem::take(&mut self.buffers));
+        let free = &pool;
         let mut results: Vec<Result<(), EngineError>> = group.iter().map(|_| Ok(())).collect();
         let mut jobs: Vec<_> = group
             .iter_mut()
-            .zip(&mut self.buffers)
             .zip(&mut results)
-            .map(|((e, buffers), result)| {
+            .map(|(e, result)| {
                 let rows = rows(e);
-                let job = move || *result = on_one_thread(|| one(arena, gemm, buffers, e));
+                let job = move || {
+                    let lock = || free.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut buffers = lock().pop().unwrap_or_default();
+                    *result = on_one_thread(|| one(arena, gemm, &mut buffers, e));
+                    lock().push(buffers);
+                };
                 (rows, job)
             })
             .collect();
@@ -128,6 +133,10 @@ impl CpuExpertDevice {
         // turn, so the last to start are the shortest.
         jobs.sort_by_key(|&(rows, _)| std::cmp::Reverse(rows));
         run_all(jobs.into_iter().map(|(_, job)| job).collect());
+        self.buffers = pool.into_inner().unwrap_or_else(|e| e.into_inner());
+        if self.buffers.is_empty() {
+            self.buffers.push(ExpertBuffers::default());
+        }
         results.into_iter().collect()
     }
 
