@@ -822,6 +822,75 @@ fn the_first_line_names_the_backend_it_chose() {
     assert!(line.ends_with("backend cpu"), "{line}");
 }
 
+/// On two compute threads the cpu says how it computes a layer's
+/// experts: side by side where a group holds two a thread, else each
+/// alone with its GEMMs split; a group never more than a layer's experts;
+/// one thread says nothing of groups. The losses are the same bits.
+#[test]
+fn the_cpu_says_how_it_computes_a_group_of_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "2",
+            Some("4"),
+            Some("up to 4 of a layer at a time, side by side on the compute threads"),
+        ),
+        (
+            "2",
+            Some("64"),
+            Some("up to 8 of a layer at a time, side by side"),
+        ),
+        (
+            "2",
+            Some("2"),
+            Some("up to 2 of a layer at a time, each computed alone"),
+        ),
+        ("1", None, None),
+    ];
+    let mut losses = Vec::new();
+    for (i, (threads, group, said)) in cases.into_iter().enumerate() {
+        let out = dir.path().join(format!("case-{i}"));
+        let mut args: Vec<String> = [
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch",
+            "4",
+            "--compute-threads",
+            threads,
+            "--out",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.push(out.to_str().unwrap().to_string());
+        if let Some(g) = group {
+            args.extend(["--expert-group".to_string(), g.to_string()]);
+        }
+        let run = strata_bin().args(&args).output().unwrap();
+        assert!(run.status.success(), "{run:?}");
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        let line = stdout.lines().find(|l| l.contains("experts: up to"));
+        match said {
+            Some(said) => assert!(line.is_some_and(|l| l.contains(said)), "{stdout}"),
+            None => assert!(line.is_none(), "{stdout}"),
+        }
+        let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let loss: Vec<u64> = log
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|m| m["loss"].as_f64())
+            .map(f64::to_bits)
+            .collect();
+        losses.push(loss);
+    }
+    assert!(!losses[0].is_empty());
+    assert!(losses.windows(2).all(|w| w[0] == w[1]), "{losses:?}");
+}
+
 /// `--bf16-kernel` fixes the cpu's bf16 GEMM kernel for the run: its first
 /// line names it and `run.json` keeps it; the portable, `vdpbf16ps` and
 /// FMA kernels train the same bits; a kernel this CPU lacks, or a name

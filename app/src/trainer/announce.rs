@@ -180,7 +180,8 @@ pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
             engine.host_slots()
         ));
     }
-    let group = engine.expert_group();
+    // A layer's experts at most, however many a group could hold.
+    let group = engine.expert_group().min(engine.model().experts);
     if group > 1 {
         let how = match o.backend.as_str() {
             "cuda" => "each of their products one grouped GEMM",
