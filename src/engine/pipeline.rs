@@ -1,5 +1,7 @@
 //! The expert-wise schedule (ES-MoE §4.1, fig. 2) on one device: per layer,
-//! expert by expert, the next expert's upload is issued before this one
+//! expert by expert (or a group of experts at a time: a GPU's grouped
+//! GEMMs, `device_rows.rs`; the cpu's experts side by side,
+//! `host_groups.rs`), the next expert's upload is issued before this one
 //! computes; after an expert's backward its gradient goes to the optimizer
 //! at once. The `naive` schedule (ZeRO-Offload at expert granularity)
 //! uploads synchronously and leaves the optimizer to the end.
