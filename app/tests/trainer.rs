@@ -862,6 +862,8 @@ fn the_cpu_says_how_it_computes_a_group_of_experts() {
             "4",
             "--compute-threads",
             threads,
+            "--backend",
+            "cpu",
             "--out",
         ]
         .map(String::from)
