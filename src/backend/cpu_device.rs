@@ -139,17 +139,17 @@ impl CpuExpertDevice {
         }
         results.into_iter().collect()
     }
+}
 
-    /// Whether a group of `experts` is computed side by side: where it has
-    /// at least two experts a thread, so that the threads, taking the most
-    /// rows first, end close together. A smaller group is computed an
-    /// expert at a time, each GEMM split over the threads (on small's
-    /// shapes on two threads, groups of 2 ran at 0.85 of that, whole
-    /// layers of 8 at 1.05: docs/performance.md).
-    fn splits(experts: usize) -> bool {
-        let threads = compute_threads();
-        threads > 1 && experts >= 2 * threads
-    }
+/// Whether the cpu device computes a group of `experts` side by side:
+/// where it has at least two experts a thread, so that the threads, taking
+/// the most rows first, end close together. A smaller group is computed an
+/// expert at a time, each GEMM split over the threads (on small's shapes
+/// on two threads, groups of 2 ran at 0.85 of that, whole layers of 8 at
+/// 1.05: docs/performance.md).
+pub fn cpu_group_side_by_side(experts: usize) -> bool {
+    let threads = compute_threads();
+    threads > 1 && experts >= 2 * threads
 }
 
 /// Widens the slot's params into `params`, split over the cores as the
@@ -285,7 +285,7 @@ impl ExpertDevice for CpuExpertDevice {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        if !Self::splits(group.len()) {
+        if !cpu_group_side_by_side(group.len()) {
             let (arena, gemm, buffers) = (&self.arena, self.gemm, &mut self.buffers[0]);
             return group
                 .iter_mut()
@@ -304,7 +304,7 @@ impl ExpertDevice for CpuExpertDevice {
         d: usize,
         f: usize,
     ) -> Result<(), EngineError> {
-        if !Self::splits(group.len()) {
+        if !cpu_group_side_by_side(group.len()) {
             let (arena, gemm, buffers) = (&self.arena, self.gemm, &mut self.buffers[0]);
             return group
                 .iter_mut()

@@ -106,7 +106,7 @@ pub fn head_block_rows(v: usize) -> usize {
     (HEAD_BLOCK_BYTES / (4 * v)).max(1)
 }
 pub use cpu_bf16::gemm_forward_bf16;
-pub use cpu_device::{CpuExpertDevice, CPU_GROUP_MAX};
+pub use cpu_device::{cpu_group_side_by_side, CpuExpertDevice, CPU_GROUP_MAX};
 pub use expert_device::{
     ArrivingGradient, DeviceGradient, DeviceRows, Download, ExpertBackward, ExpertBackwardRows,
     ExpertDevice, ExpertForward, ExpertForwardRows, SlotParams, GRADIENT_DOWNLOAD_BUFFERS,

@@ -185,7 +185,9 @@ pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
     if group > 1 {
         let how = match o.backend.as_str() {
             "cuda" => "each of their products one grouped GEMM",
-            _ if group >= 2 * strata::compute_threads() => "side by side on the compute threads",
+            _ if strata::backend::cpu_group_side_by_side(group) => {
+                "side by side on the compute threads"
+            }
             _ => "each computed alone, its GEMMs split over the compute threads",
         };
         lines.push(format!(

@@ -14,6 +14,38 @@ fn as_bf16(v: __m512i) -> __m512bh {
     unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
 }
 
+/// Row `p` of B's panel: its NR = 32 pairs in two registers.
+///
+/// # Safety
+/// The CPU has AVX512F; `b` points at a panel of more than `p` rows of NR.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn b_row(b: *const u32, p: usize) -> (__m512i, __m512i) {
+    // SAFETY: the row's NR u32 are in bounds (the contract); unaligned
+    // loads.
+    unsafe {
+        let at = b.add(p * NR);
+        (
+            _mm512_loadu_si512(at.cast()),
+            _mm512_loadu_si512(at.add(16).cast()),
+        )
+    }
+}
+
+/// Writes the MR rows of sums, each row's first 16 in `lo` and last 16 in
+/// `hi`, into `tile`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn store_tile(tile: &mut Tile, lo: &[__m512; MR], hi: &[__m512; MR]) {
+    for i in 0..MR {
+        // SAFETY: each tile row holds NR = 32 f32; unaligned stores.
+        unsafe {
+            _mm512_storeu_ps(tile[i].as_mut_ptr(), lo[i]);
+            _mm512_storeu_ps(tile[i].as_mut_ptr().add(16), hi[i]);
+        }
+    }
+}
+
 /// # Safety
 /// The CPU has AVX512F and AVX512-BF16; `a` points at MR rows of `pairs`
 /// readable pairs at strides (si, sp), and `b` at `pairs` × NR.
@@ -30,15 +62,9 @@ pub(super) unsafe fn tile_avx512(
     let mut lo = [_mm512_setzero_ps(); MR];
     let mut hi = [_mm512_setzero_ps(); MR];
     for p in 0..pairs {
-        // SAFETY: row `p` of B's panel, NR = 32 pairs, is in bounds (the
-        // function's contract); the loads are unaligned.
-        let (b0, b1) = unsafe {
-            let at = b.add(p * NR);
-            (
-                _mm512_loadu_si512(at.cast()),
-                _mm512_loadu_si512(at.add(16).cast()),
-            )
-        };
+        // SAFETY: row `p` of B's panel is in bounds (the function's
+        // contract).
+        let (b0, b1) = unsafe { b_row(b, p) };
         let (b0, b1) = (as_bf16(b0), as_bf16(b1));
         for i in 0..MR {
             // SAFETY: row i's pair p is in bounds (the contract).
@@ -47,13 +73,7 @@ pub(super) unsafe fn tile_avx512(
             hi[i] = _mm512_dpbf16_ps(hi[i], ai, b1);
         }
     }
-    for i in 0..MR {
-        // SAFETY: each tile row holds NR = 32 f32; unaligned stores.
-        unsafe {
-            _mm512_storeu_ps(tile[i].as_mut_ptr(), lo[i]);
-            _mm512_storeu_ps(tile[i].as_mut_ptr().add(16), hi[i]);
-        }
-    }
+    store_tile(tile, &lo, &hi);
 }
 
 /// # Safety
@@ -74,15 +94,9 @@ pub(super) unsafe fn tile_avx512_fma(
     let mut lo = [_mm512_setzero_ps(); MR];
     let mut hi = [_mm512_setzero_ps(); MR];
     for p in 0..pairs {
-        // SAFETY: row `p` of B's panel, NR = 32 pairs, is in bounds (the
-        // function's contract); the loads are unaligned.
-        let (b0, b1) = unsafe {
-            let at = b.add(p * NR);
-            (
-                _mm512_loadu_si512(at.cast()),
-                _mm512_loadu_si512(at.add(16).cast()),
-            )
-        };
+        // SAFETY: row `p` of B's panel is in bounds (the function's
+        // contract).
+        let (b0, b1) = unsafe { b_row(b, p) };
         // Each pair's even element is its low half, its odd one the high.
         let (even0, odd0) = (
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b0)),
@@ -105,13 +119,7 @@ pub(super) unsafe fn tile_avx512_fma(
             hi[i] = _mm512_fmadd_ps(ae, even1, hi[i]);
         }
     }
-    for i in 0..MR {
-        // SAFETY: each tile row holds NR = 32 f32; unaligned stores.
-        unsafe {
-            _mm512_storeu_ps(tile[i].as_mut_ptr(), lo[i]);
-            _mm512_storeu_ps(tile[i].as_mut_ptr().add(16), hi[i]);
-        }
-    }
+    store_tile(tile, &lo, &hi);
 }
 
 /// # Safety
