@@ -24,6 +24,8 @@ mod kernel;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
+mod x86_pack;
+#[cfg(target_arch = "x86_64")]
 mod x86_tiles;
 
 use a_pairs::APairs;
@@ -148,6 +150,12 @@ fn pack(x: Operand, r: usize, k: usize, block: Block, out: &mut [u32]) {
 #[inline(always)]
 fn pack_pairs(v: &[u32], kp: usize, b: Block, out: &mut [u32]) {
     let out = &mut out[..b.pairs * NR];
+    #[cfg(target_arch = "x86_64")]
+    if b.nr == NR && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX512F (checked).
+        unsafe { x86_pack::pack_pairs_avx512(v, kp, (b.r0, b.p0, b.pairs), out) };
+        return;
+    }
     if b.nr < NR {
         out.fill(0);
     }
