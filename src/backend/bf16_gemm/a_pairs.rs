@@ -53,6 +53,12 @@ pub(super) struct APairs<'a> {
 }
 
 impl<'a> APairs<'a> {
+    /// The index of pair `p0` of the block of MR rows from row `r0` (a
+    /// multiple of MR) in an A of `kp` pairs a row.
+    pub fn block_at(&self, r0: usize, p0: usize, kp: usize) -> usize {
+        r0 * kp + p0 * self.strides.1
+    }
+
     /// The pairs from pair `at` on, as `kernel` reads them.
     pub fn from(&self, kernel: Bf16Kernel, at: usize) -> ABlock<'a> {
         if kernel.widens_a() {
@@ -65,10 +71,12 @@ impl<'a> APairs<'a> {
 
 /// Writes A (M × K) as bf16 pairs into `buf`, its rows padded with zeros to
 /// whole blocks of MR (and a last odd k with a zero), and returns the
-/// strides (si, sp) it reads with: rows of pairs where A is stored by rows
-/// (each element rounded where it lies), and pairs of rows where A is
-/// stored k-major (two rows of k interleaved), so that either is one
-/// streaming pass.
+/// strides (si, sp) it reads with within a block of MR rows; block b
+/// starts at b · MR · ⌈K/2⌉ (see [`APairs::block_at`]). Where A is stored
+/// by rows, its rows of pairs (each element rounded where it lies); where
+/// A is stored k-major, each block's MR pairs of a k side by side (two
+/// rows of k interleaved), so that a tile reads its pairs from one line
+/// after another. Either is one streaming pass over A.
 #[inline(always)]
 pub(super) fn a_pairs<P: Pair>(a: Operand, m: usize, k: usize, buf: &mut Vec<P>) -> (usize, usize) {
     let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
@@ -80,7 +88,7 @@ pub(super) fn a_pairs<P: Pair>(a: Operand, m: usize, k: usize, buf: &mut Vec<P>)
         Values::Bf16(v) => pairs_of(v, a.k_major, m, k, buf),
     }
     if a.k_major {
-        (1, mp)
+        (1, MR)
     } else {
         (kp, 1)
     }
@@ -121,19 +129,26 @@ pub(super) unsafe fn a_pairs_avx2<P: Pair>(
 fn pairs_of<T: Bf16Bits, P: Pair>(v: &[T], k_major: bool, m: usize, k: usize, buf: &mut [P]) {
     let (kp, mp) = (k.div_ceil(2), m.div_ceil(MR) * MR);
     if k_major {
-        for p in 0..kp {
-            let (out, padding) = buf[p * mp..][..mp].split_at_mut(m);
-            padding.fill(P::zeroed());
-            let even = &v[2 * p * m..][..m];
-            if 2 * p + 1 < k {
-                let odd = &v[(2 * p + 1) * m..][..m];
-                for ((o, e), d) in out.iter_mut().zip(even).zip(odd) {
-                    *o = P::of(e.bf16(), d.bf16());
+        // Each block's MR pairs of a k written together at the block's
+        // place.
+        let blocks = buf[..mp * kp].chunks_exact_mut(MR * kp);
+        for (b, block) in blocks.enumerate() {
+            let rows = MR.min(m - b * MR);
+            for p in 0..kp {
+                let out = &mut block[p * MR..][..MR];
+                let (out, padding) = out.split_at_mut(rows);
+                padding.fill(P::zeroed());
+                let even = &v[2 * p * m + b * MR..][..rows];
+                if 2 * p + 1 < k {
+                    let odd = &v[(2 * p + 1) * m + b * MR..][..rows];
+                    for ((o, e), d) in out.iter_mut().zip(even).zip(odd) {
+                        *o = P::of(e.bf16(), d.bf16());
+                    }
+                } else {
+                    out.iter_mut()
+                        .zip(even)
+                        .for_each(|(o, e)| *o = P::of(e.bf16(), 0));
                 }
-            } else {
-                out.iter_mut()
-                    .zip(even)
-                    .for_each(|(o, e)| *o = P::of(e.bf16(), 0));
             }
         }
     } else {

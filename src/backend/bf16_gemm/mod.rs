@@ -520,8 +520,7 @@ unsafe fn panel_product_body(
         pack(b, s.n, s.k, block, b_packed);
         let add = p0 > 0 || write == Write::Add;
         for r0 in (0..s.m).step_by(MR) {
-            let (si, sp) = a.strides;
-            let a_block = a.from(kernel, r0 * si + p0 * sp);
+            let a_block = a.from(kernel, a.block_at(r0, p0, s.kp));
             kernel.tile(a_block, a.strides, b_packed, pairs, &mut tile);
             let rows = &tile[..MR.min(s.m - r0)];
             // SAFETY: these rows and the panel's columns are in the output
