@@ -14,7 +14,7 @@
 
 use super::activations::{for_parts, hidden_into, sized, swiglu_input_grads};
 use super::gemm::{gemm_backward, gemm_forward, Write};
-use crate::math::{gelu_grad, resize_exact, ExpertKind, ExpertSaved};
+use crate::math::{gelu_grad, resize_exact_overwritten, ExpertKind, ExpertSaved};
 use crate::EngineError;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -47,10 +47,10 @@ pub(crate) fn ffn_forward(
     scratch: &mut FfnScratch,
 ) {
     assert_eq!(params.len(), kind.params(d, f));
-    resize_exact(&mut saved.a, n * f, 0.0);
+    resize_exact_overwritten(&mut saved.a, n * f, 0.0);
     gemm_forward(&mut saved.a, x, &params[..f * d], n, d, f);
     if kind == ExpertKind::SwiGlu {
-        resize_exact(&mut saved.b, n * f, 0.0);
+        resize_exact_overwritten(&mut saved.b, n * f, 0.0);
         gemm_forward(&mut saved.b, x, &params[f * d..2 * f * d], n, d, f);
     } else {
         saved.b.clear();

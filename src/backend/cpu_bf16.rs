@@ -11,7 +11,7 @@ use super::activations::{for_parts, hidden_into, sized, swiglu_input_grads};
 use super::bf16_gemm::{bf16_work, gemm_bf16, gemm_bf16_on, Operand, Values};
 use super::cpu::FfnScratch;
 use super::gemm::{threads_for, Write};
-use crate::math::{gelu_grad, resize_exact, ExpertKind, ExpertSaved};
+use crate::math::{gelu_grad, resize_exact_overwritten, ExpertKind, ExpertSaved};
 use crate::parallel::{compute_threads, run_all};
 
 /// Runs `a` and `b`, GEMMs of `macs` multiply-adds together, side by side
@@ -81,13 +81,13 @@ pub(crate) fn ffn_forward_bf16(
     scratch: &mut FfnScratch,
 ) {
     let w = Weights::split(kind, params, d, f);
-    resize_exact(&mut saved.a, n * f, 0.0);
+    resize_exact_overwritten(&mut saved.a, n * f, 0.0);
     let up = |threads, out: &mut [f32], w: &[u16]| {
         let w = Operand::rows(Values::Bf16(w));
         gemm_bf16_on(threads, out, Write::Set, rows_f32(x), w, (n, d, f));
     };
     if kind == ExpertKind::SwiGlu {
-        resize_exact(&mut saved.b, n * f, 0.0);
+        resize_exact_overwritten(&mut saved.b, n * f, 0.0);
         let (a, b) = (&mut saved.a, &mut saved.b);
         side_by_side(2 * n * d * f, |t| up(t, a, w.w1), |t| up(t, b, w.w3));
     } else {

@@ -316,6 +316,16 @@ pub fn resize_exact<R: Clone>(v: &mut Vec<R>, len: usize, value: R) {
     v.resize(len, value);
 }
 
+/// [`resize_exact`] for an output every element of which the caller then
+/// writes: where the capacity is short, the old values are dropped rather
+/// than copied into the new allocation.
+pub(crate) fn resize_exact_overwritten<R: Clone>(v: &mut Vec<R>, len: usize, value: R) {
+    if v.capacity() < len {
+        *v = Vec::new();
+    }
+    resize_exact(v, len, value);
+}
+
 /// out (n, D) = expert(x (n, D)), with `params` laid out as `ExpertKind` says.
 pub fn expert_ffn_forward<R: Real>(
     kind: ExpertKind,
