@@ -203,6 +203,37 @@ pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
     lines
 }
 
+/// Bytes to set up (store records to write, host memory to pin) from
+/// which a run says what it is setting up before the engine opens: a
+/// first touch of host memory can run at a few hundred MB/s (on a virtual
+/// machine, 8.86 GiB for moe-s's records took about half a minute), and
+/// the run prints nothing else meanwhile.
+const SETTING_UP_SAID_FROM: u64 = 1 << 30;
+
+/// What opening the engine sets up, where that is much: the store's
+/// expert records written (`writes_store`: a new run that initializes its
+/// experts) and the host memory its expert records take, which the host
+/// tier pins whole.
+pub(super) fn setting_up_line(writes_store: bool, plan: &MemoryPlan) -> Option<String> {
+    let store = if writes_store { plan.ssd_bytes } else { 0 };
+    if store.max(plan.expert_host_bytes) < SETTING_UP_SAID_FROM {
+        return None;
+    }
+    let host = format!(
+        "pinning {} of host memory for {} expert records",
+        options::show_bytes(plan.expert_host_bytes),
+        plan.host_slots
+    );
+    Some(match writes_store {
+        true => format!(
+            "  setting up: writing the store's {} expert records ({} store), then {host} …",
+            plan.expert_count,
+            options::show_bytes(plan.ssd_bytes)
+        ),
+        false => format!("  setting up: {host} …"),
+    })
+}
+
 /// The line that says which groups train, where some are frozen.
 pub(super) fn frozen_line(o: &TrainOptions, plan: &MemoryPlan) -> String {
     format!(
@@ -279,6 +310,52 @@ fn unused_split(o: &TrainOptions, cells: usize) -> Vec<String> {
 mod tests {
     use super::*;
     use crate::trainer::TrainFlags;
+
+    /// `model`'s plan at 8 × 64 tokens, `host_mem` and 4 GiB a device.
+    fn planned(model: &str, host_mem: u64) -> MemoryPlan {
+        let m = LmConfig::preset(model).unwrap();
+        super::super::plan::plan(&super::super::plan::PlanInput {
+            model: &m,
+            frozen_dense: 0,
+            train_experts: true,
+            compute_dtype: strata_tiers::Dtype::Bf16,
+            seq_len: 64,
+            batch: 8,
+            micro_batches: 1,
+            devices: 1,
+            ranks: 1,
+            device_mem: 4 << 30,
+            host_mem,
+            store_dir: None,
+            host_stream_slots: EngineConfig::default().host_stream_slots,
+            host_cell_slots: 0,
+            gpu: false,
+            expert_group: None,
+            dense_on_device: false,
+            dense_gemm: strata::backend::DenseGemm::Bf16,
+        })
+        .unwrap()
+    }
+
+    /// Said where the store or the host tier is large, not where both
+    /// are small; the store's writing where the run writes it.
+    #[test]
+    fn a_long_set_up_is_said_before_the_engine_opens() {
+        let roomy = planned("moe-s", 12 << 30);
+        let line = setting_up_line(true, &roomy).expect("18 GiB to write");
+        assert!(line.starts_with("  setting up: writing the store's 96 expert records"));
+        assert!(line.contains("pinning 8.86 GiB of host memory for 96 expert records"));
+        assert_eq!(
+            setting_up_line(false, &roomy).expect("8.86 GiB to pin"),
+            "  setting up: pinning 8.86 GiB of host memory for 96 expert records …"
+        );
+        // Records streaming through a few host slots: the store alone.
+        let streaming = planned("moe-s", 1 << 30);
+        assert!(streaming.expert_host_bytes < 1 << 30);
+        assert!(setting_up_line(true, &streaming).is_some());
+        assert_eq!(setting_up_line(false, &streaming), None);
+        assert_eq!(setting_up_line(true, &planned("tiny", 1 << 30)), None);
+    }
 
     #[test]
     fn a_split_that_does_not_apply_is_named() {

@@ -479,6 +479,11 @@ fn run_locked(
         lm: &lm,
         created_out,
     };
+    // A fine-tuned run's import says its own line and shows its bar.
+    let set_up = announce::setting_up_line(!o.resume, &plan).filter(|_| imported.is_none());
+    if let Some(line) = set_up {
+        speaker.say(line);
+    }
     let mut engine = opened.engine(engine_config, imported, world, &mut data)?;
     for line in announce::engine_lines(&o, &engine) {
         speaker.say(line);
