@@ -6,9 +6,9 @@
 //!
 //! Blocked as BLIS is: A is packed once into blocks of MR rows, K's pairs
 //! innermost; each thread takes a range of N's panels of NR columns and, a
-//! block of `KC_PAIRS` pairs at a time, packs its panel (which then stays
-//! in L1 while every block of A passes it) and computes its MR × NR tiles
-//! (`kernel.rs`). Each output element is the same sum in the same order
+//! block of `KC_PAIRS` pairs at a time, packs up to `B_PANELS_BYTES` of
+//! its panels (which then stay in L2 while every block of A passes them)
+//! and computes their MR × NR tiles (`kernel.rs`). Each output element is the same sum in the same order
 //! whatever the threads (they split N, never K), and the same on every
 //! CPU (see `kernel.rs`): the sum of each block of K, then the blocks added
 //! to the output in K's order. Where the CPU has AMX, its tiles compute
@@ -42,6 +42,11 @@ use crate::parallel::{compute_threads, run_all};
 /// Pairs of K in a block: a panel's block is NR × 2 × `KC_PAIRS` bf16 =
 /// 16 KiB, half of a small L1.
 const KC_PAIRS: usize = 128;
+
+/// The most bytes of B's packed panels a thread keeps for one block of K
+/// (`panel_product`): 64 panels of `KC_PAIRS` pairs, within this
+/// machine's 2 MiB L2 beside A's rows.
+const B_PANELS_BYTES: usize = 1 << 20;
 
 /// A GEMM operand's values.
 #[derive(Clone, Copy, Debug)]
@@ -337,11 +342,14 @@ pub(crate) fn gemm_bf16_with(
     };
     on_panels(parts, panels, |range| {
         let mut b_packed = B_PACKED.take();
-        b_packed.resize(KC_PAIRS.min(shape.kp) * NR, 0);
-        for panel in range {
+        let block = 4 * NR * KC_PAIRS.min(shape.kp);
+        let chunk = (B_PANELS_BYTES / block).clamp(1, range.len().max(1));
+        b_packed.resize(chunk * block / 4, 0);
+        for first in range.clone().step_by(chunk) {
+            let panels = first..(first + chunk).min(range.end);
             // SAFETY: panels are split among the threads, so this one
-            // alone writes this panel's columns (`OutPtr`).
-            unsafe { panel_product(kernel, shape, a, &mut b_packed, b, panel, dst, write) };
+            // alone writes these panels' columns (`OutPtr`).
+            unsafe { panel_product(kernel, shape, a, &mut b_packed, b, panels, dst, write) };
         }
         B_PACKED.set(b_packed);
     });
@@ -401,7 +409,7 @@ thread_local! {
     static A_WIDE: std::cell::Cell<Vec<[f32; 2]>> = const { std::cell::Cell::new(Vec::new()) };
     /// A's rows for the AMX kernel (`amx::a_rows`), likewise.
     static A_ROWS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
-    /// A block of B's panel, likewise.
+    /// Blocks of B's panels, likewise.
     static B_PACKED: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
@@ -414,10 +422,14 @@ struct Shape {
     kp: usize,
 }
 
-/// Columns `panel * NR ..` of the output, block of K by block of K.
+/// The output's columns of `panels`, block of K by block of K: each
+/// block's panels of B packed first (reading B along its rows where it is
+/// stored k-major, as the backward's weights are), then each block of
+/// A's rows passed over every panel, so that the output is written a
+/// block of rows at a time. `b_packed` holds the panels' blocks.
 ///
 /// # Safety
-/// `dst` points at the M × N output, whose columns of `panel` no other
+/// `dst` points at the M × N output, whose columns of `panels` no other
 /// thread reads or writes meanwhile.
 #[allow(clippy::too_many_arguments)]
 unsafe fn panel_product(
@@ -426,7 +438,7 @@ unsafe fn panel_product(
     a: APairs,
     b_packed: &mut [u32],
     b: Operand,
-    panel: usize,
+    panels: std::ops::Range<usize>,
     dst: OutPtr,
     write: Write,
 ) {
@@ -435,17 +447,17 @@ unsafe fn panel_product(
         assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
         // SAFETY: the CPU has AVX512F (asserted: the kernel needs it); the
         // output's columns are the caller's (its contract, passed on).
-        return unsafe { panel_product_avx512(kernel, s, a, b_packed, b, panel, dst, write) };
+        return unsafe { panel_product_avx512(kernel, s, a, b_packed, b, panels, dst, write) };
     }
     #[cfg(target_arch = "x86_64")]
     if kernel == Bf16Kernel::Avx2Fma {
         assert!(kernel.supported(), "the CPU lacks {}", kernel.name());
         // SAFETY: the CPU has AVX2 (asserted: the kernel needs it); the
         // output's columns are the caller's (its contract, passed on).
-        return unsafe { panel_product_avx2(kernel, s, a, b_packed, b, panel, dst, write) };
+        return unsafe { panel_product_avx2(kernel, s, a, b_packed, b, panels, dst, write) };
     }
     // SAFETY: the caller's contract, passed on.
-    unsafe { panel_product_body(kernel, s, a, b_packed, b, panel, dst, write) }
+    unsafe { panel_product_body(kernel, s, a, b_packed, b, panels, dst, write) }
 }
 
 /// [`panel_product`] compiled for AVX-512, so that the packing of B and
@@ -463,12 +475,12 @@ unsafe fn panel_product_avx512(
     a: APairs,
     b_packed: &mut [u32],
     b: Operand,
-    panel: usize,
+    panels: std::ops::Range<usize>,
     dst: OutPtr,
     write: Write,
 ) {
     // SAFETY: the caller's contract, passed on.
-    unsafe { panel_product_body(kernel, s, a, b_packed, b, panel, dst, write) }
+    unsafe { panel_product_body(kernel, s, a, b_packed, b, panels, dst, write) }
 }
 
 /// [`panel_product`] compiled for AVX2, likewise.
@@ -484,12 +496,12 @@ unsafe fn panel_product_avx2(
     a: APairs,
     b_packed: &mut [u32],
     b: Operand,
-    panel: usize,
+    panels: std::ops::Range<usize>,
     dst: OutPtr,
     write: Write,
 ) {
     // SAFETY: the caller's contract, passed on.
-    unsafe { panel_product_body(kernel, s, a, b_packed, b, panel, dst, write) }
+    unsafe { panel_product_body(kernel, s, a, b_packed, b, panels, dst, write) }
 }
 
 /// # Safety
@@ -502,30 +514,38 @@ unsafe fn panel_product_body(
     a: APairs,
     b_packed: &mut [u32],
     b: Operand,
-    panel: usize,
+    panels: std::ops::Range<usize>,
     dst: OutPtr,
     write: Write,
 ) {
-    let c0 = panel * NR;
-    let cols = NR.min(s.n - c0);
     let mut tile: Tile = [[0.0; NR]; MR];
     for p0 in (0..s.kp).step_by(KC_PAIRS) {
         let pairs = KC_PAIRS.min(s.kp - p0);
-        let block = Block {
-            r0: c0,
-            nr: cols,
-            p0,
-            pairs,
-        };
-        pack(b, s.n, s.k, block, b_packed);
+        // Every panel's block of this K block, packed first: B is read
+        // along its rows, and each row block of A then passes every panel.
+        for (i, panel) in panels.clone().enumerate() {
+            let c0 = panel * NR;
+            let block = Block {
+                r0: c0,
+                nr: NR.min(s.n - c0),
+                p0,
+                pairs,
+            };
+            pack(b, s.n, s.k, block, &mut b_packed[i * pairs * NR..]);
+        }
         let add = p0 > 0 || write == Write::Add;
         for r0 in (0..s.m).step_by(MR) {
             let a_block = a.from(kernel, a.block_at(r0, p0, s.kp));
-            kernel.tile(a_block, a.strides, b_packed, pairs, &mut tile);
-            let rows = &tile[..MR.min(s.m - r0)];
-            // SAFETY: these rows and the panel's columns are in the output
-            // and this thread's alone (the caller's contract).
-            unsafe { write_rows(dst, s.n, (r0, c0), cols, rows, add) };
+            for (i, panel) in panels.clone().enumerate() {
+                let c0 = panel * NR;
+                let cols = NR.min(s.n - c0);
+                let b_block = &b_packed[i * pairs * NR..];
+                kernel.tile(a_block, a.strides, b_block, pairs, &mut tile);
+                let rows = &tile[..MR.min(s.m - r0)];
+                // SAFETY: these rows and the panel's columns are in the
+                // output and this thread's alone (the caller's contract).
+                unsafe { write_rows(dst, s.n, (r0, c0), cols, rows, add) };
+            }
         }
     }
 }
