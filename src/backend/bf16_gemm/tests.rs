@@ -290,3 +290,37 @@ fn a_chosen_kernel_holds_for_the_process() {
     }
     assert_eq!(Bf16Kernel::from_name("avx2"), None);
 }
+
+/// A thread packs its panels `B_PANELS_BYTES` at a time: a GEMM whose
+/// panels take several such chunks (130 panels of 150 pairs: two chunks a
+/// thread on two threads, three on one) gives each column the bits of the
+/// same GEMM on that column's panel alone.
+#[test]
+fn panels_packed_in_chunks_give_each_panel_s_bits() {
+    let (m, k, n) = (9, 300, 130 * NR - 5);
+    assert!(n.div_ceil(NR) * NR * 4 * KC_PAIRS > 2 * B_PANELS_BYTES);
+    let (a, b) = (values(m * k, 7), values(n * k, 8));
+    for kernel in kernels().into_iter().filter(|&k| k != Bf16Kernel::Amx) {
+        for parts in [1, 2] {
+            let mut whole = vec![0.0; m * n];
+            let (a_op, b_op) = (f32_op(&a, false), f32_op(&b, false));
+            gemm_bf16_with(kernel, parts, &mut whole, Write::Set, a_op, b_op, (m, k, n));
+            for c0 in (0..n).step_by(NR) {
+                let cols = NR.min(n - c0);
+                let mut one = vec![0.0; m * cols];
+                let b_rows = f32_op(&b[c0 * k..(c0 + cols) * k], false);
+                gemm_bf16_with(kernel, 1, &mut one, Write::Set, a_op, b_rows, (m, k, cols));
+                for i in 0..m {
+                    for j in 0..cols {
+                        assert_eq!(
+                            whole[i * n + c0 + j].to_bits(),
+                            one[i * cols + j].to_bits(),
+                            "{kernel:?} on {parts} threads at ({i}, {})",
+                            c0 + j
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
