@@ -210,12 +210,27 @@ pub(super) fn engine_lines(o: &TrainOptions, engine: &Engine) -> Vec<String> {
 /// the run prints nothing else meanwhile.
 const SETTING_UP_SAID_FROM: u64 = 1 << 30;
 
+/// How a run fills its store before the engine opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum StoreFill {
+    /// A new run writes every expert's initial record.
+    Initialize,
+    /// A fine-tuned run imports the checkpoint's experts (the import says
+    /// its own line and shows its bar).
+    Import,
+    /// A resumed run reads the store as it is.
+    Resume,
+}
+
 /// What opening the engine sets up, where that is much: the store's
-/// expert records written (`writes_store`: a new run that initializes its
-/// experts) and the host memory its expert records take, which the host
-/// tier pins whole.
-pub(super) fn setting_up_line(writes_store: bool, plan: &MemoryPlan) -> Option<String> {
-    let store = if writes_store { plan.ssd_bytes } else { 0 };
+/// expert records written or imported, and the host memory its expert
+/// records take, which the host tier pins whole.
+pub(super) fn setting_up_line(fill: StoreFill, plan: &MemoryPlan) -> Option<String> {
+    let store = if fill == StoreFill::Resume {
+        0
+    } else {
+        plan.ssd_bytes
+    };
     if store.max(plan.expert_host_bytes) < SETTING_UP_SAID_FROM {
         return None;
     }
@@ -224,13 +239,15 @@ pub(super) fn setting_up_line(writes_store: bool, plan: &MemoryPlan) -> Option<S
         options::show_bytes(plan.expert_host_bytes),
         plan.host_slots
     );
-    Some(match writes_store {
-        true => format!(
-            "  setting up: writing the store's {} expert records ({} store), then {host} …",
-            plan.expert_count,
-            options::show_bytes(plan.ssd_bytes)
+    let (count, store) = (plan.expert_count, options::show_bytes(plan.ssd_bytes));
+    Some(match fill {
+        StoreFill::Initialize => format!(
+            "  setting up: writing the store's {count} expert records ({store} store), then {host} …"
         ),
-        false => format!("  setting up: {host} …"),
+        StoreFill::Import => format!(
+            "  setting up: importing {count} experts into the store ({store}), then {host} …"
+        ),
+        StoreFill::Resume => format!("  setting up: {host} …"),
     })
 }
 
@@ -342,19 +359,25 @@ mod tests {
     #[test]
     fn a_long_set_up_is_said_before_the_engine_opens() {
         let roomy = planned("moe-s", 12 << 30);
-        let line = setting_up_line(true, &roomy).expect("18 GiB to write");
+        let line = setting_up_line(StoreFill::Initialize, &roomy).expect("18 GiB to write");
         assert!(line.starts_with("  setting up: writing the store's 96 expert records"));
         assert!(line.contains("pinning 8.86 GiB of host memory for 96 expert records"));
         assert_eq!(
-            setting_up_line(false, &roomy).expect("8.86 GiB to pin"),
+            setting_up_line(StoreFill::Resume, &roomy).expect("8.86 GiB to pin"),
             "  setting up: pinning 8.86 GiB of host memory for 96 expert records …"
         );
         // Records streaming through a few host slots: the store alone.
         let streaming = planned("moe-s", 1 << 30);
         assert!(streaming.expert_host_bytes < 1 << 30);
-        assert!(setting_up_line(true, &streaming).is_some());
-        assert_eq!(setting_up_line(false, &streaming), None);
-        assert_eq!(setting_up_line(true, &planned("tiny", 1 << 30)), None);
+        assert!(setting_up_line(StoreFill::Initialize, &streaming).is_some());
+        assert_eq!(setting_up_line(StoreFill::Resume, &streaming), None);
+        let tiny = planned("tiny", 1 << 30);
+        assert_eq!(setting_up_line(StoreFill::Initialize, &tiny), None);
+        let import = setting_up_line(StoreFill::Import, &roomy).expect("18 GiB to import");
+        let store = options::show_bytes(roomy.ssd_bytes);
+        let head =
+            format!("  setting up: importing 96 experts into the store ({store}), then pinning");
+        assert!(import.starts_with(&head), "{import}");
     }
 
     #[test]

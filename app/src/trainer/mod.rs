@@ -479,9 +479,12 @@ fn run_locked(
         lm: &lm,
         created_out,
     };
-    // A fine-tuned run's import says its own line and shows its bar.
-    let set_up = announce::setting_up_line(!o.resume, &plan).filter(|_| imported.is_none());
-    if let Some(line) = set_up {
+    let fill = match (o.resume, imported.is_some()) {
+        (true, _) => announce::StoreFill::Resume,
+        (false, true) => announce::StoreFill::Import,
+        (false, false) => announce::StoreFill::Initialize,
+    };
+    if let Some(line) = announce::setting_up_line(fill, &plan) {
         speaker.say(line);
     }
     let mut engine = opened.engine(engine_config, imported, world, &mut data)?;
