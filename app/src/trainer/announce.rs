@@ -331,27 +331,8 @@ mod tests {
     /// `model`'s plan at 8 × 64 tokens, `host_mem` and 4 GiB a device.
     fn planned(model: &str, host_mem: u64) -> MemoryPlan {
         let m = LmConfig::preset(model).unwrap();
-        super::super::plan::plan(&super::super::plan::PlanInput {
-            model: &m,
-            frozen_dense: 0,
-            train_experts: true,
-            compute_dtype: strata_tiers::Dtype::Bf16,
-            seq_len: 64,
-            batch: 8,
-            micro_batches: 1,
-            devices: 1,
-            ranks: 1,
-            device_mem: 4 << 30,
-            host_mem,
-            store_dir: None,
-            host_stream_slots: EngineConfig::default().host_stream_slots,
-            host_cell_slots: 0,
-            gpu: false,
-            expert_group: None,
-            dense_on_device: false,
-            dense_gemm: strata::backend::DenseGemm::Bf16,
-        })
-        .unwrap()
+        let plan = super::super::plan::plan;
+        plan(&super::super::plan::test_input(&m, 4 << 30, host_mem)).unwrap()
     }
 
     /// Said where the store or the host tier is large, not where both

@@ -342,9 +342,10 @@ pub(crate) fn gemm_bf16_with(
     };
     on_panels(parts, panels, |range| {
         let mut b_packed = B_PACKED.take();
-        let block = 4 * NR * KC_PAIRS.min(shape.kp);
-        let chunk = (B_PANELS_BYTES / block).clamp(1, range.len().max(1));
-        b_packed.resize(chunk * block / 4, 0);
+        // A panel's block of K, in u32s.
+        let block = NR * KC_PAIRS.min(shape.kp);
+        let chunk = (B_PANELS_BYTES / (4 * block)).clamp(1, range.len().max(1));
+        b_packed.resize(chunk * block, 0);
         for first in range.clone().step_by(chunk) {
             let panels = first..(first + chunk).min(range.end);
             // SAFETY: panels are split among the threads, so this one

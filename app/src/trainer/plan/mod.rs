@@ -467,32 +467,36 @@ impl MemoryPlan {
     }
 }
 
+/// A plan's inputs for tests: `m` at 8 × 64 tokens on one cpu device,
+/// trained, bf16 compute copies, with these budgets.
+#[cfg(test)]
+pub(crate) fn test_input(m: &LmConfig, device_mem: u64, host_mem: u64) -> PlanInput<'_> {
+    PlanInput {
+        model: m,
+        frozen_dense: 0,
+        train_experts: true,
+        compute_dtype: Dtype::Bf16,
+        seq_len: 64,
+        batch: 8,
+        micro_batches: 1,
+        devices: 1,
+        ranks: 1,
+        device_mem,
+        host_mem,
+        store_dir: None,
+        host_stream_slots: EngineConfig::default().host_stream_slots,
+        host_cell_slots: 0,
+        gpu: false,
+        expert_group: None,
+        dense_on_device: false,
+        dense_gemm: DenseGemm::Bf16,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_input as input;
     use super::*;
-
-    fn input(m: &LmConfig, device_mem: u64, host_mem: u64) -> PlanInput<'_> {
-        PlanInput {
-            model: m,
-            frozen_dense: 0,
-            train_experts: true,
-            compute_dtype: Dtype::Bf16,
-            seq_len: 64,
-            batch: 8,
-            micro_batches: 1,
-            devices: 1,
-            ranks: 1,
-            device_mem,
-            host_mem,
-            store_dir: None,
-            host_stream_slots: EngineConfig::default().host_stream_slots,
-            host_cell_slots: 0,
-            gpu: false,
-            expert_group: None,
-            dense_on_device: false,
-            dense_gemm: DenseGemm::Bf16,
-        }
-    }
 
     #[test]
     fn the_host_slots_split_into_kept_streaming_and_cells() {
