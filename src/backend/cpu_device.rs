@@ -55,6 +55,17 @@ enum ExpertParams<'a> {
 /// The most experts the cpu device computes side by side in one call.
 pub const CPU_GROUP_MAX: usize = 64;
 
+/// The experts a cpu device stages and computes at once at most:
+/// [`CPU_GROUP_MAX`], a layer's experts for most models (the fewer and
+/// larger the groups, the fewer the waits for a group's slowest expert);
+/// 1 on one compute thread, where a group would gain nothing.
+pub fn cpu_group_limit() -> usize {
+    match compute_threads() {
+        1 => 1,
+        _ => CPU_GROUP_MAX,
+    }
+}
+
 /// Copies in flight the cpu device's copy queues hold.
 const CPU_COPIES_MAX: usize = 64;
 
@@ -316,14 +327,8 @@ impl ExpertDevice for CpuExpertDevice {
         })
     }
 
-    /// [`CPU_GROUP_MAX`], a layer's experts for most models (the fewer
-    /// and larger the groups, the fewer the waits for a group's slowest
-    /// expert); 1 on one thread, where a group would gain nothing.
     fn group_limit(&self) -> usize {
-        match compute_threads() {
-            1 => 1,
-            _ => CPU_GROUP_MAX,
-        }
+        cpu_group_limit()
     }
 }
 

@@ -21,6 +21,8 @@ mod modeled;
 mod narrow;
 
 pub use bf16_gemm::Bf16Kernel;
+/// The packed panels of B each thread of the bf16 GEMMs keeps, in bytes.
+pub use bf16_gemm::B_PANELS_BYTES as BF16_GEMM_THREAD_B_BYTES;
 #[cfg(target_arch = "x86_64")]
 pub use bf16_gemm::{amx_dot_loop, AMX_DOT_LOOP_FLOPS};
 pub use cpu::CpuBackend;
@@ -106,7 +108,7 @@ pub fn head_block_rows(v: usize) -> usize {
     (HEAD_BLOCK_BYTES / (4 * v)).max(1)
 }
 pub use cpu_bf16::gemm_forward_bf16;
-pub use cpu_device::{cpu_group_side_by_side, CpuExpertDevice, CPU_GROUP_MAX};
+pub use cpu_device::{cpu_group_limit, cpu_group_side_by_side, CpuExpertDevice, CPU_GROUP_MAX};
 pub use expert_device::{
     ArrivingGradient, DeviceGradient, DeviceRows, Download, ExpertBackward, ExpertBackwardRows,
     ExpertDevice, ExpertForward, ExpertForwardRows, SlotParams, GRADIENT_DOWNLOAD_BUFFERS,

@@ -15,7 +15,7 @@ use super::access::access_schedule;
 use super::part_search::PartSearch;
 use super::routed_io::{streams, RoutedIo};
 use super::routing_trace::TransitionCounter;
-use super::slot_table::{group_size, DeviceState, SCRATCH_KEPT};
+use super::slot_table::{group_size, scratch_buffers_kept, DeviceState};
 use super::updates::SharedExperts;
 use super::RoutingTrace;
 use super::{
@@ -49,9 +49,7 @@ impl Engine {
         let group = expert_group(&model, &config, &devices[0], &cache);
         for dev in &mut devices {
             dev.group = group;
-            // A group's rows gathered at once: each expert's input and,
-            // in the backward, its output gradient.
-            dev.scratch = ScratchBuffers::new(SCRATCH_KEPT.max(2 * group));
+            dev.scratch = ScratchBuffers::new(scratch_buffers_kept(group));
         }
         cache.set_schedule(step_schedule(&model, &config, device_slots, &cache));
         let shared = shared_experts(&model, &config, &store, layout, cache, device_slots)?;

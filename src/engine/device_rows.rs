@@ -128,7 +128,9 @@ impl DeviceRunner<'_> {
     ) -> Result<(), EngineError> {
         self.count_gradient(t0);
         self.dev.slots.invalidate(key); // its params are about to change
+        self.make_room_for_update()?;
         self.dev.acc.stall_optimizer_s += self.shared.submit_arriving(key, grad)?;
+        self.dev.in_flight.push_back(key);
         Ok(())
     }
 }

@@ -21,6 +21,10 @@ pub(crate) struct GradBuffers {
     len: usize,
     max_kept: usize,
     kept: Mutex<Vec<Vec<f32>>>,
+    /// Buffers made here and not freed here (in use or kept), and the most
+    /// there have been: the memory the engine has held for gradients. (A
+    /// buffer dropped elsewhere stays counted.)
+    held: Mutex<(usize, usize)>,
 }
 
 impl GradBuffers {
@@ -30,7 +34,20 @@ impl GradBuffers {
             len,
             max_kept,
             kept: Mutex::new(Vec::with_capacity(max_kept)),
+            held: Mutex::new((0, 0)),
         }
+    }
+
+    /// The most buffers held at once so far (see the field).
+    #[cfg(test)]
+    pub fn held_max(&self) -> usize {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).1
+    }
+
+    fn count_held(&self, change: isize) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.0 = held.0.saturating_add_signed(change);
+        held.1 = held.1.max(held.0);
     }
 
     fn kept(&self) -> MutexGuard<'_, Vec<Vec<f32>>> {
@@ -42,7 +59,10 @@ impl GradBuffers {
     /// its last user left there, or a new zeroed one.
     pub fn take(&self) -> Vec<f32> {
         let kept = self.kept().pop();
-        kept.unwrap_or_else(|| vec![0.0; self.len])
+        kept.unwrap_or_else(|| {
+            self.count_held(1);
+            vec![0.0; self.len]
+        })
     }
 
     /// Gives a buffer back; kept while fewer than `max_kept` are, else
@@ -54,6 +74,9 @@ impl GradBuffers {
         let mut kept = self.kept();
         if kept.len() < self.max_kept {
             kept.push(buf);
+        } else {
+            drop(kept);
+            self.count_held(-1);
         }
     }
 
@@ -88,5 +111,20 @@ mod tests {
             assert_eq!(pool.take().len(), 5);
         }
         assert_eq!(pool.kept_count(), 0);
+    }
+
+    #[test]
+    fn the_buffers_held_count_those_kept_and_in_use_not_those_freed() {
+        let pool = GradBuffers::new(5, 2);
+        let three: Vec<_> = (0..3).map(|_| pool.take()).collect();
+        assert_eq!(pool.held_max(), 3);
+        three.into_iter().for_each(|b| pool.give(b)); // the third freed
+                                                      // Two kept, a third made: three held again, never four.
+        let again: Vec<_> = (0..3).map(|_| pool.take()).collect();
+        assert_eq!(pool.held_max(), 3);
+        again.into_iter().for_each(|b| pool.give(b));
+        let four: Vec<_> = (0..4).map(|_| pool.take()).collect();
+        assert_eq!(pool.held_max(), 4);
+        drop(four);
     }
 }

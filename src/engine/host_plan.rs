@@ -4,7 +4,8 @@
 
 use strata_tiers::Layout;
 
-use crate::backend::{BackendKind, GRADIENT_DOWNLOAD_BUFFERS};
+use super::updates::updates_in_flight_max;
+use crate::backend::{cpu_group_limit, BackendKind, GRADIENT_DOWNLOAD_BUFFERS};
 use crate::engine::{EngineConfig, ScheduleKind};
 use crate::EngineError;
 
@@ -21,13 +22,8 @@ pub struct HostMemoryPlan {
     pub store_in_memory: u64,
     /// cpu devices' slots (their "device memory" is host memory).
     pub cpu_device_tiers: u64,
-    /// Expert gradients (f32) alive at once: one per expert where the
-    /// naive schedule holds them to the end of the backward or several
-    /// micro-batches sum them; else one per update in flight (each holds a
-    /// host slot), one per deferred update, plus one per device computing
-    /// and, on a GPU, its page-locked buffers for gradients coming down
-    /// ([`GRADIENT_DOWNLOAD_BUFFERS`]).
-    /// Kept for reuse between steps, so held for the whole run.
+    /// Expert gradients (f32) alive at once ([`gradient_buffers`]), kept
+    /// for reuse between steps, so held for the whole run.
     pub gradients: u64,
 }
 
@@ -47,29 +43,7 @@ impl HostMemoryPlan {
             }
             BackendKind::Cuda => 0, // GPU memory
         };
-        let held = if config.schedule == ScheduleKind::Naive || config.micro_batches > 1 {
-            experts
-        } else {
-            // One per update in flight, and one per deferred update, held
-            // across the step boundary (as if the pipeline overlapped:
-            // the most it defers).
-            let slots = host_tier / record;
-            let deferred = super::build::deferred_experts(
-                layout.layers as usize,
-                layout.experts_per_layer as usize,
-                config,
-                config.schedule == ScheduleKind::ExpertWise,
-                slots as usize,
-            );
-            slots + deferred.len() as u64
-        };
-        // A GPU's page-locked buffers its gradients come down to.
-        let downloads = match config.backend {
-            BackendKind::Cpu => 0,
-            BackendKind::Cuda => GRADIENT_DOWNLOAD_BUFFERS as u64,
-        };
-        let buffers = held + config.devices as u64 * (1 + downloads);
-        let gradients = buffers * layout.params_per_expert * 4;
+        let gradients = gradient_buffers(layout, config) as u64 * layout.params_per_expert * 4;
         Self {
             host_tier,
             store_in_memory,
@@ -115,6 +89,59 @@ impl HostMemoryPlan {
             ))),
             _ => Ok(()),
         }
+    }
+}
+
+/// The expert gradients an engine has alive at once, at most:
+/// - one per expert where the naive schedule holds them to the end of the
+///   backward or several micro-batches sum them;
+/// - else one per update in flight (each holds a host slot, and each
+///   device keeps at most a layer's experts' worth, at least 2, in
+///   flight) and one per update deferred to the next step's forward;
+/// - besides, what each device is computing: on the cpu, a group of
+///   experts' gradients at once (a layer's at most, and
+///   [`cpu_group_limit`], on one device of one process); on a GPU, one
+///   taken down at a time and its page-locked buffers for gradients coming
+///   down ([`GRADIENT_DOWNLOAD_BUFFERS`]).
+///
+/// (`Engine::gradients`, which returns every expert's gradient, holds one
+/// per expert whatever the schedule.)
+pub fn gradient_buffers(layout: &Layout, config: &EngineConfig) -> usize {
+    let experts = layout.expert_count() as usize;
+    let per_layer = layout.experts_per_layer as usize;
+    let held = if config.schedule == ScheduleKind::Naive || config.micro_batches > 1 {
+        experts
+    } else {
+        let slots = ((config.host_budget_bytes / layout.record_bytes()) as usize).min(experts);
+        let in_flight = slots.min(config.devices * updates_in_flight_max(per_layer));
+        // Held across the step boundary (as if the pipeline overlapped:
+        // the most it defers).
+        let deferred = super::build::deferred_experts(
+            layout.layers as usize,
+            per_layer,
+            config,
+            config.schedule == ScheduleKind::ExpertWise,
+            slots,
+        );
+        in_flight + deferred.len()
+    };
+    let computing = match config.backend {
+        BackendKind::Cpu => cpu_expert_group_bound(layout, config),
+        BackendKind::Cuda => 1 + GRADIENT_DOWNLOAD_BUFFERS,
+    };
+    held + config.devices * computing
+}
+
+/// The most experts a cpu device computes at once
+/// (`EngineConfig::expert_group`): on one device of one process, the group
+/// asked for or [`cpu_group_limit`], a layer's at most; else 1.
+pub fn cpu_expert_group_bound(layout: &Layout, config: &EngineConfig) -> usize {
+    match config.workers() {
+        1 => config
+            .expert_group
+            .unwrap_or_else(cpu_group_limit)
+            .clamp(1, (layout.experts_per_layer as usize).max(1)),
+        _ => 1,
     }
 }
 
@@ -186,25 +213,43 @@ mod tests {
         // One device with 6 host slots keeps 2 records (layer 1's experts
         // 0 and 1, 4 slots streaming) and holds the last layer's other two
         // updates across the step boundary: a gradient each besides the
-        // 6 slots' and the device's. With 3 slots no record is kept, and
-        // the last layer holds none.
+        // 4 updates a device keeps in flight (a layer's experts) and the
+        // one it computes. With 3 slots no record is kept, and the last
+        // layer holds none.
         let deferring = EngineConfig {
             devices: 1,
             host_budget_bytes: 6 * record + 1,
+            expert_group: Some(1),
             ..config.clone()
         };
         assert_eq!(
             HostMemoryPlan::of(&layout, &deferring).gradients,
-            (6 + 2 + 1) * 1000 * 4
+            (4 + 2 + 1) * 1000 * 4
         );
         let streaming = EngineConfig {
             devices: 1,
+            expert_group: Some(1),
             ..config.clone()
         };
         assert_eq!(
             HostMemoryPlan::of(&layout, &streaming).gradients,
             (3 + 1) * 1000 * 4
         );
+        // Every record in host memory: the device's 4 updates in flight
+        // bound them, not the 8 slots; a group's gradients are taken
+        // together, a layer's at most.
+        for (group, computing) in [(1, 1), (3, 3), (64, 4)] {
+            let in_memory = EngineConfig {
+                devices: 1,
+                host_budget_bytes: 8 * record,
+                expert_group: Some(group),
+                ..config.clone()
+            };
+            assert_eq!(
+                HostMemoryPlan::of(&layout, &in_memory).gradients,
+                (4 + computing) * 1000 * 4
+            );
+        }
         // Each GPU keeps three page-locked buffers its gradients come
         // down to, and has no slots in host memory.
         let gpus = EngineConfig {

@@ -58,10 +58,13 @@ pub use build::{host_cell_slot_count, host_kept_count};
 pub use config::{EngineConfig, ExchangeParts, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
 pub use exchange::{project_exchange, LinkFit, UniformLayer};
 pub use gradients::Gradients;
-pub use host_plan::{available_host_memory, HostMemoryPlan};
+pub use host_plan::{
+    available_host_memory, cpu_expert_group_bound, gradient_buffers, HostMemoryPlan,
+};
 pub use metrics::StepMetrics;
 pub use ranks::rank_of_expert;
 pub use routing_trace::RoutingTrace;
+pub use slot_table::scratch_buffers_kept;
 pub use verify::{verify_checkpoint, CheckpointReport};
 
 use crate::model::{Batch, DenseKernels, Evaluation, ModelConfig, Network};
@@ -769,6 +772,56 @@ mod tests {
                 held <= need(tokens) * 5 / 4,
                 "{held} values held for {}",
                 need(tokens)
+            );
+        }
+    }
+
+    /// Experts whose updates take far longer than their backward (many
+    /// params, a few rows each, one optimizer thread): the updates would
+    /// pile up behind the backward but for the device's bound on those in
+    /// flight. In every schedule the gradient buffers the engine makes stay
+    /// within the host plan's count.
+    #[test]
+    fn expert_gradients_alive_stay_within_the_host_plan() {
+        let model = ModelConfig {
+            layers: 4,
+            d_model: 32,
+            d_ff: 1024,
+            ..ModelConfig::default()
+        };
+        let base = EngineConfig {
+            optimizer_threads: 1,
+            ..EngineConfig::default()
+        };
+        let configs = [
+            base.clone(),
+            EngineConfig {
+                expert_group: Some(1),
+                ..base.clone()
+            },
+            EngineConfig {
+                micro_batches: 2,
+                ..base.clone()
+            },
+            EngineConfig {
+                schedule: ScheduleKind::Naive,
+                ..base.clone()
+            },
+            EngineConfig {
+                devices: 2,
+                ..base.clone()
+            },
+        ];
+        for config in configs {
+            let planned = host_plan::gradient_buffers(&Engine::layout(&model, &config), &config);
+            let mut engine = Engine::new(model.clone(), config.clone()).unwrap();
+            for seed in 0..3 {
+                engine.step(&batch_of(&model, 16, seed)).unwrap();
+            }
+            let made = engine.shared.grads.held_max();
+            assert!(
+                made <= planned,
+                "{made} gradient buffers held, {planned} planned: {config:?}"
             );
         }
     }

@@ -19,7 +19,7 @@ use strata_tiers::{CopyEvent, ExpertId, Parts, TimelineSpan};
 use super::access::Phase;
 use super::routed_io::streams;
 use super::slot_table::DeviceState;
-use super::updates::{Held, SharedExperts, When};
+use super::updates::{updates_in_flight_max, Held, SharedExperts, When};
 use super::ScheduleKind;
 
 use super::device_rows::PendingGradient;
@@ -437,7 +437,33 @@ impl DeviceRunner<'_> {
             if self.shared.train {
                 self.dev.slots.invalidate(key); // its params are about to change
             }
+            let now = self.shared.submits_at_once(key, true);
+            if now {
+                self.make_room_for_update()?;
+            }
             self.dev.acc.stall_optimizer_s += self.shared.submit(key, grad, When::Scheduled)?;
+            if now {
+                self.dev.in_flight.push_back(key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Before this device submits an update: waits for its oldest updates
+    /// until fewer than [`updates_in_flight_max`] are in flight, so that
+    /// the gradients they hold stay within the memory plan's count
+    /// (`HostMemoryPlan::gradients`). The wait is the optimizer's stall.
+    pub(super) fn make_room_for_update(&mut self) -> Result<(), EngineError> {
+        let max = updates_in_flight_max(self.shared.experts_per_layer);
+        let shared = self.shared;
+        self.dev.in_flight.retain(|&key| shared.is_pending(key));
+        while self.dev.in_flight.len() >= max {
+            let oldest = self
+                .dev
+                .in_flight
+                .pop_front()
+                .expect("it holds max ≥ 2 keys");
+            self.dev.acc.stall_optimizer_s += shared.wait_update(oldest)?;
         }
         Ok(())
     }

@@ -2,6 +2,8 @@
 //! [`DeviceSlots`] saying which expert version each holds and which are
 //! pinned), what its forward kept for the backward, and its counters.
 
+use std::collections::VecDeque;
+
 use super::routed_io::RoutedIo;
 use super::routing_trace::TransitionCounter;
 use crate::backend::ExpertDevice;
@@ -256,6 +258,10 @@ pub(crate) struct DeviceState {
     pub routing: Option<TransitionCounter>,
     /// Each layer's last routing: what the host tier is asked for.
     pub io: RoutedIo,
+    /// The experts (table rows) whose updates this device submitted, the
+    /// oldest first; some may have been waited for since. Kept within
+    /// `updates_in_flight_max` of pending ones (`DeviceRunner::expert_gradient`).
+    pub in_flight: VecDeque<usize>,
 }
 
 /// How many experts a device stages and computes at once: `asked` (the
@@ -265,6 +271,14 @@ pub(crate) struct DeviceState {
 /// Scratch buffers a device keeps at least: an expert's gathered rows
 /// and output gradient, and the exchange's.
 pub(crate) const SCRATCH_KEPT: usize = 4;
+
+/// The scratch buffers a device keeps with `group` experts computed at
+/// once: a group's rows gathered at once, each expert's input and, in the
+/// backward, its output gradient; 4 at least (an expert's gathered rows
+/// and output gradient, and the exchange's).
+pub fn scratch_buffers_kept(group: usize) -> usize {
+    SCRATCH_KEPT.max(2 * group)
+}
 
 pub(crate) fn group_size(asked: Option<usize>, limit: usize, slots: usize) -> usize {
     asked.unwrap_or(limit).min(slots / 2).max(1)
@@ -295,6 +309,7 @@ impl DeviceState {
             acc: Accumulators::new(layers, experts),
             routing: None,
             io,
+            in_flight: VecDeque::new(),
         }
     }
 }

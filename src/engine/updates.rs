@@ -35,6 +35,16 @@ pub(crate) enum When {
     Now,
 }
 
+/// The updates one device has in flight at most on the expert-wise
+/// schedule: a layer's experts (at least 2), so that a layer's updates run
+/// beside the next layer's backward. A device past it waits for its
+/// oldest update before it submits another (`DeviceRunner::expert_gradient`):
+/// each update holds its expert's gradient, and an optimizer slower than
+/// the backward would otherwise hold one for every expert of the model.
+pub(crate) fn updates_in_flight_max(experts_per_layer: usize) -> usize {
+    experts_per_layer.max(2)
+}
+
 /// What clipping the global gradient norm needs from the dense side.
 pub(crate) struct ClipInput<'a> {
     pub max_norm: f32,
@@ -215,6 +225,11 @@ impl SharedExperts {
     /// An expert's version (step count) once no update of it is in flight.
     pub fn version(&self, key: usize) -> u64 {
         self.book().steps[key]
+    }
+
+    /// Whether `key`'s update is in flight and not yet claimed by a wait.
+    pub fn is_pending(&self, key: usize) -> bool {
+        self.book().pending[key]
     }
 
     /// Waits for `key`'s update if one is in flight; returns the seconds

@@ -46,7 +46,7 @@ const KC_PAIRS: usize = 128;
 /// The most bytes of B's packed panels a thread keeps for one block of K
 /// (`panel_product`): 64 panels of `KC_PAIRS` pairs, within this
 /// machine's 2 MiB L2 beside A's rows.
-const B_PANELS_BYTES: usize = 1 << 20;
+pub const B_PANELS_BYTES: usize = 1 << 20;
 
 /// A GEMM operand's values.
 #[derive(Clone, Copy, Debug)]
