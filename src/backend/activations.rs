@@ -9,7 +9,7 @@
 //! reference trainer uses, at any split and in any vector set.
 
 use crate::math::vector_isa::{multiversioned, VectorIsa};
-use crate::math::{gelu, ExpertKind, ExpertSaved};
+use crate::math::{gelu, resize_exact, ExpertKind, ExpertSaved};
 use crate::parallel::{for_row_block_pairs, for_row_blocks, MIN_JOB_WORK};
 
 /// Below this many hidden elements an activation pass stays on the calling
@@ -41,10 +41,12 @@ pub(super) fn for_part_pairs(
 /// `buf`'s first `len` values, for an output every element of which is
 /// written. The buffer keeps its longest length: a call after a longer one
 /// clears nothing (an expert's rows differ from the last's, and shrinking
-/// then growing the vector would zero the difference every time).
+/// then growing the vector would zero the difference every time). It
+/// grows to exactly that length, so that it holds no more than the most
+/// rows an expert had (the memory plan's count), not up to twice that.
 pub(super) fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     if buf.len() < len {
-        buf.resize(len, 0.0);
+        resize_exact(buf, len, 0.0);
     }
     &mut buf[..len]
 }
@@ -163,6 +165,19 @@ mod tests {
 
     fn bits(x: &[f32]) -> Vec<u32> {
         x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// A buffer keeps its longest length, grown to exactly that: the
+    /// memory plan counts it at an expert's most rows, not twice.
+    #[test]
+    fn a_sized_buffer_grows_to_exactly_its_longest_length() {
+        let mut buf = Vec::new();
+        assert_eq!(sized(&mut buf, 100).len(), 100);
+        sized(&mut buf, 100).fill(2.0);
+        assert_eq!(sized(&mut buf, 60).len(), 60);
+        assert_eq!(sized(&mut buf, 150).len(), 150);
+        assert_eq!((buf.len(), buf.capacity()), (150, 150));
+        assert!(buf[..100].iter().all(|&v| v == 2.0));
     }
 
     #[test]

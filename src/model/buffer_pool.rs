@@ -107,12 +107,13 @@ impl ScratchBuffers {
     }
 
     /// `len` floats that the caller overwrites whole before reading: the
-    /// longest kept buffer, grown (zeroing what it gains) if short.
+    /// longest kept buffer, grown to exactly `len` (zeroing what it gains)
+    /// if short, so that no buffer holds more than the longest asked for.
     pub fn take(&mut self, len: usize) -> ScratchBuf {
         let longest = (0..self.kept.len()).max_by_key(|&i| self.kept[i].len());
         let mut buf = longest.map_or_else(Vec::new, |i| self.kept.swap_remove(i));
         if buf.len() < len {
-            buf.resize(len, 0.0);
+            crate::math::resize_exact(&mut buf, len, 0.0);
         }
         ScratchBuf { buf, len }
     }
@@ -149,6 +150,8 @@ mod tests {
         // Longer than it has been: the old part as it was, the rest zeros.
         let d = scratch.take(1200);
         assert_eq!(d.len(), 1200);
+        // Grown to exactly that (a `Vec` doubles: 2000).
+        assert_eq!(d.buf.capacity(), 1200);
         assert!(d[..1000].iter().all(|&v| v == 3.0));
         assert!(d[1000..].iter().all(|&v| v == 0.0));
         scratch.give(d);
