@@ -1034,6 +1034,9 @@ fn the_plan_holds_what_a_gpu_run_allocates() {
             expert_group: None,
             dense_on_device: true,
             dense_gemm: Default::default(),
+            expert_gemm: Default::default(),
+            naive_schedule: false,
+            compute_threads: 1,
         })
         .unwrap();
         let planned = plan.dense_device_bytes + plan.activation_bytes + plan.expert_device_bytes;

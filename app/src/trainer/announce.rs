@@ -298,8 +298,17 @@ pub(super) fn interrupted_line(o: &TrainOptions, summary: &RunSummary) -> String
 /// The last line of a run that reached its steps.
 pub(super) fn done_line(summary: &RunSummary) -> String {
     let loss = |l: Option<f32>| l.map_or("-".into(), |l| format!("{l:.4}"));
+    let memory = match (summary.peak_memory_bytes, summary.plan.host_in_all()) {
+        (Some(peak), Some(planned)) => format!(
+            "  peak memory {} (the plan counted {})",
+            options::show_bytes(peak),
+            options::show_bytes(planned)
+        ),
+        (Some(peak), None) => format!("  peak host memory {}", options::show_bytes(peak)),
+        _ => String::new(),
+    };
     format!(
-        "done: step {}  loss {} → {}  eval {}  {:.0} tokens/s (median)",
+        "done: step {}  loss {} → {}  eval {}  {:.0} tokens/s (median){memory}",
         summary.steps,
         loss(summary.first_loss),
         loss(summary.last_loss),
@@ -359,6 +368,26 @@ mod tests {
         let head =
             format!("  setting up: importing 96 experts into the store ({store}), then pinning");
         assert!(import.starts_with(&head), "{import}");
+    }
+
+    /// The last line sets the run's peak memory beside what the plan
+    /// counted on the cpu, and says it alone on a GPU.
+    #[test]
+    fn the_last_line_sets_the_peak_memory_beside_the_plan() {
+        let plan = planned("tiny", 1 << 30);
+        let counted = plan.host_in_all().unwrap();
+        let mut summary = RunSummary::starting(plan, 0);
+        summary.steps = 3;
+        assert!(done_line(&summary).ends_with("tokens/s (median)"));
+        summary.peak_memory_bytes = Some(48 << 20);
+        let line = done_line(&summary);
+        let tail = format!(
+            "  peak memory 48.00 MiB (the plan counted {})",
+            options::show_bytes(counted)
+        );
+        assert!(line.ends_with(&tail), "{line}");
+        summary.plan.cpu_workspace_bytes = None; // a GPU's plan
+        assert!(done_line(&summary).ends_with("  peak host memory 48.00 MiB"));
     }
 
     #[test]

@@ -73,6 +73,8 @@ pub struct RunSummary {
     /// checkpointed and stopped, and printed nothing more.
     pub stdout_closed: bool,
     pub exported: Vec<PathBuf>,
+    /// This process's peak resident memory at the run's end, where known.
+    pub peak_memory_bytes: Option<u64>,
 }
 
 impl RunSummary {
@@ -89,6 +91,7 @@ impl RunSummary {
             interrupted: false,
             stdout_closed: false,
             exported: Vec::new(),
+            peak_memory_bytes: None,
         }
     }
 }
@@ -228,7 +231,7 @@ pub(crate) fn model_for(o: &TrainOptions, config: &LmConfig) -> Result<MoeLm, St
 pub fn plan_for(o: &TrainOptions, config: &LmConfig, ranks: usize) -> Result<MemoryPlan, String> {
     let lm = model_for(o, config)?;
     let frozen_dense = lm.frozen_dense().iter().map(|r| r.len() as u64).sum();
-    plan::plan(&PlanInput {
+    let plan = plan::plan(&PlanInput {
         model: config,
         frozen_dense,
         train_experts: trains_experts(o)?,
@@ -247,7 +250,16 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig, ranks: usize) -> Result<Mem
         expert_group: o.expert_group,
         dense_on_device: o.backend == "cuda" && !o.dense_on_host,
         dense_gemm: dense_gemm(o)?,
-    })
+        expert_gemm: engine_choices::expert_gemm(o)?,
+        naive_schedule: o.clip_grad_norm.is_some(),
+        compute_threads: o.compute_threads.unwrap_or_else(strata::machine_cores),
+    })?;
+    let plan = MemoryPlan {
+        process_bytes: crate::sys::resident_bytes(),
+        ..plan
+    };
+    plan.check_host_memory(strata::engine::available_host_memory())?;
+    Ok(plan)
 }
 
 /// The model a `strata plan` describes: a preset or a model directory.
@@ -256,6 +268,10 @@ pub fn plan_command(flags: &TrainFlags, model: Option<&Path>) -> Result<MemoryPl
     let source = model.map_or(Source::Scratch, |d| Source::Finetune(d.to_path_buf()));
     let tok = tokenizer_for(&o, &source)?;
     let config = model_config(&o, &source, &tok)?;
+    // The cpu's groups of experts follow its compute threads.
+    if let Some(n) = o.compute_threads {
+        strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
+    }
     plan_for(&o, &config, 1)
 }
 
@@ -517,6 +533,7 @@ fn run_locked(
     if let Some(dir) = &o.export {
         summary.exported = opened.export(&mut engine, dir, &files, &speaker)?;
     }
+    summary.peak_memory_bytes = crate::sys::peak_resident_bytes();
     speaker.say(announce::done_line(&summary));
     Ok(summary)
 }

@@ -64,6 +64,9 @@ fn flags_on(
         expert_group: None,
         dense_on_device: on_gpu,
         dense_gemm: Default::default(),
+        expert_gemm: Default::default(),
+        naive_schedule: false,
+        compute_threads: 1,
     })
     .unwrap();
     let slot = 2 * config.expert_params() as u64;

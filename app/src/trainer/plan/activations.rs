@@ -2,7 +2,9 @@
 //! workspace a layer's pass holds, on the cpu and on a GPU: the device
 //! share of the memory plan that grows with the batch and the sequence.
 
-use strata::backend::{head_block_rows, ATTENTION_BLOCK_BYTES, ROW_PARTS};
+use strata::backend::{
+    head_block_rows, ATTENTION_BLOCK_BYTES, BF16_GEMM_THREAD_B_BYTES, ROW_PARTS,
+};
 use strata::lm::{LmConfig, QkNorm};
 use strata::math::attention::AttnShape;
 use strata::math::attention_rows;
@@ -154,4 +156,30 @@ pub fn gpu_widest_launch(m: &LmConfig, t: u64) -> u64 {
     .max()
     .unwrap_or(0) as u64;
     t * widest
+}
+
+/// What a cpu device computes with besides what its activations keep, at
+/// `t` tokens a micro-batch on `threads` compute threads, at most: each
+/// thread's buffers for an expert's FFN (its hidden-size values h, the
+/// gate's sigmoid, dh, da and db for every row it may take, which is every
+/// token), the largest left operand of an expert's GEMMs as the bf16
+/// kernels read it (t × F pairs widened to f32) and its block of B's
+/// packed panels, and the expert's params widened to f32 where its GEMMs
+/// are f32 on bf16 params (`widened`); and once, the device's `scratch`
+/// buffers of rows gathered for its experts and their output gradients
+/// (`strata::engine::scratch_buffers_kept`, each at most t rows of D), and
+/// the step's (T, D) and (T·K, D) buffers besides the ones kept (the
+/// stack's output, the residual's gradient in and out, the experts' input
+/// gradients). Each buffer is kept for the next step, grown to exactly the
+/// most it held.
+pub fn cpu_workspace_bytes(m: &LmConfig, t: u64, threads: u64, widened: bool, scratch: u64) -> u64 {
+    let (d, f, k) = (m.d_model as u64, m.d_ff as u64, m.top_k as u64);
+    let params = if widened {
+        4 * m.expert_params() as u64
+    } else {
+        0
+    };
+    let per_thread = 4 * 5 * t * f + 4 * t * f.max(d) + BF16_GEMM_THREAD_B_BYTES as u64 + params;
+    let rows = 4 * scratch * t * d + 4 * (3 + k) * t * d;
+    threads.max(1) * per_thread + rows
 }

@@ -18,12 +18,17 @@ use std::path::Path;
 use strata_tiers::{Dtype, Layout};
 
 use super::options::{show_bytes, show_count};
-use strata::backend::DenseGemm;
-use strata::engine::{host_cell_slot_count, host_kept_count, EngineConfig, MIN_HOST_STREAM_SLOTS};
+use strata::backend::{BackendKind, DenseGemm, ExpertGemm};
+use strata::engine::{
+    cpu_expert_group_bound, gradient_buffers, host_cell_slot_count, host_kept_count,
+    scratch_buffers_kept, EngineConfig, ScheduleKind, MIN_HOST_STREAM_SLOTS,
+};
 use strata::lm::LmConfig;
 
 mod activations;
-pub use activations::{activation_bytes, gpu_activation_bytes, gpu_widest_launch};
+pub use activations::{
+    activation_bytes, cpu_workspace_bytes, gpu_activation_bytes, gpu_widest_launch,
+};
 
 /// Where the experts end up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +86,16 @@ pub struct MemoryPlan {
     /// Store bytes the experts' Adam moments would take were they trained
     /// (both copies of every record); 0 where they train.
     pub frozen_expert_moment_bytes: u64,
+    /// Expert gradients (f32) the engine holds at most besides the
+    /// budgets (`strata::engine::gradient_buffers`), and their bytes.
+    pub gradient_buffers: u64,
+    pub gradient_bytes: u64,
+    /// On the cpu backend (`None` on a GPU), what each device computes
+    /// with besides the activations it keeps ([`cpu_workspace_bytes`]).
+    pub cpu_workspace_bytes: Option<u64>,
+    /// This process's resident memory when it planned (the program, the
+    /// tokenizer and the model's files read so far), where known.
+    pub process_bytes: Option<u64>,
 }
 
 /// The inputs of a plan.
@@ -122,6 +137,14 @@ pub struct PlanInput<'a> {
     /// What the GPU's dense GEMMs take (`EngineConfig::dense_gemm`): with
     /// bf16, each weight's bf16 copy takes 2 bytes a dense param.
     pub dense_gemm: DenseGemm,
+    /// What the cpu's expert GEMMs take (`EngineConfig::expert_gemm`):
+    /// f32 GEMMs on bf16 params widen each expert's params first.
+    pub expert_gemm: ExpertGemm,
+    /// The naive schedule (`--clip-grad-norm`), which holds every expert
+    /// gradient to the end of the backward.
+    pub naive_schedule: bool,
+    /// The cpu's compute threads, each with its buffers.
+    pub compute_threads: usize,
 }
 
 /// Plans a run, or says what is short and by how much.
@@ -141,6 +164,8 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let device = device_share(input, &layout, dense_trainable)?;
     let host = host_share(input, &layout, dense_trainable)?;
     let (ssd, ssd_free) = store_share(input, &layout)?;
+    let engine = engine_view(input, &layout, host.slots, device.group);
+    let gradients = gradient_buffers(&layout, &engine) as u64;
     // Records that do not all fit in host memory stream from the SSD for
     // their updates, however many experts the device holds.
     let mode = if host.slots < experts {
@@ -173,7 +198,45 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
             true => 0,
             false => 2 * experts * 8 * layout.params_per_expert,
         },
+        gradient_buffers: gradients,
+        gradient_bytes: gradients * 4 * layout.params_per_expert,
+        cpu_workspace_bytes: (!input.gpu).then(|| {
+            let seqs = input.batch.div_ceil(input.micro_batches.max(1) * devices);
+            let t = (seqs * input.seq_len) as u64;
+            let widened =
+                input.expert_gemm == ExpertGemm::F32 && input.compute_dtype == Dtype::Bf16;
+            let scratch = scratch_buffers_kept(cpu_expert_group_bound(&layout, &engine));
+            cpu_workspace_bytes(m, t, input.compute_threads as u64, widened, scratch as u64)
+        }),
+        process_bytes: None,
     })
+}
+
+/// The engine's configuration as far as its host memory goes, with
+/// `host_slots` record slots and `group` experts computed at once on one
+/// GPU: what the engine's own counts of it read.
+fn engine_view(input: &PlanInput, layout: &Layout, host_slots: u64, group: usize) -> EngineConfig {
+    EngineConfig {
+        host_budget_bytes: host_slots * layout.record_bytes(),
+        devices: input.devices.max(1),
+        ranks: input.ranks.max(1),
+        micro_batches: input.micro_batches.max(1),
+        schedule: match input.naive_schedule {
+            true => ScheduleKind::Naive,
+            false => ScheduleKind::ExpertWise,
+        },
+        backend: match input.gpu {
+            true => BackendKind::Cuda,
+            false => BackendKind::Cpu,
+        },
+        expert_group: match input.gpu {
+            true => Some(group),
+            false => input.expert_group,
+        },
+        host_stream_slots: input.host_stream_slots,
+        host_cell_slots: input.host_cell_slots,
+        ..EngineConfig::default()
+    }
 }
 
 /// The most experts one GPU would compute at once (`--expert-group`, else
@@ -462,8 +525,78 @@ impl MemoryPlan {
             "ssd:    {} store{free}{frozen}",
             show_bytes(self.ssd_bytes)
         );
+        let _ = writeln!(
+            s,
+            "grads:  {} for up to {} expert gradients on their way to the optimizer \
+             (host memory besides --host-mem)",
+            show_bytes(self.gradient_bytes),
+            self.gradient_buffers
+        );
+        if let (Some(all), Some(workspace)) = (self.host_in_all(), self.cpu_workspace_bytes) {
+            let process = self
+                .process_bytes
+                .map(|b| format!(", {} the process held as it planned", show_bytes(b)))
+                .unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "in all: {} of host memory counted: the lines above (the cpu's device is host \
+                 memory), {} the cpu computes with{process}",
+                show_bytes(all),
+                show_bytes(self.devices * workspace)
+            );
+        }
         let _ = write!(s, "mode:   {}", self.mode.describe());
         s
+    }
+
+    /// Refuses, on the cpu backend, a run whose host memory in all
+    /// ([`Self::host_in_all`]) is more than the `available` bytes (`None`:
+    /// unknown, so anything goes), naming the parts and what lowers them.
+    pub fn check_host_memory(&self, available: Option<u64>) -> Result<(), String> {
+        let (Some(all), Some(devices), Some(available)) =
+            (self.host_in_all(), self.cpu_devices_bytes(), available)
+        else {
+            return Ok(());
+        };
+        if all <= available {
+            return Ok(());
+        }
+        Err(format!(
+            "does not fit: the run would hold {} of host memory (the cpu devices' share {}, \
+             the host tier {}, expert gradients {}, the process {}) but this machine has {} \
+             available: {} short. Lower --host-mem, --device-mem, --batch or --seq-len; with \
+             --micro-batches above 1 or --clip-grad-norm every expert's gradient is held",
+            show_bytes(all),
+            show_bytes(devices),
+            show_bytes(self.dense_host_bytes + self.expert_host_bytes),
+            show_bytes(self.gradient_bytes),
+            show_bytes(self.process_bytes.unwrap_or(0)),
+            show_bytes(available),
+            show_bytes(all - available),
+        ))
+    }
+
+    /// On the cpu backend, the devices' share of host memory: each one's
+    /// dense params and their gradient, activations, expert slots and
+    /// workspace. `None` on a GPU, whose share is its own memory.
+    fn cpu_devices_bytes(&self) -> Option<u64> {
+        let workspace = self.cpu_workspace_bytes?;
+        let device =
+            self.dense_device_bytes + self.activation_bytes + self.expert_device_bytes + workspace;
+        Some(self.devices * device)
+    }
+
+    /// On the cpu backend, the host memory the run holds at most: the
+    /// process as it planned, the devices' share, the host tier's, and the
+    /// expert gradients. `None` on a GPU.
+    pub fn host_in_all(&self) -> Option<u64> {
+        Some(
+            self.process_bytes.unwrap_or(0)
+                + self.cpu_devices_bytes()?
+                + self.dense_host_bytes
+                + self.expert_host_bytes
+                + self.gradient_bytes,
+        )
     }
 }
 
@@ -490,6 +623,9 @@ pub(crate) fn test_input(m: &LmConfig, device_mem: u64, host_mem: u64) -> PlanIn
         expert_group: None,
         dense_on_device: false,
         dense_gemm: DenseGemm::Bf16,
+        expert_gemm: ExpertGemm::Bf16,
+        naive_schedule: false,
+        compute_threads: 1,
     }
 }
 
@@ -497,6 +633,75 @@ pub(crate) fn test_input(m: &LmConfig, device_mem: u64, host_mem: u64) -> PlanIn
 mod tests {
     use super::test_input as input;
     use super::*;
+
+    /// The engine's own count of the gradients it holds: a layer's
+    /// updates in flight and a group computing; every expert's where
+    /// micro-batches sum them or the naive schedule holds them; on a GPU,
+    /// one at a time and its download buffers. On the cpu the device's
+    /// share, the workspace of each compute thread and the gradients sum
+    /// to the host memory in all.
+    #[test]
+    fn the_expert_gradients_and_the_cpu_s_workspace_are_counted() {
+        let m = LmConfig::preset("tiny").unwrap(); // 2 layers of 8 experts
+        let with = |group, micro_batches, naive_schedule, gpu| {
+            plan(&PlanInput {
+                expert_group: Some(group),
+                micro_batches,
+                naive_schedule,
+                gpu,
+                ..input(&m, 1 << 30, 1 << 30)
+            })
+            .unwrap()
+        };
+        let buffers = |p: &MemoryPlan| p.gradient_buffers;
+        assert_eq!(buffers(&with(1, 1, false, false)), 8 + 1);
+        assert_eq!(buffers(&with(3, 1, false, false)), 8 + 3);
+        assert_eq!(buffers(&with(64, 1, false, false)), 8 + 8);
+        assert_eq!(buffers(&with(3, 2, false, false)), 16 + 3);
+        assert_eq!(buffers(&with(3, 1, true, false)), 16 + 3);
+        let gpu = with(1, 1, false, true);
+        let downloads = strata::backend::GRADIENT_DOWNLOAD_BUFFERS as u64;
+        assert_eq!(buffers(&gpu), 8 + 1 + downloads);
+        assert_eq!((gpu.cpu_workspace_bytes, gpu.host_in_all()), (None, None));
+        let p = with(1, 1, false, false);
+        assert_eq!(p.gradient_bytes, 9 * 4 * m.expert_params() as u64);
+        let workspace = p.cpu_workspace_bytes.unwrap();
+        assert_eq!(
+            p.host_in_all(),
+            Some(
+                p.dense_device_bytes
+                    + p.activation_bytes
+                    + p.expert_device_bytes
+                    + workspace
+                    + p.dense_host_bytes
+                    + p.expert_host_bytes
+                    + p.gradient_bytes
+            )
+        );
+        // Each compute thread has its own buffers for an expert's FFN,
+        // for every token at most (512 here): h, the sigmoid, dh, da, db.
+        let two = plan(&PlanInput {
+            compute_threads: 2,
+            expert_group: Some(1),
+            ..input(&m, 1 << 30, 1 << 30)
+        })
+        .unwrap();
+        let per_thread = two.cpu_workspace_bytes.unwrap() - workspace;
+        assert!(per_thread > 5 * 512 * 128 * 4, "{per_thread}");
+        let text = p.describe();
+        assert!(
+            text.contains("for up to 9 expert gradients on their way to the optimizer"),
+            "{text}"
+        );
+        assert!(text.contains("in all: "), "{text}");
+        let all = p.host_in_all().unwrap();
+        assert_eq!(p.check_host_memory(Some(all)), Ok(()));
+        assert_eq!(p.check_host_memory(None), Ok(()));
+        let err = p.check_host_memory(Some(all - 1024)).unwrap_err();
+        assert!(err.contains("but this machine has"), "{err}");
+        assert!(err.contains(": 1.00 KiB short. Lower --host-mem"), "{err}");
+        assert_eq!(gpu.check_host_memory(Some(0)), Ok(()));
+    }
 
     #[test]
     fn the_host_slots_split_into_kept_streaming_and_cells() {
