@@ -10,14 +10,16 @@
 //! - host: the dense Adam moments, and expert records (f32 master params,
 //!   both moments, the compute copy) that the CPU optimizer updates;
 //! - SSD: the store file (two copies of every record, so a checkpoint is
-//!   never overwritten in place) and the dense checkpoint files.
+//!   never overwritten in place) and the dense checkpoint files;
+//! - besides the budgets, in host memory: the expert gradients on their
+//!   way to the optimizer (the engine's own count) and, on the cpu, what it
+//!   computes with; `report.rs` adds up the whole.
 
-use std::fmt::Write as _;
 use std::path::Path;
 
 use strata_tiers::{Dtype, Layout};
 
-use super::options::{show_bytes, show_count};
+use super::options::show_bytes;
 use strata::backend::{BackendKind, DenseGemm, ExpertGemm};
 use strata::engine::{
     cpu_expert_group_bound, gradient_buffers, host_cell_slot_count, host_kept_count,
@@ -26,6 +28,7 @@ use strata::engine::{
 use strata::lm::LmConfig;
 
 mod activations;
+mod report;
 pub use activations::{
     activation_bytes, cpu_workspace_bytes, gpu_activation_bytes, gpu_widest_launch,
 };
@@ -455,149 +458,6 @@ pub fn free_bytes(dir: &Path) -> Option<u64> {
         }
     }
     None
-}
-
-impl MemoryPlan {
-    /// The plan as people read it.
-    pub fn describe(&self) -> String {
-        let mut s = String::new();
-        let total = self.dense_params + self.expert_count * self.expert_params;
-        let _ = writeln!(
-            s,
-            "model: {:.1}M params ({:.1}M dense, {} experts of {:.2}M)",
-            total as f64 / 1e6,
-            self.dense_params as f64 / 1e6,
-            self.expert_count,
-            self.expert_params as f64 / 1e6
-        );
-        let each = if self.devices > 1 {
-            format!(" (each of {} devices)", self.devices)
-        } else {
-            String::new()
-        };
-        let _ = writeln!(
-            s,
-            "device: {} dense + {} activations + {} for {} expert slots{each}",
-            show_bytes(self.dense_device_bytes),
-            show_bytes(self.activation_bytes),
-            show_bytes(self.expert_device_bytes),
-            self.device_slots
-        );
-        let record_slots = self.host_slots - self.host_cell_slots;
-        let mut split = Vec::new();
-        if self.host_kept > 0 {
-            split.push(format!("{} kept resident", self.host_kept));
-            split.push(format!("{} streaming", record_slots - self.host_kept));
-        }
-        if self.host_cell_slots > 0 {
-            split.push(format!("{} in compute cells", self.host_cell_slots));
-        }
-        let kept = match split.is_empty() {
-            true => String::new(),
-            false => format!(" ({})", split.join(", ")),
-        };
-        let frozen = match self.dense_params - self.dense_trainable {
-            0 => String::new(),
-            f => format!(
-                " ({} dense params frozen: {} less)",
-                show_count(f),
-                show_bytes(8 * f)
-            ),
-        };
-        let _ = writeln!(
-            s,
-            "host:   {} dense moments{frozen} + {} for {} of {} expert records{kept}",
-            show_bytes(self.dense_host_bytes),
-            show_bytes(self.expert_host_bytes),
-            self.host_slots,
-            self.expert_count
-        );
-        let free = self
-            .ssd_free_bytes
-            .map(|f| format!(" ({} free)", show_bytes(f)))
-            .unwrap_or_default();
-        let frozen = match self.frozen_expert_moment_bytes {
-            0 => String::new(),
-            b => format!(" (experts frozen: no Adam moments, {} less)", show_bytes(b)),
-        };
-        let _ = writeln!(
-            s,
-            "ssd:    {} store{free}{frozen}",
-            show_bytes(self.ssd_bytes)
-        );
-        let _ = writeln!(
-            s,
-            "grads:  {} for up to {} expert gradients on their way to the optimizer \
-             (host memory besides --host-mem)",
-            show_bytes(self.gradient_bytes),
-            self.gradient_buffers
-        );
-        if let (Some(all), Some(workspace)) = (self.host_in_all(), self.cpu_workspace_bytes) {
-            let process = self
-                .process_bytes
-                .map(|b| format!(", {} the process held as it planned", show_bytes(b)))
-                .unwrap_or_default();
-            let _ = writeln!(
-                s,
-                "in all: {} of host memory counted: the lines above (the cpu's device is host \
-                 memory), {} the cpu computes with{process}",
-                show_bytes(all),
-                show_bytes(self.devices * workspace)
-            );
-        }
-        let _ = write!(s, "mode:   {}", self.mode.describe());
-        s
-    }
-
-    /// Refuses, on the cpu backend, a run whose host memory in all
-    /// ([`Self::host_in_all`]) is more than the `available` bytes (`None`:
-    /// unknown, so anything goes), naming the parts and what lowers them.
-    pub fn check_host_memory(&self, available: Option<u64>) -> Result<(), String> {
-        let (Some(all), Some(devices), Some(available)) =
-            (self.host_in_all(), self.cpu_devices_bytes(), available)
-        else {
-            return Ok(());
-        };
-        if all <= available {
-            return Ok(());
-        }
-        Err(format!(
-            "does not fit: the run would hold {} of host memory (the cpu devices' share {}, \
-             the host tier {}, expert gradients {}, the process {}) but this machine has {} \
-             available: {} short. Lower --host-mem, --device-mem, --batch or --seq-len; with \
-             --micro-batches above 1 or --clip-grad-norm every expert's gradient is held",
-            show_bytes(all),
-            show_bytes(devices),
-            show_bytes(self.dense_host_bytes + self.expert_host_bytes),
-            show_bytes(self.gradient_bytes),
-            show_bytes(self.process_bytes.unwrap_or(0)),
-            show_bytes(available),
-            show_bytes(all - available),
-        ))
-    }
-
-    /// On the cpu backend, the devices' share of host memory: each one's
-    /// dense params and their gradient, activations, expert slots and
-    /// workspace. `None` on a GPU, whose share is its own memory.
-    fn cpu_devices_bytes(&self) -> Option<u64> {
-        let workspace = self.cpu_workspace_bytes?;
-        let device =
-            self.dense_device_bytes + self.activation_bytes + self.expert_device_bytes + workspace;
-        Some(self.devices * device)
-    }
-
-    /// On the cpu backend, the host memory the run holds at most: the
-    /// process as it planned, the devices' share, the host tier's, and the
-    /// expert gradients. `None` on a GPU.
-    pub fn host_in_all(&self) -> Option<u64> {
-        Some(
-            self.process_bytes.unwrap_or(0)
-                + self.cpu_devices_bytes()?
-                + self.dense_host_bytes
-                + self.expert_host_bytes
-                + self.gradient_bytes,
-        )
-    }
 }
 
 /// A plan's inputs for tests: `m` at 8 × 64 tokens on one cpu device,
