@@ -51,6 +51,39 @@ pub fn resident_bytes() -> Option<u64> {
     (page > 0).then(|| pages * page as u64)
 }
 
+/// The bytes of this process's code (its executable file mappings: the
+/// program and its libraries) not yet paged in (Linux: /proc/self/smaps),
+/// which running more of it will bring; `None` where the OS does not tell.
+pub fn code_not_resident_bytes() -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    Some(code_not_resident_in(&smaps))
+}
+
+/// [`code_not_resident_bytes`] of an smaps text: for each mapping whose
+/// permissions say executable and that maps a file, its Size less its Rss.
+fn code_not_resident_in(smaps: &str) -> u64 {
+    let (mut total, mut code, mut size) = (0u64, false, 0u64);
+    let kib = |line: &str| -> u64 {
+        let value = line.split_whitespace().nth(1);
+        value.and_then(|v| v.parse().ok()).unwrap_or(0) << 10
+    };
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: range, perms, offset, dev, inode, path.
+            let perms = words.next().unwrap_or("");
+            let path = words.nth(3).unwrap_or("");
+            code = perms.contains('x') && path.starts_with('/');
+        } else if code && first == "Size:" {
+            size = kib(line);
+        } else if code && first == "Rss:" {
+            total += size.saturating_sub(kib(line));
+        }
+    }
+    total
+}
+
 /// This process's peak resident memory so far (Linux: /proc/self/status's
 /// VmHWM), `None` where the OS does not tell.
 pub fn peak_resident_bytes() -> Option<u64> {
@@ -167,6 +200,26 @@ pub fn keep_freed_memory_in_the_heap() {}
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn code_not_resident_is_each_executable_file_mapping_s_size_less_its_rss() {
+        let smaps = "\
+55d4-55d5 r-xp 00393000 fe:00 5319661    /work/strata
+Size:               8076 kB
+Rss:                5236 kB
+55d6-55d7 rw-p 00000000 00:00 0          [heap]
+Size:              80000 kB
+Rss:               72080 kB
+7fe6-7fe7 r-xp 00026000 fe:00 326279     /usr/lib/libc.so.6
+Size:               1368 kB
+Rss:                1176 kB
+7ffd-7ffe r-xp 00000000 00:00 0          [vdso]
+Size:                  8 kB
+Rss:                   4 kB
+";
+        let kib = (8076 - 5236) + (1368 - 1176);
+        assert_eq!(super::code_not_resident_in(smaps), kib << 10);
+    }
+
     #[cfg(target_os = "linux")]
     #[test]
     fn resident_memory_grows_with_what_is_touched() {

@@ -71,6 +71,16 @@ impl Default for DataConfig {
     }
 }
 
+impl DataConfig {
+    /// The most bytes a [`Dataset`] holds in sequences: its shuffle buffer
+    /// and held-out set, each sequence seq_len + 1 tokens (u32) with a loss
+    /// mask and document starts (a byte a token each, where kept).
+    pub fn buffered_bytes(&self) -> u64 {
+        let sequences = (self.shuffle_buffer + self.eval_seqs_max) as u64;
+        sequences * (self.seq_len as u64 + 1) * (4 + 1 + 1)
+    }
+}
+
 /// One document: its text, the byte ranges of it that carry loss (`None`:
 /// all of it), and whether it ends here (a plain-text file is handed out
 /// a line at a time, and ends with the file).

@@ -255,7 +255,9 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig, ranks: usize) -> Result<Mem
         compute_threads: o.compute_threads.unwrap_or_else(strata::machine_cores),
     })?;
     let plan = MemoryPlan {
-        process_bytes: crate::sys::resident_bytes(),
+        // Resident now, and the code the run will page in as it trains.
+        process_bytes: crate::sys::resident_bytes()
+            .map(|now| now + crate::sys::code_not_resident_bytes().unwrap_or(0)),
         ..plan
     };
     plan.check_host_memory(strata::engine::available_host_memory())?;

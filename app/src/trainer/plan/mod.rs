@@ -25,6 +25,7 @@ use strata::engine::{
     cpu_expert_group_bound, gradient_buffers, host_cell_slot_count, host_kept_count,
     scratch_buffers_kept, EngineConfig, ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
+use strata::lm::data::DataConfig;
 use strata::lm::LmConfig;
 
 mod activations;
@@ -97,8 +98,12 @@ pub struct MemoryPlan {
     /// with besides the activations it keeps ([`cpu_workspace_bytes`]).
     pub cpu_workspace_bytes: Option<u64>,
     /// This process's resident memory when it planned (the program, the
-    /// tokenizer and the model's files read so far), where known.
+    /// tokenizer and the model's files read so far) with the rest of its
+    /// code, which training pages in, where known.
     pub process_bytes: Option<u64>,
+    /// The data's sequences held at once (its shuffle buffer and held-out
+    /// set: `DataConfig::buffered_bytes`).
+    pub data_bytes: u64,
 }
 
 /// The inputs of a plan.
@@ -212,6 +217,11 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
             cpu_workspace_bytes(m, t, input.compute_threads as u64, widened, scratch as u64)
         }),
         process_bytes: None,
+        data_bytes: DataConfig {
+            seq_len: input.seq_len,
+            ..DataConfig::default()
+        }
+        .buffered_bytes(),
     })
 }
 
@@ -536,8 +546,12 @@ mod tests {
                     + p.dense_host_bytes
                     + p.expert_host_bytes
                     + p.gradient_bytes
+                    + p.data_bytes
             )
         );
+        // 4096 shuffled and 64 held-out sequences of 65 tokens, a u32 and
+        // two bytes each.
+        assert_eq!(p.data_bytes, (4096 + 64) * 65 * 6);
         // Each compute thread has its own buffers for an expert's FFN,
         // for every token at most (512 here): h, the sigmoid, dh, da, db.
         let two = plan(&PlanInput {

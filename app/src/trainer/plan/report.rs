@@ -85,14 +85,15 @@ impl MemoryPlan {
         if let (Some(all), Some(workspace)) = (self.host_in_all(), self.cpu_workspace_bytes) {
             let process = self
                 .process_bytes
-                .map(|b| format!(", {} the process held as it planned", show_bytes(b)))
+                .map(|b| format!(", {} the process and its code", show_bytes(b)))
                 .unwrap_or_default();
             let _ = writeln!(
                 s,
                 "in all: {} of host memory counted: the lines above (the cpu's device is host \
-                 memory), {} the cpu computes with{process}",
+                 memory), {} the cpu computes with, {} the data's sequences{process}",
                 show_bytes(all),
-                show_bytes(self.devices * workspace)
+                show_bytes(self.devices * workspace),
+                show_bytes(self.data_bytes)
             );
         }
         let _ = write!(s, "mode:   {}", self.mode.describe());
@@ -113,14 +114,15 @@ impl MemoryPlan {
         }
         Err(format!(
             "does not fit: the run would hold {} of host memory (the cpu devices' share {}, \
-             the host tier {}, expert gradients {}, the process {}) but this machine has {} \
+             the host tier {}, expert gradients {}, the process and its data {}) but this \
+             machine has {} \
              available: {} short. Lower --host-mem, --device-mem, --batch or --seq-len; with \
              --micro-batches above 1 or --clip-grad-norm every expert's gradient is held",
             show_bytes(all),
             show_bytes(devices),
             show_bytes(self.dense_host_bytes + self.expert_host_bytes),
             show_bytes(self.gradient_bytes),
-            show_bytes(self.process_bytes.unwrap_or(0)),
+            show_bytes(self.process_bytes.unwrap_or(0) + self.data_bytes),
             show_bytes(available),
             show_bytes(all - available),
         ))
@@ -137,11 +139,13 @@ impl MemoryPlan {
     }
 
     /// On the cpu backend, the host memory the run holds at most: the
-    /// process as it planned, the devices' share, the host tier's, and the
-    /// expert gradients. `None` on a GPU.
+    /// process as it planned with all its code, the data's sequences, the
+    /// devices' share, the host tier's, and the expert gradients. `None`
+    /// on a GPU.
     pub fn host_in_all(&self) -> Option<u64> {
         Some(
             self.process_bytes.unwrap_or(0)
+                + self.data_bytes
                 + self.cpu_devices_bytes()?
                 + self.dense_host_bytes
                 + self.expert_host_bytes
