@@ -4,6 +4,7 @@
 
 use strata_tiers::Layout;
 
+use super::slot_table::group_size;
 use super::updates::updates_in_flight_max;
 use crate::backend::{cpu_group_limit, BackendKind, GRADIENT_DOWNLOAD_BUFFERS};
 use crate::engine::{EngineConfig, ScheduleKind};
@@ -132,17 +133,18 @@ pub fn gradient_buffers(layout: &Layout, config: &EngineConfig) -> usize {
     held + config.devices * computing
 }
 
-/// The most experts a cpu device computes at once
-/// (`EngineConfig::expert_group`): on one device of one process, the group
-/// asked for or [`cpu_group_limit`], a layer's at most; else 1.
+/// The most experts a cpu device computes at once: on one device of one
+/// process, the group `build::expert_group` takes (`group_size` over the
+/// device's slots, with the cpu's limit), a layer's at most, since a group
+/// is of one layer's experts; else 1.
 pub fn cpu_expert_group_bound(layout: &Layout, config: &EngineConfig) -> usize {
-    match config.workers() {
-        1 => config
-            .expert_group
-            .unwrap_or_else(cpu_group_limit)
-            .clamp(1, (layout.experts_per_layer as usize).max(1)),
-        _ => 1,
+    if config.workers() != 1 {
+        return 1;
     }
+    let slot = layout.compute_payload_bytes().max(1);
+    let slots = (config.device_budget_bytes / slot).min(layout.expert_count()) as usize;
+    let group = group_size(config.expert_group, cpu_group_limit(), slots);
+    group.min((layout.experts_per_layer as usize).max(1))
 }
 
 /// Memory the kernel says can be had without swapping (`MemAvailable` in

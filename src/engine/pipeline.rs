@@ -455,15 +455,11 @@ impl DeviceRunner<'_> {
     /// (`HostMemoryPlan::gradients`). The wait is the optimizer's stall.
     pub(super) fn make_room_for_update(&mut self) -> Result<(), EngineError> {
         let max = updates_in_flight_max(self.shared.experts_per_layer);
-        let shared = self.shared;
-        self.dev.in_flight.retain(|&key| shared.is_pending(key));
+        self.shared.retain_pending(&mut self.dev.in_flight);
         while self.dev.in_flight.len() >= max {
-            let oldest = self
-                .dev
-                .in_flight
-                .pop_front()
-                .expect("it holds max ≥ 2 keys");
-            self.dev.acc.stall_optimizer_s += shared.wait_update(oldest)?;
+            let oldest = self.dev.in_flight.pop_front();
+            let oldest = oldest.expect("it holds max ≥ 2 keys");
+            self.dev.acc.stall_optimizer_s += self.shared.wait_update(oldest)?;
         }
         Ok(())
     }

@@ -6,7 +6,7 @@
 //! bookkeeping is per expert and a short lock keeps devices apart; nothing
 //! is held locked while waiting for an update or a record.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -227,9 +227,11 @@ impl SharedExperts {
         self.book().steps[key]
     }
 
-    /// Whether `key`'s update is in flight and not yet claimed by a wait.
-    pub fn is_pending(&self, key: usize) -> bool {
-        self.book().pending[key]
+    /// Keeps in `keys` those whose updates are in flight and not yet
+    /// claimed by a wait (one look at the book for all of them).
+    pub fn retain_pending(&self, keys: &mut VecDeque<usize>) {
+        let book = self.book();
+        keys.retain(|&key| book.pending[key]);
     }
 
     /// Waits for `key`'s update if one is in flight; returns the seconds

@@ -271,10 +271,18 @@ pub fn plan_command(flags: &TrainFlags, model: Option<&Path>) -> Result<MemoryPl
     let tok = tokenizer_for(&o, &source)?;
     let config = model_config(&o, &source, &tok)?;
     // The cpu's groups of experts follow its compute threads.
-    if let Some(n) = o.compute_threads {
-        strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
-    }
+    set_compute_threads(&o)?;
     plan_for(&o, &config, 1)
+}
+
+/// `--compute-threads`, where given, for the whole process.
+fn set_compute_threads(o: &TrainOptions) -> Result<(), String> {
+    match o.compute_threads {
+        Some(n) => {
+            strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))
+        }
+        None => Ok(()),
+    }
 }
 
 fn validate_options(o: &TrainOptions) -> Result<(), String> {
@@ -428,9 +436,7 @@ fn run_in(
             options::show_bytes(free)
         ));
     }
-    if let Some(n) = o.compute_threads {
-        strata::set_compute_threads(n).map_err(|e| format!("--compute-threads {n}: {e}"))?;
-    }
+    set_compute_threads(&o)?;
     engine_choices::choose_bf16_kernel(&o.bf16_kernel)?;
     if let Source::Finetune(model_dir) = &source {
         refuse_writing_into(model_dir, &o)?;

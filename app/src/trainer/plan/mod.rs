@@ -172,7 +172,7 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
     let device = device_share(input, &layout, dense_trainable)?;
     let host = host_share(input, &layout, dense_trainable)?;
     let (ssd, ssd_free) = store_share(input, &layout)?;
-    let engine = engine_view(input, &layout, host.slots, device.group);
+    let engine = engine_view(input, &layout, [device.slots, host.slots], device.group);
     let gradients = gradient_buffers(&layout, &engine) as u64;
     // Records that do not all fit in host memory stream from the SSD for
     // their updates, however many experts the device holds.
@@ -226,10 +226,13 @@ pub fn plan(input: &PlanInput) -> Result<MemoryPlan, String> {
 }
 
 /// The engine's configuration as far as its host memory goes, with
-/// `host_slots` record slots and `group` experts computed at once on one
-/// GPU: what the engine's own counts of it read.
-fn engine_view(input: &PlanInput, layout: &Layout, host_slots: u64, group: usize) -> EngineConfig {
+/// `slots` (the device's expert slots, the host's record slots) and
+/// `group` experts computed at once on one GPU: what the engine's own
+/// counts of it read.
+fn engine_view(input: &PlanInput, layout: &Layout, slots: [u64; 2], group: usize) -> EngineConfig {
+    let [device_slots, host_slots] = slots;
     EngineConfig {
+        device_budget_bytes: device_slots * layout.compute_payload_bytes(),
         host_budget_bytes: host_slots * layout.record_bytes(),
         devices: input.devices.max(1),
         ranks: input.ranks.max(1),
