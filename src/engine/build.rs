@@ -13,7 +13,7 @@ use strata_tiers::{
 
 use super::access::access_schedule;
 use super::part_search::PartSearch;
-use super::routed_io::{streams, RoutedIo};
+use super::routed_io::RoutedIo;
 use super::routing_trace::TransitionCounter;
 use super::slot_table::{group_size, scratch_buffers_kept, DeviceState};
 use super::updates::SharedExperts;
@@ -151,8 +151,25 @@ fn expert_group(
     }
     let slots = device.slots.slot_count();
     let group = group_size(config.expert_group, device.device.group_limit(), slots);
-    match streams(cache, model) {
-        true => group.min(((cache.slot_count() - cache.kept_count()) / 2).max(1)),
+    group_within_streaming(
+        group,
+        cache.slot_count(),
+        cache.kept_count(),
+        model.layers * model.experts,
+    )
+}
+
+/// `group` within half the host tier's streaming slots where its
+/// `record_slots` (`kept` of them keeping a record resident) hold fewer
+/// than the `records`: two groups' uploads hold them at once.
+pub(crate) fn group_within_streaming(
+    group: usize,
+    record_slots: usize,
+    kept: usize,
+    records: usize,
+) -> usize {
+    match record_slots < records {
+        true => group.min((record_slots.saturating_sub(kept) / 2).max(1)),
         false => group,
     }
 }

@@ -4,6 +4,8 @@
 
 use strata_tiers::Layout;
 
+use super::available_memory::AvailableMemory;
+use super::build::{group_within_streaming, host_cell_slot_count, host_kept_count};
 use super::slot_table::group_size;
 use super::updates::updates_in_flight_max;
 use crate::backend::{cpu_group_limit, BackendKind, GRADIENT_DOWNLOAD_BUFFERS};
@@ -75,18 +77,16 @@ impl HostMemoryPlan {
         .join(", ")
     }
 
-    /// Refuses a plan of more than `available` bytes (`None`: unknown, so
-    /// anything goes), naming its parts and what lowers them.
-    pub fn check(&self, available: Option<u64>) -> Result<(), EngineError> {
+    /// Refuses a plan of more than `available` host memory (`None`:
+    /// unknown, so anything goes), naming its parts and what lowers them.
+    pub fn check(&self, available: Option<&AvailableMemory>) -> Result<(), EngineError> {
         match available {
-            Some(available) if self.total() > available => Err(EngineError::Config(format!(
-                "the engine would hold {:.2} GiB of host memory ({}) but this machine has \
-                 {:.2} GiB available: lower the host budget (--host-mem), the device budget \
+            Some(available) if self.total() > available.bytes => Err(EngineError::Config(format!(
+                "the engine would hold {:.2} GiB of host memory ({}) but {available}: lower the host budget (--host-mem), the device budget \
                  of cpu devices (--device-mem) or --devices, give the store a file, or \
                  (for the gradients) use fewer micro-batches or the expert-wise schedule",
                 self.total() as f64 / GIB,
                 self.describe(),
-                available as f64 / GIB,
             ))),
             _ => Ok(()),
         }
@@ -96,9 +96,11 @@ impl HostMemoryPlan {
 /// The expert gradients an engine has alive at once, at most:
 /// - one per expert where the naive schedule holds them to the end of the
 ///   backward or several micro-batches sum them;
-/// - else one per update in flight (each holds a host slot, and each
-///   device keeps at most a layer's experts' worth, at least 2, in
-///   flight) and one per update deferred to the next step's forward;
+/// - else one per update in flight (each device keeps at most a layer's
+///   experts' worth, at least 2, in flight, and at most one more than the
+///   host slots its unfinished ones hold; with several devices one more
+///   each that another device's wait has claimed) and one per update
+///   deferred to the next step's forward;
 /// - besides, what each device is computing: on the cpu, a group of
 ///   experts' gradients at once (a layer's at most, and
 ///   [`cpu_group_limit`], on one device of one process); on a GPU, one
@@ -114,7 +116,17 @@ pub fn gradient_buffers(layout: &Layout, config: &EngineConfig) -> usize {
         experts
     } else {
         let slots = ((config.host_budget_bytes / layout.record_bytes()) as usize).min(experts);
-        let in_flight = slots.min(config.devices * updates_in_flight_max(per_layer));
+        // A device's list of updates in flight: a layer's experts at most,
+        // and one more than the host slots at most (finished updates are
+        // taken back before each submission, and those left hold the
+        // slots, but an update hands its slot back a moment before it can
+        // be taken back, so the one submitted may take it). A wait that
+        // claims another device's update takes it off that device's list
+        // before its gradient is given back: one more alive a device
+        // waiting, each waiting for one.
+        let per_device = updates_in_flight_max(per_layer).min(slots + 1);
+        let claimed = config.devices.saturating_sub(1);
+        let in_flight = (config.devices * per_device + claimed).min(experts);
         // Held across the step boundary (as if the pipeline overlapped:
         // the most it defers).
         let deferred = super::build::deferred_experts(
@@ -135,8 +147,9 @@ pub fn gradient_buffers(layout: &Layout, config: &EngineConfig) -> usize {
 
 /// The most experts a cpu device computes at once: on one device of one
 /// process, the group `build::expert_group` takes (`group_size` over the
-/// device's slots, with the cpu's limit), a layer's at most, since a group
-/// is of one layer's experts; else 1.
+/// device's slots, with the cpu's limit, and within half the host tier's
+/// streaming slots where records stream), a layer's at most, since a
+/// group is of one layer's experts; else 1.
 pub fn cpu_expert_group_bound(layout: &Layout, config: &EngineConfig) -> usize {
     if config.workers() != 1 {
         return 1;
@@ -144,28 +157,19 @@ pub fn cpu_expert_group_bound(layout: &Layout, config: &EngineConfig) -> usize {
     let slot = layout.compute_payload_bytes().max(1);
     let slots = (config.device_budget_bytes / slot).min(layout.expert_count()) as usize;
     let group = group_size(config.expert_group, cpu_group_limit(), slots);
+    // The host tier's record slots, as the engine splits them.
+    let records = layout.expert_count() as usize;
+    let budget_slots = (config.host_budget_bytes / layout.record_bytes()) as usize;
+    let cells = host_cell_slot_count(config, budget_slots, records);
+    let record_slots = budget_slots.saturating_sub(cells).min(records);
+    let kept = host_kept_count(config, record_slots, records);
+    let group = group_within_streaming(group, record_slots, kept, records);
     group.min((layout.experts_per_layer as usize).max(1))
-}
-
-/// Memory the kernel says can be had without swapping (`MemAvailable` in
-/// /proc/meminfo); `None` where that is not known.
-pub fn available_host_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    parse_mem_available(&meminfo)
-}
-
-fn parse_mem_available(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let mut words = line.split_whitespace().skip(1);
-    let value: u64 = words.next()?.parse().ok()?;
-    match words.next() {
-        Some("kB") => Some(value * 1024),
-        _ => None,
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::available_memory::MemoryBound;
     use super::*;
     use strata_tiers::Dtype;
 
@@ -194,9 +198,11 @@ mod tests {
         assert_eq!(plan.host_tier, 3 * record);
         assert_eq!(plan.store_in_memory, 8 * record);
         assert_eq!(plan.cpu_device_tiers, 2 * 8 * slot);
-        // Expert-wise, one micro-batch: an update in flight per host slot,
-        // one expert computing per device.
-        assert_eq!(plan.gradients, (3 + 2) * 1000 * 4);
+        // Expert-wise, one micro-batch: each device's updates in flight,
+        // at most one more than the host slots (4 of the 4 a layer has),
+        // one more a wait claims from another device, within the 8
+        // experts; and one expert computing per device.
+        assert_eq!(plan.gradients, (8 + 2) * 1000 * 4);
         for holds_all in [
             EngineConfig {
                 schedule: ScheduleKind::Naive,
@@ -228,15 +234,28 @@ mod tests {
             HostMemoryPlan::of(&layout, &deferring).gradients,
             (4 + 2 + 1) * 1000 * 4
         );
-        let streaming = EngineConfig {
+        // The 3 slots' unfinished updates and one submitted, waiting for a
+        // finished one's slot; a group within half the streaming slots
+        // (1 here, whatever is asked).
+        for group in [Some(1), None, Some(64)] {
+            let streaming = EngineConfig {
+                devices: 1,
+                expert_group: group,
+                ..config.clone()
+            };
+            assert_eq!(
+                HostMemoryPlan::of(&layout, &streaming).gradients,
+                (4 + 1) * 1000 * 4
+            );
+        }
+        let five_slots = EngineConfig {
             devices: 1,
-            expert_group: Some(1),
+            host_budget_bytes: 5 * record,
+            expert_group: None,
             ..config.clone()
         };
-        assert_eq!(
-            HostMemoryPlan::of(&layout, &streaming).gradients,
-            (3 + 1) * 1000 * 4
-        );
+        let group = cpu_expert_group_bound(&layout, &five_slots);
+        assert_eq!(group, 2.min(cpu_group_limit()));
         // Every record in host memory: the device's 4 updates in flight
         // bound them, not the 8 slots; a group's gradients are taken
         // together, a layer's at most.
@@ -259,7 +278,7 @@ mod tests {
             ..config.clone()
         };
         let plan = HostMemoryPlan::of(&layout, &gpus);
-        assert_eq!(plan.gradients, (3 + 2 + 2 * 3) * 1000 * 4);
+        assert_eq!(plan.gradients, (8 + 2 + 2 * 3) * 1000 * 4);
         assert_eq!(plan.cpu_device_tiers, 0);
         let on_file = EngineConfig {
             store_path: Some("x.store".into()),
@@ -277,8 +296,12 @@ mod tests {
             gradients: 1 << 29,
         };
         assert!(plan.check(None).is_ok());
-        assert!(plan.check(Some(9 << 29)).is_ok());
-        let err = plan.check(Some(2 << 30)).unwrap_err().to_string();
+        let machine = |bytes| AvailableMemory {
+            bytes,
+            bound: MemoryBound::Machine,
+        };
+        assert!(plan.check(Some(&machine(9 << 29))).is_ok());
+        let err = plan.check(Some(&machine(2 << 30))).unwrap_err().to_string();
         assert!(err.contains("4.50 GiB of host memory"), "{err}");
         assert!(
             err.contains(
@@ -290,16 +313,5 @@ mod tests {
             err.contains("2.00 GiB available") && err.contains("--host-mem"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn mem_available_is_read_in_bytes() {
-        let meminfo =
-            "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   16000000 kB\n";
-        assert_eq!(parse_mem_available(meminfo), Some(16_000_000 * 1024));
-        assert_eq!(parse_mem_available("MemTotal: 5 kB\n"), None);
-        if cfg!(target_os = "linux") {
-            assert!(available_host_memory().is_some_and(|b| b > 0));
-        }
     }
 }

@@ -22,6 +22,7 @@
 //! ```
 
 mod access;
+mod available_memory;
 mod build;
 mod condensing;
 mod config;
@@ -54,13 +55,14 @@ use std::sync::Arc;
 use strata_optim::AdamWHyper;
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
+pub use available_memory::{
+    available_host_memory, cgroup_available, host_memory_available, AvailableMemory, MemoryBound,
+};
 pub use build::{host_cell_slot_count, host_kept_count};
 pub use config::{EngineConfig, ExchangeParts, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
 pub use exchange::{project_exchange, LinkFit, UniformLayer};
 pub use gradients::Gradients;
-pub use host_plan::{
-    available_host_memory, cpu_expert_group_bound, gradient_buffers, HostMemoryPlan,
-};
+pub use host_plan::{cpu_expert_group_bound, gradient_buffers, HostMemoryPlan};
 pub use metrics::StepMetrics;
 pub use ranks::rank_of_expert;
 pub use routing_trace::RoutingTrace;
@@ -812,10 +814,24 @@ mod tests {
                 ..base.clone()
             },
         ];
+        // Records streaming through fewer host slots than a layer has
+        // experts, on one device and on two.
+        let record = Engine::layout(&model, &base).record_bytes();
+        let streaming = EngineConfig {
+            host_budget_bytes: 3 * record,
+            ..base.clone()
+        };
+        let configs = configs.into_iter().chain([
+            streaming.clone(),
+            EngineConfig {
+                devices: 2,
+                ..streaming.clone()
+            },
+        ]);
         for config in configs {
             let planned = host_plan::gradient_buffers(&Engine::layout(&model, &config), &config);
             let mut engine = Engine::new(model.clone(), config.clone()).unwrap();
-            for seed in 0..3 {
+            for seed in 0..8 {
                 engine.step(&batch_of(&model, 16, seed)).unwrap();
             }
             let made = engine.shared.grads.held_max();

@@ -12,8 +12,8 @@ use strata_tiers::{record_mut, ExpertId, ExpertStore, Layout};
 use super::build::host_cell_slot_count;
 use super::trainable_len;
 use super::{
-    dense_state, host_plan, Engine, EngineConfig, ExpertCompute, HostMemoryPlan, ScheduleKind,
-    MIN_HOST_STREAM_SLOTS,
+    dense_state, host_memory_available, Engine, EngineConfig, ExpertCompute, HostMemoryPlan,
+    ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
 use crate::model::{ModelConfig, Network};
 use crate::EngineError;
@@ -200,7 +200,7 @@ impl Engine {
                 )));
             }
         }
-        HostMemoryPlan::of(&layout, config).check(host_plan::available_host_memory())
+        HostMemoryPlan::of(&layout, config).check(host_memory_available().as_ref())
     }
 
     /// What ranks as processes do not yet combine with.

@@ -260,7 +260,7 @@ pub fn plan_for(o: &TrainOptions, config: &LmConfig, ranks: usize) -> Result<Mem
             .map(|now| now + crate::sys::code_not_resident_bytes().unwrap_or(0)),
         ..plan
     };
-    plan.check_host_memory(strata::engine::available_host_memory())?;
+    plan.check_host_memory(strata::engine::host_memory_available().as_ref())?;
     Ok(plan)
 }
 
@@ -461,7 +461,7 @@ fn run_locked(
     files: ModelFiles,
     interrupt: &AtomicBool,
     created_out: bool,
-    world: Option<ranks::RankWorld>,
+    mut world: Option<ranks::RankWorld>,
 ) -> Result<RunSummary, String> {
     let record_path = o.out.join("run.json");
     if !o.resume && record_path.exists() {
@@ -473,6 +473,9 @@ fn run_locked(
     // Everything that can be refused is checked before anything is written.
     let (tok, config) = files.read(&o, &source)?;
     let plan = plan_for(&o, &config, world.as_ref().map_or(1, |w| w.size))?;
+    if let Some(w) = world.as_mut() {
+        ranks::check_machine_memory(w, &plan)?;
+    }
     let lm = model_for(&o, &config)?;
     let mut data = open_run::dataset(&o, &files, &source, tok)?;
     let imported = match (&source, o.resume) {

@@ -179,3 +179,174 @@ pub(crate) fn refuse(o: &super::TrainOptions, world: &RankWorld) -> Result<(), S
         None => Ok(()),
     }
 }
+
+/// Refuses a run whose ranks on this machine would together hold more
+/// host memory than it has, before any rank allocates: each rank has
+/// checked its own count against the memory available (`plan_for`), but
+/// ranks started side by side each see the whole machine. Every rank
+/// reads what is available, then they exchange their counts (the
+/// exchange is the point past which a rank allocates, so no rank reads
+/// after another has taken its share); ranks on one machine (the same
+/// boot, and the same memory cgroup where that is the bound) add theirs
+/// up. On GPUs, whose host side the plan does not count, there is nothing
+/// to add.
+pub(crate) fn check_machine_memory(
+    world: &mut RankWorld,
+    plan: &super::plan::MemoryPlan,
+) -> Result<(), String> {
+    let available = strata::engine::host_memory_available();
+    let machine = machine_key(available.as_ref());
+    let all = plan.host_in_all().unwrap_or(0);
+    let mine = vec![
+        machine as u32,
+        (machine >> 32) as u32,
+        all as u32,
+        (all >> 32) as u32,
+    ];
+    let gathered = world.comm.all_gather_u32(mine).map_err(|e| {
+        format!(
+            "rank {}: exchanging the ranks' memory plans: {e}",
+            world.rank
+        )
+    })?;
+    let counts: Vec<RankCount> = gathered
+        .iter()
+        .map(|w| RankCount {
+            machine: u64::from(w[0]) | u64::from(w[1]) << 32,
+            host_bytes: u64::from(w[2]) | u64::from(w[3]) << 32,
+        })
+        .collect();
+    match available {
+        Some(available) => ranks_fit_their_machine(world.rank, &counts, &available),
+        None => Ok(()),
+    }
+}
+
+/// One rank's machine ([`machine_key`]) and the host memory it counts.
+#[derive(Clone, Copy, Debug)]
+struct RankCount {
+    machine: u64,
+    host_bytes: u64,
+}
+
+/// Whether the ranks that share rank `me`'s machine fit in what is
+/// `available` there, or what is short and what lowers it.
+fn ranks_fit_their_machine(
+    me: usize,
+    counts: &[RankCount],
+    available: &strata::engine::AvailableMemory,
+) -> Result<(), String> {
+    use super::options::show_bytes;
+    let here: Vec<(usize, u64)> = counts
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.machine == counts[me].machine)
+        .map(|(rank, c)| (rank, c.host_bytes))
+        .collect();
+    let together: u64 = here.iter().map(|(_, b)| b).sum();
+    if here.len() < 2 || together <= available.bytes {
+        return Ok(());
+    }
+    let each = here
+        .iter()
+        .map(|(rank, bytes)| format!("rank {rank} {}", show_bytes(*bytes)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(format!(
+        "does not fit: the {} ranks on this machine would hold {} of host memory together \
+         ({each}; each rank's count is in its `strata plan`), but {available}: {} short. \
+         Lower --host-mem, --device-mem, --batch or --seq-len, or start fewer ranks on a \
+         machine",
+        here.len(),
+        show_bytes(together),
+        show_bytes(together - available.bytes),
+    ))
+}
+
+/// A number the ranks sharing one machine's memory have alike: its boot
+/// (`/proc/sys/kernel/random/boot_id`, else the host name) and, where a
+/// memory cgroup bounds what is available, that cgroup's path.
+fn machine_key(available: Option<&strata::engine::AvailableMemory>) -> u64 {
+    let boot = [
+        "/proc/sys/kernel/random/boot_id",
+        "/proc/sys/kernel/hostname",
+    ]
+    .iter()
+    .find_map(|p| std::fs::read_to_string(p).ok())
+    .unwrap_or_default();
+    let cgroup = match available.map(|a| &a.bound) {
+        Some(strata::engine::MemoryBound::Cgroup { path, .. }) => path.as_str(),
+        _ => "",
+    };
+    // FNV-1a: the same in every process of any build.
+    format!("{}\n{cgroup}", boot.trim())
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata::engine::{AvailableMemory, MemoryBound};
+
+    #[test]
+    fn ranks_on_one_machine_add_up_their_host_memory() {
+        const MIB: u64 = 1 << 20;
+        let count = |machine, host_bytes| RankCount {
+            machine,
+            host_bytes,
+        };
+        let available = AvailableMemory {
+            bytes: 100 * MIB,
+            bound: MemoryBound::Machine,
+        };
+        // Two ranks of 60 MiB each on one machine, a third elsewhere.
+        let counts = [count(7, 60 * MIB), count(9, 60 * MIB), count(7, 60 * MIB)];
+        let err = ranks_fit_their_machine(0, &counts, &available).unwrap_err();
+        assert!(
+            err.contains("the 2 ranks on this machine would hold 120.00 MiB")
+                && err.contains("rank 0 60.00 MiB, rank 2 60.00 MiB;")
+                && err.contains("but this machine has 100.0 MiB available: 20.00 MiB short")
+                && err.contains("start fewer ranks on a machine"),
+            "{err}"
+        );
+        assert!(ranks_fit_their_machine(2, &counts, &available).is_err());
+        // The rank alone on its machine fits.
+        assert_eq!(ranks_fit_their_machine(1, &counts, &available), Ok(()));
+        // Exactly what is there fits.
+        let fits = [count(7, 50 * MIB), count(7, 50 * MIB)];
+        assert_eq!(ranks_fit_their_machine(1, &fits, &available), Ok(()));
+        // GPU ranks count nothing here.
+        let gpus = [count(7, 0), count(7, 0)];
+        assert_eq!(ranks_fit_their_machine(0, &gpus, &available), Ok(()));
+    }
+
+    #[test]
+    fn a_machine_s_key_follows_its_boot_and_a_bounding_cgroup() {
+        let machine = AvailableMemory {
+            bytes: 1,
+            bound: MemoryBound::Machine,
+        };
+        let cgroup = |path: &str| AvailableMemory {
+            bytes: 1,
+            bound: MemoryBound::Cgroup {
+                path: path.into(),
+                limit: 2,
+                in_use: 1,
+            },
+        };
+        let key = machine_key(Some(&machine));
+        assert_eq!(key, machine_key(None));
+        assert_eq!(
+            machine_key(Some(&cgroup("/a"))),
+            machine_key(Some(&cgroup("/a")))
+        );
+        assert_ne!(
+            machine_key(Some(&cgroup("/a"))),
+            machine_key(Some(&cgroup("/b")))
+        );
+        assert_ne!(machine_key(Some(&cgroup("/a"))), key);
+    }
+}

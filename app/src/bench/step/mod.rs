@@ -10,7 +10,7 @@ use strata_tiers::{Dtype, Timeline};
 
 use strata::backend::BackendKind;
 use strata::engine::{
-    available_host_memory, host_cell_slot_count, Engine, EngineConfig, ExpertCompute,
+    host_cell_slot_count, host_memory_available, Engine, EngineConfig, ExpertCompute,
     HostMemoryPlan, ScheduleKind, MIN_HOST_STREAM_SLOTS,
 };
 use strata::math::ExpertKind;
@@ -311,11 +311,11 @@ fn run_rounds(
         .map(|(_, c)| HostMemoryPlan::of(&Engine::layout(&config.model, c), c))
         .collect();
     let need: u64 = plans.iter().map(HostMemoryPlan::total).sum();
-    if let Some(available) = available_host_memory().filter(|&a| need > a) {
+    if let Some(available) = host_memory_available().filter(|a| need > a.bytes) {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         return Err(EngineError::Config(format!(
             "bench step keeps its {} runs' engines at once, {:.2} GiB of host memory in all \
-             ({}), but this machine has {:.2} GiB available: lower --d-model, --d-ff, \
+             ({}), but {available}: lower --d-model, --d-ff, \
              --experts, --layers or --host-fraction",
             runs.len(),
             gib(need),
@@ -324,7 +324,6 @@ fn run_rounds(
                 .map(|((name, _), p)| format!("{name} {:.2} GiB", gib(p.total())))
                 .collect::<Vec<_>>()
                 .join(", "),
-            gib(available),
         )));
     }
     let mut arms = Vec::new();

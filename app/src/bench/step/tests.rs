@@ -18,7 +18,7 @@ fn tiny() -> ModelConfig {
 /// refused before anything is allocated or written.
 #[test]
 fn a_stack_too_big_for_host_memory_is_refused_up_front() {
-    if available_host_memory().is_none() {
+    if host_memory_available().is_none() {
         return eprintln!("skipped: this OS does not say how much memory is available");
     }
     let dir = tempfile::tempdir().unwrap();

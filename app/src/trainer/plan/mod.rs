@@ -506,6 +506,7 @@ pub(crate) fn test_input(m: &LmConfig, device_mem: u64, host_mem: u64) -> PlanIn
 mod tests {
     use super::test_input as input;
     use super::*;
+    use strata::engine::{AvailableMemory, MemoryBound};
 
     /// The engine's own count of the gradients it holds: a layer's
     /// updates in flight and a group computing; every expert's where
@@ -572,12 +573,29 @@ mod tests {
         );
         assert!(text.contains("in all: "), "{text}");
         let all = p.host_in_all().unwrap();
-        assert_eq!(p.check_host_memory(Some(all)), Ok(()));
+        let machine = |bytes| AvailableMemory {
+            bytes,
+            bound: MemoryBound::Machine,
+        };
+        assert_eq!(p.check_host_memory(Some(&machine(all))), Ok(()));
         assert_eq!(p.check_host_memory(None), Ok(()));
-        let err = p.check_host_memory(Some(all - 1024)).unwrap_err();
+        let err = p.check_host_memory(Some(&machine(all - 1024))).unwrap_err();
         assert!(err.contains("but this machine has"), "{err}");
         assert!(err.contains(": 1.00 KiB short. Lower --host-mem"), "{err}");
-        assert_eq!(gpu.check_host_memory(Some(0)), Ok(()));
+        let cgroup = AvailableMemory {
+            bytes: all - 1024,
+            bound: MemoryBound::Cgroup {
+                path: "/job".into(),
+                limit: all,
+                in_use: 1024,
+            },
+        };
+        let err = p.check_host_memory(Some(&cgroup)).unwrap_err();
+        assert!(
+            err.contains("but this process's memory cgroup (/job)"),
+            "{err}"
+        );
+        assert_eq!(gpu.check_host_memory(Some(&machine(0))), Ok(()));
     }
 
     #[test]

@@ -4,6 +4,8 @@
 
 use std::fmt::Write as _;
 
+use strata::engine::AvailableMemory;
+
 use super::MemoryPlan;
 use crate::trainer::options::{show_bytes, show_count};
 
@@ -101,30 +103,28 @@ impl MemoryPlan {
     }
 
     /// Refuses, on the cpu backend, a run whose host memory in all
-    /// ([`Self::host_in_all`]) is more than the `available` bytes (`None`:
-    /// unknown, so anything goes), naming the parts and what lowers them.
-    pub fn check_host_memory(&self, available: Option<u64>) -> Result<(), String> {
+    /// ([`Self::host_in_all`]) is more than `available` (`None`: unknown,
+    /// so anything goes), naming the parts and what lowers them.
+    pub fn check_host_memory(&self, available: Option<&AvailableMemory>) -> Result<(), String> {
         let (Some(all), Some(devices), Some(available)) =
             (self.host_in_all(), self.cpu_devices_bytes(), available)
         else {
             return Ok(());
         };
-        if all <= available {
+        if all <= available.bytes {
             return Ok(());
         }
         Err(format!(
             "does not fit: the run would hold {} of host memory (the cpu devices' share {}, \
-             the host tier {}, expert gradients {}, the process and its data {}) but this \
-             machine has {} \
-             available: {} short. Lower --host-mem, --device-mem, --batch or --seq-len; with \
+             the host tier {}, expert gradients {}, the process and its data {}) but \
+             {available}: {} short. Lower --host-mem, --device-mem, --batch or --seq-len; with \
              --micro-batches above 1 or --clip-grad-norm every expert's gradient is held",
             show_bytes(all),
             show_bytes(devices),
             show_bytes(self.dense_host_bytes + self.expert_host_bytes),
             show_bytes(self.gradient_bytes),
             show_bytes(self.process_bytes.unwrap_or(0) + self.data_bytes),
-            show_bytes(available),
-            show_bytes(all - available),
+            show_bytes(all - available.bytes),
         ))
     }
 
