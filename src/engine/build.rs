@@ -85,6 +85,7 @@ impl Engine {
             part_search: (config.exchange_parts == ExchangeParts::Auto)
                 .then(|| PartSearch::new(model.layers)),
             prev_load: None,
+            device_threads: Default::default(),
             ranks: None,
             step: state.step,
             model,

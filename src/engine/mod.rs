@@ -30,6 +30,7 @@ mod dense_buckets;
 mod dense_state;
 mod dense_update;
 mod device_rows;
+mod device_threads;
 mod exchange;
 mod grad_buffers;
 mod gradients;
@@ -123,6 +124,8 @@ pub struct Engine {
     part_search: Option<part_search::PartSearch>,
     /// [layer][expert] the previous step's global load (pinning's input).
     prev_load: Option<Vec<Vec<u32>>>,
+    /// Several devices: the thread each computes its share on.
+    device_threads: device_threads::DeviceThreads,
     /// Ranks as processes: this rank's endpoint and the experts it owns,
     /// from [`Engine::join_ranks`].
     ranks: Option<ranks::Ranks>,

@@ -20,6 +20,7 @@ use strata_tiers::{ExpertId, Layout};
 
 use super::condensing::{condensed_pass, StepCondense};
 use super::dense_buckets::DenseBuckets;
+use super::device_threads::ShareFailed;
 use super::exchange::{local_cost, ExchangeRunner};
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
@@ -64,7 +65,8 @@ pub(crate) fn initial_cost(model: &ModelConfig, layout: &Layout, devices: usize)
 }
 
 impl Engine {
-    /// Every device's micro-batches, on one thread per device; returns the
+    /// Every device's micro-batches, each on its device's thread (kept for
+    /// the run: `device_threads`); returns the
     /// loss and the all-reduced dense gradient.
     pub(super) fn passes_devices<N>(
         &mut self,
@@ -96,64 +98,63 @@ impl Engine {
             devices,
             dense_kernels,
             dense,
+            device_threads,
             ..
         } = self;
         let (model, shared, dense) = (&*model, &*shared, &dense[..]);
         let pinned = &pinned[..];
         let parts = &parts[..];
         let auto_counts = &auto_counts;
-        let results: Vec<Result<(f32, Vec<f32>), EngineError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = devices
-                .iter_mut()
-                .zip(dense_kernels.iter())
-                .zip(
-                    InProcessComm::endpoints(n)
-                        .into_iter()
-                        .map(|c| ModeledLink::new(c, link))
-                        .zip(InProcessComm::endpoints(n)),
-                )
-                .enumerate()
-                .map(|(rank, ((dev, kernels), (comm, second)))| {
-                    std::thread::Builder::new()
-                        .name(format!("strata-device-{rank}"))
-                        .spawn_scoped(s, move || {
-                            let inner = DeviceRunner::new(model, shared, dev, options);
-                            let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
-                            runner.parts = exchange_parts;
-                            runner.link_fit = link_fit;
-                            runner.local_s_per_expert = local_s_per_expert;
-                            runner.auto_counts = auto_counts.clone();
-                            let share = Share {
-                                net,
-                                parts: &parts[rank * m..(rank + 1) * m],
-                                dense,
-                                tokens_total,
-                                shares: n * m,
-                                bucket_bytes,
-                                condense,
-                            };
-                            let mut second = Some(Box::new(second) as Box<dyn Comm>);
-                            device_share(&mut runner, &**kernels, share, &mut second)
-                        })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(device, h)| match h {
-                    Ok(h) => h.join().unwrap_or_else(|_| {
-                        Err(EngineError::Device {
-                            device,
-                            why: "its thread panicked".into(),
-                        })
-                    }),
-                    Err(e) => Err(EngineError::Device {
+        let shares: Vec<_> = devices
+            .iter_mut()
+            .zip(dense_kernels.iter())
+            .zip(
+                InProcessComm::endpoints(n)
+                    .into_iter()
+                    .map(|c| ModeledLink::new(c, link))
+                    .zip(InProcessComm::endpoints(n)),
+            )
+            .enumerate()
+            .map(|(rank, ((dev, kernels), (comm, second)))| {
+                move || {
+                    let inner = DeviceRunner::new(model, shared, dev, options);
+                    let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
+                    runner.parts = exchange_parts;
+                    runner.link_fit = link_fit;
+                    runner.local_s_per_expert = local_s_per_expert;
+                    runner.auto_counts = auto_counts.clone();
+                    let share = Share {
+                        net,
+                        parts: &parts[rank * m..(rank + 1) * m],
+                        dense,
+                        tokens_total,
+                        shares: n * m,
+                        bucket_bytes,
+                        condense,
+                    };
+                    let mut second = Some(Box::new(second) as Box<dyn Comm>);
+                    device_share(&mut runner, &**kernels, share, &mut second)
+                }
+            })
+            .collect();
+        let results: Vec<Result<(f32, Vec<f32>), EngineError>> = device_threads
+            .run(shares)
+            .into_iter()
+            .enumerate()
+            .map(|(device, result)| {
+                result.unwrap_or_else(|failed| {
+                    Err(EngineError::Device {
                         device,
-                        why: format!("its thread could not start: {e}"),
-                    }),
+                        why: match failed {
+                            ShareFailed::Panicked => "its thread panicked".into(),
+                            ShareFailed::NotStarted(e) => {
+                                format!("its thread could not start: {e}")
+                            }
+                        },
+                    })
                 })
-                .collect()
-        });
+            })
+            .collect();
         first_cause(results)
     }
 
