@@ -113,8 +113,10 @@ pub fn cgroup_available(root: &Path, self_cgroup: &str) -> Option<AvailableMemor
     let mut best: Option<AvailableMemory> = None;
     for line in self_cgroup.lines() {
         // "hierarchy-id:controllers:path"; v2's has no controllers.
-        let mut fields = line.splitn(3, ':');
-        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        let mut fields = line.splitn(3, ':').skip(1);
+        let (Some(controllers), Some(path)) = (fields.next(), fields.next()) else {
+            continue;
+        };
         let v1 = controllers.split(',').any(|c| c == "memory");
         let files = match (controllers.is_empty(), v1) {
             (true, _) => V2,
@@ -302,7 +304,8 @@ mod tests {
     #[test]
     fn a_v1_memory_cgroup_is_read_and_a_host_path_falls_back_to_the_mount() {
         let tree = Tree::new("v1");
-        let self_cgroup = "4:memory:/docker/abc\n3:cpuset:/\n0::/\n";
+        // A line that is not "id:controllers:path" is passed over.
+        let self_cgroup = "garbage\n4:memory:/docker/abc\n3:cpuset:/\n0::/\n";
         // Inside a container the mount's root is the container's cgroup.
         tree.write(
             "memory",

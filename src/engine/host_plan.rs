@@ -82,9 +82,10 @@ impl HostMemoryPlan {
     pub fn check(&self, available: Option<&AvailableMemory>) -> Result<(), EngineError> {
         match available {
             Some(available) if self.total() > available.bytes => Err(EngineError::Config(format!(
-                "the engine would hold {:.2} GiB of host memory ({}) but {available}: lower the host budget (--host-mem), the device budget \
-                 of cpu devices (--device-mem) or --devices, give the store a file, or \
-                 (for the gradients) use fewer micro-batches or the expert-wise schedule",
+                "the engine would hold {:.2} GiB of host memory ({}) but {available}: lower \
+                 the host budget (--host-mem), the device budget of cpu devices \
+                 (--device-mem) or --devices, give the store a file, or (for the \
+                 gradients) use fewer micro-batches or the expert-wise schedule",
                 self.total() as f64 / GIB,
                 self.describe(),
             ))),

@@ -209,13 +209,21 @@ pub(crate) fn check_machine_memory(
             world.rank
         )
     })?;
-    let counts: Vec<RankCount> = gathered
+    let counts = gathered
         .iter()
-        .map(|w| RankCount {
-            machine: u64::from(w[0]) | u64::from(w[1]) << 32,
-            host_bytes: u64::from(w[2]) | u64::from(w[3]) << 32,
+        .enumerate()
+        .map(|(rank, w)| match w[..] {
+            [k0, k1, b0, b1] => Ok(RankCount {
+                machine: u64::from(k0) | u64::from(k1) << 32,
+                host_bytes: u64::from(b0) | u64::from(b1) << 32,
+            }),
+            _ => Err(format!(
+                "rank {rank} sent {} words for its memory plan, not 4: run the same strata on \
+                 every rank",
+                w.len()
+            )),
         })
-        .collect();
+        .collect::<Result<Vec<RankCount>, String>>()?;
     match available {
         Some(available) => ranks_fit_their_machine(world.rank, &counts, &available),
         None => Ok(()),
