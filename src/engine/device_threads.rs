@@ -17,6 +17,8 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
+use crate::EngineError;
+
 /// A device's share, its borrows erased (see `run`'s SAFETY note).
 type Task = Box<dyn FnOnce() + Send + 'static>;
 
@@ -39,6 +41,17 @@ pub(super) enum ShareFailed {
     NotStarted(String),
     /// The share panicked.
     Panicked,
+}
+
+impl ShareFailed {
+    /// The engine's error for device `device`'s share.
+    pub fn of_device(self, device: usize) -> EngineError {
+        let why = match self {
+            ShareFailed::Panicked => "its thread panicked".into(),
+            ShareFailed::NotStarted(e) => format!("its thread could not start: {e}"),
+        };
+        EngineError::Device { device, why }
+    }
 }
 
 /// Counts the shares still to end; a share's guard counts it ended when

@@ -20,7 +20,6 @@ use strata_tiers::{ExpertId, Layout};
 
 use super::condensing::{condensed_pass, StepCondense};
 use super::dense_buckets::DenseBuckets;
-use super::device_threads::ShareFailed;
 use super::exchange::{local_cost, ExchangeRunner};
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
@@ -105,6 +104,12 @@ impl Engine {
         let pinned = &pinned[..];
         let parts = &parts[..];
         let auto_counts = &auto_counts;
+        // Devices as many as the compute threads or more already keep
+        // every thread busy: each computes on its own thread alone, as a
+        // split of its GEMMs would only queue pieces for threads busy
+        // with the other devices' (small, two devices on two compute
+        // threads: 1.2x the tokens/s of splitting).
+        let one_thread_each = n >= crate::parallel::compute_threads();
         let shares: Vec<_> = devices
             .iter_mut()
             .zip(dense_kernels.iter())
@@ -117,23 +122,29 @@ impl Engine {
             .enumerate()
             .map(|(rank, ((dev, kernels), (comm, second)))| {
                 move || {
-                    let inner = DeviceRunner::new(model, shared, dev, options);
-                    let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
-                    runner.parts = exchange_parts;
-                    runner.link_fit = link_fit;
-                    runner.local_s_per_expert = local_s_per_expert;
-                    runner.auto_counts = auto_counts.clone();
-                    let share = Share {
-                        net,
-                        parts: &parts[rank * m..(rank + 1) * m],
-                        dense,
-                        tokens_total,
-                        shares: n * m,
-                        bucket_bytes,
-                        condense,
+                    let share = || {
+                        let inner = DeviceRunner::new(model, shared, dev, options);
+                        let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
+                        runner.parts = exchange_parts;
+                        runner.link_fit = link_fit;
+                        runner.local_s_per_expert = local_s_per_expert;
+                        runner.auto_counts = auto_counts.clone();
+                        let share = Share {
+                            net,
+                            parts: &parts[rank * m..(rank + 1) * m],
+                            dense,
+                            tokens_total,
+                            shares: n * m,
+                            bucket_bytes,
+                            condense,
+                        };
+                        let mut second = Some(Box::new(second) as Box<dyn Comm>);
+                        device_share(&mut runner, &**kernels, share, &mut second)
                     };
-                    let mut second = Some(Box::new(second) as Box<dyn Comm>);
-                    device_share(&mut runner, &**kernels, share, &mut second)
+                    match one_thread_each {
+                        true => crate::parallel::on_one_thread(share),
+                        false => share(),
+                    }
                 }
             })
             .collect();
@@ -141,19 +152,7 @@ impl Engine {
             .run(shares)
             .into_iter()
             .enumerate()
-            .map(|(device, result)| {
-                result.unwrap_or_else(|failed| {
-                    Err(EngineError::Device {
-                        device,
-                        why: match failed {
-                            ShareFailed::Panicked => "its thread panicked".into(),
-                            ShareFailed::NotStarted(e) => {
-                                format!("its thread could not start: {e}")
-                            }
-                        },
-                    })
-                })
-            })
+            .map(|(device, result)| result.unwrap_or_else(|failed| Err(failed.of_device(device))))
             .collect();
         first_cause(results)
     }
