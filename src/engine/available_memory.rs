@@ -109,7 +109,7 @@ pub(super) fn parse_mem_available(meminfo: &str) -> Option<u64> {
 /// and `memory.usage_in_bytes` under `root/memory`. What is in use leaves
 /// out the inactive page cache (`memory.stat`), which the kernel drops
 /// before it kills. `None` where no cgroup sets a limit.
-pub fn cgroup_available(root: &Path, self_cgroup: &str) -> Option<AvailableMemory> {
+fn cgroup_available(root: &Path, self_cgroup: &str) -> Option<AvailableMemory> {
     let mut best: Option<AvailableMemory> = None;
     for line in self_cgroup.lines() {
         // "hierarchy-id:controllers:path"; v2's has no controllers.

@@ -57,7 +57,7 @@ use strata_optim::AdamWHyper;
 use strata_tiers::{ExpertId, ExpertStore, Parts};
 
 pub use available_memory::{
-    available_host_memory, cgroup_available, host_memory_available, AvailableMemory, MemoryBound,
+    available_host_memory, host_memory_available, AvailableMemory, MemoryBound,
 };
 pub use build::{host_cell_slot_count, host_kept_count};
 pub use config::{EngineConfig, ExchangeParts, ExpertCompute, ScheduleKind, MIN_HOST_STREAM_SLOTS};
