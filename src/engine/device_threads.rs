@@ -12,11 +12,12 @@
 //! its thread keeps its arena, which holds its own peak alone.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
+use crate::parallel::Latch;
 use crate::EngineError;
 
 /// A device's share, its borrows erased (see `run`'s SAFETY note).
@@ -54,30 +55,13 @@ impl ShareFailed {
     }
 }
 
-/// Counts the shares still to end; a share's guard counts it ended when
-/// it is dropped, run or not.
-struct Latch {
-    left: Mutex<usize>,
-    ended: Condvar,
-}
-
-impl Latch {
-    fn lock(&self) -> MutexGuard<'_, usize> {
-        self.left.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
 /// Held by a share's task: counts it ended as the task is dropped, after
 /// it has run or, never run, with it.
 struct Ended<'a>(&'a Latch);
 
 impl Drop for Ended<'_> {
     fn drop(&mut self) {
-        let mut left = self.0.lock();
-        *left -= 1;
-        if *left == 0 {
-            self.0.ended.notify_all();
-        }
+        self.0.finish(None); // a share's panic is kept in its result
     }
 }
 
@@ -93,10 +77,7 @@ impl DeviceThreads {
         let started: Vec<Result<(), ShareFailed>> = (0..n).map(|i| self.start(i)).collect();
         let results: Vec<Mutex<Option<std::thread::Result<R>>>> =
             (0..n).map(|_| Mutex::new(None)).collect();
-        let latch = Latch {
-            left: Mutex::new(n),
-            ended: Condvar::new(),
-        };
+        let latch = Latch::new(n);
         for (i, share) in shares.into_iter().enumerate() {
             let (slot, ended) = (&results[i], Ended(&latch));
             let task: Box<dyn FnOnce() + Send + '_> = Box::new(move || {
@@ -121,11 +102,7 @@ impl DeviceThreads {
                 _ => drop(task),
             }
         }
-        let mut left = latch.lock();
-        while *left > 0 {
-            left = latch.ended.wait(left).unwrap_or_else(|e| e.into_inner());
-        }
-        drop(left);
+        latch.wait();
         results
             .into_iter()
             .zip(started)

@@ -7,7 +7,7 @@
 
 mod pool;
 
-pub(crate) use pool::WorkerPool;
+pub(crate) use pool::{Latch, WorkerPool};
 
 /// The cores this process may use, asked once. std answers afresh on
 /// every call from the affinity mask and the cgroup quota files (about

@@ -52,17 +52,34 @@ pub(crate) struct WorkerPool {
 }
 
 /// Counts a call's pieces still running; keeps the first panic.
-struct Latch {
+pub(crate) struct Latch {
     state: Mutex<(usize, Option<Box<dyn Any + Send>>)>,
     ended: Condvar,
 }
 
 impl Latch {
+    /// A latch for `pieces` pieces.
+    pub(crate) fn new(pieces: usize) -> Self {
+        Latch {
+            state: Mutex::new((pieces, None)),
+            ended: Condvar::new(),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, (usize, Option<Box<dyn Any + Send>>)> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn finish(&self, panic: Option<Box<dyn Any + Send>>) {
+    /// Blocks until every piece has finished.
+    pub(crate) fn wait(&self) {
+        let mut state = self.lock();
+        while state.0 > 0 {
+            state = self.ended.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Counts one piece finished, keeping `panic` if it is the first.
+    pub(crate) fn finish(&self, panic: Option<Box<dyn Any + Send>>) {
         let mut state = self.lock();
         state.0 -= 1;
         if state.1.is_none() {
@@ -131,10 +148,7 @@ impl WorkerPool {
         let Some(first) = jobs.next() else {
             return;
         };
-        let latch = Latch {
-            state: Mutex::new((jobs.len(), None)),
-            ended: Condvar::new(),
-        };
+        let latch = Latch::new(jobs.len());
         let queued = jobs.len();
         {
             let mut queue = self.lock();
@@ -169,10 +183,7 @@ impl WorkerPool {
                 Some(task) => task(),
                 None => {
                     poll_briefly(|| latch.lock().0 == 0);
-                    let mut state = latch.lock();
-                    while state.0 > 0 {
-                        state = latch.ended.wait(state).unwrap_or_else(|e| e.into_inner());
-                    }
+                    latch.wait();
                     break;
                 }
             }

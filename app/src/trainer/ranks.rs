@@ -197,12 +197,7 @@ pub(crate) fn check_machine_memory(
     let available = strata::engine::host_memory_available();
     let machine = machine_key(available.as_ref());
     let all = plan.host_in_all().unwrap_or(0);
-    let mine = vec![
-        machine as u32,
-        (machine >> 32) as u32,
-        all as u32,
-        (all >> 32) as u32,
-    ];
+    let mine = vec![machine, all as u32, (all >> 32) as u32];
     let gathered = world.comm.all_gather_u32(mine).map_err(|e| {
         format!(
             "rank {}: exchanging the ranks' memory plans: {e}",
@@ -213,12 +208,12 @@ pub(crate) fn check_machine_memory(
         .iter()
         .enumerate()
         .map(|(rank, w)| match w[..] {
-            [k0, k1, b0, b1] => Ok(RankCount {
-                machine: u64::from(k0) | u64::from(k1) << 32,
+            [machine, b0, b1] => Ok(RankCount {
+                machine,
                 host_bytes: u64::from(b0) | u64::from(b1) << 32,
             }),
             _ => Err(format!(
-                "rank {rank} sent {} words for its memory plan, not 4: run the same strata on \
+                "rank {rank} sent {} words for its memory plan, not 3: run the same strata on \
                  every rank",
                 w.len()
             )),
@@ -233,7 +228,7 @@ pub(crate) fn check_machine_memory(
 /// One rank's machine ([`machine_key`]) and the host memory it counts.
 #[derive(Clone, Copy, Debug)]
 struct RankCount {
-    machine: u64,
+    machine: u32,
     host_bytes: u64,
 }
 
@@ -274,7 +269,7 @@ fn ranks_fit_their_machine(
 /// A number the ranks sharing one machine's memory have alike: its boot
 /// (`/proc/sys/kernel/random/boot_id`, else the host name) and, where a
 /// memory cgroup bounds what is available, that cgroup's path.
-fn machine_key(available: Option<&strata::engine::AvailableMemory>) -> u64 {
+fn machine_key(available: Option<&strata::engine::AvailableMemory>) -> u32 {
     let boot = [
         "/proc/sys/kernel/random/boot_id",
         "/proc/sys/kernel/hostname",
@@ -286,12 +281,7 @@ fn machine_key(available: Option<&strata::engine::AvailableMemory>) -> u64 {
         Some(strata::engine::MemoryBound::Cgroup { path, .. }) => path.as_str(),
         _ => "",
     };
-    // FNV-1a: the same in every process of any build.
-    format!("{}\n{cgroup}", boot.trim())
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })
+    crc32c::crc32c(format!("{}\n{cgroup}", boot.trim()).as_bytes())
 }
 
 #[cfg(test)]

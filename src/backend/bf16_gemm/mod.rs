@@ -9,8 +9,9 @@
 //! block of `KC_PAIRS` pairs at a time, packs up to `B_PANELS_BYTES` of
 //! its panels (which then stay in L2 while every block of A passes them)
 //! and computes their MR × NR tiles (`kernel.rs`). Each output element is
-//! the same sum in the same order whatever the threads (they split N, never K), and the same on every
-//! CPU (see `kernel.rs`): the sum of each block of K, then the blocks added
+//! the same sum in the same order whatever the threads (they split N,
+//! never K), and the same on every CPU (see `kernel.rs`): the sum of each
+//! block of K, then the blocks added
 //! to the output in K's order. Where the CPU has AMX, its tiles compute
 //! the blocks instead (`amx.rs`, [`Bf16Kernel::Amx`]): the same blocks in
 //! the same order, each block's sum rounded the tile's way, so the same
