@@ -446,14 +446,20 @@ fn bench_migrate_follows_the_sequences_and_refuses_what_it_cannot_split() {
         String::from_utf8_lossy(&out.stderr)
     );
     let rows = json_lines(&out.stdout);
-    // 2 device counts × 3 placements × (stay, 3 planners × 2 candidates).
-    assert_eq!(rows.len(), 2 * 3 * 7);
+    // 2 device counts × 3 placements × (stay, 3 planners × 2 candidates,
+    // 2 coherent rules).
+    assert_eq!(rows.len(), 2 * 3 * 9);
     for r in &rows {
         assert_eq!(r["bench"], "migrate", "{r}");
         let (moved, back) = (
             r["moved"].as_u64().unwrap(),
             r["residual_grad_rows"].as_u64(),
         );
+        if r["planner"].as_str().unwrap().starts_with("coherent") {
+            // Tokens move one by one; a residual crosses at most once each.
+            assert!(back <= Some(moved), "{r}");
+            continue;
+        }
         assert_eq!(back, Some(moved * 16), "{r}");
         if r["planner"] == "stay" {
             assert_eq!(r["rows_vs_stay"].as_f64(), Some(1.0), "{r}");

@@ -18,6 +18,11 @@
 //!   device, this machine) plus every row's bytes (f32) at the link's
 //!   rate.
 //!
+//! Beside the planners, each placement's `coherent` row counts ExFlow's
+//! context-coherent exchange on the same routing (`bench::coherent`):
+//! tokens rebuilt one by one, never returning home, with the keys and
+//! values their attention then needs from other devices.
+//!
 //! Placements: round-robin; each layer by LPT on the batch's counts (the
 //! engine's); and ExFlow's affinity placement from the training's trace
 //! (`strata::placement::affinity`), so that migration and affinity are
@@ -34,6 +39,7 @@ use strata::placement::affinity::{place, AffinityProblem};
 use strata::placement::{CostModel, LptPlacer};
 
 use super::captured::{train_and_capture, CaptureSpec, Captured, Trained};
+use super::coherent::{assignment_devices, follow_tokens, Rebuild};
 
 /// What to train, the device counts, and the planners' cap.
 #[derive(Clone, Debug)]
@@ -60,7 +66,10 @@ pub struct MigrateRow {
     /// pulls: the expert outputs), `exact` (the residual rows as well, as
     /// the engine's layer moves them) or `dispatch-h` (a layer that
     /// dispatches the residual and normalizes it where the expert runs).
-    /// `luffy`'s plan is costed as the engine's layer moves it.
+    /// `luffy`'s plan is costed as the engine's layer moves it. Or one
+    /// of ExFlow's context-coherent exchange (`bench::coherent`), tokens
+    /// rebuilt one by one: `coherent` choosing by the rows alone,
+    /// `coherent-kv` weighing the keys and values a move sends as well.
     pub planner: &'static str,
     /// `q`, the candidate devices a sequence.
     pub candidates: usize,
@@ -74,11 +83,18 @@ pub struct MigrateRow {
     pub residual_rows: u64,
     /// The backward's gradient rows of moved sequences' residuals.
     pub residual_grad_rows: u64,
-    /// Every row of forward and backward, over `stay`'s.
+    /// Every row's bytes, forward and backward (K and V rows at their
+    /// width), over `stay`'s.
     pub rows_vs_stay: f64,
     /// The combines' rows and the residual rows over `stay`'s combines.
     pub combine_vs_stay: f64,
-    /// Sequences rebuilt away from where they were, summed over layers.
+    /// `coherent` alone: K and V rows (2 · kv_heads · head_dim values) a
+    /// forward step sends to the devices holding later tokens of their
+    /// sequence (`bench::coherent`); the backward sends their gradients
+    /// back.
+    pub kv_rows: u64,
+    /// Sequences (for `coherent`, tokens) rebuilt away from where they
+    /// were, summed over layers.
     pub moved: u64,
     /// The worst layer's busiest device's attention cost over the mean.
     pub attention_max_over_mean: f64,
@@ -89,6 +105,36 @@ pub struct MigrateRow {
     /// The measured step plus `link_s`.
     pub modeled_step_s: f64,
     pub link_gb_per_s: f64,
+}
+
+impl MigrateRow {
+    /// A row of `planner` on `n` devices, its counts and times still zero
+    /// (the placement and the link's figures are filled in by `run`).
+    fn named(spec: &CaptureSpec, n: usize, planner: &'static str) -> Self {
+        Self {
+            bench: "migrate",
+            preset: spec.preset.clone(),
+            train_steps: spec.train_steps,
+            devices: n,
+            placement: "",
+            planner,
+            candidates: 0,
+            slack: 0.0,
+            dispatch_rows: 0,
+            combine_rows: 0,
+            residual_rows: 0,
+            residual_grad_rows: 0,
+            rows_vs_stay: 0.0,
+            combine_vs_stay: 0.0,
+            kv_rows: 0,
+            moved: 0,
+            attention_max_over_mean: 1.0,
+            plan_s: 0.0,
+            link_s: 0.0,
+            modeled_step_s: 0.0,
+            link_gb_per_s: 0.0,
+        }
+    }
 }
 
 /// `[layer][expert]`: the device computing each expert.
@@ -194,6 +240,54 @@ fn busiest_over_mean(loads: &[f64]) -> f64 {
     }
 }
 
+/// Each captured sequence's home device: the batch split in order.
+fn homes(t: &Trained, spec: &CaptureSpec, n: usize) -> Vec<u16> {
+    let k = t.lm.moe().top_k;
+    let batch = t
+        .layers
+        .first()
+        .map_or(0, |c| c.perm.order.len() / k / spec.seq_len);
+    (0..batch).map(|s| (s * n / batch) as u16).collect()
+}
+
+/// The context-coherent exchange over every layer (`bench::coherent`),
+/// choosing by the rows alone or weighing the keys and values too, and
+/// its bytes forward and backward.
+fn follow_coherent(
+    t: &Trained,
+    spec: &CaptureSpec,
+    n: usize,
+    placement: &Placement,
+    weigh_kv: bool,
+) -> (MigrateRow, f64) {
+    let config = t.lm.config();
+    let k = config.top_k;
+    let kv_width = 2 * config.kv_heads * config.head_dim;
+    let rebuild = if weigh_kv {
+        Rebuild::CoherentKv {
+            kv_over_row: kv_width as f64 / config.d_model as f64,
+        }
+    } else {
+        Rebuild::Coherent
+    };
+    let devices = assignment_devices(&t.layers, placement);
+    let home = homes(t, spec, n);
+    let c = follow_tokens(&devices, k, spec.seq_len, &home, n, rebuild);
+    let rows = 2 * (c.dispatch + c.combine + c.residual);
+    let values = rows as f64 * config.d_model as f64 + (2 * c.kv) as f64 * kv_width as f64;
+    let row = MigrateRow {
+        dispatch_rows: c.dispatch,
+        combine_rows: c.combine,
+        residual_rows: c.residual,
+        residual_grad_rows: c.residual,
+        kv_rows: c.kv,
+        moved: c.moved,
+        attention_max_over_mean: c.attention_max_over_mean,
+        ..MigrateRow::named(spec, n, if weigh_kv { "coherent-kv" } else { "coherent" })
+    };
+    (row, values * 4.0)
+}
+
 /// What one planner does over every layer (`None`: no migration).
 fn follow(
     t: &Trained,
@@ -208,8 +302,7 @@ fn follow(
     let cost = AttentionCost {
         d_model: moe.d_model,
     };
-    let batch = t.layers.first().map_or(0, |c| c.perm.order.len() / k / len);
-    let mut at: Vec<u16> = (0..batch).map(|s| (s * n / batch) as u16).collect();
+    let mut at = homes(t, spec, n);
     let (mut dispatch, mut combine, mut moved) = (0u64, 0u64, 0u64);
     let mut residual = [0u64; 2];
     // What the plan's moves cost: LUFFY's as the engine's layer moves them.
@@ -239,35 +332,26 @@ fn follow(
         worst = worst.max(busiest_over_mean(&attention_loads(&seqs, &dest, n, cost)));
         at = dest;
     }
+    let name = match planner.map(|p| p.accounting) {
+        None => "stay",
+        Some(Accounting::ExpertOutputs) => "luffy",
+        Some(Accounting::WithResidual) => "exact",
+        Some(Accounting::ResidualWithDispatch) => "dispatch-h",
+    };
     let row = MigrateRow {
-        bench: "migrate",
-        preset: spec.preset.clone(),
-        train_steps: spec.train_steps,
-        devices: n,
-        placement: "",
-        planner: match planner.map(|p| p.accounting) {
-            None => "stay",
-            Some(Accounting::ExpertOutputs) => "luffy",
-            Some(Accounting::WithResidual) => "exact",
-            Some(Accounting::ResidualWithDispatch) => "dispatch-h",
-        },
         candidates: planner.map_or(0, |p| p.candidates),
         slack: planner.map_or(0.0, |p| p.slack),
         dispatch_rows: dispatch,
         combine_rows: combine,
         residual_rows: residual[0],
         residual_grad_rows: residual[1],
-        rows_vs_stay: 0.0,
-        combine_vs_stay: 0.0,
         moved,
         attention_max_over_mean: worst,
         plan_s,
-        link_s: 0.0,
-        modeled_step_s: 0.0,
-        link_gb_per_s: 0.0,
+        ..MigrateRow::named(spec, n, name)
     };
     let total = 2 * (dispatch + combine) + residual[0] + residual[1];
-    (row, total as f64)
+    (row, total as f64 * moe.d_model as f64 * 4.0)
 }
 
 /// Trains, captures, and follows the sequences (see the module).
@@ -276,6 +360,14 @@ pub fn run(cfg: &MigrateBench) -> Result<Vec<MigrateRow>, String> {
     if let Some(n) = cfg.devices.iter().find(|&&n| n == 0 || n > batch) {
         return Err(format!(
             "{n} devices for a batch of {batch} sequences: need 1 to {batch}"
+        ));
+    }
+    let config = strata::lm::LmConfig::preset(&cfg.capture.preset).map_err(|e| e.to_string())?;
+    if !config.dense_layers.is_empty() {
+        return Err(format!(
+            "{}: the coherent rows count an attention in front of each MoE layer, \
+             and this model has dense layers between them",
+            cfg.capture.preset
         ));
     }
     let t = train_and_capture(&cfg.capture)?;
@@ -303,16 +395,19 @@ pub fn run(cfg: &MigrateBench) -> Result<Vec<MigrateRow>, String> {
             .collect();
         for (name, placement) in placements(&t, n)? {
             let mut stay: Option<(f64, u64)> = None;
-            for planner in &planners {
-                let (mut row, total) =
-                    follow(&t, &cfg.capture, n, &placement, planner.as_ref(), cfg.reps);
+            let followed = planners
+                .iter()
+                .map(|planner| follow(&t, &cfg.capture, n, &placement, planner.as_ref(), cfg.reps))
+                .chain(
+                    [false, true].map(|kv| follow_coherent(&t, &cfg.capture, n, &placement, kv)),
+                );
+            for (mut row, bytes) in followed {
                 row.placement = name;
                 row.link_gb_per_s = cfg.link_gb_per_s;
-                let bytes = total * t.lm.moe().d_model as f64 * 4.0;
                 row.link_s = bytes / (cfg.link_gb_per_s * 1e9);
                 row.modeled_step_s = t.step_s + row.link_s;
-                let (stay_total, stay_combine) = *stay.get_or_insert((total, row.combine_rows));
-                row.rows_vs_stay = total / stay_total.max(1.0);
+                let (stay_bytes, stay_combine) = *stay.get_or_insert((bytes, row.combine_rows));
+                row.rows_vs_stay = bytes / stay_bytes.max(1.0);
                 let combines = 2 * row.combine_rows + row.residual_rows + row.residual_grad_rows;
                 row.combine_vs_stay = combines as f64 / (2 * stay_combine).max(1) as f64;
                 rows.push(row);
@@ -341,14 +436,26 @@ mod tests {
             link_gb_per_s: 10.0,
         };
         let rows = run(&cfg).unwrap();
-        // devices × placements × (stay + 3 accountings × 2 candidates)
-        assert_eq!(rows.len(), 2 * 3 * 7);
+        // devices × placements × (stay + 3 accountings × 2 candidates +
+        // coherent by rows and weighing K and V)
+        assert_eq!(rows.len(), 2 * 3 * 9);
         let layers = strata::lm::LmConfig::preset("tiny").unwrap().layers as u64;
         for r in &rows {
             // Every assignment is dispatched from, and combined to, one
             // device; those already there do not cross.
             assert!(r.dispatch_rows <= layers * 8 * 16 * 2, "{r:?}");
-            assert_eq!(r.residual_grad_rows, r.moved * 16, "{r:?}");
+            if r.planner.starts_with("coherent") {
+                // A token's residual crosses at most once a layer, and
+                // only when it moves.
+                assert_eq!(r.residual_grad_rows, r.residual_rows, "{r:?}");
+                assert!(r.residual_rows <= r.moved, "{r:?}");
+                continue;
+            }
+            assert_eq!(
+                (r.kv_rows, r.residual_grad_rows),
+                (0, r.moved * 16),
+                "{r:?}"
+            );
             if r.planner == "dispatch-h" {
                 assert!(r.residual_rows <= r.moved * 16, "{r:?}");
             } else {
@@ -362,6 +469,31 @@ mod tests {
                 // Dispatch and combine, forward and backward, of 64 f32s.
                 let bytes = 4.0 * r.dispatch_rows as f64 * 64.0 * 4.0;
                 assert!((r.link_s - bytes / 10e9).abs() < 1e-12, "{r:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn tokens_rebuilt_at_home_are_the_sequences_that_stay() {
+        let spec = CaptureSpec {
+            preset: "tiny".into(),
+            train_steps: 2,
+            seq_len: 16,
+            batch: 8,
+        };
+        let t = train_and_capture(&spec).unwrap();
+        let k = t.lm.moe().top_k;
+        for n in [2, 4] {
+            for (name, placement) in placements(&t, n).unwrap() {
+                let (stay, _) = follow(&t, &spec, n, &placement, None, 1);
+                let devices = assignment_devices(&t.layers, &placement);
+                let home = homes(&t, &spec, n);
+                let c = follow_tokens(&devices, k, spec.seq_len, &home, n, Rebuild::Home);
+                assert_eq!(
+                    (c.dispatch, c.combine, c.residual, c.kv, c.moved),
+                    (stay.dispatch_rows, stay.combine_rows, 0, 0, 0),
+                    "{name} on {n}"
+                );
             }
         }
     }

@@ -6,6 +6,7 @@
 pub mod affinity;
 pub mod attention;
 pub mod captured;
+pub mod coherent;
 pub mod condense;
 pub mod kernels;
 pub mod migrate;

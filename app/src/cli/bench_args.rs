@@ -46,7 +46,9 @@ pub enum BenchCommand {
     /// combine's expert outputs, the residual rows of moved sequences) and
     /// the attention's balance, with sequences staying or rebuilt where the
     /// paper's planner or the exact planner says, over round-robin, LPT
-    /// and affinity placements.
+    /// and affinity placements; beside them ExFlow's context-coherent
+    /// exchange (tokens rebuilt one by one, with the keys and values their
+    /// attention then needs).
     Migrate(MigrateArgs),
     /// The cpu's causal attention as the engine runs it (each row's softmax
     /// max and sum kept, the probabilities recomputed in the backward)

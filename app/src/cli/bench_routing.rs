@@ -134,13 +134,14 @@ pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9}",
+        "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>7} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9}",
         "devices",
         "placement",
         "planner",
         "dispatch",
         "combine",
         "residual f+b",
+        "kv",
         "÷ stay",
         "combine÷",
         "moved",
@@ -155,13 +156,14 @@ pub(super) fn migrate(args: MigrateArgs) -> Result<(), CliError> {
         };
         writeln!(
             out,
-            "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>8.3} {:>8.3} {:>6} {:>6.3} {:>9.3} {:>9.3}",
+            "{:>7} {:<11} {:<14} {:>9} {:>8} {:>13} {:>7} {:>8.3} {:>8.3} {:>6} {:>6.3} {:>9.3} {:>9.3}",
             r.devices,
             r.placement,
             planner,
             r.dispatch_rows,
             r.combine_rows,
             format!("{}+{}", r.residual_rows, r.residual_grad_rows),
+            r.kv_rows,
             r.rows_vs_stay,
             r.combine_vs_stay,
             r.moved,
