@@ -86,6 +86,7 @@ impl Engine {
                 .then(|| PartSearch::new(model.layers)),
             prev_load: None,
             device_threads: Default::default(),
+            dense_reducers: Vec::new(),
             ranks: None,
             step: state.step,
             model,

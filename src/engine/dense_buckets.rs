@@ -17,16 +17,23 @@
 //! says the same ranges final at the same points), which is what the
 //! reducer's collectives need. A step that fails stops sending: its
 //! reducer ends after the collective it is in, and a peer's reducer
-//! waiting for it learns that its endpoint stopped. The thread is not
-//! joined on that path, so a failed step never waits on it.
+//! waiting for it learns that its endpoint stopped. Nothing waits for the
+//! reducer on that path, so a failed step never waits on it.
+//!
+//! Each step's reducer runs on a [`ReducerThread`] kept for the engine's
+//! life, one a device: a thread spawned each step took whichever
+//! allocator arena an exited thread had left, as the device threads did
+//! (`device_threads.rs`), and four cpu devices peaked 40 MiB higher
+//! (docs/performance.md, "The plan against the peak").
 //!
 //! [`ExpertRunner::dense_grad_final`]: crate::model::ExpertRunner::dense_grad_final
 
 use std::ops::Range;
-use std::thread::JoinHandle;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 
 use crate::comm::{Comm, CommError, ModeledLink};
 use crate::EngineError;
@@ -44,12 +51,63 @@ struct Bucket {
     values: Vec<f32>,
 }
 
+/// A step's reducer, run on a [`ReducerThread`].
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// A thread that runs one device's reducers, step after step: started at
+/// its first step, ended when it is dropped (after the job it is in, if
+/// any; nothing joins it, as nothing waits for a failed step's reducer).
+pub(crate) struct ReducerThread {
+    name: String,
+    jobs: Mutex<Option<Sender<Job>>>,
+}
+
+impl ReducerThread {
+    pub fn new(name: String) -> Self {
+        Self {
+            name,
+            jobs: Mutex::new(None),
+        }
+    }
+
+    /// Hands `job` to the thread, starting it where it is not running.
+    fn run(&self, job: Job) -> Result<(), EngineError> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        let sender = match &*jobs {
+            Some(sender) => sender,
+            None => {
+                let (sender, queue) = unbounded::<Job>();
+                std::thread::Builder::new()
+                    .name(self.name.clone())
+                    .spawn(move || {
+                        // A job's panic reaches its step through the
+                        // channels it drops; the thread goes on.
+                        for job in queue {
+                            let _ = catch_unwind(AssertUnwindSafe(job));
+                        }
+                    })
+                    .map_err(|e| {
+                        EngineError::Config(format!(
+                            "the dense gradient's reducer could not start: {e}"
+                        ))
+                    })?;
+                jobs.insert(sender)
+            }
+        };
+        // The thread ends only when the sender goes, which is here.
+        sender.send(job).map_err(|_| {
+            EngineError::Config("the dense gradient's reducer thread has ended".into())
+        })
+    }
+}
+
 /// The device thread's side: gathers final ranges into buckets and sends
 /// them to the reducer.
 pub(crate) struct DenseBuckets {
     to_reducer: Sender<Bucket>,
     from_reducer: Receiver<Result<Bucket, CommError>>,
-    reducer: JoinHandle<Box<dyn Comm>>,
+    /// The reducer's endpoint, given back when its buckets end.
+    endpoint_back: Receiver<Box<dyn Comm>>,
     /// Said final and contiguous, not yet sent.
     pending: Option<Range<usize>>,
     /// Sent to the reducer, in order.
@@ -62,10 +120,11 @@ pub(crate) struct DenseBuckets {
 }
 
 impl DenseBuckets {
-    /// A reducer on its own thread over `endpoint` (this rank's second
-    /// one), over the same modeled link as `main`, for a gradient of `len`
+    /// A reducer on `thread` over `endpoint` (this rank's second one),
+    /// over the same modeled link as `main`, for a gradient of `len`
     /// values sent in buckets of at least `min_bytes`.
     pub fn start<C: Comm>(
+        thread: &ReducerThread,
         endpoint: Box<dyn Comm>,
         main: &ModeledLink<C>,
         len: usize,
@@ -76,16 +135,14 @@ impl DenseBuckets {
         // the gradient each way.
         let (to_reducer, buckets) = unbounded();
         let (done, from_reducer) = unbounded();
-        let reducer = std::thread::Builder::new()
-            .name("strata-dense-reduce".into())
-            .spawn(move || reduce_buckets(link, buckets, done))
-            .map_err(|e| {
-                EngineError::Config(format!("the dense gradient's reducer could not start: {e}"))
-            })?;
+        let (give_back, endpoint_back) = bounded(1);
+        thread.run(Box::new(move || {
+            let _ = give_back.send(reduce_buckets(link, buckets, done));
+        }))?;
         Ok(Self {
             to_reducer,
             from_reducer,
-            reducer,
+            endpoint_back,
             pending: None,
             sent: Vec::new(),
             len,
@@ -138,7 +195,7 @@ impl DenseBuckets {
         let Self {
             to_reducer,
             from_reducer,
-            reducer,
+            endpoint_back,
             sent,
             rank,
             ..
@@ -151,9 +208,9 @@ impl DenseBuckets {
             })??;
             grad[bucket.range].copy_from_slice(&bucket.values);
         }
-        let endpoint = reducer.join().map_err(|_| EngineError::Device {
+        let endpoint = endpoint_back.recv().map_err(|_| EngineError::Device {
             device: rank,
-            why: "the dense gradient's reducer thread panicked".into(),
+            why: "the dense gradient's reducer panicked".into(),
         })?;
         Ok((endpoint, start.elapsed()))
     }
@@ -223,7 +280,8 @@ mod tests {
         let main = ModeledLink::new(ends.pop().unwrap(), None);
         let second = InProcessComm::endpoints(1).pop().unwrap();
         let len = 16;
-        let mut buckets = DenseBuckets::start(Box::new(second), &main, len, 32).unwrap();
+        let thread = ReducerThread::new("test-reduce".into());
+        let mut buckets = DenseBuckets::start(&thread, Box::new(second), &main, len, 32).unwrap();
         let mut g: Vec<f32> = (0..len).map(|i| i as f32).collect();
         buckets.final_range(&g, 12..16); // 16 bytes: held
         assert!(buckets.sent.is_empty());
@@ -261,8 +319,10 @@ mod tests {
                 .map(|((main, second), grad)| {
                     s.spawn(move || {
                         let main = ModeledLink::new(main, None);
+                        let thread = ReducerThread::new("test-reduce".into());
                         let mut buckets =
-                            DenseBuckets::start(Box::new(second), &main, len, min_bytes).unwrap();
+                            DenseBuckets::start(&thread, Box::new(second), &main, len, min_bytes)
+                                .unwrap();
                         let mut g = vec![f32::NAN; len];
                         for r in said {
                             g[r.clone()].copy_from_slice(&grad[r.clone()]);
@@ -318,6 +378,37 @@ mod tests {
         }
     }
 
+    /// Step after step, a device's reducers run on one thread, which a
+    /// reducer's panic does not end.
+    #[test]
+    fn a_reducer_thread_runs_every_step_s_reducer() {
+        let thread = ReducerThread::new("test-kept".into());
+        let (tx, rx) = unbounded();
+        for step in 0..3 {
+            let tx = tx.clone();
+            thread
+                .run(Box::new(move || {
+                    tx.send(std::thread::current().id()).unwrap();
+                    assert!(step != 1, "a reducer that panics");
+                }))
+                .unwrap();
+        }
+        let ids: Vec<_> = (0..3).map(|_| rx.recv().unwrap()).collect();
+        assert!(ids.iter().all(|&id| id == ids[0]), "{ids:?}");
+        assert_ne!(ids[0], std::thread::current().id());
+        // Every step's buckets through it, on one rank.
+        let main = ModeledLink::new(InProcessComm::endpoints(1).pop().unwrap(), None);
+        let mut endpoint: Box<dyn Comm> = Box::new(InProcessComm::endpoints(1).pop().unwrap());
+        for _ in 0..3 {
+            let mut buckets = DenseBuckets::start(&thread, endpoint, &main, 4, 0).unwrap();
+            let mut g = vec![2.0f32; 4];
+            buckets.final_range(&g, 0..4);
+            let (back, _) = buckets.finish(&mut g).unwrap();
+            assert_eq!(g, vec![2.0; 4]);
+            endpoint = back;
+        }
+    }
+
     #[test]
     fn a_rank_that_stops_ends_its_peer_s_reduction_with_an_error() {
         let mut mains = InProcessComm::endpoints(2);
@@ -326,11 +417,13 @@ mod tests {
         let (main0, second0) = (mains.pop().unwrap(), seconds.pop().unwrap());
         let stopped = std::thread::spawn(move || {
             let main = ModeledLink::new(main1, None);
-            let buckets = DenseBuckets::start(Box::new(second1), &main, 8, 0).unwrap();
+            let thread = ReducerThread::new("test-reduce-1".into());
+            let buckets = DenseBuckets::start(&thread, Box::new(second1), &main, 8, 0).unwrap();
             drop(buckets); // its step failed before the backward's end
         });
         let main = ModeledLink::new(main0, None);
-        let buckets = DenseBuckets::start(Box::new(second0), &main, 8, 0).unwrap();
+        let thread = ReducerThread::new("test-reduce-0".into());
+        let buckets = DenseBuckets::start(&thread, Box::new(second0), &main, 8, 0).unwrap();
         let mut g = vec![1.0f32; 8];
         let Err(err) = buckets.finish(&mut g) else {
             panic!("a reduction without its peer succeeded");

@@ -126,6 +126,9 @@ pub struct Engine {
     prev_load: Option<Vec<Vec<u32>>>,
     /// Several devices: the thread each computes its share on.
     device_threads: device_threads::DeviceThreads,
+    /// Several devices: the thread each reduces its dense gradient's
+    /// buckets on.
+    dense_reducers: Vec<dense_buckets::ReducerThread>,
     /// Ranks as processes: this rank's endpoint and the experts it owns,
     /// from [`Engine::join_ranks`].
     ranks: Option<ranks::Ranks>,

@@ -19,7 +19,7 @@ use std::time::Instant;
 use strata_tiers::{ExpertId, Layout};
 
 use super::condensing::{condensed_pass, StepCondense};
-use super::dense_buckets::DenseBuckets;
+use super::dense_buckets::{DenseBuckets, ReducerThread};
 use super::exchange::{local_cost, ExchangeRunner};
 use super::pipeline::DeviceRunner;
 use super::{Engine, StepMetrics};
@@ -91,6 +91,10 @@ impl Engine {
         let auto_counts = self.auto_counts();
         let condense =
             super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
+        for i in self.dense_reducers.len()..n {
+            let name = format!("strata-dense-reduce-{i}");
+            self.dense_reducers.push(ReducerThread::new(name));
+        }
         let Engine {
             model,
             shared,
@@ -98,6 +102,7 @@ impl Engine {
             dense_kernels,
             dense,
             device_threads,
+            dense_reducers,
             ..
         } = self;
         let (model, shared, dense) = (&*model, &*shared, &dense[..]);
@@ -110,6 +115,7 @@ impl Engine {
         // with the other devices' (small, two devices on two compute
         // threads: 1.2x the tokens/s of splitting).
         let one_thread_each = n >= crate::parallel::compute_threads();
+        let dense_reducers = &dense_reducers[..];
         let shares: Vec<_> = devices
             .iter_mut()
             .zip(dense_kernels.iter())
@@ -136,6 +142,7 @@ impl Engine {
                             tokens_total,
                             shares: n * m,
                             bucket_bytes,
+                            reducer: &dense_reducers[rank],
                             condense,
                         };
                         let mut second = Some(Box::new(second) as Box<dyn Comm>);
@@ -262,6 +269,8 @@ pub(super) struct Share<'a, N: Network> {
     pub shares: usize,
     /// `EngineConfig::dense_bucket_bytes`.
     pub bucket_bytes: usize,
+    /// The thread this device's buckets are reduced on.
+    pub reducer: &'a ReducerThread,
     pub condense: Option<StepCondense<'a>>,
 }
 
@@ -279,9 +288,15 @@ pub(super) fn device_share<N: Network, C: Comm>(
     let mut grad = vec![0.0f32; share.dense.len()];
     kernels.grads_begin(&grad);
     runner.buckets = match second.take() {
-        Some(endpoint) if !kernels.grads_on_device() && runner.comm.size() > 1 => Some(
-            DenseBuckets::start(endpoint, &runner.comm, grad.len(), share.bucket_bytes)?,
-        ),
+        Some(endpoint) if !kernels.grads_on_device() && runner.comm.size() > 1 => {
+            Some(DenseBuckets::start(
+                share.reducer,
+                endpoint,
+                &runner.comm,
+                grad.len(),
+                share.bucket_bytes,
+            )?)
+        }
         kept => {
             *second = kept;
             None

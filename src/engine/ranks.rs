@@ -18,7 +18,10 @@
 //! in-process devices train under LPT; `tests/mpi_ranks.rs` compares them
 //! over 20 steps.
 
+use std::sync::Arc;
+
 use super::condensing::StepCondense;
+use super::dense_buckets::ReducerThread;
 use super::exchange::ExchangeRunner;
 use super::multi::{device_share, split_into, Share};
 use super::pipeline::DeviceRunner;
@@ -36,6 +39,8 @@ pub(super) struct Ranks {
     pub second: Option<Box<dyn Comm>>,
     /// [layer][expert] the rank that owns the expert.
     pub owners: Vec<Vec<u16>>,
+    /// The thread the dense gradient's buckets are reduced on.
+    pub reducer: Arc<ReducerThread>,
 }
 
 /// The rank of `ranks` that owns `expert` (and holds its record up to
@@ -106,6 +111,7 @@ impl Engine {
             comm,
             second,
             owners,
+            reducer: Arc::new(ReducerThread::new("strata-dense-reduce".into())),
         });
         Ok(())
     }
@@ -214,6 +220,10 @@ impl Engine {
         let link = self.config.link;
         let bucket_bytes = self.config.dense_bucket_bytes;
         let mut second = self.ranks.as_mut().and_then(|r| r.second.take());
+        let reducer = match &self.ranks {
+            Some(r) => Arc::clone(&r.reducer),
+            None => unreachable!("a rank's pass runs after join_ranks"),
+        };
         let result = self.with_rank_runner(&pinned, link, |runner, dense, kernels, condense| {
             let share = Share {
                 net,
@@ -222,6 +232,7 @@ impl Engine {
                 tokens_total,
                 shares: n * m,
                 bucket_bytes,
+                reducer: &reducer,
                 condense,
             };
             device_share(runner, kernels, share, &mut second)
