@@ -77,7 +77,7 @@ pub(crate) fn assignment_devices(layers: &[Captured], placement: &[Vec<u16>]) ->
 }
 
 /// Follows every token of `home.len()` sequences of `seq_len` through the
-/// layers (`devices[l]` from [`assignment_devices`], top-`k`, `n` devices),
+/// layers (`devices[l]` from `assignment_devices`, top-`k`, `n` devices),
 /// each sequence starting on `home[s]`.
 pub fn follow_tokens(
     devices: &[Vec<u16>],
