@@ -89,8 +89,11 @@ impl Engine {
         let link_fit = self.link_fit;
         let local_s_per_expert = self.exchange_local;
         let auto_counts = self.auto_counts();
-        let condense =
-            super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
+        let condense = super::step::step_condense(
+            &self.config,
+            self.signatures.as_ref(),
+            self.condense_losses,
+        );
         for i in self.dense_reducers.len()..n {
             let name = format!("strata-dense-reduce-{i}");
             self.dense_reducers.push(ReducerThread::new(name));

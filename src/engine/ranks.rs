@@ -263,8 +263,11 @@ impl Engine {
         let link_fit = self.link_fit;
         let local_s_per_expert = self.exchange_local;
         let auto_counts = self.auto_counts();
-        let condense =
-            super::step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
+        let condense = super::step::step_condense(
+            &self.config,
+            self.signatures.as_ref(),
+            self.condense_losses,
+        );
         let Engine {
             model,
             shared,
