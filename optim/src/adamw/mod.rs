@@ -1,7 +1,7 @@
 //! AdamW kernels: one scalar oracle and SIMD variants chosen at run time.
 //!
 //! Every variant evaluates exactly the same sequence of IEEE operations per
-//! element, so they agree bit for bit with the scalar oracle (`kernels.rs`, `mod scalar`):
+//! element, so they agree bit for bit with the scalar oracle (`kernels/scalar.rs`):
 //!
 //! ```text
 //! g     = grad · grad_scale                       (mul; grad_scale = 1 is exact)
