@@ -221,37 +221,17 @@ impl UringFile {
             );
             for &(i, result) in reaped.iter() {
                 in_flight -= 1;
-                let (offset, _, len) = ops[i];
-                if result < 0 {
-                    let errno = -result;
-                    let transient = errno == libc::EINTR || errno == libc::EAGAIN;
-                    if transient && progress[i].1 < RETRIES_MAX && first_error.is_none() {
-                        progress[i].1 += 1;
-                        queue.push(i);
-                    } else {
-                        let e = std::io::Error::from_raw_os_error(errno);
-                        first_error.get_or_insert(TierError::io(op_name, offset, e));
+                let retry_allowed = first_error.is_none();
+                match completion(result, write, &mut progress[i], ops[i].2, retry_allowed) {
+                    Completion::Done => {
+                        done += 1;
+                        completed.push(i);
+                    }
+                    Completion::Again => queue.push(i),
+                    Completion::Failed(e) => {
+                        first_error.get_or_insert(TierError::io(op_name, ops[i].0, e));
                         done += 1;
                     }
-                    continue;
-                }
-                if result == 0 && !write {
-                    let e = std::io::ErrorKind::UnexpectedEof.into();
-                    first_error.get_or_insert(TierError::io(op_name, offset, e));
-                    done += 1;
-                    continue;
-                }
-                progress[i].0 += result as usize;
-                if progress[i].0 >= len {
-                    done += 1;
-                    completed.push(i);
-                } else if progress[i].1 < RETRIES_MAX && first_error.is_none() {
-                    progress[i].1 += 1;
-                    queue.push(i);
-                } else {
-                    let e = std::io::Error::new(std::io::ErrorKind::WriteZero, "no progress");
-                    first_error.get_or_insert(TierError::io(op_name, offset, e));
-                    done += 1;
                 }
             }
             // Keep the disk busy while the completed ops are checked; a
@@ -276,6 +256,52 @@ impl UringFile {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// What one completion means for its op.
+#[derive(Debug)]
+enum Completion {
+    /// Every byte of the op is done.
+    Done,
+    /// Submit the rest again (an interrupted op, or a short transfer).
+    Again,
+    Failed(std::io::Error),
+}
+
+/// A completion of `result` (bytes moved, or −errno) for an op of `len`
+/// bytes, whose `progress` (bytes done, retries taken) it moves on. A
+/// transient error (EINTR, EAGAIN) or a short transfer is retried up to
+/// `RETRIES_MAX` times while `retry_allowed` (no op of the batch has
+/// failed); a read of 0 bytes is the file's end.
+fn completion(
+    result: i32,
+    write: bool,
+    progress: &mut (usize, u32),
+    len: usize,
+    retry_allowed: bool,
+) -> Completion {
+    let may_retry = retry_allowed && progress.1 < RETRIES_MAX;
+    if result < 0 {
+        let errno = -result;
+        if may_retry && (errno == libc::EINTR || errno == libc::EAGAIN) {
+            progress.1 += 1;
+            return Completion::Again;
+        }
+        return Completion::Failed(std::io::Error::from_raw_os_error(errno));
+    }
+    if result == 0 && !write {
+        return Completion::Failed(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    progress.0 += result as usize;
+    if progress.0 >= len {
+        Completion::Done
+    } else if may_retry {
+        progress.1 += 1;
+        Completion::Again
+    } else {
+        let e = std::io::Error::new(std::io::ErrorKind::WriteZero, "no progress");
+        Completion::Failed(e)
     }
 }
 
@@ -348,5 +374,63 @@ impl RecordDevice for UringFile {
 
     fn reserve_len_bytes(&self, bytes: u64) -> Result<bool, TierError> {
         super::file_reserve_len(&self.file, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(c: &Completion) -> &'static str {
+        match c {
+            Completion::Done => "done",
+            Completion::Again => "again",
+            Completion::Failed(_) => "failed",
+        }
+    }
+
+    #[test]
+    fn a_completion_finishes_retries_or_fails_its_op() {
+        // Whole, then in two parts.
+        let mut p = (0, 0);
+        assert_eq!(kind(&completion(4096, false, &mut p, 4096, true)), "done");
+        let mut p = (0, 0);
+        assert_eq!(kind(&completion(1024, true, &mut p, 4096, true)), "again");
+        assert_eq!(p, (1024, 1));
+        assert_eq!(kind(&completion(3072, true, &mut p, 4096, true)), "done");
+        // Interrupted: retried, its bytes not counted.
+        let mut p = (0, 0);
+        assert_eq!(
+            kind(&completion(-libc::EINTR, false, &mut p, 8, true)),
+            "again"
+        );
+        assert_eq!(
+            kind(&completion(-libc::EAGAIN, false, &mut p, 8, true)),
+            "again"
+        );
+        assert_eq!(p, (0, 2));
+        // Not once another op has failed, nor past the retries.
+        assert_eq!(
+            kind(&completion(-libc::EINTR, false, &mut p, 8, false)),
+            "failed"
+        );
+        let mut p = (0, RETRIES_MAX);
+        assert_eq!(kind(&completion(4, true, &mut p, 8, true)), "failed");
+        // A real error, and a read at the file's end.
+        let mut p = (0, 0);
+        match completion(-libc::EIO, false, &mut p, 8, true) {
+            Completion::Failed(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO)),
+            other => panic!("{other:?}"),
+        }
+        match completion(0, false, &mut p, 8, true) {
+            Completion::Failed(e) => assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof),
+            other => panic!("{other:?}"),
+        }
+        // A write of nothing is a short write: retried until the retries end.
+        let mut p = (0, 0);
+        for _ in 0..RETRIES_MAX {
+            assert_eq!(kind(&completion(0, true, &mut p, 8, true)), "again");
+        }
+        assert_eq!(kind(&completion(0, true, &mut p, 8, true)), "failed");
     }
 }
