@@ -22,6 +22,7 @@ use super::condensing::{condensed_pass, StepCondense};
 use super::dense_buckets::{DenseBuckets, ReducerThread};
 use super::exchange::{local_cost, ExchangeRunner};
 use super::pipeline::DeviceRunner;
+use super::step::step_condense;
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm, ModeledLink};
 use crate::model::{DenseKernels, ModelConfig, Network};
@@ -89,11 +90,7 @@ impl Engine {
         let link_fit = self.link_fit;
         let local_s_per_expert = self.exchange_local;
         let auto_counts = self.auto_counts();
-        let condense = super::step::step_condense(
-            &self.config,
-            self.signatures.as_ref(),
-            self.condense_losses,
-        );
+        let condense = step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         for i in self.dense_reducers.len()..n {
             let name = format!("strata-dense-reduce-{i}");
             self.dense_reducers.push(ReducerThread::new(name));

@@ -25,6 +25,7 @@ use super::dense_buckets::ReducerThread;
 use super::exchange::ExchangeRunner;
 use super::multi::{device_share, split_into, Share};
 use super::pipeline::DeviceRunner;
+use super::step::step_condense;
 use super::Engine;
 use crate::comm::{Comm, Link, ModeledLink};
 use crate::model::{DenseKernels, Network};
@@ -220,10 +221,8 @@ impl Engine {
         let link = self.config.link;
         let bucket_bytes = self.config.dense_bucket_bytes;
         let mut second = self.ranks.as_mut().and_then(|r| r.second.take());
-        let reducer = match &self.ranks {
-            Some(r) => Arc::clone(&r.reducer),
-            None => unreachable!("a rank's pass runs after join_ranks"),
-        };
+        let reducer = self.ranks.as_ref().map(|r| Arc::clone(&r.reducer));
+        let reducer = reducer.expect("a rank's pass runs after join_ranks");
         let result = self.with_rank_runner(&pinned, link, |runner, dense, kernels, condense| {
             let share = Share {
                 net,
@@ -263,11 +262,7 @@ impl Engine {
         let link_fit = self.link_fit;
         let local_s_per_expert = self.exchange_local;
         let auto_counts = self.auto_counts();
-        let condense = super::step::step_condense(
-            &self.config,
-            self.signatures.as_ref(),
-            self.condense_losses,
-        );
+        let condense = step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
             model,
             shared,
