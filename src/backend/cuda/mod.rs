@@ -22,6 +22,7 @@
 
 mod attention;
 mod attention_host;
+mod attention_operands;
 mod dense;
 mod expert;
 mod expert_device;
