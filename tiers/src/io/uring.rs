@@ -137,7 +137,6 @@ impl UringFile {
         ops: &[(u64, *mut u8, usize)],
         on_complete: &mut dyn FnMut(usize) -> Result<(), TierError>,
     ) -> Result<(), TierError> {
-        let op_name = if write { "write" } else { "read" };
         let mut guard = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         let Ring {
             ring,
@@ -148,113 +147,186 @@ impl UringFile {
             reaped,
             lease: _,
         } = &mut *guard;
-        let fixed = &*fixed;
         progress.clear();
         progress.resize(ops.len(), (0, 0));
         queue.clear();
         completed.clear();
-        let fd = types::Fd(self.file.as_raw_fd());
-        let mut next = 0usize;
-        let mut in_flight = 0u32;
-        let mut done = 0usize;
-        let mut first_error: Option<TierError> = None;
-
-        let push = |ring: &mut IoUring, i: usize, progress: &[(usize, u32)]| {
-            let (offset, ptr, len) = ops[i];
-            let at = progress[i].0;
-            // SAFETY: at < len, so the pointer stays inside op i's buffer.
-            let ptr = unsafe { ptr.add(at) };
-            let n = (len - at) as u32;
-            let off = offset + at as u64;
-            let entry = match (write, Self::fixed_index(fixed, ptr as usize, n as usize)) {
-                (false, Some(b)) => opcode::ReadFixed::new(fd, ptr, n, b).offset(off).build(),
-                (false, None) => opcode::Read::new(fd, ptr, n).offset(off).build(),
-                (true, Some(b)) => opcode::WriteFixed::new(fd, ptr, n, b).offset(off).build(),
-                (true, None) => opcode::Write::new(fd, ptr, n).offset(off).build(),
-            };
-            // SAFETY: (1) op i's buffer is lent for this whole call and `run`
-            // reaps every submitted op before returning, errors included;
-            // (2) ≤ depth ops in flight in a ring of ≥ depth entries: it fits.
-            unsafe { ring.submission().push(&entry.user_data(i as u64)) }
-                .expect("ring has room for depth entries");
+        let mut batch = Batch {
+            ops,
+            write,
+            fd: types::Fd(self.file.as_raw_fd()),
+            fixed,
+            depth: self.depth,
+            progress,
+            queue,
+            next: 0,
+            in_flight: 0,
+            done: 0,
+            first_error: None,
         };
-
-        // Tops the ring up to `depth` ops in flight; true if it pushed any.
-        macro_rules! fill {
-            () => {{
-                let mut pushed = false;
-                while first_error.is_none() && in_flight < self.depth {
-                    let i = if let Some(i) = queue.pop() {
-                        i
-                    } else if next < ops.len() {
-                        next += 1;
-                        next - 1
-                    } else {
-                        break;
-                    };
-                    push(ring, i, progress);
-                    in_flight += 1;
-                    pushed = true;
-                }
-                pushed
-            }};
-        }
-
-        while done < ops.len() {
-            fill!();
-            if in_flight == 0 {
+        while batch.done < ops.len() {
+            batch.fill(ring);
+            if batch.in_flight == 0 {
                 break; // only after an error: nothing left in flight
             }
-            match ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
-                Err(e) => {
-                    // Nothing new was submitted; reap what is in flight.
-                    first_error.get_or_insert(TierError::io(op_name, ops[0].0, e));
-                }
+            if batch.submit_and_wait(ring).is_err() {
+                continue; // interrupted before it waited: submit again
             }
-            reaped.clear();
-            reaped.extend(
-                ring.completion()
-                    .map(|c| (c.user_data() as usize, c.result())),
-            );
-            for &(i, result) in reaped.iter() {
-                in_flight -= 1;
-                let retry_allowed = first_error.is_none();
-                match completion(result, write, &mut progress[i], ops[i].2, retry_allowed) {
-                    Completion::Done => {
-                        done += 1;
-                        completed.push(i);
-                    }
-                    Completion::Again => queue.push(i),
-                    Completion::Failed(e) => {
-                        first_error.get_or_insert(TierError::io(op_name, ops[i].0, e));
-                        done += 1;
-                    }
-                }
-            }
+            batch.reap(ring, reaped, completed);
             // Keep the disk busy while the completed ops are checked; a
             // failed submit leaves the entries queued for the next one.
-            if fill!() {
+            if batch.fill(ring) {
                 let _ = ring.submit();
             }
             for i in completed.drain(..) {
-                if first_error.is_some() {
+                if batch.first_error.is_some() {
                     break;
                 }
                 if let Err(e) = on_complete(i) {
-                    first_error = Some(e);
+                    batch.first_error = Some(e);
                 }
             }
         }
         assert_eq!(
-            in_flight, 0,
+            batch.in_flight, 0,
             "every submitted op is reaped before returning"
         );
-        match first_error {
+        match batch.first_error {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+/// A wait a signal interrupted.
+struct Interrupted;
+
+/// One batch in flight on the ring: its ops (offset, address, length),
+/// how far each has got, and the ops waiting to be submitted again.
+struct Batch<'a> {
+    ops: &'a [(u64, *mut u8, usize)],
+    write: bool,
+    fd: types::Fd,
+    /// The ring's registered buffers: (start address, length).
+    fixed: &'a [(usize, usize)],
+    /// Ops in flight at most.
+    depth: u32,
+    /// Bytes done and retries so far, per op.
+    progress: &'a mut Vec<(usize, u32)>,
+    /// Ops to submit again (transient error or short transfer).
+    queue: &'a mut Vec<usize>,
+    /// The first op never submitted yet.
+    next: usize,
+    in_flight: u32,
+    /// Ops finished: every byte moved, or failed.
+    done: usize,
+    first_error: Option<TierError>,
+}
+
+impl Batch<'_> {
+    fn op_name(&self) -> &'static str {
+        if self.write {
+            "write"
+        } else {
+            "read"
+        }
+    }
+
+    /// Tops the ring up to `depth` ops in flight, those to submit again
+    /// first, until an op has failed; true if it pushed any.
+    fn fill(&mut self, ring: &mut IoUring) -> bool {
+        let mut pushed = false;
+        while self.first_error.is_none() && self.in_flight < self.depth {
+            let i = if let Some(i) = self.queue.pop() {
+                i
+            } else if self.next < self.ops.len() {
+                self.next += 1;
+                self.next - 1
+            } else {
+                break;
+            };
+            self.push(ring, i);
+            self.in_flight += 1;
+            pushed = true;
+        }
+        pushed
+    }
+
+    /// Queues op `i`'s remaining bytes on the ring.
+    fn push(&self, ring: &mut IoUring, i: usize) {
+        let (offset, ptr, len) = self.ops[i];
+        let at = self.progress[i].0;
+        // SAFETY: at < len, so the pointer stays inside op i's buffer.
+        let ptr = unsafe { ptr.add(at) };
+        let n = (len - at) as u32;
+        let off = offset + at as u64;
+        let fd = self.fd;
+        let fixed = UringFile::fixed_index(self.fixed, ptr as usize, n as usize);
+        let entry = match (self.write, fixed) {
+            (false, Some(b)) => opcode::ReadFixed::new(fd, ptr, n, b).offset(off).build(),
+            (false, None) => opcode::Read::new(fd, ptr, n).offset(off).build(),
+            (true, Some(b)) => opcode::WriteFixed::new(fd, ptr, n, b).offset(off).build(),
+            (true, None) => opcode::Write::new(fd, ptr, n).offset(off).build(),
+        };
+        // SAFETY: (1) op i's buffer is lent for the whole batch and `run`
+        // reaps every submitted op before returning, errors included;
+        // (2) ≤ depth ops in flight in a ring of ≥ depth entries: it fits.
+        unsafe { ring.submission().push(&entry.user_data(i as u64)) }
+            .expect("ring has room for depth entries");
+    }
+
+    /// Submits what is queued and waits for a completion; `Err` if a
+    /// signal interrupted the call. A failed submit is the batch's error
+    /// (nothing new went in; what is in flight is still reaped).
+    fn submit_and_wait(&mut self, ring: &mut IoUring) -> Result<(), Interrupted> {
+        match ring.submit_and_wait(1) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => return Err(Interrupted),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
+            Err(e) => {
+                let error = TierError::io(self.op_name(), self.ops[0].0, e);
+                self.first_error.get_or_insert(error);
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes every completion the ring holds: each op done goes to
+    /// `completed`, each to retry back on the queue, the first failure to
+    /// the batch's error.
+    fn reap(
+        &mut self,
+        ring: &mut IoUring,
+        reaped: &mut Vec<(usize, i32)>,
+        completed: &mut Vec<usize>,
+    ) {
+        reaped.clear();
+        reaped.extend(
+            ring.completion()
+                .map(|c| (c.user_data() as usize, c.result())),
+        );
+        for &(i, result) in reaped.iter() {
+            self.in_flight -= 1;
+            let retry_allowed = self.first_error.is_none();
+            let len = self.ops[i].2;
+            match completion(
+                result,
+                self.write,
+                &mut self.progress[i],
+                len,
+                retry_allowed,
+            ) {
+                Completion::Done => {
+                    self.done += 1;
+                    completed.push(i);
+                }
+                Completion::Again => self.queue.push(i),
+                Completion::Failed(e) => {
+                    let error = TierError::io(self.op_name(), self.ops[i].0, e);
+                    self.first_error.get_or_insert(error);
+                    self.done += 1;
+                }
+            }
         }
     }
 }
