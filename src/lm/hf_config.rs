@@ -226,7 +226,13 @@ impl LmConfig {
             "attention_bias": false,
             "attention_dropout": 0.0,
         });
-        let map = value.as_object_mut().expect("an object");
+        self.add_family_keys(value.as_object_mut().expect("an object"));
+        serde_json::to_string_pretty(&value).expect("plain JSON")
+    }
+
+    /// The keys of `to_hf_json` that only this config's family has (or
+    /// that it names its own way).
+    fn add_family_keys(&self, map: &mut serde_json::Map<String, Value>) {
         let mut set = |key: &str, v: Value| {
             map.insert(key.into(), v);
         };
@@ -290,7 +296,6 @@ impl LmConfig {
                 );
             }
         }
-        serde_json::to_string_pretty(&value).expect("plain JSON")
     }
 }
 

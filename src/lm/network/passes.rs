@@ -34,6 +34,17 @@ pub(super) struct MicroBatch<'a> {
     pub last_micro_batch: bool,
 }
 
+/// What every layer's backward reads alike.
+struct LayerBackward<'a> {
+    shape: &'a AttnShape,
+    /// Each token's document start, where documents are packed apart.
+    starts: Option<&'a [u32]>,
+    /// Tokens in the micro-batch.
+    tokens: usize,
+    rope: &'a RopeTable<f32>,
+    step: MicroBatch<'a>,
+}
+
 struct Forward<B, M, I> {
     /// The batch's inputs and targets, where the operations read them.
     ids: TokenIds<I>,
@@ -152,14 +163,65 @@ impl MoeLm {
         runner: &mut dyn ExpertRunner,
     ) -> Result<Losses, EngineError> {
         let c = &self.config;
-        let kernels = ops.kernels();
-        let (d, v) = (c.d_model, c.vocab);
         let batch = step.batch;
-        let shape = self.attn_shape(batch.sequences(), batch.seq_len);
         let mut f = self.forward(ops, dense, batch, runner)?;
+        let (ce, mut dh) = self.head_backward(ops, dense, dense_grad, &f, step)?;
+        let share = 1.0 / step.micro_batches as f32;
+        let total = ce + share * (c.aux_loss_coef * f.aux + c.z_loss_coef * f.z);
+        if !total.is_finite() {
+            return Err(EngineError::NonFiniteLoss { loss: total });
+        }
+        if step.last_micro_batch {
+            // The final norm and an untied head, laid out last.
+            runner.dense_grad_final(dense_grad, self.final_norm.start..dense_grad.len());
+        }
+        let shape = self.attn_shape(batch.sequences(), batch.seq_len);
+        let starts = batch.attention_starts();
+        let context = LayerBackward {
+            shape: &shape,
+            starts: starts.as_deref(),
+            tokens: f.ids.inputs.len(),
+            rope: &f.rope,
+            step,
+        };
+        for l in (0..self.layers.len()).rev() {
+            let saved = &mut f.layers[l];
+            self.layer_backward(
+                ops,
+                (dense, dense_grad),
+                l,
+                saved,
+                &mut dh,
+                &context,
+                runner,
+            )?;
+        }
+        let span = ops.kernels().host_span("embedding backward");
+        let d = c.d_model;
+        ops.embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.ids, d)?;
+        drop(span);
+        Ok(Losses {
+            ce,
+            aux: f.aux,
+            z: f.z,
+            total,
+        })
+    }
+
+    /// The head, its loss and its backward in one (a GPU keeps the logits
+    /// on the device, a chunk of rows at a time), then the final norm's
+    /// backward: the loss and d h.
+    fn head_backward<O: DenseOps>(
+        &self,
+        ops: &O,
+        dense: &[f32],
+        dense_grad: &mut [f32],
+        f: &ForwardOn<O>,
+        step: MicroBatch<'_>,
+    ) -> Result<(f32, O::Buf), EngineError> {
+        let c = &self.config;
+        let (d, v) = (c.d_model, c.vocab);
         let t = f.ids.inputs.len();
-        // The head, its loss and its backward in one (a GPU keeps the
-        // logits on the device, a chunk of rows at a time).
         let mut dnf = ops.zeros(t * d)?;
         let ce = ops.head_loss(
             &mut dnf,
@@ -174,13 +236,7 @@ impl MoeLm {
                 denominator: step.tokens_total,
             },
         )?;
-        let share = 1.0 / step.micro_batches as f32;
-        let total = ce + share * (c.aux_loss_coef * f.aux + c.z_loss_coef * f.z);
-        if !total.is_finite() {
-            return Err(EngineError::NonFiniteLoss { loss: total });
-        }
-        // Final norm.
-        let span = kernels.host_span("rmsnorm backward");
+        let span = ops.kernels().host_span("rmsnorm backward");
         let mut dh = ops.zeros(t * d)?;
         ops.rmsnorm_backward(
             &mut dh,
@@ -193,66 +249,70 @@ impl MoeLm {
             d,
         )?;
         drop(span);
-        drop(dnf);
-        if step.last_micro_batch {
-            // The final norm and an untied head, laid out last.
-            runner.dense_grad_final(dense_grad, self.final_norm.start..dense_grad.len());
-        }
-        let daux = c.aux_loss_coef * share;
-        let dz = c.z_loss_coef * share;
-        let starts = batch.attention_starts();
-        for (l, r) in self.layers.iter().enumerate().rev() {
-            let s = &f.layers[l];
-            // FFN half: h = h_mid + FFN(RMSNorm(h_mid)).
-            let mut dn2 = ops.zeros(t * d)?;
-            let grads = FfnGrads {
-                dense_grad: &mut dense_grad[..],
-                dn: &mut dn2,
-                daux,
-                dz,
-                last_micro_batch: step.last_micro_batch,
-            };
-            let ffn = (&r.ffn, &s.ffn);
-            ffn::backward(ops, c, &self.moe, ffn, dense, (&s.n2, &dh), grads, runner)?;
-            let span = kernels.host_span("rmsnorm backward");
-            ops.rmsnorm_backward(
-                &mut dh,
-                &mut dense_grad[r.moe_norm.clone()],
-                &dn2,
-                &s.h_mid,
-                &dense[r.moe_norm.clone()],
-                &s.inv2,
-                t,
-                d,
-            )?;
-            drop(span);
-            attention_half::backward(
-                ops,
-                c,
-                (dense, dense_grad),
-                &r.attention,
-                &s.attention,
-                &mut dh,
-                starts.as_deref(),
-                &shape,
-                &f.rope,
-            )?;
-            if let Some(moe) = f.layers[l].ffn.moe_mut() {
-                ops.moe_release(moe, runner);
-            }
-            if step.last_micro_batch {
-                runner.dense_grad_final(dense_grad, self.layer_span(l));
-            }
-        }
-        let span = kernels.host_span("embedding backward");
-        ops.embedding_backward(&mut dense_grad[self.embed.clone()], &dh, &f.ids, d)?;
+        Ok((ce, dh))
+    }
+
+    /// Layer `l`'s backward from `dh` (d of its output, then of its
+    /// input): the FFN half, its norm, the attention half; its MoE
+    /// block's saved state released, and its gradients handed on after
+    /// the step's last micro-batch.
+    fn layer_backward<O: DenseOps>(
+        &self,
+        ops: &O,
+        (dense, dense_grad): (&[f32], &mut [f32]),
+        l: usize,
+        s: &mut LayerSaved<O::Buf, O::MoeSaved>,
+        dh: &mut O::Buf,
+        context: &LayerBackward<'_>,
+        runner: &mut dyn ExpertRunner,
+    ) -> Result<(), EngineError> {
+        let c = &self.config;
+        let r = &self.layers[l];
+        let step = context.step;
+        let share = 1.0 / step.micro_batches as f32;
+        let t = context.tokens;
+        let d = c.d_model;
+        // FFN half: h = h_mid + FFN(RMSNorm(h_mid)).
+        let mut dn2 = ops.zeros(t * d)?;
+        let grads = FfnGrads {
+            dense_grad: &mut dense_grad[..],
+            dn: &mut dn2,
+            daux: c.aux_loss_coef * share,
+            dz: c.z_loss_coef * share,
+            last_micro_batch: step.last_micro_batch,
+        };
+        let ffn = (&r.ffn, &s.ffn);
+        ffn::backward(ops, c, &self.moe, ffn, dense, (&s.n2, &*dh), grads, runner)?;
+        let span = ops.kernels().host_span("rmsnorm backward");
+        ops.rmsnorm_backward(
+            dh,
+            &mut dense_grad[r.moe_norm.clone()],
+            &dn2,
+            &s.h_mid,
+            &dense[r.moe_norm.clone()],
+            &s.inv2,
+            t,
+            d,
+        )?;
         drop(span);
-        Ok(Losses {
-            ce,
-            aux: f.aux,
-            z: f.z,
-            total,
-        })
+        attention_half::backward(
+            ops,
+            c,
+            (dense, dense_grad),
+            &r.attention,
+            &s.attention,
+            dh,
+            context.starts,
+            context.shape,
+            context.rope,
+        )?;
+        if let Some(moe) = s.ffn.moe_mut() {
+            ops.moe_release(moe, runner);
+        }
+        if step.last_micro_batch {
+            runner.dense_grad_final(dense_grad, self.layer_span(l));
+        }
+        Ok(())
     }
 
     /// [`Network::forward_eval`] with the dense layers' activations and
