@@ -13,8 +13,9 @@ use crate::math::{gelu, resize_exact, ExpertKind, ExpertSaved};
 use crate::parallel::{for_row_block_pairs, for_row_blocks, MIN_JOB_WORK};
 
 /// Below this many hidden elements an activation pass stays on the calling
-/// thread (about 0.1 ms of sigmoids; a spawn costs tens of microseconds).
-pub(super) const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
+/// thread (about ten microseconds of sigmoids, as `MIN_JOB_WORK` is of
+/// streaming work).
+pub(super) const PARALLEL_MIN_ELEMENTS: usize = 1 << 12;
 
 /// An activation element (a sigmoid or a tanh) as elements of the
 /// streaming work `parallel` shares out, so that a job holds at least

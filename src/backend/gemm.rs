@@ -11,15 +11,17 @@
 //! machine, where the GEMMs share the cores with the optimizer, the
 //! prefetcher and the checksums, a descheduled worker left the caller
 //! spinning: 22 % of `strata bench step`'s samples were in `sched_yield`.
-//! Scoped threads join by blocking, so the core goes to whoever has work.
-//! A spawn costs tens of microseconds, so calls under `PARALLEL_MIN_MACS`
-//! multiply-adds stay on the calling thread.
+//! The parts go to strata's own pool (`parallel::run_all`), whose workers
+//! poll briefly and then sleep, so the core goes to whoever has work.
+//! Calls under `PARALLEL_MIN_MACS` multiply-adds stay on the calling
+//! thread.
 
 use crate::parallel::{compute_threads, run_all};
 
-/// Below this many multiply-adds (about 0.3 ms on one core) a GEMM is not
-/// split.
-const PARALLEL_MIN_MACS: usize = 8 << 20;
+/// Below this many multiply-adds (about 20 µs on one core) a GEMM is not
+/// split (8 << 20 before the pool polled; docs/performance.md, "The
+/// pool's smallest job").
+const PARALLEL_MIN_MACS: usize = 1 << 20;
 
 /// At most this many threads a GEMM (beyond it the caller's other threads
 /// need the cores more than one expert's GEMM does).

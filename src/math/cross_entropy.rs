@@ -61,8 +61,9 @@ pub fn cross_entropy_forward_backward<R: Real>(
     cross_entropy_forward_backward_split(dlogits, logits, targets, v, denominator, 1)
 }
 
-/// Below this many logits cross-entropy is not split over threads.
-pub(super) const CE_SPLIT_MIN_LOGITS: usize = 1 << 20;
+/// Below this many logits (about 30 µs of exps on one core)
+/// cross-entropy is not split over threads.
+pub(super) const CE_SPLIT_MIN_LOGITS: usize = 1 << 16;
 
 /// [`cross_entropy_forward_backward`] with the rows split over up to
 /// `threads` threads. Each row's share of the loss is computed as the

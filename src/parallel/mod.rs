@@ -113,10 +113,11 @@ pub(crate) fn run_all<F: FnOnce() + Send>(jobs: Vec<F>) {
     WorkerPool::global().run_all(jobs);
 }
 
-/// Elements a job should touch at least to be worth a thread of its own
-/// (about a tenth of a millisecond of streaming work, well above a
-/// worker's wake-up).
-pub(crate) const MIN_JOB_WORK: usize = 1 << 17;
+/// Elements a job should touch at least to be worth a thread of its own:
+/// about ten microseconds of streaming work, above what handing a job to
+/// a worker of the pool costs while it polls (docs/performance.md, "The
+/// pool's smallest job"; 1 << 17 before the pool polled).
+pub(crate) const MIN_JOB_WORK: usize = 1 << 14;
 
 /// Rows a job takes when `rows` rows of `work_per_row` elements each are
 /// shared out: all on the calling thread when the whole is small, else an
