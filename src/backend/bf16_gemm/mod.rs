@@ -293,26 +293,48 @@ pub(crate) fn gemm_bf16_with(
     let dst = OutPtr(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     if kernel == Bf16Kernel::Amx {
-        assert!(kernel.supported(), "the CPU lacks AMX-BF16");
-        let mut a_buf = A_ROWS.take();
-        // SAFETY: the CPU has AVX512F (the AMX kernel needs it).
-        let stride = unsafe { amx::a_rows_avx512(a, m, k, &mut a_buf) };
-        let a = amx::ARows {
-            rows: &a_buf,
-            stride,
-        };
-        on_panels(parts, panels, |range| {
-            let mut b_packed = B_PACKED.take();
-            // SAFETY: the process holds the tile data and the CPU has
-            // AVX512F (the kernel is supported); the panels are split among
-            // the threads, so this one alone writes their columns; `a` is
-            // A's rows for this shape.
-            unsafe { amx::panels_product(shape, a, &mut b_packed, b, range, dst, write) };
-            B_PACKED.set(b_packed);
-        });
-        A_ROWS.set(a_buf);
-        return;
+        return gemm_amx(shape, parts, dst, write, a, b);
     }
+    gemm_on_pairs(kernel, shape, parts, dst, write, a, b);
+}
+
+/// [`gemm_bf16_with`] on AMX's tiles: A's rows laid out for the tiles
+/// once, B's panels packed and multiplied a part of them a thread.
+#[cfg(target_arch = "x86_64")]
+fn gemm_amx(shape: Shape, parts: usize, dst: OutPtr, write: Write, a: Operand, b: Operand) {
+    let (m, k, panels) = (shape.m, shape.k, shape.n.div_ceil(NR));
+    assert!(Bf16Kernel::Amx.supported(), "the CPU lacks AMX-BF16");
+    let mut a_buf = A_ROWS.take();
+    // SAFETY: the CPU has AVX512F (the AMX kernel needs it).
+    let stride = unsafe { amx::a_rows_avx512(a, m, k, &mut a_buf) };
+    let a = amx::ARows {
+        rows: &a_buf,
+        stride,
+    };
+    on_panels(parts, panels, |range| {
+        let mut b_packed = B_PACKED.take();
+        // SAFETY: the process holds the tile data and the CPU has
+        // AVX512F (the kernel is supported); the panels are split among
+        // the threads, so this one alone writes their columns; `a` is
+        // A's rows for this shape.
+        unsafe { amx::panels_product(shape, a, &mut b_packed, b, range, dst, write) };
+        B_PACKED.set(b_packed);
+    });
+    A_ROWS.set(a_buf);
+}
+
+/// [`gemm_bf16_with`] on A's pairs (bf16, or widened to f32 for the FMA
+/// kernels) and B's packed panels, a part of the panels a thread.
+fn gemm_on_pairs(
+    kernel: Bf16Kernel,
+    shape: Shape,
+    parts: usize,
+    dst: OutPtr,
+    write: Write,
+    a: Operand,
+    b: Operand,
+) {
+    let (m, k, panels) = (shape.m, shape.k, shape.n.div_ceil(NR));
     // Reused from call to call on this thread.
     let (mut a_buf, mut a_wide) = (A_PAIRS.take(), A_WIDE.take());
     let strides = match kernel {
