@@ -405,16 +405,7 @@ pub fn write_safetensors(
     shard_bytes_max: u64,
     mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), TierError>,
 ) -> Result<Vec<PathBuf>, TierError> {
-    let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
-    let mut shard_bytes = 0u64;
-    for (i, spec) in specs.iter().enumerate() {
-        if shard_bytes > 0 && shard_bytes + spec.bytes() > shard_bytes_max {
-            shards.push(Vec::new());
-            shard_bytes = 0;
-        }
-        shards.last_mut().expect("non-empty").push(i);
-        shard_bytes += spec.bytes();
-    }
+    let shards = shards_of(specs, shard_bytes_max);
     let count = shards.len();
     let name_of = |k: usize| {
         if count == 1 {
@@ -423,53 +414,15 @@ pub fn write_safetensors(
             format!("model-{:05}-of-{:05}.safetensors", k + 1, count)
         }
     };
-    let file_err = |path: &Path, e: std::io::Error| TierError::File {
-        path: path.to_path_buf(),
-        source: e,
-    };
     let mut written = Vec::new();
     let mut weight_map = BTreeMap::new();
     for (k, members) in shards.iter().enumerate() {
-        let mut header = serde_json::Map::new();
-        let mut offset = 0u64;
         for &i in members {
-            let s = &specs[i];
-            header.insert(
-                s.name.clone(),
-                serde_json::json!({
-                    "dtype": st_dtype_name(s.dtype),
-                    "shape": s.shape,
-                    "data_offsets": [offset, offset + s.bytes()],
-                }),
-            );
-            offset += s.bytes();
-            weight_map.insert(s.name.clone(), name_of(k));
-        }
-        header.insert(
-            "__metadata__".to_string(),
-            serde_json::json!({ "format": "pt" }),
-        );
-        let mut text = serde_json::to_string(&header).expect("plain JSON");
-        while !text.len().is_multiple_of(8) {
-            text.push(' ');
+            weight_map.insert(specs[i].name.clone(), name_of(k));
         }
         let final_path = dir.join(name_of(k));
         let tmp_path = dir.join(format!(".{}.partial", name_of(k)));
-        let file = File::create(&tmp_path).map_err(|e| file_err(&tmp_path, e))?;
-        let mut out = BufWriter::with_capacity(1 << 20, file);
-        out.write_all(&(text.len() as u64).to_le_bytes())
-            .and_then(|_| out.write_all(text.as_bytes()))
-            .map_err(|e| file_err(&tmp_path, e))?;
-        let mut buf = Vec::new();
-        for &i in members {
-            buf.resize(specs[i].bytes() as usize, 0);
-            fill(i, &mut buf)?;
-            out.write_all(&buf).map_err(|e| file_err(&tmp_path, e))?;
-        }
-        let file = out
-            .into_inner()
-            .map_err(|e| file_err(&tmp_path, e.into_error()))?;
-        file.sync_all().map_err(|e| file_err(&tmp_path, e))?;
+        write_shard(&tmp_path, specs, members, &mut fill)?;
         written.push((tmp_path, final_path));
     }
     if count > 1 {
@@ -484,15 +437,86 @@ pub fn write_safetensors(
             &tmp_path,
             serde_json::to_string_pretty(&index).expect("JSON"),
         )
-        .map_err(|e| file_err(&tmp_path, e))?;
+        .map_err(|e| file_error(&tmp_path, e))?;
         written.push((tmp_path, final_path));
     }
     let mut finals = Vec::new();
     for (tmp, fin) in written {
-        std::fs::rename(&tmp, &fin).map_err(|e| file_err(&fin, e))?;
+        std::fs::rename(&tmp, &fin).map_err(|e| file_error(&fin, e))?;
         finals.push(fin);
     }
     Ok(finals)
+}
+
+/// The tensors of each shard, in order: a shard takes tensors until the
+/// next would take it past `shard_bytes_max` (a tensor larger than that
+/// has a shard of its own).
+fn shards_of(specs: &[TensorSpec], shard_bytes_max: u64) -> Vec<Vec<usize>> {
+    let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut shard_bytes = 0u64;
+    for (i, spec) in specs.iter().enumerate() {
+        if shard_bytes > 0 && shard_bytes + spec.bytes() > shard_bytes_max {
+            shards.push(Vec::new());
+            shard_bytes = 0;
+        }
+        shards.last_mut().expect("non-empty").push(i);
+        shard_bytes += spec.bytes();
+    }
+    shards
+}
+
+/// One safetensors file at `path` holding the tensors `members` of
+/// `specs` (their bytes from `fill`), synced to the disk.
+fn write_shard(
+    path: &Path,
+    specs: &[TensorSpec],
+    members: &[usize],
+    fill: &mut impl FnMut(usize, &mut [u8]) -> Result<(), TierError>,
+) -> Result<(), TierError> {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0u64;
+    for &i in members {
+        let s = &specs[i];
+        header.insert(
+            s.name.clone(),
+            serde_json::json!({
+                "dtype": st_dtype_name(s.dtype),
+                "shape": s.shape,
+                "data_offsets": [offset, offset + s.bytes()],
+            }),
+        );
+        offset += s.bytes();
+    }
+    header.insert(
+        "__metadata__".to_string(),
+        serde_json::json!({ "format": "pt" }),
+    );
+    let mut text = serde_json::to_string(&header).expect("plain JSON");
+    while !text.len().is_multiple_of(8) {
+        text.push(' ');
+    }
+    let file = File::create(path).map_err(|e| file_error(path, e))?;
+    let mut out = BufWriter::with_capacity(1 << 20, file);
+    out.write_all(&(text.len() as u64).to_le_bytes())
+        .and_then(|_| out.write_all(text.as_bytes()))
+        .map_err(|e| file_error(path, e))?;
+    let mut buf = Vec::new();
+    for &i in members {
+        buf.resize(specs[i].bytes() as usize, 0);
+        fill(i, &mut buf)?;
+        out.write_all(&buf).map_err(|e| file_error(path, e))?;
+    }
+    let file = out
+        .into_inner()
+        .map_err(|e| file_error(path, e.into_error()))?;
+    file.sync_all().map_err(|e| file_error(path, e))
+}
+
+fn file_error(path: &Path, e: std::io::Error) -> TierError {
+    TierError::File {
+        path: path.to_path_buf(),
+        source: e,
+    }
 }
 
 /// The expert tensors of a store, named for `naming`, in `dtype`.
