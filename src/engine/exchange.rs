@@ -39,6 +39,16 @@ struct LayerPlan {
     owner: Vec<u16>,
 }
 
+/// How every device's or rank's exchange runner splits and prices a
+/// step's exchange (the fields of [`ExchangeRunner`] of the same names).
+#[derive(Clone)]
+pub(crate) struct ExchangeTuning {
+    pub parts: ExchangeParts,
+    pub link_fit: Option<LinkFit>,
+    pub auto_counts: Vec<[usize; 2]>,
+    pub local_s_per_expert: [f64; 2],
+}
+
 pub(crate) struct ExchangeRunner<'a, C: Comm> {
     pub inner: DeviceRunner<'a>,
     pub comm: C,
@@ -92,6 +102,15 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             auto_counts: Vec::new(),
             local_s_per_expert: [0.0; 2],
         }
+    }
+
+    /// This runner with the step's `tuning`.
+    pub fn tuned(mut self, tuning: ExchangeTuning) -> Self {
+        self.parts = tuning.parts;
+        self.link_fit = tuning.link_fit;
+        self.auto_counts = tuning.auto_counts;
+        self.local_s_per_expert = tuning.local_s_per_expert;
+        self
     }
 
     fn me(&self) -> u16 {

@@ -86,10 +86,7 @@ impl Engine {
         let cost = self.cost;
         let link = self.config.link;
         let bucket_bytes = self.config.dense_bucket_bytes;
-        let exchange_parts = self.config.exchange_parts;
-        let link_fit = self.link_fit;
-        let local_s_per_expert = self.exchange_local;
-        let auto_counts = self.auto_counts();
+        let tuning = self.exchange_tuning();
         let condense = step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         for i in self.dense_reducers.len()..n {
             let name = format!("strata-dense-reduce-{i}");
@@ -108,7 +105,7 @@ impl Engine {
         let (model, shared, dense) = (&*model, &*shared, &dense[..]);
         let pinned = &pinned[..];
         let parts = &parts[..];
-        let auto_counts = &auto_counts;
+        let tuning = &tuning;
         // Devices as many as the compute threads or more already keep
         // every thread busy: each computes on its own thread alone, as a
         // split of its GEMMs would only queue pieces for threads busy
@@ -130,11 +127,8 @@ impl Engine {
                 move || {
                     let share = || {
                         let inner = DeviceRunner::new(model, shared, dev, options);
-                        let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None);
-                        runner.parts = exchange_parts;
-                        runner.link_fit = link_fit;
-                        runner.local_s_per_expert = local_s_per_expert;
-                        runner.auto_counts = auto_counts.clone();
+                        let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, None)
+                            .tuned(tuning.clone());
                         let share = Share {
                             net,
                             parts: &parts[rank * m..(rank + 1) * m],

@@ -3,7 +3,7 @@
 //! search for each layer's part count (`part_search.rs`), advanced after
 //! every step from times every device and rank agree on.
 
-use super::exchange::{calibrate, local_cost, LinkFit};
+use super::exchange::{calibrate, local_cost, ExchangeTuning, LinkFit};
 use super::{Engine, StepMetrics};
 use crate::comm::{Comm, InProcessComm, ModeledLink};
 use crate::EngineError;
@@ -39,6 +39,16 @@ impl Engine {
         };
         self.link_fit = Some(fit);
         Ok(Some(fit))
+    }
+
+    /// How this step's exchange runners split and price the exchange.
+    pub(super) fn exchange_tuning(&self) -> ExchangeTuning {
+        ExchangeTuning {
+            parts: self.config.exchange_parts,
+            link_fit: self.link_fit,
+            auto_counts: self.auto_counts(),
+            local_s_per_expert: self.exchange_local,
+        }
     }
 
     /// `ExchangeParts::Auto`: [layer][forward, backward] the part counts

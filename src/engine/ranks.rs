@@ -258,10 +258,7 @@ impl Engine {
     ) -> T {
         let options = self.pass_options();
         let cost = self.cost;
-        let exchange_parts = self.config.exchange_parts;
-        let link_fit = self.link_fit;
-        let local_s_per_expert = self.exchange_local;
-        let auto_counts = self.auto_counts();
+        let tuning = self.exchange_tuning();
         let condense = step_condense(&self.config, self.signatures.as_ref(), self.condense_losses);
         let Engine {
             model,
@@ -275,11 +272,8 @@ impl Engine {
         let ranks = ranks.as_mut().expect("joined");
         let inner = DeviceRunner::new(model, shared, &mut devices[0], options);
         let comm = ModeledLink::new(&mut *ranks.comm as &mut dyn Comm, link);
-        let mut runner = ExchangeRunner::new(inner, comm, cost, pinned, Some(&ranks.owners));
-        runner.parts = exchange_parts;
-        runner.link_fit = link_fit;
-        runner.local_s_per_expert = local_s_per_expert;
-        runner.auto_counts = auto_counts;
+        let mut runner =
+            ExchangeRunner::new(inner, comm, cost, pinned, Some(&ranks.owners)).tuned(tuning);
         f(&mut runner, dense, &*dense_kernels[0], condense)
     }
 }
