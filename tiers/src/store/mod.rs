@@ -191,7 +191,6 @@ impl ExpertStore {
         requests: &mut [(ExpertId, Parts, &mut [u8])],
         located: &[MapEntry],
     ) -> Result<(), TierError> {
-        let mut steps = Vec::with_capacity(requests.len());
         let mut offsets = Vec::with_capacity(requests.len());
         for ((expert, parts, buf), entry) in requests.iter().zip(located) {
             let slot = self.layout.slot_of(*expert)?;
@@ -203,7 +202,6 @@ impl ExpertStore {
                     got: buf.len(),
                 });
             }
-            steps.push(entry.step);
             offsets.push(self.layout.record_offset(slot, entry.copy));
         }
         // Each read is split into chunks, and each chunk checked on a
@@ -216,8 +214,9 @@ impl ExpertStore {
         // Per op (chunk): the read it belongs to.
         let mut owner = Vec::new();
         let mut ops: Vec<ReadOp<'_>> = Vec::new();
-        for (r, ((expert, parts, buf), &offset)) in requests.iter_mut().zip(&offsets).enumerate() {
-            checks.push(PartsCheck::new(&self.layout, *expert, *parts, steps[r]));
+        let reads = requests.iter_mut().zip(&offsets).zip(located);
+        for (r, (((expert, parts, buf), &offset), entry)) in reads.enumerate() {
+            checks.push(PartsCheck::new(&self.layout, *expert, *parts, entry.step));
             let range = parts.range(&self.layout);
             let mut at = offset + range.start as u64;
             for chunk in buf[..range.len()].chunks_mut(READ_CHUNK_BYTES) {
@@ -231,43 +230,7 @@ impl ExpertStore {
             }
         }
         self.check_latch()?;
-        let (result, verify_error) = if ops.len() < 2 {
-            // At most one read, in one chunk.
-            let mut verify_error = None;
-            let mut checks = checks.into_iter();
-            let _in_flight = self.in_flight();
-            let result = self.device.read_batch_each(&mut ops, &mut |_, bytes| {
-                let mut check = checks.next().expect("a check per read");
-                check.feed(bytes);
-                verify_error = check.finish().err();
-                Ok(())
-            });
-            (result, verify_error)
-        } else {
-            std::thread::scope(|scope| {
-                let (tx, rx) = crossbeam_channel::bounded::<(usize, &[u8])>(ops.len());
-                let owner = &owner;
-                let verifier = scope.spawn(move || {
-                    let mut verifier = ChunkVerifier::new(checks, owner);
-                    for (i, bytes) in rx.iter() {
-                        verifier.arrived(i, bytes);
-                    }
-                    verifier.into_error()
-                });
-                let in_flight = self.in_flight();
-                let result = self.device.read_batch_each(&mut ops, &mut |i, bytes| {
-                    // The channel holds every op, so this never blocks.
-                    let _ = tx.send((i, bytes));
-                    Ok(())
-                });
-                drop(in_flight);
-                drop(tx);
-                let verify_error = verifier.join().unwrap_or_else(|panic| {
-                    std::panic::resume_unwind(panic);
-                });
-                (result, verify_error)
-            })
-        };
+        let (result, verify_error) = self.read_verifying(&mut ops, checks, &owner);
         if let Err(e) = result {
             lock(&self.latch).get_or_insert(("read", e.to_string()));
             return Err(e);
@@ -276,6 +239,53 @@ impl ExpertStore {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Runs `ops` (chunks of reads, `owner[i]` the read of chunk i) as one
+    /// batch, each read checked by its `checks` as its chunks arrive (on a
+    /// verifier thread where there are several chunks): the batch's
+    /// result, and the first check that failed.
+    fn read_verifying(
+        &self,
+        ops: &mut [ReadOp<'_>],
+        checks: Vec<PartsCheck>,
+        owner: &[usize],
+    ) -> (Result<(), TierError>, Option<TierError>) {
+        if ops.len() < 2 {
+            // At most one read, in one chunk.
+            let mut verify_error = None;
+            let mut checks = checks.into_iter();
+            let _in_flight = self.in_flight();
+            let result = self.device.read_batch_each(ops, &mut |_, bytes| {
+                let mut check = checks.next().expect("a check per read");
+                check.feed(bytes);
+                verify_error = check.finish().err();
+                Ok(())
+            });
+            return (result, verify_error);
+        }
+        std::thread::scope(|scope| {
+            let (tx, rx) = crossbeam_channel::bounded::<(usize, &[u8])>(ops.len());
+            let verifier = scope.spawn(move || {
+                let mut verifier = ChunkVerifier::new(checks, owner);
+                for (i, bytes) in rx.iter() {
+                    verifier.arrived(i, bytes);
+                }
+                verifier.into_error()
+            });
+            let in_flight = self.in_flight();
+            let result = self.device.read_batch_each(ops, &mut |i, bytes| {
+                // The channel holds every op, so this never blocks.
+                let _ = tx.send((i, bytes));
+                Ok(())
+            });
+            drop(in_flight);
+            drop(tx);
+            let verify_error = verifier.join().unwrap_or_else(|panic| {
+                std::panic::resume_unwind(panic);
+            });
+            (result, verify_error)
+        })
     }
 
     /// Reads one expert's parts into `buf`; returns its record step.
