@@ -399,9 +399,47 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
         for &(_, slot_index) in &pending {
             shared.slots[slot_index].lock().released = true;
         }
+        let (norm_sq, failure) = self.wait_for_norms(&pending)?;
+        let global_norm = norm_sq.sqrt();
+        let skip = failure.is_some() || (skip_nonfinite && !global_norm.is_finite());
+        let grad_scale = match clip_max_norm {
+            Some(max) => {
+                let coef = max as f64 / (global_norm + 1e-6);
+                if coef < 1.0 {
+                    coef as f32
+                } else {
+                    1.0
+                }
+            }
+            None => 1.0,
+        };
+        let release = match (skip, &failure) {
+            (false, _) => Release::Scaled(grad_scale),
+            (true, cause) => Release::Skipped(cause.as_ref()),
+        };
+        self.release_norms(&pending, release)?;
+        if let Some(cause) = failure {
+            return Err(cause);
+        }
+        Ok(GradientSummary {
+            experts: pending.len(),
+            global_norm,
+            grad_scale,
+            skipped: skip,
+        })
+    }
+
+    /// Waits for the norm of each of `pending`'s gradients (a bounded
+    /// wait, which learns if a worker died): the sum of their squares, in
+    /// `pending`'s order, and the first error a norm ended on.
+    fn wait_for_norms(
+        &self,
+        pending: &[(ExpertId, usize)],
+    ) -> Result<(f64, Option<OptimError>), OptimError> {
+        let shared = &*self.shared;
         let mut norm_sq = 0.0f64;
         let mut failure: Option<OptimError> = None;
-        for &(_, slot_index) in &pending {
+        for &(_, slot_index) in pending {
             let slot = &shared.slots[slot_index];
             let mut state = slot.lock();
             while matches!(state.phase, Phase::NormQueued | Phase::NormRunning) {
@@ -422,37 +460,39 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
                 norm_sq += state.norm_sq;
             }
         }
-        let global_norm = norm_sq.sqrt();
-        let skip = failure.is_some() || (skip_nonfinite && !global_norm.is_finite());
-        let grad_scale = match clip_max_norm {
-            Some(max) => {
-                let coef = max as f64 / (global_norm + 1e-6);
-                if coef < 1.0 {
-                    coef as f32
-                } else {
-                    1.0
-                }
-            }
-            None => 1.0,
-        };
-        for &(key, slot_index) in &pending {
+        Ok((norm_sq, failure))
+    }
+
+    /// Releases each of `pending`'s updates whose norm is ready: queued
+    /// with its gradient scaled, or finished without an update (with
+    /// the cause, if a norm failed).
+    fn release_norms(
+        &self,
+        pending: &[(ExpertId, usize)],
+        release: Release<'_>,
+    ) -> Result<(), OptimError> {
+        let shared = &*self.shared;
+        for &(key, slot_index) in pending {
             let slot = &shared.slots[slot_index];
             let mut state = slot.lock();
             if state.phase != Phase::NormReady {
                 continue; // failed during its norm; its error is in place
             }
-            if skip {
-                if let Some(cause) = &failure {
-                    state.error = Some(OptimError::Expert {
-                        key,
-                        source: Box::new(cause.clone()),
-                    });
+            let grad_scale = match release {
+                Release::Scaled(scale) => scale,
+                Release::Skipped(cause) => {
+                    if let Some(cause) = cause {
+                        state.error = Some(OptimError::Expert {
+                            key,
+                            source: Box::new(cause.clone()),
+                        });
+                    }
+                    state.skipped = true;
+                    state.finish();
+                    state.notify();
+                    continue;
                 }
-                state.skipped = true;
-                state.finish();
-                state.notify();
-                continue;
-            }
+            };
             state.grad_scale = grad_scale;
             state.phase = Phase::Queued;
             state.submitted_at = Instant::now();
@@ -462,15 +502,7 @@ impl<T: UpdateTarget> ExpertOptimizer<T> {
                 .send(Task::Start { slot: slot_index })
                 .map_err(|_| OptimError::ShutDown)?;
         }
-        if let Some(cause) = failure {
-            return Err(cause);
-        }
-        Ok(GradientSummary {
-            experts: pending.len(),
-            global_norm,
-            grad_scale,
-            skipped: skip,
-        })
+        Ok(())
     }
 
     /// Stops the threads after the queued work and reports a worker panic.
@@ -508,4 +540,15 @@ fn nanos_between(from: Instant, to: Option<Instant>) -> u64 {
 
 fn lock<V>(m: &Mutex<V>) -> std::sync::MutexGuard<'_, V> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What [`OptimizerPool::finish_gradients`] does with the updates whose
+/// norms are in.
+#[derive(Clone, Copy)]
+enum Release<'a> {
+    /// Each queued with its gradient scaled by this.
+    Scaled(f32),
+    /// Each finished without an update, with the norm's error if one
+    /// failed.
+    Skipped(Option<&'a OptimError>),
 }
