@@ -132,6 +132,14 @@ impl Engine {
             )));
         }
         Self::check_ranks(config)?;
+        Self::check_host_slots(model, config)?;
+        Self::check_step_options(config)?;
+        let layout = Self::layout(model, config);
+        HostMemoryPlan::of(&layout, config).check(host_memory_available().as_ref())
+    }
+
+    /// The host tier's slots: enough of them stream records.
+    fn check_host_slots(model: &ModelConfig, config: &EngineConfig) -> Result<(), EngineError> {
         if let Some(n) = config
             .host_stream_slots
             .filter(|&n| n < MIN_HOST_STREAM_SLOTS)
@@ -153,6 +161,12 @@ impl Engine {
                  them: split fewer slots into compute cells or raise host_budget_bytes"
             )));
         }
+        Ok(())
+    }
+
+    /// Clipping, condensation, pinning and a modeled device: each in
+    /// range, and none with an option it does not combine with.
+    fn check_step_options(config: &EngineConfig) -> Result<(), EngineError> {
         if let Some(max) = config.clip_grad_norm {
             if !(max.is_finite() && max > 0.0) {
                 return Err(EngineError::Config(format!(
@@ -200,7 +214,7 @@ impl Engine {
                 )));
             }
         }
-        HostMemoryPlan::of(&layout, config).check(host_memory_available().as_ref())
+        Ok(())
     }
 
     /// What ranks as processes do not yet combine with.
