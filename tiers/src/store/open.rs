@@ -95,25 +95,12 @@ impl ExpertStore {
         expected: Option<Layout>,
     ) -> Result<Self, TierError> {
         let len = device.len_bytes()?;
-        if len < 2 * BLOCK_BYTES as u64 {
-            return Err(TierError::NotAStore(format!(
-                "the file is {len} bytes, smaller than a superblock pair"
-            )));
-        }
-        let mut blocks = AlignedBuf::zeroed(2 * BLOCK_BYTES);
-        device.read_at(blocks.as_mut_slice(), 0)?;
-        let b = blocks.as_slice();
-        let magic_ok = |x: &[u8]| x[..8] == crate::format::SUPERBLOCK_MAGIC;
-        if !magic_ok(&b[..BLOCK_BYTES]) && !magic_ok(&b[BLOCK_BYTES..]) {
-            return Err(TierError::NotAStore(
-                "no strata superblock (wrong magic); is this a store file?".to_string(),
-            ));
-        }
+        let blocks = superblock_pair(&*device, len)?;
         let Candidates {
             intact: candidates,
             newest,
             mut notes,
-        } = superblock_candidates(b)?;
+        } = superblock_candidates(blocks.as_slice())?;
         for sb in candidates {
             let layout = sb.layout;
             if len < layout.file_bytes() {
@@ -177,6 +164,26 @@ impl ExpertStore {
             "neither superblock is intact with an intact copy map",
         ))
     }
+}
+
+/// The superblock pair at the start of a store `len` bytes long on
+/// `device`, refused unless one of the two has the store's magic.
+fn superblock_pair(device: &dyn RecordDevice, len: u64) -> Result<AlignedBuf, TierError> {
+    if len < 2 * BLOCK_BYTES as u64 {
+        return Err(TierError::NotAStore(format!(
+            "the file is {len} bytes, smaller than a superblock pair"
+        )));
+    }
+    let mut blocks = AlignedBuf::zeroed(2 * BLOCK_BYTES);
+    device.read_at(blocks.as_mut_slice(), 0)?;
+    let b = blocks.as_slice();
+    let magic_ok = |x: &[u8]| x[..8] == crate::format::SUPERBLOCK_MAGIC;
+    if !magic_ok(&b[..BLOCK_BYTES]) && !magic_ok(&b[BLOCK_BYTES..]) {
+        return Err(TierError::NotAStore(
+            "no strata superblock (wrong magic); is this a store file?".to_string(),
+        ));
+    }
+    Ok(blocks)
 }
 
 /// The intact superblocks of the pair `b` (A, then B), newest first; the
