@@ -110,11 +110,19 @@ impl Shape {
 /// Runs the bench; `progress` hears a line a repetition.
 pub fn run(
     config: &KernelsBenchConfig,
-    mut progress: impl FnMut(String),
+    progress: impl FnMut(String),
 ) -> Result<Vec<KernelsBenchRecord>, String> {
     if config.tokens == 0 {
         return Err("--tokens must be at least 1".into());
     }
+    let shapes = shapes_of(config)?;
+    let measured = measure(config, &shapes, progress);
+    Ok(records(config, &shapes, measured))
+}
+
+/// Every shape the bench times: each preset's expert GEMM, FFN forward and
+/// FFN backward, in f32 and in bf16.
+fn shapes_of(config: &KernelsBenchConfig) -> Result<Vec<Shape>, String> {
     let mut shapes = Vec::new();
     for name in &config.presets {
         // The language model's experts are SwiGLU.
@@ -134,6 +142,25 @@ pub fn run(
             });
         }
     }
+    Ok(shapes)
+}
+
+/// What the repetitions measured: the peaks (FLOP/s; `None` where the
+/// CPU lacks the instruction) and each shape's times.
+struct Measured {
+    peak: Option<f64>,
+    bf16_peak: Option<f64>,
+    amx_peak: Option<f64>,
+    times: Vec<Vec<Duration>>,
+}
+
+/// One warm-up and `config.steps` repetitions, each timing the peaks and
+/// then every shape, so that a tenant's load touches both alike.
+fn measure(
+    config: &KernelsBenchConfig,
+    shapes: &[Shape],
+    mut progress: impl FnMut(String),
+) -> Measured {
     let threads = strata::compute_threads();
     let (mut peak, mut bf16_peak, mut amx_peak) = (Vec::new(), Vec::new(), Vec::new());
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); shapes.len()];
@@ -156,9 +183,28 @@ pub fn run(
     }
     // Every repetition's peak is a lower bound of the machine's (another
     // tenant's work only lowers it): the highest is kept.
-    let peak = peak.into_iter().reduce(f64::max);
-    let bf16_peak = bf16_peak.into_iter().reduce(f64::max);
-    let amx_peak = amx_peak.into_iter().reduce(f64::max);
+    Measured {
+        peak: peak.into_iter().reduce(f64::max),
+        bf16_peak: bf16_peak.into_iter().reduce(f64::max),
+        amx_peak: amx_peak.into_iter().reduce(f64::max),
+        times,
+    }
+}
+
+/// The bench's records: the peaks, then each shape's median time and its
+/// share of the peak its products run at.
+fn records(
+    config: &KernelsBenchConfig,
+    shapes: &[Shape],
+    measured: Measured,
+) -> Vec<KernelsBenchRecord> {
+    let Measured {
+        peak,
+        bf16_peak,
+        amx_peak,
+        times,
+    } = measured;
+    let threads = strata::compute_threads();
     let kernel = Bf16Kernel::in_use();
     let kernel_peak = match kernel {
         Bf16Kernel::Amx => amx_peak,
@@ -186,33 +232,15 @@ pub fn run(
         }
     };
     let secs = config.peak_time.as_secs_f64();
+    let peak_record = |what, peak: Option<f64>| {
+        record(what, peak, None, (0, 0, 0), secs, peak.unwrap_or(0.0) / 1e9)
+    };
     let mut records = vec![
-        record(
-            "fma_peak",
-            peak,
-            None,
-            (0, 0, 0),
-            secs,
-            peak.unwrap_or(0.0) / 1e9,
-        ),
-        record(
-            "bf16_peak",
-            bf16_peak,
-            None,
-            (0, 0, 0),
-            secs,
-            bf16_peak.unwrap_or(0.0) / 1e9,
-        ),
+        peak_record("fma_peak", peak),
+        peak_record("bf16_peak", bf16_peak),
     ];
-    if let Some(amx) = amx_peak {
-        records.push(record(
-            "amx_peak",
-            amx_peak,
-            None,
-            (0, 0, 0),
-            secs,
-            amx / 1e9,
-        ));
+    if amx_peak.is_some() {
+        records.push(peak_record("amx_peak", amx_peak));
     }
     for (shape, t) in shapes.iter().zip(times) {
         let s = median(t.iter().map(Duration::as_secs_f64).collect());
@@ -229,7 +257,7 @@ pub fn run(
             gflop,
         ));
     }
-    Ok(records)
+    records
 }
 
 /// The time of one call of `shape`: calls repeated for at least
