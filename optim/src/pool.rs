@@ -542,7 +542,7 @@ fn lock<V>(m: &Mutex<V>) -> std::sync::MutexGuard<'_, V> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// What [`OptimizerPool::finish_gradients`] does with the updates whose
+/// What [`ExpertOptimizer::finish_gradients`] does with the updates whose
 /// norms are in.
 #[derive(Clone, Copy)]
 enum Release<'a> {

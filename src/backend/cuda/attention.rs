@@ -2,12 +2,14 @@
 //! (batched GEMMs over every (sequence, head)), the masked softmax and its
 //! backward in `kernels.cu`, a block of query rows at a time.
 //!
-//! The GEMMs read what the backend's [`DenseGemm`](crate::backend::DenseGemm) says, as the dense
-//! layers' do: bf16 (the default) rounds q, k, v and d out head by head,
-//! and each block's probabilities and d scores, to bf16 before they enter
-//! a product, which accumulates into f32 scores, outputs and gradients;
-//! the softmax and its backward read and write f32 (flash attention's
-//! choice). f32 reads every operand unrounded.
+//! The GEMMs read what the backend's
+//! [`DenseGemm`](crate::backend::DenseGemm) says, as the dense layers' do:
+//! bf16 (the default) rounds q, k, v and d out head by head, and each
+//! block's probabilities and d scores, to bf16 before they enter a
+//! product, which accumulates into f32 scores, outputs and gradients; the
+//! softmax and its backward read and write f32 (flash attention's choice).
+//! f32 reads every operand unrounded. The GEMMs' operands and the
+//! strided-batched GEMM are in `attention_operands.rs`.
 //!
 //! q, k and v are first laid out head by head (`attn_to_heads`; a kv head
 //! copied to each query head of its group), so that every head's (S × hd)
