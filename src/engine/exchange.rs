@@ -40,13 +40,33 @@ struct LayerPlan {
 }
 
 /// How every device's or rank's exchange runner splits and prices a
-/// step's exchange (the fields of [`ExchangeRunner`] of the same names).
+/// step's exchange.
 #[derive(Clone)]
 pub(crate) struct ExchangeTuning {
+    /// How each layer's exchange is split into parts, each on the wire
+    /// while the experts of another compute (`pipelined`).
     pub parts: ExchangeParts,
+    /// The link's fitted cost (`granularity`): with it each layer's
+    /// predicted time is counted.
     pub link_fit: Option<LinkFit>,
+    /// `ExchangeParts::Auto`: [layer][forward, backward] the parts the
+    /// search (`part_search.rs`) asks for this step.
     pub auto_counts: Vec<[usize; 2]>,
+    /// The exchange's own work per expert, [forward, backward], as the
+    /// model counts it (`granularity::local_cost`).
     pub local_s_per_expert: [f64; 2],
+}
+
+impl Default for ExchangeTuning {
+    /// One part a layer, nothing modeled.
+    fn default() -> Self {
+        Self {
+            parts: ExchangeParts::Fixed(1),
+            link_fit: None,
+            auto_counts: Vec::new(),
+            local_s_per_expert: [0.0; 2],
+        }
+    }
 }
 
 pub(crate) struct ExchangeRunner<'a, C: Comm> {
@@ -64,18 +84,8 @@ pub(crate) struct ExchangeRunner<'a, C: Comm> {
     /// Where the dense gradient's final ranges go during the backward, if
     /// they are reduced beside it.
     pub buckets: Option<DenseBuckets>,
-    /// How each layer's exchange is split into parts, each on the wire
-    /// while the experts of another compute (`pipelined`).
-    pub parts: ExchangeParts,
-    /// The link's fitted cost (`granularity`): with it each layer's
-    /// predicted time is counted.
-    pub link_fit: Option<LinkFit>,
-    /// `ExchangeParts::Auto`: [layer][forward, backward] the parts the
-    /// search (`part_search.rs`) asks for this step.
-    pub auto_counts: Vec<[usize; 2]>,
-    /// The exchange's own work per expert, [forward, backward], as the
-    /// model counts it (`granularity::local_cost`).
-    pub local_s_per_expert: [f64; 2],
+    /// How each layer's exchange is split and priced (`pipelined`).
+    tuning: ExchangeTuning,
 }
 
 impl<'a, C: Comm> ExchangeRunner<'a, C> {
@@ -97,19 +107,13 @@ impl<'a, C: Comm> ExchangeRunner<'a, C> {
             owners,
             plans: vec![LayerPlan::default(); layers],
             buckets: None,
-            parts: ExchangeParts::Fixed(1),
-            link_fit: None,
-            auto_counts: Vec::new(),
-            local_s_per_expert: [0.0; 2],
+            tuning: ExchangeTuning::default(),
         }
     }
 
     /// This runner with the step's `tuning`.
     pub fn tuned(mut self, tuning: ExchangeTuning) -> Self {
-        self.parts = tuning.parts;
-        self.link_fit = tuning.link_fit;
-        self.auto_counts = tuning.auto_counts;
-        self.local_s_per_expert = tuning.local_s_per_expert;
+        self.tuning = tuning;
         self
     }
 

@@ -49,13 +49,13 @@ impl<C: Comm> ExchangeRunner<'_, C> {
         let lists = self.compute_lists(layer, pass);
         let most = lists.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let experts = self.plans[layer].owner.len();
-        let asked = match self.parts {
+        let asked = match self.tuning.parts {
             ExchangeParts::Fixed(n) => n,
-            ExchangeParts::Auto => self.auto_counts[layer][pass_index(pass)],
+            ExchangeParts::Auto => self.tuning.auto_counts[layer][pass_index(pass)],
         };
         let count = asked.clamp(1, most);
         let of = parts_of(&lists, count, experts);
-        if let Some(fit) = self.link_fit {
+        if let Some(fit) = self.tuning.link_fit {
             let load = self.layer_load(layer, pass);
             self.inner.dev.acc.exchange_model_s += predict(&fit, &load, &of, count);
         }
@@ -86,7 +86,7 @@ impl<C: Comm> ExchangeRunner<'_, C> {
     fn layer_load(&self, layer: usize, pass: Pass) -> LayerLoad<'_> {
         let plan = &self.plans[layer];
         let d = self.inner.model.d_model;
-        let cost = (self.cost.per_token_s, self.local_s_per_expert);
+        let cost = (self.cost.per_token_s, self.tuning.local_s_per_expert);
         LayerLoad::in_pass(&plan.counts, &plan.owner, d, cost, pass)
     }
 
